@@ -1,0 +1,36 @@
+//! # qos-core — the brain of gpu-coloc
+//!
+//! Pure logic, no I/O: no files, no clocks, no threads, no `unsafe`. Everything that
+//! touches the world (NVML, `/proc`, cgroups, Kubernetes, HTTP) lives in `agent/` and
+//! `webhook/`; they feed this crate observations and carry out the actions it returns.
+//!
+//! ```text
+//!  pod annotations ──► class::classify ──┐
+//!                                        ▼
+//!  NVML samples (per process, per GPU) ─► machine::Machine::tick(now, gpus) ──► Decision
+//!                                         │                                   (suspend / resume,
+//!  share policy (resources, duty) ────────┘                                    transitions)
+//! ```
+//!
+//! - [`class`]: the `katalyst.kubewharf.io/qos_level` annotation → online/offline/system.
+//! - [`resources`]: parsing and validation of the `vke.volcengine.com/*` requests and the
+//!   compute-policy annotation, shared by the agent and the admission webhook.
+//! - [`machine`]: the per-GPU preempt/release state machine and the `fixed-share` duty cycle.
+//!
+//! Time is always an argument: a [`Nanos`] count on the same clock as NVML's sample
+//! timestamps (the agent uses wall-clock nanoseconds since the Unix epoch).
+#![forbid(unsafe_code)]
+
+pub mod class;
+pub mod machine;
+pub mod resources;
+
+pub use class::{classify, Class, Classification, QosLevel, QOS_LEVEL_ANNOTATION};
+pub use machine::{Config, Decision, GpuInput, GpuState, Machine, ProcessObs, Share, Transition};
+pub use resources::{ComputePolicy, ResourceError};
+
+/// Nanoseconds on the clock shared by NVML sample timestamps and the agent.
+pub type Nanos = u64;
+
+/// One millisecond in [`Nanos`].
+pub const MS: Nanos = 1_000_000;

@@ -1,0 +1,581 @@
+//! The per-GPU preempt/release state machine.
+//!
+//! Each tick the agent hands [`Machine::tick`] the time and, per GPU, the processes on it
+//! with their class and the timestamp of their latest observed activity. The machine
+//! returns a [`Decision`]: which processes to suspend, which to resume, and which GPUs
+//! changed state (for latency metrics and logs). It performs nothing itself.
+//!
+//! ```text
+//!               online activity observed
+//!   OfflineRunning ───────────────────────► OnlineBusy
+//!        ▲                                      │
+//!        └──────────────────────────────────────┘
+//!          no online activity for idle_window
+//! ```
+//!
+//! Rules (DESIGN.md):
+//! - only [`Class::Offline`] processes are ever suspended (the safety rule);
+//! - an offline process is suspended iff a GPU it is on is `OnlineBusy`, or its
+//!   `fixed-share` duty cycle is in its off phase;
+//! - a GPU is busy iff online activity was observed less than `idle_window` ago: at exactly
+//!   `idle_window` after the last activity it is released;
+//! - GPUs are independent; a suspended process that disappears from the input is resumed
+//!   (so that nothing stays frozen because a listing flickered).
+
+use crate::class::Class;
+use crate::Nanos;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Tunables of the state machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// How long a GPU must see no online activity before offline work is resumed.
+    pub idle_window: Nanos,
+    /// Whether processes of no known pod count as online demand (DESIGN: yes by default).
+    pub unmanaged_is_online: bool,
+    /// Period of the `fixed-share` duty cycle.
+    pub duty_period: Nanos,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            idle_window: 100 * crate::MS,
+            unmanaged_is_online: true,
+            duty_period: 100 * crate::MS,
+        }
+    }
+}
+
+/// How an offline process shares a GPU with idle time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case", tag = "policy")]
+pub enum Share {
+    /// `guaranteed-burst-share`: may use all idle time.
+    #[default]
+    Burst,
+    /// `fixed-share`: capped to `percent` of wall time by a duty cycle.
+    Fixed {
+        /// Share of wall time, 1–100.
+        percent: u32,
+    },
+}
+
+/// One process on one GPU, as observed this tick.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessObs<K> {
+    /// The caller's identity for the process (e.g. PID plus start time).
+    pub key: K,
+    /// Its class.
+    pub class: Class,
+    /// Timestamp of its latest observed GPU activity on this GPU, if any.
+    pub last_active: Option<Nanos>,
+    /// Its share policy (only meaningful for offline processes).
+    pub share: Share,
+}
+
+/// Everything observed on one GPU this tick.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInput<K> {
+    /// GPU index.
+    pub gpu: u32,
+    /// Processes present on it.
+    pub procs: Vec<ProcessObs<K>>,
+}
+
+/// The state of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum GpuState {
+    /// No online activity within the idle window: offline work runs. Online activity
+    /// observed → [`GpuState::OnlineBusy`], and every offline process here is suspended.
+    OfflineRunning,
+    /// Online activity was observed less than `idle_window` ago: offline work here is
+    /// suspended, and offline processes that appear are suspended at once. A tick at
+    /// `last_online + idle_window` or later → [`GpuState::OfflineRunning`], offline resumes.
+    OnlineBusy {
+        /// Sample timestamp of the online activity that made the GPU busy.
+        since: Nanos,
+        /// Sample timestamp of the latest online activity.
+        last_online: Nanos,
+    },
+}
+
+impl GpuState {
+    /// Short name (`offline_running` / `online_busy`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            GpuState::OfflineRunning => "offline_running",
+            GpuState::OnlineBusy { .. } => "online_busy",
+        }
+    }
+}
+
+/// Why a process is (to be) suspended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Online work is busy on this GPU.
+    OnlineBusy {
+        /// The busy GPU.
+        gpu: u32,
+    },
+    /// The `fixed-share` duty cycle is in its off phase.
+    ShareCap,
+}
+
+/// A GPU changed state this tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Transition {
+    /// `OfflineRunning` → `OnlineBusy`.
+    Preempt {
+        /// The GPU.
+        gpu: u32,
+        /// Sample timestamp of the first online activity seen (start of detection latency).
+        first_activity: Nanos,
+        /// When the machine decided (end of detection, start of actuation).
+        decided_at: Nanos,
+        /// Offline processes present on the GPU.
+        offline: usize,
+    },
+    /// `OnlineBusy` → `OfflineRunning`.
+    Release {
+        /// The GPU.
+        gpu: u32,
+        /// `last_online + idle_window`: when the release was due (start of release latency).
+        window_end: Nanos,
+        /// When the machine decided.
+        decided_at: Nanos,
+        /// How long the GPU was busy (from the first to the last online activity).
+        busy_for: Nanos,
+        /// Offline processes present on the GPU.
+        offline: usize,
+    },
+}
+
+/// What the caller should do after a tick.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision<K> {
+    /// Processes to suspend now, with the reason.
+    pub suspend: Vec<(K, Reason)>,
+    /// Processes to resume now (including suspended ones that disappeared).
+    pub resume: Vec<K>,
+    /// GPUs that changed state.
+    pub transitions: Vec<Transition>,
+}
+
+impl<K> Decision<K> {
+    /// True when there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.suspend.is_empty() && self.resume.is_empty() && self.transitions.is_empty()
+    }
+}
+
+/// The state machine over all GPUs of a node.
+#[derive(Debug, Clone)]
+pub struct Machine<K: Ord + Clone> {
+    config: Config,
+    gpus: BTreeMap<u32, GpuState>,
+    suspended: BTreeMap<K, Reason>,
+}
+
+impl<K: Ord + Clone> Machine<K> {
+    /// A machine with no GPUs seen yet and nothing suspended.
+    pub fn new(config: Config) -> Self {
+        Machine {
+            config,
+            gpus: BTreeMap::new(),
+            suspended: BTreeMap::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The state of `gpu` (GPUs never seen are `OfflineRunning`).
+    pub fn state(&self, gpu: u32) -> GpuState {
+        self.gpus
+            .get(&gpu)
+            .copied()
+            .unwrap_or(GpuState::OfflineRunning)
+    }
+
+    /// All GPUs seen in the latest tick, with their state.
+    pub fn states(&self) -> impl Iterator<Item = (u32, GpuState)> + '_ {
+        self.gpus.iter().map(|(g, s)| (*g, *s))
+    }
+
+    /// Processes the machine currently wants suspended.
+    pub fn suspended(&self) -> &BTreeMap<K, Reason> {
+        &self.suspended
+    }
+
+    /// Forgets everything suspended and returns it (for a fail-open resume of all).
+    pub fn release_all(&mut self) -> Vec<K> {
+        let keys = std::mem::take(&mut self.suspended).into_keys().collect();
+        for state in self.gpus.values_mut() {
+            *state = GpuState::OfflineRunning;
+        }
+        keys
+    }
+
+    /// Whether the `fixed-share` duty cycle lets a process with `percent` run at `now`.
+    pub fn duty_allows(&self, percent: u32, now: Nanos) -> bool {
+        if percent >= 100 || self.config.duty_period == 0 {
+            return true;
+        }
+        let period = self.config.duty_period as u128;
+        let on = period * percent as u128 / 100;
+        ((now as u128) % period) < on
+    }
+
+    /// Advances the machine to `now` with this tick's observations.
+    ///
+    /// GPUs absent from `gpus` are forgotten (their processes count as gone).
+    pub fn tick(&mut self, now: Nanos, gpus: &[GpuInput<K>]) -> Decision<K> {
+        let window = self.config.idle_window;
+        let mut transitions = Vec::new();
+        let mut desired: BTreeMap<K, Reason> = BTreeMap::new();
+        let mut seen_gpus = BTreeSet::new();
+
+        for input in gpus {
+            seen_gpus.insert(input.gpu);
+            let is_online = |p: &ProcessObs<K>| {
+                p.class
+                    .is_online_demand(self.config.unmanaged_is_online)
+            };
+            let online_times = input
+                .procs
+                .iter()
+                .filter(|p| is_online(p))
+                .filter_map(|p| p.last_active);
+            let latest_obs = online_times.clone().max();
+            let offline = input
+                .procs
+                .iter()
+                .filter(|p| p.class.is_suspendable())
+                .count();
+            let prev = self.state(input.gpu);
+            let last_online = match (prev, latest_obs) {
+                (GpuState::OnlineBusy { last_online, .. }, Some(t)) => Some(last_online.max(t)),
+                (GpuState::OnlineBusy { last_online, .. }, None) => Some(last_online),
+                (GpuState::OfflineRunning, t) => t,
+            };
+            let busy = last_online.is_some_and(|t| now.saturating_sub(t) < window);
+            let next = match (prev, busy) {
+                (GpuState::OnlineBusy { since, .. }, true) => GpuState::OnlineBusy {
+                    since,
+                    last_online: last_online.unwrap_or(since),
+                },
+                (GpuState::OfflineRunning, true) => {
+                    // The earliest online sample still inside the window started it.
+                    let first = online_times
+                        .filter(|t| now.saturating_sub(*t) < window)
+                        .min()
+                        .unwrap_or(now);
+                    transitions.push(Transition::Preempt {
+                        gpu: input.gpu,
+                        first_activity: first,
+                        decided_at: now,
+                        offline,
+                    });
+                    GpuState::OnlineBusy {
+                        since: first,
+                        last_online: last_online.unwrap_or(first),
+                    }
+                }
+                (GpuState::OnlineBusy { since, last_online }, false) => {
+                    transitions.push(Transition::Release {
+                        gpu: input.gpu,
+                        window_end: last_online.saturating_add(window),
+                        decided_at: now,
+                        busy_for: last_online.saturating_sub(since),
+                        offline,
+                    });
+                    GpuState::OfflineRunning
+                }
+                (GpuState::OfflineRunning, false) => GpuState::OfflineRunning,
+            };
+            self.gpus.insert(input.gpu, next);
+
+            for p in input.procs.iter().filter(|p| p.class.is_suspendable()) {
+                let reason = if busy {
+                    Some(Reason::OnlineBusy { gpu: input.gpu })
+                } else {
+                    match p.share {
+                        Share::Fixed { percent } if !self.duty_allows(percent, now) => {
+                            Some(Reason::ShareCap)
+                        }
+                        _ => None,
+                    }
+                };
+                if let Some(reason) = reason {
+                    // A busy GPU explains more than a share cap; keep the first busy one.
+                    desired
+                        .entry(p.key.clone())
+                        .and_modify(|r| {
+                            if *r == Reason::ShareCap {
+                                *r = reason
+                            }
+                        })
+                        .or_insert(reason);
+                }
+            }
+        }
+        self.gpus.retain(|g, _| seen_gpus.contains(g));
+
+        let suspend = desired
+            .iter()
+            .filter(|(k, _)| !self.suspended.contains_key(*k))
+            .map(|(k, r)| (k.clone(), *r))
+            .collect();
+        let resume = self
+            .suspended
+            .keys()
+            .filter(|k| !desired.contains_key(*k))
+            .cloned()
+            .collect();
+        self.suspended = desired;
+        Decision {
+            suspend,
+            resume,
+            transitions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MS;
+    use proptest::prelude::*;
+
+    fn p(key: u32, class: Class, last_active: Option<Nanos>) -> ProcessObs<u32> {
+        ProcessObs {
+            key,
+            class,
+            last_active,
+            share: Share::Burst,
+        }
+    }
+
+    fn gpu(g: u32, procs: Vec<ProcessObs<u32>>) -> GpuInput<u32> {
+        GpuInput { gpu: g, procs }
+    }
+
+    const T0: Nanos = 1_000_000 * MS;
+
+    #[test]
+    fn online_activity_suspends_offline_and_idle_window_edges() {
+        let mut m = Machine::new(Config::default());
+        let d = m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, Some(T0 - MS)), p(2, Class::Online, None)])]);
+        assert!(d.is_empty());
+        // Online activity sampled at T0+1ms, seen at T0+2ms.
+        let act = T0 + MS;
+        let d = m.tick(T0 + 2 * MS, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))])]);
+        assert_eq!(d.suspend, vec![(1, Reason::OnlineBusy { gpu: 0 })]);
+        assert_eq!(
+            d.transitions,
+            vec![Transition::Preempt { gpu: 0, first_activity: act, decided_at: T0 + 2 * MS, offline: 1 }]
+        );
+        // 99 ms after the last activity: still busy.
+        let d = m.tick(act + 99 * MS, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))])]);
+        assert!(d.is_empty(), "{d:?}");
+        assert!(matches!(m.state(0), GpuState::OnlineBusy { .. }));
+        // Exactly 100 ms: released.
+        let d = m.tick(act + 100 * MS, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))])]);
+        assert_eq!(d.resume, vec![1]);
+        assert_eq!(
+            d.transitions,
+            vec![Transition::Release { gpu: 0, window_end: act + 100 * MS, decided_at: act + 100 * MS, busy_for: 0, offline: 1 }]
+        );
+        assert_eq!(m.state(0), GpuState::OfflineRunning);
+    }
+
+    #[test]
+    fn idle_window_edges_with_custom_window() {
+        let mut m = Machine::new(Config { idle_window: 10 * MS, ..Config::default() });
+        let procs = |t| vec![gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(t))])];
+        m.tick(T0, &procs(T0));
+        assert_eq!(m.suspended().len(), 1);
+        m.tick(T0 + 10 * MS - 1, &procs(T0));
+        assert_eq!(m.suspended().len(), 1, "1 ns before the window ends");
+        m.tick(T0 + 10 * MS, &procs(T0));
+        assert!(m.suspended().is_empty(), "at the window's end");
+    }
+
+    #[test]
+    fn offline_appearing_while_busy_is_suspended_at_once() {
+        let mut m = Machine::new(Config::default());
+        m.tick(T0, &[gpu(0, vec![p(2, Class::Online, Some(T0))])]);
+        let d = m.tick(T0 + MS, &[gpu(0, vec![p(2, Class::Online, Some(T0)), p(7, Class::Offline, None)])]);
+        assert_eq!(d.suspend, vec![(7, Reason::OnlineBusy { gpu: 0 })]);
+        assert!(d.transitions.is_empty());
+    }
+
+    #[test]
+    fn gpus_are_independent() {
+        let mut m = Machine::new(Config::default());
+        let d = m.tick(
+            T0,
+            &[
+                gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))]),
+                gpu(1, vec![p(3, Class::Offline, None)]),
+            ],
+        );
+        assert_eq!(d.suspend, vec![(1, Reason::OnlineBusy { gpu: 0 })]);
+        assert_eq!(m.state(1), GpuState::OfflineRunning);
+    }
+
+    #[test]
+    fn system_offline_activity_never_makes_busy_and_unmanaged_is_configurable() {
+        let mut m = Machine::new(Config::default());
+        let d = m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, Some(T0)), p(2, Class::System, Some(T0))])]);
+        assert!(d.is_empty());
+        let d = m.tick(T0 + MS, &[gpu(0, vec![p(1, Class::Offline, None), p(3, Class::Unmanaged, Some(T0))])]);
+        assert_eq!(d.suspend.len(), 1);
+        let mut m = Machine::new(Config { unmanaged_is_online: false, ..Config::default() });
+        let d = m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(3, Class::Unmanaged, Some(T0))])]);
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn online_process_exit_keeps_window() {
+        let mut m = Machine::new(Config::default());
+        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        // The online process is gone, but it was active 50 ms ago: stay busy.
+        let d = m.tick(T0 + 50 * MS, &[gpu(0, vec![p(1, Class::Offline, None)])]);
+        assert!(d.is_empty());
+        let d = m.tick(T0 + 100 * MS, &[gpu(0, vec![p(1, Class::Offline, None)])]);
+        assert_eq!(d.resume, vec![1]);
+    }
+
+    #[test]
+    fn disappeared_suspended_process_is_resumed() {
+        let mut m = Machine::new(Config::default());
+        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        let d = m.tick(T0 + MS, &[gpu(0, vec![p(2, Class::Online, Some(T0))])]);
+        assert_eq!(d.resume, vec![1]);
+        assert!(m.suspended().is_empty());
+    }
+
+    #[test]
+    fn reclassified_offline_to_online_is_resumed() {
+        let mut m = Machine::new(Config::default());
+        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        let d = m.tick(T0 + MS, &[gpu(0, vec![p(1, Class::Online, None), p(2, Class::Online, Some(T0))])]);
+        assert_eq!(d.resume, vec![1]);
+    }
+
+    #[test]
+    fn fixed_share_duty_cycle() {
+        let mut m = Machine::new(Config { duty_period: 100 * MS, ..Config::default() });
+        let fixed = |t| {
+            vec![gpu(0, vec![ProcessObs { key: 1, class: Class::Offline, last_active: None, share: Share::Fixed { percent: 30 } }, p(2, Class::Offline, None)])]
+            .into_iter()
+            .map(|g| (t, g))
+            .collect::<Vec<_>>()
+        };
+        let base = 1_000 * 100 * MS; // a period boundary
+        let mut suspended_ms = 0;
+        for ms in 0..1000u64 {
+            let (t, g) = fixed(base + ms * MS).pop().unwrap();
+            m.tick(t, &[g]);
+            if m.suspended().contains_key(&1) {
+                suspended_ms += 1;
+                assert_eq!(m.suspended()[&1], Reason::ShareCap);
+            }
+            assert!(!m.suspended().contains_key(&2), "burst share is never capped");
+        }
+        assert_eq!(suspended_ms, 700, "30 % share runs 30 ms of every 100 ms");
+        assert!(m.duty_allows(100, base + 99 * MS));
+    }
+
+    #[test]
+    fn release_all_forgets() {
+        let mut m = Machine::new(Config::default());
+        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        assert_eq!(m.release_all(), vec![1]);
+        assert!(m.suspended().is_empty());
+        assert_eq!(m.state(0), GpuState::OfflineRunning);
+    }
+
+    fn class_strategy() -> impl Strategy<Value = Class> {
+        prop_oneof![
+            Just(Class::Online),
+            Just(Class::OnlineExclusive),
+            Just(Class::Offline),
+            Just(Class::System),
+            Just(Class::Unmanaged),
+        ]
+    }
+
+    proptest! {
+        /// Over random histories: only offline processes are ever suspended, and an
+        /// offline process on GPU g is suspended iff online activity on g was observed
+        /// less than the idle window ago.
+        #[test]
+        fn invariants(
+            steps in prop::collection::vec(
+                (1u64..60, prop::collection::vec((0u32..3, 0u32..6, class_strategy(), prop::option::of(0u64..150)), 0..8)),
+                1..40),
+            window_ms in 1u64..120,
+            unmanaged_is_online in any::<bool>(),
+        ) {
+            let config = Config { idle_window: window_ms * MS, unmanaged_is_online, ..Config::default() };
+            let mut m: Machine<(u32, u32)> = Machine::new(config);
+            let mut now = T0;
+            // Model: latest online activity seen per GPU.
+            let mut last_online: BTreeMap<u32, Nanos> = BTreeMap::new();
+            let mut suspended_model: BTreeSet<(u32, u32)> = BTreeSet::new();
+            for (advance_ms, procs) in steps {
+                now += advance_ms * MS;
+                let mut inputs: BTreeMap<u32, Vec<ProcessObs<(u32, u32)>>> = (0..3).map(|g| (g, vec![])).collect();
+                let mut classes = BTreeMap::new();
+                for (g, id, class, ago) in procs {
+                    // Keys are unique per GPU (a process on one GPU).
+                    let key = (g, id);
+                    if classes.contains_key(&key) { continue; }
+                    classes.insert(key, class);
+                    let last_active = ago.map(|a| now - a * MS);
+                    if class.is_online_demand(unmanaged_is_online) {
+                        if let Some(t) = last_active {
+                            let e = last_online.entry(g).or_insert(t);
+                            *e = (*e).max(t);
+                        }
+                    }
+                    inputs.get_mut(&g).unwrap().push(ProcessObs { key, class, last_active, share: Share::Burst });
+                }
+                let inputs: Vec<_> = inputs.into_iter().map(|(gpu, procs)| GpuInput { gpu, procs }).collect();
+                let d = m.tick(now, &inputs);
+                for (k, _) in &d.suspend {
+                    prop_assert_eq!(classes.get(k), Some(&Class::Offline));
+                    prop_assert!(suspended_model.insert(*k), "suspended twice");
+                }
+                for k in &d.resume {
+                    prop_assert!(suspended_model.remove(k), "resumed something not suspended");
+                }
+                for (k, class) in &classes {
+                    let busy = last_online.get(&k.0).is_some_and(|t| now - t < window_ms * MS);
+                    let want = *class == Class::Offline && busy;
+                    prop_assert_eq!(m.suspended().contains_key(k), want, "{:?} {:?} busy={}", k, class, busy);
+                }
+                // Nothing absent from this tick stays suspended.
+                for k in m.suspended().keys() {
+                    prop_assert!(classes.contains_key(k));
+                }
+                prop_assert_eq!(m.suspended().keys().copied().collect::<BTreeSet<_>>(), suspended_model.clone());
+                // A busy GPU's state agrees.
+                for g in 0..3 {
+                    let busy = last_online.get(&g).is_some_and(|t| now - t < window_ms * MS);
+                    prop_assert_eq!(matches!(m.state(g), GpuState::OnlineBusy { .. }), busy);
+                    if !busy { last_online.remove(&g); }
+                }
+            }
+        }
+    }
+}
