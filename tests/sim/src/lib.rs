@@ -1,1 +1,552 @@
+//! # coloc-sim — a simulated GPU for tests, demos and benchmarks
+//!
+//! Only the GPU is simulated; processes, signals and cgroups stay real. The simulated
+//! GPUs live in a small shared-memory file (`COLOC_SIM_STATE`, usually under `/dev/shm`):
+//!
+//! ```text
+//!  workload process ──submit work (ns)──►┐            ┌──► fake NVML (libfake_nvml.so, in the agent)
+//!  (coloc-sim online/offline)            │  shm file  │     reads process list + samples
+//!         ▲  wait: futex on its slot     ├────────────┤
+//!         └───────────────────────────── │ GPU daemon │ (coloc-sim gpu): processor sharing,
+//!                                        └────────────┘  per-period utilisation samples
+//! ```
+//!
+//! - Each workload claims a [`Slot`] and submits GPU work as nanoseconds of exclusive GPU
+//!   time. Only the daemon advances the model, so a workload stopped by SIGSTOP or a
+//!   freezer can never hold a lock that others wait on: there are no locks, only atomics
+//!   with a single writer per field.
+//! - The daemon shares each GPU equally among the slots with outstanding work (two busy
+//!   processes each run at half speed) and keeps running work a stopped process queued
+//!   before it stopped (its *drain*), as a real GPU does.
+//! - Every `sample_period` the daemon records, for each process that was active in that
+//!   period, a sample `(timestamp µs, sm %)`, as the NVIDIA driver does; the fake NVML
+//!   library serves them through `nvmlDeviceGetProcessUtilization`.
+//!
+//! Clock: `CLOCK_REALTIME` nanoseconds, as NVML's timestamps are wall-clock microseconds.
 
+use anyhow::{bail, Context, Result};
+use memmap2::MmapMut;
+use std::fs::OpenOptions;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
+
+/// Environment variable naming the state file.
+pub const STATE_ENV: &str = "COLOC_SIM_STATE";
+/// Identifies a state file of this layout.
+pub const MAGIC: u64 = 0x434f_4c4f_4353_4d32; // "COLOCSM2"
+/// Most processes on all simulated GPUs together.
+pub const MAX_SLOTS: usize = 512;
+/// Most simulated GPUs.
+pub const MAX_GPUS: u32 = 16;
+/// Samples kept per process.
+pub const RING: usize = 64;
+
+const SLOT_FREE: u32 = 0;
+const SLOT_CLAIMING: u32 = 1;
+const SLOT_LIVE: u32 = 2;
+
+/// Shared header.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Header {
+    magic: AtomicU64,
+    n_gpus: AtomicU32,
+    /// 1: the daemon removes slots whose process died; 0: keep them (to test stale PIDs).
+    pub reap_dead: AtomicU32,
+    sample_period_ns: AtomicU64,
+    /// Written by the daemon each tick.
+    pub heartbeat_ns: AtomicU64,
+    /// Non-zero: the fake NVML answers every device call with an error (failure injection).
+    pub nvml_fail: AtomicU32,
+    daemon_pid: AtomicU32,
+    /// Incremented by helper processes forked by `offline --fork-every-ms` (progress probe).
+    pub fork_progress: AtomicU64,
+    /// Count of NVML calls served by the fake library (for cost accounting).
+    pub nvml_calls: AtomicU64,
+    _reserved: [u64; 8],
+}
+
+/// One process on one simulated GPU.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Slot {
+    state: AtomicU32,
+    pid: AtomicU32,
+    gpu: AtomicU32,
+    wake_seq: AtomicU32,
+    start_time: AtomicU64,
+    mem_bytes: AtomicU64,
+    /// Work submitted, ns of exclusive GPU time (written by the owner).
+    submitted_ns: AtomicU64,
+    /// Work completed (written by the daemon).
+    completed_ns: AtomicU64,
+    /// Wake the owner when `completed_ns` reaches this (0: no waiter).
+    wake_at: AtomicU64,
+    /// Wall time with outstanding work (written by the daemon).
+    active_ns_total: AtomicU64,
+    /// Samples ever written (written by the daemon).
+    ring_count: AtomicU64,
+    /// `timestamp_us | sm_util << 56`, one atomic word each, so reads never tear.
+    ring: [AtomicU64; RING],
+}
+
+/// A utilisation sample as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Process ID.
+    pub pid: u32,
+    /// End of the sampled period, microseconds since the Unix epoch.
+    pub timestamp_us: u64,
+    /// Percent of the period the process had work on the GPU.
+    pub sm_util: u32,
+}
+
+/// A process as listed by the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcInfo {
+    /// Process ID.
+    pub pid: u32,
+    /// Memory it holds on the GPU.
+    pub mem_bytes: u64,
+}
+
+/// The mapped state file.
+#[derive(Debug)]
+pub struct SimGpu {
+    map: MmapMut,
+}
+
+const fn layout_size() -> usize {
+    std::mem::size_of::<Header>() + MAX_SLOTS * std::mem::size_of::<Slot>()
+}
+
+/// `CLOCK_REALTIME` in nanoseconds.
+pub fn now_ns() -> u64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    d.as_nanos() as u64
+}
+
+/// The process start time (`/proc/<pid>/stat` field 22, clock ticks since boot).
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+impl SimGpu {
+    /// Creates (or truncates) a state file for `n_gpus` GPUs.
+    pub fn create(path: &Path, n_gpus: u32, sample_period_ns: u64) -> Result<SimGpu> {
+        if n_gpus == 0 || n_gpus > MAX_GPUS {
+            bail!("--gpus {n_gpus}: between 1 and {MAX_GPUS} simulated GPUs are supported");
+        }
+        if !(100_000..=1_000_000_000).contains(&sample_period_ns) {
+            bail!("sample period {sample_period_ns} ns: allowed 0.1 ms to 1 s");
+        }
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .with_context(|| format!("creating simulated GPU state {}", path.display()))?;
+        f.set_len(layout_size() as u64)?;
+        // SAFETY: the file is ours, sized above; all access goes through atomics.
+        let map = unsafe { MmapMut::map_mut(&f)? };
+        let sim = SimGpu { map };
+        let h = sim.header();
+        h.n_gpus.store(n_gpus, SeqCst);
+        h.sample_period_ns.store(sample_period_ns, SeqCst);
+        h.reap_dead.store(1, SeqCst);
+        h.magic.store(MAGIC, SeqCst);
+        Ok(sim)
+    }
+
+    /// Opens an existing state file.
+    pub fn open(path: &Path) -> Result<SimGpu> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("opening simulated GPU state {}", path.display()))?;
+        let len = f.metadata()?.len();
+        if len < layout_size() as u64 {
+            bail!("{}: not a coloc-sim state file (too small)", path.display());
+        }
+        // SAFETY: as in `create`; the file is only accessed through atomics.
+        let map = unsafe { MmapMut::map_mut(&f)? };
+        let sim = SimGpu { map };
+        if sim.header().magic.load(SeqCst) != MAGIC {
+            bail!("{}: not a coloc-sim state file (bad magic)", path.display());
+        }
+        Ok(sim)
+    }
+
+    /// Opens the file named by `COLOC_SIM_STATE`.
+    pub fn from_env() -> Result<SimGpu> {
+        let p = std::env::var_os(STATE_ENV)
+            .with_context(|| format!("{STATE_ENV} is not set: no simulated GPU to use"))?;
+        SimGpu::open(Path::new(&p))
+    }
+
+    /// The shared header.
+    pub fn header(&self) -> &Header {
+        // SAFETY: the map is at least `layout_size()` bytes, page-aligned, and Header is
+        // made of atomics (valid for any bit pattern, zero included).
+        unsafe { &*(self.map.as_ptr() as *const Header) }
+    }
+
+    /// All slots.
+    pub fn slots(&self) -> &[Slot] {
+        // SAFETY: the slots follow the header inside the map; atomics only; the header's
+        // size is a multiple of 8, which is Slot's alignment.
+        unsafe {
+            let p = self.map.as_ptr().add(std::mem::size_of::<Header>()) as *const Slot;
+            std::slice::from_raw_parts(p, MAX_SLOTS)
+        }
+    }
+
+    /// Number of simulated GPUs.
+    pub fn n_gpus(&self) -> u32 {
+        self.header().n_gpus.load(Relaxed)
+    }
+
+    /// The driver's sample period.
+    pub fn sample_period_ns(&self) -> u64 {
+        self.header().sample_period_ns.load(Relaxed)
+    }
+
+    /// Live processes on `gpu`.
+    pub fn processes(&self, gpu: u32) -> Vec<ProcInfo> {
+        self.slots()
+            .iter()
+            .filter(|s| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+            .map(|s| ProcInfo {
+                pid: s.pid.load(Relaxed),
+                mem_bytes: s.mem_bytes.load(Relaxed),
+            })
+            .collect()
+    }
+
+    /// Samples on `gpu` newer than `last_seen_us`, oldest first.
+    pub fn samples(&self, gpu: u32, last_seen_us: u64) -> Vec<Sample> {
+        let mut out = Vec::new();
+        for s in self.slots() {
+            if s.state.load(Acquire) != SLOT_LIVE || s.gpu.load(Relaxed) != gpu {
+                continue;
+            }
+            let pid = s.pid.load(Relaxed);
+            for w in &s.ring {
+                let v = w.load(Acquire);
+                let ts = v & ((1 << 56) - 1);
+                if v != 0 && ts > last_seen_us {
+                    out.push(Sample {
+                        pid,
+                        timestamp_us: ts,
+                        sm_util: (v >> 56) as u32,
+                    });
+                }
+            }
+        }
+        out.sort_by_key(|s| s.timestamp_us);
+        out
+    }
+
+    /// Claims a slot for the calling process on `gpu`.
+    pub fn register(&self, gpu: u32, mem_bytes: u64) -> Result<SlotHandle<'_>> {
+        if gpu >= self.n_gpus() {
+            bail!("GPU {gpu} does not exist: the simulated node has {} GPU(s)", self.n_gpus());
+        }
+        let pid = std::process::id();
+        for (i, s) in self.slots().iter().enumerate() {
+            if s.state
+                .compare_exchange(SLOT_FREE, SLOT_CLAIMING, AcqRel, Relaxed)
+                .is_ok()
+            {
+                s.pid.store(pid, Relaxed);
+                s.gpu.store(gpu, Relaxed);
+                s.start_time.store(proc_start_time(pid).unwrap_or(0), Relaxed);
+                s.mem_bytes.store(mem_bytes, Relaxed);
+                s.submitted_ns.store(0, Relaxed);
+                s.completed_ns.store(0, Relaxed);
+                s.wake_at.store(0, Relaxed);
+                s.active_ns_total.store(0, Relaxed);
+                s.ring_count.store(0, Relaxed);
+                for w in &s.ring {
+                    w.store(0, Relaxed);
+                }
+                s.state.store(SLOT_LIVE, Release);
+                return Ok(SlotHandle { sim: self, index: i });
+            }
+        }
+        bail!("all {MAX_SLOTS} simulated GPU process slots are in use")
+    }
+
+    /// Releases every slot of `pid` (used when a workload exits).
+    pub fn unregister_pid(&self, pid: u32) {
+        for s in self.slots() {
+            if s.state.load(Acquire) == SLOT_LIVE && s.pid.load(Relaxed) == pid {
+                s.state.store(SLOT_FREE, Release);
+            }
+        }
+    }
+}
+
+/// A workload's claim on a slot; released on drop.
+#[derive(Debug)]
+pub struct SlotHandle<'a> {
+    sim: &'a SimGpu,
+    index: usize,
+}
+
+impl SlotHandle<'_> {
+    fn slot(&self) -> &Slot {
+        &self.sim.slots()[self.index]
+    }
+
+    /// Queues `ns` of exclusive GPU time; returns the completion target.
+    pub fn submit(&self, ns: u64) -> u64 {
+        self.slot().submitted_ns.fetch_add(ns, AcqRel) + ns
+    }
+
+    /// Work completed so far.
+    pub fn completed(&self) -> u64 {
+        self.slot().completed_ns.load(Acquire)
+    }
+
+    /// Work queued and not yet completed.
+    pub fn outstanding(&self) -> u64 {
+        let s = self.slot();
+        s.submitted_ns
+            .load(Acquire)
+            .saturating_sub(s.completed_ns.load(Acquire))
+    }
+
+    /// Blocks until `completed() >= target` (futex wait, woken by the daemon).
+    pub fn wait_completed(&self, target: u64) {
+        let s = self.slot();
+        loop {
+            let seq = s.wake_seq.load(Acquire);
+            if s.completed_ns.load(Acquire) >= target {
+                return;
+            }
+            s.wake_at.store(target, Release);
+            if s.completed_ns.load(Acquire) >= target {
+                return;
+            }
+            futex_wait(&s.wake_seq, seq, 2_000_000);
+        }
+    }
+}
+
+impl Drop for SlotHandle<'_> {
+    fn drop(&mut self) {
+        self.slot().state.store(SLOT_FREE, Release);
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: `word` points into a live shared mapping; FUTEX_WAIT (not private: the
+    // word is shared between processes) only reads it; `ts` outlives the call.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as above; FUTEX_WAKE only uses the address as a key.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+/// The GPU daemon's model: the only writer of completion, activity and samples.
+#[derive(Debug)]
+pub struct Daemon<'a> {
+    sim: &'a SimGpu,
+    last_ns: u64,
+    next_boundary: u64,
+    period_active: Vec<u64>,
+    last_reap: u64,
+}
+
+impl<'a> Daemon<'a> {
+    /// Starts the model at `now`.
+    pub fn new(sim: &'a SimGpu, now: u64) -> Daemon<'a> {
+        sim.header().daemon_pid.store(std::process::id(), Relaxed);
+        let p = sim.sample_period_ns();
+        Daemon {
+            sim,
+            last_ns: now,
+            next_boundary: (now / p + 1) * p,
+            period_active: vec![0; MAX_SLOTS],
+            last_reap: now,
+        }
+    }
+
+    /// Advances the model to `now`: shares each GPU among slots with outstanding work,
+    /// records samples at period boundaries, wakes waiters, and reaps dead processes.
+    pub fn advance(&mut self, now: u64) {
+        let period = self.sim.sample_period_ns();
+        while self.next_boundary <= now {
+            let b = self.next_boundary;
+            self.run_until(b);
+            self.emit_samples(b, period);
+            self.next_boundary = b + period;
+        }
+        self.run_until(now);
+        self.sim.header().heartbeat_ns.store(now, Release);
+        if now.saturating_sub(self.last_reap) > 20_000_000 {
+            self.last_reap = now;
+            self.reap();
+        }
+    }
+
+    fn run_until(&mut self, t: u64) {
+        let dt = t.saturating_sub(self.last_ns);
+        self.last_ns = self.last_ns.max(t);
+        if dt == 0 {
+            return;
+        }
+        let slots = self.sim.slots();
+        for gpu in 0..self.sim.n_gpus() {
+            // Processor sharing: every slot with outstanding work advances at 1/n.
+            let mut active: Vec<(usize, u64)> = slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+                .filter_map(|(i, s)| {
+                    let rem = s
+                        .submitted_ns
+                        .load(Acquire)
+                        .saturating_sub(s.completed_ns.load(Relaxed));
+                    (rem > 0).then_some((i, rem))
+                })
+                .collect();
+            let mut left = dt;
+            while left > 0 && !active.is_empty() {
+                let n = active.len() as u64;
+                let min_rem = active.iter().map(|a| a.1).min().unwrap_or(0);
+                let (work, wall) = if min_rem.saturating_mul(n) <= left {
+                    (min_rem, min_rem * n)
+                } else {
+                    (left / n, left)
+                };
+                for (i, rem) in active.iter_mut() {
+                    *rem -= work.min(*rem);
+                    let s = &slots[*i];
+                    s.completed_ns.fetch_add(work, AcqRel);
+                    s.active_ns_total.fetch_add(wall, Relaxed);
+                    self.period_active[*i] += wall;
+                }
+                left -= wall;
+                if work == 0 {
+                    break;
+                }
+                active.retain(|a| a.1 > 0);
+            }
+            for s in slots.iter().filter(|s| s.gpu.load(Relaxed) == gpu) {
+                let w = s.wake_at.load(Acquire);
+                if w != 0 && s.completed_ns.load(Acquire) >= w {
+                    s.wake_at.store(0, Release);
+                    s.wake_seq.fetch_add(1, AcqRel);
+                    futex_wake(&s.wake_seq);
+                }
+            }
+        }
+    }
+
+    fn emit_samples(&mut self, boundary: u64, period: u64) {
+        for (i, s) in self.sim.slots().iter().enumerate() {
+            let active = std::mem::take(&mut self.period_active[i]);
+            if active == 0 || s.state.load(Acquire) != SLOT_LIVE {
+                continue;
+            }
+            let util = (active * 100 / period).clamp(1, 100);
+            let n = s.ring_count.fetch_add(1, AcqRel) as usize;
+            s.ring[n % RING].store((boundary / 1000) | (util << 56), Release);
+        }
+    }
+
+    fn reap(&self) {
+        if self.sim.header().reap_dead.load(Relaxed) == 0 {
+            return;
+        }
+        for s in self.sim.slots() {
+            if s.state.load(Acquire) != SLOT_LIVE {
+                continue;
+            }
+            let pid = s.pid.load(Relaxed);
+            let alive = proc_start_time(pid).is_some_and(|st| st == s.start_time.load(Relaxed));
+            if !alive {
+                s.state.store(SLOT_FREE, Release);
+            }
+        }
+    }
+}
+
+/// Percentile of a sorted slice (nearest-rank); 0 for an empty slice.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("coloc-sim-test-{name}-{}", std::process::id()))
+    }
+
+    #[test]
+    fn processor_sharing_and_samples() {
+        let path = tmp("ps");
+        let sim = SimGpu::create(&path, 1, 1_000_000).unwrap();
+        let a = sim.register(0, 0).unwrap();
+        let t0 = 1_000_000_000_000u64; // a period boundary
+        let mut d = Daemon::new(&sim, t0);
+        a.submit(4_000_000);
+        d.advance(t0 + 2_000_000);
+        assert_eq!(a.completed(), 2_000_000, "alone: full speed");
+        // A second slot (pretend another process) shares the GPU.
+        let b = sim.register(0, 0).unwrap();
+        b.submit(1_000_000);
+        d.advance(t0 + 4_000_000);
+        assert_eq!(b.completed(), 1_000_000, "half speed for 2 ms");
+        assert_eq!(a.completed(), 3_000_000);
+        d.advance(t0 + 5_000_000);
+        assert_eq!(a.completed(), 4_000_000);
+        d.advance(t0 + 8_000_000);
+        let samples = sim.samples(0, 0);
+        // a active in periods ending at t0+1..t0+5 ms, b in t0+3 and t0+4 ms.
+        assert_eq!(samples.len(), 7, "{samples:?}");
+        assert!(samples.iter().all(|s| s.sm_util == 100));
+        assert_eq!(sim.samples(0, (t0 + 4_000_000) / 1000).len(), 1);
+        drop((a, b));
+        assert!(sim.processes(0).is_empty());
+        std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn percentile_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&[], 99.0), 0.0);
+    }
+}
