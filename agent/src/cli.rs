@@ -1,0 +1,194 @@
+//! Command line: clap derive, every flag also settable from `COLOC_…` environment
+//! variables, validated once into the typed configuration of the control loop.
+
+use crate::actuator::{CgroupMounts, Kind};
+use crate::control::LoopConfig;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// gpu-coloc node agent: offline GPU work uses every idle moment and gets out of the way
+/// the instant online work arrives.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None, after_help = "\
+Examples:
+  coloc-agent demo                               co-location demo on a simulated GPU (no GPU, no cluster)
+  coloc-agent check-rules rules.toml             validate a standalone rules file
+  coloc-agent run --rules rules.toml             standalone host: classify GPU processes by rules
+  coloc-agent run --rules rules.toml --dry-run   decide and report, never suspend anything")]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "COLOC_LOG_FORMAT", global = true)]
+    pub log_format: LogFormat,
+    /// Command.
+    #[command(subcommand)]
+    pub cmd: Command,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the agent.
+    Run(RunArgs),
+    /// Validate a standalone rules file and print what it says.
+    CheckRules {
+        /// The TOML rules file.
+        file: PathBuf,
+    },
+    /// Co-location demo on a simulated GPU: online and offline workloads without and with
+    /// the agent, then a table of latencies and offline progress.
+    Demo(crate::demo::DemoArgs),
+}
+
+/// `coloc-agent run`.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Standalone pod source: TOML rules (by cgroup, exe, cmdline, uid) that classify GPU
+    /// processes on a host without Kubernetes. See `coloc-agent check-rules`.
+    #[arg(long, env = "COLOC_RULES")]
+    pub rules: Option<PathBuf>,
+    /// Node name (shown in /state).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// NVML library to load (the driver's libnvidia-ml.so.1, or the test fake).
+    #[arg(long, env = "COLOC_NVML_LIB", default_value = "libnvidia-ml.so.1")]
+    pub nvml_lib: String,
+    /// Manage only these GPU indices (comma-separated); default all.
+    #[arg(long, env = "COLOC_GPUS", value_delimiter = ',')]
+    pub gpus: Vec<u32>,
+    /// How often to read per-process utilisation samples (e.g. 1ms, 500us).
+    #[arg(long, env = "COLOC_POLL_INTERVAL", default_value = "1ms", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+    /// How often to re-read the running-process list (a PID seen in samples but not yet
+    /// known triggers a re-read at once).
+    #[arg(long, env = "COLOC_PROCESS_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
+    pub process_interval: Duration,
+    /// Offline work resumes after online work has been idle this long.
+    #[arg(long, env = "COLOC_IDLE_WINDOW", default_value = "100ms", value_parser = parse_duration)]
+    pub idle_window: Duration,
+    /// How offline work is suspended.
+    #[arg(long, env = "COLOC_ACTUATOR", value_enum, default_value_t = Kind::Freezer)]
+    pub actuator: Kind,
+    /// Decide, log and export metrics, but never suspend anything.
+    #[arg(long, env = "COLOC_DRY_RUN")]
+    pub dry_run: bool,
+    /// Whether GPU processes of no known pod/rule count as online demand.
+    #[arg(long, env = "COLOC_UNMANAGED_IS_ONLINE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub unmanaged_is_online: bool,
+    /// Period of the fixed-share duty cycle.
+    #[arg(long, env = "COLOC_DUTY_PERIOD", default_value = "100ms", value_parser = parse_duration)]
+    pub duty_period: Duration,
+    /// Give up confirming a suspend/resume after this long (the suspension is then undone).
+    #[arg(long, env = "COLOC_CONFIRM_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    pub confirm_timeout: Duration,
+    /// Root of the cgroup filesystem (pure v2 at the root, or hybrid with `unified/` and
+    /// `freezer/` below it).
+    #[arg(long, env = "COLOC_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
+    /// Directory for the fail-open record of what is suspended.
+    #[arg(long, env = "COLOC_STATE_DIR", default_value = "/run/coloc-agent")]
+    pub state_dir: PathBuf,
+    /// Address for /metrics, /healthz, /readyz and /state.
+    #[arg(long, env = "COLOC_LISTEN", default_value = "0.0.0.0:9400")]
+    pub listen: SocketAddr,
+    /// Append every preemption and release, with its latencies, to this JSON-lines file.
+    #[arg(long, env = "COLOC_EVENT_LOG")]
+    pub event_log: Option<PathBuf>,
+}
+
+impl RunArgs {
+    /// Validates the arguments into the loop configuration.
+    pub fn loop_config(&self) -> Result<LoopConfig> {
+        if self.poll_interval < Duration::from_micros(100) || self.poll_interval > Duration::from_secs(1) {
+            bail!("--poll-interval {:?}: allowed 100us to 1s", self.poll_interval);
+        }
+        if self.idle_window.is_zero() {
+            bail!("--idle-window must be positive");
+        }
+        if self.duty_period < Duration::from_millis(10) {
+            bail!("--duty-period {:?}: must be at least 10ms", self.duty_period);
+        }
+        let cgroups = CgroupMounts::detect(&self.cgroup_root);
+        if self.actuator == Kind::Freezer && cgroups.v2.is_none() && cgroups.v1_freezer.is_none() {
+            bail!(
+                "--actuator freezer: no cgroup v2 hierarchy or v1 freezer found under {} \
+                 (use --cgroup-root, or --actuator signal)",
+                self.cgroup_root.display()
+            );
+        }
+        Ok(LoopConfig {
+            poll: self.poll_interval,
+            process_interval: self.process_interval,
+            machine: qos_core::Config {
+                idle_window: self.idle_window.as_nanos() as u64,
+                unmanaged_is_online: self.unmanaged_is_online,
+                duty_period: self.duty_period.as_nanos() as u64,
+            },
+            actuator: self.actuator,
+            dry_run: self.dry_run,
+            confirm_timeout: self.confirm_timeout,
+            cgroups,
+            event_log: self.event_log.clone(),
+            node: self
+                .node_name
+                .clone()
+                .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()))
+                .unwrap_or_else(|| "unknown".into()),
+        })
+    }
+}
+
+/// Parses `1ms`, `500us`, `0.5s`, `100ms`, `2m` (no unit: error).
+pub fn parse_duration(s: &str) -> Result<Duration> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .with_context(|| format!("{s:?}: missing unit (use ns, us, ms, s or m)"))?;
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("{s:?}: {num:?} is not a number"))?;
+    let secs = match unit {
+        "ns" => n / 1e9,
+        "us" | "µs" => n / 1e6,
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => bail!("{s:?}: unknown unit {unit:?} (use ns, us, ms, s or m)"),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        bail!("{s:?}: not a valid duration");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1ms").unwrap(), Duration::from_millis(1));
+        assert_eq!(parse_duration("500us").unwrap(), Duration::from_micros(500));
+        assert_eq!(parse_duration("0.5s").unwrap(), Duration::from_millis(500));
+        assert!(parse_duration("100").unwrap_err().to_string().contains("unit"));
+        assert!(parse_duration("5h").is_err());
+    }
+
+    #[test]
+    fn help_is_valid() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,191 @@
+//! GPU activity through NVML: the running-process list and per-process utilisation
+//! samples with their timestamps.
+//!
+//! One trait, [`GpuSampler`], implemented by [`Nvml`] (the real driver, or the fake one
+//! used in tests, loaded from a configurable library path). This module is the agent's
+//! only FFI boundary; the unsafe code lives inside `nvml-wrapper`.
+//!
+//! May touch: the NVML library.
+
+use std::ffi::OsStr;
+use std::time::Instant;
+
+/// One activity sample of one process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Activity {
+    /// Process ID.
+    pub pid: u32,
+    /// When the activity happened (the driver's timestamp), ns since the Unix epoch.
+    pub at_ns: u64,
+}
+
+/// Errors from the GPU sampler.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// The library could not be loaded or initialised.
+    #[error(
+        "no NVIDIA driver: cannot use NVML library {lib:?} ({source}). Install the NVIDIA \
+         driver, or pass --nvml-lib; to try gpu-coloc without a GPU, run `coloc-agent demo`"
+    )]
+    NoDriver {
+        /// Library path tried.
+        lib: String,
+        /// Cause.
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
+    /// A call failed.
+    #[error("NVML {function} on GPU {gpu} failed: {source}")]
+    Call {
+        /// NVML function.
+        function: &'static str,
+        /// GPU index.
+        gpu: u32,
+        /// Cause.
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
+    /// A GPU index that does not exist.
+    #[error("GPU {gpu} does not exist (this node has {count})")]
+    NoSuchGpu {
+        /// Requested.
+        gpu: u32,
+        /// Present.
+        count: u32,
+    },
+}
+
+/// Source of GPU activity.
+pub trait GpuSampler: Send {
+    /// GPU indices, in order.
+    fn gpus(&self) -> Vec<u32>;
+    /// UUID of a GPU (for `/state`).
+    fn uuid(&self, gpu: u32) -> String;
+    /// PIDs with a compute context on `gpu`.
+    fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError>;
+    /// Activity samples on `gpu` newer than `since_us` (driver timestamp, µs).
+    fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError>;
+}
+
+/// The NVML-backed sampler.
+pub struct Nvml {
+    devices: Vec<(u32, String, nvml_wrapper::Device<'static>)>,
+}
+
+impl std::fmt::Debug for Nvml {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nvml").field("gpus", &self.devices.len()).finish()
+    }
+}
+
+fn observe(function: &'static str, t: Instant) {
+    metrics::histogram!("coloc_nvml_call_duration_seconds", "function" => function)
+        .record(t.elapsed().as_secs_f64());
+}
+
+impl Nvml {
+    /// Loads NVML from `lib` and opens the GPUs in `only` (all when empty).
+    pub fn open(lib: &str, only: &[u32]) -> Result<Nvml, GpuError> {
+        let nvml = nvml_wrapper::Nvml::builder()
+            .lib_path(OsStr::new(lib))
+            .init()
+            .map_err(|source| GpuError::NoDriver {
+                lib: lib.to_string(),
+                source,
+            })?;
+        // The agent keeps NVML for its whole life; leaking it gives devices a 'static
+        // borrow, and the driver is shut down when the process exits.
+        let nvml: &'static nvml_wrapper::Nvml = Box::leak(Box::new(nvml));
+        let count = nvml.device_count().map_err(|source| GpuError::Call {
+            function: "nvmlDeviceGetCount",
+            gpu: 0,
+            source,
+        })?;
+        let wanted: Vec<u32> = if only.is_empty() {
+            (0..count).collect()
+        } else {
+            only.to_vec()
+        };
+        let mut devices = Vec::new();
+        for gpu in wanted {
+            if gpu >= count {
+                return Err(GpuError::NoSuchGpu { gpu, count });
+            }
+            let dev = nvml.device_by_index(gpu).map_err(|source| GpuError::Call {
+                function: "nvmlDeviceGetHandleByIndex",
+                gpu,
+                source,
+            })?;
+            let uuid = dev.uuid().unwrap_or_else(|_| format!("GPU-{gpu}"));
+            devices.push((gpu, uuid, dev));
+        }
+        Ok(Nvml { devices })
+    }
+
+    fn device(&self, gpu: u32) -> Result<&nvml_wrapper::Device<'static>, GpuError> {
+        self.devices
+            .iter()
+            .find(|d| d.0 == gpu)
+            .map(|d| &d.2)
+            .ok_or(GpuError::NoSuchGpu {
+                gpu,
+                count: self.devices.len() as u32,
+            })
+    }
+}
+
+impl GpuSampler for Nvml {
+    fn gpus(&self) -> Vec<u32> {
+        self.devices.iter().map(|d| d.0).collect()
+    }
+
+    fn uuid(&self, gpu: u32) -> String {
+        self.devices
+            .iter()
+            .find(|d| d.0 == gpu)
+            .map(|d| d.1.clone())
+            .unwrap_or_default()
+    }
+
+    fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError> {
+        let dev = self.device(gpu)?;
+        let t = Instant::now();
+        let r = dev.running_compute_processes();
+        observe("nvmlDeviceGetComputeRunningProcesses", t);
+        let procs = r.map_err(|source| GpuError::Call {
+            function: "nvmlDeviceGetComputeRunningProcesses",
+            gpu,
+            source,
+        })?;
+        Ok(procs.into_iter().map(|p| p.pid).collect())
+    }
+
+    fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError> {
+        use nvml_wrapper::error::NvmlError;
+        let dev = self.device(gpu)?;
+        let t = Instant::now();
+        let mut r = dev.process_utilization_stats(since_us);
+        // More samples may arrive between the count call and the data call: retry once.
+        if matches!(r, Err(NvmlError::InsufficientSize(_))) {
+            r = dev.process_utilization_stats(since_us);
+        }
+        observe("nvmlDeviceGetProcessUtilization", t);
+        match r {
+            Ok(samples) => Ok(samples
+                .into_iter()
+                .filter(|s| s.sm_util > 0 || s.mem_util > 0 || s.enc_util > 0 || s.dec_util > 0)
+                .map(|s| Activity {
+                    pid: s.pid,
+                    at_ns: s.timestamp.saturating_mul(1000),
+                })
+                .collect()),
+            // The driver says NOT_FOUND when no sample is newer than `since_us`.
+            Err(NvmlError::NotFound) => Ok(vec![]),
+            Err(source) => Err(GpuError::Call {
+                function: "nvmlDeviceGetProcessUtilization",
+                gpu,
+                source,
+            }),
+        }
+    }
+}

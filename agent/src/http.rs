@@ -1,0 +1,79 @@
+//! The agent's HTTP endpoints: `/metrics`, `/healthz`, `/readyz`, `/state`.
+//!
+//! May touch: one TCP listener.
+
+use crate::control::{now_ns, Shared};
+use crate::source::PodSource;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// What the handlers need.
+#[derive(Clone)]
+pub struct AppState {
+    /// Shared with the control loop.
+    pub shared: Arc<Shared>,
+    /// Prometheus renderer.
+    pub prom: PrometheusHandle,
+    /// Pod source (for readiness).
+    pub source: Arc<dyn PodSource>,
+    /// Longest time without a tick that still counts as healthy.
+    pub stall_ns: u64,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").finish_non_exhaustive()
+    }
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/state", get(state_doc))
+        .with_state(state)
+}
+
+async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        s.prom.render() + &s.shared.render_seconds(),
+    )
+}
+
+async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
+    let last = s.shared.last_tick_ns.load(Ordering::Relaxed);
+    if !s.shared.ticked.load(Ordering::Relaxed) {
+        return (StatusCode::OK, "starting\n");
+    }
+    if now_ns().saturating_sub(last) > s.stall_ns {
+        return (StatusCode::SERVICE_UNAVAILABLE, "control loop stalled\n");
+    }
+    (StatusCode::OK, "ok\n")
+}
+
+async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
+    if !s.shared.ticked.load(Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "control loop not started\n");
+    }
+    if !s.source.ready() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "pod source not synced\n");
+    }
+    if s.shared.degraded.load(Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "NVML failing: offline work resumed (fail-open)\n");
+    }
+    (StatusCode::OK, "ready\n")
+}
+
+async fn state_doc(State(s): State<AppState>) -> impl IntoResponse {
+    let doc = s.shared.state.lock().map(|d| d.clone()).unwrap_or_default();
+    Json(doc)
+}

@@ -1,0 +1,190 @@
+//! What `/proc` says about a process: identity (PID + start time), run state, owner,
+//! executable, command line and cgroup membership.
+//!
+//! May touch: `/proc` (read only).
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::PathBuf;
+
+/// A process identity that survives PID reuse: the PID and its start time (clock ticks
+/// since boot, `/proc/<pid>/stat` field 22).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct ProcKey {
+    /// Process ID (host PID namespace).
+    pub pid: u32,
+    /// Start time in clock ticks since boot.
+    pub start: u64,
+}
+
+impl std::fmt::Display for ProcKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.pid)
+    }
+}
+
+/// The fields of `/proc/<pid>/stat` the agent uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    /// Run state letter (`R`, `S`, `D`, `T` stopped, `t` traced, `Z`, ...).
+    pub state: char,
+    /// Start time (clock ticks since boot).
+    pub start: u64,
+}
+
+/// Parses `/proc/<pid>/stat` content. The command name may contain spaces and
+/// parentheses, so fields are counted after the last `)`.
+pub fn parse_stat(s: &str) -> Option<Stat> {
+    let after = s.get(s.rfind(')')? + 1..)?.trim_start();
+    let mut fields = after.split_ascii_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // After the state (field 3) come fields 4..; start time is field 22.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some(Stat { state, start })
+}
+
+/// Reads `/proc/<pid>/stat`.
+pub fn read_stat(pid: u32) -> io::Result<Stat> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    parse_stat(&s).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unparsable stat"))
+}
+
+/// Where a process sits in the cgroup hierarchies.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cgroups {
+    /// The cgroup v2 path (`0::/path`), if the unified hierarchy is mounted.
+    pub v2: Option<String>,
+    /// cgroup v1 paths by controller (`freezer`, `memory`, `name=systemd`, ...).
+    pub v1: BTreeMap<String, String>,
+}
+
+impl Cgroups {
+    /// Parses `/proc/<pid>/cgroup`: `hierarchy-ID:controller-list:path` per line.
+    pub fn parse(s: &str) -> Cgroups {
+        let mut c = Cgroups::default();
+        for line in s.lines() {
+            let mut parts = line.splitn(3, ':');
+            let (Some(id), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next())
+            else {
+                continue;
+            };
+            if id == "0" && ctrls.is_empty() {
+                c.v2 = Some(path.to_string());
+            } else {
+                for ctrl in ctrls.split(',') {
+                    c.v1.insert(ctrl.to_string(), path.to_string());
+                }
+            }
+        }
+        c
+    }
+
+    /// The path that best identifies the process's container or pod: the v2 path when it
+    /// is not the root, else the v1 freezer, memory, cpu or systemd path.
+    pub fn primary(&self) -> Option<&str> {
+        if let Some(p) = self.v2.as_deref().filter(|p| *p != "/") {
+            return Some(p);
+        }
+        ["freezer", "memory", "cpu", "name=systemd"]
+            .iter()
+            .find_map(|c| self.v1.get(*c).map(String::as_str))
+            .or(self.v2.as_deref())
+    }
+
+    /// Every distinct path the process has (for rule matching).
+    pub fn paths(&self) -> impl Iterator<Item = &str> {
+        let mut v: Vec<&str> = self.v2.iter().map(String::as_str).collect();
+        v.extend(self.v1.values().map(String::as_str));
+        v.sort_unstable();
+        v.dedup();
+        v.into_iter()
+    }
+}
+
+/// Everything the classifier may look at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcInfo {
+    /// Identity.
+    pub key: ProcKey,
+    /// Real UID.
+    pub uid: u32,
+    /// Resolved `/proc/<pid>/exe`, if readable.
+    pub exe: Option<PathBuf>,
+    /// Command line, arguments joined by single spaces.
+    pub cmdline: String,
+    /// cgroup membership.
+    pub cgroups: Cgroups,
+}
+
+/// Reads a process's information from `/proc`.
+pub fn read_proc(pid: u32) -> io::Result<ProcInfo> {
+    let stat = read_stat(pid)?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .unwrap_or(u32::MAX);
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|c| *c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    let cgroups = Cgroups::parse(&std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?);
+    Ok(ProcInfo {
+        key: ProcKey {
+            pid,
+            start: stat.start,
+        },
+        uid,
+        exe,
+        cmdline,
+        cgroups,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_odd_comm() {
+        let s = "1234 (a) b (c)) T 1 1234 1234 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 1000 10";
+        assert_eq!(
+            parse_stat(s),
+            Some(Stat {
+                state: 'T',
+                start: 987654
+            })
+        );
+        let me = read_stat(std::process::id()).unwrap();
+        assert!(me.state == 'R' || me.state == 'S');
+    }
+
+    #[test]
+    fn cgroup_hybrid_and_v2() {
+        let hybrid = "9:name=systemd:/\n6:freezer:/coloc/off\n4:memory:/x\n1:cpu,cpuacct:/\n0::/coloc/off2\n";
+        let c = Cgroups::parse(hybrid);
+        assert_eq!(c.v2.as_deref(), Some("/coloc/off2"));
+        assert_eq!(c.v1["freezer"], "/coloc/off");
+        assert_eq!(c.v1["cpuacct"], "/");
+        assert_eq!(c.primary(), Some("/coloc/off2"));
+        let c = Cgroups::parse("6:freezer:/kubepods/pod1\n0::/\n");
+        assert_eq!(c.primary(), Some("/kubepods/pod1"));
+        let v2 = "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1a2b.slice/cri-containerd-abc.scope\n";
+        assert!(Cgroups::parse(v2).primary().unwrap().ends_with("abc.scope"));
+    }
+
+    #[test]
+    fn reads_self() {
+        let me = read_proc(std::process::id()).unwrap();
+        assert!(me.exe.is_some());
+        assert!(!me.cmdline.is_empty());
+    }
+}

@@ -1,0 +1,383 @@
+//! Pod sources: who owns a GPU process, and what class it is.
+//!
+//! One trait, [`PodSource`], with the standalone implementation [`Rules`] (a TOML file of
+//! rules for a host without Kubernetes). The Kubernetes watcher implements the same trait.
+//!
+//! May touch: the rules file (read once at start).
+
+use crate::procinfo::ProcInfo;
+use qos_core::{Class, ComputePolicy, Share};
+use serde::Deserialize;
+use std::path::Path;
+
+/// The result of classifying one process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Classified {
+    /// Class of the process.
+    pub class: Class,
+    /// Share policy (offline only).
+    pub share: Share,
+    /// Who it belongs to, for logs and `/state` (rule name, or `namespace/pod`).
+    pub owner: String,
+    /// A cgroup (path inside the hierarchy) that is offline as a whole, so the freezer may
+    /// freeze it. `None`: only the process itself is known to be offline, and only the
+    /// `signal` actuator may touch it.
+    pub freeze_cgroup: Option<String>,
+}
+
+impl Classified {
+    /// A process nobody claims.
+    pub fn unmanaged(class: Class) -> Classified {
+        Classified {
+            class,
+            share: Share::Burst,
+            owner: "-".into(),
+            freeze_cgroup: None,
+        }
+    }
+}
+
+/// Source of classification. Implementations must be cheap: `classify` is called once per
+/// new GPU process, on the control loop's thread.
+pub trait PodSource: Send + Sync {
+    /// Classifies a process.
+    fn classify(&self, p: &ProcInfo) -> Classified;
+    /// Whether the source has its initial state (the agent is not ready before).
+    fn ready(&self) -> bool;
+    /// Increases each time what `classify` answers may have changed.
+    fn generation(&self) -> u64 {
+        0
+    }
+}
+
+/// Errors in a rules file; each names the file, the rule and the bad value.
+#[derive(Debug, thiserror::Error)]
+pub enum RulesError {
+    /// The file cannot be read.
+    #[error("cannot read rules file {path}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not valid TOML, or unknown/missing fields.
+    #[error("rules file {path}: {message}")]
+    Syntax {
+        /// The file.
+        path: String,
+        /// The TOML parser's message (with line and column).
+        message: String,
+    },
+    /// A rule is well-formed TOML but means nothing valid.
+    #[error("rules file {path}: rule {rule}: {message}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// The rule's name or position.
+        rule: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    /// Class of GPU processes no rule matches (default `unmanaged`).
+    unmatched: Option<String>,
+    #[serde(default, rename = "rule")]
+    rules: Vec<RawRule>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: Option<String>,
+    class: String,
+    cgroup: Option<String>,
+    exe: Option<String>,
+    cmdline: Option<String>,
+    uid: Option<u32>,
+    policy: Option<String>,
+    share: Option<u32>,
+}
+
+/// One compiled rule: every matcher given must match.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    /// Name for logs.
+    pub name: String,
+    /// Class given to matching processes.
+    pub class: Class,
+    cgroup: Option<String>,
+    exe: Option<String>,
+    cmdline: Option<String>,
+    uid: Option<u32>,
+    share: Share,
+}
+
+/// The standalone pod source: rules by cgroup path, executable, command line and UID.
+///
+/// ```toml
+/// # First matching rule wins. Globs: `*` any run of characters, `?` one character.
+/// unmatched = "unmanaged"          # class of GPU processes no rule matches
+///
+/// [[rule]]
+/// name = "training"
+/// class = "reclaimed_cores"        # or offline / shared_cores / online / system_cores ...
+/// cgroup = "/batch.slice/*"        # the whole cgroup is offline: the freezer may freeze it
+///
+/// [[rule]]
+/// name = "inference"
+/// class = "shared_cores"
+/// exe = "/usr/bin/python3*"
+/// cmdline = "*serve.py*"
+/// uid = 1000
+///
+/// [[rule]]
+/// name = "capped-batch"
+/// class = "offline"
+/// cmdline = "*batch*"
+/// policy = "fixed-share"           # with share = percent of wall time
+/// share = 30
+/// ```
+#[derive(Debug, Clone)]
+pub struct Rules {
+    rules: Vec<Rule>,
+    unmatched: Class,
+}
+
+fn parse_class(path: &str, rule: &str, v: &str) -> Result<Class, RulesError> {
+    Class::parse_config(v).ok_or_else(|| RulesError::Invalid {
+        path: path.into(),
+        rule: rule.into(),
+        message: format!(
+            "class {v:?} is not a class; allowed: shared_cores, dedicated_cores, \
+             reclaimed_cores, system_cores (or online, online_exclusive, offline, system, unmanaged)"
+        ),
+    })
+}
+
+impl Rules {
+    /// Reads and validates a rules file.
+    pub fn load(path: &Path) -> Result<Rules, RulesError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Rules::parse(&path.display().to_string(), &text)
+    }
+
+    /// Parses and validates rules text; `path` is only used in messages.
+    pub fn parse(path: &str, text: &str) -> Result<Rules, RulesError> {
+        let raw: RawFile = toml::from_str(text).map_err(|e| RulesError::Syntax {
+            path: path.into(),
+            message: e.to_string().trim_end().replace('\n', " "),
+        })?;
+        let unmatched = match &raw.unmatched {
+            Some(v) => parse_class(path, "unmatched", v)?,
+            None => Class::Unmanaged,
+        };
+        let mut rules = Vec::new();
+        for (i, r) in raw.rules.into_iter().enumerate() {
+            let name = r.name.clone().unwrap_or_else(|| format!("#{}", i + 1));
+            let invalid = |message: String| RulesError::Invalid {
+                path: path.into(),
+                rule: name.clone(),
+                message,
+            };
+            let class = parse_class(path, &name, &r.class)?;
+            if r.cgroup.is_none() && r.exe.is_none() && r.cmdline.is_none() && r.uid.is_none() {
+                return Err(invalid(
+                    "has no matcher; give at least one of cgroup, exe, cmdline, uid".into(),
+                ));
+            }
+            let policy = ComputePolicy::from_annotation(r.policy.as_deref())
+                .map_err(|e| invalid(e.to_string()))?;
+            let share = match (policy, r.share) {
+                (ComputePolicy::FixedShare, Some(p @ 1..=100)) => Share::Fixed { percent: p },
+                (ComputePolicy::FixedShare, Some(p)) => {
+                    return Err(invalid(format!("share = {p} is out of range; allowed: 1-100")))
+                }
+                (ComputePolicy::FixedShare, None) => {
+                    return Err(invalid(
+                        "policy = \"fixed-share\" needs share = <percent of wall time, 1-100>".into(),
+                    ))
+                }
+                (ComputePolicy::NativeBurstShare, _) if class == Class::Offline => {
+                    return Err(invalid(
+                        "policy \"native-burst-share\" is not supported for offline work \
+                         (co-location supports fixed-share and guaranteed-burst-share)"
+                            .into(),
+                    ))
+                }
+                (_, Some(_)) => {
+                    return Err(invalid("share is only meaningful with policy = \"fixed-share\"".into()))
+                }
+                _ => Share::Burst,
+            };
+            rules.push(Rule {
+                name,
+                class,
+                cgroup: r.cgroup,
+                exe: r.exe,
+                cmdline: r.cmdline,
+                uid: r.uid,
+                share,
+            });
+        }
+        Ok(Rules { rules, unmatched })
+    }
+
+    /// The compiled rules, in order.
+    pub fn rules(&self) -> &[Rule] {
+        &self.rules
+    }
+
+    fn matching(&self, p: &ProcInfo) -> Option<(&Rule, Option<String>)> {
+        self.rules.iter().find_map(|r| {
+            let cgroup = match &r.cgroup {
+                Some(pat) => Some(p.cgroups.paths().find(|path| glob(pat, path))?.to_string()),
+                None => None,
+            };
+            if let Some(pat) = &r.exe {
+                let exe = p.exe.as_ref()?.to_string_lossy();
+                if !glob(pat, &exe) {
+                    return None;
+                }
+            }
+            if let Some(pat) = &r.cmdline {
+                if !glob(pat, &p.cmdline) {
+                    return None;
+                }
+            }
+            if r.uid.is_some_and(|u| u != p.uid) {
+                return None;
+            }
+            Some((r, cgroup))
+        })
+    }
+}
+
+impl PodSource for Rules {
+    fn classify(&self, p: &ProcInfo) -> Classified {
+        match self.matching(p) {
+            Some((rule, cgroup)) => Classified {
+                class: rule.class,
+                share: rule.share,
+                owner: format!("rule:{}", rule.name),
+                // Only a cgroup rule declares the whole cgroup offline; the root never is.
+                freeze_cgroup: cgroup.filter(|c| c != "/"),
+            },
+            None => Classified::unmanaged(self.unmatched),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        true
+    }
+}
+
+/// Glob match: `*` matches any run (including `/`), `?` one character.
+pub fn glob(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    let (mut pi, mut ti) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procinfo::{Cgroups, ProcKey};
+
+    fn proc(cmd: &str, cg: &str, uid: u32) -> ProcInfo {
+        ProcInfo {
+            key: ProcKey { pid: 1, start: 1 },
+            uid,
+            exe: Some("/usr/bin/python3.11".into()),
+            cmdline: cmd.into(),
+            cgroups: Cgroups::parse(&format!("0::{cg}\n")),
+        }
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob("*train*", "python train.py"));
+        assert!(glob("/batch/*", "/batch/a/b"));
+        assert!(glob("a?c", "abc"));
+        assert!(!glob("a?c", "ac"));
+        assert!(glob("*", ""));
+        assert!(!glob("/batch/*", "/other"));
+    }
+
+    #[test]
+    fn first_match_wins_and_all_matchers_must_match() {
+        let r = Rules::parse(
+            "t.toml",
+            r#"
+            [[rule]]
+            name = "train"
+            class = "reclaimed_cores"
+            cgroup = "/batch/*"
+            [[rule]]
+            name = "serve"
+            class = "shared_cores"
+            exe = "/usr/bin/python3*"
+            uid = 1000
+            [[rule]]
+            name = "capped"
+            class = "offline"
+            cmdline = "*capped*"
+            policy = "fixed-share"
+            share = 30
+            "#,
+        )
+        .unwrap();
+        let c = r.classify(&proc("python x", "/batch/job1", 0));
+        assert_eq!(c.class, Class::Offline);
+        assert_eq!(c.freeze_cgroup.as_deref(), Some("/batch/job1"));
+        assert_eq!(r.classify(&proc("python x", "/svc", 1000)).class, Class::Online);
+        assert_eq!(r.classify(&proc("python x", "/svc", 1001)).class, Class::Unmanaged);
+        let c = r.classify(&proc("run capped", "/svc", 5));
+        assert_eq!(c.share, Share::Fixed { percent: 30 });
+        assert_eq!(c.freeze_cgroup, None, "a cmdline rule never declares a cgroup offline");
+    }
+
+    #[test]
+    fn errors_name_the_bad_input() {
+        let cases = [
+            ("[[rule]]\nclass = \"reclaimed\"\ncmdline = \"x\"\n", "\"reclaimed\""),
+            ("[[rule]]\nname = \"a\"\nclass = \"offline\"\n", "no matcher"),
+            ("[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\ncolour = 1\n", "colour"),
+            ("[[rule]\n", "t.toml"),
+            ("[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\npolicy = \"fixed-share\"\nshare = 130\n", "130"),
+            ("[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\npolicy = \"native-burst-share\"\n", "native-burst-share"),
+            ("[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\npolicy = \"fixed\"\n", "\"fixed\""),
+            ("unmatched = \"whatever\"\n", "\"whatever\""),
+        ];
+        for (text, needle) in cases {
+            let e = Rules::parse("t.toml", text).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e:?} should contain {needle:?}");
+            assert!(e.contains("t.toml"), "{e}");
+        }
+    }
+}
