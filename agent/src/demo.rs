@@ -166,7 +166,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .args(["run", "--gpus", "3", "--listen", "127.0.0.1:0", "--actuator", a.actuator.as_str()])
         .arg("--rules").arg(&rules_path)
         .arg("--nvml-lib").arg(&fake)
-        .arg("--state-dir").arg(out.join("state"))
+        .arg("--state-dir").arg(state.with_extension("agent"))
         .arg("--event-log").arg(&events)
         .arg("--idle-window").arg(format!("{}us", a.idle_window.as_micros()))
         .arg("--poll-interval").arg(format!("{}us", a.poll_interval.as_micros()))

@@ -1,1 +1,379 @@
+//! # coloc-e2e — end-to-end test harness
+//!
+//! Real processes, real signals, real cgroups; only the GPU is simulated (`coloc-sim gpu`
+//! plus `libfake_nvml.so` loaded by the real agent). Binaries come from the same cargo
+//! target directory as the test executable, so run `cargo build --workspace` first (the
+//! README's test command does).
 
+use anyhow::{bail, Context, Result};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A binary from the target directory (`target/<profile>/`).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} missing: run `cargo build --workspace` before the end-to-end tests",
+        p.display()
+    );
+    p
+}
+
+/// A unique name for this test process.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst))
+}
+
+/// A running simulated GPU daemon; killed and cleaned up on drop.
+#[derive(Debug)]
+pub struct Sim {
+    /// State file.
+    pub state: PathBuf,
+    child: Child,
+}
+
+impl Sim {
+    /// Starts `gpus` simulated GPUs with a 1 ms sample period.
+    pub fn start(gpus: u32, extra: &[&str]) -> Sim {
+        let state = PathBuf::from("/dev/shm").join(unique("coloc-e2e"));
+        let child = Command::new(bin("coloc-sim"))
+            .args(["gpu", "--gpus", &gpus.to_string()])
+            .args(extra)
+            .env("COLOC_SIM_STATE", &state)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start coloc-sim gpu");
+        wait_for("simulated GPU state", Duration::from_secs(5), || {
+            coloc_sim::SimGpu::open(&state).is_ok()
+        })
+        .unwrap();
+        Sim { state, child }
+    }
+
+    /// Opens the shared state (to inject failures or read probes).
+    pub fn open(&self) -> coloc_sim::SimGpu {
+        coloc_sim::SimGpu::open(&self.state).unwrap()
+    }
+
+    /// A `coloc-sim` command bound to this GPU state.
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(bin("coloc-sim"));
+        c.args(args).env("COLOC_SIM_STATE", &self.state);
+        c
+    }
+
+    /// Spawns a workload, killed on drop.
+    pub fn spawn(&self, args: &[&str]) -> Proc {
+        Proc(self.cmd(args).stdout(Stdio::null()).spawn().expect("spawn workload"))
+    }
+
+    /// Spawns a workload inside cgroup directory `cg` (before it executes).
+    pub fn spawn_in_cgroup(&self, cg: &Path, args: &[&str]) -> Proc {
+        let file = if cg.join("cgroup.procs").exists() { "cgroup.procs" } else { "tasks" };
+        let mut c = Command::new("sh");
+        c.arg("-c")
+            .arg(format!("echo $$ > '{}/{}' && exec \"$0\" \"$@\"", cg.display(), file))
+            .arg(bin("coloc-sim"))
+            .args(args)
+            .env("COLOC_SIM_STATE", &self.state)
+            .stdout(Stdio::null());
+        Proc(c.spawn().expect("spawn workload in cgroup"))
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.state);
+    }
+}
+
+/// A child process that is continued and killed on drop (never left stopped).
+#[derive(Debug)]
+pub struct Proc(pub Child);
+
+impl Proc {
+    /// PID.
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+    /// Run state letter from /proc (None once gone).
+    pub fn state(&self) -> Option<char> {
+        proc_state(self.pid())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let pid = self.0.id() as i32;
+        // SAFETY: plain kill(2) on our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGCONT);
+            libc::kill(pid, libc::SIGKILL);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+/// Run state letter of a PID (`R`, `S`, `T`, ...).
+pub fn proc_state(pid: u32) -> Option<char> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    s[s.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// Polls `f` every 2 ms until it holds or `timeout` passes.
+pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Result<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < timeout {
+        if f() {
+            return Ok(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    bail!("timed out after {timeout:?} waiting for {what}")
+}
+
+/// Checks that `f` holds at every poll for `dur`.
+pub fn holds_for(what: &str, dur: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
+    let t = Instant::now();
+    while t.elapsed() < dur {
+        if !f() {
+            bail!("{what} stopped holding after {:?}", t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Minimal HTTP/1.1 GET: (status, body).
+pub fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    let status = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("bad HTTP response")?;
+    let body = buf.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Sum of a Prometheus series' values whose line starts with `prefix` (name plus labels).
+pub fn metric(text: &str, name: &str, label_filter: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| label_filter.iter().all(|f| l.contains(f)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A running agent.
+#[derive(Debug)]
+pub struct Agent {
+    /// The process.
+    pub child: Option<Child>,
+    /// HTTP port.
+    pub port: u16,
+    /// State directory (fail-open record).
+    pub state_dir: PathBuf,
+    /// Log file.
+    pub log: PathBuf,
+}
+
+/// Options for [`Agent::start`].
+#[derive(Debug)]
+pub struct AgentOpts<'a> {
+    /// Rules file text.
+    pub rules: &'a str,
+    /// Actuator name.
+    pub actuator: &'a str,
+    /// Extra arguments.
+    pub extra: Vec<String>,
+    /// Reuse this state directory (restart tests).
+    pub state_dir: Option<PathBuf>,
+}
+
+impl Default for AgentOpts<'_> {
+    fn default() -> Self {
+        AgentOpts {
+            rules: "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n",
+            actuator: "signal",
+            extra: vec![],
+            state_dir: None,
+        }
+    }
+}
+
+impl Agent {
+    /// Starts the agent and waits until `/readyz` answers 200.
+    pub fn start(sim: &Sim, o: AgentOpts<'_>) -> Agent {
+        let a = Agent::spawn(sim, o);
+        wait_for("agent ready", Duration::from_secs(10), || {
+            http_get(a.port, "/readyz").map(|r| r.0 == 200).unwrap_or(false)
+        })
+        .unwrap_or_else(|e| panic!("{e}: log:\n{}", std::fs::read_to_string(&a.log).unwrap_or_default()));
+        a
+    }
+
+    /// Starts the agent without waiting.
+    pub fn spawn(sim: &Sim, o: AgentOpts<'_>) -> Agent {
+        let dir = std::env::temp_dir().join(unique("coloc-e2e-agent"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let rules = dir.join("rules.toml");
+        std::fs::write(&rules, o.rules).unwrap();
+        let state_dir = o.state_dir.unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
+        let port = free_port();
+        let log = dir.join("agent.log");
+        let child = Command::new(bin("coloc-agent"))
+            .arg("run")
+            .arg("--rules").arg(&rules)
+            .arg("--nvml-lib").arg(bin("libfake_nvml.so"))
+            .arg("--state-dir").arg(&state_dir)
+            .arg("--listen").arg(format!("127.0.0.1:{port}"))
+            .arg("--actuator").arg(o.actuator)
+            .arg("--cgroup-root").arg("/sys/fs/cgroup")
+            .args(&o.extra)
+            .env("COLOC_SIM_STATE", &sim.state)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start coloc-agent");
+        Agent { child: Some(child), port, state_dir, log }
+    }
+
+    /// `/metrics` text.
+    pub fn metrics(&self) -> String {
+        http_get(self.port, "/metrics").map(|r| r.1).unwrap_or_default()
+    }
+
+    /// `/state` JSON.
+    pub fn state(&self) -> serde_json::Value {
+        http_get(self.port, "/state")
+            .ok()
+            .and_then(|r| serde_json::from_str(&r.1).ok())
+            .unwrap_or_default()
+    }
+
+    /// The agent's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends a signal.
+    pub fn signal(&self, sig: i32) {
+        if let Some(c) = &self.child {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+    }
+
+    /// Waits for exit.
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        self.child.take().expect("running").wait().unwrap()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A cgroup created for a test, removed on drop.
+#[derive(Debug)]
+pub struct TestCgroup {
+    /// Absolute directory.
+    pub dir: PathBuf,
+    /// Path inside its hierarchy (for rules).
+    pub path: String,
+    /// "v2" or "v1".
+    pub version: &'static str,
+}
+
+impl TestCgroup {
+    /// Creates a cgroup in the v2 hierarchy (`/sys/fs/cgroup` or its `unified/`).
+    pub fn v2(name: &str) -> Option<TestCgroup> {
+        let root = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.join("cgroup.controllers").exists())?;
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).ok()?;
+        if !dir.join("cgroup.freeze").exists() {
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        Some(TestCgroup { dir, path: format!("/{name}"), version: "v2" })
+    }
+
+    /// Creates a cgroup in the v1 freezer hierarchy.
+    pub fn v1(name: &str) -> Option<TestCgroup> {
+        let root = PathBuf::from("/sys/fs/cgroup/freezer");
+        if !root.join("tasks").exists() {
+            return None;
+        }
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).ok()?;
+        Some(TestCgroup { dir, path: format!("/{name}"), version: "v1" })
+    }
+
+    /// Whether the cgroup is frozen.
+    pub fn frozen(&self) -> bool {
+        match self.version {
+            "v2" => std::fs::read_to_string(self.dir.join("cgroup.events"))
+                .map(|s| s.lines().any(|l| l == "frozen 1"))
+                .unwrap_or(false),
+            _ => std::fs::read_to_string(self.dir.join("freezer.state"))
+                .map(|s| s.trim() == "FROZEN")
+                .unwrap_or(false),
+        }
+    }
+
+    /// PIDs in the cgroup.
+    pub fn pids(&self) -> Vec<u32> {
+        let f = if self.version == "v2" { "cgroup.procs" } else { "tasks" };
+        std::fs::read_to_string(self.dir.join(f))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        // Never leave anything frozen: thaw, kill, then remove.
+        let _ = match self.version {
+            "v2" => std::fs::write(self.dir.join("cgroup.freeze"), "0"),
+            _ => std::fs::write(self.dir.join("freezer.state"), "THAWED"),
+        };
+        for pid in self.pids() {
+            // SAFETY: kill(2).
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        let _ = wait_for("cgroup empty", Duration::from_secs(2), || self.pids().is_empty());
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}

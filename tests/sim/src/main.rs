@@ -82,6 +82,23 @@ enum Cmd {
         fork_every_ms: u64,
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Free-form label, for rules that match on the command line.
+        #[arg(long)]
+        tag: Option<String>,
+    },
+    /// Busy on the GPU once for a fixed time (after an optional delay), then exit.
+    Busy {
+        #[arg(long, default_value_t = 0)]
+        gpu: u32,
+        /// GPU time, ms (at full speed).
+        #[arg(long, default_value_t = 300.0)]
+        ms: f64,
+        /// Registered but idle for this long first, ms.
+        #[arg(long, default_value_t = 0.0)]
+        delay_ms: f64,
+        /// Free-form label, for rules that match on the command line.
+        #[arg(long)]
+        tag: Option<String>,
     },
     /// Helper spawned by `offline --fork-every-ms`: bumps a shared counter every ms.
     #[command(hide = true)]
@@ -138,9 +155,18 @@ fn main() -> Result<()> {
             duration_s,
             fork_every_ms,
             out,
+            tag: _,
         } => {
             let sim = SimGpu::open(&state)?;
             run_offline(&sim, gpu, step_ms, queue_depth, duration_s, fork_every_ms, out)
+        }
+        Cmd::Busy { gpu, ms, delay_ms, tag: _ } => {
+            let sim = SimGpu::open(&state)?;
+            let slot = sim.register(gpu, 1 << 28)?;
+            std::thread::sleep(Duration::from_secs_f64(delay_ms / 1e3));
+            let target = slot.submit((ms * 1e6) as u64);
+            slot.wait_completed(target);
+            Ok(())
         }
         Cmd::Child { life_ms } => {
             let sim = SimGpu::open(&state)?;
