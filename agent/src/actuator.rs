@@ -262,10 +262,7 @@ fn confirmed(target: &Target, op: Op) -> Option<bool> {
 /// 1 ms. Never spins.
 pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
     let start = Instant::now();
-    let mut out: Vec<Option<Outcome>> = targets
-        .iter()
-        .map(|t| issue(t, op).err())
-        .collect();
+    let mut out: Vec<Option<Outcome>> = targets.iter().map(|t| issue(t, op).err()).collect();
     // v2 event files are opened before the first check so no change is missed.
     let mut event_fds: Vec<(usize, std::fs::File)> = targets
         .iter()
@@ -337,7 +334,9 @@ pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
             backoff = (backoff * 2).min(Duration::from_millis(1));
         }
     }
-    out.into_iter().map(|o| o.unwrap_or(Outcome::Done)).collect()
+    out.into_iter()
+        .map(|o| o.unwrap_or(Outcome::Done))
+        .collect()
 }
 
 /// Human description of a target for logs.
@@ -411,13 +410,18 @@ impl CgroupMounts {
         let v2 = [root.to_path_buf(), root.join("unified")]
             .into_iter()
             .find(|p| p.join("cgroup.controllers").exists());
-        let v1_freezer = Some(root.join("freezer")).filter(|p| p.join("freezer.state").exists() || p.join("tasks").exists());
+        let v1_freezer = Some(root.join("freezer"))
+            .filter(|p| p.join("freezer.state").exists() || p.join("tasks").exists());
         CgroupMounts { v2, v1_freezer }
     }
 
     /// The freezer target for a cgroup given by its path inside a hierarchy. v2 is
     /// preferred when the cgroup exists there and has `cgroup.freeze`.
-    pub fn target_for(&self, v2_path: Option<&str>, v1_freezer_path: Option<&str>) -> Option<Target> {
+    pub fn target_for(
+        &self,
+        v2_path: Option<&str>,
+        v1_freezer_path: Option<&str>,
+    ) -> Option<Target> {
         if let (Some(mount), Some(p)) = (&self.v2, v2_path) {
             let dir = mount.join(p.trim_start_matches('/'));
             if p != "/" && dir.join("cgroup.freeze").exists() {
@@ -446,7 +450,10 @@ mod tests {
 
     #[test]
     fn signal_stop_and_continue_are_confirmed() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
         let pid = child.id();
         let key = ProcKey {
             pid,
@@ -456,7 +463,11 @@ mod tests {
             key,
             pidfd: Arc::new(open_pidfd(key).unwrap()),
         };
-        let r = apply(std::slice::from_ref(&t), Op::Suspend, Duration::from_secs(2));
+        let r = apply(
+            std::slice::from_ref(&t),
+            Op::Suspend,
+            Duration::from_secs(2),
+        );
         assert!(matches!(r[0], Outcome::Done), "{r:?}");
         assert_eq!(read_stat(pid).unwrap().state, 'T');
         let r = apply(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
@@ -465,7 +476,11 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         // The process is gone (reaped): the pidfd refuses, nothing else is hit.
-        let r = apply(std::slice::from_ref(&t), Op::Suspend, Duration::from_secs(1));
+        let r = apply(
+            std::slice::from_ref(&t),
+            Op::Suspend,
+            Duration::from_secs(1),
+        );
         assert!(matches!(r[0], Outcome::Gone), "{r:?}");
     }
 
@@ -473,7 +488,11 @@ mod tests {
     fn pidfd_refuses_a_wrong_start_time() {
         let me = std::process::id();
         let start = read_stat(me).unwrap().start;
-        assert!(open_pidfd(ProcKey { pid: me, start: start + 1 }).is_err());
+        assert!(open_pidfd(ProcKey {
+            pid: me,
+            start: start + 1
+        })
+        .is_err());
         assert!(open_pidfd(ProcKey { pid: me, start }).is_ok());
     }
 }

@@ -110,14 +110,22 @@ pub struct RunArgs {
 impl RunArgs {
     /// Validates the arguments into the loop configuration.
     pub fn loop_config(&self) -> Result<LoopConfig> {
-        if self.poll_interval < Duration::from_micros(100) || self.poll_interval > Duration::from_secs(1) {
-            bail!("--poll-interval {:?}: allowed 100us to 1s", self.poll_interval);
+        if self.poll_interval < Duration::from_micros(100)
+            || self.poll_interval > Duration::from_secs(1)
+        {
+            bail!(
+                "--poll-interval {:?}: allowed 100us to 1s",
+                self.poll_interval
+            );
         }
         if self.idle_window.is_zero() {
             bail!("--idle-window must be positive");
         }
         if self.duty_period < Duration::from_millis(10) {
-            bail!("--duty-period {:?}: must be at least 10ms", self.duty_period);
+            bail!(
+                "--duty-period {:?}: must be at least 10ms",
+                self.duty_period
+            );
         }
         let cgroups = CgroupMounts::detect(&self.cgroup_root);
         if self.actuator == Kind::Freezer && cgroups.v2.is_none() && cgroups.v1_freezer.is_none() {
@@ -143,7 +151,11 @@ impl RunArgs {
             node: self
                 .node_name
                 .clone()
-                .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()))
+                .or_else(|| {
+                    std::fs::read_to_string("/etc/hostname")
+                        .ok()
+                        .map(|s| s.trim().to_string())
+                })
                 .unwrap_or_else(|| "unknown".into()),
         })
     }
@@ -182,7 +194,10 @@ mod tests {
         assert_eq!(parse_duration("1ms").unwrap(), Duration::from_millis(1));
         assert_eq!(parse_duration("500us").unwrap(), Duration::from_micros(500));
         assert_eq!(parse_duration("0.5s").unwrap(), Duration::from_millis(500));
-        assert!(parse_duration("100").unwrap_err().to_string().contains("unit"));
+        assert!(parse_duration("100")
+            .unwrap_err()
+            .to_string()
+            .contains("unit"));
         assert!(parse_duration("5h").is_err());
     }
 

@@ -173,7 +173,9 @@ pub struct Agent {
 
 impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Agent").field("procs", &self.procs.len()).finish()
+        f.debug_struct("Agent")
+            .field("procs", &self.procs.len())
+            .finish()
     }
 }
 
@@ -273,10 +275,15 @@ impl Agent {
     pub fn tick(&mut self) {
         let tick_start = Instant::now();
         if let Some(last) = self.last_tick {
-            let lag = tick_start.duration_since(last).saturating_sub(self.cfg.poll);
+            let lag = tick_start
+                .duration_since(last)
+                .saturating_sub(self.cfg.poll);
             metrics::histogram!("coloc_loop_lag_seconds").record(lag.as_secs_f64());
         }
-        let dt = self.last_tick.map(|l| tick_start.duration_since(l)).unwrap_or_default();
+        let dt = self
+            .last_tick
+            .map(|l| tick_start.duration_since(l))
+            .unwrap_or_default();
         self.last_tick = Some(tick_start);
 
         match self.observe(tick_start) {
@@ -363,7 +370,10 @@ impl Agent {
                 (Some(e), Err(_)) => e.key.start != 0,
                 (None, _) => true,
             };
-            let reclassify = self.procs.get(pid).is_some_and(|e| e.generation != generation);
+            let reclassify = self
+                .procs
+                .get(pid)
+                .is_some_and(|e| e.generation != generation);
             if reused || reclassify {
                 if let Some(old) = self.procs.remove(pid) {
                     if reused {
@@ -444,7 +454,13 @@ impl Agent {
         }
     }
 
-    fn target_for(&mut self, cg: &Cgroups, cls: &Classified, key: ProcKey, fd: Arc<OwnedFd>) -> Target {
+    fn target_for(
+        &mut self,
+        cg: &Cgroups,
+        cls: &Classified,
+        key: ProcKey,
+        fd: Arc<OwnedFd>,
+    ) -> Target {
         let signal = Target::Process { key, pidfd: fd };
         if self.cfg.actuator != Kind::Freezer {
             return signal;
@@ -453,9 +469,15 @@ impl Agent {
             None => "its rule does not declare a whole cgroup offline".to_string(),
             Some(path) => {
                 let v2 = cg.v2.as_deref().filter(|p| p == path);
-                let v1 = cg.v1.get("freezer").map(String::as_str).filter(|p| p == path);
+                let v1 = cg
+                    .v1
+                    .get("freezer")
+                    .map(String::as_str)
+                    .filter(|p| p == path);
                 let inside = |own: Option<&str>| {
-                    own.is_some_and(|o| o == path || o.starts_with(&format!("{}/", path.trim_end_matches('/'))))
+                    own.is_some_and(|o| {
+                        o == path || o.starts_with(&format!("{}/", path.trim_end_matches('/')))
+                    })
                 };
                 if inside(self.self_cgroups.v2.as_deref())
                     || inside(self.self_cgroups.v1.get("freezer").map(String::as_str))
@@ -477,8 +499,12 @@ impl Agent {
     }
 
     fn inputs(&self) -> Vec<GpuInput<ProcKey>> {
-        let mut by_gpu: BTreeMap<u32, Vec<ProcessObs<ProcKey>>> =
-            self.sampler.gpus().into_iter().map(|g| (g, Vec::new())).collect();
+        let mut by_gpu: BTreeMap<u32, Vec<ProcessObs<ProcKey>>> = self
+            .sampler
+            .gpus()
+            .into_iter()
+            .map(|g| (g, Vec::new()))
+            .collect();
         for e in self.procs.values() {
             for g in &e.gpus {
                 if let Some(v) = by_gpu.get_mut(g) {
@@ -501,7 +527,11 @@ impl Agent {
         self.procs
             .get(&key.pid)
             .filter(|e| e.key == *key)
-            .or_else(|| self.procs.get(&(u32::MAX - key.pid)).filter(|e| e.key == *key))
+            .or_else(|| {
+                self.procs
+                    .get(&(u32::MAX - key.pid))
+                    .filter(|e| e.key == *key)
+            })
     }
 
     fn execute(&mut self, d: Decision<ProcKey>, decided: u64) {
@@ -514,7 +544,10 @@ impl Agent {
                 continue;
             };
             let rec = target.record();
-            let (_, holders) = self.held.entry(rec).or_insert_with(|| (target.clone(), BTreeSet::new()));
+            let (_, holders) = self
+                .held
+                .entry(rec)
+                .or_insert_with(|| (target.clone(), BTreeSet::new()));
             let first = holders.is_empty();
             holders.insert(*key);
             let (gpu, why) = match reason {
@@ -552,7 +585,10 @@ impl Agent {
         // Resumptions.
         let mut resume: Vec<Target> = Vec::new();
         for key in &d.resume {
-            let rec = self.entry_by_key(key).and_then(|e| e.target.as_ref()).map(Target::record);
+            let rec = self
+                .entry_by_key(key)
+                .and_then(|e| e.target.as_ref())
+                .map(Target::record);
             let Some(rec) = rec else { continue };
             if let Some((t, holders)) = self.held.get_mut(&rec) {
                 holders.remove(key);
@@ -577,9 +613,16 @@ impl Agent {
 
         for tr in &d.transitions {
             match *tr {
-                Transition::Preempt { gpu, first_activity, decided_at, offline } => {
+                Transition::Preempt {
+                    gpu,
+                    first_activity,
+                    decided_at,
+                    offline,
+                } => {
                     let detection = decided_at.saturating_sub(first_activity);
-                    let acted = batch_gpus.get(&gpu).copied().unwrap_or(0) > 0 && !self.cfg.dry_run && !batch.is_empty();
+                    let acted = batch_gpus.get(&gpu).copied().unwrap_or(0) > 0
+                        && !self.cfg.dry_run
+                        && !batch.is_empty();
                     let m = self.gpu_metrics.get(&gpu);
                     if let Some(m) = m {
                         m.detection.record(secs(detection));
@@ -600,10 +643,22 @@ impl Agent {
                         ev["actuation_s"] = json!(secs(act));
                         ev["preemption_s"] = json!(secs(pre));
                     }
-                    info!(gpu, offline, detection_ms = detection as f64 / 1e6, preemption_ms = ev["preemption_s"].as_f64().map(|s| s * 1e3), "Online busy: offline suspended");
+                    info!(
+                        gpu,
+                        offline,
+                        detection_ms = detection as f64 / 1e6,
+                        preemption_ms = ev["preemption_s"].as_f64().map(|s| s * 1e3),
+                        "Online busy: offline suspended"
+                    );
                     self.log_event(ev);
                 }
-                Transition::Release { gpu, window_end, decided_at, busy_for, offline } => {
+                Transition::Release {
+                    gpu,
+                    window_end,
+                    decided_at,
+                    busy_for,
+                    offline,
+                } => {
                     let mut ev = json!({
                         "event": "release", "gpu": gpu, "window_end_ns": window_end, "decided_ns": decided_at,
                         "busy_for_s": secs(busy_for), "offline": offline, "actuator": actuator, "dry_run": self.cfg.dry_run,
@@ -616,7 +671,13 @@ impl Agent {
                         ev["confirmed_ns"] = json!(resumed_at);
                         ev["release_s"] = json!(secs(rel));
                     }
-                    info!(gpu, offline, busy_ms = busy_for as f64 / 1e6, release_ms = ev["release_s"].as_f64().map(|s| s * 1e3), "Online idle for the window: offline resumed");
+                    info!(
+                        gpu,
+                        offline,
+                        busy_ms = busy_for as f64 / 1e6,
+                        release_ms = ev["release_s"].as_f64().map(|s| s * 1e3),
+                        "Online idle for the window: offline resumed"
+                    );
                     self.log_event(ev);
                 }
             }
@@ -643,13 +704,18 @@ impl Agent {
                     error!(target = %actuator::describe(t), op = op.as_str(), %err, "Actuation failed");
                     if op == Op::Suspend {
                         // Fail open: undo a half-done suspension and stop holding it.
-                        let undo = actuator::apply(std::slice::from_ref(t), Op::Resume, self.cfg.confirm_timeout);
+                        let undo = actuator::apply(
+                            std::slice::from_ref(t),
+                            Op::Resume,
+                            self.cfg.confirm_timeout,
+                        );
                         if matches!(undo[0], Outcome::Failed(_)) {
                             error!(target = %actuator::describe(t), "Could not undo a failed suspension; left in the record for the next start");
                             continue;
                         }
                         self.held.remove(&t.record());
-                        metrics::counter!("coloc_fail_open_total", "reason" => "actuation").increment(1);
+                        metrics::counter!("coloc_fail_open_total", "reason" => "actuation")
+                            .increment(1);
                     }
                     // A failed resume stays in the record so the next start retries it.
                     if op == Op::Suspend {
@@ -666,11 +732,18 @@ impl Agent {
     /// Resumes every held target and forgets all suspensions (fail-open and shutdown).
     pub fn release_everything(&mut self, reason: &'static str) {
         self.machine.release_all();
-        let targets: Vec<Target> = std::mem::take(&mut self.held).into_values().map(|(t, _)| t).collect();
+        let targets: Vec<Target> = std::mem::take(&mut self.held)
+            .into_values()
+            .map(|(t, _)| t)
+            .collect();
         if targets.is_empty() {
             return;
         }
-        info!(reason, count = targets.len(), "Resuming all suspended offline work");
+        info!(
+            reason,
+            count = targets.len(),
+            "Resuming all suspended offline work"
+        );
         if !self.cfg.dry_run {
             let outcomes = actuator::apply(&targets, Op::Resume, self.cfg.confirm_timeout);
             self.handle_outcomes(&targets, outcomes, Op::Resume);
@@ -679,19 +752,33 @@ impl Agent {
 
     fn purge_gone(&mut self) {
         let machine = &self.machine;
-        self.procs.retain(|_, e| !e.gpus.is_empty() || machine.suspended().contains_key(&e.key));
+        self.procs
+            .retain(|_, e| !e.gpus.is_empty() || machine.suspended().contains_key(&e.key));
     }
 
     fn account(&mut self, dt: Duration, inputs: &[GpuInput<ProcKey>]) {
         let dts = dt.as_secs_f64();
         for input in inputs {
-            let Some(m) = self.gpu_metrics.get(&input.gpu) else { continue };
+            let Some(m) = self.gpu_metrics.get(&input.gpu) else {
+                continue;
+            };
             let busy = matches!(self.machine.state(input.gpu), GpuState::OnlineBusy { .. });
             m.busy.set(if busy { 1.0 } else { 0.0 });
-            let offline: Vec<_> = input.procs.iter().filter(|p| p.class == Class::Offline).collect();
-            let suspended = offline.iter().filter(|p| self.machine.suspended().contains_key(&p.key)).count();
+            let offline: Vec<_> = input
+                .procs
+                .iter()
+                .filter(|p| p.class == Class::Offline)
+                .collect();
+            let suspended = offline
+                .iter()
+                .filter(|p| self.machine.suspended().contains_key(&p.key))
+                .count();
             m.suspended.set(suspended as f64);
-            let mut secs = self.shared.gpu_seconds.lock().unwrap_or_else(|e| e.into_inner());
+            let mut secs = self
+                .shared
+                .gpu_seconds
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             let acc = secs.entry(input.gpu).or_default();
             if suspended > 0 {
                 acc.suspended += dts;

@@ -115,7 +115,12 @@ pub fn run(a: DemoArgs) -> Result<()> {
     };
     std::fs::create_dir_all(&out)?;
     let shm = Path::new("/dev/shm");
-    let state = if shm.is_dir() { shm.to_path_buf() } else { out.clone() }.join(format!("coloc-demo-{id}"));
+    let state = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        out.clone()
+    }
+    .join(format!("coloc-demo-{id}"));
 
     // Offline work on GPU 3 goes in its own cgroup when the freezer is used.
     let mut cgroup_dir: Option<PathBuf> = None;
@@ -140,7 +145,12 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let rules_path = out.join("rules.toml");
     std::fs::write(&rules_path, rules)?;
 
-    println!("gpu-coloc demo: 4 simulated GPUs, {} s, actuator {}, results in {}", a.duration_s, a.actuator.as_str(), out.display());
+    println!(
+        "gpu-coloc demo: 4 simulated GPUs, {} s, actuator {}, results in {}",
+        a.duration_s,
+        a.actuator.as_str(),
+        out.display()
+    );
     let mut procs = Kill(Vec::new());
     procs.0.push(
         Command::new(&sim)
@@ -151,7 +161,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
             .spawn()?,
     );
     let t0 = Instant::now();
-    while std::fs::metadata(&state).map(|m| m.len() == 0).unwrap_or(true) {
+    while std::fs::metadata(&state)
+        .map(|m| m.len() == 0)
+        .unwrap_or(true)
+    {
         if t0.elapsed() > Duration::from_secs(5) {
             bail!("simulated GPU did not start");
         }
@@ -163,43 +176,88 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let _ = std::fs::remove_file(&events);
     let agent_log = std::fs::File::create(out.join("agent.log"))?;
     let mut agent = Command::new(&me)
-        .args(["run", "--gpus", "3", "--listen", "127.0.0.1:0", "--actuator", a.actuator.as_str()])
-        .arg("--rules").arg(&rules_path)
-        .arg("--nvml-lib").arg(&fake)
-        .arg("--state-dir").arg(state.with_extension("agent"))
-        .arg("--event-log").arg(&events)
-        .arg("--idle-window").arg(format!("{}us", a.idle_window.as_micros()))
-        .arg("--poll-interval").arg(format!("{}us", a.poll_interval.as_micros()))
+        .args([
+            "run",
+            "--gpus",
+            "3",
+            "--listen",
+            "127.0.0.1:0",
+            "--actuator",
+            a.actuator.as_str(),
+        ])
+        .arg("--rules")
+        .arg(&rules_path)
+        .arg("--nvml-lib")
+        .arg(&fake)
+        .arg("--state-dir")
+        .arg(state.with_extension("agent"))
+        .arg("--event-log")
+        .arg(&events)
+        .arg("--idle-window")
+        .arg(format!("{}us", a.idle_window.as_micros()))
+        .arg("--poll-interval")
+        .arg(format!("{}us", a.poll_interval.as_micros()))
         .env("COLOC_SIM_STATE", &state)
         .stderr(agent_log)
         .spawn()
         .context("starting the agent")?;
     std::thread::sleep(Duration::from_millis(500));
     if let Some(st) = agent.try_wait()? {
-        bail!("agent exited at start ({st}); see {}", out.join("agent.log").display());
+        bail!(
+            "agent exited at start ({st}); see {}",
+            out.join("agent.log").display()
+        );
     }
 
     let dur = a.duration_s.to_string();
     let online = |gpu: u32, name: &str| -> Result<Child> {
         Ok(Command::new(&sim)
-            .args(["online", "--gpu", &gpu.to_string(), "--duration-s", &dur, "--seed", "7"])
-            .args(["--rate", &a.online_rate.to_string(), "--work-ms", &a.online_work_ms.to_string()])
-            .arg("--out").arg(out.join(name))
+            .args([
+                "online",
+                "--gpu",
+                &gpu.to_string(),
+                "--duration-s",
+                &dur,
+                "--seed",
+                "7",
+            ])
+            .args([
+                "--rate",
+                &a.online_rate.to_string(),
+                "--work-ms",
+                &a.online_work_ms.to_string(),
+            ])
+            .arg("--out")
+            .arg(out.join(name))
             .env("COLOC_SIM_STATE", &state)
             .spawn()?)
     };
     let offline = |gpu: u32, name: &str, cgroup: Option<&Path>| -> Result<Child> {
         let mut args: Vec<String> = vec![
-            "offline".into(), "--gpu".into(), gpu.to_string(), "--duration-s".into(), dur.clone(),
-            "--step-ms".into(), a.offline_step_ms.to_string(),
-            "--out".into(), out.join(name).display().to_string(),
+            "offline".into(),
+            "--gpu".into(),
+            gpu.to_string(),
+            "--duration-s".into(),
+            dur.clone(),
+            "--step-ms".into(),
+            a.offline_step_ms.to_string(),
+            "--out".into(),
+            out.join(name).display().to_string(),
         ];
         let mut cmd = match cgroup {
             Some(cg) => {
-                let procs_file = if cg.join("cgroup.procs").exists() { "cgroup.procs" } else { "tasks" };
+                let procs_file = if cg.join("cgroup.procs").exists() {
+                    "cgroup.procs"
+                } else {
+                    "tasks"
+                };
                 let mut c = Command::new("sh");
                 c.arg("-c")
-                    .arg(format!("echo $$ > '{}/{}' && exec \"$0\" \"$@\"", cg.display(), procs_file))
+                    .arg(format!(
+                        "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
+                        cg.display(),
+                        procs_file
+                    ))
                     .arg(&sim);
                 c
             }
@@ -222,7 +280,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
             bail!("a workload failed ({st})");
         }
     }
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent.id() as i32), nix::sys::signal::Signal::SIGTERM)?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
     let st = agent.wait()?;
     drop(procs);
     if let Some(cg) = &cgroup_dir {
@@ -230,7 +291,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
     }
     let _ = std::fs::remove_file(&state);
     if !st.success() {
-        bail!("agent exited with {st}; see {}", out.join("agent.log").display());
+        bail!(
+            "agent exited with {st}; see {}",
+            out.join("agent.log").display()
+        );
     }
 
     let summary = summarize(&out, &events, a.duration_s)?;
@@ -244,16 +308,31 @@ pub fn run(a: DemoArgs) -> Result<()> {
 /// Reads the workloads' results and the agent's event log into one summary.
 pub fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
     let on = |n: &str| read_json(&out.join(n));
-    let (alone, noagent, agent) = (on("online-alone.json")?, on("online-noagent.json")?, on("online-agent.json")?);
-    let (off_alone, off_noagent, off_agent) = (on("offline-alone.json")?, on("offline-noagent.json")?, on("offline-agent.json")?);
+    let (alone, noagent, agent) = (
+        on("online-alone.json")?,
+        on("online-noagent.json")?,
+        on("online-agent.json")?,
+    );
+    let (off_alone, off_noagent, off_agent) = (
+        on("offline-alone.json")?,
+        on("offline-noagent.json")?,
+        on("offline-agent.json")?,
+    );
     // Share of the time online leaves the GPU idle, from the online-alone run.
     let busy_ns: f64 = alone["records"]
         .as_array()
-        .map(|r| r.iter().map(|x| x[2].as_f64().unwrap_or(0.0) - x[1].as_f64().unwrap_or(0.0)).sum())
+        .map(|r| {
+            r.iter()
+                .map(|x| x[2].as_f64().unwrap_or(0.0) - x[1].as_f64().unwrap_or(0.0))
+                .sum()
+        })
         .unwrap_or(0.0);
     let idle_fraction = (1.0 - busy_ns / (duration_s * 1e9)).clamp(0.0, 1.0);
     let text = std::fs::read_to_string(events).unwrap_or_default();
-    let evs: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let evs: Vec<Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
     let field = |kind: &str, f: &str| -> Vec<f64> {
         evs.iter()
             .filter(|e| e["event"] == kind)
@@ -287,15 +366,59 @@ pub fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
 fn print_table(s: &Value) {
     let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
     println!();
-    println!("{:<34} {:>12} {:>12} {:>16}", "scenario", "online p50", "online p99", "offline steps/s");
-    println!("{:<34} {:>9.1} ms {:>9.1} ms {:>16}", "online alone (GPU 0)", f(&s["online_alone"]["p50_ms"]), f(&s["online_alone"]["p99_ms"]), "-");
-    println!("{:<34} {:>12} {:>12} {:>16.1}", "offline alone (GPU 1)", "-", "-", f(&s["offline_alone_steps_per_s"]));
-    println!("{:<34} {:>9.1} ms {:>9.1} ms {:>16.1}", "online + offline, no agent (GPU 2)", f(&s["online_no_agent"]["p50_ms"]), f(&s["online_no_agent"]["p99_ms"]), f(&s["offline_no_agent_steps_per_s"]));
-    println!("{:<34} {:>9.1} ms {:>9.1} ms {:>16.1}", "online + offline, gpu-coloc (GPU 3)", f(&s["online_agent"]["p50_ms"]), f(&s["online_agent"]["p99_ms"]), f(&s["offline_agent_steps_per_s"]));
+    println!(
+        "{:<34} {:>12} {:>12} {:>16}",
+        "scenario", "online p50", "online p99", "offline steps/s"
+    );
+    println!(
+        "{:<34} {:>9.1} ms {:>9.1} ms {:>16}",
+        "online alone (GPU 0)",
+        f(&s["online_alone"]["p50_ms"]),
+        f(&s["online_alone"]["p99_ms"]),
+        "-"
+    );
+    println!(
+        "{:<34} {:>12} {:>12} {:>16.1}",
+        "offline alone (GPU 1)",
+        "-",
+        "-",
+        f(&s["offline_alone_steps_per_s"])
+    );
+    println!(
+        "{:<34} {:>9.1} ms {:>9.1} ms {:>16.1}",
+        "online + offline, no agent (GPU 2)",
+        f(&s["online_no_agent"]["p50_ms"]),
+        f(&s["online_no_agent"]["p99_ms"]),
+        f(&s["offline_no_agent_steps_per_s"])
+    );
+    println!(
+        "{:<34} {:>9.1} ms {:>9.1} ms {:>16.1}",
+        "online + offline, gpu-coloc (GPU 3)",
+        f(&s["online_agent"]["p50_ms"]),
+        f(&s["online_agent"]["p99_ms"]),
+        f(&s["offline_agent_steps_per_s"])
+    );
     println!();
-    println!("online p99 vs alone:      no agent {:.2}x, with gpu-coloc {:.2}x", f(&s["p99_ratio_no_agent"]), f(&s["p99_ratio_agent"]));
-    println!("offline share of the time online leaves idle ({:.0} % idle): {:.0} %", 100.0 * f(&s["online_idle_fraction"]), 100.0 * f(&s["offline_share_of_idle"]));
-    println!("preemptions: {}   preemption latency p50 {:.2} ms, p99 {:.2} ms (detection p50 {:.2} ms)",
-        s["preemptions"], f(&s["preemption_ms"]["p50"]), f(&s["preemption_ms"]["p99"]), f(&s["detection_ms"]["p50"]));
-    println!("release latency (after the idle window) p50 {:.2} ms, p99 {:.2} ms", f(&s["release_ms"]["p50"]), f(&s["release_ms"]["p99"]));
+    println!(
+        "online p99 vs alone:      no agent {:.2}x, with gpu-coloc {:.2}x",
+        f(&s["p99_ratio_no_agent"]),
+        f(&s["p99_ratio_agent"])
+    );
+    println!(
+        "offline share of the time online leaves idle ({:.0} % idle): {:.0} %",
+        100.0 * f(&s["online_idle_fraction"]),
+        100.0 * f(&s["offline_share_of_idle"])
+    );
+    println!(
+        "preemptions: {}   preemption latency p50 {:.2} ms, p99 {:.2} ms (detection p50 {:.2} ms)",
+        s["preemptions"],
+        f(&s["preemption_ms"]["p50"]),
+        f(&s["preemption_ms"]["p99"]),
+        f(&s["detection_ms"]["p50"])
+    );
+    println!(
+        "release latency (after the idle window) p50 {:.2} ms, p99 {:.2} ms",
+        f(&s["release_ms"]["p50"]),
+        f(&s["release_ms"]["p99"])
+    );
 }

@@ -74,7 +74,9 @@ pub struct Nvml {
 
 impl std::fmt::Debug for Nvml {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Nvml").field("gpus", &self.devices.len()).finish()
+        f.debug_struct("Nvml")
+            .field("gpus", &self.devices.len())
+            .finish()
     }
 }
 

@@ -62,13 +62,19 @@ async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
 
 async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
     if !s.shared.ticked.load(Ordering::Relaxed) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "control loop not started\n");
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "control loop not started\n",
+        );
     }
     if !s.source.ready() {
         return (StatusCode::SERVICE_UNAVAILABLE, "pod source not synced\n");
     }
     if s.shared.degraded.load(Ordering::Relaxed) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "NVML failing: offline work resumed (fail-open)\n");
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "NVML failing: offline work resumed (fail-open)\n",
+        );
     }
     (StatusCode::OK, "ready\n")
 }

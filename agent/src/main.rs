@@ -66,8 +66,16 @@ fn run(args: RunArgs) -> Result<()> {
     let sampler = gpu::Nvml::open(&args.nvml_lib, &args.gpus)?;
     let shared = Arc::new(Shared::default());
     metrics::gauge!("coloc_agent_info", "version" => env!("CARGO_PKG_VERSION"), "actuator" => cfg.actuator.as_str(), "dry_run" => cfg.dry_run.to_string()).set(1.0);
-    let stall_ns = (cfg.poll.as_nanos() as u64).saturating_mul(1000).max(5_000_000_000);
-    let agent = Agent::new(cfg.clone(), Box::new(sampler), source.clone(), record, shared.clone())?;
+    let stall_ns = (cfg.poll.as_nanos() as u64)
+        .saturating_mul(1000)
+        .max(5_000_000_000);
+    let agent = Agent::new(
+        cfg.clone(),
+        Box::new(sampler),
+        source.clone(),
+        record,
+        shared.clone(),
+    )?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -155,7 +155,8 @@ mod tests {
 
     #[test]
     fn stat_with_odd_comm() {
-        let s = "1234 (a) b (c)) T 1 1234 1234 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 1000 10";
+        let s =
+            "1234 (a) b (c)) T 1 1234 1234 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 1000 10";
         assert_eq!(
             parse_stat(s),
             Some(Stat {

@@ -36,7 +36,10 @@ impl Record {
         let leftover = match std::fs::read(&path) {
             Ok(bytes) => {
                 let d: OnDisk = serde_json::from_slice(&bytes).with_context(|| {
-                    format!("{} is corrupt; remove it after checking nothing is frozen", path.display())
+                    format!(
+                        "{} is corrupt; remove it after checking nothing is frozen",
+                        path.display()
+                    )
                 })?;
                 d.suspended
             }
@@ -88,8 +91,8 @@ impl Record {
             version: 1,
             suspended: self.entries.iter().cloned().collect(),
         })?;
-        let mut f = std::fs::File::create(&tmp)
-            .with_context(|| format!("writing {}", tmp.display()))?;
+        let mut f =
+            std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
         f.write_all(&body)?;
         f.sync_data()?;
         std::fs::rename(&tmp, &self.path)

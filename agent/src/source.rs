@@ -199,11 +199,14 @@ impl Rules {
             let share = match (policy, r.share) {
                 (ComputePolicy::FixedShare, Some(p @ 1..=100)) => Share::Fixed { percent: p },
                 (ComputePolicy::FixedShare, Some(p)) => {
-                    return Err(invalid(format!("share = {p} is out of range; allowed: 1-100")))
+                    return Err(invalid(format!(
+                        "share = {p} is out of range; allowed: 1-100"
+                    )))
                 }
                 (ComputePolicy::FixedShare, None) => {
                     return Err(invalid(
-                        "policy = \"fixed-share\" needs share = <percent of wall time, 1-100>".into(),
+                        "policy = \"fixed-share\" needs share = <percent of wall time, 1-100>"
+                            .into(),
                     ))
                 }
                 (ComputePolicy::NativeBurstShare, _) if class == Class::Offline => {
@@ -214,7 +217,9 @@ impl Rules {
                     ))
                 }
                 (_, Some(_)) => {
-                    return Err(invalid("share is only meaningful with policy = \"fixed-share\"".into()))
+                    return Err(invalid(
+                        "share is only meaningful with policy = \"fixed-share\"".into(),
+                    ))
                 }
                 _ => Share::Burst,
             };
@@ -355,11 +360,20 @@ mod tests {
         let c = r.classify(&proc("python x", "/batch/job1", 0));
         assert_eq!(c.class, Class::Offline);
         assert_eq!(c.freeze_cgroup.as_deref(), Some("/batch/job1"));
-        assert_eq!(r.classify(&proc("python x", "/svc", 1000)).class, Class::Online);
-        assert_eq!(r.classify(&proc("python x", "/svc", 1001)).class, Class::Unmanaged);
+        assert_eq!(
+            r.classify(&proc("python x", "/svc", 1000)).class,
+            Class::Online
+        );
+        assert_eq!(
+            r.classify(&proc("python x", "/svc", 1001)).class,
+            Class::Unmanaged
+        );
         let c = r.classify(&proc("run capped", "/svc", 5));
         assert_eq!(c.share, Share::Fixed { percent: 30 });
-        assert_eq!(c.freeze_cgroup, None, "a cmdline rule never declares a cgroup offline");
+        assert_eq!(
+            c.freeze_cgroup, None,
+            "a cmdline rule never declares a cgroup offline"
+        );
     }
 
     #[test]

@@ -30,7 +30,7 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 now += MS;
                 // Alternate busy/idle every 200 ms so both transitions are exercised.
-                let busy = (now / (200 * MS)) % 2 == 0;
+                let busy = (now / (200 * MS)).is_multiple_of(2);
                 black_box(m.tick(now, &inputs(n, now, busy)))
             })
         });

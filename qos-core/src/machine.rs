@@ -244,10 +244,8 @@ impl<K: Ord + Clone> Machine<K> {
 
         for input in gpus {
             seen_gpus.insert(input.gpu);
-            let is_online = |p: &ProcessObs<K>| {
-                p.class
-                    .is_online_demand(self.config.unmanaged_is_online)
-            };
+            let is_online =
+                |p: &ProcessObs<K>| p.class.is_online_demand(self.config.unmanaged_is_online);
             let online_times = input
                 .procs
                 .iter()
@@ -372,34 +370,80 @@ mod tests {
     #[test]
     fn online_activity_suspends_offline_and_idle_window_edges() {
         let mut m = Machine::new(Config::default());
-        let d = m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, Some(T0 - MS)), p(2, Class::Online, None)])]);
+        let d = m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![
+                    p(1, Class::Offline, Some(T0 - MS)),
+                    p(2, Class::Online, None),
+                ],
+            )],
+        );
         assert!(d.is_empty());
         // Online activity sampled at T0+1ms, seen at T0+2ms.
         let act = T0 + MS;
-        let d = m.tick(T0 + 2 * MS, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))])]);
+        let d = m.tick(
+            T0 + 2 * MS,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))],
+            )],
+        );
         assert_eq!(d.suspend, vec![(1, Reason::OnlineBusy { gpu: 0 })]);
         assert_eq!(
             d.transitions,
-            vec![Transition::Preempt { gpu: 0, first_activity: act, decided_at: T0 + 2 * MS, offline: 1 }]
+            vec![Transition::Preempt {
+                gpu: 0,
+                first_activity: act,
+                decided_at: T0 + 2 * MS,
+                offline: 1
+            }]
         );
         // 99 ms after the last activity: still busy.
-        let d = m.tick(act + 99 * MS, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))])]);
+        let d = m.tick(
+            act + 99 * MS,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))],
+            )],
+        );
         assert!(d.is_empty(), "{d:?}");
         assert!(matches!(m.state(0), GpuState::OnlineBusy { .. }));
         // Exactly 100 ms: released.
-        let d = m.tick(act + 100 * MS, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))])]);
+        let d = m.tick(
+            act + 100 * MS,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(act))],
+            )],
+        );
         assert_eq!(d.resume, vec![1]);
         assert_eq!(
             d.transitions,
-            vec![Transition::Release { gpu: 0, window_end: act + 100 * MS, decided_at: act + 100 * MS, busy_for: 0, offline: 1 }]
+            vec![Transition::Release {
+                gpu: 0,
+                window_end: act + 100 * MS,
+                decided_at: act + 100 * MS,
+                busy_for: 0,
+                offline: 1
+            }]
         );
         assert_eq!(m.state(0), GpuState::OfflineRunning);
     }
 
     #[test]
     fn idle_window_edges_with_custom_window() {
-        let mut m = Machine::new(Config { idle_window: 10 * MS, ..Config::default() });
-        let procs = |t| vec![gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(t))])];
+        let mut m = Machine::new(Config {
+            idle_window: 10 * MS,
+            ..Config::default()
+        });
+        let procs = |t| {
+            vec![gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(t))],
+            )]
+        };
         m.tick(T0, &procs(T0));
         assert_eq!(m.suspended().len(), 1);
         m.tick(T0 + 10 * MS - 1, &procs(T0));
@@ -412,7 +456,13 @@ mod tests {
     fn offline_appearing_while_busy_is_suspended_at_once() {
         let mut m = Machine::new(Config::default());
         m.tick(T0, &[gpu(0, vec![p(2, Class::Online, Some(T0))])]);
-        let d = m.tick(T0 + MS, &[gpu(0, vec![p(2, Class::Online, Some(T0)), p(7, Class::Offline, None)])]);
+        let d = m.tick(
+            T0 + MS,
+            &[gpu(
+                0,
+                vec![p(2, Class::Online, Some(T0)), p(7, Class::Offline, None)],
+            )],
+        );
         assert_eq!(d.suspend, vec![(7, Reason::OnlineBusy { gpu: 0 })]);
         assert!(d.transitions.is_empty());
     }
@@ -423,7 +473,10 @@ mod tests {
         let d = m.tick(
             T0,
             &[
-                gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))]),
+                gpu(
+                    0,
+                    vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))],
+                ),
                 gpu(1, vec![p(3, Class::Offline, None)]),
             ],
         );
@@ -434,19 +487,49 @@ mod tests {
     #[test]
     fn system_offline_activity_never_makes_busy_and_unmanaged_is_configurable() {
         let mut m = Machine::new(Config::default());
-        let d = m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, Some(T0)), p(2, Class::System, Some(T0))])]);
+        let d = m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![
+                    p(1, Class::Offline, Some(T0)),
+                    p(2, Class::System, Some(T0)),
+                ],
+            )],
+        );
         assert!(d.is_empty());
-        let d = m.tick(T0 + MS, &[gpu(0, vec![p(1, Class::Offline, None), p(3, Class::Unmanaged, Some(T0))])]);
+        let d = m.tick(
+            T0 + MS,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(3, Class::Unmanaged, Some(T0))],
+            )],
+        );
         assert_eq!(d.suspend.len(), 1);
-        let mut m = Machine::new(Config { unmanaged_is_online: false, ..Config::default() });
-        let d = m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(3, Class::Unmanaged, Some(T0))])]);
+        let mut m = Machine::new(Config {
+            unmanaged_is_online: false,
+            ..Config::default()
+        });
+        let d = m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(3, Class::Unmanaged, Some(T0))],
+            )],
+        );
         assert!(d.is_empty());
     }
 
     #[test]
     fn online_process_exit_keeps_window() {
         let mut m = Machine::new(Config::default());
-        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))],
+            )],
+        );
         // The online process is gone, but it was active 50 ms ago: stay busy.
         let d = m.tick(T0 + 50 * MS, &[gpu(0, vec![p(1, Class::Offline, None)])]);
         assert!(d.is_empty());
@@ -457,7 +540,13 @@ mod tests {
     #[test]
     fn disappeared_suspended_process_is_resumed() {
         let mut m = Machine::new(Config::default());
-        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))],
+            )],
+        );
         let d = m.tick(T0 + MS, &[gpu(0, vec![p(2, Class::Online, Some(T0))])]);
         assert_eq!(d.resume, vec![1]);
         assert!(m.suspended().is_empty());
@@ -466,16 +555,42 @@ mod tests {
     #[test]
     fn reclassified_offline_to_online_is_resumed() {
         let mut m = Machine::new(Config::default());
-        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
-        let d = m.tick(T0 + MS, &[gpu(0, vec![p(1, Class::Online, None), p(2, Class::Online, Some(T0))])]);
+        m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))],
+            )],
+        );
+        let d = m.tick(
+            T0 + MS,
+            &[gpu(
+                0,
+                vec![p(1, Class::Online, None), p(2, Class::Online, Some(T0))],
+            )],
+        );
         assert_eq!(d.resume, vec![1]);
     }
 
     #[test]
     fn fixed_share_duty_cycle() {
-        let mut m = Machine::new(Config { duty_period: 100 * MS, ..Config::default() });
+        let mut m = Machine::new(Config {
+            duty_period: 100 * MS,
+            ..Config::default()
+        });
         let fixed = |t| {
-            vec![gpu(0, vec![ProcessObs { key: 1, class: Class::Offline, last_active: None, share: Share::Fixed { percent: 30 } }, p(2, Class::Offline, None)])]
+            vec![gpu(
+                0,
+                vec![
+                    ProcessObs {
+                        key: 1,
+                        class: Class::Offline,
+                        last_active: None,
+                        share: Share::Fixed { percent: 30 },
+                    },
+                    p(2, Class::Offline, None),
+                ],
+            )]
             .into_iter()
             .map(|g| (t, g))
             .collect::<Vec<_>>()
@@ -489,7 +604,10 @@ mod tests {
                 suspended_ms += 1;
                 assert_eq!(m.suspended()[&1], Reason::ShareCap);
             }
-            assert!(!m.suspended().contains_key(&2), "burst share is never capped");
+            assert!(
+                !m.suspended().contains_key(&2),
+                "burst share is never capped"
+            );
         }
         assert_eq!(suspended_ms, 700, "30 % share runs 30 ms of every 100 ms");
         assert!(m.duty_allows(100, base + 99 * MS));
@@ -498,7 +616,13 @@ mod tests {
     #[test]
     fn release_all_forgets() {
         let mut m = Machine::new(Config::default());
-        m.tick(T0, &[gpu(0, vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))])]);
+        m.tick(
+            T0,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))],
+            )],
+        );
         assert_eq!(m.release_all(), vec![1]);
         assert!(m.suspended().is_empty());
         assert_eq!(m.state(0), GpuState::OfflineRunning);

@@ -114,7 +114,8 @@ fn parse_integer_quantity(
         _ => return Err(malformed("unknown suffix")),
     };
     let n: u64 = digits.parse().map_err(|_| malformed("too large"))?;
-    n.checked_mul(multiplier).ok_or_else(|| malformed("too large"))
+    n.checked_mul(multiplier)
+        .ok_or_else(|| malformed("too large"))
 }
 
 /// A compute request in percent of one GPU (`mgpu-core` or `reclaimed-mgpu-core`).
@@ -126,7 +127,7 @@ impl CorePercent {
     /// [`RECLAIMED_MGPU_CORE`]). `"0"` is out of range: omit the resource instead.
     pub fn parse(resource: &'static str, value: &str) -> Result<CorePercent, ResourceError> {
         let n = parse_integer_quantity(resource, value, CORE_ALLOWED)?;
-        let ok = (1..=100).contains(&n) || (n % 100 == 0 && n <= MAX_CORE as u64 && n > 0);
+        let ok = (1..=100).contains(&n) || (n.is_multiple_of(100) && n <= MAX_CORE as u64 && n > 0);
         if !ok {
             return Err(ResourceError::OutOfRange {
                 resource,
@@ -221,7 +222,13 @@ mod tests {
 
     #[test]
     fn cores_in_range() {
-        for (v, want) in [("1", 1), ("50", 50), ("100", 100), ("200", 200), (" 30 ", 30)] {
+        for (v, want) in [
+            ("1", 1),
+            ("50", 50),
+            ("100", 100),
+            ("200", 200),
+            (" 30 ", 30),
+        ] {
             assert_eq!(CorePercent::parse(MGPU_CORE, v).unwrap().0, want, "{v}");
         }
         assert_eq!(CorePercent(250 / 50 * 50).gpus(), 3);
@@ -230,7 +237,19 @@ mod tests {
 
     #[test]
     fn cores_rejected_with_names() {
-        for v in ["0", "101", "150", "6500", "-5", "0.5", "500m", "abc", "", "10x", "99999999999999999999999"] {
+        for v in [
+            "0",
+            "101",
+            "150",
+            "6500",
+            "-5",
+            "0.5",
+            "500m",
+            "abc",
+            "",
+            "10x",
+            "99999999999999999999999",
+        ] {
             let e = CorePercent::parse(RECLAIMED_MGPU_CORE, v).unwrap_err();
             let msg = e.to_string();
             assert!(msg.contains(RECLAIMED_MGPU_CORE), "{msg}");
@@ -244,7 +263,10 @@ mod tests {
         assert_eq!(parse_memory_mib("1024").unwrap(), 1024);
         assert_eq!(parse_memory_mib("1k").unwrap(), 1000);
         assert!(parse_memory_mib("0").is_err());
-        assert!(parse_memory_mib("1.5").unwrap_err().to_string().contains(MGPU_MEMORY));
+        assert!(parse_memory_mib("1.5")
+            .unwrap_err()
+            .to_string()
+            .contains(MGPU_MEMORY));
     }
 
     #[test]

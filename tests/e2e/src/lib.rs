@@ -17,8 +17,14 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A binary from the target directory (`target/<profile>/`).
 pub fn bin(name: &str) -> PathBuf {
+    // Tests live in target/<profile>/deps/, binaries (coloc-bench too) in target/<profile>/.
     let exe = std::env::current_exe().expect("current exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let dir = exe.parent().expect("exe dir");
+    let dir = if dir.ends_with("deps") {
+        dir.parent().expect("target dir")
+    } else {
+        dir
+    };
     let p = dir.join(name);
     assert!(
         p.exists(),
@@ -30,7 +36,11 @@ pub fn bin(name: &str) -> PathBuf {
 
 /// A unique name for this test process.
 pub fn unique(prefix: &str) -> String {
-    format!("{prefix}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst))
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    )
 }
 
 /// A running simulated GPU daemon; killed and cleaned up on drop.
@@ -73,15 +83,28 @@ impl Sim {
 
     /// Spawns a workload, killed on drop.
     pub fn spawn(&self, args: &[&str]) -> Proc {
-        Proc(self.cmd(args).stdout(Stdio::null()).spawn().expect("spawn workload"))
+        Proc(
+            self.cmd(args)
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("spawn workload"),
+        )
     }
 
     /// Spawns a workload inside cgroup directory `cg` (before it executes).
     pub fn spawn_in_cgroup(&self, cg: &Path, args: &[&str]) -> Proc {
-        let file = if cg.join("cgroup.procs").exists() { "cgroup.procs" } else { "tasks" };
+        let file = if cg.join("cgroup.procs").exists() {
+            "cgroup.procs"
+        } else {
+            "tasks"
+        };
         let mut c = Command::new("sh");
         c.arg("-c")
-            .arg(format!("echo $$ > '{}/{}' && exec \"$0\" \"$@\"", cg.display(), file))
+            .arg(format!(
+                "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
+                cg.display(),
+                file
+            ))
             .arg(bin("coloc-sim"))
             .args(args)
             .env("COLOC_SIM_STATE", &self.state)
@@ -157,14 +180,21 @@ pub fn holds_for(what: &str, dur: Duration, mut f: impl FnMut() -> bool) -> Resu
 
 /// A free TCP port on 127.0.0.1.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Minimal HTTP/1.1 GET: (status, body).
 pub fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )?;
     let mut buf = String::new();
     s.read_to_string(&mut buf)?;
     let status = buf
@@ -172,7 +202,10 @@ pub fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .context("bad HTTP response")?;
-    let body = buf.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
     Ok((status, body))
 }
 
@@ -228,9 +261,16 @@ impl Agent {
     pub fn start(sim: &Sim, o: AgentOpts<'_>) -> Agent {
         let a = Agent::spawn(sim, o);
         wait_for("agent ready", Duration::from_secs(10), || {
-            http_get(a.port, "/readyz").map(|r| r.0 == 200).unwrap_or(false)
+            http_get(a.port, "/readyz")
+                .map(|r| r.0 == 200)
+                .unwrap_or(false)
         })
-        .unwrap_or_else(|e| panic!("{e}: log:\n{}", std::fs::read_to_string(&a.log).unwrap_or_default()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}: log:\n{}",
+                std::fs::read_to_string(&a.log).unwrap_or_default()
+            )
+        });
         a
     }
 
@@ -240,28 +280,43 @@ impl Agent {
         std::fs::create_dir_all(&dir).unwrap();
         let rules = dir.join("rules.toml");
         std::fs::write(&rules, o.rules).unwrap();
-        let state_dir = o.state_dir.unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
+        let state_dir = o
+            .state_dir
+            .unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
         let port = free_port();
         let log = dir.join("agent.log");
         let child = Command::new(bin("coloc-agent"))
             .arg("run")
-            .arg("--rules").arg(&rules)
-            .arg("--nvml-lib").arg(bin("libfake_nvml.so"))
-            .arg("--state-dir").arg(&state_dir)
-            .arg("--listen").arg(format!("127.0.0.1:{port}"))
-            .arg("--actuator").arg(o.actuator)
-            .arg("--cgroup-root").arg("/sys/fs/cgroup")
+            .arg("--rules")
+            .arg(&rules)
+            .arg("--nvml-lib")
+            .arg(bin("libfake_nvml.so"))
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--actuator")
+            .arg(o.actuator)
+            .arg("--cgroup-root")
+            .arg("/sys/fs/cgroup")
             .args(&o.extra)
             .env("COLOC_SIM_STATE", &sim.state)
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("start coloc-agent");
-        Agent { child: Some(child), port, state_dir, log }
+        Agent {
+            child: Some(child),
+            port,
+            state_dir,
+            log,
+        }
     }
 
     /// `/metrics` text.
     pub fn metrics(&self) -> String {
-        http_get(self.port, "/metrics").map(|r| r.1).unwrap_or_default()
+        http_get(self.port, "/metrics")
+            .map(|r| r.1)
+            .unwrap_or_default()
     }
 
     /// `/state` JSON.
@@ -325,7 +380,11 @@ impl TestCgroup {
             let _ = std::fs::remove_dir(&dir);
             return None;
         }
-        Some(TestCgroup { dir, path: format!("/{name}"), version: "v2" })
+        Some(TestCgroup {
+            dir,
+            path: format!("/{name}"),
+            version: "v2",
+        })
     }
 
     /// Creates a cgroup in the v1 freezer hierarchy.
@@ -336,7 +395,11 @@ impl TestCgroup {
         }
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).ok()?;
-        Some(TestCgroup { dir, path: format!("/{name}"), version: "v1" })
+        Some(TestCgroup {
+            dir,
+            path: format!("/{name}"),
+            version: "v1",
+        })
     }
 
     /// Whether the cgroup is frozen.
@@ -353,7 +416,11 @@ impl TestCgroup {
 
     /// PIDs in the cgroup.
     pub fn pids(&self) -> Vec<u32> {
-        let f = if self.version == "v2" { "cgroup.procs" } else { "tasks" };
+        let f = if self.version == "v2" {
+            "cgroup.procs"
+        } else {
+            "tasks"
+        };
         std::fs::read_to_string(self.dir.join(f))
             .unwrap_or_default()
             .lines()
@@ -373,7 +440,9 @@ impl Drop for TestCgroup {
             // SAFETY: kill(2).
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
-        let _ = wait_for("cgroup empty", Duration::from_secs(2), || self.pids().is_empty());
+        let _ = wait_for("cgroup empty", Duration::from_secs(2), || {
+            self.pids().is_empty()
+        });
         let _ = std::fs::remove_dir(&self.dir);
     }
 }

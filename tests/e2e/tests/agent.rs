@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 const SOON: Duration = Duration::from_secs(2);
 
 fn offline_args(tag: &str) -> Vec<String> {
-    ["offline", "--gpu", "0", "--step-ms", "2", "--tag", tag].iter().map(|s| s.to_string()).collect()
+    ["offline", "--gpu", "0", "--step-ms", "2", "--tag", tag]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 
 fn args(v: &[String]) -> Vec<&str> {
@@ -17,9 +20,22 @@ fn args(v: &[String]) -> Vec<&str> {
 }
 
 /// Online busy → offline confirmed stopped soon; idle window → running again, not before.
-fn preempt_release_cycle(sim: &Sim, agent: &Agent, is_suspended: impl Fn() -> bool, actuator: &str) {
-    assert!(!is_suspended(), "offline must run while the GPU has no online work");
-    holds_for("offline running with no online work", Duration::from_millis(300), || !is_suspended()).unwrap();
+fn preempt_release_cycle(
+    sim: &Sim,
+    agent: &Agent,
+    is_suspended: impl Fn() -> bool,
+    actuator: &str,
+) {
+    assert!(
+        !is_suspended(),
+        "offline must run while the GPU has no online work"
+    );
+    holds_for(
+        "offline running with no online work",
+        Duration::from_millis(300),
+        || !is_suspended(),
+    )
+    .unwrap();
     let busy_start = Instant::now();
     let mut online = sim.spawn(&["busy", "--gpu", "0", "--ms", "400"]);
     let took = wait_for("offline suspended", SOON, &is_suspended)
@@ -28,17 +44,32 @@ fn preempt_release_cycle(sim: &Sim, agent: &Agent, is_suspended: impl Fn() -> bo
     // Online finishes its 400 ms of GPU time, then the 100 ms window must pass first.
     online.0.wait().unwrap();
     let ended = Instant::now();
-    holds_for("suspension during the idle window", Duration::from_millis(60), &is_suspended)
-        .unwrap_or_else(|e| panic!("{e}: released before the 100 ms idle window ended"));
+    holds_for(
+        "suspension during the idle window",
+        Duration::from_millis(60),
+        &is_suspended,
+    )
+    .unwrap_or_else(|e| panic!("{e}: released before the 100 ms idle window ended"));
     let back = wait_for("offline resumed", SOON, || !is_suspended()).unwrap();
     let since_end = back + Duration::from_millis(60);
     eprintln!("{actuator}: offline running again {since_end:?} after online ended (window 100 ms)");
     assert!(since_end >= Duration::from_millis(60));
     assert!(busy_start.elapsed() > Duration::from_millis(400));
     let m = agent.metrics();
-    let pre = metric(&m, "coloc_preemption_latency_seconds_count", &["gpu=\"0\"", &format!("actuator=\"{actuator}\"")]);
-    let rel = metric(&m, "coloc_release_latency_seconds_count", &["gpu=\"0\"", &format!("actuator=\"{actuator}\"")]);
-    assert!(pre >= 1.0 && rel >= 1.0, "latency histograms must count the cycle:\n{m}");
+    let pre = metric(
+        &m,
+        "coloc_preemption_latency_seconds_count",
+        &["gpu=\"0\"", &format!("actuator=\"{actuator}\"")],
+    );
+    let rel = metric(
+        &m,
+        "coloc_release_latency_seconds_count",
+        &["gpu=\"0\"", &format!("actuator=\"{actuator}\"")],
+    );
+    assert!(
+        pre >= 1.0 && rel >= 1.0,
+        "latency histograms must count the cycle:\n{m}"
+    );
     let _ = ended;
 }
 
@@ -47,22 +78,50 @@ fn signal_actuator_preempts_and_releases() {
     let sim = Sim::start(1, &[]);
     let agent = Agent::start(&sim, AgentOpts::default());
     let off = sim.spawn(&args(&offline_args("sig")));
-    wait_for("agent sees offline", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| !p.is_empty())).unwrap();
+    wait_for("agent sees offline", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+    })
+    .unwrap();
     preempt_release_cycle(&sim, &agent, || off.state() == Some('T'), "signal");
     // The /state document (published every 100 ms) names the GPU state and the process.
-    wait_for("state shows release", SOON, || agent.state()["gpus"][0]["state"] == "offline_running").unwrap();
+    wait_for("state shows release", SOON, || {
+        agent.state()["gpus"][0]["state"] == "offline_running"
+    })
+    .unwrap();
     let st = agent.state();
     let procs = st["gpus"][0]["processes"].as_array().unwrap();
-    assert!(procs.iter().any(|p| p["pid"] == off.pid() && p["class"] == "offline"), "{st}");
+    assert!(
+        procs
+            .iter()
+            .any(|p| p["pid"] == off.pid() && p["class"] == "offline"),
+        "{st}"
+    );
 }
 
 fn freezer_cycle(cg: TestCgroup) {
     let sim = Sim::start(1, &[]);
-    let rules = format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n", cg.path);
-    let agent = Agent::start(&sim, AgentOpts { rules: &rules, actuator: "freezer", ..Default::default() });
+    let rules = format!(
+        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n",
+        cg.path
+    );
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator: "freezer",
+            ..Default::default()
+        },
+    );
     let off = sim.spawn_in_cgroup(&cg.dir, &args(&offline_args("frz")));
     wait_for("offline in cgroup", SOON, || cg.pids().contains(&off.pid())).unwrap();
-    wait_for("agent sees offline", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| p.iter().any(|p| p["actuator"] == "freezer"))).unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_for("agent sees offline", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["actuator"] == "freezer"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
     preempt_release_cycle(&sim, &agent, || cg.frozen(), "freezer");
 }
 
@@ -71,8 +130,13 @@ fn freezer_v2_preempts_and_releases() {
     match TestCgroup::v2(&unique("coloc-e2e-v2")) {
         Some(cg) => freezer_cycle(cg),
         None => {
-            eprintln!("NOTE: this host has no cgroup v2 freezer: checking the v1 freezer path instead");
-            freezer_cycle(TestCgroup::v1(&unique("coloc-e2e-v1")).expect("neither cgroup v2 nor the v1 freezer is available"));
+            eprintln!(
+                "NOTE: this host has no cgroup v2 freezer: checking the v1 freezer path instead"
+            );
+            freezer_cycle(
+                TestCgroup::v1(&unique("coloc-e2e-v1"))
+                    .expect("neither cgroup v2 nor the v1 freezer is available"),
+            );
         }
     }
 }
@@ -82,8 +146,13 @@ fn freezer_v1_preempts_and_releases() {
     match TestCgroup::v1(&unique("coloc-e2e-v1")) {
         Some(cg) => freezer_cycle(cg),
         None => {
-            eprintln!("NOTE: this host has no cgroup v1 freezer (pure v2): checking the v2 path instead");
-            freezer_cycle(TestCgroup::v2(&unique("coloc-e2e-v2")).expect("neither cgroup v2 nor the v1 freezer is available"));
+            eprintln!(
+                "NOTE: this host has no cgroup v1 freezer (pure v2): checking the v2 path instead"
+            );
+            freezer_cycle(
+                TestCgroup::v2(&unique("coloc-e2e-v2"))
+                    .expect("neither cgroup v2 nor the v1 freezer is available"),
+            );
         }
     }
 }
@@ -94,7 +163,13 @@ fn online_system_and_unmanaged_are_never_touched() {
     let rules = "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*--tag victim*\"\n\
                  [[rule]]\nname = \"sys\"\nclass = \"system_cores\"\ncmdline = \"*--tag sysproc*\"\n\
                  [[rule]]\nname = \"on\"\nclass = \"shared_cores\"\ncmdline = \"*--tag svc*\"\n";
-    let agent = Agent::start(&sim, AgentOpts { rules, ..Default::default() });
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules,
+            ..Default::default()
+        },
+    );
     let off = sim.spawn(&["offline", "--step-ms", "2", "--tag", "victim"]);
     let sys = sim.spawn(&["offline", "--step-ms", "2", "--tag", "sysproc"]);
     let on = sim.spawn(&["offline", "--step-ms", "2", "--tag", "svc"]);
@@ -102,25 +177,66 @@ fn online_system_and_unmanaged_are_never_touched() {
     // Online (and unmanaged) work is continuously active: offline is suspended...
     wait_for("offline suspended", SOON, || off.state() == Some('T')).unwrap();
     // ...and nothing else is ever touched.
-    holds_for("online/system/unmanaged running", Duration::from_millis(800), || {
-        [&sys, &on, &unmanaged].iter().all(|p| p.state() != Some('T'))
-    })
+    holds_for(
+        "online/system/unmanaged running",
+        Duration::from_millis(800),
+        || {
+            [&sys, &on, &unmanaged]
+                .iter()
+                .all(|p| p.state() != Some('T'))
+        },
+    )
     .unwrap();
     let st = agent.state();
-    let classes: Vec<_> = st["gpus"][0]["processes"].as_array().unwrap().iter().map(|p| (p["pid"].as_u64().unwrap() as u32, p["class"].as_str().unwrap().to_string())).collect();
-    for (p, want) in [(&off, "offline"), (&sys, "system"), (&on, "online"), (&unmanaged, "unmanaged")] {
-        assert!(classes.contains(&(p.pid(), want.to_string())), "{} should be {want}: {classes:?}", p.pid());
+    let classes: Vec<_> = st["gpus"][0]["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["pid"].as_u64().unwrap() as u32,
+                p["class"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for (p, want) in [
+        (&off, "offline"),
+        (&sys, "system"),
+        (&on, "online"),
+        (&unmanaged, "unmanaged"),
+    ] {
+        assert!(
+            classes.contains(&(p.pid(), want.to_string())),
+            "{} should be {want}: {classes:?}",
+            p.pid()
+        );
     }
 }
 
 #[test]
 fn unmanaged_can_be_configured_not_to_count_as_online() {
     let sim = Sim::start(1, &[]);
-    let agent = Agent::start(&sim, AgentOpts { extra: vec!["--unmanaged-is-online".into(), "false".into()], ..Default::default() });
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--unmanaged-is-online".into(), "false".into()],
+            ..Default::default()
+        },
+    );
     let off = sim.spawn(&args(&offline_args("x")));
     let _host = sim.spawn(&["offline", "--step-ms", "2", "--tag", "hostjob"]);
-    wait_for("agent sees both", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| p.len() == 2)).unwrap();
-    holds_for("offline running beside unmanaged work", Duration::from_millis(500), || off.state() != Some('T')).unwrap();
+    wait_for("agent sees both", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| p.len() == 2)
+    })
+    .unwrap();
+    holds_for(
+        "offline running beside unmanaged work",
+        Duration::from_millis(500),
+        || off.state() != Some('T'),
+    )
+    .unwrap();
 }
 
 #[test]
@@ -128,11 +244,17 @@ fn offline_appearing_while_busy_is_suspended_at_once() {
     let sim = Sim::start(1, &[]);
     let agent = Agent::start(&sim, AgentOpts::default());
     let _online = sim.spawn(&["busy", "--ms", "3000"]);
-    wait_for("GPU busy", SOON, || agent.state()["gpus"][0]["state"] == "online_busy").unwrap();
+    wait_for("GPU busy", SOON, || {
+        agent.state()["gpus"][0]["state"] == "online_busy"
+    })
+    .unwrap();
     let t = Instant::now();
     let off = sim.spawn(&args(&offline_args("late")));
     wait_for("late offline suspended", SOON, || off.state() == Some('T')).unwrap();
-    eprintln!("offline that appeared while busy was stopped after {:?}", t.elapsed());
+    eprintln!(
+        "offline that appeared while busy was stopped after {:?}",
+        t.elapsed()
+    );
 }
 
 #[test]
@@ -143,20 +265,45 @@ fn child_forked_while_freezing_stays_frozen() {
     });
     let cg = cg.expect("a cgroup freezer is required");
     let sim = Sim::start(1, &[]);
-    let rules = format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n", cg.path);
-    let agent = Agent::start(&sim, AgentOpts { rules: &rules, actuator: "freezer", ..Default::default() });
+    let rules = format!(
+        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n",
+        cg.path
+    );
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator: "freezer",
+            ..Default::default()
+        },
+    );
     // Offline spawns a helper every 3 ms; helpers bump a shared counter every ms.
-    let _off = sim.spawn_in_cgroup(&cg.dir, &["offline", "--step-ms", "2", "--fork-every-ms", "3"]);
+    let _off = sim.spawn_in_cgroup(
+        &cg.dir,
+        &["offline", "--step-ms", "2", "--fork-every-ms", "3"],
+    );
     let probe = sim.open();
-    let progress = || probe.header().fork_progress.load(std::sync::atomic::Ordering::SeqCst);
+    let progress = || {
+        probe
+            .header()
+            .fork_progress
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
     wait_for("helpers running", SOON, || progress() > 50).unwrap();
-    wait_for("agent sees offline", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| !p.is_empty())).unwrap();
+    wait_for("agent sees offline", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+    })
+    .unwrap();
     let _online = sim.spawn(&["busy", "--ms", "1500"]);
     wait_for("cgroup frozen", SOON, || cg.frozen()).unwrap();
     let (p0, pids0) = (progress(), cg.pids());
-    holds_for("no progress and no new process while frozen", Duration::from_millis(400), || {
-        progress() == p0 && cg.pids().len() <= pids0.len() && cg.frozen()
-    })
+    holds_for(
+        "no progress and no new process while frozen",
+        Duration::from_millis(400),
+        || progress() == p0 && cg.pids().len() <= pids0.len() && cg.frozen(),
+    )
     .unwrap();
     wait_for("thawed", Duration::from_secs(4), || !cg.frozen()).unwrap();
     wait_for("helpers run again", SOON, || progress() > p0 + 20).unwrap();
@@ -167,21 +314,50 @@ fn kill9_then_restart_resumes_offline() {
     let sim = Sim::start(1, &[]);
     let mut agent = Agent::start(&sim, AgentOpts::default());
     let off = sim.spawn(&args(&offline_args("k9")));
-    wait_for("agent sees offline", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| !p.is_empty())).unwrap();
+    wait_for("agent sees offline", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+    })
+    .unwrap();
     let mut online = sim.spawn(&["busy", "--ms", "300"]);
     wait_for("offline suspended", SOON, || off.state() == Some('T')).unwrap();
     agent.signal(libc::SIGKILL);
     agent.wait();
     online.0.wait().unwrap();
     // Nobody resumes it now: the record on disk is what saves it.
-    holds_for("offline left stopped by the killed agent", Duration::from_millis(300), || off.state() == Some('T')).unwrap();
+    holds_for(
+        "offline left stopped by the killed agent",
+        Duration::from_millis(300),
+        || off.state() == Some('T'),
+    )
+    .unwrap();
     let record = std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap();
-    assert!(record.contains(&format!("\"pid\": {}", off.pid())), "{record}");
-    let again = Agent::start(&sim, AgentOpts { state_dir: Some(agent.state_dir.clone()), ..Default::default() });
-    wait_for("offline resumed by the restarted agent", SOON, || off.state() != Some('T')).unwrap();
-    assert!(again.log_text().contains("previous run left suspended"), "{}", again.log_text());
+    assert!(
+        record.contains(&format!("\"pid\": {}", off.pid())),
+        "{record}"
+    );
+    let again = Agent::start(
+        &sim,
+        AgentOpts {
+            state_dir: Some(agent.state_dir.clone()),
+            ..Default::default()
+        },
+    );
+    wait_for("offline resumed by the restarted agent", SOON, || {
+        off.state() != Some('T')
+    })
+    .unwrap();
+    assert!(
+        again.log_text().contains("previous run left suspended"),
+        "{}",
+        again.log_text()
+    );
     let record = std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap();
-    assert!(!record.contains(&format!("\"pid\": {}", off.pid())), "{record}");
+    assert!(
+        !record.contains(&format!("\"pid\": {}", off.pid())),
+        "{record}"
+    );
 }
 
 #[test]
@@ -196,7 +372,11 @@ fn sigterm_resumes_offline_before_exit() {
     assert!(st.success(), "agent exit {st}:\n{}", agent.log_text());
     // At the moment the agent has exited, offline already runs.
     assert_ne!(off.state(), Some('T'), "offline left stopped after SIGTERM");
-    assert!(agent.log_text().contains("resuming all offline work"), "{}", agent.log_text());
+    assert!(
+        agent.log_text().contains("resuming all offline work"),
+        "{}",
+        agent.log_text()
+    );
 }
 
 fn spawn_with_pid(want: u32) -> Option<Proc> {
@@ -219,16 +399,32 @@ fn reused_pid_is_never_signalled() {
     let agent = Agent::start(&sim, AgentOpts::default());
     let mut off = sim.spawn(&args(&offline_args("reuse")));
     let pid = off.pid();
-    wait_for("agent pins offline", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| p.iter().any(|p| p["pid"] == pid && p["class"] == "offline"))).unwrap();
+    wait_for("agent pins offline", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["pid"] == pid && p["class"] == "offline"))
+    })
+    .unwrap();
     off.0.kill().unwrap();
     off.0.wait().unwrap();
     let Some(stranger) = spawn_with_pid(pid) else {
         panic!("could not make PID {pid} reused (needs root and /proc/sys/kernel/ns_last_pid)");
     };
     let _online = sim.spawn(&["busy", "--ms", "800"]);
-    wait_for("GPU busy", SOON, || agent.state()["gpus"][0]["state"] == "online_busy").unwrap();
-    holds_for("unrelated process with the reused PID running", Duration::from_millis(500), || stranger.state() != Some('T')).unwrap();
-    wait_for("agent reclassifies the PID", SOON, || agent.log_text().contains("same PID")).unwrap();
+    wait_for("GPU busy", SOON, || {
+        agent.state()["gpus"][0]["state"] == "online_busy"
+    })
+    .unwrap();
+    holds_for(
+        "unrelated process with the reused PID running",
+        Duration::from_millis(500),
+        || stranger.state() != Some('T'),
+    )
+    .unwrap();
+    wait_for("agent reclassifies the PID", SOON, || {
+        agent.log_text().contains("same PID")
+    })
+    .unwrap();
 }
 
 #[test]
@@ -237,19 +433,34 @@ fn malformed_rules_are_a_clear_error_and_nothing_is_frozen() {
     let off = sim.spawn(&args(&offline_args("bad")));
     let _online = sim.spawn(&["busy", "--ms", "2000"]);
     for (rules, needle) in [
-        ("[[rule]]\nclass = \"reclaimed\"\ncmdline = \"*\"\n", "\"reclaimed\""),
+        (
+            "[[rule]]\nclass = \"reclaimed\"\ncmdline = \"*\"\n",
+            "\"reclaimed\"",
+        ),
         ("[[rule]\nclass = 1", "TOML"),
         ("[[rule]]\nclass = \"offline\"\n", "no matcher"),
     ] {
-        let mut a = Agent::spawn(&sim, AgentOpts { rules, ..Default::default() });
+        let mut a = Agent::spawn(
+            &sim,
+            AgentOpts {
+                rules,
+                ..Default::default()
+            },
+        );
         let st = a.wait();
         assert!(!st.success());
         let log = a.log_text();
-        assert!(log.contains("rules.toml") && (log.contains(needle) || needle == "TOML"), "{needle}: {log}");
+        assert!(
+            log.contains("rules.toml") && (log.contains(needle) || needle == "TOML"),
+            "{needle}: {log}"
+        );
         assert_eq!(log.lines().count(), 1, "one clear line: {log}");
         assert_ne!(off.state(), Some('T'));
     }
-    let out = std::process::Command::new(bin("coloc-agent")).args(["check-rules", "/nonexistent/rules.toml"]).output().unwrap();
+    let out = std::process::Command::new(bin("coloc-agent"))
+        .args(["check-rules", "/nonexistent/rules.toml"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/rules.toml"));
 }
@@ -258,11 +469,25 @@ fn malformed_rules_are_a_clear_error_and_nothing_is_frozen() {
 fn no_driver_is_one_clear_line() {
     let dir = std::env::temp_dir().join(unique("coloc-e2e-nodrv"));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("r.toml"), "[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\n").unwrap();
+    std::fs::write(
+        dir.join("r.toml"),
+        "[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\n",
+    )
+    .unwrap();
     let out = std::process::Command::new(bin("coloc-agent"))
-        .args(["run", "--nvml-lib", "/nonexistent/libnvidia-ml.so.1", "--listen", "127.0.0.1:0", "--actuator", "signal"])
-        .arg("--rules").arg(dir.join("r.toml"))
-        .arg("--state-dir").arg(dir.join("state"))
+        .args([
+            "run",
+            "--nvml-lib",
+            "/nonexistent/libnvidia-ml.so.1",
+            "--listen",
+            "127.0.0.1:0",
+            "--actuator",
+            "signal",
+        ])
+        .arg("--rules")
+        .arg(dir.join("r.toml"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -280,28 +505,91 @@ fn nvml_failure_fails_open_and_recovers() {
     let _online = sim.spawn(&["busy", "--ms", "6000"]);
     wait_for("offline suspended", SOON, || off.state() == Some('T')).unwrap();
     let probe = sim.open();
-    probe.header().nvml_fail.store(1, std::sync::atomic::Ordering::SeqCst);
-    wait_for("offline resumed on NVML failure", SOON, || off.state() != Some('T')).unwrap();
-    wait_for("not ready while degraded", SOON, || http_get(agent.port, "/readyz").map(|r| r.0 == 503).unwrap_or(false)).unwrap();
-    assert!(metric(&agent.metrics(), "coloc_fail_open_total", &["reason=\"nvml\""]) >= 1.0);
-    holds_for("nothing suspended while NVML fails", Duration::from_millis(300), || off.state() != Some('T')).unwrap();
-    probe.header().nvml_fail.store(0, std::sync::atomic::Ordering::SeqCst);
-    wait_for("ready again", SOON, || http_get(agent.port, "/readyz").map(|r| r.0 == 200).unwrap_or(false)).unwrap();
+    probe
+        .header()
+        .nvml_fail
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    wait_for("offline resumed on NVML failure", SOON, || {
+        off.state() != Some('T')
+    })
+    .unwrap();
+    wait_for("not ready while degraded", SOON, || {
+        http_get(agent.port, "/readyz")
+            .map(|r| r.0 == 503)
+            .unwrap_or(false)
+    })
+    .unwrap();
+    assert!(
+        metric(
+            &agent.metrics(),
+            "coloc_fail_open_total",
+            &["reason=\"nvml\""]
+        ) >= 1.0
+    );
+    holds_for(
+        "nothing suspended while NVML fails",
+        Duration::from_millis(300),
+        || off.state() != Some('T'),
+    )
+    .unwrap();
+    probe
+        .header()
+        .nvml_fail
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    wait_for("ready again", SOON, || {
+        http_get(agent.port, "/readyz")
+            .map(|r| r.0 == 200)
+            .unwrap_or(false)
+    })
+    .unwrap();
     wait_for("protecting online again", SOON, || off.state() == Some('T')).unwrap();
 }
 
 #[test]
 fn dry_run_decides_but_never_acts() {
     let sim = Sim::start(1, &[]);
-    let agent = Agent::start(&sim, AgentOpts { extra: vec!["--dry-run".into()], ..Default::default() });
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--dry-run".into()],
+            ..Default::default()
+        },
+    );
     let off = sim.spawn(&args(&offline_args("dry")));
-    wait_for("agent sees offline", SOON, || agent.state()["gpus"][0]["processes"].as_array().is_some_and(|p| !p.is_empty())).unwrap();
+    wait_for("agent sees offline", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+    })
+    .unwrap();
     let _online = sim.spawn(&["busy", "--ms", "500"]);
-    wait_for("decided busy", SOON, || agent.state()["gpus"][0]["state"] == "online_busy").unwrap();
-    holds_for("offline never stopped in dry run", Duration::from_millis(400), || off.state() != Some('T')).unwrap();
-    assert!(agent.log_text().contains("Dry run: would suspend"), "{}", agent.log_text());
-    assert!(metric(&agent.metrics(), "coloc_detection_latency_seconds_count", &[]) >= 1.0);
-    assert!(!std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap_or_default().contains("pid"));
+    wait_for("decided busy", SOON, || {
+        agent.state()["gpus"][0]["state"] == "online_busy"
+    })
+    .unwrap();
+    holds_for(
+        "offline never stopped in dry run",
+        Duration::from_millis(400),
+        || off.state() != Some('T'),
+    )
+    .unwrap();
+    assert!(
+        agent.log_text().contains("Dry run: would suspend"),
+        "{}",
+        agent.log_text()
+    );
+    assert!(
+        metric(
+            &agent.metrics(),
+            "coloc_detection_latency_seconds_count",
+            &[]
+        ) >= 1.0
+    );
+    assert!(
+        !std::fs::read_to_string(agent.state_dir.join("suspended.json"))
+            .unwrap_or_default()
+            .contains("pid")
+    );
 }
 
 #[test]
@@ -314,12 +602,24 @@ fn http_endpoints() {
     assert_eq!(st["gpus"].as_array().unwrap().len(), 2);
     assert_eq!(st["idle_window_ms"], 100.0);
     let m = agent.metrics();
-    for name in ["coloc_gpu_online_busy", "coloc_nvml_call_duration_seconds_bucket", "coloc_loop_lag_seconds_count", "coloc_agent_info"] {
+    for name in [
+        "coloc_gpu_online_busy",
+        "coloc_nvml_call_duration_seconds_bucket",
+        "coloc_loop_lag_seconds_count",
+        "coloc_agent_info",
+    ] {
         assert!(m.contains(name), "/metrics lacks {name}");
     }
     // Every metric family has help text.
-    for fam in m.lines().filter_map(|l| l.strip_prefix("# TYPE ")).map(|l| l.split(' ').next().unwrap()) {
-        assert!(m.contains(&format!("# HELP {fam} ")), "{fam} has no help text");
+    for fam in m
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap())
+    {
+        assert!(
+            m.contains(&format!("# HELP {fam} ")),
+            "{fam} has no help text"
+        );
     }
 }
 
@@ -329,12 +629,18 @@ fn demo_shows_the_difference() {
     let json = dir.join("summary.json");
     let out = std::process::Command::new(bin("coloc-agent"))
         .args(["demo", "--duration-s", "5"])
-        .arg("--out-dir").arg(&dir)
-        .arg("--json").arg(&json)
+        .arg("--out-dir")
+        .arg(&dir)
+        .arg("--json")
+        .arg(&json)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("online p99 vs alone"), "{stdout}");
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let f = |p: &str| s.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
@@ -342,5 +648,8 @@ fn demo_shows_the_difference() {
     // Without the agent online suffers visibly; with it, much less.
     assert!(f("/p99_ratio_no_agent") > 1.5, "{s}");
     assert!(f("/p99_ratio_agent") < f("/p99_ratio_no_agent"), "{s}");
-    assert!(f("/offline_agent_steps_per_s") > 0.3 * f("/offline_alone_steps_per_s"), "{s}");
+    assert!(
+        f("/offline_agent_steps_per_s") > 0.3 * f("/offline_alone_steps_per_s"),
+        "{s}"
+    );
 }

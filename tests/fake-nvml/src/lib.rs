@@ -169,16 +169,26 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(dev: NvmlDevice, index: *mut c_uint)
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetUUID(dev: NvmlDevice, buf: *mut c_char, len: c_uint) -> NvmlReturn {
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    dev: NvmlDevice,
+    buf: *mut c_char,
+    len: c_uint,
+) -> NvmlReturn {
     match device(dev) {
         // SAFETY: forwarded caller contract.
-        Ok((_, g)) => unsafe { write_str(buf, len, &format!("GPU-fake0000-0000-0000-0000-{g:012}")) },
+        Ok((_, g)) => unsafe {
+            write_str(buf, len, &format!("GPU-fake0000-0000-0000-0000-{g:012}"))
+        },
         Err(e) => e,
     }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetName(dev: NvmlDevice, buf: *mut c_char, len: c_uint) -> NvmlReturn {
+pub unsafe extern "C" fn nvmlDeviceGetName(
+    dev: NvmlDevice,
+    buf: *mut c_char,
+    len: c_uint,
+) -> NvmlReturn {
     match device(dev) {
         // SAFETY: forwarded caller contract.
         Ok(_) => unsafe { write_str(buf, len, "Simulated GPU (coloc-sim)") },
@@ -205,7 +215,11 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         let cap = *count as usize;
         *count = procs.len() as c_uint;
         if infos.is_null() || cap < procs.len() {
-            return if procs.is_empty() { SUCCESS } else { ERROR_INSUFFICIENT_SIZE };
+            return if procs.is_empty() {
+                SUCCESS
+            } else {
+                ERROR_INSUFFICIENT_SIZE
+            };
         }
         for (i, p) in procs.iter().enumerate() {
             *infos.add(i) = NvmlProcessInfo {

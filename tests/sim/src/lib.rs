@@ -256,7 +256,10 @@ impl SimGpu {
     /// Claims a slot for the calling process on `gpu`.
     pub fn register(&self, gpu: u32, mem_bytes: u64) -> Result<SlotHandle<'_>> {
         if gpu >= self.n_gpus() {
-            bail!("GPU {gpu} does not exist: the simulated node has {} GPU(s)", self.n_gpus());
+            bail!(
+                "GPU {gpu} does not exist: the simulated node has {} GPU(s)",
+                self.n_gpus()
+            );
         }
         let pid = std::process::id();
         for (i, s) in self.slots().iter().enumerate() {
@@ -266,7 +269,8 @@ impl SimGpu {
             {
                 s.pid.store(pid, Relaxed);
                 s.gpu.store(gpu, Relaxed);
-                s.start_time.store(proc_start_time(pid).unwrap_or(0), Relaxed);
+                s.start_time
+                    .store(proc_start_time(pid).unwrap_or(0), Relaxed);
                 s.mem_bytes.store(mem_bytes, Relaxed);
                 s.submitted_ns.store(0, Relaxed);
                 s.completed_ns.store(0, Relaxed);
@@ -277,7 +281,10 @@ impl SimGpu {
                     w.store(0, Relaxed);
                 }
                 s.state.store(SLOT_LIVE, Release);
-                return Ok(SlotHandle { sim: self, index: i });
+                return Ok(SlotHandle {
+                    sim: self,
+                    index: i,
+                });
             }
         }
         bail!("all {MAX_SLOTS} simulated GPU process slots are in use")

@@ -14,7 +14,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "Simulated GPU and workloads for gpu-coloc tests and demos")]
+#[command(
+    version,
+    about = "Simulated GPU and workloads for gpu-coloc tests and demos"
+)]
 struct Cli {
     /// Shared state file of the simulated GPUs.
     #[arg(long, env = STATE_ENV, global = true)]
@@ -96,6 +99,12 @@ enum Cmd {
         /// Registered but idle for this long first, ms.
         #[arg(long, default_value_t = 0.0)]
         delay_ms: f64,
+        /// Repeat the busy period this many times.
+        #[arg(long, default_value_t = 1)]
+        repeat: u32,
+        /// Idle time between repeats, ms.
+        #[arg(long, default_value_t = 250.0)]
+        gap_ms: f64,
         /// Free-form label, for rules that match on the command line.
         #[arg(long)]
         tag: Option<String>,
@@ -146,7 +155,16 @@ fn main() -> Result<()> {
             out,
         } => {
             let sim = SimGpu::open(&state)?;
-            run_online(&sim, gpu, rate, work_ms, duration_s, start_delay_s, seed, out)
+            run_online(
+                &sim,
+                gpu,
+                rate,
+                work_ms,
+                duration_s,
+                start_delay_s,
+                seed,
+                out,
+            )
         }
         Cmd::Offline {
             gpu,
@@ -158,14 +176,37 @@ fn main() -> Result<()> {
             tag: _,
         } => {
             let sim = SimGpu::open(&state)?;
-            run_offline(&sim, gpu, step_ms, queue_depth, duration_s, fork_every_ms, out)
+            run_offline(
+                &sim,
+                gpu,
+                step_ms,
+                queue_depth,
+                duration_s,
+                fork_every_ms,
+                out,
+            )
         }
-        Cmd::Busy { gpu, ms, delay_ms, tag: _ } => {
+        Cmd::Busy {
+            gpu,
+            ms,
+            delay_ms,
+            repeat,
+            gap_ms,
+            tag: _,
+        } => {
             let sim = SimGpu::open(&state)?;
             let slot = sim.register(gpu, 1 << 28)?;
             std::thread::sleep(Duration::from_secs_f64(delay_ms / 1e3));
-            let target = slot.submit((ms * 1e6) as u64);
-            slot.wait_completed(target);
+            for i in 0..repeat {
+                if i > 0 {
+                    std::thread::sleep(Duration::from_secs_f64(gap_ms / 1e3));
+                }
+                if STOP.load(Ordering::Relaxed) {
+                    break;
+                }
+                let target = slot.submit((ms * 1e6) as u64);
+                slot.wait_completed(target);
+            }
             Ok(())
         }
         Cmd::Child { life_ms } => {
@@ -296,7 +337,11 @@ fn run_offline(
         }
         // Wait until one step has drained.
         let target = slot.completed() + step_ns;
-        let wait_until = if fork_every_ms > 0 { next_fork.min(end) } else { end };
+        let wait_until = if fork_every_ms > 0 {
+            next_fork.min(end)
+        } else {
+            end
+        };
         wait_bounded(&slot, target, wait_until);
     }
     let elapsed = (now_ns() - start) as f64 / 1e9;

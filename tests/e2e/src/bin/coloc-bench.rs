@@ -1,0 +1,204 @@
+//! End-to-end benchmark: preemption and release latency for 1, 8 and 64 offline
+//! processes, freezer vs signal, on the simulated GPU (driver sample period 1 ms); and the
+//! agent's CPU and RSS at a 1 ms poll on an idle node.
+//!
+//! Run with `benches/run.sh` (release build). Prints a Markdown table; `--json FILE`
+//! writes the raw figures.
+
+use coloc_e2e::*;
+use std::time::{Duration, Instant};
+
+fn pct(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let f: Vec<&str> = s[s.rfind(')').unwrap_or(0) + 2..]
+        .split_whitespace()
+        .collect();
+    f.get(11).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn latency_run(actuator: &str, n: usize, cycles: u32) -> serde_json::Value {
+    let sim = Sim::start(1, &["--sample-period-ms", "1"]);
+    let group = unique("coloc-bench");
+    let mut cgroups = Vec::new();
+    let rules = if actuator == "freezer" {
+        let parent = TestCgroup::v2(&group)
+            .or_else(|| TestCgroup::v1(&group))
+            .expect("a cgroup freezer");
+        for i in 0..n {
+            let name = format!("{group}/off{i}");
+            let cg = if parent.version == "v2" {
+                TestCgroup::v2(&name)
+            } else {
+                TestCgroup::v1(&name)
+            };
+            cgroups.push(cg.expect("child cgroup"));
+        }
+        cgroups.insert(0, parent);
+        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{group}/*\"\n")
+    } else {
+        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n"
+            .to_string()
+    };
+    let events = std::env::temp_dir().join(format!("{group}-events.jsonl"));
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator,
+            extra: vec![
+                "--event-log".into(),
+                events.display().to_string(),
+                "--poll-interval".into(),
+                "1ms".into(),
+            ],
+            ..Default::default()
+        },
+    );
+    let mut offline = Vec::new();
+    for i in 0..n {
+        let a = ["offline", "--step-ms", "2", "--tag", "bench"];
+        offline.push(if actuator == "freezer" {
+            sim.spawn_in_cgroup(&cgroups[i + 1].dir, &a)
+        } else {
+            sim.spawn(&a)
+        });
+    }
+    wait_for("agent sees all offline", Duration::from_secs(20), || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| p.len() == n)
+    })
+    .expect("agent did not see the offline processes");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut online = sim.spawn(&[
+        "busy",
+        "--ms",
+        "20",
+        "--repeat",
+        &cycles.to_string(),
+        "--gap-ms",
+        "250",
+    ]);
+    online.0.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(agent);
+    let text = std::fs::read_to_string(&events).unwrap_or_default();
+    let evs: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let get = |kind: &str, f: &str| -> Vec<f64> {
+        evs.iter()
+            .filter(|e| e["event"] == kind)
+            .filter_map(|e| e[f].as_f64())
+            .map(|s| s * 1e3)
+            .collect()
+    };
+    let (pre, det, act, rel) = (
+        get("preempt", "preemption_s"),
+        get("preempt", "detection_s"),
+        get("preempt", "actuation_s"),
+        get("release", "release_s"),
+    );
+    drop(offline);
+    drop(cgroups);
+    let _ = std::fs::remove_file(&events);
+    serde_json::json!({
+        "actuator": actuator, "offline": n, "cycles": pre.len(),
+        "preemption_ms": {"p50": pct(&pre, 50.0), "p99": pct(&pre, 99.0), "max": pct(&pre, 100.0)},
+        "detection_ms": {"p50": pct(&det, 50.0), "p99": pct(&det, 99.0)},
+        "actuation_ms": {"p50": pct(&act, 50.0), "p99": pct(&act, 99.0)},
+        "release_ms": {"p50": pct(&rel, 50.0), "p99": pct(&rel, 99.0), "max": pct(&rel, 100.0)},
+    })
+}
+
+fn idle_cost(secs: u64, with_offline: usize) -> serde_json::Value {
+    let sim = Sim::start(1, &["--sample-period-ms", "1"]);
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--poll-interval".into(), "1ms".into()],
+            ..Default::default()
+        },
+    );
+    let _off: Vec<_> = (0..with_offline)
+        .map(|_| sim.spawn(&["offline", "--step-ms", "2"]))
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let pid = agent.child.as_ref().unwrap().id();
+    let hz = 100.0; // USER_HZ on Linux
+    let (t0, c0) = (Instant::now(), cpu_ticks(pid));
+    std::thread::sleep(Duration::from_secs(secs));
+    let cpu = (cpu_ticks(pid) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    serde_json::json!({"offline_processes": with_offline, "cpu_percent_of_one_core": cpu * 100.0, "rss_mib": rss_kib(pid) as f64 / 1024.0})
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let cycles: u32 = args
+        .iter()
+        .position(|a| a == "--cycles")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(40);
+    let json_out = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1).cloned());
+    let mut rows = Vec::new();
+    println!("| actuator | offline procs | cycles | preemption p50 / p99 / max (ms) | detection p50 / p99 | actuation p50 / p99 | release p50 / p99 / max (ms) |");
+    println!("|---|---|---|---|---|---|---|");
+    for actuator in ["signal", "freezer"] {
+        for n in [1usize, 8, 64] {
+            let r = latency_run(actuator, n, cycles);
+            let g = |p: &str| r.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+            println!(
+                "| {actuator} | {n} | {} | {:.2} / {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} / {:.2} |",
+                r["cycles"], g("/preemption_ms/p50"), g("/preemption_ms/p99"), g("/preemption_ms/max"),
+                g("/detection_ms/p50"), g("/detection_ms/p99"), g("/actuation_ms/p50"), g("/actuation_ms/p99"),
+                g("/release_ms/p50"), g("/release_ms/p99"), g("/release_ms/max")
+            );
+            rows.push(r);
+        }
+    }
+    let idle = idle_cost(10, 0);
+    let busy = idle_cost(10, 8);
+    println!();
+    println!("| agent at 1 ms poll | CPU (% of one core) | RSS (MiB) |");
+    println!("|---|---|---|");
+    for r in [&idle, &busy] {
+        println!(
+            "| {} offline processes | {:.2} | {:.1} |",
+            r["offline_processes"],
+            r["cpu_percent_of_one_core"].as_f64().unwrap_or(0.0),
+            r["rss_mib"].as_f64().unwrap_or(0.0)
+        );
+    }
+    if let Some(p) = json_out {
+        std::fs::write(
+            p,
+            serde_json::to_vec_pretty(&serde_json::json!({"latency": rows, "cost": [idle, busy]}))
+                .unwrap(),
+        )
+        .unwrap();
+    }
+}
