@@ -257,36 +257,45 @@ fn confirmed(target: &Target, op: Op) -> Option<bool> {
 
 /// Applies `op` to every target, then waits for every one to be confirmed (or `timeout`).
 ///
-/// cgroup v2 targets are waited on with `poll(2)` on `cgroup.events` (the kernel notifies
-/// on change); v1 freezers and processes are re-read with a sleeping backoff from 20 µs to
-/// 1 ms. Never spins.
+/// cgroup v2 targets are waited on with `ppoll(2)` on `cgroup.events` (the kernel notifies
+/// on change; each read through the same descriptor re-arms it); v1 freezers and
+/// processes are re-read with a sleeping backoff from 20 µs to 1 ms. Never spins.
 pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
+    use std::os::unix::fs::FileExt;
     let start = Instant::now();
-    let mut out: Vec<Option<Outcome>> = targets.iter().map(|t| issue(t, op).err()).collect();
-    // v2 event files are opened before the first check so no change is missed.
-    let mut event_fds: Vec<(usize, std::fs::File)> = targets
+    // v2 event files are opened before the write so that no change is missed.
+    let mut events: Vec<Option<std::fs::File>> = targets
         .iter()
-        .enumerate()
-        .filter(|(i, _)| out[*i].is_none())
-        .filter_map(|(i, t)| match t {
+        .map(|t| match t {
             Target::Cgroup {
                 dir,
                 version: CgroupVersion::V2,
-            } => std::fs::File::open(dir.join("cgroup.events"))
-                .ok()
-                .map(|f| (i, f)),
+            } => std::fs::File::open(dir.join("cgroup.events")).ok(),
             _ => None,
         })
         .collect();
+    let mut out: Vec<Option<Outcome>> = targets.iter().map(|t| issue(t, op).err()).collect();
+    let mut buf = [0u8; 256];
     let mut backoff = Duration::from_micros(20);
     loop {
         for (i, t) in targets.iter().enumerate() {
-            if out[i].is_none() {
-                match confirmed(t, op) {
-                    Some(true) => out[i] = Some(Outcome::Done),
-                    Some(false) => {}
-                    None => out[i] = Some(Outcome::Gone),
-                }
+            if out[i].is_some() {
+                continue;
+            }
+            let state = match &events[i] {
+                // Reading through the polled descriptor re-arms its notification.
+                Some(f) => f.read_at(&mut buf, 0).ok().map(|n| {
+                    let frozen = std::str::from_utf8(&buf[..n])
+                        .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))
+                        .unwrap_or(false);
+                    frozen == (op == Op::Suspend)
+                }),
+                None => confirmed(t, op),
+            };
+            match state {
+                Some(true) => out[i] = Some(Outcome::Done),
+                Some(false) => {}
+                None => out[i] = Some(Outcome::Gone),
             }
         }
         if out.iter().all(Option::is_some) {
@@ -304,39 +313,38 @@ pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
             }
             break;
         }
-        event_fds.retain(|(i, _)| out[*i].is_none());
-        let only_v2_pending = targets.iter().enumerate().all(|(i, t)| {
-            out[i].is_some()
-                || matches!(
-                    t,
-                    Target::Cgroup {
-                        version: CgroupVersion::V2,
-                        ..
-                    }
-                )
-        });
+        for (i, e) in events.iter_mut().enumerate() {
+            if out[i].is_some() {
+                *e = None;
+            }
+        }
+        let pending_without_events = (0..targets.len()).any(|i| out[i].is_none() && events[i].is_none());
         let wait = backoff.min(timeout - elapsed);
-        if only_v2_pending && !event_fds.is_empty() {
-            let mut fds: Vec<libc::pollfd> = event_fds
+        if pending_without_events {
+            std::thread::sleep(wait);
+        } else {
+            let mut fds: Vec<libc::pollfd> = events
                 .iter()
-                .map(|(_, f)| libc::pollfd {
+                .flatten()
+                .map(|f| libc::pollfd {
                     fd: f.as_raw_fd(),
                     events: libc::POLLPRI,
                     revents: 0,
                 })
                 .collect();
-            // Bounded wait: a notification ends it early; the loop re-reads the files.
-            let ms = (timeout - elapsed).as_millis().clamp(1, 1000) as libc::c_int;
-            // SAFETY: `fds` is a valid array of pollfd for the duration of the call.
-            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        } else {
-            std::thread::sleep(wait);
-            backoff = (backoff * 2).min(Duration::from_millis(1));
+            // A notification ends the wait early; the bound covers a missed one.
+            let ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: wait.as_nanos().min(999_999_999) as libc::c_long,
+            };
+            // SAFETY: `fds` and `ts` are valid for the duration of the call; no sigmask.
+            unsafe {
+                libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null())
+            };
         }
+        backoff = (backoff * 2).min(Duration::from_millis(1));
     }
-    out.into_iter()
-        .map(|o| o.unwrap_or(Outcome::Done))
-        .collect()
+    out.into_iter().map(|o| o.unwrap_or(Outcome::Done)).collect()
 }
 
 /// Human description of a target for logs.
