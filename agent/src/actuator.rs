@@ -318,7 +318,8 @@ pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
                 *e = None;
             }
         }
-        let pending_without_events = (0..targets.len()).any(|i| out[i].is_none() && events[i].is_none());
+        let pending_without_events =
+            (0..targets.len()).any(|i| out[i].is_none() && events[i].is_none());
         let wait = backoff.min(timeout - elapsed);
         if pending_without_events {
             std::thread::sleep(wait);
@@ -339,12 +340,19 @@ pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
             };
             // SAFETY: `fds` and `ts` are valid for the duration of the call; no sigmask.
             unsafe {
-                libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null())
+                libc::ppoll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    &ts,
+                    std::ptr::null(),
+                )
             };
         }
         backoff = (backoff * 2).min(Duration::from_millis(1));
     }
-    out.into_iter().map(|o| o.unwrap_or(Outcome::Done)).collect()
+    out.into_iter()
+        .map(|o| o.unwrap_or(Outcome::Done))
+        .collect()
 }
 
 /// Human description of a target for logs.

@@ -70,6 +70,10 @@ pub struct RunArgs {
     /// How often to read per-process utilisation samples (e.g. 1ms, 500us).
     #[arg(long, env = "COLOC_POLL_INTERVAL", default_value = "1ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
+    /// Sampling period while no offline process is on any managed GPU (nothing to
+    /// preempt); the agent switches to --poll-interval as soon as offline work appears.
+    #[arg(long, env = "COLOC_IDLE_POLL_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
+    pub idle_poll_interval: Duration,
     /// How often to re-read the running-process list (a PID seen in samples but not yet
     /// known triggers a re-read at once).
     #[arg(long, env = "COLOC_PROCESS_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
@@ -137,6 +141,7 @@ impl RunArgs {
         }
         Ok(LoopConfig {
             poll: self.poll_interval,
+            idle_poll: self.idle_poll_interval,
             process_interval: self.process_interval,
             machine: qos_core::Config {
                 idle_window: self.idle_window.as_nanos() as u64,

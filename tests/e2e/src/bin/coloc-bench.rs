@@ -18,13 +18,16 @@ fn pct(v: &[f64], q: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-fn cpu_ticks(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let f: Vec<&str> = s[s.rfind(')').unwrap_or(0) + 2..]
-        .split_whitespace()
-        .collect();
-    f.get(11).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
-        + f.get(12).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
+/// CPU time of every thread of `pid`, ns (schedstat: exact, unlike tick-sampled utime).
+fn cpu_ns(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+                .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -146,10 +149,9 @@ fn idle_cost(secs: u64, with_offline: usize) -> serde_json::Value {
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     let pid = agent.child.as_ref().unwrap().id();
-    let hz = 100.0; // USER_HZ on Linux
-    let (t0, c0) = (Instant::now(), cpu_ticks(pid));
+    let (t0, c0) = (Instant::now(), cpu_ns(pid));
     std::thread::sleep(Duration::from_secs(secs));
-    let cpu = (cpu_ticks(pid) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    let cpu = (cpu_ns(pid) - c0) as f64 / 1e9 / t0.elapsed().as_secs_f64();
     serde_json::json!({"offline_processes": with_offline, "cpu_percent_of_one_core": cpu * 100.0, "rss_mib": rss_kib(pid) as f64 / 1024.0})
 }
 
@@ -165,25 +167,28 @@ fn main() {
         .position(|a| a == "--json")
         .and_then(|i| args.get(i + 1).cloned());
     let mut rows = Vec::new();
-    println!("| actuator | offline procs | cycles | preemption p50 / p99 / max (ms) | detection p50 / p99 | actuation p50 / p99 | release p50 / p99 / max (ms) |");
-    println!("|---|---|---|---|---|---|---|");
-    for actuator in ["signal", "freezer"] {
-        for n in [1usize, 8, 64] {
-            let r = latency_run(actuator, n, cycles);
-            let g = |p: &str| r.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-            println!(
+    let cost_only = args.iter().any(|a| a == "--cost-only");
+    if !cost_only {
+        println!("| actuator | offline procs | cycles | preemption p50 / p99 / max (ms) | detection p50 / p99 | actuation p50 / p99 | release p50 / p99 / max (ms) |");
+        println!("|---|---|---|---|---|---|---|");
+        for actuator in ["signal", "freezer"] {
+            for n in [1usize, 8, 64] {
+                let r = latency_run(actuator, n, cycles);
+                let g = |p: &str| r.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+                println!(
                 "| {actuator} | {n} | {} | {:.2} / {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} / {:.2} |",
                 r["cycles"], g("/preemption_ms/p50"), g("/preemption_ms/p99"), g("/preemption_ms/max"),
                 g("/detection_ms/p50"), g("/detection_ms/p99"), g("/actuation_ms/p50"), g("/actuation_ms/p99"),
                 g("/release_ms/p50"), g("/release_ms/p99"), g("/release_ms/max")
             );
-            rows.push(r);
+                rows.push(r);
+            }
         }
     }
     let idle = idle_cost(10, 0);
     let busy = idle_cost(10, 8);
     println!();
-    println!("| agent at 1 ms poll | CPU (% of one core) | RSS (MiB) |");
+    println!("| agent, --poll-interval 1ms (idle poll 10ms) | CPU (% of one core, schedstat) | RSS (MiB) |");
     println!("|---|---|---|");
     for r in [&idle, &busy] {
         println!(
