@@ -1,0 +1,14 @@
+//! # coloc-webhook — admission webhook for mGPU requests
+//!
+//! ```text
+//!  API server ──AdmissionReview──► /mutate   ─► review::review ─► translate::translate ─► JSON patch
+//!                                  /validate ─►        (pure)          (pure, qos-core parsing)
+//! ```
+//!
+//! `translate` and `review` are pure (no I/O); `server` is the HTTPS wiring: axum +
+//! rustls (ring), certificates reloaded from files when they change.
+#![forbid(unsafe_code)]
+
+pub mod review;
+pub mod server;
+pub mod translate;

@@ -1,0 +1,122 @@
+//! `coloc-webhook`: see `coloc-webhook --help`.
+use anyhow::{Context, Result};
+use clap::Parser;
+use coloc_webhook::server::{install_metrics, reload_certificates, router, AppState};
+use coloc_webhook::translate::{Backend, Settings};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// gpu-coloc admission webhook: validates vke.volcengine.com mGPU requests and translates
+/// them for the cluster's GPU backend (vke, nvidia-shared, hami).
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about,
+    after_help = "\
+Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], GET /healthz /readyz /metrics.
+Example config (TOML):
+  backend = \"hami\"                          # default backend
+  offline_priority_class = \"gpu-coloc-offline\""
+)]
+struct Args {
+    /// Settings file (TOML): `backend`, `offline_priority_class`.
+    #[arg(long, env = "COLOC_WEBHOOK_CONFIG")]
+    config: Option<PathBuf>,
+    /// Default backend (overrides the file).
+    #[arg(long, env = "COLOC_WEBHOOK_BACKEND", value_enum)]
+    backend: Option<Backend>,
+    /// TLS certificate chain (PEM). Re-read when it changes.
+    #[arg(
+        long,
+        env = "COLOC_WEBHOOK_CERT",
+        default_value = "/etc/coloc-webhook/tls/tls.crt"
+    )]
+    cert: PathBuf,
+    /// TLS private key (PEM). Re-read when it changes.
+    #[arg(
+        long,
+        env = "COLOC_WEBHOOK_KEY",
+        default_value = "/etc/coloc-webhook/tls/tls.key"
+    )]
+    key: PathBuf,
+    /// Address to listen on.
+    #[arg(long, env = "COLOC_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    listen: SocketAddr,
+    /// Largest AdmissionReview accepted, bytes (larger: HTTP 400).
+    #[arg(long, env = "COLOC_WEBHOOK_MAX_BODY", default_value_t = 3 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// How often to check the certificate files for changes.
+    #[arg(long, env = "COLOC_WEBHOOK_RELOAD_SECS", default_value_t = 10)]
+    reload_secs: u64,
+    /// Serve plain HTTP instead of HTTPS (local testing only: the API server requires TLS).
+    #[arg(long)]
+    insecure_http: bool,
+    /// Worker threads.
+    #[arg(long, env = "COLOC_WEBHOOK_THREADS", default_value_t = 2)]
+    threads: usize,
+}
+
+fn load_settings(a: &Args) -> Result<Settings> {
+    let mut s = match &a.config {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            toml::from_str::<Settings>(&text).map_err(|e| {
+                anyhow::anyhow!(
+                    "{}: {}",
+                    p.display(),
+                    e.to_string().trim().replace('\n', " ")
+                )
+            })?
+        }
+        None => Settings {
+            backend: Backend::Vke,
+            offline_priority_class: None,
+        },
+    };
+    if let Some(b) = a.backend {
+        s.backend = b;
+    }
+    Ok(s)
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("COLOC_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("coloc-webhook: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(a: Args) -> Result<()> {
+    let settings = load_settings(&a)?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let prom = install_metrics()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(a.threads.max(1))
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let app = router(AppState { settings: Arc::new(settings.clone()), max_body: a.max_body_bytes, prom: Some(prom) });
+        tracing::info!(listen = %a.listen, backend = %settings.backend, tls = !a.insecure_http, "Webhook started");
+        if a.insecure_http {
+            let l = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+            axum::serve(l, app).await?;
+            return Ok(());
+        }
+        let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(&a.cert, &a.key)
+            .await
+            .with_context(|| format!("loading TLS certificate {} and key {}", a.cert.display(), a.key.display()))?;
+        tokio::spawn(reload_certificates(tls.clone(), a.cert.clone(), a.key.clone(), Duration::from_secs(a.reload_secs.max(1))));
+        axum_server::bind_rustls(a.listen, tls).serve(app.into_make_service()).await?;
+        Ok(())
+    })
+}

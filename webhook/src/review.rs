@@ -1,0 +1,109 @@
+//! AdmissionReview in, AdmissionReview out. Pure function of the request bytes, so that
+//! the router, the fuzz test and the benchmark all drive the same code.
+//!
+//! Bad input never panics: unparsable bodies and reviews without a request are HTTP 400;
+//! objects that are not Pods are allowed untouched; pods that cannot be read are denied
+//! with a message.
+
+use crate::translate::{translate, Backend, Settings};
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::DynamicObject;
+use serde_json::Value;
+
+/// Which endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `/mutate`: validate and return a patch.
+    Mutate,
+    /// `/validate`: validate only.
+    Validate,
+}
+
+impl Mode {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Mutate => "mutate",
+            Mode::Validate => "validate",
+        }
+    }
+}
+
+/// The result of one review.
+#[derive(Debug)]
+pub struct Reviewed {
+    /// HTTP status.
+    pub status: u16,
+    /// Response body (an AdmissionReview, or a plain error message for 400).
+    pub body: Vec<u8>,
+    /// Bounded metric label: allowed, patched, denied, invalid.
+    pub result: &'static str,
+    /// Bounded denial reason, when denied.
+    pub reason: Option<&'static str>,
+}
+
+fn bad_request(msg: String) -> Reviewed {
+    Reviewed {
+        status: 400,
+        body: msg.into_bytes(),
+        result: "invalid",
+        reason: None,
+    }
+}
+
+/// Handles one AdmissionReview body.
+pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Settings) -> Reviewed {
+    let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("not an admission.k8s.io/v1 AdmissionReview: {e}")),
+    };
+    if review.types.api_version != "admission.k8s.io/v1" || review.types.kind != "AdmissionReview" {
+        return bad_request(format!(
+            "expected admission.k8s.io/v1 AdmissionReview, got {}/{}",
+            review.types.api_version, review.types.kind
+        ));
+    }
+    let req: AdmissionRequest<DynamicObject> = match review.try_into() {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("AdmissionReview without a request: {e}")),
+    };
+    let resp = AdmissionResponse::from(&req);
+    let is_pod = req.kind.group.is_empty() && req.kind.kind == "Pod" && req.sub_resource.is_none();
+    let acts = matches!(req.operation, Operation::Create | Operation::Update);
+    let (resp, result, reason) = match (&req.object, is_pod && acts) {
+        (Some(obj), true) => {
+            let pod = serde_json::to_value(obj).unwrap_or(Value::Null);
+            let backend = backend.unwrap_or(settings.backend);
+            match translate(&pod, backend, settings) {
+                Ok(ops) if ops.is_empty() || mode == Mode::Validate => (resp, "allowed", None),
+                Ok(ops) => match serde_json::from_value::<json_patch::Patch>(Value::Array(ops))
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| resp.clone().with_patch(p).map_err(|e| e.to_string()))
+                {
+                    Ok(r) => (r, "patched", None),
+                    Err(e) => (
+                        resp.deny(format!("gpu-coloc could not build a patch: {e}")),
+                        "denied",
+                        Some("internal"),
+                    ),
+                },
+                Err(d) => {
+                    let mut r = resp.deny(&d.message);
+                    r.result.code = 403;
+                    r.result.reason = "Forbidden".into();
+                    (r, "denied", Some(d.reason))
+                }
+            }
+        }
+        _ => (resp, "allowed", None),
+    };
+    match serde_json::to_vec(&resp.into_review()) {
+        Ok(body) => Reviewed {
+            status: 200,
+            body,
+            result,
+            reason,
+        },
+        Err(e) => bad_request(format!("cannot serialise response: {e}")),
+    }
+}
