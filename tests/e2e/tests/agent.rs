@@ -512,13 +512,14 @@ fn nvml_failure_fails_open_and_recovers() {
             .unwrap_or(false)
     })
     .unwrap();
-    assert!(
+    wait_for("fail-open counted", SOON, || {
         metric(
             &agent.metrics(),
             "coloc_fail_open_total",
-            &["reason=\"nvml\""]
+            &["reason=\"nvml\""],
         ) >= 1.0
-    );
+    })
+    .unwrap();
     holds_for(
         "nothing suspended while NVML fails",
         Duration::from_millis(300),
