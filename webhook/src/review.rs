@@ -97,7 +97,10 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
         }
         _ => (resp, "allowed", None),
     };
-    match serde_json::to_vec(&resp.into_review()) {
+    match serde_json::to_value(resp.into_review())
+        .map(base64_patch)
+        .and_then(|v| serde_json::to_vec(&v))
+    {
         Ok(body) => Reviewed {
             status: 200,
             body,
@@ -106,4 +109,20 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
         },
         Err(e) => bad_request(format!("cannot serialise response: {e}")),
     }
+}
+
+/// kube-core serialises `response.patch` (a Go `[]byte`) as an array of numbers; the API
+/// documents it as a base64 string, which is what every API server version accepts.
+fn base64_patch(mut v: Value) -> Value {
+    use base64::Engine;
+    if let Some(arr) = v.pointer("/response/patch").and_then(Value::as_array) {
+        let bytes: Vec<u8> = arr
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|b| b as u8)
+            .collect();
+        v["response"]["patch"] =
+            Value::String(base64::engine::general_purpose::STANDARD.encode(bytes));
+    }
+    v
 }
