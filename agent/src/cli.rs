@@ -55,10 +55,12 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     /// Standalone pod source: TOML rules (by cgroup, exe, cmdline, uid) that classify GPU
-    /// processes on a host without Kubernetes. See `coloc-agent check-rules`.
+    /// processes on a host without Kubernetes. See `coloc-agent check-rules`. Without it,
+    /// the agent watches this node's pods on Kubernetes (needs --node-name).
     #[arg(long, env = "COLOC_RULES")]
     pub rules: Option<PathBuf>,
-    /// Node name (shown in /state).
+    /// This node's name: the Kubernetes pod source watches pods with
+    /// spec.nodeName=<name> (set from the downward API in the DaemonSet).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
     /// NVML library to load (the driver's libnvidia-ml.so.1, or the test fake).

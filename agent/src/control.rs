@@ -326,6 +326,7 @@ impl Agent {
         let inputs = self.inputs();
         let decision = self.machine.tick(now, &inputs);
         if !decision.is_empty() {
+            debug!(suspend = ?decision.suspend, resume = ?decision.resume, transitions = ?decision.transitions, "Decision");
             self.execute(decision, now);
         }
         self.purge_gone();
@@ -394,14 +395,10 @@ impl Agent {
                 .get(pid)
                 .is_some_and(|e| e.generation != generation);
             if reused || reclassify {
-                if let Some(old) = self.procs.remove(pid) {
-                    if reused {
-                        info!(pid, "GPU process replaced by another with the same PID");
-                    }
-                    if self.machine.suspended().contains_key(&old.key) {
-                        // Keep it for the resume the machine will issue; under a new key.
-                        self.procs.insert(u32::MAX - old.key.pid, old);
-                    }
+                // What is held suspended lives in `held` with its target, so replacing
+                // the entry loses nothing: the machine resumes the old key next tick.
+                if self.procs.remove(pid).is_some() && reused {
+                    info!(pid, "GPU process replaced by another with the same PID");
                 }
                 let entry = self.classify(*pid, generation);
                 self.procs.insert(*pid, entry);
@@ -543,14 +540,7 @@ impl Agent {
     }
 
     fn entry_by_key(&self, key: &ProcKey) -> Option<&Entry> {
-        self.procs
-            .get(&key.pid)
-            .filter(|e| e.key == *key)
-            .or_else(|| {
-                self.procs
-                    .get(&(u32::MAX - key.pid))
-                    .filter(|e| e.key == *key)
-            })
+        self.procs.get(&key.pid).filter(|e| e.key == *key)
     }
 
     fn execute(&mut self, d: Decision<ProcKey>, decided: u64) {
@@ -603,22 +593,21 @@ impl Agent {
 
         // Resumptions.
         let mut resume: Vec<Target> = Vec::new();
+        // By key, not through the process table: a process reclassified or gone since it
+        // was suspended is still resumed through the target it was suspended with.
         for key in &d.resume {
-            let rec = self
-                .entry_by_key(key)
-                .and_then(|e| e.target.as_ref())
-                .map(Target::record);
-            let Some(rec) = rec else { continue };
-            if let Some((t, holders)) = self.held.get_mut(&rec) {
-                holders.remove(key);
-                if holders.is_empty() {
+            self.held.retain(|_, (t, holders)| {
+                if holders.remove(key) && holders.is_empty() {
                     resume.push(t.clone());
-                    self.held.remove(&rec);
+                    return false;
                 }
-            }
+                true
+            });
         }
         let mut resumed_at = decided;
         if !resume.is_empty() {
+            let pids: Vec<u32> = d.resume.iter().map(|k| k.pid).collect();
+            info!(?pids, targets = resume.len(), "Resuming offline work");
             if self.cfg.dry_run {
                 for t in &resume {
                     info!(target = %actuator::describe(t), "Dry run: would resume");

@@ -49,10 +49,25 @@ fn check_rules(file: &std::path::Path) -> Result<()> {
 
 fn run(args: RunArgs) -> Result<()> {
     let cfg = args.loop_config()?;
-    let rules_path = args.rules.as_ref().context(
-        "no pod source: pass --rules FILE (standalone host; see `coloc-agent check-rules`)",
-    )?;
-    let source: Arc<dyn PodSource> = Arc::new(Rules::load(rules_path)?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let source: Arc<dyn PodSource> = match &args.rules {
+        Some(path) => Arc::new(Rules::load(path)?),
+        None => {
+            let node = args.node_name.as_deref().context(
+                "no pod source: pass --rules FILE (standalone host; see `coloc-agent check-rules`), \
+                 or --node-name / NODE_NAME to watch this node's pods on Kubernetes",
+            )?;
+            let client = rt
+                .block_on(kube::Client::try_default())
+                .context("Kubernetes client (in-cluster service account, or KUBECONFIG)")?;
+            let _guard = rt.enter();
+            info!(node, "Watching this node's pods");
+            Arc::new(coloc_agent::kube_source::KubeSource::start(client, node))
+        }
+    };
     let prom = metrics_setup::install()?;
 
     // Fail-open first: whatever a previous run left suspended runs again before anything
@@ -77,10 +92,6 @@ fn run(args: RunArgs) -> Result<()> {
         shared.clone(),
     )?;
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(args.listen))
         .with_context(|| format!("binding --listen {}", args.listen))?;

@@ -5,6 +5,8 @@
 //! target directory as the test executable, so run `cargo build --workspace` first (the
 //! README's test command does).
 
+pub mod fakeapi;
+
 use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -272,6 +274,39 @@ impl Agent {
             )
         });
         a
+    }
+
+    /// Starts the agent with the Kubernetes pod source (no rules file), extra arguments
+    /// and environment, without waiting.
+    pub fn spawn_with(sim: &Sim, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Agent {
+        let dir = std::env::temp_dir().join(unique("coloc-e2e-agent"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let state_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-state"));
+        let port = free_port();
+        let log = dir.join("agent.log");
+        let mut cmd = Command::new(bin("coloc-agent"));
+        cmd.arg("run")
+            .arg("--nvml-lib")
+            .arg(bin("libfake_nvml.so"))
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--cgroup-root")
+            .arg("/sys/fs/cgroup")
+            .args(args)
+            .env("COLOC_SIM_STATE", &sim.state)
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start coloc-agent");
+        Agent {
+            child: Some(child),
+            port,
+            state_dir,
+            log,
+        }
     }
 
     /// Starts the agent without waiting.

@@ -1,0 +1,272 @@
+//! The Kubernetes pod source: a kube-rs watcher on this node's pods
+//! (`spec.nodeName=<node>`), classified by `katalyst.kubewharf.io/qos_level`, looked up by
+//! the pod UID found in a process's cgroup path.
+//!
+//! ```text
+//!  API server ──list+watch──► watcher (backoff, relist on 410) ──► index: pod UID → class
+//!                                                                      ▲
+//!  /proc/<pid>/cgroup ──► podref::parse ──► pod UID ──────────────────┘ classify()
+//! ```
+//!
+//! What a real API server does, and what the source does about it:
+//! - watch timeout, `410 Gone`: the watcher relists; the old index stays in use until the
+//!   new list is complete, then is replaced whole (pods deleted meanwhile disappear);
+//! - disconnects and errors: logged and counted, retried with backoff; the last known pods
+//!   stay in use, so online work stays protected;
+//! - a pod deleted (or reclassified) while its processes are suspended: its entry goes, the
+//!   generation changes, the agent reclassifies and resumes what is no longer offline.
+//!
+//! Readiness is false until the first list is complete.
+//!
+//! May touch: the Kubernetes API (get/list/watch pods).
+
+use crate::procinfo::ProcInfo;
+use crate::source::{Classified, PodSource};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, ResourceExt};
+use qos_core::resources::{CorePercent, RECLAIMED_MGPU_CORE};
+use qos_core::{classify, Class, ComputePolicy, Share};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use tracing::{info, warn};
+
+/// What the agent needs to know about one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodEntry {
+    /// `namespace/name`.
+    pub owner: String,
+    /// Class from the QoS annotation.
+    pub class: Class,
+    /// Share policy (offline pods).
+    pub share: Share,
+}
+
+impl PodEntry {
+    /// Reads a pod. Unknown QoS values are online (and logged by the caller).
+    pub fn from_pod(pod: &Pod) -> (PodEntry, Option<String>) {
+        let ann = pod.metadata.annotations.as_ref();
+        let c = classify(
+            ann.and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
+                .map(String::as_str),
+        );
+        let policy = ComputePolicy::from_annotation(
+            ann.and_then(|a| a.get(qos_core::resources::COMPUTE_POLICY_ANNOTATION))
+                .map(String::as_str),
+        )
+        .unwrap_or_default();
+        let share = if c.class == Class::Offline && policy == ComputePolicy::FixedShare {
+            let percent = pod
+                .spec
+                .iter()
+                .flat_map(|s| s.containers.iter())
+                .filter_map(|c| {
+                    c.resources
+                        .as_ref()?
+                        .limits
+                        .as_ref()?
+                        .get(RECLAIMED_MGPU_CORE)
+                })
+                .filter_map(|q| CorePercent::parse(RECLAIMED_MGPU_CORE, &q.0).ok())
+                .map(CorePercent::percent_of_one)
+                .max()
+                .unwrap_or(100);
+            Share::Fixed { percent }
+        } else {
+            Share::Burst
+        };
+        let owner = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        (
+            PodEntry {
+                owner,
+                class: c.class,
+                share,
+            },
+            c.warning,
+        )
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    index: RwLock<HashMap<String, PodEntry>>,
+    ready: AtomicBool,
+    generation: AtomicU64,
+}
+
+/// The Kubernetes pod source (cheap to clone).
+#[derive(Debug, Clone, Default)]
+pub struct KubeSource {
+    inner: Arc<Inner>,
+    changed: Option<tokio::sync::watch::Sender<u64>>,
+}
+
+impl KubeSource {
+    /// Starts watching the pods of `node` on the current tokio runtime.
+    pub fn start(client: Client, node: &str) -> KubeSource {
+        let (tx, _) = tokio::sync::watch::channel(0);
+        let src = KubeSource {
+            inner: Arc::default(),
+            changed: Some(tx),
+        };
+        let api: Api<Pod> = Api::all(client);
+        let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let me = src.clone();
+        let node = node.to_string();
+        tokio::spawn(async move { me.run(api, cfg, node).await });
+        src
+    }
+
+    /// Notified with the new generation on every relevant change.
+    pub fn subscribe(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.changed.as_ref().map(|t| t.subscribe())
+    }
+
+    /// Number of pods known.
+    pub fn len(&self) -> usize {
+        self.inner.index.read().map(|i| i.len()).unwrap_or(0)
+    }
+
+    /// True when no pod is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The entry of a pod UID.
+    pub fn get(&self, uid: &str) -> Option<PodEntry> {
+        self.inner.index.read().ok()?.get(uid).cloned()
+    }
+
+    fn bump(&self) {
+        let g = self.inner.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(tx) = &self.changed {
+            tx.send_replace(g);
+        }
+    }
+
+    fn entry(pod: &Pod) -> Option<(String, PodEntry)> {
+        let uid = pod.metadata.uid.clone()?;
+        let (e, warning) = PodEntry::from_pod(pod);
+        if let Some(w) = warning {
+            warn!(pod = %e.owner, "{w}");
+            metrics::counter!("coloc_unknown_qos_level_total").increment(1);
+        }
+        Some((uid, e))
+    }
+
+    async fn run(self, api: Api<Pod>, cfg: watcher::Config, node: String) {
+        let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+        let mut relist: Option<HashMap<String, PodEntry>> = None;
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(Event::Init) => relist = Some(HashMap::new()),
+                Ok(Event::InitApply(pod)) => {
+                    if let (Some(buf), Some((uid, e))) = (relist.as_mut(), Self::entry(&pod)) {
+                        buf.insert(uid, e);
+                    }
+                }
+                Ok(Event::InitDone) => {
+                    let new = relist.take().unwrap_or_default();
+                    let count = new.len();
+                    let changed = match self.inner.index.write() {
+                        Ok(mut idx) => {
+                            let changed = *idx != new;
+                            *idx = new;
+                            changed
+                        }
+                        Err(_) => false,
+                    };
+                    let first = !self.inner.ready.swap(true, Ordering::SeqCst);
+                    if changed || first {
+                        self.bump();
+                    }
+                    info!(node = %node, pods = count, "Pod list synced");
+                }
+                Ok(Event::Apply(pod)) => {
+                    let Some((uid, e)) = Self::entry(&pod) else {
+                        continue;
+                    };
+                    let old = self
+                        .inner
+                        .index
+                        .write()
+                        .ok()
+                        .and_then(|mut i| i.insert(uid, e.clone()));
+                    match old {
+                        Some(o) if o == e => {}
+                        Some(o) => {
+                            info!(pod = %e.owner, from = %o.class, to = %e.class, "Pod changed class");
+                            self.bump();
+                        }
+                        None => self.bump(),
+                    }
+                }
+                Ok(Event::Delete(pod)) => {
+                    if let Some(uid) = &pod.metadata.uid {
+                        let gone = self
+                            .inner
+                            .index
+                            .write()
+                            .ok()
+                            .and_then(|mut i| i.remove(uid));
+                        if let Some(e) = gone {
+                            info!(pod = %e.owner, class = %e.class, "Pod deleted");
+                            self.bump();
+                        }
+                    }
+                }
+                Err(err) => {
+                    metrics::counter!("coloc_pod_watch_errors_total").increment(1);
+                    warn!(%err, "Pod watch failed: keeping the last known pods, retrying with backoff");
+                }
+            }
+        }
+    }
+}
+
+impl PodSource for KubeSource {
+    fn classify(&self, p: &ProcInfo) -> Classified {
+        // The v2 path first (pure v2 and hybrid nodes), then any v1 hierarchy.
+        let found = p
+            .cgroups
+            .v2
+            .as_deref()
+            .and_then(|path| crate::podref::parse(path).map(|pc| (pc, path.to_string(), true)))
+            .or_else(|| {
+                let path = p.cgroups.v1.get("freezer")?;
+                crate::podref::parse(path).map(|pc| (pc, path.clone(), false))
+            })
+            .or_else(|| {
+                p.cgroups.paths().find_map(|path| {
+                    crate::podref::parse(path).map(|pc| (pc, path.to_string(), false))
+                })
+            });
+        let Some((pc, path, _)) = found else {
+            return Classified::unmanaged(Class::Unmanaged);
+        };
+        match self.get(&pc.uid) {
+            Some(e) => Classified {
+                class: e.class,
+                share: e.share,
+                owner: e.owner,
+                // The container's own cgroup: every process in it belongs to this pod.
+                freeze_cgroup: Some(path),
+            },
+            None => Classified {
+                owner: format!("pod-uid:{}", pc.uid),
+                ..Classified::unmanaged(Class::Unmanaged)
+            },
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.inner.ready.load(Ordering::SeqCst)
+    }
+
+    fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::SeqCst)
+    }
+}
