@@ -56,6 +56,33 @@ struct Args {
     /// Worker threads.
     #[arg(long, env = "COLOC_WEBHOOK_THREADS", default_value_t = 2)]
     threads: usize,
+    /// Instead of serving: translate the Pod (JSON) in this file for the backend and print
+    /// the result, or the denial (exit 1). `-` reads standard input.
+    #[arg(long, value_name = "POD_JSON")]
+    translate: Option<PathBuf>,
+}
+
+fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Result<()> {
+    use std::io::Read;
+    let mut text = String::new();
+    if path == std::path::Path::new("-") {
+        std::io::stdin().read_to_string(&mut text)?;
+    } else {
+        text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    }
+    let mut pod: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a JSON Pod", path.display()))?;
+    let backend = a.backend.unwrap_or(settings.backend);
+    match coloc_webhook::translate::translate(&pod, backend, settings) {
+        Ok(ops) => {
+            let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
+            json_patch::patch(&mut pod, &patch).context("applying the patch")?;
+            println!("{}", serde_json::to_string_pretty(&pod)?);
+            Ok(())
+        }
+        Err(d) => anyhow::bail!("denied: {}", d.message),
+    }
 }
 
 fn load_settings(a: &Args) -> Result<Settings> {
@@ -98,6 +125,9 @@ fn main() {
 
 fn run(a: Args) -> Result<()> {
     let settings = load_settings(&a)?;
+    if let Some(p) = &a.translate {
+        return translate_file(&a, &settings, p);
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let prom = install_metrics()?;
     let rt = tokio::runtime::Builder::new_multi_thread()

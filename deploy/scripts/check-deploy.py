@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Offline checks of everything in deploy/: the Helm chart rendered with several value
+sets (render-chart.py), the kustomize base and overlay (kubectl kustomize), each object
+validated against the Kubernetes 1.33 schemas (kubernetes-validate, strict), the plain
+manifests in sync with the chart, and the promises the README makes about them."""
+import os, subprocess, sys, tempfile
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEPLOY = os.path.dirname(HERE)
+ROOT = os.path.dirname(DEPLOY)
+K8S = "1.33.0"
+CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+failures = []
+
+
+def run(*cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if r.returncode != 0:
+        raise SystemExit(f"FAILED: {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+
+
+def validate(text, label):
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    r = subprocess.run(["kubernetes-validate", "-k", K8S, "--strict", f.name], capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    for line in out.splitlines():
+        if line.startswith("INFO") or not line.strip():
+            continue
+        if "Couldn't find schema" in line and any(g in line for g in CRD_GROUPS):
+            continue  # custom resources (cert-manager, prometheus-operator): no schema offline
+        failures.append(f"{label}: {line}")
+    if r.returncode != 0 and not any("Couldn't find schema" in l for l in out.splitlines()):
+        failures.append(f"{label}: kubernetes-validate exited {r.returncode}")
+    print(f"ok  {label}: {len(docs)} objects validated against Kubernetes {K8S}")
+    return docs
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d.get("kind") == kind]
+
+
+def render(*sets):
+    args = ["python3", os.path.join(HERE, "render-chart.py")]
+    for s in sets:
+        args += ["--set", s]
+    return run(*args)
+
+
+def promises(docs, label):
+    ds = by_kind(docs, "DaemonSet")[0]
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    sc = c["securityContext"]
+    check(pod.get("hostPID") is True, f"{label}: agent needs hostPID")
+    check(not sc.get("privileged"), f"{label}: agent must not be privileged by default")
+    check(sc["capabilities"]["drop"] == ["ALL"], f"{label}: agent drops all capabilities")
+    check(set(sc["capabilities"]["add"]) <= {"KILL", "SYS_PTRACE", "DAC_OVERRIDE"}, f"{label}: unexpected capabilities {sc['capabilities']['add']}")
+    env = {e["name"]: e for e in c["env"]}
+    check(env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", f"{label}: NODE_NAME from the downward API")
+    check(c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz", f"{label}: probes")
+    check("requests" in c["resources"] and "limits" in c["resources"], f"{label}: resources")
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    check("/host/sys/fs/cgroup" in mounts and "/run/coloc-agent" in mounts, f"{label}: cgroup and state mounts")
+    check(pod.get("priorityClassName") == "gpu-coloc-agent", f"{label}: agent priority class")
+    check(pod.get("nodeSelector"), f"{label}: GPU node selection")
+    role = by_kind(docs, "ClusterRole")[0]
+    check(role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}], f"{label}: RBAC limited to get/list/watch pods")
+    svc = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("agent-metrics")][0]
+    check(svc["metadata"]["annotations"].get("prometheus.io/scrape") == "true", f"{label}: scrape annotations")
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for cfg in by_kind(docs, kind):
+            for w in cfg["webhooks"]:
+                check(w["sideEffects"] == "None" and w["failurePolicy"] and w["timeoutSeconds"], f"{label}: {w['name']} settings")
+                ns = w["namespaceSelector"]["matchExpressions"][0]
+                check(ns["operator"] == "NotIn" and "kube-system" in ns["values"], f"{label}: {w['name']} excludes kube-system")
+                check(w["objectSelector"]["matchExpressions"][0]["values"] == ["gpu-coloc-webhook"], f"{label}: {w['name']} excludes the webhook itself")
+                if kind.startswith("Mutating"):
+                    check(w.get("reinvocationPolicy") == "IfNeeded", f"{label}: reinvocationPolicy")
+    dep = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("webhook")]
+    if dep:
+        check(dep[0]["spec"]["replicas"] == 2, f"{label}: webhook replicas")
+        check(by_kind(docs, "PodDisruptionBudget"), f"{label}: webhook PDB")
+
+
+def main():
+    subprocess.run([sys.executable, "-m", "pip", "show", "-q", "kubernetes-validate"], capture_output=True).returncode == 0 or \
+        run(sys.executable, "-m", "pip", "install", "-q", "kubernetes-validate==1.33.1")
+    default = render()
+    promises(validate(default, "chart (defaults)"), "chart (defaults)")
+    host = validate(render("agent.runtimeClassName="), "chart (driver from host path)")
+    env = {e["name"] for e in by_kind(host, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    check("COLOC_NVML_LIB" in env, "host-path mode sets COLOC_NVML_LIB")
+    full = validate(render("agent.serviceMonitor.enabled=true", "webhook.certManager.enabled=true", "prometheusRules.enabled=true"), "chart (ServiceMonitor, cert-manager, rules)")
+    check(by_kind(full, "ServiceMonitor") and by_kind(full, "Certificate"), "optional objects rendered when enabled")
+    agent_only = validate(render("webhook.enabled=false"), "chart (agent only)")
+    check(not by_kind(agent_only, "MutatingWebhookConfiguration"), "webhook.enabled=false drops the webhook")
+
+    with open(os.path.join(DEPLOY, "kustomize", "base", "gpu-coloc.yaml")) as f:
+        committed = f.read()
+    fresh = run("bash", "-c", f"cd {DEPLOY} && {{ echo '# Generated by deploy/scripts/render-manifests.sh from deploy/helm/gpu-coloc (default values).'; echo '# Do not edit: change the chart and regenerate.'; python3 scripts/render-chart.py --name gpu-coloc --namespace gpu-coloc; }}")
+    check(committed == fresh, "deploy/kustomize/base/gpu-coloc.yaml is stale: run deploy/scripts/render-manifests.sh")
+    base = run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "base"))
+    promises(validate(base, "kustomize base"), "kustomize base")
+    over = validate(run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "overlays", "cert-manager")), "kustomize overlay cert-manager")
+    for cfg in by_kind(over, "MutatingWebhookConfiguration") + by_kind(over, "ValidatingWebhookConfiguration"):
+        check(cfg["metadata"]["annotations"].get("cert-manager.io/inject-ca-from") == "gpu-coloc/gpu-coloc-webhook", "overlay injects the CA")
+
+    # The README's install commands name these paths.
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for needle in ("kubectl apply -k deploy/kustomize/base", "kubectl apply -k deploy/kustomize/overlays/cert-manager",
+                   "deploy/scripts/self-signed-webhook-cert.sh", "helm install gpu-coloc deploy/helm/gpu-coloc"):
+        check(needle in readme, f"README lacks {needle!r}")
+
+    if failures:
+        print("\n".join("FAIL " + f for f in failures))
+        sys.exit(1)
+    print("deploy checks: all passed")
+
+
+if __name__ == "__main__":
+    main()
