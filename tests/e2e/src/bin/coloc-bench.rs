@@ -155,8 +155,103 @@ fn idle_cost(secs: u64, with_offline: usize) -> serde_json::Value {
     serde_json::json!({"offline_processes": with_offline, "cpu_percent_of_one_core": cpu * 100.0, "rss_mib": rss_kib(pid) as f64 / 1024.0})
 }
 
+/// Pod event → classification latency (in-process source, real client over HTTP), and the
+/// agent's CPU with 250 pods on its node and 10 pod changes per second.
+fn kube_bench() {
+    use coloc_e2e::fakeapi::{pod, FakeApi};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(FakeApi::start());
+    let uid = |i: u32| format!("0f2c7a54-9a3b-4c1e-8d2f-{i:012}");
+    for i in 0..250 {
+        api.apply_silently(pod(
+            &uid(i),
+            &format!("p{i}"),
+            "node1",
+            Some(if i % 3 == 0 {
+                "reclaimed_cores"
+            } else {
+                "shared_cores"
+            }),
+        ));
+    }
+    // Latency, in process.
+    let lat = rt.block_on(async {
+        let _g = ();
+        let src = coloc_agent::kube_source::KubeSource::start(api.client(), "node1");
+        while !coloc_agent::source::PodSource::ready(&src) || api.watches_open() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut rx = src.subscribe().unwrap();
+        let mut lat = Vec::new();
+        for i in 0..500u32 {
+            let qos = if i % 2 == 0 {
+                "reclaimed_cores"
+            } else {
+                "shared_cores"
+            };
+            rx.borrow_and_update();
+            // A new pod each time: every event changes what the index answers.
+            api.apply(pod(&uid(1000 + i), &format!("n{i}"), "node1", Some(qos)));
+            tokio::time::timeout(Duration::from_secs(5), rx.changed())
+                .await
+                .unwrap()
+                .unwrap();
+            lat.push(api.last_sent().unwrap().elapsed().as_secs_f64() * 1e3);
+        }
+        lat
+    });
+    println!();
+    println!("| pod event → classification (500 events, release) | p50 {:.3} ms | p99 {:.3} ms | max {:.3} ms |", pct(&lat, 50.0), pct(&lat, 99.0), pct(&lat, 100.0));
+    // CPU of the real agent binary under pod churn.
+    let sim = Sim::start(1, &["--sample-period-ms", "1"]);
+    let dir = std::env::temp_dir().join(unique("coloc-bench-kube"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kc = api.kubeconfig(&dir);
+    let agent = Agent::spawn_with(
+        &sim,
+        &[
+            "--node-name",
+            "node1",
+            "--actuator",
+            "signal",
+            "--idle-poll-interval",
+            "1ms",
+        ],
+        &[("KUBECONFIG", kc.as_os_str())],
+    );
+    wait_for("agent ready", Duration::from_secs(20), || {
+        http_get(agent.port, "/readyz")
+            .map(|r| r.0 == 200)
+            .unwrap_or(false)
+    })
+    .unwrap();
+    let _gpu_work = sim.spawn(&["offline", "--step-ms", "2"]);
+    std::thread::sleep(Duration::from_secs(1));
+    let pid = agent.child.as_ref().unwrap().id();
+    let (t0, c0) = (Instant::now(), cpu_ns(pid));
+    let mut i = 0u32;
+    while t0.elapsed() < Duration::from_secs(10) {
+        let n = i % 250;
+        let qos = if (i / 250) % 2 == 0 {
+            "shared_cores"
+        } else {
+            "reclaimed_cores"
+        };
+        api.apply(pod(&uid(n), &format!("p{n}"), "node1", Some(qos)));
+        i += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cpu = (cpu_ns(pid) - c0) as f64 / 1e9 / t0.elapsed().as_secs_f64() * 100.0;
+    println!("| agent CPU, 750 pods on the node, {} pod changes in {:.1} s, poll forced to 1 ms | {:.2} % of one core |", i, t0.elapsed().as_secs_f64(), cpu);
+    drop(agent);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--kube") {
+        kube_bench();
+        return;
+    }
     let cycles: u32 = args
         .iter()
         .position(|a| a == "--cycles")
