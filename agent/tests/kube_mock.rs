@@ -1,0 +1,92 @@
+//! The Kubernetes pod source against a scripted API server (`tower_test::mock::pair`):
+//! the initial list (by this node's field selector), a watch event flipping a pod from
+//! `shared_cores` to `reclaimed_cores`, `410 Gone`, and the relist that follows.
+
+use coloc_agent::kube_source::KubeSource;
+use coloc_agent::source::PodSource;
+use http::{Request, Response};
+use kube::client::Body;
+use qos_core::Class;
+use serde_json::json;
+use std::pin::pin;
+use std::time::{Duration, Instant};
+
+const UA: &str = "aaaaaaaa-0000-0000-0000-000000000001";
+const UB: &str = "bbbbbbbb-0000-0000-0000-000000000002";
+
+fn pod(uid: &str, name: &str, qos: &str, rv: &str) -> serde_json::Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml", "uid": uid, "resourceVersion": rv,
+                     "annotations": {"katalyst.kubewharf.io/qos_level": qos}},
+        "spec": {"nodeName": "node1", "containers": [{"name": "c", "image": "i"}]}})
+}
+
+fn list(rv: &str, items: Vec<serde_json::Value>) -> Response<Body> {
+    let l = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": rv}, "items": items});
+    Response::new(Body::from(serde_json::to_vec(&l).unwrap()))
+}
+
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn list_watch_flip_gone_relist() {
+    let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let src = KubeSource::start(kube::Client::new(svc, "default"), "node1");
+    let mut handle = pin!(handle);
+
+    // 1. The initial list asks for this node's pods only.
+    let (req, send) = handle.next_request().await.expect("initial list");
+    let uri = req.uri().to_string();
+    assert!(uri.starts_with("/api/v1/pods?"), "{uri}");
+    assert!(uri.contains("fieldSelector=spec.nodeName%3Dnode1"), "{uri}");
+    assert!(!uri.contains("watch=true"), "{uri}");
+    assert!(!src.ready(), "not ready before the list is in");
+    send.send_response(list("10", vec![pod(UA, "a", "shared_cores", "9")]));
+
+    // 2. The watch continues from the list's resource version; a pod flips to offline,
+    //    then the server says 410 Gone.
+    let (req, send) = handle.next_request().await.expect("watch");
+    let uri = req.uri().to_string();
+    assert!(
+        uri.contains("watch=true") && uri.contains("resourceVersion=10"),
+        "{uri}"
+    );
+    until("ready after the first list", || src.ready()).await;
+    assert_eq!(src.get(UA).map(|e| e.class), Some(Class::Online));
+    let mut body = serde_json::to_vec(
+        &json!({"type": "MODIFIED", "object": pod(UA, "a", "reclaimed_cores", "11")}),
+    )
+    .unwrap();
+    body.push(b'\n');
+    body.extend(serde_json::to_vec(&json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+        "status": "Failure", "reason": "Expired", "message": "too old resource version", "code": 410}})).unwrap());
+    body.push(b'\n');
+    send.send_response(Response::new(Body::from(body)));
+    until("flip to offline", || {
+        src.get(UA).map(|e| e.class) == Some(Class::Offline)
+    })
+    .await;
+
+    // 3. After 410 the watcher relists; pod a was deleted meanwhile, pod b created.
+    let (req, send) = handle.next_request().await.expect("relist after 410");
+    let uri = req.uri().to_string();
+    assert!(
+        !uri.contains("watch=true"),
+        "410 must lead to a relist: {uri}"
+    );
+    send.send_response(list("20", vec![pod(UB, "b", "reclaimed_cores", "19")]));
+    until("relist replaces the index", || {
+        src.get(UA).is_none() && src.get(UB).is_some()
+    })
+    .await;
+    assert!(src.ready());
+}
