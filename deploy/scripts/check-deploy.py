@@ -114,6 +114,15 @@ def main():
     for cfg in by_kind(over, "MutatingWebhookConfiguration") + by_kind(over, "ValidatingWebhookConfiguration"):
         check(cfg["metadata"]["annotations"].get("cert-manager.io/inject-ca-from") == "gpu-coloc/gpu-coloc-webhook", "overlay injects the CA")
 
+    # The chart ships the same dashboard and rules as deploy/grafana and deploy/prometheus.
+    pairs = [("grafana/gpu-coloc.json", "helm/gpu-coloc/dashboards/gpu-coloc.json"),
+             ("prometheus/rules.yaml", "helm/gpu-coloc/rules/gpu-coloc.yaml")]
+    for a, b in pairs:
+        with open(os.path.join(DEPLOY, a)) as fa, open(os.path.join(DEPLOY, b)) as fb:
+            check(fa.read() == fb.read(), f"deploy/{b} differs from deploy/{a}: run deploy/grafana/generate.py")
+    run("promtool", "check", "rules", os.path.join(DEPLOY, "prometheus", "rules.yaml"))
+    print("ok  promtool check rules")
+
     # The README's install commands name these paths.
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Writes the Grafana dashboard (deploy/grafana/gpu-coloc.json) and the chart's copies of
+the dashboard and the alert rules. Edit this file, not the JSON; rerun it after changes
+(deploy/scripts/check-deploy.py fails when the copies differ)."""
+import json, os, shutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHART = os.path.join(HERE, "..", "helm", "gpu-coloc")
+SEL = 'cluster=~"$cluster", instance=~"$node"'
+GPU = SEL + ', gpu=~"$gpu"'
+R = "$__rate_interval"
+
+
+def q(expr, legend):
+    return {"expr": expr, "legendFormat": legend}
+
+
+def quantile(metric, p, extra=""):
+    return f'histogram_quantile({p}, sum by (le{extra}) (rate({metric}_bucket{{{GPU}}}[{R}])))'
+
+
+PANELS = [
+    # (title, unit, width, height, targets, description)
+    ("Preemption latency (online activity → offline confirmed stopped)", "s", 16, 9, [
+        q(quantile("coloc_preemption_latency_seconds", 0.5), "p50"),
+        q(quantile("coloc_preemption_latency_seconds", 0.9), "p90"),
+        q(quantile("coloc_preemption_latency_seconds", 0.99), "p99"),
+    ], "How fast offline work gets out of the way: from the NVML sample timestamp of the first online activity to every offline process confirmed stopped."),
+    ("Preemptions per second", "ops", 8, 9, [
+        q(f'sum by (instance, gpu) (rate(coloc_suspensions_total{{{GPU}, reason="online_busy"}}[{R}]))', "{{instance}} GPU {{gpu}}"),
+    ], "Offline processes suspended because online work became busy."),
+    ("Release latency (end of idle window → offline running)", "s", 12, 8, [
+        q(quantile("coloc_release_latency_seconds", 0.5), "p50"),
+        q(quantile("coloc_release_latency_seconds", 0.99), "p99"),
+    ], "How soon offline work gets the GPU back once online has been idle for the window."),
+    ("Detection vs actuation (p99)", "s", 12, 8, [
+        q(quantile("coloc_detection_latency_seconds", 0.99), "detection p99"),
+        q(quantile("coloc_actuation_latency_seconds", 0.99), "actuation p99"),
+    ], "Detection: sample timestamp → decision (NVML sampling and polling). Actuation: decision → confirmed stopped (freezer or signals)."),
+    ("Online busy vs offline suspended, per GPU", "short", 12, 8, [
+        q(f'max by (instance, gpu) (coloc_gpu_online_busy{{{GPU}}})', "online busy {{instance}} GPU {{gpu}}"),
+        q(f'max by (instance, gpu) (coloc_offline_suspended_processes{{{GPU}}})', "offline suspended {{instance}} GPU {{gpu}}"),
+    ], "1 while online work is busy on the GPU; number of offline processes suspended."),
+    ("GPU time given back to offline work", "percentunit", 12, 8, [
+        q(f'sum by (instance, gpu) (rate(coloc_offline_reclaimed_seconds_total{{{GPU}}}[{R}]))', "offline running {{instance}} GPU {{gpu}}"),
+        q(f'sum by (instance, gpu) (rate(coloc_offline_suspended_seconds_total{{{GPU}}}[{R}]))', "offline suspended {{instance}} GPU {{gpu}}"),
+    ], "Share of wall time offline work ran while online was idle (reclaimed), and was held suspended."),
+    ("Fail-open events and actuation errors", "short", 12, 8, [
+        q(f'sum by (reason) (increase(coloc_fail_open_total{{{SEL}}}[{R}])) or vector(0)', "fail-open {{reason}}"),
+        q(f'sum by (actuator, op, reason) (increase(coloc_actuation_errors_total{{{SEL}}}[{R}])) or vector(0)', "error {{actuator}} {{op}} {{reason}}"),
+    ], "Fail-open: the agent resumed all offline work (NVML failure, record write failure, failed actuation). Any non-zero value deserves a look."),
+    ("Agent health", "s", 12, 8, [
+        q(f'max by (instance) (rate(coloc_loop_lag_seconds_sum{{{SEL}}}[{R}]) / rate(coloc_loop_lag_seconds_count{{{SEL}}}[{R}]))', "loop lag {{instance}}"),
+        q(f'histogram_quantile(0.99, sum by (le, function) (rate(coloc_nvml_call_duration_seconds_bucket{{{SEL}}}[{R}])))', "NVML p99 {{function}}"),
+        q(f'min by (instance) (up{{{SEL}, job=~"gpu-coloc-agent.*"}})', "up {{instance}}"),
+    ], "Control-loop lag (how late ticks start), NVML call latency, and whether each agent is scraped."),
+    ("Webhook admissions", "reqps", 12, 8, [
+        q(f'sum by (endpoint, result) (rate(coloc_webhook_admissions_total{{cluster=~"$cluster"}}[{R}]))', "{{endpoint}} {{result}}"),
+    ], "Admission reviews by result: allowed (nothing to change), patched (translated), denied, invalid (malformed request)."),
+    ("Webhook denials by reason", "reqps", 12, 8, [
+        q(f'sum by (reason) (rate(coloc_webhook_denials_total{{cluster=~"$cluster"}}[{R}])) or vector(0)', "{{reason}}"),
+    ], "Pods rejected for invalid mGPU requests, by reason."),
+]
+
+
+def dashboard():
+    panels, x, y, rowh = [], 0, 0, 0
+    for i, (title, unit, w, h, targets, desc) in enumerate(PANELS):
+        if x + w > 24:
+            x, y = 0, y + rowh
+            rowh = 0
+        panels.append({
+            "id": i + 1, "type": "timeseries", "title": title, "description": desc,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"x": x, "y": y, "w": w, "h": h},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]}},
+            "targets": [dict(t, refId=chr(65 + j), datasource={"type": "prometheus", "uid": "${datasource}"}) for j, t in enumerate(targets)],
+        })
+        x += w
+        rowh = max(rowh, h)
+    var = lambda name, query, label: {
+        "name": name, "label": label, "type": "query", "query": {"query": query, "refId": name},
+        "datasource": {"type": "prometheus", "uid": "${datasource}"}, "includeAll": True, "multi": True,
+        "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "refresh": 2, "sort": 1,
+    }
+    return {
+        "uid": "gpu-coloc", "title": "gpu-coloc: GPU co-location", "tags": ["gpu-coloc", "gpu"],
+        "schemaVersion": 39, "version": 1, "editable": True, "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {"text": "Prometheus", "value": "prometheus"}},
+            var("cluster", "label_values(coloc_agent_info, cluster)", "Cluster"),
+            var("node", 'label_values(coloc_agent_info{cluster=~"$cluster"}, instance)', "Node"),
+            var("gpu", 'label_values(coloc_gpu_online_busy{cluster=~"$cluster", instance=~"$node"}, gpu)', "GPU"),
+        ]},
+        "panels": panels,
+    }
+
+
+def main():
+    text = json.dumps(dashboard(), indent=2) + "\n"
+    with open(os.path.join(HERE, "gpu-coloc.json"), "w") as f:
+        f.write(text)
+    os.makedirs(os.path.join(CHART, "dashboards"), exist_ok=True)
+    with open(os.path.join(CHART, "dashboards", "gpu-coloc.json"), "w") as f:
+        f.write(text)
+    os.makedirs(os.path.join(CHART, "rules"), exist_ok=True)
+    shutil.copyfile(os.path.join(HERE, "..", "prometheus", "rules.yaml"), os.path.join(CHART, "rules", "gpu-coloc.yaml"))
+
+
+if __name__ == "__main__":
+    main()

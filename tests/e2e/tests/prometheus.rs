@@ -1,0 +1,259 @@
+//! Proof against a real Prometheus: the agent (simulated GPU, real processes) and the
+//! webhook are scraped by Debian's `prometheus` on 127.0.0.1; every dashboard query must
+//! return data and every alert expression must parse and load. Needs `prometheus` and
+//! `promtool` on PATH (the README's test command installs them).
+
+use coloc_e2e::*;
+use serde_json::Value;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn prom_query(port: u16, q: &str) -> Value {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    use std::io::{Read, Write};
+    let enc: String = q
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let body = format!("query={enc}");
+    write!(s, "POST /api/v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    let json = buf.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    // Chunked or not: take the JSON object.
+    let start = json.find('{').unwrap_or(0);
+    let end = json.rfind('}').map(|e| e + 1).unwrap_or(json.len());
+    serde_json::from_str(&json[start..end]).unwrap_or(Value::Null)
+}
+
+fn substitute(expr: &str) -> String {
+    expr.replace("$__rate_interval", "1m")
+        .replace("$cluster", ".*")
+        .replace("$node", ".*")
+        .replace("$gpu", ".*")
+}
+
+struct Kill(std::process::Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn dashboard_and_alerts_against_real_prometheus() {
+    assert!(
+        Command::new("prometheus").arg("--version").output().is_ok(),
+        "prometheus is not installed: run the README's test command (it installs Debian's prometheus)"
+    );
+    // promtool: rules parse and their unit tests pass.
+    let rules_dir = root().join("deploy/prometheus");
+    let out = Command::new("promtool")
+        .args(["test", "rules", "rules_test.yaml"])
+        .current_dir(&rules_dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool test rules:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The system under observation.
+    let sim = Sim::start(1, &[]);
+    let agent = Agent::start(&sim, AgentOpts::default());
+    let _off = sim.spawn(&["offline", "--step-ms", "2"]);
+    let _online = sim.spawn(&["busy", "--ms", "20", "--repeat", "200", "--gap-ms", "150"]);
+    let wport = free_port();
+    let _webhook = Kill(
+        Command::new(bin("coloc-webhook"))
+            .args([
+                "--insecure-http",
+                "--backend",
+                "hami",
+                "--listen",
+                &format!("127.0.0.1:{wport}"),
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("webhook", Duration::from_secs(10), || {
+        http_get(wport, "/healthz")
+            .map(|r| r.0 == 200)
+            .unwrap_or(false)
+    })
+    .unwrap();
+    let post = |path: &str, body: &[u8]| {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", wport)).unwrap();
+        write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).unwrap();
+        s.write_all(body).unwrap();
+        let mut b = String::new();
+        s.read_to_string(&mut b).unwrap();
+    };
+    let data = root().join("webhook/tests/data");
+    for f in ["offline-deployment-create", "deny-both-cores", "plain-pod"] {
+        post(
+            "/mutate",
+            &std::fs::read(data.join(format!("{f}.json"))).unwrap(),
+        );
+        post(
+            "/validate",
+            &std::fs::read(data.join(format!("{f}.json"))).unwrap(),
+        );
+    }
+    post("/mutate", b"{not json");
+    // One fail-open episode, so the fail-open series exists.
+    let probe = sim.open();
+    probe
+        .header()
+        .nvml_fail
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    wait_for("fail-open counted", Duration::from_secs(5), || {
+        metric(&agent.metrics(), "coloc_fail_open_total", &[]) >= 1.0
+    })
+    .unwrap();
+    probe
+        .header()
+        .nvml_fail
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+
+    // Prometheus scraping both every second, with the alert rules loaded.
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-prom"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = format!(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: gpu-coloc-agent\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n  - job_name: gpu-coloc-webhook\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n",
+        rules_dir.join("rules.yaml").display(),
+        agent.port,
+        wport
+    );
+    std::fs::write(dir.join("prometheus.yml"), cfg).unwrap();
+    let pport = free_port();
+    let _prom = Kill(
+        Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                dir.join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{pport}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("prometheus.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("prometheus up", Duration::from_secs(20), || {
+        http_get(pport, "/-/ready")
+            .map(|r| r.0 == 200)
+            .unwrap_or(false)
+    })
+    .unwrap();
+    // Enough scrapes for rate() and histogram_quantile() to have two points with changes.
+    let t = Instant::now();
+    wait_for(
+        "8 scrapes with preemptions",
+        Duration::from_secs(30),
+        || {
+            let v = prom_query(
+                pport,
+                "count_over_time(coloc_preemption_latency_seconds_count{actuator=\"signal\"}[1m])",
+            );
+            v["data"]["result"][0]["value"][1]
+                .as_str()
+                .and_then(|s| s.parse::<f64>().ok())
+                .unwrap_or(0.0)
+                >= 8.0
+        },
+    )
+    .unwrap();
+    eprintln!("prometheus had 8 scrapes after {:?}", t.elapsed());
+
+    // Every dashboard query returns data.
+    let dash: Value = serde_json::from_slice(
+        &std::fs::read(root().join("deploy/grafana/gpu-coloc.json")).unwrap(),
+    )
+    .unwrap();
+    let mut empty = Vec::new();
+    let mut checked = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let q = substitute(target["expr"].as_str().unwrap());
+            let r = prom_query(pport, &q);
+            assert_eq!(
+                r["status"], "success",
+                "panel {:?}: query does not parse: {q}\n{r}",
+                panel["title"]
+            );
+            let n = r["data"]["result"].as_array().map(Vec::len).unwrap_or(0);
+            if n == 0 {
+                empty.push(format!(
+                    "{} / {}: {q}",
+                    panel["title"], target["legendFormat"]
+                ));
+            }
+            checked += 1;
+        }
+    }
+    // Template variables: the series they read exist.
+    for v in dash["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["type"] == "query")
+    {
+        let q = v["query"]["query"].as_str().unwrap();
+        let inner = q
+            .trim_start_matches("label_values(")
+            .rsplit_once(',')
+            .map(|x| x.0)
+            .unwrap_or(q);
+        let r = prom_query(pport, &substitute(inner));
+        if r["data"]["result"].as_array().map(Vec::len).unwrap_or(0) == 0 {
+            empty.push(format!("variable {}: {inner}", v["name"]));
+        }
+    }
+    assert!(
+        empty.is_empty(),
+        "dashboard queries that return nothing:\n{}",
+        empty.join("\n")
+    );
+    eprintln!("{checked} dashboard queries returned data");
+
+    // Every alert expression parses and its rule loaded healthy.
+    let rules: Value = {
+        let (_, body) = http_get(pport, "/api/v1/rules").unwrap();
+        let s = body.find('{').unwrap();
+        serde_json::from_str(&body[s..body.rfind('}').unwrap() + 1]).unwrap()
+    };
+    let loaded: Vec<&Value> = rules["data"]["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap())
+        .collect();
+    assert_eq!(loaded.len(), 7, "{rules}");
+    for r in loaded {
+        assert_eq!(r["health"], "ok", "rule {} unhealthy: {r}", r["name"]);
+        let q = prom_query(pport, r["query"].as_str().unwrap());
+        assert_eq!(
+            q["status"], "success",
+            "alert {} does not evaluate: {q}",
+            r["name"]
+        );
+    }
+}
