@@ -232,7 +232,7 @@ fn kube_bench() {
     let mut i = 0u32;
     while t0.elapsed() < Duration::from_secs(10) {
         let n = i % 250;
-        let qos = if (i / 250) % 2 == 0 {
+        let qos = if (i / 250).is_multiple_of(2) {
             "shared_cores"
         } else {
             "reclaimed_cores"
