@@ -17,7 +17,8 @@ Examples:
   coloc-agent demo                               co-location demo on a simulated GPU (no GPU, no cluster)
   coloc-agent check-rules rules.toml             validate a standalone rules file
   coloc-agent run --rules rules.toml             standalone host: classify GPU processes by rules
-  coloc-agent run --rules rules.toml --dry-run   decide and report, never suspend anything")]
+  coloc-agent run --rules rules.toml --dry-run   decide and report, never suspend anything
+  coloc-agent status --watch                     what a running agent sees and does")]
 pub struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "COLOC_LOG_FORMAT", global = true)]
@@ -46,6 +47,9 @@ pub enum Command {
         /// The TOML rules file.
         file: PathBuf,
     },
+    /// Show a running agent's state: per GPU, its state, the online and offline
+    /// processes on it, time since the last preemption and latency percentiles.
+    Status(crate::status::StatusArgs),
     /// Co-location demo on a simulated GPU: online and offline workloads without and with
     /// the agent, then a table of latencies and offline progress.
     Demo(crate::demo::DemoArgs),

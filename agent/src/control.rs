@@ -172,6 +172,37 @@ pub struct Agent {
     gpu_metrics: BTreeMap<u32, GpuMetrics>,
     warned: BTreeSet<String>,
     lag: metrics::Histogram,
+    /// Latest preemption/release events (for `/state`, `status --plot`).
+    recent: std::collections::VecDeque<serde_json::Value>,
+    history: BTreeMap<u32, GpuHistory>,
+}
+
+/// Recent latencies of one GPU, for `/state` and `coloc-agent status`.
+#[derive(Debug, Default)]
+struct GpuHistory {
+    last_preempt_ns: Option<u64>,
+    preemption_ms: std::collections::VecDeque<f64>,
+    release_ms: std::collections::VecDeque<f64>,
+}
+
+fn push_bounded<T>(q: &mut std::collections::VecDeque<T>, v: T, cap: usize) {
+    if q.len() == cap {
+        q.pop_front();
+    }
+    q.push_back(v);
+}
+
+fn summary(v: &std::collections::VecDeque<f64>) -> serde_json::Value {
+    let mut s: Vec<f64> = v.iter().copied().collect();
+    s.sort_by(f64::total_cmp);
+    let p = |q: f64| -> Option<f64> {
+        if s.is_empty() {
+            return None;
+        }
+        let rank = ((q / 100.0) * s.len() as f64).ceil() as usize;
+        Some(s[rank.clamp(1, s.len()) - 1])
+    };
+    json!({"count": s.len(), "p50": p(50.0), "p90": p(90.0), "p99": p(99.0), "max": s.last()})
 }
 
 impl std::fmt::Debug for Agent {
@@ -247,6 +278,8 @@ impl Agent {
             gpu_metrics,
             warned: BTreeSet::new(),
             lag: metrics::histogram!("coloc_loop_lag_seconds"),
+            recent: Default::default(),
+            history: BTreeMap::new(),
         })
     }
 
@@ -669,6 +702,7 @@ impl Agent {
                 } => {
                     let mut ev = json!({
                         "event": "release", "gpu": gpu, "window_end_ns": window_end, "decided_ns": decided_at,
+                        "idle_window_ns": self.cfg.machine.idle_window,
                         "busy_for_s": secs(busy_for), "offline": offline, "actuator": actuator, "dry_run": self.cfg.dry_run,
                     });
                     if !resume.is_empty() && !self.cfg.dry_run {
@@ -801,6 +835,23 @@ impl Agent {
         if let Some(f) = &mut self.event_log {
             let _ = writeln!(f, "{ev}");
         }
+        let gpu = ev["gpu"].as_u64().unwrap_or(0) as u32;
+        let h = self.history.entry(gpu).or_default();
+        match ev["event"].as_str() {
+            Some("preempt") => {
+                h.last_preempt_ns = ev["decided_ns"].as_u64();
+                if let Some(p) = ev["preemption_s"].as_f64() {
+                    push_bounded(&mut h.preemption_ms, p * 1e3, 1024);
+                }
+            }
+            Some("release") => {
+                if let Some(r) = ev["release_s"].as_f64() {
+                    push_bounded(&mut h.release_ms, r * 1e3, 1024);
+                }
+            }
+            _ => {}
+        }
+        push_bounded(&mut self.recent, ev, 512);
     }
 
     fn publish_state(&mut self) {
@@ -833,6 +884,10 @@ impl Agent {
                 s["index"] = json!(g);
                 s["uuid"] = json!(self.sampler.uuid(g));
                 s["processes"] = json!(procs);
+                let h = self.history.get(&g);
+                s["last_preemption_ms_ago"] = json!(h.and_then(|h| h.last_preempt_ns).map(|t| now.saturating_sub(t) as f64 / 1e6));
+                s["preemption_ms"] = h.map(|h| summary(&h.preemption_ms)).unwrap_or(json!({"count": 0}));
+                s["release_ms"] = h.map(|h| summary(&h.release_ms)).unwrap_or(json!({"count": 0}));
                 s
             })
             .collect();
@@ -845,6 +900,7 @@ impl Agent {
             "suspended_targets": self.held.len(),
             "updated_ns": now,
             "gpus": gpus,
+            "recent_events": self.recent,
         });
         if let Ok(mut s) = self.shared.state.lock() {
             *s = doc;

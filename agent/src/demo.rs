@@ -297,8 +297,15 @@ pub fn run(a: DemoArgs) -> Result<()> {
         );
     }
 
-    let summary = summarize(&out, &events, a.duration_s)?;
+    let mut summary = summarize(&out, &events, a.duration_s)?;
+    let svg = out.join("timeline.svg");
+    write_timeline(&out, &events, &svg)?;
+    summary["timeline"] = serde_json::json!(svg.display().to_string());
     print_table(&summary);
+    println!(
+        "timeline (online busy, offline suspended, request latency): {}",
+        svg.display()
+    );
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&summary)?)?;
     }
@@ -421,4 +428,43 @@ fn print_table(s: &Value) {
         f(&s["release_ms"]["p50"]),
         f(&s["release_ms"]["p99"])
     );
+}
+
+/// Writes the demo's timeline picture: GPU 3's busy/suspended periods from the agent's
+/// event log, and online request latency with and without the agent.
+pub fn write_timeline(out: &Path, events: &Path, svg: &Path) -> Result<()> {
+    let evs: Vec<Value> = std::fs::read_to_string(events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let recs = |name: &str| -> Result<Vec<(u64, u64)>> {
+        Ok(read_json(&out.join(name))?["records"]
+            .as_array()
+            .map(|r| {
+                r.iter()
+                    .map(|x| (x[0].as_u64().unwrap_or(0), x[2].as_u64().unwrap_or(0)))
+                    .collect()
+            })
+            .unwrap_or_default())
+    };
+    let (with, without) = (recs("online-agent.json")?, recs("online-noagent.json")?);
+    let t0 = with
+        .first()
+        .map(|r| r.0)
+        .unwrap_or(0)
+        .saturating_sub(200_000_000);
+    let t1 = with.last().map(|r| r.1).unwrap_or(t0) + 200_000_000;
+    let doc = crate::timeline::svg(
+        "gpu-coloc demo: GPU 3 (online + offline, agent managing)",
+        &evs,
+        3,
+        &[
+            ("online, with gpu-coloc", "#1f77b4", &with),
+            ("online, no agent (GPU 2)", "#999999", &without),
+        ],
+        t0,
+        t1,
+    );
+    std::fs::write(svg, doc).with_context(|| format!("writing {}", svg.display()))
 }

@@ -27,3 +27,5 @@ pub mod podref;
 pub mod procinfo;
 pub mod record;
 pub mod source;
+pub mod status;
+pub mod timeline;

@@ -16,6 +16,7 @@ fn main() {
         Command::Run(args) => run(args),
         Command::CheckRules { file } => check_rules(&file),
         Command::Demo(args) => coloc_agent::demo::run(args),
+        Command::Status(args) => coloc_agent::status::run(args),
     };
     if let Err(err) = result {
         // One line: the error and its causes.

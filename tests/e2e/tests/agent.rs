@@ -642,8 +642,84 @@ fn demo_shows_the_difference() {
     // Without the agent online suffers visibly; with it, much less.
     assert!(f("/p99_ratio_no_agent") > 1.5, "{s}");
     assert!(f("/p99_ratio_agent") < f("/p99_ratio_no_agent"), "{s}");
+    let svg = std::path::PathBuf::from(s["timeline"].as_str().unwrap());
+    assert!(render_svg(&svg).unwrap() > 5, "the demo's timeline renders");
     assert!(
         f("/offline_agent_steps_per_s") > 0.3 * f("/offline_alone_steps_per_s"),
         "{s}"
     );
+}
+
+#[test]
+fn status_shows_state_and_plots_a_timeline() {
+    let sim = Sim::start(1, &[]);
+    let agent = Agent::start(&sim, AgentOpts::default());
+    let off = sim.spawn(&args(&offline_args("status")));
+    let mut online = sim.spawn(&["busy", "--ms", "20", "--repeat", "3", "--gap-ms", "200"]);
+    online.0.wait().unwrap();
+    let url = format!("http://127.0.0.1:{}", agent.port);
+    wait_for("three releases", SOON, || {
+        agent.state()["gpus"][0]["release_ms"]["count"].as_u64() >= Some(3)
+    })
+    .unwrap();
+    let out = std::process::Command::new(bin("coloc-agent"))
+        .args(["status", "--url", &url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("GPU 0") && text.contains("OFFLINE_RUNNING"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&off.pid().to_string()) && text.contains("offline"),
+        "{text}"
+    );
+    assert!(
+        text.contains("last preemption:") && !text.contains("last preemption: never"),
+        "{text}"
+    );
+    assert!(
+        text.contains("preemption latency: p50") && text.contains("(n=3)"),
+        "{text}"
+    );
+    let out = std::process::Command::new(bin("coloc-agent"))
+        .args(["status", "--json", "--url", &url])
+        .output()
+        .unwrap();
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st["gpus"][0]["preemption_ms"]["count"], 3);
+    let svg = std::env::temp_dir().join(format!("{}.svg", unique("coloc-e2e-status")));
+    let out = std::process::Command::new(bin("coloc-agent"))
+        .args(["status", "--url", &url, "--plot"])
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(
+        doc.matches("fill=\"#d62728\"").count(),
+        3,
+        "three suspended periods drawn"
+    );
+    assert!(
+        render_svg(&svg).unwrap() > 5,
+        "timeline renders to a non-blank picture"
+    );
+    // An agent that is not there: one clear line.
+    let out = std::process::Command::new(bin("coloc-agent"))
+        .args(["status", "--url", "http://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
 }
