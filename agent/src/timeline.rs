@@ -16,8 +16,11 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// Time intervals, `(start_ns, end_ns)`.
+pub type Intervals = Vec<(u64, u64)>;
+
 /// Busy and suspended intervals (ns) for `gpu` from preempt/release events.
-pub fn intervals(events: &[Value], gpu: u64) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+pub fn intervals(events: &[Value], gpu: u64) -> (Intervals, Intervals) {
     let mut busy = Vec::new();
     let mut suspended = Vec::new();
     let mut open: Option<&Value> = None;
