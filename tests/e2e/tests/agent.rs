@@ -723,3 +723,64 @@ fn status_shows_state_and_plots_a_timeline() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
 }
+
+#[test]
+fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
+    // benches/gpu/run.py is what runs on a real GPU; --sim swaps PyTorch and the driver for
+    // coloc-sim and the fake NVML, so the whole harness is exercised here.
+    let out = std::env::temp_dir().join(unique("coloc-e2e-gpu-harness"));
+    let bindir = bin("coloc-agent").parent().unwrap().to_path_buf();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/run.py");
+    let r = std::process::Command::new("python3")
+        .arg(&script)
+        .args([
+            "--sim",
+            "--duration",
+            "2",
+            "--warmup",
+            "0.5",
+            "--probe-seconds",
+            "1.5",
+            "--rate",
+            "5",
+        ])
+        .arg("--bin")
+        .arg(&bindir)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        r.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let res: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let rows = res["scenarios"].as_array().unwrap();
+    assert_eq!(rows.len(), 6);
+    let get = |name: &str| rows.iter().find(|r| r["scenario"] == name).unwrap().clone();
+    assert!(get("online alone")["online_p99_ms"].as_f64().unwrap() > 0.0);
+    assert!(
+        get("offline alone")["offline_steps_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let sig = get("both, agent signal");
+    assert!(sig["preemptions"].as_u64().unwrap() >= 1, "{sig}");
+    assert!(
+        get("both, agent dry-run")["preemption_ms"][0].is_null(),
+        "dry run never acts"
+    );
+    assert!(
+        res["nvml_probe"]["sample_interval_ms"]["p50"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(std::fs::read_to_string(out.join("results.md"))
+        .unwrap()
+        .contains("| both, agent signal |"));
+}
