@@ -267,8 +267,16 @@ fn agent_on_a_kubernetes_node() {
         !off_cg.frozen()
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
-    let record = std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap();
-    assert!(!record.contains(&off_uid.to_string()), "{record}");
+    // The record is updated right after the thaw is confirmed.
+    let read_record =
+        || std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap_or_default();
+    wait_for(
+        "record forgets the deleted pod",
+        Duration::from_secs(2),
+        || !read_record().contains(off_uid),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}", read_record()));
+    let record = read_record();
     assert!(
         record.contains(flip_uid),
         "the still-offline pod stays recorded: {record}"
