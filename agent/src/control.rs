@@ -705,7 +705,7 @@ impl Agent {
                         "idle_window_ns": self.cfg.machine.idle_window,
                         "busy_for_s": secs(busy_for), "offline": offline, "actuator": actuator, "dry_run": self.cfg.dry_run,
                     });
-                    if !resume.is_empty() && !self.cfg.dry_run {
+                    if !resume.is_empty() && !self.cfg.dry_run && offline > 0 {
                         let rel = resumed_at.saturating_sub(window_end);
                         if let Some(m) = self.gpu_metrics.get(&gpu) {
                             m.release[actuator].record(secs(rel));

@@ -274,10 +274,27 @@ pub fn run(a: DemoArgs) -> Result<()> {
         online(3, "online-agent.json")?,
         offline(3, "offline-agent.json", cgroup_dir.as_deref())?,
     ];
+    // Workloads end by themselves after the duration; never wait forever on one.
+    let deadline = Instant::now() + Duration::from_secs_f64(a.duration_s + 30.0);
     for w in &mut work {
-        let st = w.wait()?;
-        if !st.success() {
-            bail!("a workload failed ({st})");
+        loop {
+            if let Some(st) = w.try_wait()? {
+                if !st.success() {
+                    bail!("a workload failed ({st})");
+                }
+                break;
+            }
+            if Instant::now() > deadline {
+                for w in &mut work {
+                    let _ = w.kill();
+                }
+                bail!(
+                    "workloads did not finish within {} s; results in {}",
+                    a.duration_s + 30.0,
+                    out.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
     nix::sys::signal::kill(

@@ -279,9 +279,19 @@ impl Agent {
     /// Starts the agent with the Kubernetes pod source (no rules file), extra arguments
     /// and environment, without waiting.
     pub fn spawn_with(sim: &Sim, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Agent {
+        Agent::spawn_in(sim, args, env, None)
+    }
+
+    fn spawn_in(
+        sim: &Sim,
+        args: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+        state_dir: Option<PathBuf>,
+    ) -> Agent {
         let dir = std::env::temp_dir().join(unique("coloc-e2e-agent"));
         std::fs::create_dir_all(&dir).unwrap();
-        let state_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-state"));
+        let state_dir =
+            state_dir.unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
         let port = free_port();
         let log = dir.join("agent.log");
         let mut cmd = Command::new(bin("coloc-agent"));
@@ -309,42 +319,35 @@ impl Agent {
         }
     }
 
-    /// Starts the agent without waiting.
+    /// Starts the agent with a rules file and the options, without waiting.
     pub fn spawn(sim: &Sim, o: AgentOpts<'_>) -> Agent {
-        let dir = std::env::temp_dir().join(unique("coloc-e2e-agent"));
+        let dir = std::env::temp_dir().join(unique("coloc-e2e-rules"));
         std::fs::create_dir_all(&dir).unwrap();
         let rules = dir.join("rules.toml");
         std::fs::write(&rules, o.rules).unwrap();
-        let state_dir = o
-            .state_dir
-            .unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
-        let port = free_port();
-        let log = dir.join("agent.log");
-        let child = Command::new(bin("coloc-agent"))
-            .arg("run")
-            .arg("--rules")
-            .arg(&rules)
-            .arg("--nvml-lib")
-            .arg(bin("libfake_nvml.so"))
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--actuator")
-            .arg(o.actuator)
-            .arg("--cgroup-root")
-            .arg("/sys/fs/cgroup")
-            .args(&o.extra)
-            .env("COLOC_SIM_STATE", &sim.state)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start coloc-agent");
-        Agent {
-            child: Some(child),
-            port,
-            state_dir,
-            log,
-        }
+        let mut args = vec![
+            "--rules".to_string(),
+            rules.display().to_string(),
+            "--actuator".into(),
+            o.actuator.into(),
+        ];
+        args.extend(o.extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Agent::spawn_in(sim, &args, &[], o.state_dir)
+    }
+
+    /// Waits until `/state` lists at least `n` processes on GPU 0.
+    pub fn wait_processes(&self, n: usize) {
+        wait_for(
+            &format!("agent sees {n} GPU process(es)"),
+            Duration::from_secs(5),
+            || {
+                self.state()["gpus"][0]["processes"]
+                    .as_array()
+                    .is_some_and(|p| p.len() >= n)
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", self.log_text()));
     }
 
     /// `/metrics` text.

@@ -71,12 +71,7 @@ fn signal_actuator_preempts_and_releases() {
     let sim = Sim::start(1, &[]);
     let agent = Agent::start(&sim, AgentOpts::default());
     let off = sim.spawn(&args(&offline_args("sig")));
-    wait_for("agent sees offline", SOON, || {
-        agent.state()["gpus"][0]["processes"]
-            .as_array()
-            .is_some_and(|p| !p.is_empty())
-    })
-    .unwrap();
+    agent.wait_processes(1);
     preempt_release_cycle(&sim, &agent, || off.state() == Some('T'), "signal");
     // The /state document (published every 100 ms) names the GPU state and the process.
     wait_for("state shows release", SOON, || {
@@ -218,12 +213,7 @@ fn unmanaged_can_be_configured_not_to_count_as_online() {
     );
     let off = sim.spawn(&args(&offline_args("x")));
     let _host = sim.spawn(&["offline", "--step-ms", "2", "--tag", "hostjob"]);
-    wait_for("agent sees both", SOON, || {
-        agent.state()["gpus"][0]["processes"]
-            .as_array()
-            .is_some_and(|p| p.len() == 2)
-    })
-    .unwrap();
+    agent.wait_processes(2);
     holds_for(
         "offline running beside unmanaged work",
         Duration::from_millis(500),
@@ -283,12 +273,7 @@ fn child_forked_while_freezing_stays_frozen() {
             .load(std::sync::atomic::Ordering::SeqCst)
     };
     wait_for("helpers running", SOON, || progress() > 50).unwrap();
-    wait_for("agent sees offline", SOON, || {
-        agent.state()["gpus"][0]["processes"]
-            .as_array()
-            .is_some_and(|p| !p.is_empty())
-    })
-    .unwrap();
+    agent.wait_processes(1);
     let _online = sim.spawn(&["busy", "--ms", "1500"]);
     wait_for("cgroup frozen", SOON, || cg.frozen()).unwrap();
     let (p0, pids0) = (progress(), cg.pids());
@@ -307,12 +292,7 @@ fn kill9_then_restart_resumes_offline() {
     let sim = Sim::start(1, &[]);
     let mut agent = Agent::start(&sim, AgentOpts::default());
     let off = sim.spawn(&args(&offline_args("k9")));
-    wait_for("agent sees offline", SOON, || {
-        agent.state()["gpus"][0]["processes"]
-            .as_array()
-            .is_some_and(|p| !p.is_empty())
-    })
-    .unwrap();
+    agent.wait_processes(1);
     let mut online = sim.spawn(&["busy", "--ms", "300"]);
     wait_for("offline suspended", SOON, || off.state() == Some('T')).unwrap();
     agent.signal(libc::SIGKILL);
@@ -550,12 +530,7 @@ fn dry_run_decides_but_never_acts() {
         },
     );
     let off = sim.spawn(&args(&offline_args("dry")));
-    wait_for("agent sees offline", SOON, || {
-        agent.state()["gpus"][0]["processes"]
-            .as_array()
-            .is_some_and(|p| !p.is_empty())
-    })
-    .unwrap();
+    agent.wait_processes(1);
     let _online = sim.spawn(&["busy", "--ms", "500"]);
     wait_for("decided busy", SOON, || {
         agent.state()["gpus"][0]["state"] == "online_busy"
@@ -655,6 +630,8 @@ fn status_shows_state_and_plots_a_timeline() {
     let sim = Sim::start(1, &[]);
     let agent = Agent::start(&sim, AgentOpts::default());
     let off = sim.spawn(&args(&offline_args("status")));
+    // Known to the agent before online starts, so each cycle is a full preemption.
+    agent.wait_processes(1);
     let mut online = sim.spawn(&["busy", "--ms", "20", "--repeat", "3", "--gap-ms", "200"]);
     online.0.wait().unwrap();
     let url = format!("http://127.0.0.1:{}", agent.port);

@@ -317,6 +317,11 @@ impl SlotHandle<'_> {
         self.slot().submitted_ns.fetch_add(ns, AcqRel) + ns
     }
 
+    /// Work submitted so far.
+    pub fn submitted(&self) -> u64 {
+        self.slot().submitted_ns.load(Acquire)
+    }
+
     /// Work completed so far.
     pub fn completed(&self) -> u64 {
         self.slot().completed_ns.load(Acquire)
@@ -330,9 +335,11 @@ impl SlotHandle<'_> {
             .saturating_sub(s.completed_ns.load(Acquire))
     }
 
-    /// Blocks until `completed() >= target` (futex wait, woken by the daemon).
+    /// Blocks until `completed() >= target` (futex wait, woken by the daemon). A target
+    /// beyond what was submitted is clamped to it: work never submitted never completes.
     pub fn wait_completed(&self, target: u64) {
         let s = self.slot();
+        let target = target.min(s.submitted_ns.load(Acquire));
         loop {
             let seq = s.wake_seq.load(Acquire);
             if s.completed_ns.load(Acquire) >= target {

@@ -335,8 +335,9 @@ fn run_offline(
         while slot.outstanding() < depth * step_ns {
             slot.submit(step_ns);
         }
-        // Wait until one step has drained.
-        let target = slot.completed() + step_ns;
+        // Wait until one step has drained (outstanding below depth steps again). Computed
+        // from what was submitted: `completed` may move while we read it.
+        let target = slot.submitted() - (depth - 1) * step_ns;
         let wait_until = if fork_every_ms > 0 {
             next_fork.min(end)
         } else {
