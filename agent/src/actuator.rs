@@ -14,7 +14,7 @@
 
 use crate::procinfo::{read_stat, ProcKey};
 use serde::{Deserialize, Serialize};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -324,29 +324,17 @@ pub fn apply(targets: &[Target], op: Op, timeout: Duration) -> Vec<Outcome> {
         if pending_without_events {
             std::thread::sleep(wait);
         } else {
-            let mut fds: Vec<libc::pollfd> = events
+            let mut fds: Vec<rustix::event::PollFd<'_>> = events
                 .iter()
                 .flatten()
-                .map(|f| libc::pollfd {
-                    fd: f.as_raw_fd(),
-                    events: libc::POLLPRI,
-                    revents: 0,
-                })
+                .map(|f| rustix::event::PollFd::new(f, rustix::event::PollFlags::PRI))
                 .collect();
             // A notification ends the wait early; the bound covers a missed one.
-            let ts = libc::timespec {
+            let ts = rustix::event::Timespec {
                 tv_sec: 0,
-                tv_nsec: wait.as_nanos().min(999_999_999) as libc::c_long,
+                tv_nsec: wait.as_nanos().min(999_999_999) as _,
             };
-            // SAFETY: `fds` and `ts` are valid for the duration of the call; no sigmask.
-            unsafe {
-                libc::ppoll(
-                    fds.as_mut_ptr(),
-                    fds.len() as libc::nfds_t,
-                    &ts,
-                    std::ptr::null(),
-                )
-            };
+            let _ = rustix::event::poll(&mut fds, Some(&ts));
         }
         backoff = (backoff * 2).min(Duration::from_millis(1));
     }

@@ -112,6 +112,10 @@ pub struct RunArgs {
     /// Address for /metrics, /healthz, /readyz and /state.
     #[arg(long, env = "COLOC_LISTEN", default_value = "0.0.0.0:9400")]
     pub listen: SocketAddr,
+    /// Nice value for the control-loop thread (-20..19; 0 leaves it unchanged). Negative
+    /// values keep offline processes that compete for CPU from delaying preemption.
+    #[arg(long, env = "COLOC_LOOP_NICE", default_value_t = -10, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
+    pub loop_nice: i32,
     /// Append every preemption and release, with its latencies, to this JSON-lines file.
     #[arg(long, env = "COLOC_EVENT_LOG")]
     pub event_log: Option<PathBuf>,
@@ -159,6 +163,7 @@ impl RunArgs {
             confirm_timeout: self.confirm_timeout,
             cgroups,
             event_log: self.event_log.clone(),
+            loop_nice: self.loop_nice,
             node: self
                 .node_name
                 .clone()
