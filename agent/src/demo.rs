@@ -57,6 +57,26 @@ pub struct DemoArgs {
     pub json: Option<PathBuf>,
 }
 
+/// A command that moves itself into cgroup directory `cg` (v2 `cgroup.procs` or v1
+/// `tasks`) and then executes `program`, so the program runs in the cgroup from its first
+/// instruction.
+pub fn command_in_cgroup(cg: &Path, program: &Path) -> Command {
+    let file = if cg.join("cgroup.procs").exists() {
+        "cgroup.procs"
+    } else {
+        "tasks"
+    };
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
+            cg.display(),
+            file
+        ))
+        .arg(program);
+    c
+}
+
 /// Finds a sibling binary of the running executable (same cargo target directory).
 pub fn sibling(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
@@ -245,22 +265,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             out.join(name).display().to_string(),
         ];
         let mut cmd = match cgroup {
-            Some(cg) => {
-                let procs_file = if cg.join("cgroup.procs").exists() {
-                    "cgroup.procs"
-                } else {
-                    "tasks"
-                };
-                let mut c = Command::new("sh");
-                c.arg("-c")
-                    .arg(format!(
-                        "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
-                        cg.display(),
-                        procs_file
-                    ))
-                    .arg(&sim);
-                c
-            }
+            Some(cg) => command_in_cgroup(cg, &sim),
             None => Command::new(&sim),
         };
         cmd.args(args.drain(..));

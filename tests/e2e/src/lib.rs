@@ -95,20 +95,8 @@ impl Sim {
 
     /// Spawns a workload inside cgroup directory `cg` (before it executes).
     pub fn spawn_in_cgroup(&self, cg: &Path, args: &[&str]) -> Proc {
-        let file = if cg.join("cgroup.procs").exists() {
-            "cgroup.procs"
-        } else {
-            "tasks"
-        };
-        let mut c = Command::new("sh");
-        c.arg("-c")
-            .arg(format!(
-                "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
-                cg.display(),
-                file
-            ))
-            .arg(bin("coloc-sim"))
-            .args(args)
+        let mut c = coloc_agent::demo::command_in_cgroup(cg, &bin("coloc-sim"));
+        c.args(args)
             .env("COLOC_SIM_STATE", &self.state)
             .stdout(Stdio::null());
         Proc(c.spawn().expect("spawn workload in cgroup"))

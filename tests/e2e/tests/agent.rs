@@ -88,20 +88,25 @@ fn signal_actuator_preempts_and_releases() {
     );
 }
 
-fn freezer_cycle(cg: TestCgroup) {
-    let sim = Sim::start(1, &[]);
+/// An agent with the freezer actuator and a rule declaring `cg` offline as a whole.
+fn freezer_agent(sim: &Sim, cg: &TestCgroup) -> Agent {
     let rules = format!(
         "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n",
         cg.path
     );
-    let agent = Agent::start(
-        &sim,
+    Agent::start(
+        sim,
         AgentOpts {
             rules: &rules,
             actuator: "freezer",
             ..Default::default()
         },
-    );
+    )
+}
+
+fn freezer_cycle(cg: TestCgroup) {
+    let sim = Sim::start(1, &[]);
+    let agent = freezer_agent(&sim, &cg);
     let off = sim.spawn_in_cgroup(&cg.dir, &args(&offline_args("frz")));
     wait_for("offline in cgroup", SOON, || cg.pids().contains(&off.pid())).unwrap();
     wait_for("agent sees offline", SOON, || {
@@ -248,18 +253,7 @@ fn child_forked_while_freezing_stays_frozen() {
     });
     let cg = cg.expect("a cgroup freezer is required");
     let sim = Sim::start(1, &[]);
-    let rules = format!(
-        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n",
-        cg.path
-    );
-    let agent = Agent::start(
-        &sim,
-        AgentOpts {
-            rules: &rules,
-            actuator: "freezer",
-            ..Default::default()
-        },
-    );
+    let agent = freezer_agent(&sim, &cg);
     // Offline spawns a helper every 3 ms; helpers bump a shared counter every ms.
     let _off = sim.spawn_in_cgroup(
         &cg.dir,
