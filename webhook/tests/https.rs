@@ -40,10 +40,18 @@ fn write(dir: &Path, p: &Pki) {
     }
 }
 
-fn client(ca_pem: &str) -> rustls::ClientConfig {
+fn client(ca_pems: &str) -> rustls::ClientConfig {
+    // One or more concatenated CA certificates.
     let mut roots = rustls::RootCertStore::empty();
-    let der = rustls::pki_types::CertificateDer::from(pem_to_der(ca_pem));
-    roots.add(der).unwrap();
+    for pem in ca_pems
+        .split_inclusive("-----END CERTIFICATE-----\n")
+        .filter(|p| p.contains("BEGIN"))
+    {
+        roots
+            .add(rustls::pki_types::CertificateDer::from(pem_to_der(pem)))
+            .unwrap();
+    }
+
     rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .unwrap()
@@ -149,6 +157,23 @@ fn https_with_verified_certificate_and_rotation() {
         "handshake must fail for an untrusted CA"
     );
 
+    // Rotate while a client keeps sending reviews (trusting both CAs): no request fails.
+    let both = format!("{}{}", first.ca_pem, stranger.ca_pem);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, both, body) = (stop.clone(), both.clone(), body.clone());
+        std::thread::spawn(move || {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match post(port, &both, "/mutate", &body) {
+                    Ok((200, _)) => ok += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
     // Rotate: the new certificate is served without a restart; the old CA stops working.
     write(&dir, &stranger);
     let t = Instant::now();
@@ -163,5 +188,16 @@ fn https_with_verified_certificate_and_rotation() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(post(port, &first.ca_pem, "/mutate", &body).is_err());
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (ok, failed) = load.join().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed during rotation: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    assert!(ok > 10, "the load ran ({ok} requests)");
     std::fs::remove_dir_all(&dir).ok();
 }
