@@ -22,6 +22,10 @@
 //!   period, a sample `(timestamp µs, sm %)`, as the NVIDIA driver does; the fake NVML
 //!   library serves them through `nvmlDeviceGetProcessUtilization`.
 //!
+//! - The header also holds the fake NVML library's fault switches and call counters
+//!   ([`SimGpu::nvml_inject`], [`SimGpu::nvml_hang`], … in [`nvml`]), so a test in one
+//!   process can make the NVML calls of the agent in another fail, stall or hang.
+//!
 //! Clock: `CLOCK_REALTIME` nanoseconds, as NVML's timestamps are wall-clock microseconds.
 
 use anyhow::{bail, Context, Result};
@@ -30,10 +34,13 @@ use std::fs::OpenOptions;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
+pub mod nvml;
+pub use nvml::{NvmlCall, NvmlFunc, NvmlStatus};
+
 /// Environment variable naming the state file.
 pub const STATE_ENV: &str = "COLOC_SIM_STATE";
 /// Identifies a state file of this layout.
-pub const MAGIC: u64 = 0x434f_4c4f_4353_4d32; // "COLOCSM2"
+pub const MAGIC: u64 = 0x434f_4c4f_4353_4d33; // "COLOCSM3" (3: NVML fault table)
 /// Most processes on all simulated GPUs together.
 pub const MAX_SLOTS: usize = 512;
 /// Most simulated GPUs.
@@ -56,15 +63,21 @@ pub struct Header {
     sample_period_ns: AtomicU64,
     /// Written by the daemon each tick.
     pub heartbeat_ns: AtomicU64,
-    /// Non-zero: the fake NVML answers every device call with an error (failure injection).
+    /// Non-zero: the fake NVML answers every device call with `NVML_ERROR_GPU_IS_LOST`
+    /// (the original, coarse failure switch; finer ones: [`SimGpu::nvml_inject`] & co).
     pub nvml_fail: AtomicU32,
     daemon_pid: AtomicU32,
     /// Incremented by helper processes forked by `offline --fork-every-ms` (progress probe).
     pub fork_progress: AtomicU64,
-    /// Count of NVML calls served by the fake library (for cost accounting).
+    /// Count of NVML calls on a device handle served by the fake library (for cost
+    /// accounting); per-function counts: [`SimGpu::nvml_call_count`].
     pub nvml_calls: AtomicU64,
     _reserved: [u64; 8],
+    /// NVML fault switches and per-function counters (see [`nvml`]).
+    nvml: nvml::NvmlState,
 }
+
+const _: () = assert!(std::mem::size_of::<Header>() & 7 == 0);
 
 /// One process on one simulated GPU.
 #[repr(C)]

@@ -4,10 +4,12 @@
 //! coloc-sim gpu     --state /dev/shm/x --gpus 2 --sample-period-ms 1
 //! coloc-sim online  --state /dev/shm/x --gpu 0 --rate 20 --work-ms 5 --duration-s 10 --out online.json
 //! coloc-sim offline --state /dev/shm/x --gpu 0 --step-ms 5 --queue-depth 2 --out offline.json
+//! coloc-sim nvml    --state /dev/shm/x inject utilization --code INSUFFICIENT_SIZE --data-call --count 1
 //! ```
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use coloc_sim::{now_ns, percentile, SimGpu, STATE_ENV};
+use coloc_sim::nvml::parse_nvml_return;
+use coloc_sim::{now_ns, percentile, NvmlFunc, SimGpu, STATE_ENV};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -109,12 +111,168 @@ enum Cmd {
         #[arg(long)]
         tag: Option<String>,
     },
+    /// Make the fake NVML library (in the agent) fail, stall or hang; show its call counts.
+    #[command(
+        long_about = NVML_ABOUT,
+        after_long_help = NVML_AFTER,
+        after_help = "Functions: init shutdown count handle uuid processes utilization index name \
+                      driver-version (or C names). More with --help."
+    )]
+    Nvml {
+        #[command(subcommand)]
+        cmd: NvmlCmd,
+    },
     /// Helper spawned by `offline --fork-every-ms`: bumps a shared counter every ms.
     #[command(hide = true)]
     Child {
         #[arg(long, default_value_t = 200)]
         life_ms: u64,
     },
+}
+
+const NVML_ABOUT: &str = "\
+Make the fake NVML library (libfake_nvml.so, loaded by the agent) fail, stall or hang,
+and show how often the agent called each function. Acts on a running simulated GPU's
+state file (--state or COLOC_SIM_STATE); takes effect on the agent's next call. The same
+switches are methods of coloc_sim::SimGpu (nvml_inject, nvml_delay, nvml_hang, nvml_gone,
+nvml_clear, nvml_call_count, ...).
+
+Inside one call: count it -> block while hung -> delay -> gone -> injection for the
+call's GPU, else for all GPUs -> the legacy nvml_fail flag -> the normal answer.";
+
+const NVML_AFTER: &str = "\
+Functions (FUNC: ID, short name, or C name with or without its _vN suffix):
+  0 init         nvmlInit_v2, nvmlInitWithFlags
+  1 shutdown     nvmlShutdown
+  2 count        nvmlDeviceGetCount_v2
+  3 handle       nvmlDeviceGetHandleByIndex_v2            (per GPU: the index asked for)
+  4 uuid         nvmlDeviceGetUUID                        (per GPU)
+  5 processes    nvmlDeviceGetComputeRunningProcesses_v3  (per GPU, two-step)
+  6 utilization  nvmlDeviceGetProcessUtilization          (per GPU, two-step)
+  7 index        nvmlDeviceGetIndex                       (per GPU)
+  8 name         nvmlDeviceGetName                        (per GPU)
+  9 driver-version  nvmlSystemGetDriverVersion
+
+Two-step functions are called twice per query: a count call (null buffer), then a data
+call (a buffer). --data-call injects into the data call only.
+
+Codes (--code: number or name): 2 INVALID_ARGUMENT, 3 NOT_SUPPORTED, 6 NOT_FOUND,
+7 INSUFFICIENT_SIZE, 9 DRIVER_NOT_LOADED, 10 TIMEOUT, 12 LIBRARY_NOT_FOUND,
+15 GPU_IS_LOST, 21 NO_DATA, 999 UNKNOWN, ... (any nvmlReturn_t).
+
+Examples:
+  # The driver's race: samples arrive between the count and the data call, once.
+  coloc-sim nvml inject utilization --code INSUFFICIENT_SIZE --data-call --count 1
+  # GPU 1's process list fails until cleared.
+  coloc-sim nvml inject processes --gpu 1 --code GPU_IS_LOST
+  # Every utilization call takes 300 ms.
+  coloc-sim nvml delay utilization --ms 300
+  # Hang the process list; wait until the agent is stuck in it; release it.
+  coloc-sim nvml hang processes
+  coloc-sim nvml wait-hung processes --timeout-s 10
+  coloc-sim nvml hang processes --off
+  # The driver goes away, then comes back.
+  coloc-sim nvml gone; coloc-sim nvml gone --off
+  # Call counts and active faults, as JSON.
+  coloc-sim nvml status
+  coloc-sim nvml clear";
+
+#[derive(Subcommand, Debug)]
+enum NvmlCmd {
+    /// Answer an error code for the next calls of a function.
+    Inject {
+        /// The function (ID, short name or C name; see `coloc-sim nvml --help`).
+        func: NvmlFunc,
+        /// nvmlReturn_t to answer: a number or a name (INSUFFICIENT_SIZE, GPU_IS_LOST, ...).
+        #[arg(long, value_parser = parse_nvml_return)]
+        code: u32,
+        /// Only calls about this GPU (default: every GPU). Replaces an earlier injection
+        /// for the same function and GPU; one for a GPU is consulted before one for all.
+        #[arg(long)]
+        gpu: Option<u32>,
+        /// Number of calls to answer so (0: until `uninject` or `clear`).
+        #[arg(long, default_value_t = 0)]
+        count: u32,
+        /// Two-step functions only: hit only the data call (non-null buffer); the count
+        /// call is served normally and does not use up --count. INSUFFICIENT_SIZE also
+        /// writes the needed count (more than the buffer holds), as the driver does.
+        #[arg(long)]
+        data_call: bool,
+    },
+    /// Remove a function's injections (every GPU).
+    Uninject {
+        /// The function.
+        func: NvmlFunc,
+    },
+    /// Every call of a function sleeps first.
+    Delay {
+        /// The function.
+        func: NvmlFunc,
+        /// Delay, ms (fractions allowed; 0 removes it).
+        #[arg(long)]
+        ms: f64,
+    },
+    /// Calls of a function block until `hang FUNC --off` (at most 120 s), then answer
+    /// normally.
+    Hang {
+        /// The function.
+        func: NvmlFunc,
+        /// Release: blocked calls go on, new calls no longer block.
+        #[arg(long)]
+        off: bool,
+    },
+    /// Wait until at least one call of a function is blocked in a hang (exit 1 on timeout).
+    WaitHung {
+        /// The function.
+        func: NvmlFunc,
+        #[arg(long, default_value_t = 10.0)]
+        timeout_s: f64,
+    },
+    /// The library is gone: every call, nvmlInit included, answers DRIVER_NOT_LOADED.
+    Gone {
+        /// Back again.
+        #[arg(long)]
+        off: bool,
+        /// Answer this code instead (e.g. LIBRARY_NOT_FOUND, GPU_IS_LOST).
+        #[arg(long, value_parser = parse_nvml_return, default_value = "DRIVER_NOT_LOADED")]
+        code: u32,
+    },
+    /// Remove every fault: injections, delays, hangs, gone, and the legacy nvml_fail flag
+    /// (counters are kept).
+    Clear,
+    /// Print call counters and active faults as JSON.
+    Status,
+}
+
+fn run_nvml(sim: &SimGpu, cmd: NvmlCmd) -> Result<()> {
+    match cmd {
+        NvmlCmd::Inject {
+            func,
+            code,
+            gpu,
+            count,
+            data_call,
+        } => sim.nvml_inject(func, gpu, code, count, data_call)?,
+        NvmlCmd::Uninject { func } => sim.nvml_uninject(func),
+        NvmlCmd::Delay { func, ms } => {
+            anyhow::ensure!(ms.is_finite() && ms >= 0.0, "--ms {ms}: give a delay >= 0");
+            sim.nvml_delay(func, Duration::from_secs_f64(ms / 1e3))
+        }
+        NvmlCmd::Hang { func, off } => sim.nvml_hang(func, !off),
+        NvmlCmd::WaitHung { func, timeout_s } => {
+            let end = std::time::Instant::now() + Duration::from_secs_f64(timeout_s.max(0.0));
+            while sim.nvml_hung_count(func) == 0 {
+                if std::time::Instant::now() >= end {
+                    anyhow::bail!("no call of {func} blocked in a hang after {timeout_s} s");
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        NvmlCmd::Gone { off, code } => sim.nvml_gone_code(if off { 0 } else { code }),
+        NvmlCmd::Clear => sim.nvml_clear(),
+        NvmlCmd::Status => println!("{}", serde_json::to_string_pretty(&sim.nvml_status())?),
+    }
+    Ok(())
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -209,6 +367,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Nvml { cmd } => run_nvml(&SimGpu::open(&state)?, cmd),
         Cmd::Child { life_ms } => {
             let sim = SimGpu::open(&state)?;
             let end = now_ns() + life_ms * 1_000_000;
