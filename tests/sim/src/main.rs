@@ -18,7 +18,10 @@ use std::time::Duration;
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Simulated GPU and workloads for gpu-coloc tests and demos"
+    about = "Simulated GPU and workloads for gpu-coloc tests and demos",
+    long_about = "Simulated GPU and workloads for gpu-coloc tests and demos.\n\n\
+                  `gpu` runs the simulated GPUs; `online`, `offline` and `busy` are workloads on \
+                  them; `nvml` injects faults into the fake NVML library the agent loads."
 )]
 struct Cli {
     /// Shared state file of the simulated GPUs.
@@ -225,6 +228,7 @@ enum NvmlCmd {
     WaitHung {
         /// The function.
         func: NvmlFunc,
+        /// Give up after this many seconds.
         #[arg(long, default_value_t = 10.0)]
         timeout_s: f64,
     },
