@@ -1,8 +1,8 @@
 //! Command line: clap derive, every flag also settable from `COLOC_…` environment
 //! variables, validated once into the typed configuration of the control loop.
 
-use crate::actuator::{CgroupMounts, Kind};
 use crate::control::LoopConfig;
+use crate::edges::actuator::{CgroupMounts, Kind};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
@@ -14,7 +14,6 @@ use std::time::Duration;
 #[derive(Parser, Debug)]
 #[command(version, about, long_about = None, after_help = "\
 Examples:
-  coloc-agent demo                               co-location demo on a simulated GPU (no GPU, no cluster)
   coloc-agent check-rules rules.toml             validate a standalone rules file
   coloc-agent run --rules rules.toml             standalone host: classify GPU processes by rules
   coloc-agent run --rules rules.toml --dry-run   decide and report, never suspend anything
@@ -49,10 +48,7 @@ pub enum Command {
     },
     /// Show a running agent's state: per GPU, its state, the online and offline
     /// processes on it, time since the last preemption and latency percentiles.
-    Status(crate::status::StatusArgs),
-    /// Co-location demo on a simulated GPU: online and offline workloads without and with
-    /// the agent, then a table of latencies and offline progress.
-    Demo(crate::demo::DemoArgs),
+    Status(crate::cmd::status::StatusArgs),
 }
 
 /// `coloc-agent run`.
@@ -73,7 +69,8 @@ pub struct RunArgs {
     /// Manage only these GPU indices (comma-separated); default all.
     #[arg(long, env = "COLOC_GPUS", value_delimiter = ',')]
     pub gpus: Vec<u32>,
-    /// How often to read per-process utilisation samples (e.g. 1ms, 500us).
+    /// How often to read per-process utilisation samples (e.g. 1ms, 500us) while offline
+    /// work is present on a managed GPU; see --idle-poll-interval for the rest of the time.
     #[arg(long, env = "COLOC_POLL_INTERVAL", default_value = "1ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
     /// Sampling period while no offline process is on any managed GPU (nothing to
@@ -100,8 +97,20 @@ pub struct RunArgs {
     #[arg(long, env = "COLOC_DUTY_PERIOD", default_value = "100ms", value_parser = parse_duration)]
     pub duty_period: Duration,
     /// Give up confirming a suspend/resume after this long (the suspension is then undone).
+    /// Confirmation is waited for 2 ms inline, then checked every tick without blocking, so
+    /// a target that never confirms does not delay the other GPUs.
     #[arg(long, env = "COLOC_CONFIRM_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub confirm_timeout: Duration,
+    /// A GPU whose NVML calls keep failing for this long (and on at least 3 consecutive
+    /// ticks) fails open: its offline work is resumed and it is left unmanaged until NVML
+    /// answers again; other GPUs stay protected. Shorter failures keep the last decisions.
+    #[arg(long, env = "COLOC_NVML_FAILURE_GRACE", default_value = "50ms", value_parser = parse_duration)]
+    pub nvml_failure_grace: Duration,
+    /// An NVML call that has not returned after this long trips the watchdog: all offline
+    /// work is resumed, coloc_fail_open_total{reason="nvml_hung"} counts it, and /readyz
+    /// answers 503 until the call returns.
+    #[arg(long, env = "COLOC_NVML_HANG_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
+    pub nvml_hang_timeout: Duration,
     /// Root of the cgroup filesystem (pure v2 at the root, or hybrid with `unified/` and
     /// `freezer/` below it).
     #[arg(long, env = "COLOC_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
@@ -135,6 +144,12 @@ impl RunArgs {
         if self.idle_window.is_zero() {
             bail!("--idle-window must be positive");
         }
+        if self.nvml_hang_timeout < Duration::from_millis(10) {
+            bail!(
+                "--nvml-hang-timeout {:?}: must be at least 10ms (NVML calls take up to a few ms)",
+                self.nvml_hang_timeout
+            );
+        }
         if self.duty_period < Duration::from_millis(10) {
             bail!(
                 "--duty-period {:?}: must be at least 10ms",
@@ -164,6 +179,8 @@ impl RunArgs {
             cgroups,
             event_log: self.event_log.clone(),
             loop_nice: self.loop_nice,
+            nvml_grace: self.nvml_failure_grace,
+            nvml_hang_timeout: self.nvml_hang_timeout,
             node: self
                 .node_name
                 .clone()
@@ -215,6 +232,21 @@ mod tests {
             .to_string()
             .contains("unit"));
         assert!(parse_duration("5h").is_err());
+    }
+
+    /// The defaults a user gets are the ones DESIGN names (idle window 100 ms).
+    #[test]
+    fn defaults() {
+        let cli = Cli::try_parse_from(["coloc-agent", "run", "--actuator", "signal"]).unwrap();
+        let Command::Run(args) = cli.cmd else {
+            panic!()
+        };
+        let cfg = args.loop_config().unwrap();
+        assert_eq!(cfg.machine.idle_window, 100_000_000);
+        assert_eq!(cfg.poll, Duration::from_millis(1));
+        assert_eq!(cfg.idle_poll, Duration::from_millis(10));
+        assert_eq!(cfg.nvml_grace, Duration::from_millis(50));
+        assert!(cfg.machine.unmanaged_is_online);
     }
 
     #[test]

@@ -1,9 +1,11 @@
-//! The agent's HTTP endpoints: `/metrics`, `/healthz`, `/readyz`, `/state`.
+//! The agent's HTTP endpoints: `/metrics`, `/healthz`, `/readyz`, `/state`, served over the
+//! control loop's [`Shared`] handle (the loop never waits for HTTP).
 //!
 //! May touch: one TCP listener.
 
-use crate::control::{now_ns, Shared};
-use crate::source::PodSource;
+use crate::control::state::Shared;
+use crate::edges::clock::now_ns;
+use crate::edges::source::PodSource;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -64,22 +66,21 @@ async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
     if !s.shared.ticked.load(Ordering::Relaxed) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            "control loop not started\n",
+            "control loop not started\n".to_string(),
         );
     }
     if !s.source.ready() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "pod source not synced\n");
-    }
-    if s.shared.degraded.load(Ordering::Relaxed) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            "NVML failing: offline work resumed (fail-open)\n",
+            "pod source not synced\n".to_string(),
         );
     }
-    (StatusCode::OK, "ready\n")
+    if let Some(why) = s.shared.degraded() {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
+    }
+    (StatusCode::OK, "ready\n".to_string())
 }
 
 async fn state_doc(State(s): State<AppState>) -> impl IntoResponse {
-    let doc = s.shared.state.lock().map(|d| d.clone()).unwrap_or_default();
-    Json(doc)
+    Json(s.shared.state())
 }

@@ -6,26 +6,21 @@
 //! the hands:
 //!
 //! ```text
-//!  gpu (NVML) ─┐                                   ┌─► actuator (freezer / signal)
-//!  procinfo ───┼─► control (loop, 1 ms) ─► qos-core├─► record (fail-open file)
-//!  source ─────┘            │                      └─► metrics, event log
-//!                           └─► http (/metrics /healthz /readyz /state)
+//!  edges/ (one trait per I/O edge)          control/ (the loop, one room per job)
+//!   gpu (NVML) ──────────────┐              table ─► qos_core::Machine ─► execute
+//!   procfs (/proc, pidfds) ──┼────────────► target     (decide)           holds ──► edges/actuator
+//!   source (rules, kube) ────┘              health, watchdog               │  └───► edges/record
+//!   clock                                   events ──► telemetry (metrics, event log)
+//!                                           state ───► http (/metrics /healthz /readyz /state)
+//!  cmd/ (status, timeline): read /state and events back as the same types
 //! ```
 //!
-//! Only `gpu` talks to a C library (through `nvml-wrapper`), and only `actuator` and
-//! `record` change anything on the host.
+//! Only `edges::gpu` talks to a C library (through `nvml-wrapper`), and only
+//! `edges::actuator` and `edges::record` change anything on the host.
 
-pub mod actuator;
 pub mod cli;
+pub mod cmd;
 pub mod control;
-pub mod demo;
-pub mod gpu;
+pub mod edges;
 pub mod http;
-pub mod kube_source;
-pub mod metrics_setup;
-pub mod podref;
-pub mod procinfo;
-pub mod record;
-pub mod source;
-pub mod status;
-pub mod timeline;
+pub mod telemetry;

@@ -2,12 +2,16 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use coloc_agent::cli::{Cli, Command, LogFormat, RunArgs};
-use coloc_agent::control::{resume_leftovers, Agent, Shared};
-use coloc_agent::source::{PodSource, Rules};
-use coloc_agent::{gpu, http, metrics_setup, record};
+use coloc_agent::control::state::Shared;
+use coloc_agent::control::{Edges, Loop};
+use coloc_agent::edges::actuator::{self, dry_run::DryRun, Actuator, Host, Progress};
+use coloc_agent::edges::record::{FileRecord, MemRecord, RecordStore};
+use coloc_agent::edges::source::{kube::KubeSource, PodSource, Rules};
+use coloc_agent::edges::{clock::SystemClock, gpu, procfs::HostProc};
+use coloc_agent::{http, telemetry};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 fn main() {
     let cli = Cli::parse();
@@ -15,8 +19,7 @@ fn main() {
     let result = match cli.cmd {
         Command::Run(args) => run(args),
         Command::CheckRules { file } => check_rules(&file),
-        Command::Demo(args) => coloc_agent::demo::run(args),
-        Command::Status(args) => coloc_agent::status::run(args),
+        Command::Status(args) => coloc_agent::cmd::status::run(args),
     };
     if let Err(err) = result {
         // One line: the error and its causes.
@@ -48,8 +51,42 @@ fn check_rules(file: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// Signals that end a process by default and can be caught: each one resumes all offline
+/// work before the agent exits.
+const TERMINATING: &[(i32, &str)] = &[
+    (libc::SIGTERM, "SIGTERM"),
+    (libc::SIGINT, "SIGINT"),
+    (libc::SIGHUP, "SIGHUP"),
+    (libc::SIGQUIT, "SIGQUIT"),
+    (libc::SIGUSR1, "SIGUSR1"),
+    (libc::SIGUSR2, "SIGUSR2"),
+    (libc::SIGALRM, "SIGALRM"),
+    (libc::SIGVTALRM, "SIGVTALRM"),
+    (libc::SIGPROF, "SIGPROF"),
+    (libc::SIGXCPU, "SIGXCPU"),
+    (libc::SIGXFSZ, "SIGXFSZ"),
+    (libc::SIGPWR, "SIGPWR"),
+    (libc::SIGSTKFLT, "SIGSTKFLT"),
+    (libc::SIGIO, "SIGIO"),
+    (libc::SIGSYS, "SIGSYS"),
+    (libc::SIGTRAP, "SIGTRAP"),
+];
+
 fn run(args: RunArgs) -> Result<()> {
     let cfg = args.loop_config()?;
+    let prom = telemetry::install()?;
+    // Fail-open first: whatever a previous run left suspended runs again before anything
+    // else (the rules file, the Kubernetes client, NVML) can fail.
+    let record: Box<dyn RecordStore> = if cfg.dry_run {
+        Box::new(MemRecord::default())
+    } else {
+        let (mut record, leftover) = FileRecord::open(&args.state_dir)?;
+        if !leftover.is_empty() {
+            warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended");
+            resume_leftovers(&mut record, &leftover, cfg.confirm_timeout);
+        }
+        Box::new(record)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -66,32 +103,29 @@ fn run(args: RunArgs) -> Result<()> {
                 .context("Kubernetes client (in-cluster service account, or KUBECONFIG)")?;
             let _guard = rt.enter();
             info!(node, "Watching this node's pods");
-            Arc::new(coloc_agent::kube_source::KubeSource::start(client, node))
+            Arc::new(KubeSource::start(client, node))
         }
     };
-    let prom = metrics_setup::install()?;
-
-    // Fail-open first: whatever a previous run left suspended runs again before anything
-    // else can fail.
-    let (mut record, leftover) = record::Record::open(&args.state_dir)?;
-    if !leftover.is_empty() {
-        warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended");
-        resume_leftovers(&mut record, &leftover, cfg.confirm_timeout);
-    }
-
     let sampler = gpu::Nvml::open(&args.nvml_lib, &args.gpus)?;
     let shared = Arc::new(Shared::default());
     metrics::gauge!("coloc_agent_info", "version" => env!("CARGO_PKG_VERSION"), "actuator" => cfg.actuator.as_str(), "dry_run" => cfg.dry_run.to_string()).set(1.0);
     let stall_ns = (cfg.poll.as_nanos() as u64)
         .saturating_mul(1000)
         .max(5_000_000_000);
-    let agent = Agent::new(
-        cfg.clone(),
-        Box::new(sampler),
-        source.clone(),
+    let actuator: Box<dyn Actuator> = if cfg.dry_run {
+        Box::new(DryRun)
+    } else {
+        Box::new(Host)
+    };
+    let edges = Edges {
+        gpu: Box::new(sampler),
+        procfs: Arc::new(HostProc),
+        source: source.clone(),
+        clock: Arc::new(SystemClock),
+        actuator,
         record,
-        shared.clone(),
-    )?;
+    };
+    let agent = Loop::new(cfg.clone(), edges, shared.clone())?;
 
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(args.listen))
@@ -105,7 +139,7 @@ fn run(args: RunArgs) -> Result<()> {
     });
     rt.spawn(async move {
         if let Err(err) = axum::serve(listener, app).await {
-            tracing::error!(%err, "HTTP server failed");
+            error!(%err, "HTTP server failed");
         }
     });
     info!(
@@ -113,6 +147,7 @@ fn run(args: RunArgs) -> Result<()> {
         actuator = cfg.actuator.as_str(),
         dry_run = cfg.dry_run,
         poll = ?cfg.poll,
+        idle_poll = ?cfg.idle_poll,
         idle_window = ?args.idle_window,
         "Agent started"
     );
@@ -122,16 +157,15 @@ fn run(args: RunArgs) -> Result<()> {
 
     rt.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        loop {
-            tokio::select! {
-                _ = term.recv() => { info!("SIGTERM: shutting down"); break; }
-                _ = int.recv() => { info!("SIGINT: shutting down"); break; }
-                _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {
-                    if lp.is_finished() { break; }
-                }
-            }
+        let mut streams = Vec::new();
+        for (sig, name) in TERMINATING {
+            let s = signal(SignalKind::from_raw(*sig)).with_context(|| format!("handling {name}"))?;
+            streams.push((s, *name));
+        }
+        let any = futures_lite_select(&mut streams);
+        tokio::select! {
+            name = any => info!(signal = name, "Shutting down: resuming offline work first"),
+            _ = async { while !lp.is_finished() { tokio::time::sleep(std::time::Duration::from_millis(100)).await } } => {}
         }
         anyhow::Ok(())
     })?;
@@ -142,5 +176,42 @@ fn run(args: RunArgs) -> Result<()> {
             Ok(())
         }
         Err(_) => anyhow::bail!("control loop panicked (offline work was resumed on the way out)"),
+    }
+}
+
+/// Waits for the first of several signal streams; returns its name.
+async fn futures_lite_select(
+    streams: &mut [(tokio::signal::unix::Signal, &'static str)],
+) -> &'static str {
+    let futs = streams.iter_mut().map(|(s, name)| {
+        let name = *name;
+        Box::pin(async move {
+            s.recv().await;
+            name
+        })
+    });
+    futures::future::select_all(futs).await.0
+}
+
+/// Resumes what a previous run left suspended; what cannot be resumed stays recorded.
+fn resume_leftovers(
+    record: &mut FileRecord,
+    leftover: &[actuator::RecordEntry],
+    timeout: std::time::Duration,
+) {
+    for e in leftover {
+        let outcome = actuator::resume_recorded(e, timeout);
+        match &outcome {
+            Progress::Failed(err) => {
+                error!(entry = ?e, %err, "Failed to resume work a previous run left suspended");
+                metrics::counter!("coloc_actuation_errors_total", "actuator" => "record", "op" => "resume", "reason" => err.reason()).increment(1);
+                continue;
+            }
+            Progress::Gone => info!(entry = ?e, "Work a previous run suspended is gone"),
+            _ => info!(entry = ?e, "Resumed work a previous run left suspended"),
+        }
+        if let Err(err) = record.remove(std::slice::from_ref(e)) {
+            error!(error = %format!("{err:#}"), "Failed to update the suspension record");
+        }
     }
 }

@@ -2,8 +2,8 @@
 //! the initial list (by this node's field selector), a watch event flipping a pod from
 //! `shared_cores` to `reclaimed_cores`, `410 Gone`, and the relist that follows.
 
-use coloc_agent::kube_source::KubeSource;
-use coloc_agent::source::PodSource;
+use coloc_agent::edges::source::kube::KubeSource;
+use coloc_agent::edges::source::PodSource;
 use http::{Request, Response};
 use kube::client::Body;
 use qos_core::Class;

@@ -16,6 +16,7 @@
 //! - [`resources`]: parsing and validation of the `vke.volcengine.com/*` requests and the
 //!   compute-policy annotation, shared by the agent and the admission webhook.
 //! - [`machine`]: the per-GPU preempt/release state machine and the `fixed-share` duty cycle.
+//! - [`stats`]: the one percentile (nearest rank) every report uses.
 //!
 //! Time is always an argument: a [`Nanos`] count on the same clock as NVML's sample
 //! timestamps (the agent uses wall-clock nanoseconds since the Unix epoch).
@@ -24,6 +25,7 @@
 pub mod class;
 pub mod machine;
 pub mod resources;
+pub mod stats;
 
 pub use class::{classify, Class, Classification, QosLevel, QOS_LEVEL_ANNOTATION};
 pub use machine::{Config, Decision, GpuInput, GpuState, Machine, ProcessObs, Share, Transition};

@@ -95,7 +95,7 @@ impl Sim {
 
     /// Spawns a workload inside cgroup directory `cg` (before it executes).
     pub fn spawn_in_cgroup(&self, cg: &Path, args: &[&str]) -> Proc {
-        let mut c = coloc_agent::demo::command_in_cgroup(cg, &bin("coloc-sim"));
+        let mut c = coloc_sim::command_in_cgroup(cg, &bin("coloc-sim"));
         c.args(args)
             .env("COLOC_SIM_STATE", &self.state)
             .stdout(Stdio::null());

@@ -1,9 +1,9 @@
 //! The Kubernetes pod source against a fake API server (real kube-rs client over HTTP on
 //! 127.0.0.1), and the agent on a simulated GPU node with kubelet-style cgroups.
 
-use coloc_agent::kube_source::KubeSource;
-use coloc_agent::procinfo::{Cgroups, ProcInfo, ProcKey};
-use coloc_agent::source::PodSource;
+use coloc_agent::edges::procfs::{Cgroups, ProcInfo, ProcKey};
+use coloc_agent::edges::source::kube::KubeSource;
+use coloc_agent::edges::source::PodSource;
 use coloc_e2e::fakeapi::{pod, FakeApi};
 use coloc_e2e::*;
 use qos_core::Class;

@@ -523,13 +523,30 @@ impl<'a> Daemon<'a> {
     }
 }
 
-/// Percentile of a sorted slice (nearest-rank); 0 for an empty slice.
+/// Percentile of a sorted slice: the project's one nearest-rank percentile
+/// (`qos_core::stats`); 0 for an empty slice.
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((q / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    qos_core::stats::percentile(sorted, q).unwrap_or(0.0)
+}
+
+/// A command that moves itself into cgroup directory `cg` (v2 `cgroup.procs` or v1
+/// `tasks`) and then executes `program`, so the program runs in the cgroup from its first
+/// instruction. Used by the demo, the benchmarks and the end-to-end tests.
+pub fn command_in_cgroup(cg: &std::path::Path, program: &std::path::Path) -> std::process::Command {
+    let file = if cg.join("cgroup.procs").exists() {
+        "cgroup.procs"
+    } else {
+        "tasks"
+    };
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
+            cg.display(),
+            file
+        ))
+        .arg(program);
+    c
 }
 
 #[cfg(test)]

@@ -177,8 +177,8 @@ fn kube_bench() {
     // Latency, in process.
     let lat = rt.block_on(async {
         let _g = ();
-        let src = coloc_agent::kube_source::KubeSource::start(api.client(), "node1");
-        while !coloc_agent::source::PodSource::ready(&src) || api.watches_open() == 0 {
+        let src = coloc_agent::edges::source::kube::KubeSource::start(api.client(), "node1");
+        while !coloc_agent::edges::source::PodSource::ready(&src) || api.watches_open() == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let mut rx = src.subscribe().unwrap();
@@ -250,7 +250,7 @@ fn kube_bench() {
 /// period and freshness, and (with `--stop-pid`) how long a stopped process's queued GPU
 /// work keeps showing activity (its drain). JSON to stdout.
 fn nvml_probe(args: &[String]) {
-    use coloc_agent::gpu::{GpuSampler, Nvml};
+    use coloc_agent::edges::gpu::{GpuSampler, Nvml};
     let opt = |k: &str| {
         args.iter()
             .position(|a| a == k)

@@ -5,6 +5,13 @@
 //! used in tests, loaded from a configurable library path). This module is the agent's
 //! only FFI boundary; the unsafe code lives inside `nvml-wrapper`.
 //!
+//! Transient answers are not failures. Both calls the loop makes are two-step in NVML (ask
+//! for the count, then for the data); when samples or processes arrive in between, the
+//! driver answers `INSUFFICIENT_SIZE`. Each call retries that answer up to
+//! [`TRANSIENT_RETRIES`] times at once and counts it in
+//! `coloc_nvml_transient_answers_total`; only what is left after that reaches the loop,
+//! whose health policy decides when a failure persists (see `control::health`).
+//!
 //! May touch: the NVML library.
 
 use std::ffi::OsStr;
@@ -25,7 +32,7 @@ pub enum GpuError {
     /// The library could not be loaded or initialised.
     #[error(
         "no NVIDIA driver: cannot use NVML library {lib:?} ({source}). Install the NVIDIA \
-         driver, or pass --nvml-lib; to try gpu-coloc without a GPU, run `coloc-agent demo`"
+         driver, or pass --nvml-lib; to try gpu-coloc without a GPU, run `coloc-demo`"
     )]
     NoDriver {
         /// Library path tried.
@@ -53,6 +60,31 @@ pub enum GpuError {
         /// Present.
         count: u32,
     },
+}
+
+/// How many times a call is repeated at once after a transient `INSUFFICIENT_SIZE`.
+pub const TRANSIENT_RETRIES: usize = 3;
+
+impl GpuError {
+    /// Short, bounded name for metric labels.
+    pub fn reason(&self) -> &'static str {
+        use nvml_wrapper::error::NvmlError as E;
+        match self {
+            GpuError::NoDriver { .. } => "no_driver",
+            GpuError::NoSuchGpu { .. } => "no_such_gpu",
+            GpuError::Call { source, .. } => match source {
+                E::InsufficientSize(_) => "insufficient_size",
+                E::GpuLost => "gpu_lost",
+                E::DriverNotLoaded => "driver_not_loaded",
+                E::Uninitialized => "uninitialized",
+                E::Timeout => "timeout",
+                E::NotFound => "not_found",
+                E::NoPermission => "no_permission",
+                E::NotSupported => "not_supported",
+                _ => "other",
+            },
+        }
+    }
 }
 
 /// Source of GPU activity.
@@ -136,6 +168,24 @@ impl Nvml {
     }
 }
 
+/// Repeats `call` while it answers `INSUFFICIENT_SIZE` (the count grew between NVML's two
+/// steps), up to [`TRANSIENT_RETRIES`] times.
+fn retry_transient<T>(
+    function: &'static str,
+    mut call: impl FnMut() -> Result<T, nvml_wrapper::error::NvmlError>,
+) -> Result<T, nvml_wrapper::error::NvmlError> {
+    let mut r = call();
+    for _ in 0..TRANSIENT_RETRIES {
+        if !matches!(r, Err(nvml_wrapper::error::NvmlError::InsufficientSize(_))) {
+            break;
+        }
+        metrics::counter!("coloc_nvml_transient_answers_total", "function" => function)
+            .increment(1);
+        r = call();
+    }
+    r
+}
+
 impl GpuSampler for Nvml {
     fn gpus(&self) -> Vec<u32> {
         self.devices.iter().map(|d| d.0).collect()
@@ -152,7 +202,9 @@ impl GpuSampler for Nvml {
     fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError> {
         let dev = self.device(gpu)?;
         let t = Instant::now();
-        let r = dev.running_compute_processes();
+        let r = retry_transient("nvmlDeviceGetComputeRunningProcesses", || {
+            dev.running_compute_processes()
+        });
         observe("nvmlDeviceGetComputeRunningProcesses", t);
         let procs = r.map_err(|source| GpuError::Call {
             function: "nvmlDeviceGetComputeRunningProcesses",
@@ -166,11 +218,9 @@ impl GpuSampler for Nvml {
         use nvml_wrapper::error::NvmlError;
         let dev = self.device(gpu)?;
         let t = Instant::now();
-        let mut r = dev.process_utilization_stats(since_us);
-        // More samples may arrive between the count call and the data call: retry once.
-        if matches!(r, Err(NvmlError::InsufficientSize(_))) {
-            r = dev.process_utilization_stats(since_us);
-        }
+        let r = retry_transient("nvmlDeviceGetProcessUtilization", || {
+            dev.process_utilization_stats(since_us)
+        });
         observe("nvmlDeviceGetProcessUtilization", t);
         match r {
             Ok(samples) => Ok(samples

@@ -4,7 +4,7 @@
 //! Input: the agent's preemption/release events (event log or `/state`'s
 //! `recent_events`), optionally online request records `(arrival_ns, done_ns)`.
 
-use serde_json::Value;
+use crate::control::events::Event;
 use std::fmt::Write;
 
 /// One online request series to plot: label, colour, `(arrival_ns, done_ns)` records.
@@ -20,24 +20,19 @@ fn esc(s: &str) -> String {
 pub type Intervals = Vec<(u64, u64)>;
 
 /// Busy and suspended intervals (ns) for `gpu` from preempt/release events.
-pub fn intervals(events: &[Value], gpu: u64) -> (Intervals, Intervals) {
+pub fn intervals(events: &[Event], gpu: u32) -> (Intervals, Intervals) {
     let mut busy = Vec::new();
     let mut suspended = Vec::new();
-    let mut open: Option<&Value> = None;
-    for e in events.iter().filter(|e| e["gpu"].as_u64() == Some(gpu)) {
-        match e["event"].as_str() {
-            Some("preempt") => open = Some(e),
-            Some("release") => {
+    let mut open = None;
+    for e in events {
+        match e {
+            Event::Preempt(p) if p.gpu == gpu => open = Some(p),
+            Event::Release(r) if r.gpu == gpu => {
                 if let Some(p) = open.take() {
-                    let start = p["first_activity_ns"].as_u64().unwrap_or(0);
-                    let last_online = e["window_end_ns"]
-                        .as_u64()
-                        .unwrap_or(0)
-                        .saturating_sub(e["idle_window_ns"].as_u64().unwrap_or(0));
+                    let start = p.first_activity_ns;
+                    let last_online = r.window_end_ns.saturating_sub(r.idle_window_ns);
                     busy.push((start, last_online.max(start)));
-                    if let (Some(s), Some(r)) =
-                        (p["confirmed_ns"].as_u64(), e["confirmed_ns"].as_u64())
-                    {
+                    if let (Some(s), Some(r)) = (p.confirmed_ns, r.confirmed_ns) {
                         suspended.push((s, r));
                     }
                 }
@@ -51,8 +46,8 @@ pub fn intervals(events: &[Value], gpu: u64) -> (Intervals, Intervals) {
 /// Renders the timeline of `gpu` between `t0` and `t1` (ns) as an SVG document.
 pub fn svg(
     title: &str,
-    events: &[Value],
-    gpu: u64,
+    events: &[Event],
+    gpu: u32,
     requests: &[Requests<'_>],
     t0: u64,
     t1: u64,
@@ -170,15 +165,19 @@ pub fn svg(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
     fn intervals_from_events() {
-        let ev = vec![
-            json!({"event": "preempt", "gpu": 0, "first_activity_ns": 100, "confirmed_ns": 110}),
-            json!({"event": "release", "gpu": 0, "window_end_ns": 400, "idle_window_ns": 100, "confirmed_ns": 405}),
-            json!({"event": "preempt", "gpu": 1, "first_activity_ns": 150, "confirmed_ns": 160}),
-        ];
+        let ev = crate::control::events::parse_log(concat!(
+            r#"{"event":"preempt","gpu":0,"first_activity_ns":100,"decided_ns":105,"detection_s":0.0,"offline":1,"confirmed_ns":110}"#,
+            "\n",
+            r#"{"event":"release","gpu":0,"window_end_ns":400,"decided_ns":401,"idle_window_ns":100,"busy_for_s":0.0,"offline":1,"confirmed_ns":405}"#,
+            "\n",
+            "not an event\n",
+            r#"{"event":"preempt","gpu":1,"first_activity_ns":150,"decided_ns":155,"detection_s":0.0,"offline":1,"confirmed_ns":160}"#,
+            "\n",
+        ));
+        assert_eq!(ev.len(), 3);
         let (busy, sus) = intervals(&ev, 0);
         assert_eq!(busy, vec![(100, 300)]);
         assert_eq!(sus, vec![(110, 405)]);

@@ -5,7 +5,10 @@
 //!
 //! May touch: the rules file (read once at start).
 
-use crate::procinfo::ProcInfo;
+pub mod kube;
+pub mod podref;
+
+use crate::edges::procfs::ProcInfo;
 use qos_core::{Class, ComputePolicy, Share};
 use serde::Deserialize;
 use std::path::Path;
@@ -312,7 +315,7 @@ pub fn glob(pattern: &str, text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::procinfo::{Cgroups, ProcKey};
+    use crate::edges::procfs::{Cgroups, ProcKey};
 
     fn proc(cmd: &str, cg: &str, uid: u32) -> ProcInfo {
         ProcInfo {

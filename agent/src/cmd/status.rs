@@ -3,9 +3,9 @@
 //!
 //! May touch: one HTTP connection to the agent; the plot file.
 
+use crate::control::state::StateDoc;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use serde_json::Value;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -31,7 +31,7 @@ pub struct StatusArgs {
     pub plot: Option<PathBuf>,
     /// GPU for --plot.
     #[arg(long, default_value_t = 0)]
-    pub gpu: u64,
+    pub gpu: u32,
 }
 
 /// GET `path` from an `http://host:port` URL.
@@ -60,68 +60,54 @@ pub fn http_get(url: &str, path: &str) -> Result<String> {
     Ok(body.to_string())
 }
 
-fn ms(v: &Value) -> String {
-    v.as_f64()
-        .map(|x| format!("{x:.2} ms"))
+fn ms(v: Option<f64>) -> String {
+    v.map(|x| format!("{x:.2} ms"))
         .unwrap_or_else(|| "-".into())
 }
 
 /// Human-readable rendering of a `/state` document.
-pub fn render(st: &Value) -> String {
+pub fn render(st: &StateDoc) -> String {
     let mut out = format!(
         "node {}  actuator {}{}  idle window {} ms{}\n",
-        st["node"].as_str().unwrap_or("?"),
-        st["actuator"].as_str().unwrap_or("?"),
-        if st["dry_run"] == true {
-            " (dry run)"
-        } else {
-            ""
-        },
-        st["idle_window_ms"],
-        if st["degraded"] == true {
-            "  DEGRADED: NVML failing, offline work resumed (fail-open)"
-        } else {
-            ""
+        st.node,
+        st.actuator.map(|k| k.as_str()).unwrap_or("?"),
+        if st.dry_run { " (dry run)" } else { "" },
+        st.idle_window_ms,
+        match &st.degraded_reason {
+            Some(why) => format!("  DEGRADED: {why}"),
+            None if st.degraded => "  DEGRADED".to_string(),
+            None => String::new(),
         },
     );
-    for g in st["gpus"].as_array().into_iter().flatten() {
-        let since = g["last_preemption_ms_ago"]
-            .as_f64()
+    for g in &st.gpus {
+        let since = g
+            .last_preemption_ms_ago
             .map(|x| format!("{:.1} s ago", x / 1e3))
             .unwrap_or_else(|| "never".into());
         out += &format!(
-            "\nGPU {} {}  {}\n  last preemption: {since}\n  preemption latency: p50 {} p99 {} (n={})   release latency: p50 {} p99 {} (n={})\n",
-            g["index"],
-            g["uuid"].as_str().unwrap_or(""),
-            g["state"].as_str().unwrap_or("?").to_uppercase(),
-            ms(&g["preemption_ms"]["p50"]),
-            ms(&g["preemption_ms"]["p99"]),
-            g["preemption_ms"]["count"],
-            ms(&g["release_ms"]["p50"]),
-            ms(&g["release_ms"]["p99"]),
-            g["release_ms"]["count"],
+            "\nGPU {} {}  {}{}\n  last preemption: {since}\n  preemption latency: p50 {} p99 {} (n={})   release latency: p50 {} p99 {} (n={})\n",
+            g.index,
+            g.uuid,
+            g.state.to_uppercase(),
+            if g.degraded { "  (NVML failing: not managed)" } else { "" },
+            ms(g.preemption_ms.p50),
+            ms(g.preemption_ms.p99),
+            g.preemption_ms.count,
+            ms(g.release_ms.p50),
+            ms(g.release_ms.p99),
+            g.release_ms.count,
         );
-        let procs = g["processes"].as_array().cloned().unwrap_or_default();
-        if procs.is_empty() {
+        if g.processes.is_empty() {
             out += "  no GPU processes\n";
         }
-        for p in procs {
+        for p in &g.processes {
             out += &format!(
                 "  {:>8}  {:<10} {:<9} {:<28} {}\n",
-                p["pid"],
-                p["class"].as_str().unwrap_or("?"),
-                if p["suspended"] == true {
-                    "SUSPENDED"
-                } else {
-                    "running"
-                },
-                p["owner"].as_str().unwrap_or("-"),
-                p["cmd"]
-                    .as_str()
-                    .unwrap_or("")
-                    .chars()
-                    .take(60)
-                    .collect::<String>(),
+                p.pid,
+                p.class.to_string(),
+                if p.suspended { "SUSPENDED" } else { "running" },
+                p.owner,
+                p.cmd.chars().take(60).collect::<String>(),
             );
         }
     }
@@ -132,22 +118,23 @@ pub fn render(st: &Value) -> String {
 pub fn run(a: StatusArgs) -> Result<()> {
     loop {
         let body = http_get(&a.url, "/state")?;
-        let st: Value = serde_json::from_str(&body).context("the agent's /state is not JSON")?;
+        let st: StateDoc = serde_json::from_str(&body)
+            .context("the agent's /state is not a state document (agent of another version?)")?;
         if let Some(p) = &a.plot {
-            let events: Vec<Value> = st["recent_events"].as_array().cloned().unwrap_or_default();
-            let now = st["updated_ns"].as_u64().unwrap_or(0);
+            let events = &st.recent_events;
+            let now = st.updated_ns;
             let t0 = events
-                .first()
-                .and_then(|e| e["decided_ns"].as_u64())
+                .iter()
+                .find_map(|e| match e {
+                    crate::control::events::Event::Preempt(p) => Some(p.decided_ns),
+                    crate::control::events::Event::Release(r) => Some(r.decided_ns),
+                    crate::control::events::Event::FailOpen(f) => Some(f.at_ns),
+                })
                 .unwrap_or(now)
                 .min(now.saturating_sub(10_000_000_000));
-            let doc = crate::timeline::svg(
-                &format!(
-                    "gpu-coloc on {}, GPU {}",
-                    st["node"].as_str().unwrap_or("?"),
-                    a.gpu
-                ),
-                &events,
+            let doc = super::timeline::svg(
+                &format!("gpu-coloc on {}, GPU {}", st.node, a.gpu),
+                events,
                 a.gpu,
                 &[],
                 t0,

@@ -101,7 +101,7 @@ pub fn parse(path: &str) -> Option<PodCgroup> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::procinfo::Cgroups;
+    use crate::edges::procfs::Cgroups;
 
     const UID: &str = "0f2c7a54-9a3b-4c1e-8d2f-6b5a4c3d2e1f";
 

@@ -1,11 +1,72 @@
 //! What `/proc` says about a process: identity (PID + start time), run state, owner,
-//! executable, command line and cgroup membership.
+//! executable, command line and cgroup membership; the members of a cgroup; and pidfds,
+//! which pin a process so that a reused PID is never hit.
 //!
-//! May touch: `/proc` (read only).
+//! One trait, [`ProcFs`], implemented by [`HostProc`] (this host) and by the tests' fake.
+//!
+//! May touch: `/proc` and `cgroup.procs` files (read only), pidfds.
 
 use std::collections::BTreeMap;
 use std::io;
-use std::path::PathBuf;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+/// Everything the control loop asks about processes.
+pub trait ProcFs: Send + Sync {
+    /// Identity, owner, executable, command line and cgroups of `pid`. `NotFound` when no
+    /// such process is visible (it exited, or lives in another PID namespace).
+    fn read_proc(&self, pid: u32) -> io::Result<ProcInfo>;
+    /// Run state and start time of `pid`.
+    fn read_stat(&self, pid: u32) -> io::Result<Stat>;
+    /// The agent's own cgroups (it must never freeze or stop itself).
+    fn self_cgroups(&self) -> Cgroups;
+    /// The agent's own PID.
+    fn self_pid(&self) -> u32;
+    /// PIDs in the cgroup directory `dir` (`cgroup.procs`).
+    fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>>;
+    /// A pidfd pinning exactly the process `key` (checked against its start time).
+    fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd>;
+}
+
+/// This host's `/proc`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostProc;
+
+impl ProcFs for HostProc {
+    fn read_proc(&self, pid: u32) -> io::Result<ProcInfo> {
+        read_proc(pid)
+    }
+    fn read_stat(&self, pid: u32) -> io::Result<Stat> {
+        read_stat(pid)
+    }
+    fn self_cgroups(&self) -> Cgroups {
+        std::fs::read_to_string("/proc/self/cgroup")
+            .map(|s| Cgroups::parse(&s))
+            .unwrap_or_default()
+    }
+    fn self_pid(&self) -> u32 {
+        std::process::id()
+    }
+    fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>> {
+        let text = std::fs::read_to_string(dir.join("cgroup.procs"))?;
+        Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    }
+    fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd> {
+        open_pidfd(key)
+    }
+}
+
+/// Opens a pidfd for `key`, and checks afterwards that the PID still has `key`'s start
+/// time: the pidfd then pins exactly that process.
+pub fn open_pidfd(key: ProcKey) -> io::Result<OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(key.pid as i32)
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())?;
+    match read_stat(key.pid) {
+        Ok(s) if s.start == key.start => Ok(fd),
+        _ => Err(io::Error::new(io::ErrorKind::NotFound, "process replaced")),
+    }
+}
 
 /// A process identity that survives PID reuse: the PID and its start time (clock ticks
 /// since boot, `/proc/<pid>/stat` field 22).
@@ -180,6 +241,18 @@ mod tests {
         assert_eq!(c.primary(), Some("/kubepods/pod1"));
         let v2 = "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1a2b.slice/cri-containerd-abc.scope\n";
         assert!(Cgroups::parse(v2).primary().unwrap().ends_with("abc.scope"));
+    }
+
+    #[test]
+    fn pidfd_refuses_a_wrong_start_time() {
+        let me = std::process::id();
+        let start = read_stat(me).unwrap().start;
+        assert!(open_pidfd(ProcKey {
+            pid: me,
+            start: start + 1
+        })
+        .is_err());
+        assert!(open_pidfd(ProcKey { pid: me, start }).is_ok());
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! `coloc-agent demo`: co-location on a simulated GPU, on any Linux host.
+//! `coloc-demo`: gpu-coloc's co-location on a simulated GPU, on any Linux host (no GPU, no
+//! cluster). Not part of the product: it drives the product's binary like a user would.
 //!
 //! Runs four simulated GPUs side by side for the same time, with the same online request
 //! sequence on each:
@@ -10,19 +11,25 @@
 //! | 2   | online + offline, no agent       | uncontrolled sharing          |
 //! | 3   | online + offline, agent managing | gpu-coloc                     |
 //!
-//! The agent is this same binary (`coloc-agent run`), loading the fake NVML library
-//! through its normal NVML path; processes and signals (or cgroups) are real.
+//! The agent is the real `coloc-agent run` next to this binary, loading the fake NVML
+//! library through its normal NVML path; processes and signals (or cgroups) are real. The
+//! agent and every workload are stopped on the way out, also when the demo fails.
 
-use crate::actuator::{CgroupMounts, Kind};
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::Parser;
+use coloc_agent::control::events::{parse_log, Event};
+use coloc_agent::edges::actuator::{CgroupMounts, Kind};
+use coloc_sim::command_in_cgroup;
+use qos_core::stats::percentile;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// `coloc-agent demo`.
-#[derive(Args, Debug, Clone)]
+/// gpu-coloc demo: online and offline workloads on simulated GPUs, without and with the
+/// agent, then a table of online latency and offline progress, and a timeline picture.
+#[derive(Parser, Debug, Clone)]
+#[command(version, about, long_about = None)]
 pub struct DemoArgs {
     /// How long each workload runs, seconds.
     #[arg(long, default_value_t = 20.0)]
@@ -43,10 +50,10 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 1.0)]
     pub sample_period_ms: f64,
     /// Agent idle window.
-    #[arg(long, default_value = "100ms", value_parser = crate::cli::parse_duration)]
+    #[arg(long, default_value = "100ms", value_parser = coloc_agent::cli::parse_duration)]
     pub idle_window: Duration,
     /// Agent poll interval.
-    #[arg(long, default_value = "1ms", value_parser = crate::cli::parse_duration)]
+    #[arg(long, default_value = "1ms", value_parser = coloc_agent::cli::parse_duration)]
     pub poll_interval: Duration,
     /// Directory for the workloads' results, the agent's log and event log (default: a
     /// new directory under /tmp).
@@ -57,28 +64,8 @@ pub struct DemoArgs {
     pub json: Option<PathBuf>,
 }
 
-/// A command that moves itself into cgroup directory `cg` (v2 `cgroup.procs` or v1
-/// `tasks`) and then executes `program`, so the program runs in the cgroup from its first
-/// instruction.
-pub fn command_in_cgroup(cg: &Path, program: &Path) -> Command {
-    let file = if cg.join("cgroup.procs").exists() {
-        "cgroup.procs"
-    } else {
-        "tasks"
-    };
-    let mut c = Command::new("sh");
-    c.arg("-c")
-        .arg(format!(
-            "echo $$ > '{}/{}' && exec \"$0\" \"$@\"",
-            cg.display(),
-            file
-        ))
-        .arg(program);
-    c
-}
-
 /// Finds a sibling binary of the running executable (same cargo target directory).
-pub fn sibling(name: &str) -> Result<PathBuf> {
+fn sibling(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let dir = exe.parent().context("executable has no directory")?;
     let p = dir.join(name);
@@ -93,18 +80,26 @@ pub fn sibling(name: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
+/// Children stopped on the way out, the demo's error paths included: SIGTERM (the agent
+/// resumes offline work before it exits), then SIGKILL after 5 s.
 struct Kill(Vec<Child>);
 impl Drop for Kill {
     fn drop(&mut self) {
         for c in &mut self.0 {
-            // SAFETY-free: plain kill(2) through nix.
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(c.id() as i32),
                 nix::sys::signal::Signal::SIGTERM,
             );
         }
+        let deadline = Instant::now() + Duration::from_secs(5);
         for c in &mut self.0 {
-            let _ = c.wait();
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
     }
 }
@@ -115,19 +110,22 @@ fn read_json(p: &Path) -> Result<Value> {
 }
 
 fn pct(mut v: Vec<f64>, q: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
     v.sort_by(f64::total_cmp);
-    let rank = ((q / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
+    percentile(&v, q).unwrap_or(f64::NAN)
+}
+
+fn main() {
+    if let Err(err) = run(DemoArgs::parse()) {
+        eprintln!("coloc-demo: {err:#}");
+        std::process::exit(1);
+    }
 }
 
 /// Runs the demo and prints the table.
-pub fn run(a: DemoArgs) -> Result<()> {
+fn run(a: DemoArgs) -> Result<()> {
     let sim = sibling("coloc-sim")?;
     let fake = sibling("libfake_nvml.so")?;
-    let me = std::env::current_exe()?;
+    let me = sibling("coloc-agent")?;
     let id = std::process::id();
     let out = match &a.out_dir {
         Some(d) => d.clone(),
@@ -195,7 +193,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let events = out.join("events.jsonl");
     let _ = std::fs::remove_file(&events);
     let agent_log = std::fs::File::create(out.join("agent.log"))?;
-    let mut agent = Command::new(&me)
+    let agent = Command::new(&me)
         .args([
             "run",
             "--gpus",
@@ -221,8 +219,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .stderr(agent_log)
         .spawn()
         .context("starting the agent")?;
+    let mut agent = Kill(vec![agent]);
     std::thread::sleep(Duration::from_millis(500));
-    if let Some(st) = agent.try_wait()? {
+    if let Some(st) = agent.0[0].try_wait()? {
         bail!(
             "agent exited at start ({st}); see {}",
             out.join("agent.log").display()
@@ -303,10 +302,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
     }
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::unistd::Pid::from_raw(agent.0[0].id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     )?;
-    let st = agent.wait()?;
+    let mut child = agent.0.pop().context("agent")?;
+    let st = child.wait()?;
     drop(procs);
     if let Some(cg) = &cgroup_dir {
         let _ = std::fs::remove_dir(cg);
@@ -335,7 +335,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
 }
 
 /// Reads the workloads' results and the agent's event log into one summary.
-pub fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
+fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
     let on = |n: &str| read_json(&out.join(n));
     let (alone, noagent, agent) = (
         on("online-alone.json")?,
@@ -357,21 +357,33 @@ pub fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
         })
         .unwrap_or(0.0);
     let idle_fraction = (1.0 - busy_ns / (duration_s * 1e9)).clamp(0.0, 1.0);
-    let text = std::fs::read_to_string(events).unwrap_or_default();
-    let evs: Vec<Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+    let evs = parse_log(&std::fs::read_to_string(events).unwrap_or_default());
+    let ms = |v: Option<f64>| v.map(|s| s * 1e3);
+    let pre: Vec<f64> = evs
+        .iter()
+        .filter_map(|e| match e {
+            Event::Preempt(p) => ms(p.preemption_s),
+            _ => None,
+        })
         .collect();
-    let field = |kind: &str, f: &str| -> Vec<f64> {
-        evs.iter()
-            .filter(|e| e["event"] == kind)
-            .filter_map(|e| e[f].as_f64())
-            .map(|s| s * 1e3)
-            .collect()
-    };
-    let pre = field("preempt", "preemption_s");
-    let det = field("preempt", "detection_s");
-    let rel = field("release", "release_s");
+    let det: Vec<f64> = evs
+        .iter()
+        .filter_map(|e| match e {
+            Event::Preempt(p) => Some(p.detection_s * 1e3),
+            _ => None,
+        })
+        .collect();
+    let rel: Vec<f64> = evs
+        .iter()
+        .filter_map(|e| match e {
+            Event::Release(r) => ms(r.release_s),
+            _ => None,
+        })
+        .collect();
+    let fail_opens = evs
+        .iter()
+        .filter(|e| matches!(e, Event::FailOpen(_)))
+        .count();
     let steps = |v: &Value| v["steps_per_s"].as_f64().unwrap_or(0.0);
     let idle_share = steps(&off_agent) / (steps(&off_alone) * idle_fraction).max(1e-9);
     Ok(serde_json::json!({
@@ -384,6 +396,7 @@ pub fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
         "online_idle_fraction": idle_fraction,
         "offline_share_of_idle": idle_share,
         "preemptions": pre.len(),
+        "fail_opens": fail_opens,
         "preemption_ms": {"p50": pct(pre.clone(), 50.0), "p99": pct(pre, 99.0)},
         "detection_ms": {"p50": pct(det.clone(), 50.0), "p99": pct(det, 99.0)},
         "release_ms": {"p50": pct(rel.clone(), 50.0), "p99": pct(rel, 99.0)},
@@ -454,12 +467,8 @@ fn print_table(s: &Value) {
 
 /// Writes the demo's timeline picture: GPU 3's busy/suspended periods from the agent's
 /// event log, and online request latency with and without the agent.
-pub fn write_timeline(out: &Path, events: &Path, svg: &Path) -> Result<()> {
-    let evs: Vec<Value> = std::fs::read_to_string(events)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+fn write_timeline(out: &Path, events: &Path, svg: &Path) -> Result<()> {
+    let evs = parse_log(&std::fs::read_to_string(events).unwrap_or_default());
     let recs = |name: &str| -> Result<Vec<(u64, u64)>> {
         Ok(read_json(&out.join(name))?["records"]
             .as_array()
@@ -477,7 +486,7 @@ pub fn write_timeline(out: &Path, events: &Path, svg: &Path) -> Result<()> {
         .unwrap_or(0)
         .saturating_sub(200_000_000);
     let t1 = with.last().map(|r| r.1).unwrap_or(t0) + 200_000_000;
-    let doc = crate::timeline::svg(
+    let doc = coloc_agent::cmd::timeline::svg(
         "gpu-coloc demo: GPU 3 (online + offline, agent managing)",
         &evs,
         3,

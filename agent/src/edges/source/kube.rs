@@ -20,8 +20,8 @@
 //!
 //! May touch: the Kubernetes API (get/list/watch pods).
 
-use crate::procinfo::ProcInfo;
-use crate::source::{Classified, PodSource};
+use crate::edges::procfs::ProcInfo;
+use crate::edges::source::{Classified, PodSource};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
@@ -234,14 +234,14 @@ impl PodSource for KubeSource {
             .cgroups
             .v2
             .as_deref()
-            .and_then(|path| crate::podref::parse(path).map(|pc| (pc, path.to_string(), true)))
+            .and_then(|path| super::podref::parse(path).map(|pc| (pc, path.to_string(), true)))
             .or_else(|| {
                 let path = p.cgroups.v1.get("freezer")?;
-                crate::podref::parse(path).map(|pc| (pc, path.clone(), false))
+                super::podref::parse(path).map(|pc| (pc, path.clone(), false))
             })
             .or_else(|| {
                 p.cgroups.paths().find_map(|path| {
-                    crate::podref::parse(path).map(|pc| (pc, path.to_string(), false))
+                    super::podref::parse(path).map(|pc| (pc, path.to_string(), false))
                 })
             });
         let Some((pc, path, _)) = found else {

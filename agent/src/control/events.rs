@@ -1,0 +1,207 @@
+//! Typed events: every preemption, release and fail-open, emitted in one place.
+//!
+//! An event is opened when the state machine decides and finished when the actuator has
+//! confirmed every target it started for it (or they failed, or went away). Finishing it
+//! writes the log line, the JSON line of `--event-log`, the latency histograms (labelled by
+//! the actuator that acted last, not the one configured) and the `/state` history. The
+//! same [`Event`] type is read back by the timeline, `coloc-agent status`, the demo, the
+//! benchmarks and the tests; nobody parses a log line.
+
+use crate::control::holds::{Completion, HoldKey, Outcome};
+use crate::edges::actuator::{Kind, Op};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+
+/// One line of the event log, one entry of `/state`'s `recent_events`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// A GPU became busy with online work: offline work on it was suspended.
+    Preempt(Preempt),
+    /// A GPU's online work was idle for the window: offline work on it was resumed.
+    Release(Release),
+    /// Offline work was resumed because something failed (see `reason`).
+    FailOpen(FailOpen),
+}
+
+impl Event {
+    /// The GPU the event is about (`None` for a node-wide fail-open).
+    pub fn gpu(&self) -> Option<u32> {
+        match self {
+            Event::Preempt(p) => Some(p.gpu),
+            Event::Release(r) => Some(r.gpu),
+            Event::FailOpen(f) => f.gpu,
+        }
+    }
+}
+
+/// `OfflineRunning` → `OnlineBusy` on one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Preempt {
+    /// GPU index.
+    pub gpu: u32,
+    /// Timestamp of the first online activity seen (NVML sample), ns.
+    pub first_activity_ns: u64,
+    /// When the agent decided, ns.
+    pub decided_ns: u64,
+    /// `decided_ns - first_activity_ns`, seconds.
+    pub detection_s: f64,
+    /// Offline processes on the GPU.
+    pub offline: usize,
+    /// The actuator that acted (the last target confirmed); none when nothing was stopped.
+    #[serde(default)]
+    pub actuator: Option<Kind>,
+    /// The agent runs with `--dry-run`.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// When every target was confirmed stopped, ns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_ns: Option<u64>,
+    /// `confirmed_ns - decided_ns`, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actuation_s: Option<f64>,
+    /// `confirmed_ns - first_activity_ns`, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemption_s: Option<f64>,
+}
+
+/// `OnlineBusy` → `OfflineRunning` on one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Release {
+    /// GPU index.
+    pub gpu: u32,
+    /// Last online activity plus the idle window: when the release was due, ns.
+    pub window_end_ns: u64,
+    /// When the agent decided, ns.
+    pub decided_ns: u64,
+    /// The idle window, ns.
+    pub idle_window_ns: u64,
+    /// From the first to the last online activity of the busy period, seconds.
+    pub busy_for_s: f64,
+    /// Offline processes on the GPU.
+    pub offline: usize,
+    /// The actuator that acted (the last target confirmed running).
+    #[serde(default)]
+    pub actuator: Option<Kind>,
+    /// The agent runs with `--dry-run`.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// When every target was confirmed running, ns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_ns: Option<u64>,
+    /// `confirmed_ns - window_end_ns`, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_s: Option<f64>,
+}
+
+/// Offline work resumed because something failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailOpen {
+    /// When, ns.
+    pub at_ns: u64,
+    /// Bounded reason (`nvml`, `nvml_hung`, `record`, `actuation`, `shutdown`, `panic`).
+    pub reason: String,
+    /// The GPU whose failure it was; `None` for the whole node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<u32>,
+    /// Suspended targets resumed.
+    pub resumed: usize,
+}
+
+/// Parses an event log (JSON lines); lines that are not events are skipped.
+pub fn parse_log(text: &str) -> Vec<Event> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn secs(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+struct Waiting {
+    event: Event,
+    op: Op,
+    holds: BTreeSet<HoldKey>,
+    last: Option<(u64, Kind)>,
+}
+
+/// Events waiting for their targets' confirmations.
+#[derive(Default)]
+pub struct Tracker {
+    waiting: Vec<Waiting>,
+}
+
+impl std::fmt::Debug for Tracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracker")
+            .field("waiting", &self.waiting.len())
+            .finish()
+    }
+}
+
+impl Tracker {
+    /// Opens `event`, which finishes once every hold in `holds` has completed `op`. With
+    /// no holds to wait for it is finished at once and returned.
+    pub fn open(&mut self, event: Event, op: Op, holds: BTreeSet<HoldKey>) -> Option<Event> {
+        if holds.is_empty() {
+            return Some(event);
+        }
+        self.waiting.push(Waiting {
+            event,
+            op,
+            holds,
+            last: None,
+        });
+        None
+    }
+
+    /// Applies completions; returns the events they finished.
+    pub fn complete(&mut self, done: &[Completion]) -> Vec<Event> {
+        for c in done {
+            for w in self.waiting.iter_mut().filter(|w| w.op == c.op) {
+                if w.holds.remove(&c.key) && matches!(c.outcome, Outcome::Done) {
+                    if w.last.is_none_or(|(t, _)| c.at_ns >= t) {
+                        w.last = Some((c.at_ns, c.kind));
+                    }
+                }
+            }
+        }
+        let (finished, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| w.holds.is_empty());
+        self.waiting = waiting;
+        finished.into_iter().map(finish).collect()
+    }
+
+    /// Events still waiting.
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// No event is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+}
+
+fn finish(w: Waiting) -> Event {
+    let mut ev = w.event;
+    if let Some((at, kind)) = w.last {
+        match &mut ev {
+            Event::Preempt(p) => {
+                p.actuator = Some(kind);
+                p.confirmed_ns = Some(at);
+                p.actuation_s = Some(secs(at.saturating_sub(p.decided_ns)));
+                p.preemption_s = Some(secs(at.saturating_sub(p.first_activity_ns)));
+            }
+            Event::Release(r) => {
+                r.actuator = Some(kind);
+                r.confirmed_ns = Some(at);
+                r.release_s = Some(secs(at.saturating_sub(r.window_end_ns)));
+            }
+            Event::FailOpen(_) => {}
+        }
+    }
+    ev
+}

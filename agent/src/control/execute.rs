@@ -1,0 +1,127 @@
+//! A decision becomes holds and events: suspensions (recorded, then acted on), resumptions,
+//! and the preempt/release events that wait for their confirmations.
+
+use super::events::{Event, Preempt, Release};
+use super::holds::HoldKey;
+use super::Loop;
+use crate::edges::actuator::Op;
+use crate::edges::procfs::ProcKey;
+use qos_core::machine::Reason;
+use qos_core::{Decision, Transition};
+use std::collections::BTreeSet;
+use tracing::debug;
+
+fn secs(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+impl Loop {
+    pub(super) fn execute(&mut self, d: Decision<ProcKey>, now: u64) {
+        debug!(suspend = ?d.suspend, resume = ?d.resume, transitions = ?d.transitions, "Decision");
+        // Suspensions: one batch, recorded before acting.
+        let mut reqs = Vec::new();
+        let mut reasons = Vec::new();
+        for (key, reason) in &d.suspend {
+            let Some(plan) = self.table.entry(key).and_then(|e| e.plan.clone()) else {
+                continue;
+            };
+            let (gpu, why) = match reason {
+                Reason::OnlineBusy { gpu } => (Some(*gpu), "online_busy"),
+                Reason::ShareCap => (None, "share_cap"),
+            };
+            metrics::counter!("coloc_suspensions_total", "gpu" => gpu.map(|g| g.to_string()).unwrap_or_else(|| "-".into()), "reason" => why).increment(1);
+            reqs.push((*key, plan));
+            reasons.push((*key, *reason));
+        }
+        let (started, resumed, mut done) = {
+            let mut holds = self.holds();
+            let started = if reqs.is_empty() {
+                Default::default()
+            } else {
+                holds.suspend(&reqs, now)
+            };
+            let (resumed, rdone) = if d.resume.is_empty() {
+                Default::default()
+            } else {
+                holds.resume(&d.resume, now)
+            };
+            (started, resumed, rdone)
+        };
+        if !resumed.is_empty() {
+            let pids: Vec<u32> = d.resume.iter().map(|k| k.pid).collect();
+            tracing::info!(?pids, targets = resumed.len(), "Resuming offline work");
+        }
+        done.extend(started.done);
+
+        for tr in &d.transitions {
+            let opened = match *tr {
+                Transition::Preempt {
+                    gpu,
+                    first_activity,
+                    decided_at,
+                    offline,
+                } => {
+                    let detection = decided_at.saturating_sub(first_activity);
+                    self.telemetry.detected(gpu, secs(detection));
+                    let holds: BTreeSet<HoldKey> = started
+                        .started
+                        .iter()
+                        .filter(|(holder, _)| {
+                            reasons.contains(&(*holder, Reason::OnlineBusy { gpu }))
+                        })
+                        .map(|(_, k)| k.clone())
+                        .collect();
+                    let ev = Event::Preempt(Preempt {
+                        gpu,
+                        first_activity_ns: first_activity,
+                        decided_ns: decided_at,
+                        detection_s: secs(detection),
+                        offline,
+                        actuator: None,
+                        dry_run: self.cfg.dry_run,
+                        confirmed_ns: None,
+                        actuation_s: None,
+                        preemption_s: None,
+                    });
+                    self.tracker.open(ev, Op::Suspend, holds)
+                }
+                Transition::Release {
+                    gpu,
+                    window_end,
+                    decided_at,
+                    busy_for,
+                    offline,
+                } => {
+                    let holds: BTreeSet<HoldKey> = resumed
+                        .iter()
+                        .filter(|(holder, _)| {
+                            self.table
+                                .entry(holder)
+                                .is_some_and(|e| e.gpus.contains(&gpu))
+                        })
+                        .map(|(_, k)| k.clone())
+                        .collect();
+                    let ev = Event::Release(Release {
+                        gpu,
+                        window_end_ns: window_end,
+                        decided_ns: decided_at,
+                        idle_window_ns: self.cfg.machine.idle_window,
+                        busy_for_s: secs(busy_for),
+                        offline,
+                        actuator: None,
+                        dry_run: self.cfg.dry_run,
+                        confirmed_ns: None,
+                        release_s: None,
+                    });
+                    self.tracker.open(ev, Op::Resume, holds)
+                }
+            };
+            if let Some(ev) = opened {
+                self.telemetry.emit(ev);
+            }
+        }
+        for ev in self.tracker.complete(&done) {
+            self.telemetry.emit(ev);
+        }
+    }
+}

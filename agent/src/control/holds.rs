@@ -1,0 +1,530 @@
+//! Suspension holds: what is suspended, on whose behalf, and the promise that nothing is
+//! suspended before the record holds it on disk.
+//!
+//! ```text
+//!  suspend(plans) ─► materialise members ─► record.add ──ok──► actuator.start(budget)
+//!                   (cgroup.procs for a         │ err: nothing is suspended,
+//!                    signalled cgroup)          ▼      fail_open{reason="record"}
+//!                                          completions now, or pending ─► poll() each tick
+//! ```
+//!
+//! A hold is released when its last holder (an offline GPU process) is resumed. Actuation
+//! is confirmed within a small budget inline; what is not confirmed yet is checked again
+//! every tick without waiting, until `--confirm-timeout`: a stuck cgroup never stalls the
+//! loop, and so never the other GPUs. A suspension that fails or times out is undone.
+
+pub use crate::control::target::HoldKey;
+use crate::control::target::Plan;
+use crate::edges::actuator::{Actuator, Kind, Op, Progress, RecordEntry, Target};
+use crate::edges::clock::Clock;
+use crate::edges::procfs::{ProcFs, ProcKey};
+use crate::edges::record::RecordStore;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{debug, error, info, warn};
+
+/// How long an actuation is waited for inline before the loop moves on and checks it
+/// again next tick.
+pub const INLINE_BUDGET: Duration = Duration::from_millis(2);
+
+/// How a hold's operation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Confirmed.
+    Done,
+    /// The targets are gone.
+    Gone,
+    /// Not acted on (dry run), or abandoned (a resume overtook a pending suspension).
+    Skipped,
+    /// Failed, with a bounded reason.
+    Failed(&'static str),
+}
+
+/// A hold finished an operation.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The hold.
+    pub key: HoldKey,
+    /// Suspend or resume.
+    pub op: Op,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The actuator its members use.
+    pub kind: Kind,
+    /// When it was confirmed (or ended), ns.
+    pub at_ns: u64,
+}
+
+struct Hold {
+    members: Vec<Target>,
+    holders: BTreeSet<ProcKey>,
+    kind: Kind,
+}
+
+struct Pending {
+    key: HoldKey,
+    op: Op,
+    kind: Kind,
+    /// Members not confirmed yet.
+    members: Vec<Target>,
+    /// All members of the operation (what leaves the record when a resume completes).
+    all: Vec<Target>,
+    deadline_ns: u64,
+}
+
+/// Result of [`Holds::suspend`].
+#[derive(Debug, Default)]
+pub struct Started {
+    /// Holds whose suspension started now: (holder, hold).
+    pub started: Vec<(ProcKey, HoldKey)>,
+    /// Operations that ended now.
+    pub done: Vec<Completion>,
+    /// The record could not be written: nothing was suspended.
+    pub record_failed: bool,
+    /// Suspensions that failed and were undone.
+    pub undone: usize,
+}
+
+/// The suspension holds, the actuator and the record.
+pub struct Holds {
+    actuator: Box<dyn Actuator>,
+    record: Box<dyn RecordStore>,
+    procfs: Arc<dyn ProcFs>,
+    clock: Arc<dyn Clock>,
+    held: BTreeMap<HoldKey, Hold>,
+    pending: Vec<Pending>,
+    confirm_timeout: Duration,
+}
+
+impl std::fmt::Debug for Holds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holds")
+            .field("held", &self.held.len())
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+fn members_progress(p: &[Progress]) -> Option<Outcome> {
+    if let Some(Progress::Failed(e)) = p.iter().find(|p| matches!(p, Progress::Failed(_))) {
+        return Some(Outcome::Failed(e.reason()));
+    }
+    if p.iter().any(|p| matches!(p, Progress::Pending)) {
+        return None;
+    }
+    Some(if p.iter().any(|p| matches!(p, Progress::Done)) {
+        Outcome::Done
+    } else if p.iter().all(|p| matches!(p, Progress::Skipped)) {
+        Outcome::Skipped
+    } else {
+        Outcome::Gone
+    })
+}
+
+impl Holds {
+    /// Holds over `actuator` and `record`.
+    pub fn new(
+        actuator: Box<dyn Actuator>,
+        record: Box<dyn RecordStore>,
+        procfs: Arc<dyn ProcFs>,
+        clock: Arc<dyn Clock>,
+        confirm_timeout: Duration,
+    ) -> Holds {
+        Holds {
+            actuator,
+            record,
+            procfs,
+            clock,
+            held: BTreeMap::new(),
+            pending: Vec::new(),
+            confirm_timeout,
+        }
+    }
+
+    /// Number of holds (suspended or being suspended).
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// Whether `holder` holds some suspension.
+    pub fn holds(&self, holder: &ProcKey) -> bool {
+        self.held.values().any(|h| h.holders.contains(holder))
+    }
+
+    /// The record's entries.
+    pub fn recorded(&self) -> &BTreeSet<RecordEntry> {
+        self.record.entries()
+    }
+
+    /// Lists the members of a plan: for a signalled cgroup, every process in it now
+    /// (except the agent), each pinned by a pidfd.
+    fn materialise(&self, plan: &Plan) -> Vec<Target> {
+        match plan {
+            Plan::Freeze(t) | Plan::Signal(t) => vec![t.clone()],
+            Plan::SignalCgroup { dir, leader } => {
+                let mut out = vec![leader.clone()];
+                let me = self.procfs.self_pid();
+                let lead = match leader {
+                    Target::Process { key, .. } => key.pid,
+                    Target::Cgroup { .. } => 0,
+                };
+                match self.procfs.cgroup_members(dir) {
+                    Ok(pids) => {
+                        for pid in pids.into_iter().filter(|p| *p != me && *p != lead) {
+                            let Ok(stat) = self.procfs.read_stat(pid) else {
+                                continue;
+                            };
+                            let key = ProcKey {
+                                pid,
+                                start: stat.start,
+                            };
+                            if let Ok(fd) = self.procfs.open_pidfd(key) {
+                                out.push(Target::Process {
+                                    key,
+                                    pidfd: Arc::new(fd),
+                                });
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        warn!(dir = %dir.display(), %err, "Cannot list the offline cgroup: stopping only its GPU process")
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Suspends on behalf of `reqs` (holder, plan) at `now`: writes the record first, then
+    /// starts the actuator.
+    pub fn suspend(&mut self, reqs: &[(ProcKey, Plan)], now: u64) -> Started {
+        let mut out = Started::default();
+        let mut fresh: Vec<(HoldKey, Hold)> = Vec::new();
+        for (holder, plan) in reqs {
+            let key = plan.hold_key();
+            if let Some(h) = self.held.get_mut(&key) {
+                h.holders.insert(*holder);
+                continue;
+            }
+            if let Some((_, h)) = fresh.iter_mut().find(|(k, _)| *k == key) {
+                h.holders.insert(*holder);
+                out.started.push((*holder, key));
+                continue;
+            }
+            let members = self.materialise(plan);
+            fresh.push((
+                key.clone(),
+                Hold {
+                    members,
+                    holders: BTreeSet::from([*holder]),
+                    kind: plan.kind(),
+                },
+            ));
+            out.started.push((*holder, key));
+        }
+        if fresh.is_empty() {
+            return out;
+        }
+        let entries: Vec<RecordEntry> = fresh
+            .iter()
+            .flat_map(|(_, h)| h.members.iter().map(Target::record))
+            .collect();
+        if let Err(err) = self.record.add(&entries) {
+            error!(error = %format!("{err:#}"), targets = fresh.len(), "Cannot write the suspension record: not suspending (fail open)");
+            metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
+            out.record_failed = true;
+            for (key, h) in fresh {
+                out.done.push(Completion {
+                    key,
+                    op: Op::Suspend,
+                    outcome: Outcome::Failed("record"),
+                    kind: h.kind,
+                    at_ns: now,
+                });
+            }
+            return out;
+        }
+        let targets: Vec<Target> = fresh
+            .iter()
+            .flat_map(|(_, h)| h.members.iter().cloned())
+            .collect();
+        let mut progress = self
+            .actuator
+            .start(&targets, Op::Suspend, INLINE_BUDGET)
+            .into_iter();
+        let at = self.clock.now_ns();
+        for (key, hold) in fresh {
+            let p: Vec<Progress> = progress.by_ref().take(hold.members.len()).collect();
+            match members_progress(&p) {
+                None => {
+                    self.pending.push(Pending {
+                        key: key.clone(),
+                        op: Op::Suspend,
+                        kind: hold.kind,
+                        members: pending_members(&hold.members, &p),
+                        all: hold.members.clone(),
+                        deadline_ns: now + self.confirm_timeout.as_nanos() as u64,
+                    });
+                    self.held.insert(key, hold);
+                }
+                Some(Outcome::Failed(reason)) => {
+                    let kind = hold.kind;
+                    self.fail_suspension(&key, hold, reason, &p, now);
+                    out.undone += 1;
+                    out.done.push(Completion {
+                        key,
+                        op: Op::Suspend,
+                        outcome: Outcome::Failed(reason),
+                        kind,
+                        at_ns: at,
+                    });
+                }
+                Some(outcome) => {
+                    let kind = hold.kind;
+                    self.held.insert(key.clone(), hold);
+                    out.done.push(Completion {
+                        key,
+                        op: Op::Suspend,
+                        outcome,
+                        kind,
+                        at_ns: at,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// A suspension failed: undo it (resume its members), drop the hold, and keep the
+    /// record entries only if the undo could not be confirmed.
+    fn fail_suspension(
+        &mut self,
+        key: &HoldKey,
+        hold: Hold,
+        reason: &'static str,
+        p: &[Progress],
+        now: u64,
+    ) {
+        for (t, pr) in hold.members.iter().zip(p) {
+            if let Progress::Failed(err) = pr {
+                metrics::counter!("coloc_actuation_errors_total", "actuator" => t.kind().as_str(), "op" => "suspend", "reason" => err.reason()).increment(1);
+                error!(target = %t, %err, "Suspension failed: undoing it (fail open)");
+            }
+        }
+        if reason == "timeout" {
+            metrics::counter!("coloc_actuation_errors_total", "actuator" => hold.kind.as_str(), "op" => "suspend", "reason" => "timeout").increment(1);
+            error!(hold = ?key, timeout = ?self.confirm_timeout, "Suspension not confirmed in time: undoing it (fail open)");
+        }
+        metrics::counter!("coloc_fail_open_total", "reason" => "actuation").increment(1);
+        self.pending.retain(|p| p.key != *key);
+        self.start_resume(key.clone(), hold.kind, hold.members, now);
+    }
+
+    /// Starts resuming `members`; a confirmed or gone resume leaves the record at once, a
+    /// pending one when it is confirmed, a failed one stays for the next start.
+    fn start_resume(
+        &mut self,
+        key: HoldKey,
+        kind: Kind,
+        members: Vec<Target>,
+        now: u64,
+    ) -> Option<Completion> {
+        let p = self.actuator.start(&members, Op::Resume, INLINE_BUDGET);
+        let at = self.clock.now_ns();
+        match members_progress(&p) {
+            None => {
+                self.pending.push(Pending {
+                    key,
+                    op: Op::Resume,
+                    kind,
+                    members: pending_members(&members, &p),
+                    all: members.clone(),
+                    deadline_ns: now + self.confirm_timeout.as_nanos() as u64,
+                });
+                None
+            }
+            Some(outcome) => {
+                self.resumed(&key, &members, &p, &outcome);
+                Some(Completion {
+                    key,
+                    op: Op::Resume,
+                    outcome,
+                    kind,
+                    at_ns: at,
+                })
+            }
+        }
+    }
+
+    fn resumed(&mut self, key: &HoldKey, members: &[Target], p: &[Progress], outcome: &Outcome) {
+        if let Outcome::Failed(_) = outcome {
+            for (t, pr) in members.iter().zip(p) {
+                if let Progress::Failed(err) = pr {
+                    metrics::counter!("coloc_actuation_errors_total", "actuator" => t.kind().as_str(), "op" => "resume", "reason" => err.reason()).increment(1);
+                    error!(target = %t, %err, "Resume failed; left in the record for the next start");
+                }
+            }
+            return;
+        }
+        debug!(hold = ?key, ?outcome, "Resumed");
+        self.forget(members);
+    }
+
+    /// Removes `members` from the record, except those a current hold still covers.
+    fn forget(&mut self, members: &[Target]) {
+        let still: BTreeSet<RecordEntry> = self
+            .held
+            .values()
+            .flat_map(|h| h.members.iter().map(Target::record))
+            .collect();
+        let gone: Vec<RecordEntry> = members
+            .iter()
+            .map(Target::record)
+            .filter(|e| !still.contains(e))
+            .collect();
+        if let Err(err) = self.record.remove(&gone) {
+            error!(error = %format!("{err:#}"), "Failed to update the suspension record");
+        }
+    }
+
+    /// Releases `holders`; holds left without holders are resumed. Returns the holds whose
+    /// resume started, by holder, and the operations that ended now.
+    pub fn resume(
+        &mut self,
+        holders: &[ProcKey],
+        now: u64,
+    ) -> (Vec<(ProcKey, HoldKey)>, Vec<Completion>) {
+        let mut started = Vec::new();
+        let mut released = Vec::new();
+        for holder in holders {
+            for (key, h) in self.held.iter_mut() {
+                if h.holders.remove(holder) && h.holders.is_empty() {
+                    started.push((*holder, key.clone()));
+                    released.push(key.clone());
+                }
+            }
+        }
+        let mut done = Vec::new();
+        for key in released {
+            if let Some(c) = self.release(key, now) {
+                done.push(c);
+            }
+        }
+        (started, done)
+    }
+
+    fn release(&mut self, key: HoldKey, now: u64) -> Option<Completion> {
+        let hold = self.held.remove(&key)?;
+        let mut out = None;
+        // A suspension still being confirmed is overtaken by the resume.
+        if self
+            .pending
+            .iter()
+            .any(|p| p.key == key && p.op == Op::Suspend)
+        {
+            self.pending
+                .retain(|p| !(p.key == key && p.op == Op::Suspend));
+            out = Some(Completion {
+                key: key.clone(),
+                op: Op::Suspend,
+                outcome: Outcome::Skipped,
+                kind: hold.kind,
+                at_ns: now,
+            });
+        }
+        let c = self.start_resume(key, hold.kind, hold.members, now);
+        c.or(out)
+    }
+
+    /// Checks pending operations without waiting; ends those past their deadline.
+    pub fn poll(&mut self, now: u64) -> Vec<Completion> {
+        if self.pending.is_empty() {
+            return Vec::new();
+        }
+        let mut done = Vec::new();
+        for mut p in std::mem::take(&mut self.pending) {
+            let progress = self.actuator.check(&p.members, p.op, Duration::ZERO);
+            let outcome = match members_progress(&progress) {
+                None if now >= p.deadline_ns => Some(Outcome::Failed("timeout")),
+                None => {
+                    p.members = pending_members(&p.members, &progress);
+                    self.pending.push(p);
+                    continue;
+                }
+                o => o,
+            };
+            let outcome = outcome.unwrap_or(Outcome::Done);
+            match (p.op, &outcome) {
+                (Op::Suspend, Outcome::Failed(reason)) => {
+                    if let Some(hold) = self.held.remove(&p.key) {
+                        self.fail_suspension(&p.key, hold, reason, &progress, now);
+                    }
+                }
+                (Op::Resume, Outcome::Failed(_)) => {
+                    metrics::counter!("coloc_actuation_errors_total", "actuator" => p.kind.as_str(), "op" => "resume", "reason" => "timeout").increment(1);
+                    error!(hold = ?p.key, "Resume not confirmed in time; left in the record for the next start");
+                }
+                (Op::Resume, _) => self.forget(&p.all),
+                (Op::Suspend, _) => {}
+            }
+            done.push(Completion {
+                key: p.key,
+                op: p.op,
+                outcome,
+                kind: p.kind,
+                at_ns: now,
+            });
+        }
+        done
+    }
+
+    /// Resumes every hold (fail-open, shutdown), waiting up to `--confirm-timeout` for the
+    /// confirmations. Returns how many holds were resumed.
+    pub fn release_all(&mut self, reason: &str, now: u64) -> usize {
+        let keys: Vec<HoldKey> = self.held.keys().cloned().collect();
+        if keys.is_empty() {
+            return 0;
+        }
+        info!(
+            reason,
+            count = keys.len(),
+            "Resuming all suspended offline work"
+        );
+        let holds: Vec<(HoldKey, Hold)> = keys
+            .into_iter()
+            .filter_map(|k| self.held.remove(&k).map(|h| (k, h)))
+            .collect();
+        self.pending.retain(|p| p.op == Op::Resume);
+        let n = holds.len();
+        let targets: Vec<Target> = holds
+            .iter()
+            .flat_map(|(_, h)| h.members.iter().cloned())
+            .collect();
+        let mut progress = self
+            .actuator
+            .start(&targets, Op::Resume, self.confirm_timeout)
+            .into_iter();
+        for (key, hold) in holds {
+            let p: Vec<Progress> = progress.by_ref().take(hold.members.len()).collect();
+            let outcome = members_progress(&p).unwrap_or(Outcome::Failed("timeout"));
+            self.resumed(&key, &hold.members, &p, &outcome);
+        }
+        let _ = now;
+        n
+    }
+}
+
+fn pending_members(members: &[Target], p: &[Progress]) -> Vec<Target> {
+    members
+        .iter()
+        .zip(p)
+        .filter(|(_, p)| matches!(p, Progress::Pending))
+        .map(|(t, _)| t.clone())
+        .collect()
+}

@@ -1,0 +1,484 @@
+//! The control loop: sample → classify → decide → act, every poll interval.
+//!
+//! ```text
+//!  edges::gpu ──samples──► table (pid → class, GPUs,      qos_core::Machine
+//!  (NVML)     ──list─────►  activity, plan)  ──inputs──►  tick(now, per GPU) ──► execute
+//!  edges::source ─class──►      ▲                              │        holds (record, then act)
+//!  edges::procfs ─/proc──►──────┘                              │        events (tracker → emit)
+//!                         health (per-GPU fail-open) ◄─ errors │        state (/state document)
+//!                         watchdog (hung calls, own thread)
+//! ```
+//!
+//! Rooms: [`table`] (the process table, PID reuse, exited PIDs), [`target`] (freezer or
+//! signal, whole cgroup or one process), [`holds`] (what is suspended, record before act,
+//! confirmations that never stall the loop), [`health`] (transient vs persistent NVML
+//! failures, the watchdog), [`events`] (typed events), [`state`] (the typed `/state`
+//! document and the handle shared with HTTP); [`execute`](self) turns a decision into holds and
+//! events; [`publish`](self) builds `/state` and the time accounting.
+//!
+//! Runs on its own OS thread so that its timing does not depend on the async runtime
+//! serving HTTP. Fails open: on a persistent NVML failure (per GPU), a hung NVML call, a
+//! record write error, shutdown, or a panic (via `Drop`).
+
+pub mod events;
+mod execute;
+pub mod health;
+pub mod holds;
+mod publish;
+pub mod state;
+pub mod table;
+pub mod target;
+
+#[cfg(test)]
+mod tests;
+
+use crate::edges::actuator::{Actuator, CgroupMounts, Kind};
+use crate::edges::clock::Clock;
+use crate::edges::gpu::GpuSampler;
+use crate::edges::procfs::{ProcFs, ProcKey};
+use crate::edges::record::RecordStore;
+use crate::edges::source::PodSource;
+use crate::telemetry::Telemetry;
+use events::{Event, FailOpen, Tracker};
+use health::{Health, Verdict, Watchdog};
+use holds::Holds;
+use qos_core::{Class, Machine};
+use state::Shared;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use table::{Classifier, Table};
+use target::Chooser;
+use tracing::{error, info, warn};
+
+/// Settings of the loop (validated by the CLI layer).
+#[derive(Debug, Clone)]
+pub struct LoopConfig {
+    /// Utilisation sampling period while offline work is present.
+    pub poll: Duration,
+    /// Sampling period while no offline process is on any managed GPU.
+    pub idle_poll: Duration,
+    /// Running-process list period.
+    pub process_interval: Duration,
+    /// State machine settings.
+    pub machine: qos_core::Config,
+    /// Preferred actuator.
+    pub actuator: Kind,
+    /// Decide and report, never act (the edges are then a dry-run actuator and an
+    /// in-memory record; this flag only labels reports).
+    pub dry_run: bool,
+    /// How long a suspend/resume may take to be confirmed.
+    pub confirm_timeout: Duration,
+    /// cgroup hierarchies.
+    pub cgroups: CgroupMounts,
+    /// JSON-lines log of every event, if set.
+    pub event_log: Option<PathBuf>,
+    /// Node name, for `/state`.
+    pub node: String,
+    /// Nice value of the control-loop thread (0: unchanged).
+    pub loop_nice: i32,
+    /// How long a GPU's NVML calls must keep failing before it fails open.
+    pub nvml_grace: Duration,
+    /// How long one NVML call may take before the watchdog fails open.
+    pub nvml_hang_timeout: Duration,
+}
+
+/// The loop's edges (real ones in `main`, fakes in tests).
+pub struct Edges {
+    /// NVML.
+    pub gpu: Box<dyn GpuSampler>,
+    /// `/proc`.
+    pub procfs: Arc<dyn ProcFs>,
+    /// Classification.
+    pub source: Arc<dyn PodSource>,
+    /// Time.
+    pub clock: Arc<dyn Clock>,
+    /// Freezer/signal (or dry run).
+    pub actuator: Box<dyn Actuator>,
+    /// The fail-open record.
+    pub record: Box<dyn RecordStore>,
+}
+
+impl std::fmt::Debug for Edges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Edges").finish_non_exhaustive()
+    }
+}
+
+/// The control loop.
+pub struct Loop {
+    cfg: LoopConfig,
+    gpu: Box<dyn GpuSampler>,
+    gpus: Vec<u32>,
+    clock: Arc<dyn Clock>,
+    classifier: Classifier,
+    table: Table,
+    machine: Machine<ProcKey>,
+    holds: Arc<Mutex<Holds>>,
+    health: Health,
+    watchdog: Arc<Watchdog>,
+    tracker: Tracker,
+    telemetry: Telemetry,
+    shared: Arc<Shared>,
+    /// Newest sample timestamp seen per GPU (µs, NVML's `lastSeenTimeStamp`).
+    last_seen_us: BTreeMap<u32, u64>,
+    /// Samples at or before this time are ignored (after a fail-open), per GPU.
+    blind_until: BTreeMap<u32, u64>,
+    next_refresh_ns: u64,
+    last_tick_ns: Option<u64>,
+    last_publish_ns: u64,
+}
+
+impl std::fmt::Debug for Loop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loop")
+            .field("gpus", &self.gpus)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loop {
+    /// Builds the loop. The record must already be cleared of leftovers.
+    pub fn new(cfg: LoopConfig, edges: Edges, shared: Arc<Shared>) -> anyhow::Result<Loop> {
+        let event_log = match &cfg.event_log {
+            Some(p) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .map_err(|e| anyhow::anyhow!("opening --event-log {}: {e}", p.display()))?,
+            ),
+            None => None,
+        };
+        let gpus = edges.gpu.gpus();
+        let chooser = Chooser {
+            preferred: cfg.actuator,
+            mounts: cfg.cgroups.clone(),
+            own: edges.procfs.self_cgroups(),
+        };
+        let holds = Holds::new(
+            edges.actuator,
+            edges.record,
+            edges.procfs.clone(),
+            edges.clock.clone(),
+            cfg.confirm_timeout,
+        );
+        Ok(Loop {
+            machine: Machine::new(cfg.machine),
+            health: Health::new(cfg.nvml_grace),
+            telemetry: Telemetry::new(&gpus, event_log),
+            classifier: Classifier {
+                procfs: edges.procfs,
+                source: edges.source,
+                chooser,
+            },
+            gpu: edges.gpu,
+            gpus,
+            clock: edges.clock,
+            table: Table::default(),
+            holds: Arc::new(Mutex::new(holds)),
+            watchdog: Arc::new(Watchdog::default()),
+            tracker: Tracker::default(),
+            shared,
+            last_seen_us: BTreeMap::new(),
+            blind_until: BTreeMap::new(),
+            next_refresh_ns: 0,
+            last_tick_ns: None,
+            last_publish_ns: 0,
+            cfg,
+        })
+    }
+
+    fn holds(&self) -> MutexGuard<'_, Holds> {
+        self.holds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs until `shared.stop` is set, then resumes everything. Starts the watchdog.
+    pub fn run(mut self) {
+        raise_priority(self.cfg.loop_nice);
+        let wd = self.watchdog.spawn(
+            self.cfg.nvml_hang_timeout,
+            self.holds.clone(),
+            self.shared.clone(),
+            self.clock.clone(),
+        );
+        if let Err(err) = &wd {
+            warn!(%err, "Cannot start the NVML watchdog thread: a hung NVML call will not fail open");
+        }
+        let mut next = Instant::now();
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            self.tick();
+            next += self.current_poll();
+            let now = Instant::now();
+            if next > now {
+                std::thread::sleep(next - now);
+            } else {
+                // Overran: don't try to catch up with a burst of ticks.
+                next = now;
+            }
+        }
+        info!("Stopping: resuming all offline work before exit");
+        self.release_everything("shutdown");
+    }
+
+    /// `--poll-interval` while any offline process is on a managed GPU (someone may need
+    /// preempting) or something is held; `--idle-poll-interval` otherwise.
+    fn current_poll(&self) -> Duration {
+        let offline_present = self
+            .table
+            .entries()
+            .any(|e| e.cls.class == Class::Offline && !e.gpus.is_empty());
+        if offline_present || !self.holds().is_empty() || !self.tracker.is_empty() {
+            self.cfg.poll
+        } else {
+            self.cfg.idle_poll.max(self.cfg.poll)
+        }
+    }
+
+    /// One iteration: sample, classify new processes, decide, act, publish.
+    pub fn tick(&mut self) {
+        let now = self.clock.now_ns();
+        let dt = self
+            .last_tick_ns
+            .map(|l| now.saturating_sub(l))
+            .unwrap_or(0);
+        if self.last_tick_ns.is_some() {
+            let lag = dt.saturating_sub(self.cfg.poll.as_nanos() as u64);
+            self.telemetry.lag.record(lag as f64 / 1e9);
+        }
+        self.last_tick_ns = Some(now);
+
+        self.watchdog.enter(now);
+        let failed = self.observe(now);
+        if self.watchdog.leave(&self.holds) {
+            self.after_watchdog(now);
+        }
+        self.judge(failed, now);
+
+        let managed: Vec<u32> = self
+            .gpus
+            .iter()
+            .copied()
+            .filter(|g| !self.health.degraded(*g))
+            .collect();
+        let inputs = self.inputs(&managed);
+        let decision = self.machine.tick(now, &inputs);
+        if !decision.is_empty() {
+            self.execute(decision, now);
+        }
+        let done = self.holds().poll(now);
+        if !done.is_empty() {
+            for ev in self.tracker.complete(&done) {
+                self.telemetry.emit(ev);
+            }
+        }
+        let holds = self.holds.clone();
+        let machine = &self.machine;
+        self.table.purge(|k| {
+            machine.suspended().contains_key(k)
+                || holds.lock().unwrap_or_else(|e| e.into_inner()).holds(k)
+        });
+        self.account(dt, &inputs);
+        self.shared.mark_tick(now);
+        if now.saturating_sub(self.last_publish_ns) >= 100_000_000 {
+            self.last_publish_ns = now;
+            self.publish(now);
+        }
+    }
+
+    /// Reads samples (and, when due, the process lists) of every GPU. Returns the GPUs
+    /// whose calls failed this tick, with the reason.
+    fn observe(&mut self, now: u64) -> BTreeMap<u32, String> {
+        let mut failed = BTreeMap::new();
+        let mut unknown: Vec<(u32, u32, u64)> = Vec::new();
+        for gpu in self.gpus.clone() {
+            let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
+            match self.gpu.samples(gpu, since) {
+                Ok(samples) => {
+                    if self.health.degraded(gpu) {
+                        // Answers again after failing open: what the driver buffered
+                        // meanwhile is history, not the start of a busy period.
+                        self.blind_until.insert(gpu, now);
+                    }
+                    let blind = self.blind_until.get(&gpu).copied().unwrap_or(0);
+                    for a in samples {
+                        let seen = self.last_seen_us.entry(gpu).or_insert(0);
+                        *seen = (*seen).max(a.at_ns / 1000);
+                        if a.at_ns <= blind {
+                            continue;
+                        }
+                        if !self.table.note_sample(gpu, a.pid, a.at_ns) {
+                            unknown.push((gpu, a.pid, a.at_ns));
+                        }
+                    }
+                }
+                Err(err) => {
+                    metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
+                    failed.insert(gpu, err.to_string());
+                }
+            }
+        }
+        let generation = self.classifier.source.generation();
+        if !unknown.is_empty() || now >= self.next_refresh_ns || self.table.stale(generation) {
+            self.next_refresh_ns = now + self.cfg.process_interval.as_nanos() as u64;
+            let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+            let mut list_failed = BTreeSet::new();
+            for gpu in self.gpus.clone() {
+                match self.gpu.processes(gpu) {
+                    Ok(pids) => {
+                        for pid in pids {
+                            listed.entry(pid).or_default().insert(gpu);
+                        }
+                    }
+                    Err(err) => {
+                        metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
+                        list_failed.insert(gpu);
+                        failed.entry(gpu).or_insert_with(|| err.to_string());
+                    }
+                }
+            }
+            self.table
+                .refresh(&listed, &list_failed, generation, now, &self.classifier);
+            for (gpu, pid, at) in unknown {
+                self.table.note_sample(gpu, pid, at);
+            }
+        }
+        failed
+    }
+
+    /// Applies the health policy to this tick's failures.
+    fn judge(&mut self, failed: BTreeMap<u32, String>, now: u64) {
+        for gpu in self.gpus.clone() {
+            let verdict = match failed.get(&gpu) {
+                None => self.health.ok(gpu),
+                Some(err) => self.health.failed(gpu, now, err.clone()),
+            };
+            match verdict {
+                Verdict::Healthy | Verdict::StillDegraded => {}
+                Verdict::Transient => {
+                    warn!(gpu, error = %failed[&gpu], "NVML call failed; keeping this GPU's decisions until the failure persists");
+                }
+                Verdict::FailOpen => {
+                    error!(gpu, error = %failed[&gpu], grace = ?self.cfg.nvml_grace, "NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed");
+                    metrics::counter!("coloc_fail_open_total", "reason" => "nvml").increment(1);
+                    let resumed = self.suspended_on(gpu);
+                    self.telemetry.emit(Event::FailOpen(FailOpen {
+                        at_ns: now,
+                        reason: "nvml".into(),
+                        gpu: Some(gpu),
+                        resumed,
+                    }));
+                    self.table.clear_activity(Some(gpu));
+                }
+                Verdict::Recovered => {
+                    info!(gpu, "NVML answers again for this GPU: managing it again");
+                }
+            }
+            if let Some(m) = self.telemetry.gpus.get(&gpu) {
+                m.degraded
+                    .set(if self.health.degraded(gpu) { 1.0 } else { 0.0 });
+            }
+        }
+        let why = self.health.describe();
+        if self.shared.set_degraded(why.clone()) && why.is_none() {
+            info!("NVML answers again on every GPU: resuming normal operation");
+        }
+    }
+
+    /// The watchdog resumed everything while the loop was stuck in NVML: forget the
+    /// decisions and the samples from before, and report when the call came back.
+    fn after_watchdog(&mut self, now: u64) {
+        self.machine.release_all();
+        self.table.clear_activity(None);
+        for g in &self.gpus {
+            self.blind_until.insert(*g, now);
+        }
+        self.telemetry.emit(Event::FailOpen(FailOpen {
+            at_ns: now,
+            reason: "nvml_hung".into(),
+            gpu: None,
+            resumed: 0,
+        }));
+        self.shared.set_degraded(self.health.describe());
+        info!("The hung NVML call returned: managing offline work again");
+    }
+
+    fn suspended_on(&self, gpu: u32) -> usize {
+        self.table
+            .entries()
+            .filter(|e| e.gpus.contains(&gpu) && self.machine.suspended().contains_key(&e.key))
+            .count()
+    }
+
+    fn inputs(&self, managed: &[u32]) -> Vec<qos_core::GpuInput<ProcKey>> {
+        let mut by_gpu: BTreeMap<u32, Vec<qos_core::ProcessObs<ProcKey>>> =
+            managed.iter().map(|g| (*g, Vec::new())).collect();
+        for e in self.table.entries() {
+            for g in &e.gpus {
+                if let Some(v) = by_gpu.get_mut(g) {
+                    v.push(qos_core::ProcessObs {
+                        key: e.key,
+                        class: e.cls.class,
+                        last_active: e.last_active.get(g).copied(),
+                        share: e.cls.share,
+                    });
+                }
+            }
+        }
+        by_gpu
+            .into_iter()
+            .map(|(gpu, procs)| qos_core::GpuInput { gpu, procs })
+            .collect()
+    }
+
+    /// Resumes every held target and forgets all suspensions (shutdown, panic).
+    pub fn release_everything(&mut self, reason: &'static str) {
+        self.machine.release_all();
+        let now = self.clock.now_ns();
+        let n = self.holds().release_all(reason, now);
+        if n > 0 && reason != "shutdown" {
+            metrics::counter!("coloc_fail_open_total", "reason" => reason).increment(1);
+            self.telemetry.emit(Event::FailOpen(FailOpen {
+                at_ns: now,
+                reason: reason.into(),
+                gpu: None,
+                resumed: n,
+            }));
+        }
+    }
+
+    /// The handle shared with the HTTP server.
+    pub fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        // Reached on normal exit (already empty) and on a panic unwinding the loop.
+        if !self.holds().is_empty() {
+            error!("Control loop ending with offline work suspended: resuming it");
+            self.release_everything("panic");
+        }
+    }
+}
+
+/// Gives the control-loop thread a higher CPU priority (a negative nice value), so that
+/// offline processes competing for CPU (those just resumed, above all) do not delay
+/// decisions and confirmations. Needs CAP_SYS_NICE (root has it); without it the loop runs
+/// at normal priority and says so. On Linux, setpriority on a thread ID affects that
+/// thread only.
+fn raise_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    match rustix::process::setpriority_process(Some(tid), nice) {
+        Ok(()) => info!(nice, "Control loop runs at raised CPU priority"),
+        Err(error) => {
+            warn!(nice, %error, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); running at normal priority")
+        }
+    }
+}

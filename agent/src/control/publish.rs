@@ -1,0 +1,103 @@
+//! What the loop shows: the `/state` document and the per-GPU time accounting.
+
+use super::state::{GpuDoc, ProcDoc, StateDoc};
+use super::Loop;
+use crate::edges::procfs::ProcKey;
+use qos_core::stats::Summary;
+use qos_core::{Class, GpuInput, GpuState};
+
+impl Loop {
+    pub(super) fn account(&mut self, dt_ns: u64, inputs: &[GpuInput<ProcKey>]) {
+        let dts = dt_ns as f64 / 1e9;
+        let mut secs = self
+            .shared
+            .gpu_seconds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for input in inputs {
+            let Some(m) = self.telemetry.gpus.get(&input.gpu) else {
+                continue;
+            };
+            let busy = matches!(self.machine.state(input.gpu), GpuState::OnlineBusy { .. });
+            m.busy.set(if busy { 1.0 } else { 0.0 });
+            let offline: Vec<_> = input
+                .procs
+                .iter()
+                .filter(|p| p.class == Class::Offline)
+                .collect();
+            let suspended = offline
+                .iter()
+                .filter(|p| self.machine.suspended().contains_key(&p.key))
+                .count();
+            m.suspended.set(suspended as f64);
+            let acc = secs.entry(input.gpu).or_default();
+            if suspended > 0 {
+                acc.suspended += dts;
+            }
+            if !busy && offline.len() > suspended {
+                acc.reclaimed += dts;
+            }
+        }
+    }
+
+    pub(super) fn publish(&mut self, now: u64) {
+        let ms_ago = |t: u64| now.saturating_sub(t) as f64 / 1e6;
+        let gpus = self
+            .gpus
+            .iter()
+            .map(|&g| {
+                let state = self.machine.state(g);
+                let (since, last_online) = match state {
+                    GpuState::OnlineBusy { since, last_online } => (Some(since), Some(last_online)),
+                    GpuState::OfflineRunning => (None, None),
+                };
+                let mut processes: Vec<ProcDoc> = self
+                    .table
+                    .entries()
+                    .filter(|e| e.gpus.contains(&g))
+                    .map(|e| ProcDoc {
+                        pid: e.key.pid,
+                        class: e.cls.class,
+                        owner: e.cls.owner.clone(),
+                        cmd: e.cmd.clone(),
+                        suspended: self.machine.suspended().contains_key(&e.key),
+                        actuator: e.plan.as_ref().map(|p| p.kind()),
+                        last_active_ms_ago: e.last_active.get(&g).map(|t| ms_ago(*t)),
+                    })
+                    .collect();
+                processes.sort_by_key(|p| p.pid);
+                let h = self.telemetry.history.get(&g);
+                GpuDoc {
+                    index: g,
+                    uuid: self.gpu.uuid(g),
+                    state: state.as_str().into(),
+                    since,
+                    last_online,
+                    degraded: self.health.degraded(g),
+                    processes,
+                    last_preemption_ms_ago: h.and_then(|h| h.last_preempt_ns).map(ms_ago),
+                    preemption_ms: h
+                        .map(|h| Summary::of(h.preemption_ms.iter().copied()))
+                        .unwrap_or_default(),
+                    release_ms: h
+                        .map(|h| Summary::of(h.release_ms.iter().copied()))
+                        .unwrap_or_default(),
+                }
+            })
+            .collect();
+        let degraded_reason = self.shared.degraded();
+        let doc = StateDoc {
+            node: self.cfg.node.clone(),
+            actuator: Some(self.cfg.actuator),
+            dry_run: self.cfg.dry_run,
+            idle_window_ms: self.cfg.machine.idle_window as f64 / 1e6,
+            degraded: degraded_reason.is_some(),
+            degraded_reason,
+            suspended_targets: self.holds().len(),
+            updated_ns: now,
+            gpus,
+            recent_events: self.telemetry.recent.iter().cloned().collect(),
+        };
+        *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
+    }
+}

@@ -1,0 +1,245 @@
+//! The process table: every GPU process the driver lists, who it is (PID + start time, so
+//! a reused PID is a new process), its class, the GPUs it is on, its latest activity per
+//! GPU, and how it would be suspended.
+//!
+//! A PID the driver lists but `/proc` does not show is treated as exited: never online
+//! demand, never touched, its samples ignored. The agent runs in the host PID namespace,
+//! where that is what it means; if such PIDs stay listed for over
+//! [`INVISIBLE_WARN_AFTER_NS`], the agent is probably not in the host PID namespace, and
+//! says so once.
+
+use crate::control::target::{Chooser, Plan};
+use crate::edges::procfs::{ProcFs, ProcKey};
+use crate::edges::source::{Classified, PodSource};
+use qos_core::Class;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use tracing::{info, warn};
+
+/// How long a listed PID may stay invisible in `/proc` before the agent warns that it is
+/// probably not in the host PID namespace.
+pub const INVISIBLE_WARN_AFTER_NS: u64 = 1_000_000_000;
+
+/// One GPU process.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Identity.
+    pub key: ProcKey,
+    /// Class and owner.
+    pub cls: Classified,
+    /// Command line (truncated).
+    pub cmd: String,
+    /// GPUs it has a context on.
+    pub gpus: BTreeSet<u32>,
+    /// Latest activity per GPU (sample timestamp, ns).
+    pub last_active: BTreeMap<u32, u64>,
+    /// How it is suspended (offline processes only).
+    pub plan: Option<Plan>,
+    /// The pod source's generation when it was classified.
+    pub generation: u64,
+}
+
+/// What classification needs.
+#[derive(Clone)]
+pub struct Classifier {
+    /// `/proc`.
+    pub procfs: Arc<dyn ProcFs>,
+    /// The pod source.
+    pub source: Arc<dyn PodSource>,
+    /// Target choice.
+    pub chooser: Chooser,
+}
+
+impl std::fmt::Debug for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Classifier")
+            .field("chooser", &self.chooser)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The table.
+#[derive(Debug, Default)]
+pub struct Table {
+    procs: HashMap<u32, Entry>,
+    /// Listed PIDs not visible in `/proc`, with when that was first seen.
+    invisible: HashMap<u32, u64>,
+    warned: BTreeSet<String>,
+}
+
+impl Table {
+    /// Records a sample; returns `false` when the PID is unknown on that GPU (the caller
+    /// re-reads the process list).
+    pub fn note_sample(&mut self, gpu: u32, pid: u32, at: u64) -> bool {
+        match self.procs.get_mut(&pid) {
+            Some(e) if e.gpus.contains(&gpu) => {
+                let t = e.last_active.entry(gpu).or_insert(0);
+                *t = (*t).max(at);
+                true
+            }
+            // An exited process's samples count for nothing.
+            _ => self.invisible.contains_key(&pid),
+        }
+    }
+
+    /// Whether an entry was classified under an older pod-source generation.
+    pub fn stale(&self, generation: u64) -> bool {
+        self.procs.values().any(|e| e.generation != generation)
+    }
+
+    /// The entry of `key` (same PID and start time).
+    pub fn entry(&self, key: &ProcKey) -> Option<&Entry> {
+        self.procs.get(&key.pid).filter(|e| e.key == *key)
+    }
+
+    /// All entries.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.procs.values()
+    }
+
+    /// Forgets activity seen so far (on `gpu`, or everywhere): after a fail-open, old
+    /// samples must not start the next busy period.
+    pub fn clear_activity(&mut self, gpu: Option<u32>) {
+        for e in self.procs.values_mut() {
+            match gpu {
+                Some(g) => {
+                    e.last_active.remove(&g);
+                }
+                None => e.last_active.clear(),
+            }
+        }
+    }
+
+    /// Drops entries no longer on any GPU, unless `keep` says otherwise.
+    pub fn purge(&mut self, keep: impl Fn(&ProcKey) -> bool) {
+        self.procs.retain(|_, e| !e.gpus.is_empty() || keep(&e.key));
+    }
+
+    /// Applies a fresh process listing. `listed`: PID → GPUs, from the GPUs whose listing
+    /// succeeded; `failed`: GPUs whose listing failed (membership there is kept as it was).
+    pub fn refresh(
+        &mut self,
+        listed: &BTreeMap<u32, BTreeSet<u32>>,
+        failed: &BTreeSet<u32>,
+        generation: u64,
+        now: u64,
+        c: &Classifier,
+    ) {
+        for (pid, gpus) in listed {
+            let reused = match (self.procs.get(pid), c.procfs.read_stat(*pid)) {
+                (Some(e), Ok(s)) => s.start != e.key.start,
+                (Some(_), Err(_)) => true,
+                (None, _) => true,
+            };
+            let reclassify = self
+                .procs
+                .get(pid)
+                .is_some_and(|e| e.generation != generation);
+            if reused || reclassify {
+                // What is held suspended lives in the holds with its target, so replacing
+                // the entry loses nothing: the machine resumes the old key next tick.
+                let old = self.procs.remove(pid);
+                match self.classify(*pid, generation, now, c) {
+                    Some(entry) => {
+                        if old.is_some() && reused {
+                            info!(pid, "GPU process replaced by another with the same PID");
+                        }
+                        self.procs.insert(*pid, entry);
+                    }
+                    None => continue,
+                }
+            }
+            if let Some(e) = self.procs.get_mut(pid) {
+                let keep: BTreeSet<u32> = e.gpus.intersection(failed).copied().collect();
+                e.gpus = gpus.union(&keep).copied().collect();
+                let on = e.gpus.clone();
+                e.last_active.retain(|g, _| on.contains(g));
+            }
+        }
+        for (pid, e) in self.procs.iter_mut() {
+            if !listed.contains_key(pid) {
+                e.gpus.retain(|g| failed.contains(g));
+            }
+        }
+        self.invisible.retain(|pid, since| {
+            listed.contains_key(pid) || now.saturating_sub(*since) < 10 * INVISIBLE_WARN_AFTER_NS
+        });
+        let long: Vec<u32> = self
+            .invisible
+            .iter()
+            .filter(|(pid, since)| {
+                listed.contains_key(pid) && now.saturating_sub(**since) >= INVISIBLE_WARN_AFTER_NS
+            })
+            .map(|(pid, _)| *pid)
+            .collect();
+        metrics::gauge!("coloc_invisible_gpu_processes").set(long.len() as f64);
+        if !long.is_empty() && self.warned.insert("pid-namespace".into()) {
+            warn!(pids = ?long, "GPU processes listed by the driver have not been visible in /proc for over 1 s: is the agent in the host PID namespace (hostPID: true)? They are ignored");
+        }
+    }
+
+    /// Classifies `pid`; `None` when it is not visible in `/proc` (exited).
+    fn classify(&mut self, pid: u32, generation: u64, now: u64, c: &Classifier) -> Option<Entry> {
+        let info = match c.procfs.read_proc(pid) {
+            Ok(i) => i,
+            Err(err) => {
+                self.invisible.entry(pid).or_insert(now);
+                tracing::debug!(pid, %err, "GPU process not in /proc (exited): ignored");
+                return None;
+            }
+        };
+        self.invisible.remove(&pid);
+        let mut cls = c.source.classify(&info);
+        let mut plan = None;
+        if cls.class.is_suspendable() {
+            match c.procfs.open_pidfd(info.key) {
+                Ok(fd) => {
+                    let (p, why) = c.chooser.choose(&info, &cls, Arc::new(fd));
+                    if let Some(why) = why {
+                        if self.warned.insert(format!("fallback:{}", cls.owner)) {
+                            warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
+                        }
+                    }
+                    plan = Some(p);
+                }
+                Err(err) => {
+                    // Without a pidfd we cannot be sure whom we would signal: leave it be.
+                    warn!(pid, %err, "Cannot pin offline process (pidfd): never suspended");
+                    cls.class = Class::Unmanaged;
+                }
+            }
+        }
+        info!(
+            pid,
+            class = %cls.class,
+            owner = %cls.owner,
+            actuator = plan.as_ref().map(|p| p.kind().as_str()).unwrap_or("-"),
+            cmd = %truncate(&info.cmdline, 120),
+            "Classified GPU process"
+        );
+        if cls.class == Class::Unmanaged {
+            metrics::counter!("coloc_unmanaged_processes_total").increment(1);
+        }
+        Some(Entry {
+            key: info.key,
+            cls,
+            cmd: truncate(&info.cmdline, 200),
+            gpus: BTreeSet::new(),
+            last_active: BTreeMap::new(),
+            plan,
+            generation,
+        })
+    }
+}
+
+/// `s` cut to at most `n` bytes on a character boundary, with an ellipsis when cut.
+pub fn truncate(s: &str, n: usize) -> String {
+    if s.len() <= n {
+        return s.to_string();
+    }
+    let mut end = n;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}

@@ -1,0 +1,231 @@
+//! Target choice: how an offline process will be suspended.
+//!
+//! - A cgroup the pod source declared offline as a whole (a pod's container, a rule's
+//!   `cgroup` matcher) is frozen with the freezer when it is preferred and available, or
+//!   else every process in it is stopped with signals — its CPU-only children too.
+//! - A process known to be offline only by itself (exe, cmdline, uid rules) is stopped
+//!   alone, with a signal through its pidfd.
+//! - A cgroup that contains the agent itself is never frozen or signalled as a whole.
+
+use crate::edges::actuator::{CgroupMounts, Kind, Target};
+use crate::edges::procfs::{Cgroups, ProcInfo, ProcKey};
+use crate::edges::source::Classified;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// How one offline process is suspended.
+#[derive(Debug, Clone)]
+pub enum Plan {
+    /// Freeze its cgroup (a [`Target::Cgroup`]).
+    Freeze(Target),
+    /// Stop the process alone (a [`Target::Process`]).
+    Signal(Target),
+    /// Stop every process of its cgroup, listed when the suspension starts.
+    SignalCgroup {
+        /// The cgroup directory (its `cgroup.procs` is read at suspension).
+        dir: PathBuf,
+        /// The GPU process itself.
+        leader: Target,
+    },
+}
+
+/// What a suspension is held on: two offline processes in one frozen cgroup share one.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum HoldKey {
+    /// A frozen cgroup.
+    Cgroup(PathBuf),
+    /// A stopped process.
+    Process(ProcKey),
+    /// Every process of a cgroup, stopped with signals.
+    Group(PathBuf),
+}
+
+impl Plan {
+    /// The hold this plan suspends.
+    pub fn hold_key(&self) -> HoldKey {
+        match self {
+            Plan::Freeze(Target::Cgroup { dir, .. }) => HoldKey::Cgroup(dir.clone()),
+            Plan::Freeze(Target::Process { key, .. })
+            | Plan::Signal(Target::Process { key, .. }) => HoldKey::Process(*key),
+            Plan::Signal(Target::Cgroup { dir, .. }) => HoldKey::Cgroup(dir.clone()),
+            Plan::SignalCgroup { dir, .. } => HoldKey::Group(dir.clone()),
+        }
+    }
+
+    /// The actuator this plan uses.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Plan::Freeze(t) | Plan::Signal(t) => t.kind(),
+            Plan::SignalCgroup { .. } => Kind::Signal,
+        }
+    }
+}
+
+/// Chooses plans.
+#[derive(Debug, Clone)]
+pub struct Chooser {
+    /// `--actuator`.
+    pub preferred: Kind,
+    /// The host's cgroup mounts.
+    pub mounts: CgroupMounts,
+    /// The agent's own cgroups.
+    pub own: Cgroups,
+}
+
+impl Chooser {
+    /// The plan for an offline process, and why the preferred actuator is not used when it
+    /// is not (for a one-time warning).
+    pub fn choose(
+        &self,
+        info: &ProcInfo,
+        cls: &Classified,
+        pidfd: Arc<OwnedFd>,
+    ) -> (Plan, Option<String>) {
+        let alone = Plan::Signal(Target::Process {
+            key: info.key,
+            pidfd,
+        });
+        let Some(path) = &cls.freeze_cgroup else {
+            let why = (self.preferred == Kind::Freezer)
+                .then(|| "its rule does not declare a whole cgroup offline".to_string());
+            return (alone, why);
+        };
+        if self.contains_agent(path) {
+            return (
+                alone,
+                Some(format!("cgroup {path} contains the agent itself")),
+            );
+        }
+        let v2 = info.cgroups.v2.as_deref().filter(|p| p == path);
+        let v1 = info
+            .cgroups
+            .v1
+            .get("freezer")
+            .map(String::as_str)
+            .filter(|p| p == path);
+        let Some((dir, version)) = self.mounts.dir_for(v2, v1) else {
+            let why = (self.preferred == Kind::Freezer)
+                .then(|| format!("no freezer for cgroup {path} under the cgroup root"));
+            return (alone, why);
+        };
+        match self.preferred {
+            Kind::Freezer => (Plan::Freeze(Target::Cgroup { dir, version }), None),
+            Kind::Signal => (
+                Plan::SignalCgroup {
+                    dir,
+                    leader: alone_target(alone),
+                },
+                None,
+            ),
+        }
+    }
+
+    fn contains_agent(&self, path: &str) -> bool {
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        let inside = |own: Option<&str>| own.is_some_and(|o| o == path || o.starts_with(&prefix));
+        inside(self.own.v2.as_deref()) || inside(self.own.v1.get("freezer").map(String::as_str))
+    }
+}
+
+fn alone_target(p: Plan) -> Target {
+    match p {
+        Plan::Signal(t) | Plan::Freeze(t) => t,
+        Plan::SignalCgroup { leader, .. } => leader,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qos_core::{Class, Share};
+
+    fn fd() -> Arc<OwnedFd> {
+        Arc::new(std::fs::File::open("/dev/null").unwrap().into())
+    }
+
+    fn setup(own: &str) -> (Chooser, ProcInfo, Classified, PathBuf) {
+        let root =
+            std::env::temp_dir().join(format!("coloc-target-{}-{}", own.len(), std::process::id()));
+        let dir = root.join("batch/job");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+        let chooser = Chooser {
+            preferred: Kind::Freezer,
+            mounts: CgroupMounts {
+                v2: Some(root),
+                v1_freezer: None,
+            },
+            own: Cgroups::parse(own),
+        };
+        let info = ProcInfo {
+            key: ProcKey { pid: 10, start: 1 },
+            uid: 0,
+            exe: None,
+            cmdline: "train".into(),
+            cgroups: Cgroups::parse("0::/batch/job\n"),
+        };
+        let cls = Classified {
+            class: Class::Offline,
+            share: Share::Burst,
+            owner: "rule:off".into(),
+            freeze_cgroup: Some("/batch/job".into()),
+        };
+        (chooser, info, cls, dir)
+    }
+
+    #[test]
+    fn a_declared_cgroup_is_frozen_or_signalled_whole() {
+        let (mut c, info, cls, dir) = setup("0::/system.slice/agent.service\n");
+        let (plan, why) = c.choose(&info, &cls, fd());
+        assert!(
+            matches!(&plan, Plan::Freeze(Target::Cgroup { dir: d, .. }) if *d == dir),
+            "{plan:?}"
+        );
+        assert_eq!(why, None);
+        c.preferred = Kind::Signal;
+        let (plan, _) = c.choose(&info, &cls, fd());
+        assert!(
+            matches!(&plan, Plan::SignalCgroup { dir: d, .. } if *d == dir),
+            "{plan:?}"
+        );
+        // Only the process is known offline: it is stopped alone.
+        let (plan, why) = c.choose(
+            &info,
+            &Classified {
+                freeze_cgroup: None,
+                ..cls
+            },
+            fd(),
+        );
+        assert!(matches!(plan, Plan::Signal(_)), "{plan:?}");
+        assert_eq!(why, None, "signal was asked for: nothing to warn about");
+    }
+
+    /// The guard: the agent never freezes (nor stops as a whole) a cgroup it lives in.
+    #[test]
+    fn a_cgroup_containing_the_agent_is_never_frozen() {
+        for own in [
+            "0::/batch/job\n",
+            "0::/batch/job/agent\n",
+            "7:freezer:/batch/job\n0::/\n",
+        ] {
+            let (mut c, info, cls, _) = setup(own);
+            let (plan, why) = c.choose(&info, &cls, fd());
+            assert!(
+                matches!(plan, Plan::Signal(Target::Process { .. })),
+                "{own}: {plan:?}"
+            );
+            assert!(why.unwrap().contains("contains the agent"));
+            c.preferred = Kind::Signal;
+            let (plan, _) = c.choose(&info, &cls, fd());
+            assert!(
+                matches!(plan, Plan::Signal(Target::Process { .. })),
+                "{own}: {plan:?}"
+            );
+        }
+        // A sibling whose name merely starts the same is not "inside".
+        let (c, info, cls, _) = setup("0::/batch/job2\n");
+        assert!(matches!(c.choose(&info, &cls, fd()).0, Plan::Freeze(_)));
+    }
+}

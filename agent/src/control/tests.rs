@@ -1,0 +1,569 @@
+//! The loop's promises, tested through the fakes of every edge: no root, no GPU, no real
+//! process is touched, and time is a fake clock the test moves.
+
+use super::events::Event;
+use super::state::Shared;
+use super::{Edges, Loop, LoopConfig};
+use crate::cli::{Cli, Command};
+use crate::edges::actuator::{Kind, Op, RecordEntry};
+use crate::edges::clock::Clock;
+use crate::edges::fake::*;
+use crate::edges::source::Classified;
+use clap::Parser;
+use qos_core::{Class, Share};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_000_000 * 1_000_000_000;
+
+/// The configuration a user gets from `coloc-agent run --actuator signal`.
+fn default_config() -> LoopConfig {
+    let cli = Cli::try_parse_from(["coloc-agent", "run", "--actuator", "signal"]).unwrap();
+    let Command::Run(args) = cli.cmd else {
+        unreachable!()
+    };
+    args.loop_config().unwrap()
+}
+
+struct H {
+    lp: Loop,
+    clock: FakeClock,
+    gpu: FakeGpu,
+    procs: FakeProc,
+    source: FakeSource,
+    act: FakeActuator,
+    rec: FakeRecord,
+}
+
+fn harness(gpus: u32) -> H {
+    harness_with(gpus, default_config())
+}
+
+fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
+    let clock = FakeClock::default();
+    clock.set(T0);
+    let gpu = FakeGpu::new(gpus);
+    let procs = FakeProc::default();
+    let source = FakeSource::default();
+    let rec = FakeRecord::default();
+    let act = FakeActuator {
+        disk: rec.disk.clone(),
+        clock: Some(clock.clone()),
+        act_ns: MS / 2,
+        ..Default::default()
+    };
+    let edges = Edges {
+        gpu: Box::new(gpu.clone()),
+        procfs: Arc::new(procs.clone()),
+        source: Arc::new(source.clone()),
+        clock: Arc::new(clock.clone()),
+        actuator: Box::new(act.clone()),
+        record: Box::new(rec.clone()),
+    };
+    let lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
+    H {
+        lp,
+        clock,
+        gpu,
+        procs,
+        source,
+        act,
+        rec,
+    }
+}
+
+fn class(c: Class, cgroup: Option<&str>) -> Classified {
+    Classified {
+        class: c,
+        share: Share::Burst,
+        owner: format!("test:{c}"),
+        freeze_cgroup: cgroup.map(String::from),
+    }
+}
+
+impl H {
+    fn spawn(&self, gpu: u32, pid: u32, c: Classified) {
+        self.procs.add(pid, 100 + pid as u64, "work", "/w");
+        self.gpu.add(gpu, pid);
+        self.source.set(pid, c);
+    }
+    fn now(&self) -> u64 {
+        self.clock.0.load(Ordering::SeqCst)
+    }
+    /// One tick, then 1 ms passes.
+    fn tick(&mut self) {
+        self.lp.tick();
+        self.clock.advance(MS);
+    }
+    fn ticks(&mut self, n: usize) {
+        for _ in 0..n {
+            self.tick();
+        }
+    }
+    /// Online `pid` on `gpu` is active now (a sample stamped now).
+    fn active(&self, gpu: u32, pid: u32) {
+        self.gpu.sample(gpu, pid, self.now());
+    }
+    fn suspended(&self, pid: u32) -> bool {
+        self.lp.machine.suspended().keys().any(|k| k.pid == pid)
+            && self.lp.holds().holds(&self.key(pid))
+    }
+    fn key(&self, pid: u32) -> crate::edges::procfs::ProcKey {
+        self.procs.read_proc_key(pid)
+    }
+    fn suspends_of(&self, pid: u32) -> usize {
+        self.act
+            .calls()
+            .iter()
+            .filter(|c| {
+                c.op == Op::Suspend
+                    && c.targets
+                        .iter()
+                        .any(|t| matches!(t, RecordEntry::Process { pid: p, .. } if *p == pid))
+            })
+            .count()
+    }
+    fn events(&self) -> Vec<Event> {
+        self.lp.telemetry.recent.iter().cloned().collect()
+    }
+}
+
+impl FakeProc {
+    fn read_proc_key(&self, pid: u32) -> crate::edges::procfs::ProcKey {
+        self.procs.lock().unwrap()[&pid].key
+    }
+}
+
+/// Online work on a GPU suspends its offline work; the idle window (100 ms by default)
+/// releases it exactly at its end, not a tick before.
+#[test]
+fn preempts_and_releases_at_the_end_of_the_idle_window() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(5);
+    assert!(!h.suspended(10), "offline runs while online is idle");
+    let last = h.now();
+    h.active(0, 20);
+    h.tick();
+    assert!(h.suspended(10), "online activity suspends offline at once");
+    // No more online activity: still suspended at last + 99 ms ...
+    while h.now() < last + 99 * MS {
+        h.tick();
+        assert!(
+            h.suspended(10),
+            "released {} ms after online's last activity",
+            (h.now() - last) / MS
+        );
+    }
+    h.clock.set(last + 100 * MS);
+    h.tick();
+    assert!(
+        !h.suspended(10),
+        "not released at the end of the 100 ms window"
+    );
+    let ev = h.events();
+    let Some(Event::Preempt(p)) = ev.iter().find(|e| matches!(e, Event::Preempt(_))) else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(p.actuator, Some(Kind::Signal));
+    assert_eq!(
+        p.preemption_s,
+        Some(0.0005),
+        "actuation time of the fake: 0.5 ms"
+    );
+    let Some(Event::Release(r)) = ev.iter().find(|e| matches!(e, Event::Release(_))) else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(r.window_end_ns, last + 100 * MS);
+    assert!(r.release_s.is_some());
+}
+
+/// Record before act: every suspension's targets are on disk when the actuator starts.
+#[test]
+fn a_suspension_happens_only_after_the_record_holds_it_on_disk() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 11, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(2);
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    let suspends: Vec<_> = calls.iter().filter(|c| c.op == Op::Suspend).collect();
+    assert_eq!(suspends.len(), 1, "{calls:?}");
+    assert_eq!(suspends[0].targets.len(), 2);
+    assert!(
+        suspends[0].unrecorded.is_empty(),
+        "suspended before recorded: {:?}",
+        suspends[0].unrecorded
+    );
+    // After the release, the record is empty again.
+    h.ticks(120);
+    assert!(h.rec.disk.lock().unwrap().is_empty());
+}
+
+/// An unwritable record means no suspension at all (and nothing stays in memory).
+#[test]
+fn nothing_is_suspended_that_is_not_on_disk() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.rec.broken.store(true, Ordering::SeqCst);
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(
+        h.suspends_of(10),
+        0,
+        "suspended although the record could not be written"
+    );
+    assert!(h.lp.holds().is_empty());
+    let ev = h.events();
+    assert!(
+        matches!(&ev[..], [Event::Preempt(p)] if p.confirmed_ns.is_none()),
+        "{ev:?}"
+    );
+}
+
+/// A suspension that fails is undone, leaves the record, and the event says nothing was
+/// confirmed.
+#[test]
+fn a_failed_suspension_is_undone_and_reported() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    let key = h.key(10);
+    h.act.fail.lock().unwrap().insert(RecordEntry::Process {
+        pid: 10,
+        start: key.start,
+    });
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    assert!(
+        matches!(&calls[..], [s, r] if s.op == Op::Suspend && r.op == Op::Resume),
+        "{calls:?}"
+    );
+    assert!(h.lp.holds().is_empty());
+    assert!(
+        h.rec.disk.lock().unwrap().is_empty(),
+        "undone suspension left in the record"
+    );
+    let ev = h.events();
+    assert!(
+        matches!(&ev[..], [Event::Preempt(p)] if p.confirmed_ns.is_none() && p.actuator.is_none()),
+        "{ev:?}"
+    );
+}
+
+/// A PID reused by another process is never acted on: the old key is resumed through its
+/// own target, the new process is classified anew (here: online).
+#[test]
+fn a_reused_pid_is_never_signalled() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    assert!(h.suspended(10));
+    // PID 10 exits and a new process (start time differs) takes the PID: online this time.
+    h.procs.add(10, 999, "new", "/other");
+    h.source.set(10, class(Class::Online, None));
+    h.clock.advance(60 * MS);
+    h.ticks(3);
+    for c in h.act.calls() {
+        for t in &c.targets {
+            assert_ne!(
+                *t,
+                RecordEntry::Process {
+                    pid: 10,
+                    start: 999
+                },
+                "the new process was acted on: {c:?}"
+            );
+        }
+    }
+    assert!(!h.lp.holds().holds(&h.key(10)));
+}
+
+/// A target that never confirms does not stop the loop: other GPUs are preempted on the
+/// next tick, and after --confirm-timeout the stuck suspension is undone.
+#[test]
+fn confirmation_cannot_stall_other_gpus() {
+    let mut h = harness(2);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.spawn(1, 11, class(Class::Offline, None));
+    h.spawn(1, 21, class(Class::Online, None));
+    h.tick();
+    h.act.stuck.lock().unwrap().insert(RecordEntry::Process {
+        pid: 10,
+        start: h.key(10).start,
+    });
+    h.active(0, 20);
+    let t = Instant::now();
+    h.tick();
+    h.active(1, 21);
+    h.tick();
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "ticks blocked for {:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        h.suspends_of(11),
+        1,
+        "GPU 1 was not preempted while GPU 0's target was pending"
+    );
+    assert!(h
+        .events()
+        .iter()
+        .any(|e| matches!(e, Event::Preempt(p) if p.gpu == 1 && p.confirmed_ns.is_some())));
+    // Keep GPU 0 busy past the confirm timeout (1 s): the stuck suspension is undone.
+    for _ in 0..11 {
+        h.active(0, 20);
+        h.clock.advance(100 * MS);
+        h.tick();
+    }
+    assert!(h.act.calls().iter().any(|c| c.op == Op::Resume
+        && c.targets
+            .iter()
+            .any(|t| matches!(t, RecordEntry::Process { pid: 10, .. }))));
+    assert!(!h.lp.holds().holds(&h.key(10)));
+}
+
+/// Signals on a cgroup declared offline stop every process in it, not only the GPU one.
+#[test]
+fn the_signal_actuator_stops_every_process_of_an_offline_cgroup() {
+    let root = std::env::temp_dir().join(format!("coloc-loop-cg-{}", std::process::id()));
+    let dir = root.join("batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    let mut cfg = default_config();
+    cfg.cgroups.v2 = Some(root.clone());
+    let mut h = harness_with(1, cfg);
+    h.procs.add(10, 110, "train", "/batch");
+    h.procs.add(12, 112, "loader", "/batch");
+    h.procs.add(13, 113, "loader", "/batch");
+    h.procs
+        .members
+        .lock()
+        .unwrap()
+        .insert(dir.clone(), vec![10, 12, 13]);
+    h.gpu.add(0, 10);
+    h.source.set(10, class(Class::Offline, Some("/batch")));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    let pids: Vec<u32> = calls[0]
+        .targets
+        .iter()
+        .filter_map(|t| match t {
+            RecordEntry::Process { pid, .. } => Some(*pid),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(pids, vec![10, 12, 13], "{calls:?}");
+    std::fs::remove_dir_all(root).ok();
+}
+
+/// Samples of a PID that is not in /proc (it exited) are not online demand.
+#[test]
+fn an_exited_pid_is_never_online_demand() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.tick();
+    // The driver still lists PID 30 and has samples of it; /proc does not know it.
+    h.gpu.add(0, 30);
+    for _ in 0..5 {
+        h.active(0, 30);
+        h.tick();
+    }
+    assert_eq!(
+        h.suspends_of(10),
+        0,
+        "offline suspended for an exited process"
+    );
+}
+
+/// A transient NVML failure keeps the decisions; a persistent one fails open for that GPU
+/// only, and the other GPU stays protected.
+#[test]
+fn nvml_failure_fails_open_only_when_it_persists_and_only_that_gpu() {
+    let mut h = harness(2);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.spawn(1, 11, class(Class::Offline, None));
+    h.spawn(1, 21, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.active(1, 21);
+    h.tick();
+    assert!(h.suspended(10) && h.suspended(11));
+    // Two failed ticks on GPU 0: transient.
+    h.gpu.fail(0, true);
+    for _ in 0..2 {
+        h.active(1, 21);
+        h.tick();
+    }
+    assert!(h.suspended(10), "a transient failure failed open");
+    assert!(h.lp.shared.degraded().is_none());
+    // Past the grace (50 ms) and 3 ticks: GPU 0 fails open, GPU 1 stays suspended.
+    for _ in 0..60 {
+        h.active(1, 21);
+        h.tick();
+    }
+    assert!(!h.suspended(10), "a persistent failure did not fail open");
+    assert!(
+        h.suspended(11),
+        "GPU 1 lost its protection because GPU 0 failed"
+    );
+    assert!(h.lp.shared.degraded().unwrap().contains("GPU 0"));
+    assert!(h
+        .events()
+        .iter()
+        .any(|e| matches!(e, Event::FailOpen(f) if f.gpu == Some(0) && f.reason == "nvml")));
+    // NVML answers again, with samples from during the failure (old): they must not
+    // start a busy period; a new sample does, measured from itself.
+    let old = h.now() - 30 * MS;
+    h.gpu.sample(0, 20, old);
+    h.gpu.fail(0, false);
+    h.ticks(2);
+    assert!(h.lp.shared.degraded().is_none());
+    assert!(!h.suspended(10), "an old sample after recovery preempted");
+    h.active(0, 20);
+    h.tick();
+    assert!(h.suspended(10));
+    let Some(Event::Preempt(p)) = h
+        .events()
+        .into_iter()
+        .rev()
+        .find(|e| matches!(e, Event::Preempt(p) if p.gpu == 0))
+    else {
+        panic!()
+    };
+    assert!(
+        p.detection_s < 0.002,
+        "detection measured from an old sample: {} s",
+        p.detection_s
+    );
+}
+
+/// A hung NVML call: the watchdog resumes everything, /readyz's reason is set, and when
+/// the call returns the loop starts afresh.
+#[test]
+fn a_hung_nvml_call_trips_the_watchdog() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    assert!(h.suspended(10));
+    h.gpu.set_hang(true);
+    let holds = h.lp.holds.clone();
+    let shared = h.lp.shared.clone();
+    let wd = h.lp.watchdog.clone();
+    let clock = h.clock.clone();
+    let gpu = h.gpu.clone();
+    let mut lp = h.lp;
+    let ticking = std::thread::spawn(move || {
+        lp.tick();
+        lp
+    });
+    let t = Instant::now();
+    while !gpu.in_hang.load(Ordering::SeqCst) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the tick never reached NVML"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let timeout = Duration::from_millis(250);
+    assert!(
+        !wd.check(clock.now_ns() + 200 * MS, timeout, &holds, &shared),
+        "tripped before the timeout"
+    );
+    assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &holds, &shared));
+    assert!(
+        holds.lock().unwrap().is_empty(),
+        "the watchdog did not resume"
+    );
+    assert!(shared.degraded().unwrap().contains("NVML call"));
+    assert!(h.act.calls().last().is_some_and(|c| c.op == Op::Resume));
+    gpu.set_hang(false);
+    h.lp = ticking.join().unwrap();
+    assert!(
+        h.lp.machine.suspended().is_empty(),
+        "the loop kept decisions the watchdog undid"
+    );
+    assert!(shared.degraded().is_none());
+    assert!(h
+        .events()
+        .iter()
+        .any(|e| matches!(e, Event::FailOpen(f) if f.reason == "nvml_hung")));
+}
+
+/// Histograms and events carry the actuator that acted: a freezer preference that falls
+/// back to signal (no cgroup declared) reports `signal`.
+#[test]
+fn events_name_the_actuator_that_acted() {
+    let mut cfg = default_config();
+    cfg.actuator = Kind::Freezer;
+    let mut h = harness_with(1, cfg);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    let ev = h.events();
+    assert!(
+        matches!(&ev[..], [Event::Preempt(p)] if p.actuator == Some(Kind::Signal)),
+        "{ev:?}"
+    );
+}
+
+/// `fixed-share` caps an offline process to its share of wall time with no online work.
+#[test]
+fn fixed_share_caps_offline_to_its_share() {
+    let mut h = harness(1);
+    let mut c = class(Class::Offline, None);
+    c.share = Share::Fixed { percent: 30 };
+    h.spawn(0, 10, c);
+    let mut suspended_ticks = 0;
+    for _ in 0..1000 {
+        h.tick();
+        if h.suspended(10) {
+            suspended_ticks += 1;
+        }
+    }
+    assert!(
+        (650..=750).contains(&suspended_ticks),
+        "suspended {suspended_ticks} of 1000 ms, want ~700"
+    );
+    assert!(h.suspends_of(10) >= 9, "the duty cycle did not cycle");
+}
+
+/// Shutdown resumes everything that is held.
+#[test]
+fn shutdown_resumes_everything() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    h.lp.release_everything("shutdown");
+    assert!(h.lp.holds().is_empty());
+    assert!(h.rec.disk.lock().unwrap().is_empty());
+    assert_eq!(h.act.calls().last().unwrap().op, Op::Resume);
+    let _ = PathBuf::new();
+}

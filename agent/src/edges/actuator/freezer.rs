@@ -1,0 +1,150 @@
+//! The cgroup freezer: v2 `cgroup.freeze` / `cgroup.events`, or v1 `freezer.state`.
+//!
+//! May touch: `cgroup.freeze` and `freezer.state` of cgroups declared offline.
+
+use super::Op;
+use serde::{Deserialize, Serialize};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// cgroup hierarchy version of a freezer target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupVersion {
+    /// Unified hierarchy (`cgroup.freeze`).
+    V2,
+    /// v1 freezer controller (`freezer.state`).
+    V1,
+}
+
+fn control_file(dir: &Path, version: CgroupVersion) -> PathBuf {
+    match version {
+        CgroupVersion::V2 => dir.join("cgroup.freeze"),
+        CgroupVersion::V1 => dir.join("freezer.state"),
+    }
+}
+
+/// Writes the freeze or thaw request. `Err(Gone)` when the cgroup no longer exists.
+pub(super) fn issue(dir: &Path, version: CgroupVersion, op: Op) -> Result<(), super::Progress> {
+    let file = control_file(dir, version);
+    let value: &[u8] = match (version, op) {
+        (CgroupVersion::V2, Op::Suspend) => b"1",
+        (CgroupVersion::V2, Op::Resume) => b"0",
+        (CgroupVersion::V1, Op::Suspend) => b"FROZEN",
+        (CgroupVersion::V1, Op::Resume) => b"THAWED",
+    };
+    match std::fs::write(&file, value) {
+        Ok(()) => Ok(()),
+        // The cgroup is gone with its processes: nothing is left frozen.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(super::Progress::Gone),
+        Err(source) => Err(super::Progress::Failed(super::ActError::Write {
+            file,
+            source,
+        })),
+    }
+}
+
+/// Whether the cgroup is in the state `op` asks for (`None`: gone).
+pub(super) fn confirmed(dir: &Path, version: CgroupVersion, op: Op) -> Option<bool> {
+    match version {
+        CgroupVersion::V2 => {
+            let events = std::fs::read_to_string(dir.join("cgroup.events")).ok()?;
+            let frozen = events.lines().any(|l| l.trim() == "frozen 1");
+            Some(frozen == (op == Op::Suspend))
+        }
+        CgroupVersion::V1 => {
+            let state = std::fs::read_to_string(dir.join("freezer.state")).ok()?;
+            let state = state.trim();
+            Some(match op {
+                Op::Suspend => state == "FROZEN",
+                Op::Resume => state == "THAWED",
+            })
+        }
+    }
+}
+
+/// `cgroup.events` of every v2 target, opened so that its changes can be polled.
+pub(super) fn open_events(targets: &[super::Target]) -> Vec<Option<std::fs::File>> {
+    targets
+        .iter()
+        .map(|t| match t {
+            super::Target::Cgroup {
+                dir,
+                version: CgroupVersion::V2,
+            } => std::fs::File::open(dir.join("cgroup.events")).ok(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Reads `cgroup.events` through the polled descriptor (which re-arms its notification).
+pub(super) fn read_events(f: &std::fs::File, op: Op) -> Option<bool> {
+    let mut buf = [0u8; 256];
+    f.read_at(&mut buf, 0).ok().map(|n| {
+        let frozen = std::str::from_utf8(&buf[..n])
+            .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))
+            .unwrap_or(false);
+        frozen == (op == Op::Suspend)
+    })
+}
+
+/// Waits up to `pause` for a change notification on any of `events`.
+pub(super) fn poll_events(events: &[Option<std::fs::File>], pause: Duration) {
+    let mut fds: Vec<rustix::event::PollFd<'_>> = events
+        .iter()
+        .flatten()
+        .map(|f| rustix::event::PollFd::new(f, rustix::event::PollFlags::PRI))
+        .collect();
+    // A notification ends the wait early; the bound covers a missed one.
+    let ts = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: pause.as_nanos().min(999_999_999) as _,
+    };
+    let _ = rustix::event::poll(&mut fds, Some(&ts));
+}
+
+/// The cgroup mounts of this host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CgroupMounts {
+    /// Mount point of the unified (v2) hierarchy, if any.
+    pub v2: Option<PathBuf>,
+    /// Mount point of the v1 freezer hierarchy, if any.
+    pub v1_freezer: Option<PathBuf>,
+}
+
+impl CgroupMounts {
+    /// Finds the hierarchies under `root` (usually `/sys/fs/cgroup`): pure v2 at the root,
+    /// hybrid v2 at `root/unified`, and the v1 freezer at `root/freezer`.
+    pub fn detect(root: &Path) -> CgroupMounts {
+        let v2 = [root.to_path_buf(), root.join("unified")]
+            .into_iter()
+            .find(|p| p.join("cgroup.controllers").exists());
+        let v1_freezer = Some(root.join("freezer"))
+            .filter(|p| p.join("freezer.state").exists() || p.join("tasks").exists());
+        CgroupMounts { v2, v1_freezer }
+    }
+
+    /// The directory of a cgroup given by its path inside the v2 hierarchy or the v1
+    /// freezer hierarchy, with the file that must exist there (`cgroup.freeze` /
+    /// `freezer.state`). v2 is preferred. The root cgroup is never a target.
+    pub fn dir_for(
+        &self,
+        v2_path: Option<&str>,
+        v1_freezer_path: Option<&str>,
+    ) -> Option<(PathBuf, CgroupVersion)> {
+        if let (Some(mount), Some(p)) = (&self.v2, v2_path) {
+            let dir = mount.join(p.trim_start_matches('/'));
+            if p != "/" && dir.join("cgroup.freeze").exists() {
+                return Some((dir, CgroupVersion::V2));
+            }
+        }
+        if let (Some(mount), Some(p)) = (&self.v1_freezer, v1_freezer_path) {
+            let dir = mount.join(p.trim_start_matches('/'));
+            if p != "/" && dir.join("freezer.state").exists() {
+                return Some((dir, CgroupVersion::V1));
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,442 @@
+//! Actuators: the only code that stops and restarts processes.
+//!
+//! - [`freezer`]: cgroup v2 `cgroup.freeze` (confirmed by `frozen 1` in `cgroup.events`,
+//!   waited on with `poll(2)`), or the v1 freezer (`freezer.state` = `FROZEN`). Freezes a
+//!   whole cgroup, so it is used only on cgroups the pod source declared offline as a whole.
+//! - [`signal`]: `SIGSTOP`/`SIGCONT` through a pidfd opened when the process was first
+//!   seen, so a reused PID is never hit; confirmed by the `T` state in `/proc/<pid>/stat`.
+//! - [`dry_run`]: logs what it would do and touches nothing.
+//!
+//! An actuator starts an operation on a batch of targets and waits for confirmation only
+//! up to a budget it is given; what is not confirmed by then is reported
+//! [`Progress::Pending`] and checked again later with [`Actuator::check`]. The control loop
+//! keeps the deadline (`--confirm-timeout`), so one cgroup that never confirms costs the
+//! loop at most the budget once, and never stalls the other GPUs.
+//!
+//! May touch: cgroup freeze files under the cgroup mounts, signals through pidfds.
+
+pub mod dry_run;
+pub mod freezer;
+pub mod signal;
+
+pub use freezer::{CgroupMounts, CgroupVersion};
+
+use crate::edges::procfs::ProcKey;
+use serde::{Deserialize, Serialize};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which actuator the agent prefers for offline processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    /// cgroup freezer (v2 `cgroup.freeze` or v1 freezer) on cgroups declared offline;
+    /// processes matched only by exe/cmdline/uid fall back to `signal`.
+    Freezer,
+    /// SIGSTOP/SIGCONT through pidfds (every process of a cgroup declared offline).
+    Signal,
+}
+
+impl Kind {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Freezer => "freezer",
+            Kind::Signal => "signal",
+        }
+    }
+}
+
+/// Something the agent suspends: a whole cgroup, or one process.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A cgroup directory (absolute path on this host).
+    Cgroup {
+        /// The directory.
+        dir: PathBuf,
+        /// Its hierarchy.
+        version: CgroupVersion,
+    },
+    /// One process, through its pidfd.
+    Process {
+        /// Identity.
+        key: ProcKey,
+        /// pidfd opened when the process was first seen.
+        pidfd: Arc<OwnedFd>,
+    },
+}
+
+impl Target {
+    /// The durable description of this target, for the fail-open record.
+    pub fn record(&self) -> RecordEntry {
+        match self {
+            Target::Cgroup { dir, version } => RecordEntry::Cgroup {
+                dir: dir.clone(),
+                version: *version,
+            },
+            Target::Process { key, .. } => RecordEntry::Process {
+                pid: key.pid,
+                start: key.start,
+            },
+        }
+    }
+
+    /// The actuator kind this target uses.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Target::Cgroup { .. } => Kind::Freezer,
+            Target::Process { .. } => Kind::Signal,
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Cgroup { dir, version } => write!(f, "cgroup {} ({version:?})", dir.display()),
+            Target::Process { key, .. } => write!(f, "pid {}", key.pid),
+        }
+    }
+}
+
+/// A suspended object as written to the fail-open record.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RecordEntry {
+    /// A frozen cgroup.
+    Cgroup {
+        /// Directory.
+        dir: PathBuf,
+        /// Hierarchy.
+        version: CgroupVersion,
+    },
+    /// A stopped process (PID plus start time, so a reused PID is recognised).
+    Process {
+        /// PID.
+        pid: u32,
+        /// Start time, clock ticks since boot.
+        start: u64,
+    },
+}
+
+/// Why an actuation failed (short, bounded names via [`ActError::reason`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ActError {
+    /// Writing the cgroup control file failed.
+    #[error("cannot write {file}: {source}")]
+    Write {
+        /// The file.
+        file: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Sending the signal failed.
+    #[error("cannot signal pid {pid}: {source}")]
+    Signal {
+        /// PID.
+        pid: u32,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The new state was not confirmed in time.
+    #[error("{what} not confirmed within {timeout:?}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        timeout: Duration,
+    },
+}
+
+impl ActError {
+    /// Bounded metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ActError::Write { .. } => "cgroup_write",
+            ActError::Signal { .. } => "signal",
+            ActError::Timeout { .. } => "timeout",
+        }
+    }
+}
+
+/// Where one target of a batch stands.
+#[derive(Debug)]
+pub enum Progress {
+    /// Confirmed in the requested state.
+    Done,
+    /// Not confirmed yet: check again later.
+    Pending,
+    /// The process or cgroup is gone: nothing to suspend or resume.
+    Gone,
+    /// Nothing was done on purpose (dry run).
+    Skipped,
+    /// Failed.
+    Failed(ActError),
+}
+
+/// Suspend or resume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Stop / freeze.
+    Suspend,
+    /// Continue / thaw.
+    Resume,
+}
+
+impl Op {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Suspend => "suspend",
+            Op::Resume => "resume",
+        }
+    }
+}
+
+/// Stops and continues targets.
+pub trait Actuator: Send {
+    /// Starts `op` on every target, then waits up to `budget` for confirmations.
+    fn start(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress>;
+    /// Checks targets started earlier, waiting up to `budget` (zero: look once).
+    fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress>;
+}
+
+/// The host's actuator: the freezer for cgroup targets, signals for process targets, in
+/// one batch so that confirming costs one wait, not one per process.
+#[derive(Debug, Default)]
+pub struct Host;
+
+impl Actuator for Host {
+    fn start(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        let start = Instant::now();
+        // v2 event files are opened before the write so that no change is missed.
+        let events = freezer::open_events(targets);
+        let issued: Vec<Option<Progress>> = targets
+            .iter()
+            .map(|t| match t {
+                Target::Cgroup { dir, version } => freezer::issue(dir, *version, op).err(),
+                Target::Process { key, pidfd } => signal::issue(*key, pidfd, op).err(),
+            })
+            .collect();
+        wait(targets, op, issued, events, start, budget)
+    }
+
+    fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        let start = Instant::now();
+        let events = freezer::open_events(targets);
+        let none = targets.iter().map(|_| None).collect();
+        wait(targets, op, none, events, start, budget)
+    }
+}
+
+/// Whether `target` is in the state `op` asks for: `Some(true)` yes, `Some(false)` not
+/// yet, `None` gone.
+fn confirmed(target: &Target, op: Op) -> Option<bool> {
+    match target {
+        Target::Cgroup { dir, version } => freezer::confirmed(dir, *version, op),
+        Target::Process { key, .. } => signal::confirmed(*key, op),
+    }
+}
+
+/// Waits until every target is confirmed, or `budget` has passed since `start`.
+///
+/// cgroup v2 targets are waited on with `ppoll(2)` on `cgroup.events` (the kernel notifies
+/// on change; each read through the same descriptor re-arms it); v1 freezers and
+/// processes are re-read with a sleeping backoff from 20 µs to 1 ms. Never spins.
+fn wait(
+    targets: &[Target],
+    op: Op,
+    mut out: Vec<Option<Progress>>,
+    mut events: Vec<Option<std::fs::File>>,
+    start: Instant,
+    budget: Duration,
+) -> Vec<Progress> {
+    let mut backoff = Duration::from_micros(20);
+    loop {
+        for (i, t) in targets.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let state = match &events[i] {
+                Some(f) => freezer::read_events(f, op),
+                None => confirmed(t, op),
+            };
+            match state {
+                Some(true) => out[i] = Some(Progress::Done),
+                Some(false) => {}
+                None => out[i] = Some(Progress::Gone),
+            }
+        }
+        let elapsed = start.elapsed();
+        if out.iter().all(Option::is_some) || elapsed >= budget {
+            break;
+        }
+        for (i, e) in events.iter_mut().enumerate() {
+            if out[i].is_some() {
+                *e = None;
+            }
+        }
+        let pending_without_events =
+            (0..targets.len()).any(|i| out[i].is_none() && events[i].is_none());
+        let pause = backoff.min(budget - elapsed);
+        if pending_without_events {
+            std::thread::sleep(pause);
+        } else {
+            freezer::poll_events(&events, pause);
+        }
+        backoff = (backoff * 2).min(Duration::from_millis(1));
+    }
+    out.into_iter()
+        .map(|o| o.unwrap_or(Progress::Pending))
+        .collect()
+}
+
+/// Resumes something from the fail-open record (no pidfd survives a restart: the start
+/// time is checked instead, right before the signal, so a reused PID is left alone).
+pub fn resume_recorded(e: &RecordEntry, timeout: Duration) -> Progress {
+    let t = match e {
+        RecordEntry::Cgroup { dir, version } => Target::Cgroup {
+            dir: dir.clone(),
+            version: *version,
+        },
+        RecordEntry::Process { pid, start } => {
+            let key = ProcKey {
+                pid: *pid,
+                start: *start,
+            };
+            let Ok(fd) = crate::edges::procfs::open_pidfd(key) else {
+                return Progress::Gone;
+            };
+            Target::Process {
+                key,
+                pidfd: Arc::new(fd),
+            }
+        }
+    };
+    match Host
+        .start(std::slice::from_ref(&t), Op::Resume, timeout)
+        .pop()
+    {
+        Some(Progress::Pending) => Progress::Failed(ActError::Timeout {
+            what: format!("resume of {t}"),
+            timeout,
+        }),
+        Some(p) => p,
+        None => Progress::Done,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::edges::procfs::{open_pidfd, read_stat};
+
+    fn target_of(child: &std::process::Child) -> Target {
+        let pid = child.id();
+        let key = ProcKey {
+            pid,
+            start: read_stat(pid).unwrap().start,
+        };
+        Target::Process {
+            key,
+            pidfd: Arc::new(open_pidfd(key).unwrap()),
+        }
+    }
+
+    #[test]
+    fn signal_stop_and_continue_are_confirmed() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let t = target_of(&child);
+        let budget = Duration::from_secs(2);
+        let r = Host.start(std::slice::from_ref(&t), Op::Suspend, budget);
+        assert!(matches!(r[0], Progress::Done), "{r:?}");
+        assert_eq!(read_stat(pid).unwrap().state, 'T');
+        let r = Host.start(std::slice::from_ref(&t), Op::Resume, budget);
+        assert!(matches!(r[0], Progress::Done), "{r:?}");
+        assert_ne!(read_stat(pid).unwrap().state, 'T');
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The process is gone (reaped): the pidfd refuses, nothing else is hit.
+        let r = Host.start(std::slice::from_ref(&t), Op::Suspend, budget);
+        assert!(matches!(r[0], Progress::Gone), "{r:?}");
+    }
+
+    /// The signal goes through the pidfd, never the PID: a target whose pidfd pins a dead
+    /// process must not stop the live process that now answers to the PID in its key.
+    #[test]
+    fn signal_goes_through_the_pidfd_not_the_pid() {
+        let mut dead = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let stale = target_of(&dead);
+        dead.kill().unwrap();
+        dead.wait().unwrap();
+        let mut live = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let Target::Process { pidfd, .. } = stale else {
+            unreachable!()
+        };
+        // As if the PID had been reused: the key names the live process, the pidfd the
+        // dead one it was opened for.
+        let reused = Target::Process {
+            key: ProcKey {
+                pid: live.id(),
+                start: read_stat(live.id()).unwrap().start,
+            },
+            pidfd,
+        };
+        let r = Host.start(
+            std::slice::from_ref(&reused),
+            Op::Suspend,
+            Duration::from_millis(200),
+        );
+        let state = read_stat(live.id()).unwrap().state;
+        live.kill().unwrap();
+        live.wait().unwrap();
+        assert!(matches!(r[0], Progress::Gone), "{r:?}");
+        assert_ne!(
+            state, 'T',
+            "the live process with the key's PID was stopped"
+        );
+    }
+
+    #[test]
+    fn unconfirmed_within_the_budget_is_pending_not_failed() {
+        // A running process checked for a suspension that was never issued never
+        // confirms: the budget bounds the wait, and the answer is "pending".
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "exec sleep 30"])
+            .spawn()
+            .unwrap();
+        let t = target_of(&child);
+        let Target::Process { key, .. } = &t else {
+            unreachable!()
+        };
+        let t0 = Instant::now();
+        let r = Host.check(
+            std::slice::from_ref(&t),
+            Op::Suspend,
+            Duration::from_millis(30),
+        );
+        let took = t0.elapsed();
+        assert!(matches!(r[0], Progress::Pending), "{r:?}");
+        assert!(
+            took >= Duration::from_millis(30) && took < Duration::from_millis(500),
+            "{took:?}"
+        );
+        assert_ne!(read_stat(key.pid).unwrap().state, 'T');
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

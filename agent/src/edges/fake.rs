@@ -1,0 +1,364 @@
+//! Fakes of every edge, for the control loop's tests (no root, no GPU, no processes).
+//! Each fake is a handle over shared state, so a test keeps a clone to steer it and to
+//! see what the loop did.
+
+use super::actuator::{Actuator, Op, Progress, RecordEntry, Target};
+use super::clock::Clock;
+use super::gpu::{Activity, GpuError, GpuSampler};
+use super::procfs::{Cgroups, ProcFs, ProcInfo, ProcKey, Stat};
+use super::record::RecordStore;
+use super::source::{Classified, PodSource};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// A clock the test moves.
+#[derive(Debug, Default, Clone)]
+pub struct FakeClock(pub Arc<AtomicU64>);
+
+impl FakeClock {
+    /// Sets the time.
+    pub fn set(&self, ns: u64) {
+        self.0.store(ns, Ordering::SeqCst);
+    }
+    /// Moves it forward.
+    pub fn advance(&self, ns: u64) {
+        self.0.fetch_add(ns, Ordering::SeqCst);
+    }
+}
+
+impl Clock for FakeClock {
+    fn now_ns(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// What the fake GPU answers.
+#[derive(Debug, Default)]
+pub struct GpuState {
+    /// PIDs per GPU.
+    pub procs: BTreeMap<u32, Vec<u32>>,
+    /// Samples waiting to be read, per GPU: (pid, at_ns).
+    pub samples: BTreeMap<u32, Vec<(u32, u64)>>,
+    /// GPUs whose calls fail.
+    pub failing: BTreeSet<u32>,
+    /// Calls made.
+    pub calls: u64,
+}
+
+/// The fake NVML.
+#[derive(Debug, Clone)]
+pub struct FakeGpu {
+    /// GPU indices.
+    pub gpus: Vec<u32>,
+    /// Shared state.
+    pub state: Arc<Mutex<GpuState>>,
+    /// While set, `samples` blocks (a hung call), until cleared.
+    pub hang: Arc<(Mutex<bool>, Condvar)>,
+    /// Set while a call is blocked in a hang.
+    pub in_hang: Arc<AtomicBool>,
+}
+
+impl FakeGpu {
+    /// A node with `n` GPUs.
+    pub fn new(n: u32) -> FakeGpu {
+        FakeGpu {
+            gpus: (0..n).collect(),
+            state: Default::default(),
+            hang: Default::default(),
+            in_hang: Default::default(),
+        }
+    }
+    /// Puts `pid` on `gpu`.
+    pub fn add(&self, gpu: u32, pid: u32) {
+        self.state
+            .lock()
+            .unwrap()
+            .procs
+            .entry(gpu)
+            .or_default()
+            .push(pid);
+    }
+    /// A sample of `pid` on `gpu` at `at`.
+    pub fn sample(&self, gpu: u32, pid: u32, at: u64) {
+        self.state
+            .lock()
+            .unwrap()
+            .samples
+            .entry(gpu)
+            .or_default()
+            .push((pid, at));
+    }
+    /// Makes `gpu`'s calls fail (or succeed again).
+    pub fn fail(&self, gpu: u32, on: bool) {
+        let mut s = self.state.lock().unwrap();
+        if on {
+            s.failing.insert(gpu);
+        } else {
+            s.failing.remove(&gpu);
+        }
+    }
+    /// Makes the next `samples` call hang until [`FakeGpu::set_hang`] false.
+    pub fn set_hang(&self, on: bool) {
+        let (m, cv) = &*self.hang;
+        *m.lock().unwrap() = on;
+        cv.notify_all();
+    }
+    fn err(gpu: u32) -> GpuError {
+        GpuError::Call {
+            function: "nvmlDeviceGetProcessUtilization",
+            gpu,
+            source: nvml_wrapper::error::NvmlError::GpuLost,
+        }
+    }
+}
+
+impl GpuSampler for FakeGpu {
+    fn gpus(&self) -> Vec<u32> {
+        self.gpus.clone()
+    }
+    fn uuid(&self, gpu: u32) -> String {
+        format!("GPU-fake-{gpu}")
+    }
+    fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError> {
+        let mut s = self.state.lock().unwrap();
+        s.calls += 1;
+        if s.failing.contains(&gpu) {
+            return Err(Self::err(gpu));
+        }
+        Ok(s.procs.get(&gpu).cloned().unwrap_or_default())
+    }
+    fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError> {
+        {
+            let (m, cv) = &*self.hang;
+            let mut hung = m.lock().unwrap();
+            while *hung {
+                self.in_hang.store(true, Ordering::SeqCst);
+                hung = cv.wait_timeout(hung, Duration::from_secs(10)).unwrap().0;
+            }
+            self.in_hang.store(false, Ordering::SeqCst);
+        }
+        let mut s = self.state.lock().unwrap();
+        s.calls += 1;
+        if s.failing.contains(&gpu) {
+            return Err(Self::err(gpu));
+        }
+        let v = s.samples.remove(&gpu).unwrap_or_default();
+        Ok(v.into_iter()
+            .filter(|(_, at)| at / 1000 > since_us)
+            .map(|(pid, at_ns)| Activity { pid, at_ns })
+            .collect())
+    }
+}
+
+/// The fake `/proc`.
+#[derive(Debug, Default, Clone)]
+pub struct FakeProc {
+    /// Visible processes.
+    pub procs: Arc<Mutex<BTreeMap<u32, ProcInfo>>>,
+    /// `cgroup.procs` per directory.
+    pub members: Arc<Mutex<BTreeMap<PathBuf, Vec<u32>>>>,
+    /// The agent's cgroups.
+    pub own: Arc<Mutex<Cgroups>>,
+}
+
+impl FakeProc {
+    /// Adds (or replaces) a process with start time `start` in v2 cgroup `cgroup`.
+    pub fn add(&self, pid: u32, start: u64, cmd: &str, cgroup: &str) -> ProcKey {
+        let key = ProcKey { pid, start };
+        self.procs.lock().unwrap().insert(
+            pid,
+            ProcInfo {
+                key,
+                uid: 0,
+                exe: None,
+                cmdline: cmd.into(),
+                cgroups: Cgroups::parse(&format!("0::{cgroup}\n")),
+            },
+        );
+        key
+    }
+    /// Makes `pid` exit.
+    pub fn remove(&self, pid: u32) {
+        self.procs.lock().unwrap().remove(&pid);
+    }
+}
+
+impl ProcFs for FakeProc {
+    fn read_proc(&self, pid: u32) -> io::Result<ProcInfo> {
+        self.procs
+            .lock()
+            .unwrap()
+            .get(&pid)
+            .cloned()
+            .ok_or_else(|| io::ErrorKind::NotFound.into())
+    }
+    fn read_stat(&self, pid: u32) -> io::Result<Stat> {
+        let p = self.read_proc(pid)?;
+        Ok(Stat {
+            state: 'S',
+            start: p.key.start,
+        })
+    }
+    fn self_cgroups(&self) -> Cgroups {
+        self.own.lock().unwrap().clone()
+    }
+    fn self_pid(&self) -> u32 {
+        1
+    }
+    fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>> {
+        self.members
+            .lock()
+            .unwrap()
+            .get(dir)
+            .cloned()
+            .ok_or_else(|| io::ErrorKind::NotFound.into())
+    }
+    fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd> {
+        match self.read_stat(key.pid) {
+            Ok(s) if s.start == key.start => Ok(std::fs::File::open("/dev/null")?.into()),
+            _ => Err(io::ErrorKind::NotFound.into()),
+        }
+    }
+}
+
+/// Classification by PID.
+#[derive(Debug, Default, Clone)]
+pub struct FakeSource {
+    /// Classes.
+    pub classes: Arc<Mutex<BTreeMap<u32, Classified>>>,
+    /// Generation.
+    pub generation: Arc<AtomicU64>,
+}
+
+impl FakeSource {
+    /// Classifies `pid`.
+    pub fn set(&self, pid: u32, c: Classified) {
+        self.classes.lock().unwrap().insert(pid, c);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl PodSource for FakeSource {
+    fn classify(&self, p: &ProcInfo) -> Classified {
+        self.classes
+            .lock()
+            .unwrap()
+            .get(&p.key.pid)
+            .cloned()
+            .unwrap_or_else(|| Classified::unmanaged(qos_core::Class::Unmanaged))
+    }
+    fn ready(&self) -> bool {
+        true
+    }
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+}
+
+/// The record's "disk".
+#[derive(Debug, Default, Clone)]
+pub struct FakeRecord {
+    /// What is on disk.
+    pub disk: Arc<Mutex<BTreeSet<RecordEntry>>>,
+    /// While set, writes fail.
+    pub broken: Arc<AtomicBool>,
+    mem: BTreeSet<RecordEntry>,
+}
+
+impl RecordStore for FakeRecord {
+    fn add(&mut self, es: &[RecordEntry]) -> anyhow::Result<()> {
+        if self.broken.load(Ordering::SeqCst) {
+            anyhow::bail!("state directory not writable (fake)");
+        }
+        self.mem.extend(es.iter().cloned());
+        *self.disk.lock().unwrap() = self.mem.clone();
+        Ok(())
+    }
+    fn remove(&mut self, es: &[RecordEntry]) -> anyhow::Result<()> {
+        for e in es {
+            self.mem.remove(e);
+        }
+        *self.disk.lock().unwrap() = self.mem.clone();
+        Ok(())
+    }
+    fn entries(&self) -> &BTreeSet<RecordEntry> {
+        &self.mem
+    }
+}
+
+/// One actuator call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call {
+    /// Suspend or resume.
+    pub op: Op,
+    /// The targets, as recorded.
+    pub targets: Vec<RecordEntry>,
+    /// Targets of a suspension that were not on disk when it started (must stay empty).
+    pub unrecorded: Vec<RecordEntry>,
+}
+
+/// An actuator that remembers, with targets that fail or never confirm on demand.
+#[derive(Debug, Default, Clone)]
+pub struct FakeActuator {
+    /// Calls of `start`.
+    pub calls: Arc<Mutex<Vec<Call>>>,
+    /// The record's disk, to check that suspensions are written first.
+    pub disk: Arc<Mutex<BTreeSet<RecordEntry>>>,
+    /// Targets whose suspension fails.
+    pub fail: Arc<Mutex<BTreeSet<RecordEntry>>>,
+    /// Targets whose suspension never confirms.
+    pub stuck: Arc<Mutex<BTreeSet<RecordEntry>>>,
+    /// The loop's clock, moved by `act_ns` per start (simulated actuation time).
+    pub clock: Option<FakeClock>,
+    /// Simulated actuation time.
+    pub act_ns: u64,
+}
+
+impl FakeActuator {
+    /// The calls so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+    fn answer(&self, t: &Target, op: Op) -> Progress {
+        let r = t.record();
+        if op == Op::Suspend && self.fail.lock().unwrap().contains(&r) {
+            return Progress::Failed(super::actuator::ActError::Signal {
+                pid: 0,
+                source: io::ErrorKind::PermissionDenied.into(),
+            });
+        }
+        if op == Op::Suspend && self.stuck.lock().unwrap().contains(&r) {
+            return Progress::Pending;
+        }
+        Progress::Done
+    }
+}
+
+impl Actuator for FakeActuator {
+    fn start(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
+        let disk = self.disk.lock().unwrap().clone();
+        let recs: Vec<RecordEntry> = targets.iter().map(Target::record).collect();
+        let unrecorded = if op == Op::Suspend {
+            recs.iter().filter(|r| !disk.contains(r)).cloned().collect()
+        } else {
+            vec![]
+        };
+        self.calls.lock().unwrap().push(Call {
+            op,
+            targets: recs,
+            unrecorded,
+        });
+        if let Some(c) = &self.clock {
+            c.advance(self.act_ns);
+        }
+        targets.iter().map(|t| self.answer(t, op)).collect()
+    }
+    fn check(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
+        targets.iter().map(|t| self.answer(t, op)).collect()
+    }
+}

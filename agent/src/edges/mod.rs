@@ -1,0 +1,24 @@
+//! The edges: one trait per thing the control loop reads or changes outside itself, each
+//! with its real implementation and (in tests) a fake beside it.
+//!
+//! ```text
+//!   gpu::GpuSampler ─── NVML (libnvidia-ml, or the test fake) ── samples, process lists
+//!   procfs::ProcFs ──── /proc, cgroup.procs, pidfds ───────────── who a PID is
+//!   source::PodSource ─ rules file, or the Kubernetes watcher ─── what class it is
+//!   actuator::Actuator  freezer, signal, dry run ──────────────── stop / continue
+//!   record::RecordStore the fail-open file ────────────────────── what is stopped
+//!   clock::Clock ────── wall clock (NVML's timestamps) ────────── now
+//! ```
+//!
+//! Only `gpu` calls a C library (through `nvml-wrapper`); only `actuator` and `record`
+//! change anything on the host.
+
+pub mod actuator;
+pub mod clock;
+pub mod gpu;
+pub mod procfs;
+pub mod record;
+pub mod source;
+
+#[cfg(test)]
+pub mod fake;

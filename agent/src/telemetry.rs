@@ -1,0 +1,242 @@
+//! Telemetry: the Prometheus recorder with every metric described, the per-GPU metric
+//! handles, and [`Telemetry::emit`], the one place an event becomes a log line, a JSON line
+//! in `--event-log`, histogram observations and `/state` history.
+
+use crate::control::events::Event;
+use crate::edges::actuator::Kind;
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::collections::{BTreeMap, VecDeque};
+use std::io::Write;
+use tracing::{error, info};
+
+/// Histogram buckets for every `_seconds` histogram: 100 µs to 1 s.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// Every bounded reason of `coloc_fail_open_total`, present at 0 from the start.
+pub const FAIL_OPEN_REASONS: &[&str] = &["nvml", "nvml_hung", "record", "actuation", "panic"];
+
+/// Installs the global recorder and returns the renderer for `/metrics`.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
+        .install_recorder()?;
+    describe();
+    for reason in FAIL_OPEN_REASONS {
+        metrics::counter!("coloc_fail_open_total", "reason" => *reason).increment(0);
+    }
+    Ok(handle)
+}
+
+fn describe() {
+    describe_histogram!("coloc_detection_latency_seconds", Unit::Seconds,
+        "Sample timestamp of the first online activity on a GPU to the agent's decision that the GPU is busy.");
+    describe_histogram!("coloc_actuation_latency_seconds", Unit::Seconds,
+        "Decision that a GPU is busy to every offline process on it confirmed stopped, by the actuator that acted.");
+    describe_histogram!("coloc_preemption_latency_seconds", Unit::Seconds,
+        "Sample timestamp of the first online activity to every offline process confirmed stopped (detection + actuation), by the actuator that acted.");
+    describe_histogram!("coloc_release_latency_seconds", Unit::Seconds,
+        "End of the idle window to every offline process confirmed running again, by the actuator that acted.");
+    describe_histogram!(
+        "coloc_nvml_call_duration_seconds",
+        Unit::Seconds,
+        "Duration of NVML calls made by the agent, by function."
+    );
+    describe_histogram!(
+        "coloc_loop_lag_seconds",
+        Unit::Seconds,
+        "How late each control-loop tick started relative to the poll interval."
+    );
+    describe_gauge!(
+        "coloc_gpu_online_busy",
+        "1 while online work on the GPU is busy (offline suspended), else 0."
+    );
+    describe_gauge!("coloc_gpu_degraded", "1 while NVML fails persistently for the GPU (its offline work resumed, the GPU unmanaged), else 0.");
+    describe_gauge!(
+        "coloc_offline_suspended_processes",
+        "Offline processes on the GPU currently suspended."
+    );
+    describe_gauge!("coloc_invisible_gpu_processes", "GPU processes the driver has listed for over 1 s that are not visible in /proc (agent outside the host PID namespace?).");
+    describe_counter!(
+        "coloc_suspensions_total",
+        "Offline processes suspended, by GPU and reason (online_busy, share_cap)."
+    );
+    describe_counter!("coloc_fail_open_total",
+        "Times the agent resumed offline work because something failed, by reason (nvml: a GPU's NVML failing persistently; nvml_hung: an NVML call that did not return; record: the suspension record could not be written; actuation: a suspension failed or was not confirmed; panic).");
+    describe_counter!("coloc_nvml_transient_answers_total", "Transient NVML answers (INSUFFICIENT_SIZE between the count and data calls) retried at once, by function.");
+    describe_counter!(
+        "coloc_nvml_errors_total",
+        "Failed NVML calls that reached the control loop, by GPU and reason."
+    );
+    describe_counter!(
+        "coloc_actuation_errors_total",
+        "Failed suspend/resume operations, by actuator, operation and reason."
+    );
+    describe_counter!(
+        "coloc_unmanaged_processes_total",
+        "GPU processes seen that belong to no known pod or rule."
+    );
+    describe_gauge!(
+        "coloc_agent_info",
+        "Static information about the agent (always 1)."
+    );
+}
+
+/// Metric handles of one GPU.
+#[derive(Debug)]
+pub struct GpuMetrics {
+    /// `coloc_gpu_online_busy`.
+    pub busy: metrics::Gauge,
+    /// `coloc_gpu_degraded`.
+    pub degraded: metrics::Gauge,
+    /// `coloc_offline_suspended_processes`.
+    pub suspended: metrics::Gauge,
+    detection: metrics::Histogram,
+    actuation: BTreeMap<&'static str, metrics::Histogram>,
+    preemption: BTreeMap<&'static str, metrics::Histogram>,
+    release: BTreeMap<&'static str, metrics::Histogram>,
+}
+
+impl GpuMetrics {
+    fn new(gpu: u32) -> GpuMetrics {
+        let g = gpu.to_string();
+        let per_actuator = |name: &'static str| {
+            [Kind::Freezer, Kind::Signal]
+                .iter()
+                .map(|k| {
+                    (
+                        k.as_str(),
+                        metrics::histogram!(name, "gpu" => g.clone(), "actuator" => k.as_str()),
+                    )
+                })
+                .collect()
+        };
+        GpuMetrics {
+            busy: metrics::gauge!("coloc_gpu_online_busy", "gpu" => g.clone()),
+            degraded: metrics::gauge!("coloc_gpu_degraded", "gpu" => g.clone()),
+            suspended: metrics::gauge!("coloc_offline_suspended_processes", "gpu" => g.clone()),
+            detection: metrics::histogram!("coloc_detection_latency_seconds", "gpu" => g.clone()),
+            actuation: per_actuator("coloc_actuation_latency_seconds"),
+            preemption: per_actuator("coloc_preemption_latency_seconds"),
+            release: per_actuator("coloc_release_latency_seconds"),
+        }
+    }
+}
+
+/// Recent latencies of one GPU, for `/state` and `coloc-agent status`.
+#[derive(Debug, Default)]
+pub struct GpuHistory {
+    /// Latest preemption decision, ns.
+    pub last_preempt_ns: Option<u64>,
+    /// Recent preemption latencies, ms.
+    pub preemption_ms: VecDeque<f64>,
+    /// Recent release latencies, ms.
+    pub release_ms: VecDeque<f64>,
+}
+
+/// How many latencies each GPU's history keeps.
+pub const HISTORY: usize = 1024;
+/// How many events `/state` keeps.
+pub const RECENT: usize = 512;
+
+/// Metrics, event log and history.
+#[derive(Debug)]
+pub struct Telemetry {
+    /// Per-GPU handles.
+    pub gpus: BTreeMap<u32, GpuMetrics>,
+    /// Per-GPU history.
+    pub history: BTreeMap<u32, GpuHistory>,
+    /// The latest events.
+    pub recent: VecDeque<Event>,
+    /// `coloc_loop_lag_seconds`.
+    pub lag: metrics::Histogram,
+    event_log: Option<std::fs::File>,
+}
+
+fn push_bounded<T>(q: &mut VecDeque<T>, v: T, cap: usize) {
+    if q.len() == cap {
+        q.pop_front();
+    }
+    q.push_back(v);
+}
+
+impl Telemetry {
+    /// Handles for `gpus`, appending events to `event_log` if given.
+    pub fn new(gpus: &[u32], event_log: Option<std::fs::File>) -> Telemetry {
+        Telemetry {
+            gpus: gpus.iter().map(|g| (*g, GpuMetrics::new(*g))).collect(),
+            history: BTreeMap::new(),
+            recent: VecDeque::new(),
+            lag: metrics::histogram!("coloc_loop_lag_seconds"),
+            event_log,
+        }
+    }
+
+    /// Records the detection latency of a preemption decided now.
+    pub fn detected(&self, gpu: u32, detection_s: f64) {
+        if let Some(m) = self.gpus.get(&gpu) {
+            m.detection.record(detection_s);
+        }
+    }
+
+    /// The one place an event is reported.
+    pub fn emit(&mut self, ev: Event) {
+        if let Some(f) = &mut self.event_log {
+            if let Err(err) = serde_json::to_writer(&mut *f, &ev)
+                .map_err(std::io::Error::from)
+                .and_then(|()| f.write_all(b"\n"))
+            {
+                error!(%err, "Cannot append to the event log");
+            }
+        }
+        match &ev {
+            Event::Preempt(p) => {
+                info!(
+                    gpu = p.gpu,
+                    offline = p.offline,
+                    detection_ms = p.detection_s * 1e3,
+                    preemption_ms = p.preemption_s.map(|s| s * 1e3),
+                    actuator = p.actuator.map(Kind::as_str),
+                    "Online busy: offline suspended"
+                );
+                let h = self.history.entry(p.gpu).or_default();
+                h.last_preempt_ns = Some(p.decided_ns);
+                if let (Some(pre), Some(act), Some(kind)) =
+                    (p.preemption_s, p.actuation_s, p.actuator)
+                {
+                    push_bounded(&mut h.preemption_ms, pre * 1e3, HISTORY);
+                    if let Some(m) = self.gpus.get(&p.gpu) {
+                        m.actuation[kind.as_str()].record(act);
+                        m.preemption[kind.as_str()].record(pre);
+                    }
+                }
+            }
+            Event::Release(r) => {
+                info!(
+                    gpu = r.gpu,
+                    offline = r.offline,
+                    busy_ms = r.busy_for_s * 1e3,
+                    release_ms = r.release_s.map(|s| s * 1e3),
+                    actuator = r.actuator.map(Kind::as_str),
+                    "Online idle for the window: offline resumed"
+                );
+                if let (Some(rel), Some(kind)) = (r.release_s, r.actuator) {
+                    push_bounded(
+                        &mut self.history.entry(r.gpu).or_default().release_ms,
+                        rel * 1e3,
+                        HISTORY,
+                    );
+                    if let Some(m) = self.gpus.get(&r.gpu) {
+                        m.release[kind.as_str()].record(rel);
+                    }
+                }
+            }
+            Event::FailOpen(f) => {
+                error!(gpu = f.gpu, reason = %f.reason, resumed = f.resumed, "Failed open: offline work resumed");
+            }
+        }
+        push_bounded(&mut self.recent, ev, RECENT);
+    }
+}
