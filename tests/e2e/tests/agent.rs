@@ -760,3 +760,114 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         .unwrap()
         .contains("| both, agent signal |"));
 }
+
+/// Every catchable signal that would end the agent resumes offline work first.
+#[test]
+fn every_terminating_signal_resumes_offline_first() {
+    let sim = Sim::start(1, &[]);
+    let off = sim.spawn(&args(&offline_args("sigs")));
+    let _online = sim.spawn(&["busy", "--ms", "30000"]);
+    for (sig, name) in [
+        (libc::SIGHUP, "SIGHUP"),
+        (libc::SIGQUIT, "SIGQUIT"),
+        (libc::SIGUSR1, "SIGUSR1"),
+        (libc::SIGUSR2, "SIGUSR2"),
+        (libc::SIGALRM, "SIGALRM"),
+    ] {
+        let mut agent = Agent::start(&sim, AgentOpts::default());
+        wait_for("offline suspended", SOON, || off.state() == Some('T'))
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", agent.log_text()));
+        agent.signal(sig);
+        let st = agent.wait();
+        assert!(
+            st.success(),
+            "{name}: agent exit {st}:\n{}",
+            agent.log_text()
+        );
+        assert_ne!(off.state(), Some('T'), "offline left stopped after {name}");
+        assert!(agent.log_text().contains(name), "{}", agent.log_text());
+    }
+}
+
+/// `INSUFFICIENT_SIZE` between NVML's count and data calls (samples arriving in between)
+/// is transient: it never fails open, and offline stays suspended while online is busy.
+#[test]
+fn transient_nvml_answers_never_fail_open() {
+    use coloc_sim::NvmlFunc;
+    let sim = Sim::start(1, &[]);
+    let agent = Agent::start(&sim, AgentOpts::default());
+    let off = sim.spawn(&args(&offline_args("transient")));
+    let _online = sim.spawn(&["busy", "--ms", "5000"]);
+    wait_for("offline suspended", SOON, || off.state() == Some('T')).unwrap();
+    let probe = sim.open();
+    let t = std::time::Instant::now();
+    let mut injected = 0;
+    while t.elapsed() < Duration::from_millis(1500) {
+        for f in [
+            NvmlFunc::DeviceGetProcessUtilization,
+            NvmlFunc::DeviceGetComputeRunningProcesses,
+        ] {
+            // Twice in a row: the first answer and the first retry both fail.
+            probe.nvml_inject(f, Some(0), 7, 2, true).unwrap();
+        }
+        injected += 1;
+        std::thread::sleep(Duration::from_millis(10));
+        assert_eq!(
+            off.state(),
+            Some('T'),
+            "offline resumed during online work after {injected} injections:\n{}",
+            agent.log_text()
+        );
+    }
+    assert!(probe.nvml_injected_count(NvmlFunc::DeviceGetProcessUtilization) >= 50);
+    let m = agent.metrics();
+    assert_eq!(
+        metric(&m, "coloc_fail_open_total", &["reason=\"nvml\""]),
+        0.0,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "coloc_nvml_transient_answers_total", &[]) >= 50.0,
+        "{m}"
+    );
+}
+
+/// A hung NVML call trips the watchdog: offline resumes, /readyz says why, the counter
+/// names it; when the call returns the agent protects online again.
+#[test]
+fn hung_nvml_call_trips_the_watchdog() {
+    use coloc_sim::NvmlFunc;
+    let sim = Sim::start(1, &[]);
+    let agent = Agent::start(&sim, AgentOpts::default());
+    let off = sim.spawn(&args(&offline_args("hung")));
+    let _online = sim.spawn(&["busy", "--ms", "8000"]);
+    wait_for("offline suspended", SOON, || off.state() == Some('T')).unwrap();
+    let probe = sim.open();
+    probe.nvml_hang(NvmlFunc::DeviceGetProcessUtilization, true);
+    let took = wait_for("offline resumed by the watchdog", SOON, || {
+        off.state() != Some('T')
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    assert!(
+        took >= Duration::from_millis(200),
+        "resumed after {took:?}, before the 250 ms hang timeout"
+    );
+    let (code, body) = http_get(agent.port, "/readyz").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("NVML call"), "{body}");
+    assert!(
+        metric(
+            &agent.metrics(),
+            "coloc_fail_open_total",
+            &["reason=\"nvml_hung\""]
+        ) >= 1.0
+    );
+    probe.nvml_hang(NvmlFunc::DeviceGetProcessUtilization, false);
+    wait_for("ready again", SOON, || {
+        http_get(agent.port, "/readyz")
+            .map(|r| r.0 == 200)
+            .unwrap_or(false)
+    })
+    .unwrap();
+    wait_for("protecting online again", SOON, || off.state() == Some('T')).unwrap();
+}

@@ -13,7 +13,10 @@ pub struct DryRun;
 impl Actuator for DryRun {
     fn start(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
         for t in targets {
-            info!(target = %t, op = op.as_str(), "Dry run: would act");
+            match op {
+                Op::Suspend => info!(target = %t, "Dry run: would suspend"),
+                Op::Resume => info!(target = %t, "Dry run: would resume"),
+            }
         }
         targets.iter().map(|_| Progress::Skipped).collect()
     }
