@@ -320,6 +320,13 @@ pub struct FakeActuator {
 }
 
 impl FakeActuator {
+    /// Like a real actuator, waits out the budget (real time) when a target does not
+    /// confirm, so a loop that waits too long shows it.
+    fn wait_if_stuck(&self, targets: &[Target], op: Op, budget: Duration) {
+        if targets.iter().any(|t| matches!(self.answer(t, op), Progress::Pending)) {
+            std::thread::sleep(budget.min(Duration::from_secs(2)));
+        }
+    }
     /// The calls so far.
     pub fn calls(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
@@ -340,7 +347,8 @@ impl FakeActuator {
 }
 
 impl Actuator for FakeActuator {
-    fn start(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
+    fn start(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        self.wait_if_stuck(targets, op, budget);
         let disk = self.disk.lock().unwrap().clone();
         let recs: Vec<RecordEntry> = targets.iter().map(Target::record).collect();
         let unrecorded = if op == Op::Suspend {
@@ -358,7 +366,8 @@ impl Actuator for FakeActuator {
         }
         targets.iter().map(|t| self.answer(t, op)).collect()
     }
-    fn check(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
+    fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        self.wait_if_stuck(targets, op, budget);
         targets.iter().map(|t| self.answer(t, op)).collect()
     }
 }
