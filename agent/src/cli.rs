@@ -38,6 +38,7 @@ pub enum LogFormat {
 
 /// Subcommands.
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once at start
 pub enum Command {
     /// Run the agent.
     Run(RunArgs),

@@ -73,20 +73,20 @@ const TERMINATING: &[(i32, &str)] = &[
 ];
 
 fn run(args: RunArgs) -> Result<()> {
-    let cfg = args.loop_config()?;
     let prom = telemetry::install()?;
     // Fail-open first: whatever a previous run left suspended runs again before anything
-    // else (the rules file, the Kubernetes client, NVML) can fail.
-    let record: Box<dyn RecordStore> = if cfg.dry_run {
+    // else (the other flags, the rules file, the Kubernetes client, NVML) can fail.
+    let record: Box<dyn RecordStore> = if args.dry_run {
         Box::new(MemRecord::default())
     } else {
         let (mut record, leftover) = FileRecord::open(&args.state_dir)?;
         if !leftover.is_empty() {
             warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended");
-            resume_leftovers(&mut record, &leftover, cfg.confirm_timeout);
+            resume_leftovers(&mut record, &leftover, args.confirm_timeout);
         }
         Box::new(record)
     };
+    let cfg = args.loop_config()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

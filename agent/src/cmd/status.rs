@@ -124,11 +124,11 @@ pub fn run(a: StatusArgs) -> Result<()> {
             let events = &st.recent_events;
             let now = st.updated_ns;
             let t0 = events
-                .iter()
-                .find_map(|e| match e {
-                    crate::control::events::Event::Preempt(p) => Some(p.decided_ns),
-                    crate::control::events::Event::Release(r) => Some(r.decided_ns),
-                    crate::control::events::Event::FailOpen(f) => Some(f.at_ns),
+                .first()
+                .map(|e| match e {
+                    crate::control::events::Event::Preempt(p) => p.decided_ns,
+                    crate::control::events::Event::Release(r) => r.decided_ns,
+                    crate::control::events::Event::FailOpen(f) => f.at_ns,
                 })
                 .unwrap_or(now)
                 .min(now.saturating_sub(10_000_000_000));

@@ -160,10 +160,11 @@ impl Tracker {
     pub fn complete(&mut self, done: &[Completion]) -> Vec<Event> {
         for c in done {
             for w in self.waiting.iter_mut().filter(|w| w.op == c.op) {
-                if w.holds.remove(&c.key) && matches!(c.outcome, Outcome::Done) {
-                    if w.last.is_none_or(|(t, _)| c.at_ns >= t) {
-                        w.last = Some((c.at_ns, c.kind));
-                    }
+                if w.holds.remove(&c.key)
+                    && matches!(c.outcome, Outcome::Done)
+                    && w.last.is_none_or(|(t, _)| c.at_ns >= t)
+                {
+                    w.last = Some((c.at_ns, c.kind));
                 }
             }
         }

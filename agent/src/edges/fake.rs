@@ -323,7 +323,10 @@ impl FakeActuator {
     /// Like a real actuator, waits out the budget (real time) when a target does not
     /// confirm, so a loop that waits too long shows it.
     fn wait_if_stuck(&self, targets: &[Target], op: Op, budget: Duration) {
-        if targets.iter().any(|t| matches!(self.answer(t, op), Progress::Pending)) {
+        if targets
+            .iter()
+            .any(|t| matches!(self.answer(t, op), Progress::Pending))
+        {
             std::thread::sleep(budget.min(Duration::from_secs(2)));
         }
     }
