@@ -53,7 +53,22 @@ impl Loop {
         }
         done.extend(started.done);
 
-        for tr in &d.transitions {
+        self.open_events(&d.transitions, &started.started, &resumed, &reasons);
+        for ev in self.tracker.complete(&done) {
+            self.telemetry.emit(ev);
+        }
+    }
+
+    /// Opens the event of each transition, waiting for the holds this decision started
+    /// for it: suspensions for the busy GPU, resumptions of its processes.
+    fn open_events(
+        &mut self,
+        transitions: &[Transition],
+        started: &[(ProcKey, HoldKey)],
+        resumed: &[(ProcKey, HoldKey)],
+        reasons: &[(ProcKey, Reason)],
+    ) {
+        for tr in transitions {
             let opened = match *tr {
                 Transition::Preempt {
                     gpu,
@@ -64,7 +79,6 @@ impl Loop {
                     let detection = decided_at.saturating_sub(first_activity);
                     self.telemetry.detected(gpu, secs(detection));
                     let holds: BTreeSet<HoldKey> = started
-                        .started
                         .iter()
                         .filter(|(holder, _)| {
                             reasons.contains(&(*holder, Reason::OnlineBusy { gpu }))
@@ -119,9 +133,6 @@ impl Loop {
             if let Some(ev) = opened {
                 self.telemetry.emit(ev);
             }
-        }
-        for ev in self.tracker.complete(&done) {
-            self.telemetry.emit(ev);
         }
     }
 }

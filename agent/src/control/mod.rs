@@ -24,6 +24,7 @@ pub mod events;
 mod execute;
 pub mod health;
 pub mod holds;
+mod observe;
 mod publish;
 pub mod state;
 pub mod table;
@@ -40,11 +41,11 @@ use crate::edges::record::RecordStore;
 use crate::edges::source::PodSource;
 use crate::telemetry::Telemetry;
 use events::{Event, FailOpen, Tracker};
-use health::{Health, Verdict, Watchdog};
+use health::{Health, Watchdog};
 use holds::Holds;
 use qos_core::{Class, Machine};
 use state::Shared;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -286,123 +287,6 @@ impl Loop {
             self.last_publish_ns = now;
             self.publish(now);
         }
-    }
-
-    /// Reads samples (and, when due, the process lists) of every GPU. Returns the GPUs
-    /// whose calls failed this tick, with the reason.
-    fn observe(&mut self, now: u64) -> BTreeMap<u32, String> {
-        let mut failed = BTreeMap::new();
-        let mut unknown: Vec<(u32, u32, u64)> = Vec::new();
-        for gpu in self.gpus.clone() {
-            let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
-            match self.gpu.samples(gpu, since) {
-                Ok(samples) => {
-                    if self.health.degraded(gpu) {
-                        // Answers again after failing open: what the driver buffered
-                        // meanwhile is history, not the start of a busy period.
-                        self.blind_until.insert(gpu, now);
-                    }
-                    let blind = self.blind_until.get(&gpu).copied().unwrap_or(0);
-                    for a in samples {
-                        let seen = self.last_seen_us.entry(gpu).or_insert(0);
-                        *seen = (*seen).max(a.at_ns / 1000);
-                        if a.at_ns <= blind {
-                            continue;
-                        }
-                        if !self.table.note_sample(gpu, a.pid, a.at_ns) {
-                            unknown.push((gpu, a.pid, a.at_ns));
-                        }
-                    }
-                }
-                Err(err) => {
-                    metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
-                    failed.insert(gpu, err.to_string());
-                }
-            }
-        }
-        let generation = self.classifier.source.generation();
-        if !unknown.is_empty() || now >= self.next_refresh_ns || self.table.stale(generation) {
-            self.next_refresh_ns = now + self.cfg.process_interval.as_nanos() as u64;
-            let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-            let mut list_failed = BTreeSet::new();
-            for gpu in self.gpus.clone() {
-                match self.gpu.processes(gpu) {
-                    Ok(pids) => {
-                        for pid in pids {
-                            listed.entry(pid).or_default().insert(gpu);
-                        }
-                    }
-                    Err(err) => {
-                        metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
-                        list_failed.insert(gpu);
-                        failed.entry(gpu).or_insert_with(|| err.to_string());
-                    }
-                }
-            }
-            self.table
-                .refresh(&listed, &list_failed, generation, now, &self.classifier);
-            for (gpu, pid, at) in unknown {
-                self.table.note_sample(gpu, pid, at);
-            }
-        }
-        failed
-    }
-
-    /// Applies the health policy to this tick's failures.
-    fn judge(&mut self, failed: BTreeMap<u32, String>, now: u64) {
-        for gpu in self.gpus.clone() {
-            let verdict = match failed.get(&gpu) {
-                None => self.health.ok(gpu),
-                Some(err) => self.health.failed(gpu, now, err.clone()),
-            };
-            match verdict {
-                Verdict::Healthy | Verdict::StillDegraded => {}
-                Verdict::Transient => {
-                    warn!(gpu, error = %failed[&gpu], "NVML call failed; keeping this GPU's decisions until the failure persists");
-                }
-                Verdict::FailOpen => {
-                    error!(gpu, error = %failed[&gpu], grace = ?self.cfg.nvml_grace, "NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed");
-                    metrics::counter!("coloc_fail_open_total", "reason" => "nvml").increment(1);
-                    let resumed = self.suspended_on(gpu);
-                    self.telemetry.emit(Event::FailOpen(FailOpen {
-                        at_ns: now,
-                        reason: "nvml".into(),
-                        gpu: Some(gpu),
-                        resumed,
-                    }));
-                    self.table.clear_activity(Some(gpu));
-                }
-                Verdict::Recovered => {
-                    info!(gpu, "NVML answers again for this GPU: managing it again");
-                }
-            }
-            if let Some(m) = self.telemetry.gpus.get(&gpu) {
-                m.degraded
-                    .set(if self.health.degraded(gpu) { 1.0 } else { 0.0 });
-            }
-        }
-        let why = self.health.describe();
-        if self.shared.set_degraded(why.clone()) && why.is_none() {
-            info!("NVML answers again on every GPU: resuming normal operation");
-        }
-    }
-
-    /// The watchdog resumed everything while the loop was stuck in NVML: forget the
-    /// decisions and the samples from before, and report when the call came back.
-    fn after_watchdog(&mut self, now: u64) {
-        self.machine.release_all();
-        self.table.clear_activity(None);
-        for g in &self.gpus {
-            self.blind_until.insert(*g, now);
-        }
-        self.telemetry.emit(Event::FailOpen(FailOpen {
-            at_ns: now,
-            reason: "nvml_hung".into(),
-            gpu: None,
-            resumed: 0,
-        }));
-        self.shared.set_degraded(self.health.describe());
-        info!("The hung NVML call returned: managing offline work again");
     }
 
     fn suspended_on(&self, gpu: u32) -> usize {

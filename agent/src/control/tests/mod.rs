@@ -1,0 +1,296 @@
+//! The loop's promises, tested through the fakes of every edge: no root, no GPU, no real
+//! process is touched, and time is a fake clock the test moves. `failures`: what goes
+//! wrong (stuck targets, NVML failing or hanging, exited PIDs) and what the loop does.
+
+mod failures;
+
+use super::events::Event;
+use super::state::Shared;
+use super::{Edges, Loop, LoopConfig};
+use crate::cli::{Cli, Command};
+use crate::edges::actuator::{Kind, Op, RecordEntry};
+use crate::edges::clock::Clock;
+use crate::edges::fake::*;
+use crate::edges::source::Classified;
+use clap::Parser;
+use qos_core::{Class, Share};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_000_000 * 1_000_000_000;
+
+/// The configuration a user gets from `coloc-agent run --actuator signal`.
+fn default_config() -> LoopConfig {
+    let cli = Cli::try_parse_from(["coloc-agent", "run", "--actuator", "signal"]).unwrap();
+    let Command::Run(args) = cli.cmd else {
+        unreachable!()
+    };
+    args.loop_config().unwrap()
+}
+
+struct H {
+    lp: Loop,
+    clock: FakeClock,
+    gpu: FakeGpu,
+    procs: FakeProc,
+    source: FakeSource,
+    act: FakeActuator,
+    rec: FakeRecord,
+}
+
+fn harness(gpus: u32) -> H {
+    harness_with(gpus, default_config())
+}
+
+fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
+    let clock = FakeClock::default();
+    clock.set(T0);
+    let gpu = FakeGpu::new(gpus);
+    let procs = FakeProc::default();
+    let source = FakeSource::default();
+    let rec = FakeRecord::default();
+    let act = FakeActuator {
+        disk: rec.disk.clone(),
+        clock: Some(clock.clone()),
+        act_ns: MS / 2,
+        ..Default::default()
+    };
+    let edges = Edges {
+        gpu: Box::new(gpu.clone()),
+        procfs: Arc::new(procs.clone()),
+        source: Arc::new(source.clone()),
+        clock: Arc::new(clock.clone()),
+        actuator: Box::new(act.clone()),
+        record: Box::new(rec.clone()),
+    };
+    let lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
+    H {
+        lp,
+        clock,
+        gpu,
+        procs,
+        source,
+        act,
+        rec,
+    }
+}
+
+fn class(c: Class, cgroup: Option<&str>) -> Classified {
+    Classified {
+        class: c,
+        share: Share::Burst,
+        owner: format!("test:{c}"),
+        freeze_cgroup: cgroup.map(String::from),
+    }
+}
+
+impl H {
+    fn spawn(&self, gpu: u32, pid: u32, c: Classified) {
+        self.procs.add(pid, 100 + pid as u64, "work", "/w");
+        self.gpu.add(gpu, pid);
+        self.source.set(pid, c);
+    }
+    fn now(&self) -> u64 {
+        self.clock.0.load(Ordering::SeqCst)
+    }
+    /// One tick, then 1 ms passes.
+    fn tick(&mut self) {
+        self.lp.tick();
+        self.clock.advance(MS);
+    }
+    fn ticks(&mut self, n: usize) {
+        for _ in 0..n {
+            self.tick();
+        }
+    }
+    /// Online `pid` on `gpu` is active now (a sample stamped now).
+    fn active(&self, gpu: u32, pid: u32) {
+        self.gpu.sample(gpu, pid, self.now());
+    }
+    fn suspended(&self, pid: u32) -> bool {
+        self.lp.machine.suspended().keys().any(|k| k.pid == pid)
+            && self.lp.holds().holds(&self.key(pid))
+    }
+    fn key(&self, pid: u32) -> crate::edges::procfs::ProcKey {
+        self.procs.read_proc_key(pid)
+    }
+    fn suspends_of(&self, pid: u32) -> usize {
+        self.act
+            .calls()
+            .iter()
+            .filter(|c| {
+                c.op == Op::Suspend
+                    && c.targets
+                        .iter()
+                        .any(|t| matches!(t, RecordEntry::Process { pid: p, .. } if *p == pid))
+            })
+            .count()
+    }
+    fn events(&self) -> Vec<Event> {
+        self.lp.telemetry.recent.iter().cloned().collect()
+    }
+}
+
+impl FakeProc {
+    fn read_proc_key(&self, pid: u32) -> crate::edges::procfs::ProcKey {
+        self.procs.lock().unwrap()[&pid].key
+    }
+}
+
+/// Online work on a GPU suspends its offline work; the idle window (100 ms by default)
+/// releases it exactly at its end, not a tick before.
+#[test]
+fn preempts_and_releases_at_the_end_of_the_idle_window() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(5);
+    assert!(!h.suspended(10), "offline runs while online is idle");
+    let last = h.now();
+    h.active(0, 20);
+    h.tick();
+    assert!(h.suspended(10), "online activity suspends offline at once");
+    // No more online activity: still suspended at last + 99 ms ...
+    while h.now() < last + 99 * MS {
+        h.tick();
+        assert!(
+            h.suspended(10),
+            "released {} ms after online's last activity",
+            (h.now() - last) / MS
+        );
+    }
+    h.clock.set(last + 100 * MS);
+    h.tick();
+    assert!(
+        !h.suspended(10),
+        "not released at the end of the 100 ms window"
+    );
+    let ev = h.events();
+    let Some(Event::Preempt(p)) = ev.iter().find(|e| matches!(e, Event::Preempt(_))) else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(p.actuator, Some(Kind::Signal));
+    assert_eq!(
+        p.preemption_s,
+        Some(0.0005),
+        "actuation time of the fake: 0.5 ms"
+    );
+    let Some(Event::Release(r)) = ev.iter().find(|e| matches!(e, Event::Release(_))) else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(r.window_end_ns, last + 100 * MS);
+    assert!(r.release_s.is_some());
+}
+
+/// Record before act: every suspension's targets are on disk when the actuator starts.
+#[test]
+fn a_suspension_happens_only_after_the_record_holds_it_on_disk() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 11, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(2);
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    let suspends: Vec<_> = calls.iter().filter(|c| c.op == Op::Suspend).collect();
+    assert_eq!(suspends.len(), 1, "{calls:?}");
+    assert_eq!(suspends[0].targets.len(), 2);
+    assert!(
+        suspends[0].unrecorded.is_empty(),
+        "suspended before recorded: {:?}",
+        suspends[0].unrecorded
+    );
+    // After the release, the record is empty again.
+    h.ticks(120);
+    assert!(h.rec.disk.lock().unwrap().is_empty());
+}
+
+/// An unwritable record means no suspension at all (and nothing stays in memory).
+#[test]
+fn nothing_is_suspended_that_is_not_on_disk() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.rec.broken.store(true, Ordering::SeqCst);
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(
+        h.suspends_of(10),
+        0,
+        "suspended although the record could not be written"
+    );
+    assert!(h.lp.holds().is_empty());
+    let ev = h.events();
+    assert!(
+        matches!(&ev[..], [Event::Preempt(p)] if p.confirmed_ns.is_none()),
+        "{ev:?}"
+    );
+}
+
+/// A suspension that fails is undone, leaves the record, and the event says nothing was
+/// confirmed.
+#[test]
+fn a_failed_suspension_is_undone_and_reported() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    let key = h.key(10);
+    h.act.fail.lock().unwrap().insert(RecordEntry::Process {
+        pid: 10,
+        start: key.start,
+    });
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    assert!(
+        matches!(&calls[..], [s, r] if s.op == Op::Suspend && r.op == Op::Resume),
+        "{calls:?}"
+    );
+    assert!(h.lp.holds().is_empty());
+    assert!(
+        h.rec.disk.lock().unwrap().is_empty(),
+        "undone suspension left in the record"
+    );
+    let ev = h.events();
+    assert!(
+        matches!(&ev[..], [Event::Preempt(p)] if p.confirmed_ns.is_none() && p.actuator.is_none()),
+        "{ev:?}"
+    );
+}
+
+/// A PID reused by another process is never acted on: the old key is resumed through its
+/// own target, the new process is classified anew (here: online).
+#[test]
+fn a_reused_pid_is_never_signalled() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    assert!(h.suspended(10));
+    // PID 10 exits and a new process (start time differs) takes the PID: online this time.
+    h.procs.add(10, 999, "new", "/other");
+    h.source.set(10, class(Class::Online, None));
+    h.clock.advance(60 * MS);
+    h.ticks(3);
+    for c in h.act.calls() {
+        for t in &c.targets {
+            assert_ne!(
+                *t,
+                RecordEntry::Process {
+                    pid: 10,
+                    start: 999
+                },
+                "the new process was acted on: {c:?}"
+            );
+        }
+    }
+    assert!(!h.lp.holds().holds(&h.key(10)));
+}

@@ -1,0 +1,108 @@
+//! The host actuator on real processes (no root needed: the test's own children).
+use super::*;
+use crate::edges::procfs::{open_pidfd, read_stat};
+
+fn target_of(child: &std::process::Child) -> Target {
+    let pid = child.id();
+    let key = ProcKey {
+        pid,
+        start: read_stat(pid).unwrap().start,
+    };
+    Target::Process {
+        key,
+        pidfd: Arc::new(open_pidfd(key).unwrap()),
+    }
+}
+
+#[test]
+fn signal_stop_and_continue_are_confirmed() {
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let t = target_of(&child);
+    let budget = Duration::from_secs(2);
+    let r = Host.start(std::slice::from_ref(&t), Op::Suspend, budget);
+    assert!(matches!(r[0], Progress::Done), "{r:?}");
+    assert_eq!(read_stat(pid).unwrap().state, 'T');
+    let r = Host.start(std::slice::from_ref(&t), Op::Resume, budget);
+    assert!(matches!(r[0], Progress::Done), "{r:?}");
+    assert_ne!(read_stat(pid).unwrap().state, 'T');
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The process is gone (reaped): the pidfd refuses, nothing else is hit.
+    let r = Host.start(std::slice::from_ref(&t), Op::Suspend, budget);
+    assert!(matches!(r[0], Progress::Gone), "{r:?}");
+}
+
+/// The signal goes through the pidfd, never the PID: a target whose pidfd pins a dead
+/// process must not stop the live process that now answers to the PID in its key.
+#[test]
+fn signal_goes_through_the_pidfd_not_the_pid() {
+    let mut dead = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let stale = target_of(&dead);
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    let mut live = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let Target::Process { pidfd, .. } = stale else {
+        unreachable!()
+    };
+    // As if the PID had been reused: the key names the live process, the pidfd the
+    // dead one it was opened for.
+    let reused = Target::Process {
+        key: ProcKey {
+            pid: live.id(),
+            start: read_stat(live.id()).unwrap().start,
+        },
+        pidfd,
+    };
+    let r = Host.start(
+        std::slice::from_ref(&reused),
+        Op::Suspend,
+        Duration::from_millis(200),
+    );
+    let state = read_stat(live.id()).unwrap().state;
+    live.kill().unwrap();
+    live.wait().unwrap();
+    assert!(matches!(r[0], Progress::Gone), "{r:?}");
+    assert_ne!(
+        state, 'T',
+        "the live process with the key's PID was stopped"
+    );
+}
+
+#[test]
+fn unconfirmed_within_the_budget_is_pending_not_failed() {
+    // A running process checked for a suspension that was never issued never
+    // confirms: the budget bounds the wait, and the answer is "pending".
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "exec sleep 30"])
+        .spawn()
+        .unwrap();
+    let t = target_of(&child);
+    let Target::Process { key, .. } = &t else {
+        unreachable!()
+    };
+    let t0 = Instant::now();
+    let r = Host.check(
+        std::slice::from_ref(&t),
+        Op::Suspend,
+        Duration::from_millis(30),
+    );
+    let took = t0.elapsed();
+    assert!(matches!(r[0], Progress::Pending), "{r:?}");
+    assert!(
+        took >= Duration::from_millis(30) && took < Duration::from_millis(500),
+        "{took:?}"
+    );
+    assert_ne!(read_stat(key.pid).unwrap().state, 'T');
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
