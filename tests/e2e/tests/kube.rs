@@ -105,8 +105,15 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     // Disconnect while the API server fails lists: keep the last known pods and stay ready.
     api.fail_lists(true);
     api.disconnect();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(src.ready());
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1500) {
+        assert!(
+            src.ready(),
+            "not ready {:?} after the disconnect",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(
         class(&src, UD),
         Some(Class::Offline),
@@ -198,11 +205,15 @@ fn agent_on_a_kubernetes_node() {
     api.fail_lists(true);
 
     let name = unique("coloc-e2e-kube");
-    let base = TestCgroup::v2(&name).or_else(|| {
-        eprintln!("NOTE: no cgroup v2 freezer here: using the v1 freezer");
-        TestCgroup::v1(&name)
+    let base = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
+        eprintln!("NOTE: cgroup v2 freezer not usable ({why}): using the v1 freezer");
+        TestCgroup::try_v1(&name)
+            .unwrap_or_else(|why1| panic!("a cgroup freezer is required: v2: {why}; v1: {why1}"))
     });
-    let base = base.expect("a cgroup freezer");
+    eprintln!(
+        "agent_on_a_kubernetes_node: exercising the cgroup {} freezer",
+        base.version
+    );
     let off_cg = kube_cgroup(&base, "besteffort", off_uid, "cri-containerd-0ff.scope");
     let on_cg = kube_cgroup(&base, "burstable", on_uid, "cri-containerd-0a.scope");
     let flip_cg = kube_cgroup(&base, "besteffort", flip_uid, "cri-containerd-f1.scope");
