@@ -626,17 +626,53 @@ impl TestCgroup {
     }
 }
 
+/// `dir` and every cgroup below it, parents before children.
+fn cgroup_tree(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while i < out.len() {
+        if let Ok(rd) = std::fs::read_dir(&out[i]) {
+            let subs: Vec<PathBuf> = rd
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect();
+            out.extend(subs);
+        }
+        i += 1;
+    }
+    out
+}
+
 impl Drop for TestCgroup {
     fn drop(&mut self) {
-        // Never leave anything frozen: thaw, kill, then remove.
+        // Never leave anything frozen: thaw, kill, then remove (nested cgroups too, deepest
+        // first, so a test that fails half-way leaves no directory behind).
         // Bounded throughout: a failing test must end in seconds, not hang on a frozen
         // process. Kill in a loop: a process may fork while being killed.
         let _ = match self.version {
             "v2" => std::fs::write(self.dir.join("cgroup.freeze"), "0"),
             _ => std::fs::write(self.dir.join("freezer.state"), "THAWED"),
         };
+        let procs = if self.version == "v2" {
+            "cgroup.procs"
+        } else {
+            "tasks"
+        };
+        let tree = cgroup_tree(&self.dir);
+        let all_pids = || -> Vec<u32> {
+            tree.iter()
+                .flat_map(|d| {
+                    std::fs::read_to_string(d.join(procs))
+                        .unwrap_or_default()
+                        .lines()
+                        .filter_map(|l| l.trim().parse().ok())
+                        .collect::<Vec<u32>>()
+                })
+                .collect()
+        };
         let empty = wait_for("cgroup empty", Duration::from_secs(5), || {
-            let pids = self.pids();
+            let pids = all_pids();
             for pid in &pids {
                 // SAFETY: kill(2).
                 unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
@@ -647,11 +683,13 @@ impl Drop for TestCgroup {
             eprintln!(
                 "WARNING: {e}: {} still holds {:?} (frozen: {})",
                 self.dir.display(),
-                self.pids(),
+                all_pids(),
                 self.frozen()
             );
         }
-        let _ = std::fs::remove_dir(&self.dir);
+        for d in tree.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
     }
 }
 
