@@ -28,6 +28,10 @@ struct ApiState {
     lists: u64,
     watches_open: i64,
     last_sent: Option<Instant>,
+    /// List requests received, answered or not (held, failed, served).
+    list_requests: u64,
+    /// Pod UID → when its latest event was handed to a watch connection's body.
+    written: HashMap<String, Instant>,
 }
 
 /// The server; stops with the runtime it was started on.
@@ -37,6 +41,8 @@ pub struct FakeApi {
     pub port: u16,
     state: Arc<Mutex<ApiState>>,
     tx: broadcast::Sender<Msg>,
+    /// `true`: list requests wait (unanswered) until set back to `false`.
+    hold: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 /// A pod as the API server returns it.
@@ -60,10 +66,23 @@ impl FakeApi {
         let state = Arc::new(Mutex::new(ApiState::default()));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let api = FakeApi { port, state, tx };
+        let hold = Arc::new(tokio::sync::watch::Sender::new(false));
+        let api = FakeApi {
+            port,
+            state,
+            tx,
+            hold,
+        };
         let app = Router::new()
             .route("/api/v1/pods", get(pods))
             .with_state(api.clone());
+        // Like kube-apiserver (Go sets TCP_NODELAY on every connection): without it the
+        // first watch event after the response headers waits for the client's delayed ACK
+        // (Nagle), about 40 ms, which is the fake server's latency, not the agent's.
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tokio::spawn(async move { axum::serve(listener, app).await });
         api
     }
@@ -142,6 +161,24 @@ impl FakeApi {
         self.state.lock().unwrap().fail_lists = fail;
     }
 
+    /// Holds list requests unanswered (`true`) until released (`false`): what the client
+    /// sees before its first list completes, without racing it.
+    pub fn hold_lists(&self, hold: bool) {
+        self.hold.send_replace(hold);
+    }
+
+    /// List requests received so far, answered or not.
+    pub fn list_requests(&self) -> u64 {
+        self.state.lock().unwrap().list_requests
+    }
+
+    /// When the latest event about pod `uid` was handed to an open watch connection (the
+    /// moment the server writes it; later than [`FakeApi::last_sent`], which is when it
+    /// was queued for the watches).
+    pub fn written_at(&self, uid: &str) -> Option<Instant> {
+        self.state.lock().unwrap().written.get(uid).copied()
+    }
+
     /// Lists served so far.
     pub fn lists(&self) -> u64 {
         self.state.lock().unwrap().lists
@@ -175,8 +212,10 @@ async fn pods(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String
         let rx = api.tx.subscribe();
         api.state.lock().unwrap().watches_open += 1;
         let guard = WatchGuard(api.state.clone());
+        let state = api.state.clone();
         let stream = futures::stream::unfold((rx, guard, false), move |(mut rx, g, done)| {
             let on_node = on_node.clone();
+            let state = state.clone();
             async move {
                 if done {
                     return None;
@@ -186,6 +225,13 @@ async fn pods(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String
                         Ok(Msg::Line(l)) => {
                             let v: Value = serde_json::from_str(&l).unwrap();
                             if on_node(&v["object"]) {
+                                if let Some(uid) = v["object"]["metadata"]["uid"].as_str() {
+                                    state
+                                        .lock()
+                                        .unwrap()
+                                        .written
+                                        .insert(uid.to_string(), Instant::now());
+                                }
                                 return Some((
                                     Ok::<_, std::convert::Infallible>(Bytes::from(l)),
                                     (rx, g, false),
@@ -209,6 +255,9 @@ async fn pods(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String
         )
             .into_response();
     }
+    api.state.lock().unwrap().list_requests += 1;
+    let mut held = api.hold.subscribe();
+    let _ = held.wait_for(|h| !*h).await;
     let mut s = api.state.lock().unwrap();
     if s.fail_lists {
         let e = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500});

@@ -106,7 +106,7 @@ impl Sim {
 impl Drop for Sim {
     fn drop(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = reap_within(&mut self.child, Duration::from_secs(5));
         let _ = std::fs::remove_file(&self.state);
     }
 }
@@ -128,13 +128,140 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let pid = self.0.id() as i32;
+        if matches!(self.0.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        let pid = self.0.id();
+        // A frozen process does not die of SIGKILL under the v1 freezer (and waiting on it
+        // would hang the test until the outer timeout): thaw whatever froze it first.
+        thaw_cgroups_of(pid);
         // SAFETY: plain kill(2) on our own child.
         unsafe {
-            libc::kill(pid, libc::SIGCONT);
-            libc::kill(pid, libc::SIGKILL);
+            libc::kill(pid as i32, libc::SIGCONT);
+            libc::kill(pid as i32, libc::SIGKILL);
         }
-        let _ = self.0.wait();
+        if let Err(e) = reap_within(&mut self.0, Duration::from_secs(5)) {
+            eprintln!("WARNING: test child {pid} left behind: {e}");
+        }
+    }
+}
+
+impl Proc {
+    /// Waits for the process to exit by itself, at most `timeout`; panics (the process is
+    /// then killed by drop) when it does not.
+    pub fn wait_within(&mut self, what: &str, timeout: Duration) -> std::process::ExitStatus {
+        let t = Instant::now();
+        loop {
+            match self.0.try_wait() {
+                Ok(Some(st)) => return st,
+                Ok(None) if t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(2)),
+                Ok(None) => panic!(
+                    "{what}: pid {} still running after {timeout:?} (state {:?})",
+                    self.pid(),
+                    self.state()
+                ),
+                Err(e) => panic!("{what}: waiting for pid {}: {e}", self.pid()),
+            }
+        }
+    }
+}
+
+/// Polls `child` until it has exited, at most `timeout`.
+fn reap_within(child: &mut Child, timeout: Duration) -> Result<std::process::ExitStatus> {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait()? {
+            return Ok(st);
+        }
+        if t.elapsed() >= timeout {
+            bail!(
+                "still there after {timeout:?} (state {:?})",
+                proc_state(child.id())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The v2 hierarchy's mount point: `/sys/fs/cgroup` (pure v2) or `/sys/fs/cgroup/unified`
+/// (hybrid).
+pub fn cgroup_v2_root() -> Option<PathBuf> {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("cgroup.controllers").exists())
+}
+
+/// Thaws the (non-root) v2 cgroup and v1 freezer cgroup that `pid` is in, if frozen.
+pub fn thaw_cgroups_of(pid: u32) {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+        return;
+    };
+    for line in text.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(ctrl), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let rel = path.trim_start_matches('/');
+        if rel.is_empty() {
+            continue;
+        }
+        if ctrl.is_empty() {
+            if let Some(root) = cgroup_v2_root() {
+                let _ = std::fs::write(root.join(rel).join("cgroup.freeze"), "0");
+            }
+        } else if ctrl.split(',').any(|c| c == "freezer") {
+            let _ = std::fs::write(
+                Path::new("/sys/fs/cgroup/freezer")
+                    .join(rel)
+                    .join("freezer.state"),
+                "THAWED",
+            );
+        }
+    }
+}
+
+/// Runs `cmd` to completion with captured output, at most `timeout`; kills it and panics
+/// (with what it printed so far) when it takes longer.
+pub fn output_within(cmd: &mut Command, timeout: Duration) -> std::process::Output {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let out_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = out.read_to_end(&mut b);
+        b
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = err.read_to_end(&mut b);
+        b
+    });
+    let status = match reap_within(&mut child, timeout) {
+        Ok(st) => st,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = reap_within(&mut child, Duration::from_secs(5));
+            let (o, r) = (
+                out_t.join().unwrap_or_default(),
+                err_t.join().unwrap_or_default(),
+            );
+            panic!(
+                "{cmd:?}: {e}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&o),
+                String::from_utf8_lossy(&r)
+            );
+        }
+    };
+    std::process::Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
     }
 }
 
@@ -366,18 +493,32 @@ impl Agent {
         }
     }
 
-    /// Waits for exit.
+    /// Waits for exit, at most 20 s: an agent that does not exit is killed and the test
+    /// fails with its log (instead of hanging).
     pub fn wait(&mut self) -> std::process::ExitStatus {
-        self.child.take().expect("running").wait().unwrap()
+        let mut c = self.child.take().expect("running");
+        match reap_within(&mut c, Duration::from_secs(20)) {
+            Ok(st) => st,
+            Err(e) => {
+                let _ = c.kill();
+                let _ = reap_within(&mut c, Duration::from_secs(5));
+                panic!("agent did not exit: {e}\nlog:\n{}", self.log_text());
+            }
+        }
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
+            // SIGTERM first: the agent resumes everything it suspended before it exits.
             // SAFETY: kill(2) on our own child.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let _ = c.wait();
+            if reap_within(&mut c, Duration::from_secs(5)).is_err() {
+                eprintln!("WARNING: agent ignored SIGTERM for 5 s: killing it");
+                let _ = c.kill();
+                let _ = reap_within(&mut c, Duration::from_secs(5));
+            }
         }
     }
 }
@@ -396,17 +537,25 @@ pub struct TestCgroup {
 impl TestCgroup {
     /// Creates a cgroup in the v2 hierarchy (`/sys/fs/cgroup` or its `unified/`).
     pub fn v2(name: &str) -> Option<TestCgroup> {
-        let root = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
-            .iter()
-            .map(PathBuf::from)
-            .find(|p| p.join("cgroup.controllers").exists())?;
+        TestCgroup::try_v2(name).ok()
+    }
+
+    /// Like [`TestCgroup::v2`], saying why when the v2 freezer cannot be used here.
+    pub fn try_v2(name: &str) -> std::result::Result<TestCgroup, String> {
+        let root = cgroup_v2_root().ok_or(
+            "no cgroup v2 hierarchy (no cgroup.controllers in /sys/fs/cgroup or /sys/fs/cgroup/unified)",
+        )?;
         let dir = root.join(name);
-        std::fs::create_dir_all(&dir).ok()?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create {} ({e}; root needed)", dir.display()))?;
         if !dir.join("cgroup.freeze").exists() {
             let _ = std::fs::remove_dir(&dir);
-            return None;
+            return Err(format!(
+                "{} has no cgroup.freeze (kernel older than 5.2)",
+                dir.display()
+            ));
         }
-        Some(TestCgroup {
+        Ok(TestCgroup {
             dir,
             path: format!("/{name}"),
             version: "v2",
@@ -415,17 +564,39 @@ impl TestCgroup {
 
     /// Creates a cgroup in the v1 freezer hierarchy.
     pub fn v1(name: &str) -> Option<TestCgroup> {
+        TestCgroup::try_v1(name).ok()
+    }
+
+    /// Like [`TestCgroup::v1`], saying why when the v1 freezer cannot be used here.
+    pub fn try_v1(name: &str) -> std::result::Result<TestCgroup, String> {
         let root = PathBuf::from("/sys/fs/cgroup/freezer");
         if !root.join("tasks").exists() {
-            return None;
+            return Err(
+                "no v1 freezer hierarchy at /sys/fs/cgroup/freezer (pure cgroup v2 host)".into(),
+            );
         }
         let dir = root.join(name);
-        std::fs::create_dir_all(&dir).ok()?;
-        Some(TestCgroup {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create {} ({e}; root needed)", dir.display()))?;
+        Ok(TestCgroup {
             dir,
             path: format!("/{name}"),
             version: "v1",
         })
+    }
+
+    /// The file the agent writes to freeze this cgroup (`cgroup.freeze` or
+    /// `freezer.state`), as it reads now.
+    pub fn control_file(&self) -> String {
+        let f = if self.version == "v2" {
+            "cgroup.freeze"
+        } else {
+            "freezer.state"
+        };
+        std::fs::read_to_string(self.dir.join(f))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
     }
 
     /// Whether the cgroup is frozen.
@@ -455,21 +626,70 @@ impl TestCgroup {
     }
 }
 
+/// `dir` and every cgroup below it, parents before children.
+fn cgroup_tree(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while i < out.len() {
+        if let Ok(rd) = std::fs::read_dir(&out[i]) {
+            let subs: Vec<PathBuf> = rd
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect();
+            out.extend(subs);
+        }
+        i += 1;
+    }
+    out
+}
+
 impl Drop for TestCgroup {
     fn drop(&mut self) {
-        // Never leave anything frozen: thaw, kill, then remove.
+        // Never leave anything frozen: thaw, kill, then remove (nested cgroups too, deepest
+        // first, so a test that fails half-way leaves no directory behind).
+        // Bounded throughout: a failing test must end in seconds, not hang on a frozen
+        // process. Kill in a loop: a process may fork while being killed.
         let _ = match self.version {
             "v2" => std::fs::write(self.dir.join("cgroup.freeze"), "0"),
             _ => std::fs::write(self.dir.join("freezer.state"), "THAWED"),
         };
-        for pid in self.pids() {
-            // SAFETY: kill(2).
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-        let _ = wait_for("cgroup empty", Duration::from_secs(2), || {
-            self.pids().is_empty()
+        let procs = if self.version == "v2" {
+            "cgroup.procs"
+        } else {
+            "tasks"
+        };
+        let tree = cgroup_tree(&self.dir);
+        let all_pids = || -> Vec<u32> {
+            tree.iter()
+                .flat_map(|d| {
+                    std::fs::read_to_string(d.join(procs))
+                        .unwrap_or_default()
+                        .lines()
+                        .filter_map(|l| l.trim().parse().ok())
+                        .collect::<Vec<u32>>()
+                })
+                .collect()
+        };
+        let empty = wait_for("cgroup empty", Duration::from_secs(5), || {
+            let pids = all_pids();
+            for pid in &pids {
+                // SAFETY: kill(2).
+                unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+            }
+            pids.is_empty()
         });
-        let _ = std::fs::remove_dir(&self.dir);
+        if let Err(e) = empty {
+            eprintln!(
+                "WARNING: {e}: {} still holds {:?} (frozen: {})",
+                self.dir.display(),
+                all_pids(),
+                self.frozen()
+            );
+        }
+        for d in tree.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
     }
 }
 

@@ -33,8 +33,17 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     api.apply(pod(UA, "a", "node1", Some("reclaimed_cores")));
     api.apply(pod(UB, "b", "node1", Some("shared_cores")));
     api.apply(pod(UC, "c", "node2", Some("reclaimed_cores")));
+    // The server holds its answer to the first list until the source has been seen not
+    // ready: no race between the list completing and the assertion.
+    api.hold_lists(true);
     let src = KubeSource::start(api.client(), "node1");
-    assert!(!src.ready(), "not ready before the first list");
+    until("the first list request", Duration::from_secs(10), || {
+        api.list_requests() > 0
+    })
+    .await;
+    assert!(!src.ready(), "ready before the first list was answered");
+    assert_eq!(class(&src, UA), None, "pods known before the first list");
+    api.hold_lists(false);
     until("first list", Duration::from_secs(10), || src.ready()).await;
     assert_eq!(class(&src, UA), Some(Class::Offline));
     assert_eq!(class(&src, UB), Some(Class::Online));
@@ -96,8 +105,15 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     // Disconnect while the API server fails lists: keep the last known pods and stay ready.
     api.fail_lists(true);
     api.disconnect();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(src.ready());
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1500) {
+        assert!(
+            src.ready(),
+            "not ready {:?} after the disconnect",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(
         class(&src, UD),
         Some(Class::Offline),
@@ -129,26 +145,39 @@ async fn event_to_classification_latency() {
     let mut lat = Vec::new();
     for i in 0..200u32 {
         let uid = format!("0f2c7a54-9a3b-4c1e-8d2f-{i:012}");
-        let qos = if i % 2 == 0 {
-            "reclaimed_cores"
+        let (qos, want) = if i % 2 == 0 {
+            ("reclaimed_cores", Class::Offline)
         } else {
-            "shared_cores"
+            ("shared_cores", Class::Online)
         };
         rx.borrow_and_update();
         api.apply(pod(&uid, &format!("p{i}"), "node1", Some(qos)));
         tokio::time::timeout(Duration::from_secs(5), rx.changed())
             .await
-            .unwrap()
+            .unwrap_or_else(|_| panic!("event {i} not classified within 5 s"))
             .unwrap();
-        let sent = api.last_sent().unwrap();
-        assert!(src.get(&uid).is_some());
-        lat.push(sent.elapsed().as_secs_f64() * 1e3);
+        let seen = Instant::now();
+        // From the moment the fake API server wrote the event to the watch connection (not
+        // when the test queued it: the server's own broadcast is not the agent's latency)
+        // to the source's change notification, which follows the index update.
+        let written = api
+            .written_at(&uid)
+            .expect("the event went out on the watch");
+        assert_eq!(class(&src, &uid), Some(want), "pod {i} ({qos})");
+        lat.push(seen.saturating_duration_since(written).as_secs_f64() * 1e3);
     }
     lat.sort_by(f64::total_cmp);
-    let (p50, p99) = (lat[lat.len() / 2], lat[lat.len() * 99 / 100]);
-    eprintln!("pod event written by the API server -> in the agent's classification index: p50 {p50:.3} ms, p99 {p99:.3} ms over {} events", lat.len());
-    // Generous bound for a debug build on a loaded CI machine; the benchmark reports the figure.
-    assert!(p99 < 50.0, "p99 {p99} ms");
+    let pct = |q: f64| lat[((lat.len() as f64 * q).ceil() as usize).clamp(1, lat.len()) - 1];
+    let (p50, p90, p99, max) = (pct(0.5), pct(0.9), pct(0.99), lat[lat.len() - 1]);
+    eprintln!("pod event written by the API server -> classified in the agent's index: p50 {p50:.3} ms, p90 {p90:.3} ms, p99 {p99:.3} ms, max {max:.3} ms over {} events", lat.len());
+    // Target: 5 ms (benches/RESULTS.md). This debug build measures p50 0.2-0.6 ms, p90
+    // 0.3-1.5 ms, max 1-9 ms per 200 events on a 2-core machine at load 4-6 (two busy
+    // loops beside other builds). So the bulk must meet the target itself, with room for
+    // load: p50 < 2 ms, p90 < 5 ms; p99 (the third-worst of 200) < 20 ms leaves two
+    // scheduling stalls of any length to the machine, and the tail to the benchmark.
+    assert!(p50 < 2.0, "p50 {p50:.3} ms");
+    assert!(p90 < 5.0, "p90 {p90:.3} ms (target 5 ms)");
+    assert!(p99 < 20.0, "p99 {p99:.3} ms");
 }
 
 fn kube_cgroup(base: &TestCgroup, tier: &str, uid: &str, cid: &str) -> TestCgroup {
@@ -176,11 +205,15 @@ fn agent_on_a_kubernetes_node() {
     api.fail_lists(true);
 
     let name = unique("coloc-e2e-kube");
-    let base = TestCgroup::v2(&name).or_else(|| {
-        eprintln!("NOTE: no cgroup v2 freezer here: using the v1 freezer");
-        TestCgroup::v1(&name)
+    let base = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
+        eprintln!("NOTE: cgroup v2 freezer not usable ({why}): using the v1 freezer");
+        TestCgroup::try_v1(&name)
+            .unwrap_or_else(|why1| panic!("a cgroup freezer is required: v2: {why}; v1: {why1}"))
     });
-    let base = base.expect("a cgroup freezer");
+    eprintln!(
+        "agent_on_a_kubernetes_node: exercising the cgroup {} freezer",
+        base.version
+    );
     let off_cg = kube_cgroup(&base, "besteffort", off_uid, "cri-containerd-0ff.scope");
     let on_cg = kube_cgroup(&base, "burstable", on_uid, "cri-containerd-0a.scope");
     let flip_cg = kube_cgroup(&base, "besteffort", flip_uid, "cri-containerd-f1.scope");
@@ -194,8 +227,14 @@ fn agent_on_a_kubernetes_node() {
         &["--node-name", "node1", "--actuator", "freezer"],
         &[("KUBECONFIG", kubeconfig.as_os_str())],
     );
-    // Not ready until the first pod list is in.
-    std::thread::sleep(Duration::from_millis(800));
+    // Not ready until the first pod list is in: lists fail, so once the agent has tried
+    // one (and its HTTP endpoint is up) it must still say 503.
+    wait_for(
+        "the agent's first pod list and its HTTP endpoint",
+        Duration::from_secs(15),
+        || api.list_requests() > 0 && http_get(agent.port, "/readyz").is_ok(),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
     assert_eq!(
         http_get(agent.port, "/readyz").map(|r| r.0).unwrap_or(0),
         503,
