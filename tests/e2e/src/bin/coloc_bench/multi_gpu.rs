@@ -34,19 +34,21 @@ pub struct Opts {
     pub gap_mean_ms: f64,
     pub seed: u64,
     pub json: Option<PathBuf>,
+    pub keep_logs: Option<PathBuf>,
 }
 
 pub const USAGE: &str = "\
 coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
             [--actuator signal|freezer] [--step-ms 2] [--burst-ms 5-20]
-            [--gap-mean-ms 200] [--seed 1] [--json FILE]
+            [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR]
     Agent cost on a busy node: GPUS simulated GPUs (1 ms sample period), OFFLINE-PER-GPU
     offline processes per GPU (continuous STEP-MS steps; with the freezer actuator each
     GPU's offline processes share one cgroup, declared offline by a rules `cgroup`
     matcher), and per GPU one online process with bursts of uniform BURST-MS of GPU time
     separated by exponential idle gaps (mean GAP-MEAN-MS), seeded. The release agent runs
     with its defaults (--poll-interval 1ms). Prints a Markdown table; --json writes the
-    figures. --duration-s 600 is the soak variant. Needs root for the freezer actuator.";
+    figures; --keep-logs copies the agent's log and event log into DIR.
+    --duration-s 600 is the soak variant. Needs root for the freezer actuator.";
 
 fn opt<'a>(args: &'a [String], k: &str) -> Option<&'a str> {
     args.iter()
@@ -92,6 +94,7 @@ impl Opts {
             gap_mean_ms: num(args, "--gap-mean-ms", 200.0),
             seed: num(args, "--seed", 1),
             json: opt(args, "--json").map(PathBuf::from),
+            keep_logs: opt(args, "--keep-logs").map(PathBuf::from),
         }
     }
 }
@@ -320,8 +323,14 @@ pub fn run(o: &Opts) -> serde_json::Value {
         workers.push((child, out));
     }
     let mut rss_max = 0u64;
+    let mut rss_timeline = Vec::new(); // (s, MiB) every 10 s
     while t0.elapsed().as_secs_f64() < o.duration_s {
-        rss_max = rss_max.max(rss_kib(pid));
+        let r = rss_kib(pid);
+        rss_max = rss_max.max(r);
+        let t = t0.elapsed().as_secs_f64();
+        if rss_timeline.len() as f64 * 10.0 <= t {
+            rss_timeline.push(serde_json::json!([t.round(), r as f64 / 1024.0]));
+        }
         std::thread::sleep(Duration::from_millis(500));
     }
     let mut online = Vec::new();
@@ -369,6 +378,11 @@ pub fn run(o: &Opts) -> serde_json::Value {
         .map(String::from)
         .collect();
 
+    if let Some(d) = &o.keep_logs {
+        std::fs::create_dir_all(d).expect("--keep-logs DIR");
+        let _ = std::fs::copy(&agent.log, d.join(format!("agent-{}.log", o.actuator)));
+        let _ = std::fs::copy(&events, d.join(format!("events-{}.jsonl", o.actuator)));
+    }
     let text = std::fs::read_to_string(&events).unwrap_or_default();
     let evs: Vec<serde_json::Value> = text
         .lines()
@@ -406,7 +420,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
     let _ = std::fs::remove_dir_all(&dir);
     let load_after = loadavg();
     let sum = |v: &[(String, f64)]| v.iter().fold(0.0, |a, x| a + x.1);
-    serde_json::json!({
+    let mut r = serde_json::json!({
         "scenario": "multi-gpu",
         "gpus": o.gpus, "offline_per_gpu": o.offline_per_gpu, "actuator": o.actuator,
         "duration_s": o.duration_s, "wall_s": wall, "step_ms": o.step_ms,
@@ -442,7 +456,9 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "agent_log_warn_error_first": problems.iter().take(5).collect::<Vec<_>>(),
         "online": online,
         "loadavg_before": load_before, "loadavg_after": load_after,
-    })
+    });
+    r["agent_rss_timeline_s_mib"] = serde_json::json!(rss_timeline);
+    r
 }
 
 pub fn print(r: &serde_json::Value) {
