@@ -3,7 +3,12 @@
 //! agent's CPU and RSS at a 1 ms poll on an idle node.
 //!
 //! Run with `benches/run.sh` (release build). Prints a Markdown table; `--json FILE`
-//! writes the raw figures.
+//! writes the raw figures. `--multi-gpu`: the agent's cost on a busy 8-GPU node (see
+//! `coloc_bench/multi_gpu.rs`). `--help` lists the modes.
+
+// Not `src/bin/multi_gpu.rs`: cargo would take that for a second binary.
+#[path = "coloc_bench/multi_gpu.rs"]
+mod multi_gpu;
 
 use coloc_e2e::*;
 use std::time::{Duration, Instant};
@@ -350,8 +355,39 @@ fn nvml_probe(args: &[String]) {
     println!("{}", serde_json::to_string_pretty(&out).unwrap());
 }
 
+const HELP: &str = "\
+coloc-bench: end-to-end benchmarks of the agent on the simulated GPU (release build;
+run as root for the freezer rows). Modes:
+
+coloc-bench [--cycles 40] [--cost-only] [--json FILE]
+    Preemption/release latency for 1, 8 and 64 offline processes, signal and freezer,
+    CYCLES online bursts each; then the agent's CPU and RSS at a 1 ms poll (0 and 8
+    offline processes). --cost-only: only the CPU/RSS part.
+coloc-bench --kube
+    Pod event -> classification latency and agent CPU under pod churn (fake API server).
+coloc-bench --nvml-probe [--nvml-lib LIB] [--gpu 0] [--seconds 5] [--stop-pid PID]
+    NVML facts on whatever driver LIB loads (JSON to stdout).
+";
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{HELP}{}", multi_gpu::USAGE);
+        return;
+    }
+    if args.iter().any(|a| a == "--online-worker") {
+        multi_gpu::online_worker(&args);
+        return;
+    }
+    if args.iter().any(|a| a == "--multi-gpu") {
+        let o = multi_gpu::Opts::parse(&args);
+        let r = multi_gpu::run(&o);
+        multi_gpu::print(&r);
+        if let Some(p) = &o.json {
+            std::fs::write(p, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+        }
+        return;
+    }
     if args.iter().any(|a| a == "--nvml-probe") {
         nvml_probe(&args);
         return;

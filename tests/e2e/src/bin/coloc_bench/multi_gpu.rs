@@ -1,0 +1,496 @@
+//! `coloc-bench --multi-gpu`: the agent's cost on a busy node. 8 simulated GPUs (1 ms
+//! sample period), 8 offline processes per GPU (continuous 2 ms steps), and on every GPU
+//! an independent online process with bursty work: bursts of 5–20 ms of GPU time (uniform)
+//! separated by exponential idle gaps (mean 200 ms), from a seeded RNG so runs compare.
+//! With the default 100 ms idle window each GPU goes through a few preemptions and releases
+//! a second. The real agent binary runs with its defaults (`--poll-interval 1ms`,
+//! `--idle-poll-interval 10ms`, `--idle-window 100ms`, `--loop-nice -10`) plus the
+//! actuator, the rules and `--event-log`.
+//!
+//! Reports agent CPU (schedstat delta of every thread / wall time, and utime+stime from
+//! /proc/<pid>/stat as a cross-check), RSS, preemptions and releases, their latencies (from
+//! the event log), fail-opens and actuation errors (from /metrics at the end), loop lag p99
+//! (from the `coloc_loop_lag_seconds` histogram buckets), and how many offline processes
+//! were still stopped or frozen after the agent exited (must be 0).
+//!
+//! The online workers are this binary re-executed (`coloc-bench --online-worker ...`, one
+//! process per GPU), so each GPU's online work is its own process, as in production.
+
+use super::{cpu_ns, pct, rss_kib};
+use coloc_e2e::*;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Scenario parameters (command-line options of `--multi-gpu`).
+#[derive(Debug, Clone)]
+pub struct Opts {
+    pub gpus: u32,
+    pub offline_per_gpu: usize,
+    pub duration_s: f64,
+    pub actuator: String,
+    pub step_ms: f64,
+    pub burst_min_ms: f64,
+    pub burst_max_ms: f64,
+    pub gap_mean_ms: f64,
+    pub seed: u64,
+    pub json: Option<PathBuf>,
+    pub keep_logs: Option<PathBuf>,
+}
+
+pub const USAGE: &str = "\
+coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
+            [--actuator signal|freezer] [--step-ms 2] [--burst-ms 5-20]
+            [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR]
+    Agent cost on a busy node: GPUS simulated GPUs (1 ms sample period), OFFLINE-PER-GPU
+    offline processes per GPU (continuous STEP-MS steps; with the freezer actuator each
+    GPU's offline processes share one cgroup, declared offline by a rules `cgroup`
+    matcher), and per GPU one online process with bursts of uniform BURST-MS of GPU time
+    separated by exponential idle gaps (mean GAP-MEAN-MS), seeded. The release agent runs
+    with its defaults (--poll-interval 1ms). Prints a Markdown table; --json writes the
+    figures; --keep-logs copies the agent's log and event log into DIR.
+    --duration-s 600 is the soak variant. Needs root for the freezer actuator.";
+
+fn opt<'a>(args: &'a [String], k: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == k)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+fn num<T: std::str::FromStr>(args: &[String], k: &str, default: T) -> T {
+    match opt(args, k) {
+        None => default,
+        Some(v) => v
+            .parse()
+            .unwrap_or_else(|_| panic!("{k}: cannot parse {v:?}\n\n{USAGE}")),
+    }
+}
+
+impl Opts {
+    pub fn parse(args: &[String]) -> Opts {
+        let (burst_min_ms, burst_max_ms) = match opt(args, "--burst-ms") {
+            None => (5.0, 20.0),
+            Some(v) => {
+                let (a, b) = v.split_once('-').unwrap_or((v, v));
+                (
+                    a.parse().expect("--burst-ms MIN-MAX"),
+                    b.parse().expect("--burst-ms MIN-MAX"),
+                )
+            }
+        };
+        let actuator = opt(args, "--actuator").unwrap_or("signal").to_string();
+        assert!(
+            actuator == "signal" || actuator == "freezer",
+            "--actuator must be signal or freezer\n\n{USAGE}"
+        );
+        Opts {
+            gpus: num(args, "--gpus", 8),
+            offline_per_gpu: num(args, "--offline-per-gpu", 8),
+            duration_s: num(args, "--duration-s", 60.0),
+            actuator,
+            step_ms: num(args, "--step-ms", 2.0),
+            burst_min_ms,
+            burst_max_ms,
+            gap_mean_ms: num(args, "--gap-mean-ms", 200.0),
+            seed: num(args, "--seed", 1),
+            json: opt(args, "--json").map(PathBuf::from),
+            keep_logs: opt(args, "--keep-logs").map(PathBuf::from),
+        }
+    }
+}
+
+/// splitmix64: a small seeded generator (the e2e crate has no `rand`).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// `coloc-bench --online-worker --state S --gpu G --seed N --duration-s D --burst-ms A-B
+/// --gap-mean-ms M --out FILE`: one GPU's bursty online process. Writes a JSON summary.
+pub fn online_worker(args: &[String]) {
+    let state = PathBuf::from(opt(args, "--state").expect("--state"));
+    let gpu: u32 = num(args, "--gpu", 0);
+    let o = Opts::parse(args);
+    let sim = coloc_sim::SimGpu::open(&state).expect("open simulated GPU state");
+    let slot = sim.register(gpu, 1 << 30).expect("register online slot");
+    let mut rng = Rng(o.seed ^ (u64::from(gpu) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let end = Instant::now() + Duration::from_secs_f64(o.duration_s);
+    let mut extra_ms = Vec::new(); // wall time of a burst minus its GPU time
+    let mut busy_ms = 0.0;
+    loop {
+        let gap = -rng.unit().ln() * o.gap_mean_ms;
+        let burst = o.burst_min_ms + (o.burst_max_ms - o.burst_min_ms) * rng.unit();
+        let wake = Instant::now() + Duration::from_secs_f64(gap / 1e3);
+        if wake >= end {
+            break;
+        }
+        std::thread::sleep(wake - Instant::now());
+        let t = Instant::now();
+        let target = slot.submit((burst * 1e6) as u64);
+        slot.wait_completed(target);
+        extra_ms.push(t.elapsed().as_secs_f64() * 1e3 - burst);
+        busy_ms += burst;
+    }
+    let out = serde_json::json!({
+        "gpu": gpu, "bursts": extra_ms.len(), "busy_ms": busy_ms,
+        "slowdown_ms": {"p50": pct(&extra_ms, 50.0), "p99": pct(&extra_ms, 99.0), "max": pct(&extra_ms, 100.0)},
+    });
+    if let Some(p) = opt(args, "--out") {
+        std::fs::write(p, out.to_string()).expect("write worker summary");
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// utime + stime of the whole process (reaped threads included), seconds.
+fn cpu_ticks_s(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = s.rfind(')').map(|i| &s[i + 2..]).unwrap_or("");
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // After the comm field: state is index 0, utime 11, stime 12.
+    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks as f64 / hz
+}
+
+fn status_kib(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Quantile of a Prometheus histogram from its cumulative buckets: the upper bound of the
+/// first bucket holding `q` of the observations (so "p99 ≤ this"), seconds.
+fn hist_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
+    let bucket = format!("{name}_bucket");
+    let mut b: Vec<(f64, f64)> = text
+        .lines()
+        .filter(|l| l.starts_with(&bucket))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect();
+    b.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let total = b.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    b.iter().find(|x| x.1 >= q * total).map(|x| x.0)
+}
+
+/// `name{labels} value` lines of a counter, as (labels, value).
+fn series(text: &str, name: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k[name.len()..].to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+pub fn run(o: &Opts) -> serde_json::Value {
+    let load_before = loadavg();
+    let sim = Sim::start(o.gpus, &["--sample-period-ms", "1"]);
+    let group = unique("coloc-bench-mgpu");
+    // Freezer: one cgroup per GPU holding that GPU's offline processes.
+    let mut cgroups = Vec::new();
+    let rules = if o.actuator == "freezer" {
+        let parent = TestCgroup::v2(&group)
+            .or_else(|| TestCgroup::v1(&group))
+            .expect("a cgroup freezer (run as root)");
+        for g in 0..o.gpus {
+            let name = format!("{group}/gpu{g}");
+            let cg = if parent.version == "v2" {
+                TestCgroup::v2(&name)
+            } else {
+                TestCgroup::v1(&name)
+            };
+            cgroups.push(cg.expect("child cgroup"));
+        }
+        cgroups.insert(0, parent);
+        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{group}/*\"\n")
+    } else {
+        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n"
+            .to_string()
+    };
+    let events = std::env::temp_dir().join(format!("{group}-events.jsonl"));
+    let agent_args = vec![
+        "--event-log".to_string(),
+        events.display().to_string(),
+        "--poll-interval".into(),
+        "1ms".into(),
+    ];
+    let mut agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator: &o.actuator,
+            extra: agent_args.clone(),
+            ..Default::default()
+        },
+    );
+    let pid = agent.child.as_ref().unwrap().id();
+    let step = o.step_ms.to_string();
+    let mut offline = Vec::new();
+    for g in 0..o.gpus {
+        let gs = g.to_string();
+        let a = [
+            "offline",
+            "--gpu",
+            &gs,
+            "--step-ms",
+            &step,
+            "--tag",
+            "bench",
+        ];
+        for _ in 0..o.offline_per_gpu {
+            offline.push(if o.actuator == "freezer" {
+                sim.spawn_in_cgroup(&cgroups[g as usize + 1].dir, &a)
+            } else {
+                sim.spawn(&a)
+            });
+        }
+    }
+    let seen = |a: &Agent| -> usize {
+        a.state()["gpus"]
+            .as_array()
+            .map(|gs| {
+                gs.iter()
+                    .filter_map(|g| g["processes"].as_array().map(Vec::len))
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    let want = o.gpus as usize * o.offline_per_gpu;
+    wait_for("agent sees all offline", Duration::from_secs(30), || {
+        seen(&agent) >= want
+    })
+    .unwrap_or_else(|e| panic!("{e}: saw {}\n{}", seen(&agent), agent.log_text()));
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Online: one bursty worker process per GPU.
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = std::env::temp_dir().join(format!("{group}-online"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let burst = format!("{}-{}", o.burst_min_ms, o.burst_max_ms);
+    let mut workers = Vec::new();
+    let (t0, c0, k0) = (Instant::now(), cpu_ns(pid), cpu_ticks_s(pid));
+    for g in 0..o.gpus {
+        let out = dir.join(format!("gpu{g}.json"));
+        let child = std::process::Command::new(&exe)
+            .args(["--online-worker", "--state"])
+            .arg(&sim.state)
+            .args(["--gpu", &g.to_string(), "--seed", &o.seed.to_string()])
+            .args(["--duration-s", &o.duration_s.to_string()])
+            .args(["--burst-ms", &burst])
+            .args(["--gap-mean-ms", &o.gap_mean_ms.to_string()])
+            .arg("--out")
+            .arg(&out)
+            .spawn()
+            .expect("spawn online worker");
+        workers.push((child, out));
+    }
+    let mut rss_max = 0u64;
+    let mut rss_timeline = Vec::new(); // (s, MiB) every 10 s
+    while t0.elapsed().as_secs_f64() < o.duration_s {
+        let r = rss_kib(pid);
+        rss_max = rss_max.max(r);
+        let t = t0.elapsed().as_secs_f64();
+        if rss_timeline.len() as f64 * 10.0 <= t {
+            rss_timeline.push(serde_json::json!([t.round(), r as f64 / 1024.0]));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let mut online = Vec::new();
+    for (w, out) in &mut workers {
+        let _ = w.wait();
+        online.push(
+            std::fs::read_to_string(out)
+                .ok()
+                .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+                .unwrap_or_default(),
+        );
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = (cpu_ns(pid) - c0) as f64 / 1e9 / wall * 100.0;
+    let cpu_ticks = (cpu_ticks_s(pid) - k0) / wall * 100.0;
+    // Let the last idle window end (release) before reading the metrics.
+    std::thread::sleep(Duration::from_millis(300));
+    let (rss, hwm) = (rss_kib(pid), status_kib(pid, "VmHWM:"));
+    let metrics = agent.metrics();
+    let fail_open = series(&metrics, "coloc_fail_open_total");
+    let act_err = series(&metrics, "coloc_actuation_errors_total");
+    let lag_p99 = hist_quantile(&metrics, "coloc_loop_lag_seconds", 0.99);
+    let lag_p50 = hist_quantile(&metrics, "coloc_loop_lag_seconds", 0.50);
+    let lag_n = metric(&metrics, "coloc_loop_lag_seconds_count", &[]);
+
+    // Stop the agent; afterwards nothing may be left stopped or frozen.
+    agent.signal(libc::SIGTERM);
+    let exit = agent.wait();
+    std::thread::sleep(Duration::from_millis(50));
+    let stopped = offline
+        .iter()
+        .filter(|p| matches!(p.state(), Some('T') | Some('t')))
+        .count();
+    let frozen_cgroups = cgroups.iter().filter(|c| c.frozen()).count();
+    let frozen_procs: usize = cgroups
+        .iter()
+        .skip(1)
+        .filter(|c| c.frozen())
+        .map(|c| c.pids().len())
+        .sum();
+    let log = agent.log_text();
+    let problems: Vec<String> = log
+        .lines()
+        .filter(|l| l.contains("ERROR") || l.contains("WARN"))
+        .map(String::from)
+        .collect();
+
+    if let Some(d) = &o.keep_logs {
+        std::fs::create_dir_all(d).expect("--keep-logs DIR");
+        let _ = std::fs::copy(&agent.log, d.join(format!("agent-{}.log", o.actuator)));
+        let _ = std::fs::copy(&events, d.join(format!("events-{}.jsonl", o.actuator)));
+    }
+    let text = std::fs::read_to_string(&events).unwrap_or_default();
+    let evs: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let get = |kind: &str, f: &str| -> Vec<f64> {
+        evs.iter()
+            .filter(|e| e["event"] == kind)
+            .filter_map(|e| e[f].as_f64())
+            .map(|s| s * 1e3)
+            .collect()
+    };
+    let count = |kind: &str| evs.iter().filter(|e| e["event"] == kind).count();
+    let (pre, det, rel) = (
+        get("preempt", "preemption_s"),
+        get("preempt", "detection_s"),
+        get("release", "release_s"),
+    );
+    let per_gpu: Vec<usize> = (0..o.gpus)
+        .map(|g| {
+            evs.iter()
+                .filter(|e| e["event"] == "preempt" && e["gpu"] == g)
+                .count()
+        })
+        .collect();
+    let bursts: u64 = online.iter().filter_map(|w| w["bursts"].as_u64()).sum();
+    let slow_p99: Vec<f64> = online
+        .iter()
+        .filter_map(|w| w["slowdown_ms"]["p99"].as_f64())
+        .collect();
+    drop(offline);
+    drop(cgroups);
+    drop(sim);
+    let _ = std::fs::remove_file(&events);
+    let _ = std::fs::remove_dir_all(&dir);
+    let load_after = loadavg();
+    let sum = |v: &[(String, f64)]| v.iter().fold(0.0, |a, x| a + x.1);
+    let mut r = serde_json::json!({
+        "scenario": "multi-gpu",
+        "gpus": o.gpus, "offline_per_gpu": o.offline_per_gpu, "actuator": o.actuator,
+        "duration_s": o.duration_s, "wall_s": wall, "step_ms": o.step_ms,
+        "burst_ms": [o.burst_min_ms, o.burst_max_ms], "gap_mean_ms": o.gap_mean_ms, "seed": o.seed,
+        "agent_args": agent_args, "agent_exit": exit.to_string(),
+        "agent_cpu_percent_of_one_core": cpu,
+        "agent_cpu_percent_utime_stime": cpu_ticks,
+        "agent_rss_mib": rss as f64 / 1024.0, "agent_rss_max_sampled_mib": rss_max.max(rss) as f64 / 1024.0,
+        "agent_rss_hwm_mib": hwm as f64 / 1024.0,
+        "online_bursts": bursts,
+        "online_burst_slowdown_p99_ms_worst_gpu": slow_p99.iter().copied().fold(f64::NAN, f64::max),
+        "preemptions": count("preempt"), "preemptions_measured": pre.len(),
+        "preemptions_per_gpu": per_gpu,
+        "releases": count("release"), "releases_measured": rel.len(),
+        "preemption_ms": {"p50": pct(&pre, 50.0), "p99": pct(&pre, 99.0), "max": pct(&pre, 100.0)},
+        "detection_ms": {"p50": pct(&det, 50.0), "p99": pct(&det, 99.0)},
+        "release_ms": {"p50": pct(&rel, 50.0), "p99": pct(&rel, 99.0), "max": pct(&rel, 100.0)},
+        "fail_open_total": sum(&fail_open),
+        // The exporter lists a counter only once it has been incremented.
+        "fail_open_series_present": metrics.contains("coloc_fail_open_total"),
+        "metrics_bytes": metrics.len(),
+        "fail_open_by_reason": fail_open.iter().map(|(k, v)| serde_json::json!([k, v])).collect::<Vec<_>>(),
+        "actuation_errors_total": sum(&act_err),
+        "loop_lag_ms": {
+            "ticks": lag_n,
+            "p50_le": lag_p50.map(|s| s * 1e3),
+            "p99_le": lag_p99.map(|s| s * 1e3),
+        },
+        "offline_stopped_after_exit": stopped,
+        "offline_frozen_after_exit": frozen_procs,
+        "cgroups_frozen_after_exit": frozen_cgroups,
+        "agent_log_warn_error_lines": problems.len(),
+        "agent_log_warn_error_first": problems.iter().take(5).collect::<Vec<_>>(),
+        "online": online,
+        "loadavg_before": load_before, "loadavg_after": load_after,
+    });
+    r["agent_rss_timeline_s_mib"] = serde_json::json!(rss_timeline);
+    r
+}
+
+pub fn print(r: &serde_json::Value) {
+    let g = |p: &str| r.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+    println!(
+        "| actuator | GPUs × offline | duration (s) | agent CPU (% of one core) | RSS (MiB) | preemptions / releases | preemption p50 / p99 / max (ms) | release p50 / p99 (ms) | fail-opens | loop lag p99 | stopped/frozen after exit |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {} × {} | {:.0} | {:.2} (utime+stime {:.2}) | {:.1} | {} / {} | {:.2} / {:.2} / {:.2} | {:.2} / {:.2} | {} | ≤ {:.2} ms | {} / {} |",
+        r["actuator"].as_str().unwrap_or(""),
+        r["gpus"], r["offline_per_gpu"], g("/wall_s"),
+        g("/agent_cpu_percent_of_one_core"), g("/agent_cpu_percent_utime_stime"),
+        g("/agent_rss_hwm_mib"),
+        r["preemptions"], r["releases"],
+        g("/preemption_ms/p50"), g("/preemption_ms/p99"), g("/preemption_ms/max"),
+        g("/release_ms/p50"), g("/release_ms/p99"),
+        r["fail_open_total"], g("/loop_lag_ms/p99_le"),
+        r["offline_stopped_after_exit"], r["offline_frozen_after_exit"],
+    );
+    println!();
+    println!(
+        "detection p50 / p99 {:.2} / {:.2} ms; release max {:.2} ms; online bursts {}; worst GPU's online burst slowdown p99 {:.2} ms; actuation errors {}; fail-opens by reason {}; agent log WARN/ERROR lines {}; RSS at end {:.1} MiB (VmHWM {:.1}); loadavg before {} after {}",
+        g("/detection_ms/p50"), g("/detection_ms/p99"), g("/release_ms/max"),
+        r["online_bursts"], g("/online_burst_slowdown_p99_ms_worst_gpu"),
+        r["actuation_errors_total"], r["fail_open_by_reason"],
+        r["agent_log_warn_error_lines"], g("/agent_rss_mib"), g("/agent_rss_hwm_mib"),
+        r["loadavg_before"].as_str().unwrap_or(""), r["loadavg_after"].as_str().unwrap_or(""),
+    );
+    if let Some(v) = r["agent_log_warn_error_first"].as_array() {
+        for l in v {
+            println!("  agent log: {}", l.as_str().unwrap_or(""));
+        }
+    }
+}
