@@ -131,6 +131,16 @@ fn run(args: RunArgs) -> Result<()> {
         .block_on(tokio::net::TcpListener::bind(args.listen))
         .with_context(|| format!("binding --listen {}", args.listen))?;
     let addr = listener.local_addr()?;
+    // Histograms are drained only on a scrape or an upkeep: without a scraper (standalone
+    // hosts) the recorder would grow without bound.
+    let upkeep = prom.clone();
+    rt.spawn(async move {
+        let mut every = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
     let app = http::router(http::AppState {
         shared: shared.clone(),
         prom,

@@ -13,6 +13,7 @@ use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::{Classified, PodSource};
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use tracing::{info, warn};
 
@@ -35,6 +36,8 @@ pub struct Entry {
     pub last_active: BTreeMap<u32, u64>,
     /// How it is suspended (offline processes only).
     pub plan: Option<Plan>,
+    /// A pidfd pinning it (tells cheaply when it has exited).
+    pub pin: Option<Arc<OwnedFd>>,
     /// The pod source's generation when it was classified.
     pub generation: u64,
 }
@@ -125,11 +128,14 @@ impl Table {
         now: u64,
         c: &Classifier,
     ) {
+        let exited = self.exited(listed, c);
         for (pid, gpus) in listed {
-            let reused = match (self.procs.get(pid), c.procfs.read_stat(*pid)) {
-                (Some(e), Ok(s)) => s.start != e.key.start,
-                (Some(_), Err(_)) => true,
-                (None, _) => true,
+            let reused = match self.procs.get(pid) {
+                None => true,
+                Some(e) => match exited.get(pid) {
+                    Some(gone) => *gone,
+                    None => !matches!(c.procfs.read_stat(*pid), Ok(s) if s.start == e.key.start),
+                },
             };
             let reclassify = self
                 .procs
@@ -178,6 +184,20 @@ impl Table {
         }
     }
 
+    /// Which listed, known processes with a pidfd have exited (one poll for all).
+    fn exited(&self, listed: &BTreeMap<u32, BTreeSet<u32>>, c: &Classifier) -> HashMap<u32, bool> {
+        let pins: Vec<(ProcKey, &OwnedFd)> = listed
+            .keys()
+            .filter_map(|pid| self.procs.get(pid))
+            .filter_map(|e| e.pin.as_deref().map(|fd| (e.key, fd)))
+            .collect();
+        let gone = c.procfs.exited(&pins);
+        pins.iter()
+            .zip(gone)
+            .map(|((k, _), g)| (k.pid, g))
+            .collect()
+    }
+
     /// Classifies `pid`; `None` when it is not visible in `/proc` (exited).
     fn classify(&mut self, pid: u32, generation: u64, now: u64, c: &Classifier) -> Option<Entry> {
         let info = match c.procfs.read_proc(pid) {
@@ -191,10 +211,11 @@ impl Table {
         self.invisible.remove(&pid);
         let mut cls = c.source.classify(&info);
         let mut plan = None;
+        let pin = c.procfs.open_pidfd(info.key).map(Arc::new);
         if cls.class.is_suspendable() {
-            match c.procfs.open_pidfd(info.key) {
+            match &pin {
                 Ok(fd) => {
-                    let (p, why) = c.chooser.choose(&info, &cls, Arc::new(fd));
+                    let (p, why) = c.chooser.choose(&info, &cls, fd.clone());
                     if let Some(why) = why {
                         if self.warned.insert(format!("fallback:{}", cls.owner)) {
                             warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
@@ -227,6 +248,7 @@ impl Table {
             gpus: BTreeSet::new(),
             last_active: BTreeMap::new(),
             plan,
+            pin: pin.ok(),
             generation,
         })
     }

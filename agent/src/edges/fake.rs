@@ -218,6 +218,11 @@ impl ProcFs for FakeProc {
             .cloned()
             .ok_or_else(|| io::ErrorKind::NotFound.into())
     }
+    fn exited(&self, pins: &[(ProcKey, &OwnedFd)]) -> Vec<bool> {
+        pins.iter()
+            .map(|(k, _)| !matches!(self.read_stat(k.pid), Ok(s) if s.start == k.start))
+            .collect()
+    }
     fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd> {
         match self.read_stat(key.pid) {
             Ok(s) if s.start == key.start => Ok(std::fs::File::open("/dev/null")?.into()),

@@ -26,6 +26,9 @@ pub trait ProcFs: Send + Sync {
     fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>>;
     /// A pidfd pinning exactly the process `key` (checked against its start time).
     fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd>;
+    /// For each pinned process, whether it has exited (one `poll(2)` over the pidfds:
+    /// much cheaper than reading `/proc/<pid>/stat` of every GPU process).
+    fn exited(&self, pins: &[(ProcKey, &OwnedFd)]) -> Vec<bool>;
 }
 
 /// This host's `/proc`.
@@ -53,6 +56,23 @@ impl ProcFs for HostProc {
     }
     fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd> {
         open_pidfd(key)
+    }
+    fn exited(&self, pins: &[(ProcKey, &OwnedFd)]) -> Vec<bool> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds: Vec<PollFd<'_>> = pins
+            .iter()
+            .map(|(_, fd)| PollFd::new(*fd, PollFlags::IN))
+            .collect();
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        match poll(&mut fds, Some(&zero)) {
+            // A pidfd is readable once its process has exited.
+            Ok(_) => fds.iter().map(|f| !f.revents().is_empty()).collect(),
+            // Cannot tell: say "exited", so the caller re-reads /proc.
+            Err(_) => vec![true; pins.len()],
+        }
     }
 }
 
@@ -253,6 +273,23 @@ mod tests {
         })
         .is_err());
         assert!(open_pidfd(ProcKey { pid: me, start }).is_ok());
+    }
+
+    #[test]
+    fn a_pidfd_tells_when_its_process_exits() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let key = ProcKey {
+            pid: child.id(),
+            start: read_stat(child.id()).unwrap().start,
+        };
+        let fd = open_pidfd(key).unwrap();
+        assert_eq!(HostProc.exited(&[(key, &fd)]), vec![false]);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(HostProc.exited(&[(key, &fd)]), vec![true]);
     }
 
     #[test]

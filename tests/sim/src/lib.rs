@@ -72,7 +72,9 @@ pub struct Header {
     /// Count of NVML calls on a device handle served by the fake library (for cost
     /// accounting); per-function counts: [`SimGpu::nvml_call_count`].
     pub nvml_calls: AtomicU64,
-    _reserved: [u64; 8],
+    /// One past the highest slot index ever claimed: readers scan only that far.
+    slots_hwm: AtomicU64,
+    _reserved: [u64; 7],
     /// NVML fault switches and per-function counters (see [`nvml`]).
     nvml: nvml::NvmlState,
 }
@@ -245,13 +247,18 @@ impl SimGpu {
     /// Samples on `gpu` newer than `last_seen_us`, oldest first.
     pub fn samples(&self, gpu: u32, last_seen_us: u64) -> Vec<Sample> {
         let mut out = Vec::new();
-        for s in self.slots() {
+        let hwm = (self.header().slots_hwm.load(Acquire) as usize).min(MAX_SLOTS);
+        for s in &self.slots()[..hwm] {
             if s.state.load(Acquire) != SLOT_LIVE || s.gpu.load(Relaxed) != gpu {
                 continue;
             }
             let pid = s.pid.load(Relaxed);
-            for w in &s.ring {
-                let v = w.load(Acquire);
+            // Newest first, back to the first sample not newer than `last_seen_us`. The
+            // newest entry may be claimed but not written yet (it then holds an old
+            // sample): it alone does not end the scan.
+            let n = s.ring_count.load(Acquire) as usize;
+            for k in 0..n.min(RING) {
+                let v = s.ring[(n - 1 - k) % RING].load(Acquire);
                 let ts = v & ((1 << 56) - 1);
                 if v != 0 && ts > last_seen_us {
                     out.push(Sample {
@@ -259,6 +266,8 @@ impl SimGpu {
                         timestamp_us: ts,
                         sm_util: (v >> 56) as u32,
                     });
+                } else if k > 0 {
+                    break;
                 }
             }
         }
@@ -294,6 +303,7 @@ impl SimGpu {
                     w.store(0, Relaxed);
                 }
                 s.state.store(SLOT_LIVE, Release);
+                self.header().slots_hwm.fetch_max(i as u64 + 1, AcqRel);
                 return Ok(SlotHandle {
                     sim: self,
                     index: i,
