@@ -998,3 +998,65 @@ fn hung_nvml_call_trips_the_watchdog() {
     .unwrap();
     wait_for("protecting online again", SOON, || off.state() == Some('T')).unwrap();
 }
+
+/// With the signal actuator, a cgroup declared offline is stopped whole: its CPU-only
+/// processes too, not only the one with a GPU context.
+#[test]
+fn signal_actuator_stops_every_process_of_an_offline_cgroup() {
+    let name = unique("coloc-e2e-sigcg");
+    let cg = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
+        eprintln!(
+            "NOTE: cgroup v2 not usable ({why}): using a v1 freezer cgroup for its member list"
+        );
+        TestCgroup::try_v1(&name)
+            .unwrap_or_else(|why1| panic!("a cgroup is required: v2: {why}; v1: {why1}"))
+    });
+    eprintln!(
+        "signal_actuator_stops_every_process_of_an_offline_cgroup: cgroup {}",
+        cg.version
+    );
+    let sim = Sim::start(1, &[]);
+    let rules = format!(
+        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n",
+        cg.path
+    );
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator: "signal",
+            ..Default::default()
+        },
+    );
+    let off = sim.spawn_in_cgroup(&cg.dir, &args(&offline_args("sigcg")));
+    // A CPU-only helper of the same job: no GPU context, same cgroup.
+    let helper = Proc(
+        coloc_sim::command_in_cgroup(&cg.dir, std::path::Path::new("/bin/sleep"))
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("both in the cgroup", SOON, || {
+        let p = cg.pids();
+        p.contains(&off.pid()) && p.contains(&helper.pid())
+    })
+    .unwrap();
+    agent.wait_processes(1);
+    let _online = sim.spawn(&["busy", "--gpu", "0", "--ms", "300"]);
+    wait_for("GPU process and helper stopped", SOON, || {
+        off.state() == Some('T') && helper.state() == Some('T')
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: offline {:?}, helper {:?}\n{}",
+            off.state(),
+            helper.state(),
+            agent.log_text()
+        )
+    });
+    wait_for("both running again", Duration::from_secs(4), || {
+        off.state() != Some('T') && helper.state() != Some('T')
+    })
+    .unwrap();
+    assert!(!cg.frozen(), "the signal actuator froze the cgroup");
+}
