@@ -224,9 +224,11 @@ impl Table {
                     plan = Some(p);
                 }
                 Err(err) => {
-                    // Without a pidfd we cannot be sure whom we would signal: leave it be.
-                    warn!(pid, %err, "Cannot pin offline process (pidfd): never suspended");
-                    cls.class = Class::Unmanaged;
+                    // Without a pidfd we cannot be sure whom we would signal: leave it be,
+                    // as a system process (never suspended, and not online demand: it is
+                    // offline work, it must not preempt other offline work).
+                    warn!(pid, %err, "Cannot pin offline process (pidfd): never suspended, treated as system");
+                    cls.class = Class::System;
                 }
             }
         }
