@@ -117,9 +117,13 @@ fn run(args: RunArgs) -> Result<()> {
     } else {
         Box::new(Host)
     };
+    let procfs = HostProc::new(&cfg.cgroups);
+    if procfs.roots() != &Default::default() {
+        info!(roots = ?procfs.roots(), "The agent runs in a cgroup namespace of its own: cgroup paths are re-rooted at these host paths");
+    }
     let edges = Edges {
         gpu: Box::new(sampler),
-        procfs: Arc::new(HostProc),
+        procfs: Arc::new(procfs),
         source: source.clone(),
         clock: Arc::new(SystemClock),
         actuator,

@@ -14,6 +14,7 @@
 //! change anything on the host.
 
 pub mod actuator;
+pub mod cgroupfs;
 pub mod clock;
 pub mod gpu;
 pub mod procfs;

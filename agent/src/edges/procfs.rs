@@ -6,6 +6,8 @@
 //!
 //! May touch: `/proc` and `cgroup.procs` files (read only), pidfds.
 
+use crate::edges::actuator::CgroupMounts;
+use crate::edges::cgroupfs::NsRoots;
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::OwnedFd;
@@ -31,27 +33,67 @@ pub trait ProcFs: Send + Sync {
     fn exited(&self, pins: &[(ProcKey, &OwnedFd)]) -> Vec<bool>;
 }
 
-/// This host's `/proc`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct HostProc;
+/// This host's `/proc`, with cgroup paths re-rooted at the host hierarchy when the agent
+/// runs in a cgroup namespace of its own (see [`crate::edges::cgroupfs`]).
+#[derive(Debug, Clone, Default)]
+pub struct HostProc {
+    roots: NsRoots,
+}
+
+impl HostProc {
+    /// Finds where the agent's cgroup namespace is rooted in the hierarchies of `mounts`.
+    pub fn new(mounts: &CgroupMounts) -> HostProc {
+        let own = own_cgroups();
+        let v1 = own.v1.get("freezer").map(String::as_str);
+        let roots = NsRoots::find(
+            mounts.v2.as_deref().zip(own.v2.as_deref()),
+            mounts.v1_freezer.as_deref().zip(v1),
+            std::process::id(),
+        );
+        HostProc { roots }
+    }
+
+    /// The namespace roots found.
+    pub fn roots(&self) -> &NsRoots {
+        &self.roots
+    }
+
+    /// `cg` with its v2 and v1-freezer paths as host paths; a path that climbs out of its
+    /// hierarchy is dropped (nothing may be resolved from it).
+    fn to_host(&self, mut cg: Cgroups) -> Cgroups {
+        cg.v2 = cg.v2.and_then(|p| self.roots.to_host(&p, false));
+        if let Some(p) = cg.v1.remove("freezer") {
+            if let Some(h) = self.roots.to_host(&p, true) {
+                cg.v1.insert("freezer".into(), h);
+            }
+        }
+        cg
+    }
+}
+
+fn own_cgroups() -> Cgroups {
+    std::fs::read_to_string("/proc/self/cgroup")
+        .map(|s| Cgroups::parse(&s))
+        .unwrap_or_default()
+}
 
 impl ProcFs for HostProc {
     fn read_proc(&self, pid: u32) -> io::Result<ProcInfo> {
-        read_proc(pid)
+        let mut info = read_proc(pid)?;
+        info.cgroups = self.to_host(info.cgroups);
+        Ok(info)
     }
     fn read_stat(&self, pid: u32) -> io::Result<Stat> {
         read_stat(pid)
     }
     fn self_cgroups(&self) -> Cgroups {
-        std::fs::read_to_string("/proc/self/cgroup")
-            .map(|s| Cgroups::parse(&s))
-            .unwrap_or_default()
+        self.to_host(own_cgroups())
     }
     fn self_pid(&self) -> u32 {
         std::process::id()
     }
     fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>> {
-        let text = std::fs::read_to_string(dir.join("cgroup.procs"))?;
+        let text = crate::edges::cgroupfs::read(dir, "cgroup.procs")?;
         Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
     }
     fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd> {
@@ -286,10 +328,10 @@ mod tests {
             start: read_stat(child.id()).unwrap().start,
         };
         let fd = open_pidfd(key).unwrap();
-        assert_eq!(HostProc.exited(&[(key, &fd)]), vec![false]);
+        assert_eq!(HostProc::default().exited(&[(key, &fd)]), vec![false]);
         child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(HostProc.exited(&[(key, &fd)]), vec![true]);
+        assert_eq!(HostProc::default().exited(&[(key, &fd)]), vec![true]);
     }
 
     #[test]

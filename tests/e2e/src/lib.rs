@@ -397,11 +397,27 @@ impl Agent {
         Agent::spawn_in(sim, args, env, None)
     }
 
+    /// Starts the agent through a shell prefix: `sh -c '<prefix> "$0" "$@"' coloc-agent
+    /// run …` (e.g. `echo $$ > DIR/cgroup.procs && exec unshare -C`).
+    pub fn spawn_wrapped(sim: &Sim, prefix: &str, args: &[&str]) -> Agent {
+        Agent::spawn_cmd(sim, args, &[], None, Some(prefix))
+    }
+
     fn spawn_in(
         sim: &Sim,
         args: &[&str],
         env: &[(&str, &std::ffi::OsStr)],
         state_dir: Option<PathBuf>,
+    ) -> Agent {
+        Agent::spawn_cmd(sim, args, env, state_dir, None)
+    }
+
+    fn spawn_cmd(
+        sim: &Sim,
+        args: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+        state_dir: Option<PathBuf>,
+        prefix: Option<&str>,
     ) -> Agent {
         let dir = std::env::temp_dir().join(unique("coloc-e2e-agent"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -409,7 +425,16 @@ impl Agent {
             state_dir.unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
         let port = free_port();
         let log = dir.join("agent.log");
-        let mut cmd = Command::new(bin("coloc-agent"));
+        let mut cmd = match prefix {
+            None => Command::new(bin("coloc-agent")),
+            Some(p) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("{p} \"$0\" \"$@\""))
+                    .arg(bin("coloc-agent"));
+                c
+            }
+        };
         cmd.arg("run")
             .arg("--nvml-lib")
             .arg(bin("libfake_nvml.so"))

@@ -34,7 +34,11 @@ pub(super) fn issue(dir: &Path, version: CgroupVersion, op: Op) -> Result<(), su
         (CgroupVersion::V1, Op::Suspend) => b"FROZEN",
         (CgroupVersion::V1, Op::Resume) => b"THAWED",
     };
-    match std::fs::write(&file, value) {
+    let name = file
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    match crate::edges::cgroupfs::write(dir, name, value) {
         Ok(()) => Ok(()),
         // The cgroup is gone with its processes: nothing is left frozen.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(super::Progress::Gone),
@@ -49,12 +53,12 @@ pub(super) fn issue(dir: &Path, version: CgroupVersion, op: Op) -> Result<(), su
 pub(super) fn confirmed(dir: &Path, version: CgroupVersion, op: Op) -> Option<bool> {
     match version {
         CgroupVersion::V2 => {
-            let events = std::fs::read_to_string(dir.join("cgroup.events")).ok()?;
+            let events = crate::edges::cgroupfs::read(dir, "cgroup.events").ok()?;
             let frozen = events.lines().any(|l| l.trim() == "frozen 1");
             Some(frozen == (op == Op::Suspend))
         }
         CgroupVersion::V1 => {
-            let state = std::fs::read_to_string(dir.join("freezer.state")).ok()?;
+            let state = crate::edges::cgroupfs::read(dir, "freezer.state").ok()?;
             let state = state.trim();
             Some(match op {
                 Op::Suspend => state == "FROZEN",
@@ -72,7 +76,7 @@ pub(super) fn open_events(targets: &[super::Target]) -> Vec<Option<std::fs::File
             super::Target::Cgroup {
                 dir,
                 version: CgroupVersion::V2,
-            } => std::fs::File::open(dir.join("cgroup.events")).ok(),
+            } => crate::edges::cgroupfs::open(dir, "cgroup.events", false).ok(),
             _ => None,
         })
         .collect()
@@ -125,23 +129,28 @@ impl CgroupMounts {
         CgroupMounts { v2, v1_freezer }
     }
 
-    /// The directory of a cgroup given by its path inside the v2 hierarchy or the v1
+    /// The directory of a cgroup given by its host path inside the v2 hierarchy or the v1
     /// freezer hierarchy, with the file that must exist there (`cgroup.freeze` /
-    /// `freezer.state`). v2 is preferred. The root cgroup is never a target.
+    /// `freezer.state`). v2 is preferred. The root cgroup is never a target, and a path
+    /// that climbs out of its hierarchy (`..`) names nothing.
     pub fn dir_for(
         &self,
         v2_path: Option<&str>,
         v1_freezer_path: Option<&str>,
     ) -> Option<(PathBuf, CgroupVersion)> {
+        let beneath = |mount: &Path, p: &str| -> Option<PathBuf> {
+            let norm = crate::edges::cgroupfs::rebase("/", p).filter(|n| n != "/")?;
+            Some(mount.join(norm.trim_start_matches('/')))
+        };
         if let (Some(mount), Some(p)) = (&self.v2, v2_path) {
-            let dir = mount.join(p.trim_start_matches('/'));
-            if p != "/" && dir.join("cgroup.freeze").exists() {
+            let dir = beneath(mount, p)?;
+            if dir.join("cgroup.freeze").exists() {
                 return Some((dir, CgroupVersion::V2));
             }
         }
         if let (Some(mount), Some(p)) = (&self.v1_freezer, v1_freezer_path) {
-            let dir = mount.join(p.trim_start_matches('/'));
-            if p != "/" && dir.join("freezer.state").exists() {
+            let dir = beneath(mount, p)?;
+            if dir.join("freezer.state").exists() {
                 return Some((dir, CgroupVersion::V1));
             }
         }

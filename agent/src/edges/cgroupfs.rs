@@ -1,0 +1,249 @@
+//! cgroup paths as the host sees them, and cgroup files opened safely.
+//!
+//! In its own cgroup namespace (containerd gives one to every non-privileged container on
+//! cgroup v2), the agent reads other processes' `/proc/<pid>/cgroup` relative to its own
+//! namespace root: `0::/../../kubepods/…`. The host hierarchy mounted into the agent
+//! (`--cgroup-root`) is the host's whole tree, so such a path must be re-rooted at the
+//! agent's namespace root before it names a directory there. [`NsRoots`] finds that root
+//! once at start (the directory of the host mount whose `cgroup.procs` holds the agent's
+//! PID), and [`NsRoots::to_host`] maps a seen path to a host path, lexically, refusing any
+//! path that climbs above the hierarchy's root.
+//!
+//! Files under a cgroup are opened with `openat2(2)` and `RESOLVE_NO_SYMLINKS |
+//! RESOLVE_NO_MAGICLINKS`, never with `O_CREAT`: a symlink planted anywhere on the path,
+//! or a file that does not exist, is an error, never a write somewhere else.
+//!
+//! May touch: reads `cgroup.procs` under the cgroup mounts (once at start, to find the
+//! namespace root); opens cgroup files for the actuator.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+/// Joins a seen cgroup path onto `root` (a host path) and normalises it: `.` and empty
+/// segments vanish, `..` climbs. `None` when it would climb above the hierarchy's root or
+/// holds a NUL. The result is absolute (`/` for the root).
+pub fn rebase(root: &str, seen: &str) -> Option<String> {
+    if seen.contains('\0') || root.contains('\0') {
+        return None;
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    let start = if seen.starts_with('/') { root } else { "/" };
+    for seg in start.split('/').chain(seen.split('/')) {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                parts.pop()?;
+            }
+            s => parts.push(s),
+        }
+    }
+    Some(format!("/{}", parts.join("/")))
+}
+
+/// Where the agent's cgroup namespace is rooted in each hierarchy it uses (host paths;
+/// `/` when the agent is not in a cgroup namespace of its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NsRoots {
+    /// Unified hierarchy.
+    pub v2: String,
+    /// v1 freezer hierarchy.
+    pub v1_freezer: String,
+}
+
+impl Default for NsRoots {
+    fn default() -> Self {
+        NsRoots {
+            v2: "/".into(),
+            v1_freezer: "/".into(),
+        }
+    }
+}
+
+impl NsRoots {
+    /// Finds the namespace roots: for each mounted hierarchy, the agent's own path as it
+    /// sees it (`seen`) is checked under the mount; when the agent is not listed there, the
+    /// mount is searched for the directory that lists it, and the root is that directory
+    /// with `seen` taken off its end.
+    pub fn find(v2: Option<(&Path, &str)>, v1_freezer: Option<(&Path, &str)>, pid: u32) -> NsRoots {
+        let one = |h: Option<(&Path, &str)>| -> String {
+            let Some((mount, seen)) = h else {
+                return "/".into();
+            };
+            let direct = rebase("/", seen).unwrap_or_else(|| "/".into());
+            if lists(&mount.join(direct.trim_start_matches('/')), pid) {
+                return "/".into();
+            }
+            match search(mount, pid) {
+                Some(host) => strip_suffix(&host, &direct).unwrap_or_else(|| "/".into()),
+                None => "/".into(),
+            }
+        };
+        NsRoots {
+            v2: one(v2),
+            v1_freezer: one(v1_freezer),
+        }
+    }
+
+    /// The host path of a path seen in `/proc/<pid>/cgroup` (`v1`: of the freezer
+    /// hierarchy). `None` when it climbs out of the hierarchy.
+    pub fn to_host(&self, seen: &str, v1: bool) -> Option<String> {
+        rebase(if v1 { &self.v1_freezer } else { &self.v2 }, seen)
+    }
+}
+
+fn strip_suffix(host: &str, seen: &str) -> Option<String> {
+    if seen == "/" {
+        return Some(host.to_string());
+    }
+    host.strip_suffix(seen).map(|r| {
+        if r.is_empty() {
+            "/".into()
+        } else {
+            r.to_string()
+        }
+    })
+}
+
+fn lists(dir: &Path, pid: u32) -> bool {
+    let mut s = String::new();
+    File::open(dir.join("cgroup.procs"))
+        .and_then(|mut f| f.read_to_string(&mut s))
+        .map(|_| s.lines().any(|l| l.trim().parse() == Ok(pid)))
+        .unwrap_or(false)
+}
+
+/// Breadth-first search of the hierarchy for the directory listing `pid` (bounded).
+fn search(mount: &Path, pid: u32) -> Option<String> {
+    let mut queue = vec![PathBuf::new()];
+    let mut seen = 0usize;
+    while let Some(rel) = queue.pop() {
+        seen += 1;
+        if seen > 50_000 {
+            return None;
+        }
+        let dir = mount.join(&rel);
+        if lists(&dir, pid) {
+            return Some(format!("/{}", rel.display()));
+        }
+        if let Ok(rd) = std::fs::read_dir(&dir) {
+            for e in rd.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    queue.push(rel.join(e.file_name()));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Opens `file` in cgroup directory `dir` without following any symlink and without
+/// creating anything.
+pub fn open(dir: &Path, file: &str, write: bool) -> io::Result<File> {
+    use rustix::fs::{openat2, Mode, OFlags, ResolveFlags, CWD};
+    let path = dir.join(file);
+    let flags = if write {
+        OFlags::WRONLY
+    } else {
+        OFlags::RDONLY
+    } | OFlags::CLOEXEC
+        | OFlags::NOFOLLOW;
+    match openat2(
+        CWD,
+        &path,
+        flags,
+        Mode::empty(),
+        ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    ) {
+        Ok(fd) => Ok(File::from(fd)),
+        // Kernels before 5.6: no openat2. The path was normalised and checked to be under
+        // the mount; O_NOFOLLOW still refuses a symlink in the last component.
+        Err(rustix::io::Errno::NOSYS) => {
+            let fd = rustix::fs::open(&path, flags, Mode::empty())?;
+            Ok(File::from(fd))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Writes `value` to `file` in `dir` (see [`open`]).
+pub fn write(dir: &Path, file: &str, value: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    open(dir, file, true)?.write_all(value)
+}
+
+/// Reads `file` in `dir` (see [`open`]).
+pub fn read(dir: &Path, file: &str) -> io::Result<String> {
+    let mut s = String::new();
+    open(dir, file, false)?.read_to_string(&mut s)?;
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rebase_climbs_but_never_out() {
+        assert_eq!(rebase("/", "/a/b").as_deref(), Some("/a/b"));
+        assert_eq!(
+            rebase("/k/pod1/c1", "/../../pod2/c2").as_deref(),
+            Some("/k/pod2/c2")
+        );
+        assert_eq!(rebase("/k/pod1/c1", "/").as_deref(), Some("/k/pod1/c1"));
+        assert_eq!(rebase("/k", "/./x//y/").as_deref(), Some("/k/x/y"));
+        assert_eq!(rebase("/", "/../etc"), None, "climbs above the root");
+        assert_eq!(rebase("/a", "/../../x"), None);
+        assert_eq!(rebase("/", "/a\0b"), None);
+    }
+
+    #[test]
+    fn namespace_root_is_found_by_the_agents_pid() {
+        let mount = std::env::temp_dir().join(format!("coloc-cgfs-{}", std::process::id()));
+        let me = mount.join("kubepods/pod1/agent");
+        std::fs::create_dir_all(&me).unwrap();
+        std::fs::create_dir_all(mount.join("kubepods/pod2/job")).unwrap();
+        std::fs::write(mount.join("cgroup.procs"), "1\n").unwrap();
+        std::fs::write(me.join("cgroup.procs"), "42\n4242\n").unwrap();
+        // Not in a namespace: the seen path is the host path.
+        let r = NsRoots::find(Some((&mount, "/kubepods/pod1/agent")), None, 4242);
+        assert_eq!(r.v2, "/");
+        // In its own namespace, rooted at its cgroup: it sees itself at "/".
+        let r = NsRoots::find(Some((&mount, "/")), None, 4242);
+        assert_eq!(r.v2, "/kubepods/pod1/agent");
+        assert_eq!(
+            r.to_host("/../../pod2/job", false).as_deref(),
+            Some("/kubepods/pod2/job")
+        );
+        assert_eq!(r.to_host("/../../../../x", false), None);
+        std::fs::remove_dir_all(mount).ok();
+    }
+
+    #[test]
+    fn open_refuses_symlinks_and_never_creates() {
+        let base = std::env::temp_dir().join(format!("coloc-cgfs-open-{}", std::process::id()));
+        let real = base.join("real");
+        let outside = base.join("outside");
+        std::fs::create_dir_all(&real).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(real.join("cgroup.freeze"), "0").unwrap();
+        std::fs::write(outside.join("cgroup.freeze"), "0").unwrap();
+        std::os::unix::fs::symlink(&outside, base.join("link")).unwrap();
+        write(&real, "cgroup.freeze", b"1").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(real.join("cgroup.freeze")).unwrap(),
+            "1"
+        );
+        assert!(
+            write(&base.join("link"), "cgroup.freeze", b"1").is_err(),
+            "followed a symlink"
+        );
+        assert_eq!(
+            std::fs::read_to_string(outside.join("cgroup.freeze")).unwrap(),
+            "0"
+        );
+        assert!(write(&real, "cgroup.nonexistent", b"1").is_err());
+        assert!(!real.join("cgroup.nonexistent").exists(), "created a file");
+        std::fs::remove_dir_all(base).ok();
+    }
+}

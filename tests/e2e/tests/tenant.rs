@@ -1,0 +1,167 @@
+//! End-to-end: the agent against tenants and unusual nodes (real processes and cgroups,
+//! simulated GPU). Root.
+
+use coloc_e2e::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const SOON: Duration = Duration::from_secs(2);
+
+/// The cgroup v2 mount of this host (pure v2 at the root, or hybrid under `unified`), if it
+/// has a freezer.
+fn v2_mount() -> Option<PathBuf> {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("cgroup.controllers").exists())
+}
+
+struct Dir(PathBuf);
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0.join("cgroup.freeze"), "0");
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() || !self.0.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The agent in a cgroup namespace of its own (as containerd runs every non-privileged
+/// container on cgroup v2) sees other processes' cgroups as `/../<cgroup>`. It must still
+/// freeze the right cgroup under the host mount, and write nothing outside the mount.
+#[test]
+fn freezer_works_from_inside_a_cgroup_namespace() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let tag = unique("coloc-e2e-ns");
+    let agent_cg = Dir(mount.join(format!("{tag}-agent")));
+    let off_cg = Dir(mount.join(format!("{tag}-off")));
+    std::fs::create_dir(&agent_cg.0).unwrap();
+    std::fs::create_dir(&off_cg.0).unwrap();
+    assert!(
+        off_cg.0.join("cgroup.freeze").exists(),
+        "no v2 freezer in {}",
+        mount.display()
+    );
+    // Where a naive join of the mount and the namespaced path `/../<off>` would land.
+    let naive = mount.join("..").join(format!("{tag}-off"));
+    let decoy = std::fs::create_dir(&naive)
+        .and_then(|()| std::fs::write(naive.join("cgroup.freeze"), "0"))
+        .map(|()| naive.clone());
+    match &decoy {
+        Ok(d) => eprintln!("decoy cgroup.freeze outside the mount: {}", d.display()),
+        Err(e) => eprintln!("NOTE: cannot place a decoy at {} ({e}): the no-write-outside check is not exercised here", naive.display()),
+    }
+
+    let sim = Sim::start(1, &[]);
+    let rules_dir = std::env::temp_dir().join(unique("coloc-e2e-ns-rules"));
+    std::fs::create_dir_all(&rules_dir).unwrap();
+    let rules = rules_dir.join("rules.toml");
+    std::fs::write(
+        &rules,
+        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{tag}-off\"\n"),
+    )
+    .unwrap();
+    let prefix = format!(
+        "echo $$ > '{}/cgroup.procs' && exec unshare -C",
+        agent_cg.0.display()
+    );
+    let agent = Agent::spawn_wrapped(
+        &sim,
+        &prefix,
+        &["--rules", rules.to_str().unwrap(), "--actuator", "freezer"],
+    );
+    let off = Proc(
+        coloc_sim::command_in_cgroup(&off_cg.0, &bin("coloc-sim"))
+            .args(["offline", "--gpu", "0", "--step-ms", "2"])
+            .env("COLOC_SIM_STATE", &sim.state)
+            .spawn()
+            .unwrap(),
+    );
+    let agent_pid = agent.child.as_ref().unwrap().id();
+    let ns = |pid: String| std::fs::read_link(format!("/proc/{pid}/ns/cgroup")).ok();
+    let tag2 = tag.clone();
+    wait_for(
+        "the agent in its cgroup, in a cgroup namespace of its own",
+        SOON,
+        || {
+            std::fs::read_to_string(format!("/proc/{agent_pid}/cgroup"))
+                .is_ok_and(|s| s.lines().any(|l| l == format!("0::/{tag2}-agent")))
+                && ns(agent_pid.to_string()) != ns("self".into())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    let off_pid = off.pid().to_string();
+    wait_for("offline in its cgroup", SOON, || {
+        std::fs::read_to_string(off_cg.0.join("cgroup.procs"))
+            .is_ok_and(|s| s.lines().any(|l| l == off_pid))
+    })
+    .unwrap();
+    // What the agent reads for offline, from inside its namespace.
+    let seen = std::process::Command::new("nsenter")
+        .args([
+            "-t",
+            &agent_pid.to_string(),
+            "-C",
+            "cat",
+            &format!("/proc/{}/cgroup", off.pid()),
+        ])
+        .output()
+        .unwrap();
+    let seen = String::from_utf8_lossy(&seen.stdout)
+        .lines()
+        .find(|l| l.starts_with("0::"))
+        .unwrap_or("?")
+        .to_string();
+    eprintln!("the agent sees offline's cgroup as: {seen}");
+    assert_eq!(
+        seen,
+        format!("0::/../{tag}-off"),
+        "the test's premise: a namespaced path"
+    );
+    wait_for("agent plans to freeze offline's cgroup", SOON, || {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| {
+                p.iter()
+                    .any(|p| p["pid"] == off.pid() && p["actuator"] == "freezer")
+            })
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    let frozen = || {
+        std::fs::read_to_string(off_cg.0.join("cgroup.events"))
+            .is_ok_and(|s| s.contains("frozen 1"))
+    };
+    let _online = sim.spawn(&["busy", "--gpu", "0", "--ms", "300"]);
+    wait_for("offline's cgroup frozen", SOON, frozen)
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_for(
+        "thawed after the idle window",
+        Duration::from_secs(4),
+        || !frozen(),
+    )
+    .unwrap();
+    if let Ok(d) = &decoy {
+        assert_eq!(
+            std::fs::read_to_string(d.join("cgroup.freeze"))
+                .unwrap()
+                .trim(),
+            "0",
+            "wrote outside the mount"
+        );
+        std::fs::remove_dir_all(d).unwrap();
+    }
+    assert!(
+        agent.log_text().contains("cgroup namespace of its own"),
+        "{}",
+        agent.log_text()
+    );
+    drop(off);
+    drop(agent);
+    std::fs::remove_dir_all(rules_dir).ok();
+    let _ = Path::new("/");
+}
