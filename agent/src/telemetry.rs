@@ -87,12 +87,9 @@ fn describe() {
 /// Metric handles of one GPU.
 #[derive(Debug)]
 pub struct GpuMetrics {
-    /// `coloc_gpu_online_busy`.
-    pub busy: metrics::Gauge,
-    /// `coloc_gpu_degraded`.
-    pub degraded: metrics::Gauge,
-    /// `coloc_offline_suspended_processes`.
-    pub suspended: metrics::Gauge,
+    busy: (metrics::Gauge, std::cell::Cell<f64>),
+    degraded: (metrics::Gauge, std::cell::Cell<f64>),
+    suspended: (metrics::Gauge, std::cell::Cell<f64>),
     detection: metrics::Histogram,
     actuation: BTreeMap<&'static str, metrics::Histogram>,
     preemption: BTreeMap<&'static str, metrics::Histogram>,
@@ -114,14 +111,42 @@ impl GpuMetrics {
                 .collect()
         };
         GpuMetrics {
-            busy: metrics::gauge!("coloc_gpu_online_busy", "gpu" => g.clone()),
-            degraded: metrics::gauge!("coloc_gpu_degraded", "gpu" => g.clone()),
-            suspended: metrics::gauge!("coloc_offline_suspended_processes", "gpu" => g.clone()),
+            busy: gauge(metrics::gauge!("coloc_gpu_online_busy", "gpu" => g.clone())),
+            degraded: gauge(metrics::gauge!("coloc_gpu_degraded", "gpu" => g.clone())),
+            suspended: gauge(metrics::gauge!("coloc_offline_suspended_processes", "gpu" => g.clone())),
             detection: metrics::histogram!("coloc_detection_latency_seconds", "gpu" => g.clone()),
             actuation: per_actuator("coloc_actuation_latency_seconds"),
             preemption: per_actuator("coloc_preemption_latency_seconds"),
             release: per_actuator("coloc_release_latency_seconds"),
         }
+    }
+}
+
+fn gauge(g: metrics::Gauge) -> (metrics::Gauge, std::cell::Cell<f64>) {
+    g.set(0.0);
+    (g, std::cell::Cell::new(0.0))
+}
+
+/// Sets a gauge only when its value changes (the loop sets them every tick).
+fn set(g: &(metrics::Gauge, std::cell::Cell<f64>), v: f64) {
+    if g.1.get() != v {
+        g.1.set(v);
+        g.0.set(v);
+    }
+}
+
+impl GpuMetrics {
+    /// `coloc_gpu_online_busy`.
+    pub fn set_busy(&self, busy: bool) {
+        set(&self.busy, if busy { 1.0 } else { 0.0 });
+    }
+    /// `coloc_gpu_degraded`.
+    pub fn set_degraded(&self, degraded: bool) {
+        set(&self.degraded, if degraded { 1.0 } else { 0.0 });
+    }
+    /// `coloc_offline_suspended_processes`.
+    pub fn set_suspended(&self, n: usize) {
+        set(&self.suspended, n as f64);
     }
 }
 

@@ -97,8 +97,7 @@ impl Loop {
                 }
             }
             if let Some(m) = self.telemetry.gpus.get(&gpu) {
-                m.degraded
-                    .set(if self.health.degraded(gpu) { 1.0 } else { 0.0 });
+                m.set_degraded(self.health.degraded(gpu));
             }
         }
         let why = self.health.describe();

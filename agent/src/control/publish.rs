@@ -19,22 +19,20 @@ impl Loop {
                 continue;
             };
             let busy = matches!(self.machine.state(input.gpu), GpuState::OnlineBusy { .. });
-            m.busy.set(if busy { 1.0 } else { 0.0 });
-            let offline: Vec<_> = input
-                .procs
-                .iter()
-                .filter(|p| p.class == Class::Offline)
-                .collect();
-            let suspended = offline
-                .iter()
-                .filter(|p| self.machine.suspended().contains_key(&p.key))
-                .count();
-            m.suspended.set(suspended as f64);
+            m.set_busy(busy);
+            let (mut offline, mut suspended) = (0, 0);
+            for p in input.procs.iter().filter(|p| p.class == Class::Offline) {
+                offline += 1;
+                if self.machine.suspended().contains_key(&p.key) {
+                    suspended += 1;
+                }
+            }
+            m.set_suspended(suspended);
             let acc = secs.entry(input.gpu).or_default();
             if suspended > 0 {
                 acc.suspended += dts;
             }
-            if !busy && offline.len() > suspended {
+            if !busy && offline > suspended {
                 acc.reclaimed += dts;
             }
         }

@@ -101,8 +101,29 @@ pub trait GpuSampler: Send {
 
 /// The NVML-backed sampler.
 pub struct Nvml {
+    nvml: &'static nvml_wrapper::Nvml,
     devices: Vec<(u32, String, nvml_wrapper::Device<'static>)>,
+    /// Reused sample buffer: one driver call per GPU per tick instead of two (NVML's
+    /// count-then-data), and no allocation.
+    buf: Vec<RawSample>,
+    hist_samples: metrics::Histogram,
+    hist_procs: metrics::Histogram,
 }
+
+/// `nvmlProcessUtilizationSample_t`, laid out as the C struct.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct RawSample {
+    pid: std::ffi::c_uint,
+    time_stamp: std::ffi::c_ulonglong,
+    sm_util: std::ffi::c_uint,
+    mem_util: std::ffi::c_uint,
+    enc_util: std::ffi::c_uint,
+    dec_util: std::ffi::c_uint,
+}
+
+/// Largest sample buffer the sampler grows to.
+const MAX_SAMPLES: usize = 65_536;
 
 impl std::fmt::Debug for Nvml {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -112,9 +133,8 @@ impl std::fmt::Debug for Nvml {
     }
 }
 
-fn observe(function: &'static str, t: Instant) {
+fn call_histogram(function: &'static str) -> metrics::Histogram {
     metrics::histogram!("coloc_nvml_call_duration_seconds", "function" => function)
-        .record(t.elapsed().as_secs_f64());
 }
 
 impl Nvml {
@@ -153,7 +173,13 @@ impl Nvml {
             let uuid = dev.uuid().unwrap_or_else(|_| format!("GPU-{gpu}"));
             devices.push((gpu, uuid, dev));
         }
-        Ok(Nvml { devices })
+        Ok(Nvml {
+            nvml,
+            devices,
+            buf: vec![RawSample::default(); 256],
+            hist_samples: call_histogram("nvmlDeviceGetProcessUtilization"),
+            hist_procs: call_histogram("nvmlDeviceGetComputeRunningProcesses"),
+        })
     }
 
     fn device(&self, gpu: u32) -> Result<&nvml_wrapper::Device<'static>, GpuError> {
@@ -205,7 +231,7 @@ impl GpuSampler for Nvml {
         let r = retry_transient("nvmlDeviceGetComputeRunningProcesses", || {
             dev.running_compute_processes()
         });
-        observe("nvmlDeviceGetComputeRunningProcesses", t);
+        self.hist_procs.record(t.elapsed().as_secs_f64());
         let procs = r.map_err(|source| GpuError::Call {
             function: "nvmlDeviceGetComputeRunningProcesses",
             gpu,
@@ -215,29 +241,55 @@ impl GpuSampler for Nvml {
     }
 
     fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError> {
-        use nvml_wrapper::error::NvmlError;
-        let dev = self.device(gpu)?;
+        use nvml_wrapper::error::{nvml_try, NvmlError};
+        const F: &str = "nvmlDeviceGetProcessUtilization";
+        let call = |source| GpuError::Call { function: F, gpu, source };
+        let handle = {
+            let dev = self.device(gpu)?;
+            // SAFETY: the handle is only passed to NVML below, while `self.nvml` (leaked,
+            // 'static) keeps the library initialised.
+            unsafe { dev.handle() }
+        };
+        let sym = self
+            .nvml
+            .lib()
+            .nvmlDeviceGetProcessUtilization
+            .as_ref()
+            .map_err(|e| call(NvmlError::FailedToLoadSymbol(e.to_string())))?;
         let t = Instant::now();
-        let r = retry_transient("nvmlDeviceGetProcessUtilization", || {
-            dev.process_utilization_stats(since_us)
-        });
-        observe("nvmlDeviceGetProcessUtilization", t);
-        match r {
-            Ok(samples) => Ok(samples
-                .into_iter()
+        let mut result = Err(NvmlError::InsufficientSize(None));
+        for attempt in 0..=TRANSIENT_RETRIES {
+            let mut count = self.buf.len() as std::ffi::c_uint;
+            // SAFETY: `buf` holds `count` initialised samples with the C layout; the driver
+            // writes at most `count` of them and sets `count` to how many it wrote (or, on
+            // INSUFFICIENT_SIZE, how many it needs).
+            let code = unsafe { sym(handle, self.buf.as_mut_ptr().cast(), &mut count, since_us) };
+            result = nvml_try(code).map(|()| (count as usize).min(self.buf.len()));
+            match &result {
+                Err(NvmlError::InsufficientSize(_)) => {
+                    // Samples arrived, or the buffer is too small: grow it and ask again.
+                    let want = (count as usize).max(self.buf.len()) + 16;
+                    self.buf.resize(want.min(MAX_SAMPLES), RawSample::default());
+                    if attempt < TRANSIENT_RETRIES {
+                        metrics::counter!("coloc_nvml_transient_answers_total", "function" => F).increment(1);
+                    }
+                }
+                _ => break,
+            }
+        }
+        self.hist_samples.record(t.elapsed().as_secs_f64());
+        match result {
+            Ok(n) => Ok(self.buf[..n]
+                .iter()
                 .filter(|s| s.sm_util > 0 || s.mem_util > 0 || s.enc_util > 0 || s.dec_util > 0)
                 .map(|s| Activity {
                     pid: s.pid,
-                    at_ns: s.timestamp.saturating_mul(1000),
+                    at_ns: s.time_stamp.saturating_mul(1000),
                 })
                 .collect()),
             // The driver says NOT_FOUND when no sample is newer than `since_us`.
             Err(NvmlError::NotFound) => Ok(vec![]),
-            Err(source) => Err(GpuError::Call {
-                function: "nvmlDeviceGetProcessUtilization",
-                gpu,
-                source,
-            }),
+            Err(source) => Err(call(source)),
         }
     }
 }
