@@ -55,7 +55,8 @@ def render(*sets):
     return run(*args)
 
 
-def promises(docs, label):
+def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc"):
+    caps = list(caps)
     ds = by_kind(docs, "DaemonSet")[0]
     pod = ds["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -63,8 +64,11 @@ def promises(docs, label):
     check(pod.get("hostPID") is True, f"{label}: agent needs hostPID")
     check(not sc.get("privileged"), f"{label}: agent must not be privileged by default")
     check(sc["capabilities"]["drop"] == ["ALL"], f"{label}: agent drops all capabilities")
-    check(set(sc["capabilities"]["add"]) <= {"KILL", "SYS_PTRACE", "DAC_OVERRIDE"}, f"{label}: unexpected capabilities {sc['capabilities']['add']}")
+    check(sc["capabilities"]["add"] == caps, f"{label}: agent capabilities {sc['capabilities']['add']}, expected {caps}")
+    check(sc.get("allowPrivilegeEscalation") is False, f"{label}: agent allowPrivilegeEscalation")
+    check(pod.get("securityContext", {}).get("seccompProfile") == {"type": "RuntimeDefault"}, f"{label}: agent seccomp RuntimeDefault")
     env = {e["name"]: e for e in c["env"]}
+    check(env["COLOC_LOOP_NICE"]["value"] == ("-10" if "SYS_NICE" in caps else "0"), f"{label}: COLOC_LOOP_NICE without/with SYS_NICE")
     check(env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", f"{label}: NODE_NAME from the downward API")
     check(c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz", f"{label}: probes")
     check("requests" in c["resources"] and "limits" in c["resources"], f"{label}: resources")
@@ -81,13 +85,21 @@ def promises(docs, label):
             for w in cfg["webhooks"]:
                 check(w["sideEffects"] == "None" and w["failurePolicy"] and w["timeoutSeconds"], f"{label}: {w['name']} settings")
                 ns = w["namespaceSelector"]["matchExpressions"][0]
-                check(ns["operator"] == "NotIn" and "kube-system" in ns["values"], f"{label}: {w['name']} excludes kube-system")
-                check(w["objectSelector"]["matchExpressions"][0]["values"] == ["gpu-coloc-webhook"], f"{label}: {w['name']} excludes the webhook itself")
+                # By namespace name (set by the API server only), never by a label that a
+                # tenant could put on its own pod.
+                check(ns["key"] == "kubernetes.io/metadata.name" and ns["operator"] == "NotIn" and set(ns["values"]) == {"kube-system", release_ns},
+                      f"{label}: {w['name']} excludes kube-system and the release namespace {release_ns} by name")
+                check("objectSelector" not in w, f"{label}: {w['name']} has an objectSelector (tenants can set pod labels)")
                 if kind.startswith("Mutating"):
                     check(w.get("reinvocationPolicy") == "IfNeeded", f"{label}: reinvocationPolicy")
     dep = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("webhook")]
     if dep:
+        wpod = dep[0]["spec"]["template"]["spec"]
         check(dep[0]["spec"]["replicas"] == 2, f"{label}: webhook replicas")
+        check(wpod.get("automountServiceAccountToken") is False, f"{label}: webhook mounts no service account token")
+        check(wpod.get("securityContext", {}).get("seccompProfile") == {"type": "RuntimeDefault"}, f"{label}: webhook seccomp RuntimeDefault")
+        wsc = wpod["containers"][0]["securityContext"]
+        check(wsc.get("runAsNonRoot") is True and wsc["capabilities"] == {"drop": ["ALL"]}, f"{label}: webhook non-root, no capabilities")
         check(by_kind(docs, "PodDisruptionBudget"), f"{label}: webhook PDB")
 
 
@@ -99,6 +111,10 @@ def main():
     host = validate(render("agent.runtimeClassName="), "chart (driver from host path)")
     env = {e["name"] for e in by_kind(host, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     check("COLOC_NVML_LIB" in env, "host-path mode sets COLOC_NVML_LIB")
+    promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
+    promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
+    other_ns = validate(run("python3", os.path.join(HERE, "render-chart.py"), "--namespace", "gpu-sharing"), "chart (namespace gpu-sharing)")
+    promises(other_ns, "chart (namespace gpu-sharing)", release_ns="gpu-sharing")
     full = validate(render("agent.serviceMonitor.enabled=true", "webhook.certManager.enabled=true", "prometheusRules.enabled=true"), "chart (ServiceMonitor, cert-manager, rules)")
     check(by_kind(full, "ServiceMonitor") and by_kind(full, "Certificate"), "optional objects rendered when enabled")
     agent_only = validate(render("webhook.enabled=false"), "chart (agent only)")
@@ -129,6 +145,15 @@ def main():
     for needle in ("kubectl apply -k deploy/kustomize/base", "kubectl apply -k deploy/kustomize/overlays/cert-manager",
                    "deploy/scripts/self-signed-webhook-cert.sh", "helm install gpu-coloc deploy/helm/gpu-coloc"):
         check(needle in readme, f"README lacks {needle!r}")
+
+    # The README's privileges table names exactly the capabilities the chart can grant.
+    import re
+    table = set(re.findall(r"^\| capability `([A-Z_]+)`", readme, flags=re.M))
+    granted = set()
+    for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",)):
+        ds = by_kind([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")[0]
+        granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
+    check(table == granted, f"README privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")
 
     if failures:
         print("\n".join("FAIL " + f for f in failures))
