@@ -113,7 +113,9 @@ impl GpuMetrics {
         GpuMetrics {
             busy: gauge(metrics::gauge!("coloc_gpu_online_busy", "gpu" => g.clone())),
             degraded: gauge(metrics::gauge!("coloc_gpu_degraded", "gpu" => g.clone())),
-            suspended: gauge(metrics::gauge!("coloc_offline_suspended_processes", "gpu" => g.clone())),
+            suspended: gauge(
+                metrics::gauge!("coloc_offline_suspended_processes", "gpu" => g.clone()),
+            ),
             detection: metrics::histogram!("coloc_detection_latency_seconds", "gpu" => g.clone()),
             actuation: per_actuator("coloc_actuation_latency_seconds"),
             preemption: per_actuator("coloc_preemption_latency_seconds"),

@@ -43,7 +43,7 @@ use crate::telemetry::Telemetry;
 use events::{Event, FailOpen, Tracker};
 use health::{Health, Watchdog};
 use holds::Holds;
-use qos_core::{Class, Machine};
+use qos_core::Machine;
 use state::Shared;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -127,6 +127,8 @@ pub struct Loop {
     last_seen_us: BTreeMap<u32, u64>,
     /// Samples at or before this time are ignored (after a fail-open), per GPU.
     blind_until: BTreeMap<u32, u64>,
+    /// Reused sample buffer.
+    scratch: Vec<crate::edges::gpu::Activity>,
     next_refresh_ns: u64,
     last_tick_ns: Option<u64>,
     last_publish_ns: u64,
@@ -185,6 +187,7 @@ impl Loop {
             shared,
             last_seen_us: BTreeMap::new(),
             blind_until: BTreeMap::new(),
+            scratch: Vec::new(),
             next_refresh_ns: 0,
             last_tick_ns: None,
             last_publish_ns: 0,
@@ -227,11 +230,7 @@ impl Loop {
     /// `--poll-interval` while any offline process is on a managed GPU (someone may need
     /// preempting) or something is held; `--idle-poll-interval` otherwise.
     fn current_poll(&self) -> Duration {
-        let offline_present = self
-            .table
-            .entries()
-            .any(|e| e.cls.class == Class::Offline && !e.gpus.is_empty());
-        if offline_present || !self.holds().is_empty() || !self.tracker.is_empty() {
+        if self.table.offline_present() || !self.tracker.is_empty() || !self.holds().is_empty() {
             self.cfg.poll
         } else {
             self.cfg.idle_poll.max(self.cfg.poll)

@@ -13,17 +13,20 @@ impl Loop {
     pub(super) fn observe(&mut self, now: u64) -> BTreeMap<u32, String> {
         let mut failed = BTreeMap::new();
         let mut unknown: Vec<(u32, u32, u64)> = Vec::new();
-        for gpu in self.gpus.clone() {
+        let mut samples = std::mem::take(&mut self.scratch);
+        for i in 0..self.gpus.len() {
+            let gpu = self.gpus[i];
             let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
-            match self.gpu.samples(gpu, since) {
-                Ok(samples) => {
+            samples.clear();
+            match self.gpu.samples(gpu, since, &mut samples) {
+                Ok(()) => {
                     if self.health.degraded(gpu) {
                         // Answers again after failing open: what the driver buffered
                         // meanwhile is history, not the start of a busy period.
                         self.blind_until.insert(gpu, now);
                     }
                     let blind = self.blind_until.get(&gpu).copied().unwrap_or(0);
-                    for a in samples {
+                    for a in samples.iter().copied() {
                         let seen = self.last_seen_us.entry(gpu).or_insert(0);
                         *seen = (*seen).max(a.at_ns / 1000);
                         if a.at_ns <= blind {
@@ -40,12 +43,14 @@ impl Loop {
                 }
             }
         }
+        self.scratch = samples;
         let generation = self.classifier.source.generation();
         if !unknown.is_empty() || now >= self.next_refresh_ns || self.table.stale(generation) {
             self.next_refresh_ns = now + self.cfg.process_interval.as_nanos() as u64;
             let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
             let mut list_failed = BTreeSet::new();
-            for gpu in self.gpus.clone() {
+            for i in 0..self.gpus.len() {
+                let gpu = self.gpus[i];
                 match self.gpu.processes(gpu) {
                     Ok(pids) => {
                         for pid in pids {
@@ -70,7 +75,8 @@ impl Loop {
 
     /// Applies the health policy to this tick's failures.
     pub(super) fn judge(&mut self, failed: BTreeMap<u32, String>, now: u64) {
-        for gpu in self.gpus.clone() {
+        for i in 0..self.gpus.len() {
+            let gpu = self.gpus[i];
             let verdict = match failed.get(&gpu) {
                 None => self.health.ok(gpu),
                 Some(err) => self.health.failed(gpu, now, err.clone()),

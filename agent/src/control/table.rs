@@ -67,6 +67,13 @@ pub struct Table {
     procs: HashMap<u32, Entry>,
     /// Listed PIDs not visible in `/proc`, with when that was first seen.
     invisible: HashMap<u32, u64>,
+    /// The pod source's generation at the latest refresh (every entry is classified
+    /// under it afterwards).
+    generation: Option<u64>,
+    /// Some offline process is on a GPU (as of the latest refresh).
+    offline_present: bool,
+    /// A refresh happened since the latest purge.
+    refreshed: bool,
     warned: BTreeSet<String>,
 }
 
@@ -87,7 +94,12 @@ impl Table {
 
     /// Whether an entry was classified under an older pod-source generation.
     pub fn stale(&self, generation: u64) -> bool {
-        self.procs.values().any(|e| e.generation != generation)
+        self.generation != Some(generation)
+    }
+
+    /// Whether an offline process was on a GPU at the latest refresh.
+    pub fn offline_present(&self) -> bool {
+        self.offline_present
     }
 
     /// The entry of `key` (same PID and start time).
@@ -114,7 +126,12 @@ impl Table {
     }
 
     /// Drops entries no longer on any GPU, unless `keep` says otherwise.
+    /// Only entries changed by a refresh can have left every GPU, so it does nothing
+    /// between refreshes.
     pub fn purge(&mut self, keep: impl Fn(&ProcKey) -> bool) {
+        if !std::mem::take(&mut self.refreshed) {
+            return;
+        }
         self.procs.retain(|_, e| !e.gpus.is_empty() || keep(&e.key));
     }
 

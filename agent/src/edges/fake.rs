@@ -132,7 +132,12 @@ impl GpuSampler for FakeGpu {
         }
         Ok(s.procs.get(&gpu).cloned().unwrap_or_default())
     }
-    fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError> {
+    fn samples(
+        &mut self,
+        gpu: u32,
+        since_us: u64,
+        out: &mut Vec<Activity>,
+    ) -> Result<(), GpuError> {
         {
             let (m, cv) = &*self.hang;
             let mut hung = m.lock().unwrap();
@@ -148,10 +153,12 @@ impl GpuSampler for FakeGpu {
             return Err(Self::err(gpu));
         }
         let v = s.samples.remove(&gpu).unwrap_or_default();
-        Ok(v.into_iter()
-            .filter(|(_, at)| at / 1000 > since_us)
-            .map(|(pid, at_ns)| Activity { pid, at_ns })
-            .collect())
+        out.extend(
+            v.into_iter()
+                .filter(|(_, at)| at / 1000 > since_us)
+                .map(|(pid, at_ns)| Activity { pid, at_ns }),
+        );
+        Ok(())
     }
 }
 

@@ -95,8 +95,10 @@ pub trait GpuSampler: Send {
     fn uuid(&self, gpu: u32) -> String;
     /// PIDs with a compute context on `gpu`.
     fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError>;
-    /// Activity samples on `gpu` newer than `since_us` (driver timestamp, µs).
-    fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError>;
+    /// Appends to `out` the activity samples on `gpu` newer than `since_us` (driver
+    /// timestamp, µs). The caller reuses `out`, so a tick allocates nothing.
+    fn samples(&mut self, gpu: u32, since_us: u64, out: &mut Vec<Activity>)
+        -> Result<(), GpuError>;
 }
 
 /// The NVML-backed sampler.
@@ -240,10 +242,19 @@ impl GpuSampler for Nvml {
         Ok(procs.into_iter().map(|p| p.pid).collect())
     }
 
-    fn samples(&mut self, gpu: u32, since_us: u64) -> Result<Vec<Activity>, GpuError> {
+    fn samples(
+        &mut self,
+        gpu: u32,
+        since_us: u64,
+        out: &mut Vec<Activity>,
+    ) -> Result<(), GpuError> {
         use nvml_wrapper::error::{nvml_try, NvmlError};
         const F: &str = "nvmlDeviceGetProcessUtilization";
-        let call = |source| GpuError::Call { function: F, gpu, source };
+        let call = |source| GpuError::Call {
+            function: F,
+            gpu,
+            source,
+        };
         let handle = {
             let dev = self.device(gpu)?;
             // SAFETY: the handle is only passed to NVML below, while `self.nvml` (leaked,
@@ -271,7 +282,8 @@ impl GpuSampler for Nvml {
                     let want = (count as usize).max(self.buf.len()) + 16;
                     self.buf.resize(want.min(MAX_SAMPLES), RawSample::default());
                     if attempt < TRANSIENT_RETRIES {
-                        metrics::counter!("coloc_nvml_transient_answers_total", "function" => F).increment(1);
+                        metrics::counter!("coloc_nvml_transient_answers_total", "function" => F)
+                            .increment(1);
                     }
                 }
                 _ => break,
@@ -279,16 +291,22 @@ impl GpuSampler for Nvml {
         }
         self.hist_samples.record(t.elapsed().as_secs_f64());
         match result {
-            Ok(n) => Ok(self.buf[..n]
-                .iter()
-                .filter(|s| s.sm_util > 0 || s.mem_util > 0 || s.enc_util > 0 || s.dec_util > 0)
-                .map(|s| Activity {
-                    pid: s.pid,
-                    at_ns: s.time_stamp.saturating_mul(1000),
-                })
-                .collect()),
+            Ok(n) => {
+                out.extend(
+                    self.buf[..n]
+                        .iter()
+                        .filter(|s| {
+                            s.sm_util > 0 || s.mem_util > 0 || s.enc_util > 0 || s.dec_util > 0
+                        })
+                        .map(|s| Activity {
+                            pid: s.pid,
+                            at_ns: s.time_stamp.saturating_mul(1000),
+                        }),
+                );
+                Ok(())
+            }
             // The driver says NOT_FOUND when no sample is newer than `since_us`.
-            Err(NvmlError::NotFound) => Ok(vec![]),
+            Err(NvmlError::NotFound) => Ok(()),
             Err(source) => Err(call(source)),
         }
     }

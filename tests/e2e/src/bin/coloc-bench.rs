@@ -282,7 +282,7 @@ fn nvml_probe(args: &[String]) {
             if name == "running_processes" {
                 let _ = nvml.processes(gpu);
             } else {
-                let _ = nvml.samples(gpu, now_us().saturating_sub(1_000_000));
+                let _ = nvml.samples(gpu, now_us().saturating_sub(1_000_000), &mut Vec::new());
             }
             t.push(s.elapsed().as_secs_f64() * 1e6);
         }
@@ -314,7 +314,8 @@ fn nvml_probe(args: &[String]) {
             }
         }
         let poll = now_us() * 1000;
-        if let Ok(samples) = nvml.samples(gpu, last_seen) {
+        let mut samples = Vec::new();
+        if nvml.samples(gpu, last_seen, &mut samples).is_ok() {
             for a in samples {
                 last_seen = last_seen.max(a.at_ns / 1000);
                 per_pid.entry(a.pid).or_default().push(a.at_ns);
