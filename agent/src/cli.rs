@@ -129,9 +129,49 @@ pub struct RunArgs {
     /// Append every preemption and release, with its latencies, to this JSON-lines file.
     #[arg(long, env = "COLOC_EVENT_LOG")]
     pub event_log: Option<PathBuf>,
+    /// Show each process's command line in /state (and so in `coloc-agent status`).
+    /// Off by default: command lines often carry secrets (`--token=…`), and the port is
+    /// reachable by anything that reaches the node. The agent's log keeps their first 120
+    /// bytes, control characters escaped.
+    #[arg(long, env = "COLOC_STATE_CMDLINES")]
+    pub state_cmdlines: bool,
+    /// HTTP: a request head must be complete this long after the connection is accepted
+    /// (or after the first byte of a following request), else the connection is closed.
+    /// Probes and scrapers send their few hundred bytes at once; 5 s is ample on a loaded
+    /// node and frees a half-sent request's resources quickly.
+    #[arg(long, env = "COLOC_HTTP_HEADER_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
+    /// HTTP: a connection that moves no byte for this long is closed (a kept-alive
+    /// connection waiting for its next request, a client that stopped reading). 30 s
+    /// keeps a scraper's connection across a 15 s scrape interval.
+    #[arg(long, env = "COLOC_HTTP_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub http_idle_timeout: Duration,
+    /// HTTP: open connections at most; one more closes the oldest connection that has not
+    /// sent a complete request yet (else the oldest), so a flood cannot lock probes out.
+    /// 64 is far above what kubelet probes and a few scrapers use, and bounds the server's
+    /// memory to a few MiB (16 KiB of read buffer per connection).
+    #[arg(long, env = "COLOC_HTTP_MAX_CONNECTIONS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub http_max_connections: u32,
 }
 
 impl RunArgs {
+    /// The HTTP server's limits (validated).
+    pub fn http_limits(&self) -> Result<crate::http::Limits> {
+        for (flag, d) in [
+            ("--http-header-timeout", self.http_header_timeout),
+            ("--http-idle-timeout", self.http_idle_timeout),
+        ] {
+            if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
+                bail!("{flag} {d:?}: allowed 100ms to 1h");
+            }
+        }
+        Ok(crate::http::Limits {
+            header_timeout: self.http_header_timeout,
+            idle_timeout: self.http_idle_timeout,
+            max_connections: self.http_max_connections as usize,
+        })
+    }
+
     /// Validates the arguments into the loop configuration.
     pub fn loop_config(&self) -> Result<LoopConfig> {
         if self.poll_interval < Duration::from_micros(100)
@@ -248,6 +288,36 @@ mod tests {
         assert_eq!(cfg.idle_poll, Duration::from_millis(10));
         assert_eq!(cfg.nvml_grace, Duration::from_millis(50));
         assert!(cfg.machine.unmanaged_is_online);
+        assert!(!args.state_cmdlines);
+        let http = args.http_limits().unwrap();
+        assert_eq!(http.header_timeout, Duration::from_secs(5));
+        assert_eq!(http.idle_timeout, Duration::from_secs(30));
+        assert_eq!(http.max_connections, 64);
+    }
+
+    #[test]
+    fn http_limits_are_validated() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["coloc-agent", "run", "--actuator", "signal"];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).map(|cli| match cli.cmd {
+                Command::Run(args) => args,
+                _ => panic!(),
+            })
+        };
+        assert!(parse(&["--http-max-connections", "0"]).is_err());
+        let a = parse(&["--http-header-timeout", "10ms"]).unwrap();
+        assert!(a
+            .http_limits()
+            .unwrap_err()
+            .to_string()
+            .contains("--http-header-timeout"));
+        let a = parse(&["--http-idle-timeout", "2s", "--state-cmdlines"]).unwrap();
+        assert_eq!(
+            a.http_limits().unwrap().idle_timeout,
+            Duration::from_secs(2)
+        );
+        assert!(a.state_cmdlines);
     }
 
     #[test]

@@ -87,6 +87,7 @@ fn run(args: RunArgs) -> Result<()> {
         Box::new(record)
     };
     let cfg = args.loop_config()?;
+    let http_limits = args.http_limits()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -150,12 +151,11 @@ fn run(args: RunArgs) -> Result<()> {
         prom,
         source,
         stall_ns,
+        state_cmdlines: args.state_cmdlines,
+        metrics_cache: Arc::default(),
     });
-    rt.spawn(async move {
-        if let Err(err) = axum::serve(listener, app).await {
-            error!(%err, "HTTP server failed");
-        }
-    });
+    // On the runtime's one worker thread, never on the control loop's.
+    rt.spawn(http::serve(listener, app, http_limits));
     info!(
         listen = %addr,
         actuator = cfg.actuator.as_str(),
@@ -163,6 +163,8 @@ fn run(args: RunArgs) -> Result<()> {
         poll = ?cfg.poll,
         idle_poll = ?cfg.idle_poll,
         idle_window = ?args.idle_window,
+        http = ?http_limits,
+        state_cmdlines = args.state_cmdlines,
         "Agent started"
     );
     let lp = std::thread::Builder::new()

@@ -4,6 +4,7 @@
 //! May touch: one HTTP connection to the agent; the plot file.
 
 use crate::control::state::StateDoc;
+use crate::control::table::sanitize;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{Read, Write};
@@ -65,16 +66,22 @@ fn ms(v: Option<f64>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-/// Human-readable rendering of a `/state` document.
+/// What the command column shows for a process without a command line: the agent hides
+/// them unless it runs with `--state-cmdlines`.
+pub const HIDDEN_CMD: &str = "(command line hidden: agent runs without --state-cmdlines)";
+
+/// Human-readable rendering of a `/state` document. Every text that comes from the agent
+/// (and so from tenants: command lines) has its control characters escaped, so nothing in
+/// it can move the cursor, recolour or retitle the terminal.
 pub fn render(st: &StateDoc) -> String {
     let mut out = format!(
         "node {}  actuator {}{}  idle window {} ms{}\n",
-        st.node,
+        sanitize(&st.node),
         st.actuator.map(|k| k.as_str()).unwrap_or("?"),
         if st.dry_run { " (dry run)" } else { "" },
         st.idle_window_ms,
         match &st.degraded_reason {
-            Some(why) => format!("  DEGRADED: {why}"),
+            Some(why) => format!("  DEGRADED: {}", sanitize(why)),
             None if st.degraded => "  DEGRADED".to_string(),
             None => String::new(),
         },
@@ -87,8 +94,8 @@ pub fn render(st: &StateDoc) -> String {
         out += &format!(
             "\nGPU {} {}  {}{}\n  last preemption: {since}\n  preemption latency: p50 {} p99 {} (n={})   release latency: p50 {} p99 {} (n={})\n",
             g.index,
-            g.uuid,
-            g.state.to_uppercase(),
+            sanitize(&g.uuid),
+            sanitize(&g.state.to_uppercase()),
             if g.degraded { "  (NVML failing: not managed)" } else { "" },
             ms(g.preemption_ms.p50),
             ms(g.preemption_ms.p99),
@@ -106,8 +113,12 @@ pub fn render(st: &StateDoc) -> String {
                 p.pid,
                 p.class.to_string(),
                 if p.suspended { "SUSPENDED" } else { "running" },
-                p.owner,
-                p.cmd.chars().take(60).collect::<String>(),
+                sanitize(&p.owner),
+                if p.cmd.is_empty() {
+                    HIDDEN_CMD.to_string()
+                } else {
+                    sanitize(&p.cmd).chars().take(60).collect::<String>()
+                },
             );
         }
     }
@@ -156,5 +167,64 @@ pub fn run(a: StatusArgs) -> Result<()> {
             }
             _ => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::state::{GpuDoc, ProcDoc};
+    use qos_core::Class;
+
+    fn doc(cmds: &[&str]) -> StateDoc {
+        StateDoc {
+            node: "n\x1b]0;pwned\x07".into(),
+            gpus: vec![GpuDoc {
+                index: 0,
+                uuid: "GPU-0".into(),
+                state: "offline_running".into(),
+                processes: cmds
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| ProcDoc {
+                        pid: 100 + i as u32,
+                        class: Class::Offline,
+                        owner: "rule:off\n".into(),
+                        cmd: c.to_string(),
+                        suspended: false,
+                        actuator: None,
+                        last_active_ms_ago: None,
+                    })
+                    .collect(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn render_escapes_control_characters() {
+        let out = render(&doc(&["train.py\x1b[2J\x1b[31m --x\nFAKE LINE\r\u{9b}1m"]));
+        assert!(
+            !out.chars().any(|c| c.is_control() && c != '\n'),
+            "raw control characters in:\n{out:?}"
+        );
+        assert!(
+            out.contains("train.py\\x1b[2J\\x1b[31m --x\\nFAKE LINE\\r\\x9b1m"),
+            "{out}"
+        );
+        assert!(out.contains("n\\x1b]0;pwned\\x07"), "{out}");
+        assert!(out.contains("rule:off\\n"), "{out}");
+        // One line per process: the newline in the command line did not start another.
+        assert_eq!(out.lines().filter(|l| l.contains("FAKE LINE")).count(), 1);
+        assert!(!out.lines().any(|l| l.starts_with("FAKE")));
+    }
+
+    #[test]
+    fn render_says_why_the_command_is_empty() {
+        let out = render(&doc(&["", "python serve.py"]));
+        assert!(out.contains(HIDDEN_CMD), "{out}");
+        assert!(out.contains("python serve.py"), "{out}");
+        assert_eq!(out.matches(HIDDEN_CMD).count(), 1);
     }
 }
