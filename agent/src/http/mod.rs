@@ -1,0 +1,161 @@
+//! The agent's HTTP endpoints: `/metrics`, `/healthz`, `/readyz`, `/state`, served over the
+//! control loop's [`Shared`] handle (the loop never waits for HTTP), and the server that
+//! bounds what clients can hold ([`serve`]):
+//!
+//! - a request head must arrive within the header timeout (counted from the accept, or from
+//!   the first byte of a following request on a kept-alive connection);
+//! - a connection that moves no byte in either direction for the idle timeout is closed
+//!   (a kept-alive connection waiting for its next request, a client that stops reading
+//!   a response);
+//! - at most `max_connections` are open: one more evicts the oldest connection still
+//!   waiting for a complete request head (else the oldest one), so a flood of half-sent
+//!   requests can neither grow memory nor lock out a health probe;
+//! - request heads are read into at most [`MAX_HEAD_BYTES`], request bodies (every
+//!   endpoint is a GET) are refused above [`MAX_BODY_BYTES`];
+//! - `/metrics` is rendered at most every [`METRICS_MIN_INTERVAL`] (a scrape flood costs a
+//!   few renders a second, not one per request).
+//!
+//! It runs on the agent's 1-worker tokio runtime, not on the control loop's thread.
+//!
+//! May touch: one TCP listener.
+
+use crate::control::state::Shared;
+use crate::edges::clock::now_ns;
+use crate::edges::source::PodSource;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Largest request body accepted: every endpoint is a GET.
+pub const MAX_BODY_BYTES: u64 = 1024;
+/// Read buffer of a connection: a request head larger than this is refused (431).
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// `/metrics` is rendered at most this often; requests in between get the last rendering.
+pub const METRICS_MIN_INTERVAL: Duration = Duration::from_millis(100);
+
+/// What the handlers need.
+#[derive(Clone)]
+pub struct AppState {
+    /// Shared with the control loop.
+    pub shared: Arc<Shared>,
+    /// Prometheus renderer.
+    pub prom: PrometheusHandle,
+    /// Pod source (for readiness).
+    pub source: Arc<dyn PodSource>,
+    /// Longest time without a tick that still counts as healthy.
+    pub stall_ns: u64,
+    /// `/state` shows command lines (`--state-cmdlines`); otherwise `cmd` is empty.
+    pub state_cmdlines: bool,
+    /// The latest `/metrics` rendering and when it was made.
+    pub metrics_cache: Arc<Mutex<Option<(std::time::Instant, Bytes)>>>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("stall_ns", &self.stall_ns)
+            .field("state_cmdlines", &self.state_cmdlines)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/state", get(state_doc))
+        .layer(axum::middleware::from_fn(refuse_bodies))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES as usize))
+        .with_state(state)
+}
+
+/// Refuses a request that announces a body over [`MAX_BODY_BYTES`] (or a chunked one, whose
+/// size is unknown) before anything reads it, and closes the connection after answering.
+async fn refuse_bodies(req: Request, next: Next) -> Response {
+    let h = req.headers();
+    let too_long = h
+        .get(header::CONTENT_LENGTH)
+        .map(|v| v.to_str().ok().and_then(|v| v.parse::<u64>().ok()))
+        .is_some_and(|n| n.is_none_or(|n| n > MAX_BODY_BYTES));
+    if too_long || h.contains_key(header::TRANSFER_ENCODING) {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            [(header::CONNECTION, "close")],
+            "request bodies are not accepted\n",
+        )
+            .into_response();
+    }
+    next.run(req).await
+}
+
+async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    let mut cache = s.metrics_cache.lock().unwrap_or_else(|e| e.into_inner());
+    let body = match &*cache {
+        Some((at, body)) if at.elapsed() < METRICS_MIN_INTERVAL => body.clone(),
+        _ => {
+            let body = Bytes::from(s.prom.render() + &s.shared.render_seconds());
+            *cache = Some((std::time::Instant::now(), body.clone()));
+            body
+        }
+    };
+    ([("content-type", "text/plain; version=0.0.4")], body)
+}
+
+async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
+    let last = s.shared.last_tick_ns.load(Ordering::Relaxed);
+    if !s.shared.ticked.load(Ordering::Relaxed) {
+        return (StatusCode::OK, "starting\n");
+    }
+    if now_ns().saturating_sub(last) > s.stall_ns {
+        return (StatusCode::SERVICE_UNAVAILABLE, "control loop stalled\n");
+    }
+    (StatusCode::OK, "ok\n")
+}
+
+async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
+    if !s.shared.ticked.load(Ordering::Relaxed) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "control loop not started\n".to_string(),
+        );
+    }
+    if !s.source.ready() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "pod source not synced\n".to_string(),
+        );
+    }
+    if let Some(why) = s.shared.degraded() {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
+    }
+    (StatusCode::OK, "ready\n".to_string())
+}
+
+async fn state_doc(State(s): State<AppState>) -> impl IntoResponse {
+    let mut doc = s.shared.state();
+    if !s.state_cmdlines {
+        // Command lines carry secrets (`--token=…`) and the port is reachable by any pod.
+        for g in &mut doc.gpus {
+            for p in &mut g.processes {
+                p.cmd.clear();
+            }
+        }
+    }
+    Json(doc)
+}
+
+mod server;
+pub use server::{serve, Limits};
+
+#[cfg(test)]
+mod tests;
