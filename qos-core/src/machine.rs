@@ -214,6 +214,13 @@ impl<K: Ord + Clone> Machine<K> {
         &self.suspended
     }
 
+    /// Forgets that `key` is suspended (its suspension failed and was undone): the next
+    /// tick decides for it afresh, and suspends it again if it should be. Returns whether
+    /// it was suspended.
+    pub fn forget(&mut self, key: &K) -> bool {
+        self.suspended.remove(key).is_some()
+    }
+
     /// Forgets everything suspended and returns it (for a fail-open resume of all).
     pub fn release_all(&mut self) -> Vec<K> {
         let keys = std::mem::take(&mut self.suspended).into_keys().collect();

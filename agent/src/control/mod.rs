@@ -26,6 +26,7 @@ pub mod health;
 pub mod holds;
 mod observe;
 mod publish;
+pub mod retry;
 pub mod state;
 pub mod table;
 pub mod target;
@@ -121,6 +122,7 @@ pub struct Loop {
     health: Health,
     watchdog: Arc<Watchdog>,
     tracker: Tracker,
+    retries: retry::Retries,
     telemetry: Telemetry,
     shared: Arc<Shared>,
     /// Newest sample timestamp seen per GPU (µs, NVML's `lastSeenTimeStamp`).
@@ -184,6 +186,7 @@ impl Loop {
             holds: Arc::new(Mutex::new(holds)),
             watchdog: Arc::new(Watchdog::default()),
             tracker: Tracker::default(),
+            retries: retry::Retries::default(),
             shared,
             last_seen_us: BTreeMap::new(),
             blind_until: BTreeMap::new(),
@@ -230,7 +233,11 @@ impl Loop {
     /// `--poll-interval` while any offline process is on a managed GPU (someone may need
     /// preempting) or something is held; `--idle-poll-interval` otherwise.
     fn current_poll(&self) -> Duration {
-        if self.table.offline_present() || !self.tracker.is_empty() || !self.holds().is_empty() {
+        if self.table.offline_present()
+            || !self.tracker.is_empty()
+            || !self.retries.is_empty()
+            || !self.holds().is_empty()
+        {
             self.cfg.poll
         } else {
             self.cfg.idle_poll.max(self.cfg.poll)
@@ -263,6 +270,12 @@ impl Loop {
             .copied()
             .filter(|g| !self.health.degraded(*g))
             .collect();
+        for key in self.retries.due(now) {
+            if self.machine.forget(&key) {
+                metrics::counter!("coloc_suspension_retries_total").increment(1);
+                info!(pid = key.pid, "Retrying a failed suspension");
+            }
+        }
         let inputs = self.inputs(&managed);
         let decision = self.machine.tick(now, &inputs);
         if !decision.is_empty() {
@@ -274,8 +287,19 @@ impl Loop {
                 self.telemetry.emit(ev);
             }
         }
+        let failed = self.holds().take_failed();
+        for key in failed {
+            let due = self.retries.failed(key, now);
+            warn!(
+                pid = key.pid,
+                retry_in_ms = due.saturating_sub(now) / 1_000_000,
+                "Suspension failed and was undone; retrying while online stays busy"
+            );
+        }
         let holds = self.holds.clone();
         let machine = &self.machine;
+        let table = &self.table;
+        self.retries.retain(|k| table.entry(k).is_some());
         self.table.purge(|k| {
             machine.suspended().contains_key(k)
                 || holds.lock().unwrap_or_else(|e| e.into_inner()).holds(k)

@@ -21,6 +21,7 @@ impl Holds {
         p: &[Progress],
         now: u64,
     ) {
+        self.failed.extend(hold.holders.iter().copied());
         for (t, pr) in hold.members.iter().zip(p) {
             if let Progress::Failed(err) = pr {
                 metrics::counter!("coloc_actuation_errors_total", "actuator" => t.kind().as_str(), "op" => "suspend", "reason" => err.reason()).increment(1);

@@ -96,6 +96,8 @@ pub struct Holds {
     clock: Arc<dyn Clock>,
     held: BTreeMap<HoldKey, Hold>,
     pending: Vec<Pending>,
+    /// Holders whose suspension failed and was undone (the loop retries them).
+    failed: Vec<ProcKey>,
     confirm_timeout: Duration,
 }
 
@@ -140,6 +142,7 @@ impl Holds {
             clock,
             held: BTreeMap::new(),
             pending: Vec::new(),
+            failed: Vec::new(),
             confirm_timeout,
         }
     }
@@ -162,6 +165,12 @@ impl Holds {
     /// The record's entries.
     pub fn recorded(&self) -> &BTreeSet<RecordEntry> {
         self.record.entries()
+    }
+
+    /// Holders whose suspension failed since the last call (it was undone, or never
+    /// started because the record could not be written).
+    pub fn take_failed(&mut self) -> Vec<ProcKey> {
+        std::mem::take(&mut self.failed)
     }
 
     /// Lists the members of a plan: for a signalled cgroup, every process in it now
@@ -248,6 +257,7 @@ impl Holds {
             metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
             out.record_failed = true;
             for (key, h) in fresh {
+                self.failed.extend(h.holders.iter().copied());
                 out.done.push(Completion {
                     key,
                     op: Op::Suspend,

@@ -277,3 +277,30 @@ fn shutdown_resumes_everything() {
     assert_eq!(h.act.calls().last().unwrap().op, Op::Resume);
     let _ = PathBuf::new();
 }
+
+/// A failed suspension is undone, and tried again (after a short backoff) while online
+/// stays busy: the state machine is told what really happened.
+#[test]
+fn a_failed_suspension_is_retried_while_online_stays_busy() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    let rec = RecordEntry::Process {
+        pid: 10,
+        start: h.key(10).start,
+    };
+    h.act.fail.lock().unwrap().insert(rec.clone());
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(h.suspends_of(10), 1);
+    assert!(!h.lp.holds().holds(&h.key(10)));
+    // The actuator works again; online is still busy.
+    h.act.fail.lock().unwrap().remove(&rec);
+    for _ in 0..20 {
+        h.active(0, 20);
+        h.tick();
+    }
+    assert_eq!(h.suspends_of(10), 2, "not retried: {:?}", h.act.calls());
+    assert!(h.suspended(10), "the retry did not suspend");
+}

@@ -30,5 +30,7 @@ pub(super) fn confirmed(key: ProcKey, op: Op) -> Option<bool> {
     if stat.start != key.start || stat.state == 'Z' || stat.state == 'X' {
         return None;
     }
-    Some((stat.state == 'T') == (op == Op::Suspend))
+    // `t`: stopped under a tracer (e.g. `strace -f`): stopped all the same.
+    let stopped = stat.state == 'T' || stat.state == 't';
+    Some(stopped == (op == Op::Suspend))
 }
