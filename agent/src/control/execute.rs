@@ -22,9 +22,18 @@ impl Loop {
         let mut reqs = Vec::new();
         let mut reasons = Vec::new();
         for (key, reason) in &d.suspend {
-            let Some(plan) = self.table.entry(key).and_then(|e| e.plan.clone()) else {
+            let Some(entry) = self.table.entry(key) else {
                 continue;
             };
+            let (Some(plan), Some(pin)) = (entry.plan.clone(), entry.pin.clone()) else {
+                continue;
+            };
+            // Membership may have changed since classification: check again (rules only).
+            let alone = crate::edges::actuator::Target::Process {
+                key: *key,
+                pidfd: pin,
+            };
+            let plan = self.table.unmixed(plan, alone, &self.classifier);
             let (gpu, why) = match reason {
                 Reason::OnlineBusy { gpu } => (Some(*gpu), "online_busy"),
                 Reason::ShareCap => (None, "share_cap"),

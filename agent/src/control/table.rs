@@ -9,6 +9,7 @@
 //! says so once.
 
 use crate::control::target::{Chooser, Plan};
+use crate::edges::actuator::Target;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::{Classified, PodSource};
 use qos_core::Class;
@@ -215,6 +216,48 @@ impl Table {
             .collect()
     }
 
+    /// The first process in cgroup `dir` that is not offline, with its class (the agent
+    /// itself counts as not offline). `None`: every member is offline.
+    pub fn mixed(&self, dir: &std::path::Path, c: &Classifier) -> Option<(u32, Class)> {
+        let me = c.procfs.self_pid();
+        let pids = c.procfs.cgroup_members(dir).ok()?;
+        pids.into_iter().find_map(|pid| {
+            if pid == me {
+                return Some((pid, Class::System));
+            }
+            let class = match self.procs.get(&pid) {
+                Some(e) => e.cls.class,
+                None => match c.procfs.read_proc(pid) {
+                    Ok(info) => c.source.classify(&info).class,
+                    Err(_) => return None,
+                },
+            };
+            (!class.is_suspendable()).then_some((pid, class))
+        })
+    }
+
+    /// `plan`, or, when it would freeze or stop a whole cgroup that also holds processes
+    /// that are not offline (possible with standalone rules only), the plan to stop the
+    /// offline process alone (`alone`).
+    pub fn unmixed(&mut self, plan: Plan, alone: Target, c: &Classifier) -> Plan {
+        if c.source.whole_cgroups() {
+            return plan;
+        }
+        let dir = match &plan {
+            Plan::Freeze(Target::Cgroup { dir, .. }) | Plan::SignalCgroup { dir, .. } => {
+                dir.clone()
+            }
+            _ => return plan,
+        };
+        let Some((pid, class)) = self.mixed(&dir, c) else {
+            return plan;
+        };
+        if self.warned.insert(format!("mixed:{}", dir.display())) {
+            warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup also holds a process that is not offline: stopping only the offline processes, one by one");
+        }
+        Plan::Signal(alone)
+    }
+
     /// Classifies `pid`; `None` when it is not visible in `/proc` (exited).
     fn classify(&mut self, pid: u32, generation: u64, now: u64, c: &Classifier) -> Option<Entry> {
         let info = match c.procfs.read_proc(pid) {
@@ -238,7 +281,11 @@ impl Table {
                             warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
                         }
                     }
-                    plan = Some(p);
+                    let alone = Target::Process {
+                        key: info.key,
+                        pidfd: fd.clone(),
+                    };
+                    plan = Some(self.unmixed(p, alone, c));
                 }
                 Err(err) => {
                     // Without a pidfd we cannot be sure whom we would signal: leave it be,

@@ -67,7 +67,10 @@ fn the_signal_actuator_stops_every_process_of_an_offline_cgroup() {
         .unwrap()
         .insert(dir.clone(), vec![10, 12, 13]);
     h.gpu.add(0, 10);
-    h.source.set(10, class(Class::Offline, Some("/batch")));
+    // The rule `cgroup = "/batch"` matches every process in it.
+    for pid in [10, 12, 13] {
+        h.source.set(pid, class(Class::Offline, Some("/batch")));
+    }
     h.spawn(0, 20, class(Class::Online, None));
     h.tick();
     h.active(0, 20);
@@ -303,4 +306,44 @@ fn a_failed_suspension_is_retried_while_online_stays_busy() {
     }
     assert_eq!(h.suspends_of(10), 2, "not retried: {:?}", h.act.calls());
     assert!(h.suspended(10), "the retry did not suspend");
+}
+
+/// Rules mode: a cgroup declared offline that also holds a process another rule made
+/// online is never frozen or stopped whole; only the offline process is stopped.
+#[test]
+fn a_cgroup_holding_online_work_is_not_stopped_whole() {
+    let root = std::env::temp_dir().join(format!("coloc-loop-mixed-{}", std::process::id()));
+    let dir = root.join("batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    for preferred in [Kind::Freezer, Kind::Signal] {
+        let mut cfg = default_config();
+        cfg.cgroups.v2 = Some(root.clone());
+        cfg.actuator = preferred;
+        let mut h = harness_with(1, cfg);
+        h.procs.add(10, 110, "train", "/batch");
+        h.procs.add(13, 113, "serve", "/batch");
+        h.procs
+            .members
+            .lock()
+            .unwrap()
+            .insert(dir.clone(), vec![10, 13]);
+        h.gpu.add(0, 10);
+        h.source.set(10, class(Class::Offline, Some("/batch")));
+        h.source.set(13, class(Class::Online, None));
+        h.spawn(0, 20, class(Class::Online, None));
+        h.tick();
+        h.active(0, 20);
+        h.tick();
+        let calls = h.act.calls();
+        assert_eq!(
+            calls[0].targets,
+            vec![RecordEntry::Process {
+                pid: 10,
+                start: 110
+            }],
+            "{preferred:?}: {calls:?}"
+        );
+    }
+    std::fs::remove_dir_all(root).ok();
 }

@@ -269,4 +269,9 @@ impl PodSource for KubeSource {
     fn generation(&self) -> u64 {
         self.inner.generation.load(Ordering::SeqCst)
     }
+
+    fn whole_cgroups(&self) -> bool {
+        // The container's cgroup holds that container's processes only.
+        true
+    }
 }

@@ -51,6 +51,14 @@ pub trait PodSource: Send + Sync {
     fn generation(&self) -> u64 {
         0
     }
+    /// Whether a cgroup this source declares offline (`Classified::freeze_cgroup`) holds
+    /// only that owner's processes, so all of them share its class (a pod's container
+    /// cgroup: yes). When not (standalone rules: a `cgroup` rule may share its cgroup with
+    /// processes other rules match), the agent checks every member before it freezes or
+    /// stops the cgroup as a whole.
+    fn whole_cgroups(&self) -> bool {
+        false
+    }
 }
 
 /// Errors in a rules file; each names the file, the rule and the bad value.
