@@ -287,6 +287,10 @@ impl Loop {
                 self.telemetry.emit(ev);
             }
         }
+        let broken = self.holds().recheck(now);
+        for b in broken {
+            self.report_broken(b);
+        }
         let failed = self.holds().take_failed();
         for key in failed {
             let due = self.retries.failed(key, now);
@@ -309,6 +313,31 @@ impl Loop {
         if now.saturating_sub(self.last_publish_ns) >= 100_000_000 {
             self.last_publish_ns = now;
             self.publish(now);
+        }
+    }
+
+    /// Something resumed held offline work: say who, count it.
+    fn report_broken(&mut self, b: holds::Broken) {
+        metrics::counter!("coloc_suspension_breaks_total", "actuator" => b.kind.as_str())
+            .increment(1);
+        let owners: Vec<String> = b
+            .holders
+            .iter()
+            .filter_map(|k| self.table.entry(k).map(|e| e.cls.owner.clone()))
+            .collect();
+        if b.escalated {
+            warn!(
+                ?owners,
+                breaks = b.breaks,
+                "Offline work keeps resuming itself while suspended: its cgroup is now frozen"
+            );
+        } else if b.breaks == 1 || b.breaks % 100 == 0 {
+            warn!(
+                ?owners,
+                breaks = b.breaks,
+                resumed = b.resumed,
+                "Offline work was resumed by something else while suspended: stopped again"
+            );
         }
     }
 

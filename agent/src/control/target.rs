@@ -25,6 +25,8 @@ pub enum Plan {
     SignalCgroup {
         /// The cgroup directory (its `cgroup.procs` is read at suspension).
         dir: PathBuf,
+        /// Its hierarchy (the freezer it escalates to if its processes resume themselves).
+        version: crate::edges::actuator::CgroupVersion,
         /// The GPU process itself.
         leader: Target,
     },
@@ -114,6 +116,7 @@ impl Chooser {
             Kind::Signal => (
                 Plan::SignalCgroup {
                     dir,
+                    version,
                     leader: alone_target(alone),
                 },
                 None,

@@ -325,6 +325,8 @@ pub struct FakeActuator {
     pub fail: Arc<Mutex<BTreeSet<RecordEntry>>>,
     /// Targets whose suspension never confirms.
     pub stuck: Arc<Mutex<BTreeSet<RecordEntry>>>,
+    /// Targets something else resumed (a tenant's SIGCONT): running until stopped again.
+    pub resumed_by_tenant: Arc<Mutex<BTreeSet<RecordEntry>>>,
     /// The loop's clock, moved by `act_ns` per start (simulated actuation time).
     pub clock: Option<FakeClock>,
     /// Simulated actuation time.
@@ -371,6 +373,12 @@ impl Actuator for FakeActuator {
         } else {
             vec![]
         };
+        if op == Op::Suspend {
+            let mut r = self.resumed_by_tenant.lock().unwrap();
+            for t in &recs {
+                r.remove(t);
+            }
+        }
         self.calls.lock().unwrap().push(Call {
             op,
             targets: recs,
@@ -383,6 +391,13 @@ impl Actuator for FakeActuator {
     }
     fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
         self.wait_if_stuck(targets, op, budget);
-        targets.iter().map(|t| self.answer(t, op)).collect()
+        let resumed = self.resumed_by_tenant.lock().unwrap().clone();
+        targets
+            .iter()
+            .map(|t| match op {
+                Op::Suspend if resumed.contains(&t.record()) => Progress::Pending,
+                _ => self.answer(t, op),
+            })
+            .collect()
     }
 }

@@ -14,6 +14,9 @@
 //! loop, and so never the other GPUs. A suspension that fails or times out is undone.
 
 mod finish;
+mod recheck;
+
+pub use recheck::Broken;
 
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
@@ -62,6 +65,12 @@ struct Hold {
     members: Vec<Target>,
     holders: BTreeSet<ProcKey>,
     kind: Kind,
+    /// The freezer this hold escalates to when its processes resume themselves.
+    escalate: Option<Target>,
+    /// When its members were last checked, ns.
+    checked_ns: u64,
+    /// Times a member was found running while held.
+    breaks: u32,
 }
 
 struct Pending {
@@ -178,7 +187,7 @@ impl Holds {
     fn materialise(&self, plan: &Plan) -> Vec<Target> {
         match plan {
             Plan::Freeze(t) | Plan::Signal(t) => vec![t.clone()],
-            Plan::SignalCgroup { dir, leader } => {
+            Plan::SignalCgroup { dir, leader, .. } => {
                 let mut out = vec![leader.clone()];
                 let me = self.procfs.self_pid();
                 let lead = match leader {
@@ -235,6 +244,15 @@ impl Holds {
                     members,
                     holders: BTreeSet::from([*holder]),
                     kind: plan.kind(),
+                    escalate: match plan {
+                        Plan::SignalCgroup { dir, version, .. } => Some(Target::Cgroup {
+                            dir: dir.clone(),
+                            version: *version,
+                        }),
+                        _ => None,
+                    },
+                    checked_ns: now,
+                    breaks: 0,
                 },
             ));
             out.started.push((*holder, key));
