@@ -106,3 +106,39 @@ fn unconfirmed_within_the_budget_is_pending_not_failed() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A process under a tracer (`strace -f`) stops in `t`, not `T`: that is stopped.
+#[test]
+fn a_traced_process_stopped_in_t_is_confirmed() {
+    let strace = ["/usr/bin/strace", "/bin/strace"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("strace is needed for this test (the README's test command installs it)");
+    let mut tracer = std::process::Command::new(strace)
+        .args(["-f", "-o", "/dev/null", "sleep", "30"])
+        .spawn()
+        .unwrap();
+    // The traced `sleep` is the tracer's child.
+    let t0 = Instant::now();
+    let pid = loop {
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", tracer.id()))
+            .unwrap_or_default();
+        if let Some(p) = children.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()) {
+            if read_stat(p).is_ok_and(|s| s.state == 'S') {
+                break p;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "no traced child");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let key = ProcKey { pid, start: read_stat(pid).unwrap().start };
+    let t = Target::Process { key, pidfd: Arc::new(open_pidfd(key).unwrap()) };
+    let r = Host.start(std::slice::from_ref(&t), Op::Suspend, Duration::from_secs(2));
+    let state = read_stat(pid).unwrap().state;
+    let _ = Host.start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
+    let _ = tracer.kill();
+    let _ = tracer.wait();
+    let _ = rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).unwrap(), rustix::process::Signal::KILL);
+    assert_eq!(state, 't', "the premise: a traced process stops in t");
+    assert!(matches!(r[0], Progress::Done), "{r:?}");
+}
