@@ -178,8 +178,16 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
     let off_cg = Dir(mount.join(format!("{tag}-off")));
     std::fs::create_dir(&off_cg.0).unwrap();
     let sim = Sim::start(1, &[]);
-    let rules = format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{tag}-off\"\n");
-    let agent = Agent::start(&sim, AgentOpts { rules: &rules, actuator: "signal", ..Default::default() });
+    let rules =
+        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{tag}-off\"\n");
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator: "signal",
+            ..Default::default()
+        },
+    );
     let off = Proc(
         coloc_sim::command_in_cgroup(&off_cg.0, &bin("coloc-sim"))
             .args(["offline", "--gpu", "0", "--step-ms", "2"])
@@ -191,14 +199,21 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
     let attacker = Proc(
         std::process::Command::new("sh")
             .arg("-c")
-            .arg(format!("while kill -CONT {}; do sleep 0.002; done", off.pid()))
+            .arg(format!(
+                "while kill -CONT {}; do sleep 0.002; done",
+                off.pid()
+            ))
             .spawn()
             .unwrap(),
     );
-    let frozen = || std::fs::read_to_string(off_cg.0.join("cgroup.events")).is_ok_and(|s| s.contains("frozen 1"));
+    let frozen = || {
+        std::fs::read_to_string(off_cg.0.join("cgroup.events"))
+            .is_ok_and(|s| s.contains("frozen 1"))
+    };
     let suspended = || off.state() == Some('T') || frozen();
     let _online = sim.spawn(&["busy", "--gpu", "0", "--ms", "1500"]);
-    wait_for("offline suspended", SOON, suspended).unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_for("offline suspended", SOON, suspended)
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
     // Give the agent a moment to see the breaks and escalate, then sample for 500 ms.
     std::thread::sleep(Duration::from_millis(100));
     let (mut yes, mut n) = (0, 0);
@@ -211,8 +226,20 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
         std::thread::sleep(Duration::from_millis(2));
     }
     drop(attacker);
-    assert!(yes * 100 >= n * 95, "suspended in only {yes} of {n} samples while online was busy\n{}", agent.log_text());
-    assert!(frozen(), "the cgroup was not escalated to the freezer\n{}", agent.log_text());
+    assert!(
+        yes * 100 >= n * 95,
+        "suspended in only {yes} of {n} samples while online was busy\n{}",
+        agent.log_text()
+    );
+    assert!(
+        frozen(),
+        "the cgroup was not escalated to the freezer\n{}",
+        agent.log_text()
+    );
     assert!(metric(&agent.metrics(), "coloc_suspension_breaks_total", &[]) >= 1.0);
-    assert!(agent.log_text().contains("keeps resuming itself"), "{}", agent.log_text());
+    assert!(
+        agent.log_text().contains("keeps resuming itself"),
+        "{}",
+        agent.log_text()
+    );
 }

@@ -123,7 +123,11 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
     let pid = loop {
         let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", tracer.id()))
             .unwrap_or_default();
-        if let Some(p) = children.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()) {
+        if let Some(p) = children
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse::<u32>().ok())
+        {
             if read_stat(p).is_ok_and(|s| s.state == 'S') {
                 break p;
             }
@@ -131,14 +135,27 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         assert!(t0.elapsed() < Duration::from_secs(5), "no traced child");
         std::thread::sleep(Duration::from_millis(5));
     };
-    let key = ProcKey { pid, start: read_stat(pid).unwrap().start };
-    let t = Target::Process { key, pidfd: Arc::new(open_pidfd(key).unwrap()) };
-    let r = Host.start(std::slice::from_ref(&t), Op::Suspend, Duration::from_secs(2));
+    let key = ProcKey {
+        pid,
+        start: read_stat(pid).unwrap().start,
+    };
+    let t = Target::Process {
+        key,
+        pidfd: Arc::new(open_pidfd(key).unwrap()),
+    };
+    let r = Host.start(
+        std::slice::from_ref(&t),
+        Op::Suspend,
+        Duration::from_secs(2),
+    );
     let state = read_stat(pid).unwrap().state;
     let _ = Host.start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
     let _ = tracer.kill();
     let _ = tracer.wait();
-    let _ = rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).unwrap(), rustix::process::Signal::KILL);
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    );
     assert_eq!(state, 't', "the premise: a traced process stops in t");
     assert!(matches!(r[0], Progress::Done), "{r:?}");
 }
