@@ -90,8 +90,16 @@ fn write_file(path: &Path, entries: &BTreeSet<RecordEntry>) -> Result<()> {
         version: 1,
         suspended: entries.iter().cloned().collect(),
     })?;
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    // A stale temporary file (or a symlink planted in its place) is removed, never
+    // followed: the new one is created exclusively (O_EXCL does not follow symlinks).
+    if std::fs::symlink_metadata(&tmp).is_ok_and(|m| !m.is_dir()) {
+        std::fs::remove_file(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
     f.write_all(&body)
         .and_then(|()| f.sync_data())
         .with_context(|| format!("writing {}", tmp.display()))?;
@@ -198,6 +206,19 @@ mod tests {
         r.add(std::slice::from_ref(&a)).unwrap();
         let (_, left) = FileRecord::open(&dir).unwrap();
         assert_eq!(left, vec![a], "the retried add reached the disk");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A symlink planted where the temporary file goes is replaced, not followed.
+    #[test]
+    fn a_planted_symlink_is_not_followed() {
+        let dir = tmpdir("symlink");
+        let (mut r, _) = FileRecord::open(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("suspended.json.tmp")).unwrap();
+        r.add(&[RecordEntry::Process { pid: 1, start: 1 }]).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
         std::fs::remove_dir_all(dir).ok();
     }
 
