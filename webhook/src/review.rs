@@ -1,11 +1,14 @@
 //! AdmissionReview in, AdmissionReview out. Pure function of the request bytes, so that
 //! the router, the fuzz test and the benchmark all drive the same code.
 //!
+//! CREATE goes to [`translate`]; UPDATE to [`review_update`], which checks the update
+//! against what the pod asked for at creation and patches metadata only.
+//!
 //! Bad input never panics: unparsable bodies and reviews without a request are HTTP 400;
 //! objects that are not Pods are allowed untouched; pods that cannot be read are denied
 //! with a message.
 
-use crate::translate::{translate, Backend, Settings};
+use crate::translate::{review_update, translate, Backend, Settings};
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::DynamicObject;
 use serde_json::Value;
@@ -74,7 +77,18 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
         (Some(obj), true) => {
             let pod = serde_json::to_value(obj).unwrap_or(Value::Null);
             let backend = backend.unwrap_or(settings.backend);
-            match translate(&pod, backend, settings) {
+            let outcome = if req.operation == Operation::Update {
+                // Checked against what the pod asked for at CREATE; metadata-only patch.
+                let old = req
+                    .old_object
+                    .as_ref()
+                    .and_then(|o| serde_json::to_value(o).ok())
+                    .unwrap_or(Value::Null);
+                review_update(&old, &pod)
+            } else {
+                translate(&pod, backend, settings)
+            };
+            match outcome {
                 Ok(ops) if ops.is_empty() || mode == Mode::Validate => (resp, "allowed", None),
                 Ok(ops) => match serde_json::from_value::<json_patch::Patch>(Value::Array(ops))
                     .map_err(|e| e.to_string())

@@ -193,6 +193,252 @@ async fn translation_per_backend() {
     );
 }
 
+/// The pod as created through `/mutate?backend=B` (the patch applied).
+async fn created(backend: Backend, name: &str) -> (Vec<u8>, Value) {
+    let body = fixture(name);
+    let (status, out) = post(
+        &app(backend),
+        &format!("/mutate?backend={backend}"),
+        body.clone(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let resp: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        resp["response"]["allowed"], true,
+        "{backend} {name}: {resp}"
+    );
+    let pod = patched(&body, &resp);
+    (body, pod)
+}
+
+/// An UPDATE review of `old` to `new`, built from a CREATE fixture's envelope.
+fn update_review(envelope: &[u8], old: &Value, new: &Value) -> Vec<u8> {
+    let mut req: Value = serde_json::from_slice(envelope).unwrap();
+    req["request"]["operation"] = "UPDATE".into();
+    req["request"]["options"]["kind"] = "UpdateOptions".into();
+    req["request"]["object"] = new.clone();
+    req["request"]["oldObject"] = old.clone();
+    serde_json::to_vec(&req).unwrap()
+}
+
+fn with_annotation(pod: &Value, key: &str, value: Option<&str>) -> Value {
+    let mut p = pod.clone();
+    let ann = p["metadata"]["annotations"].as_object_mut().unwrap();
+    match value {
+        Some(v) => ann.insert(key.into(), v.into()),
+        None => ann.remove(key),
+    };
+    p
+}
+
+const QOS: &str = "katalyst.kubewharf.io/qos_level";
+const POLICY: &str = "vke.volcengine.com/mgpu-compute-policy";
+const REQUESTED: &str = "gpu-coloc.dev/requested";
+const REQUESTS: &str = "gpu-coloc.dev/requests";
+
+/// Reviews an UPDATE on both endpoints; returns the mutating response.
+async fn review_update(backend: Backend, envelope: &[u8], old: &Value, new: &Value) -> Value {
+    let body = update_review(envelope, old, new);
+    let app = app(backend);
+    let (status, out) = post(&app, &format!("/mutate?backend={backend}"), body.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    let m: Value = serde_json::from_slice(&out).unwrap();
+    let (_, out) = post(&app, "/validate", body.clone()).await;
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        m["response"]["allowed"], v["response"]["allowed"],
+        "/mutate and /validate agree: {m} {v}"
+    );
+    // The API server forbids changing resources, env or the priority class of a pod:
+    // an UPDATE patch touches metadata only.
+    if let Some(p) = m["response"]["patch"].as_str() {
+        let ops: Value = serde_json::from_slice(&base64_decode(p)).unwrap();
+        for op in ops.as_array().unwrap() {
+            let path = op["path"].as_str().unwrap();
+            assert!(
+                path.starts_with("/metadata/annotations"),
+                "UPDATE patch touches {path}: {ops}"
+            );
+        }
+    }
+    m
+}
+
+fn denial(r: &Value) -> String {
+    assert_eq!(r["response"]["allowed"], false, "expected a denial: {r}");
+    assert_eq!(r["response"]["status"]["code"], 403);
+    r["response"]["status"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test]
+async fn creation_records_what_the_pod_asked_for() {
+    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+        for (name, record) in [
+            (
+                "offline-deployment-create",
+                "offline-cores=50;online-cores=0;memory-mib=8192",
+            ),
+            (
+                "offline-multi-container-init",
+                "offline-cores=40;online-cores=0;memory-mib=2048",
+            ),
+            (
+                "online-create-no-annotations",
+                "offline-cores=0;online-cores=30;memory-mib=4096",
+            ),
+        ] {
+            let (_, pod) = created(backend, name).await;
+            assert_eq!(
+                pod["metadata"]["annotations"][REQUESTED], record,
+                "{backend} {name}"
+            );
+        }
+        // A pod without mGPU requests gets no record.
+        let (_, plain) = created(backend, "plain-pod").await;
+        assert!(plain["metadata"]["annotations"].get(REQUESTED).is_none());
+    }
+}
+
+/// The UPDATE bypass: after `hami`/`nvidia-shared` removed the vke requests, an UPDATE to
+/// an online or system `qos_level` was allowed. Checked against the record, for every
+/// backend.
+#[tokio::test]
+async fn update_cannot_change_what_an_offline_pod_is() {
+    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+        let (env, pod) = created(backend, "offline-deployment-create").await;
+        for level in [
+            "shared_cores",
+            "system_cores",
+            "dedicated_cores",
+            "reclaimed",
+        ] {
+            let r = review_update(
+                backend,
+                &env,
+                &pod,
+                &with_annotation(&pod, QOS, Some(level)),
+            )
+            .await;
+            let msg = denial(&r);
+            assert!(
+                msg.contains(level) && msg.contains("vke.volcengine.com/reclaimed-mgpu-core"),
+                "{backend} {level}: {msg}"
+            );
+        }
+        let r = review_update(
+            backend,
+            &env,
+            &pod,
+            &with_annotation(&pod, POLICY, Some("native-burst-share")),
+        )
+        .await;
+        assert!(denial(&r).contains("native-burst-share"), "{backend}");
+
+        // The record is guarded.
+        let r = review_update(backend, &env, &pod, &with_annotation(&pod, REQUESTED, None)).await;
+        assert!(denial(&r).contains("cannot be removed"), "{backend}");
+        let forged = with_annotation(
+            &pod,
+            REQUESTED,
+            Some("offline-cores=0;online-cores=50;memory-mib=8192"),
+        );
+        let r = review_update(backend, &env, &pod, &forged).await;
+        assert!(denial(&r).contains("cannot be changed"), "{backend}");
+        // Changing both the record and the qos_level at once does not help.
+        let r = review_update(
+            backend,
+            &env,
+            &pod,
+            &with_annotation(&forged, QOS, Some("shared_cores")),
+        )
+        .await;
+        assert!(denial(&r).contains(REQUESTED), "{backend}");
+
+        // Removing qos_level: it is put back, as at creation.
+        let r = review_update(backend, &env, &pod, &with_annotation(&pod, QOS, None)).await;
+        assert_eq!(r["response"]["allowed"], true, "{r}");
+        let fixed = patched(
+            &update_review(&env, &pod, &with_annotation(&pod, QOS, None)),
+            &r,
+        );
+        assert_eq!(fixed["metadata"]["annotations"][QOS], "reclaimed_cores");
+
+        // An unrelated update is allowed and not patched.
+        let mut labelled = pod.clone();
+        labelled["metadata"]["labels"]["team"] = "ml".into();
+        let r = review_update(backend, &env, &pod, &labelled).await;
+        assert_eq!(r["response"]["allowed"], true, "{backend}: {r}");
+        assert!(r["response"]["patch"].is_null(), "{backend}: {r}");
+    }
+}
+
+#[tokio::test]
+async fn update_cannot_make_an_online_pod_offline_or_system() {
+    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+        let (env, pod) = created(backend, "online-create-no-annotations").await;
+        for level in ["reclaimed_cores", "system_cores"] {
+            let r = review_update(
+                backend,
+                &env,
+                &pod,
+                &with_annotation(&pod, QOS, Some(level)),
+            )
+            .await;
+            let msg = denial(&r);
+            assert!(
+                msg.contains(level) && msg.contains("vke.volcengine.com/mgpu-core"),
+                "{backend} {level}: {msg}"
+            );
+        }
+        let r = review_update(
+            backend,
+            &env,
+            &pod,
+            &with_annotation(&pod, QOS, Some("dedicated_cores")),
+        )
+        .await;
+        assert_eq!(r["response"]["allowed"], true, "{backend}: {r}");
+    }
+}
+
+/// Pods admitted by an older webhook carry only the per-container record (`hami`,
+/// `nvidia-shared`) or nothing (`vke`, whose requests stay in the spec).
+#[tokio::test]
+async fn update_of_pods_admitted_before_the_record() {
+    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+        let (env, pod) = created(backend, "offline-deployment-create").await;
+        let old = with_annotation(&pod, REQUESTED, None);
+        let r = review_update(
+            backend,
+            &env,
+            &old,
+            &with_annotation(&old, QOS, Some("shared_cores")),
+        )
+        .await;
+        let msg = denial(&r);
+        assert!(msg.contains("shared_cores"), "{backend}: {msg}");
+        // Adding the record later is not allowed either.
+        let r = review_update(backend, &env, &old, &pod).await;
+        assert!(denial(&r).contains("cannot be added"), "{backend}");
+        if backend != Backend::Vke {
+            let r =
+                review_update(backend, &env, &old, &with_annotation(&old, REQUESTS, None)).await;
+            assert!(denial(&r).contains("cannot be removed"), "{backend}");
+        }
+    }
+    // A plain pod may not acquire a record.
+    let (env, pod) = created(Backend::Hami, "plain-pod").await;
+    let mut forged = pod.clone();
+    forged["metadata"]["annotations"] =
+        serde_json::json!({REQUESTED: "offline-cores=0;online-cores=30;memory-mib=0"});
+    let r = review_update(Backend::Hami, &env, &pod, &forged).await;
+    assert!(denial(&r).contains("cannot be added"));
+}
+
 #[tokio::test]
 async fn denials_carry_clear_messages() {
     let app = app(Backend::Hami);
