@@ -225,12 +225,13 @@ struct ContainerReq {
 }
 
 impl ContainerReq {
-    /// `vke.volcengine.com/…-core=N`, as asked.
-    fn cores(&self) -> String {
-        match (self.online, self.offline) {
-            (Some(c), _) => format!("{MGPU_CORE}={}", c.0),
-            (None, Some(c)) => format!("{RECLAIMED_MGPU_CORE}={}", c.0),
-            (None, None) => format!("{MGPU_MEMORY}={}", self.memory.unwrap_or(0)),
+    /// `vke.volcengine.com/…-core=N` for `class`, as asked.
+    fn cores(&self, class: PodClass) -> String {
+        match class {
+            PodClass::Online => format!("{MGPU_CORE}={}", self.online.map_or(0, |c| c.0)),
+            PodClass::Offline => {
+                format!("{RECLAIMED_MGPU_CORE}={}", self.offline.map_or(0, |c| c.0))
+            }
         }
     }
 }
@@ -333,9 +334,9 @@ fn pod_class(reqs: &[ContainerReq]) -> Result<PodClass, Denial> {
     let on: Vec<&ContainerReq> = reqs.iter().filter(|r| r.online.is_some()).collect();
     let off: Vec<&ContainerReq> = reqs.iter().filter(|r| r.offline.is_some()).collect();
     if !on.is_empty() && !off.is_empty() {
-        let list = |v: &[&ContainerReq]| {
+        let list = |v: &[&ContainerReq], class| {
             v.iter()
-                .map(|r| format!("container {:?} asks for {}", r.name, r.cores()))
+                .map(|r| format!("container {:?} asks for {}", r.name, r.cores(class)))
                 .collect::<Vec<_>>()
                 .join(", ")
         };
@@ -343,8 +344,8 @@ fn pod_class(reqs: &[ContainerReq]) -> Result<PodClass, Denial> {
             "mixed_pod",
             format!(
                 "pod mixes online and offline containers: {} (online); {} (offline); a pod is either online ({MGPU_CORE}) or offline ({RECLAIMED_MGPU_CORE})",
-                list(&on),
-                list(&off)
+                list(&on, PodClass::Online),
+                list(&off, PodClass::Offline)
             ),
         ));
     }
@@ -363,7 +364,7 @@ fn describe(reqs: &[ContainerReq], class: PodClass) -> String {
     });
     let first = it.next().map_or_else(
         || "the pod asks for mGPU cores".to_string(),
-        |r| format!("container {:?} asks for {}", r.name, r.cores()),
+        |r| format!("container {:?} asks for {}", r.name, r.cores(class)),
     );
     match it.count() {
         0 => first,

@@ -462,6 +462,105 @@ async fn denials_carry_clear_messages() {
     }
 }
 
+/// Each denial bites: the pod is denied on both endpoints for every backend, and the
+/// message names the container and the offending value (and the metric reason is right).
+#[tokio::test]
+async fn denials_name_the_container_and_the_offending_value() {
+    const R: &str = "vke.volcengine.com/reclaimed-mgpu-core";
+    const M: &str = "vke.volcengine.com/mgpu-core";
+    let cases: [(&str, &str, Vec<String>); 7] = [
+        (
+            "deny-mixed-pod",
+            "mixed_pod",
+            vec![
+                "\"server\"".into(),
+                format!("{M}=20"),
+                "\"trainer\"".into(),
+                format!("{R}=30"),
+            ],
+        ),
+        (
+            "deny-both-cores",
+            "both_online_and_offline",
+            vec!["\"main\"".into(), format!("{M}=20"), format!("{R}=30")],
+        ),
+        (
+            "deny-unknown-qos",
+            "qos_unknown",
+            vec![
+                format!("{QOS}=\"batch\""),
+                "\"main\"".into(),
+                format!("{R}=30"),
+            ],
+        ),
+        (
+            "deny-dedicated-asks-reclaimed",
+            "qos_contradiction",
+            vec![
+                "\"main\"".into(),
+                format!("{R}=30"),
+                format!("{QOS}=dedicated_cores"),
+            ],
+        ),
+        (
+            "deny-system-asks-reclaimed",
+            "qos_contradiction",
+            vec![
+                "\"main\"".into(),
+                format!("{R}=40"),
+                format!("{QOS}=system_cores"),
+            ],
+        ),
+        (
+            "deny-reclaimed-asks-online",
+            "qos_contradiction",
+            vec![
+                "\"main\"".into(),
+                format!("{M}=20"),
+                format!("{QOS}=reclaimed_cores"),
+            ],
+        ),
+        (
+            "deny-system-asks-online",
+            "qos_contradiction",
+            vec![
+                "\"main\"".into(),
+                format!("{M}=25"),
+                format!("{QOS}=system_cores"),
+            ],
+        ),
+    ];
+    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+        let app = app(backend);
+        for (name, reason, needles) in &cases {
+            for path in ["/mutate", "/validate"] {
+                let (status, out) = post(&app, path, fixture(name)).await;
+                assert_eq!(status, StatusCode::OK);
+                let r: Value = serde_json::from_slice(&out).unwrap();
+                let msg = denial(&r);
+                for needle in needles {
+                    assert!(
+                        msg.contains(needle.as_str()),
+                        "{backend} {name} {path}: {needle:?} not in {msg}"
+                    );
+                }
+            }
+            let settings = Settings {
+                backend,
+                offline_priority_class: None,
+            };
+            let r = coloc_webhook::review::review(
+                &fixture(name),
+                coloc_webhook::review::Mode::Mutate,
+                None,
+                &settings,
+            );
+            assert_eq!(r.result, "denied");
+            assert_eq!(r.reason, Some(*reason), "{name}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn bad_input_is_400_never_a_panic() {
     let app = app(Backend::Hami);
