@@ -56,7 +56,13 @@ fn bad_request(msg: String) -> Reviewed {
 
 /// Handles one AdmissionReview body.
 pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Settings) -> Reviewed {
-    let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+    // The objects are read as sent (JSON), so that a patch is made against exactly what
+    // the API server will apply it to; the typed view validates the envelope.
+    let raw: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(format!("not an admission.k8s.io/v1 AdmissionReview: {e}")),
+    };
+    let review: AdmissionReview<DynamicObject> = match serde::Deserialize::deserialize(&raw) {
         Ok(r) => r,
         Err(e) => return bad_request(format!("not an admission.k8s.io/v1 AdmissionReview: {e}")),
     };
@@ -74,19 +80,14 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
     let is_pod = req.kind.group.is_empty() && req.kind.kind == "Pod" && req.sub_resource.is_none();
     let acts = matches!(req.operation, Operation::Create | Operation::Update);
     let (resp, result, reason) = match (&req.object, is_pod && acts) {
-        (Some(obj), true) => {
-            let pod = serde_json::to_value(obj).unwrap_or(Value::Null);
+        (Some(_), true) => {
+            let pod = &raw["request"]["object"];
             let backend = backend.unwrap_or(settings.backend);
             let outcome = if req.operation == Operation::Update {
                 // Checked against what the pod asked for at CREATE; metadata-only patch.
-                let old = req
-                    .old_object
-                    .as_ref()
-                    .and_then(|o| serde_json::to_value(o).ok())
-                    .unwrap_or(Value::Null);
-                review_update(&old, &pod)
+                review_update(&raw["request"]["oldObject"], pod)
             } else {
-                translate(&pod, backend, settings)
+                translate(pod, backend, settings)
             };
             match outcome {
                 Ok(ops) if ops.is_empty() || mode == Mode::Validate => (resp, "allowed", None),

@@ -14,7 +14,9 @@
 //!   unknown value is denied;
 //! - the compute policy defaults to `guaranteed-burst-share`; offline pods may not use
 //!   `native-burst-share`;
-//! - the pod gets [`REQUESTED_ANNOTATION`], the record of what it asked for (below);
+//! - the pod gets [`REQUESTED_ANNOTATION`], the record of what it asked for (below); a pod
+//!   that carries the record but no `vke.volcengine.com/*` requests (translated already:
+//!   the webhook invoked again, or `/validate` after `/mutate`) is held to the record;
 //! - a second pass over the mutated pod yields no operation (idempotent).
 //!
 //! Rules at UPDATE ([`review_update`]): the API server forbids changing a pod's resources,
@@ -462,18 +464,23 @@ fn check_annotations(
     Ok(())
 }
 
-/// Starts a patch: creates `/metadata/annotations` when the pod has none.
+/// Starts a patch: creates `/metadata/annotations` (and `/metadata`) when missing.
 fn start_ops(pod: &Value) -> Vec<Value> {
-    if annotations_of(pod).is_none() {
+    if annotations_of(pod).is_some() {
+        Vec::new()
+    } else if pod["metadata"].is_object() {
         vec![json!({"op": "add", "path": "/metadata/annotations", "value": {}})]
     } else {
-        Vec::new()
+        vec![json!({"op": "add", "path": "/metadata", "value": {"annotations": {}}})]
     }
 }
 
 /// Drops a patch that would only create an empty annotations block.
 fn finish_ops(mut ops: Vec<Value>) -> Vec<Value> {
-    if ops.len() == 1 && ops[0]["path"] == "/metadata/annotations" {
+    let path = ops.first().map(|op| &op["path"]);
+    if ops.len() == 1
+        && (path == Some(&json!("/metadata/annotations")) || path == Some(&json!("/metadata")))
+    {
         ops.clear();
     }
     ops
@@ -483,11 +490,25 @@ fn finish_ops(mut ops: Vec<Value>) -> Vec<Value> {
 pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Value>, Denial> {
     let reqs = read_requests(pod)?;
     if reqs.is_empty() {
-        return Ok(vec![]);
+        return translate_recorded(pod);
     }
     let class = pod_class(&reqs)?;
     let empty = Map::new();
     let annotations = annotations_of(pod).unwrap_or(&empty);
+    // A record that disagrees with the requests did not come from this webhook (one that
+    // merely differs, or cannot be read, is rewritten below).
+    if let Some((recorded, text)) = annotations
+        .get(REQUESTED_ANNOTATION)
+        .and_then(Value::as_str)
+        .and_then(|t| recorded(t).ok().map(|(c, _)| (c, t)))
+    {
+        if recorded != class {
+            return Err(deny(
+                "record_inconsistent",
+                format!("{REQUESTED_ANNOTATION}={text} disagrees with the pod's requests ({}); it is written by the gpu-coloc webhook (remove it)", describe(&reqs, class)),
+            ));
+        }
+    }
     let mut ops = start_ops(pod);
     check_annotations(class, &describe(&reqs, class), annotations, &mut ops)?;
     let offline = class == PodClass::Offline;
@@ -538,6 +559,42 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     Ok(finish_ops(ops))
 }
 
+/// The class [`REQUESTED_ANNOTATION`] records, and a phrase for messages.
+fn recorded(text: &str) -> Result<(PodClass, String), String> {
+    let class = text
+        .parse::<Requested>()?
+        .class()
+        .ok_or_else(|| format!("{text:?} records no cores, or both online and offline"))?;
+    let asked = match class {
+        PodClass::Offline => RECLAIMED_MGPU_CORE,
+        PodClass::Online => MGPU_CORE,
+    };
+    Ok((
+        class,
+        format!("the pod asked for {asked} at creation ({REQUESTED_ANNOTATION}: {text})"),
+    ))
+}
+
+/// CREATE of a pod without `vke.volcengine.com/*` requests. One that carries the record
+/// was translated already (the webhook is invoked again after another webhook's
+/// mutation, or this is `/validate` after `/mutate`): it is held to the record.
+fn translate_recorded(pod: &Value) -> Result<Vec<Value>, Denial> {
+    let empty = Map::new();
+    let annotations = annotations_of(pod).unwrap_or(&empty);
+    let Some(v) = annotations.get(REQUESTED_ANNOTATION) else {
+        return Ok(vec![]);
+    };
+    let (class, what) = v.as_str().ok_or_else(|| v.to_string()).and_then(recorded).map_err(|e| {
+        deny(
+            "record_malformed",
+            format!("{REQUESTED_ANNOTATION}: {e}; it is written by the gpu-coloc webhook (remove it)"),
+        )
+    })?;
+    let mut ops = start_ops(pod);
+    check_annotations(class, &what, annotations, &mut ops)?;
+    Ok(finish_ops(ops))
+}
+
 /// The class an older webhook recorded in [`REQUESTS_ANNOTATION`] (per container).
 fn legacy_class(text: &str) -> Option<PodClass> {
     let v: Value = serde_json::from_str(text).ok()?;
@@ -574,15 +631,8 @@ pub fn review_update(old: &Value, new: &Value) -> Result<Vec<Value>, Denial> {
     // What the pod asked for, from every source there is.
     let mut sources: Vec<(PodClass, String)> = Vec::new();
     if let Some(text) = old_ann.get(REQUESTED_ANNOTATION).and_then(Value::as_str) {
-        if let Some(class) = text.parse::<Requested>().ok().and_then(|r| r.class()) {
-            let asked = match class {
-                PodClass::Offline => RECLAIMED_MGPU_CORE,
-                PodClass::Online => MGPU_CORE,
-            };
-            sources.push((
-                class,
-                format!("the pod asked for {asked} at creation ({REQUESTED_ANNOTATION}: {text})"),
-            ));
+        if let Ok(source) = recorded(text) {
+            sources.push(source);
         }
     }
     if let Some(text) = old_ann.get(REQUESTS_ANNOTATION).and_then(Value::as_str) {

@@ -587,23 +587,182 @@ async fn bad_input_is_400_never_a_panic() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
+/// A pod translated already (the webhook invoked again after another webhook's mutation,
+/// or `/validate` with the default backend after `/mutate?backend=hami`) is held to its
+/// record at CREATE too.
+#[tokio::test]
+async fn translated_pod_is_held_to_its_record() {
+    for backend in [Backend::NvidiaShared, Backend::Hami] {
+        let (env, pod) = created(backend, "offline-deployment-create").await;
+        let flipped = with_annotation(&pod, QOS, Some("shared_cores"));
+        for (b, path) in [
+            (backend, format!("/mutate?backend={backend}")),
+            (Backend::Vke, "/validate".to_string()),
+        ] {
+            let (_, out) = post(&app(b), &path, rerun_with(&env, &flipped)).await;
+            let msg = denial(&serde_json::from_slice(&out).unwrap());
+            assert!(
+                msg.contains(REQUESTED) && msg.contains("shared_cores"),
+                "{msg}"
+            );
+        }
+        let (_, out) = post(
+            &app(backend),
+            "/validate",
+            rerun_with(
+                &env,
+                &with_annotation(&pod, REQUESTED, Some("offline-cores=1")),
+            ),
+        )
+        .await;
+        assert!(denial(&serde_json::from_slice(&out).unwrap())
+            .contains("written by the gpu-coloc webhook"));
+    }
+}
+
 mod fuzz {
+    //! Bounded fuzzing (a few seconds on 2 cores). Every 200 response echoes the request's
+    //! uid; every allowed response satisfies the invariants in [`check`].
     use super::*;
-    use coloc_webhook::review::{review, Mode};
+    use coloc_webhook::review::{review, Mode, Reviewed};
     use proptest::prelude::*;
 
-    fn settings() -> Settings {
+    const R: &str = "vke.volcengine.com/reclaimed-mgpu-core";
+    const M: &str = "vke.volcengine.com/mgpu-core";
+    const MEM: &str = "vke.volcengine.com/mgpu-memory";
+
+    fn settings(backend: Backend) -> Settings {
         Settings {
-            backend: Backend::Hami,
+            backend,
             offline_priority_class: Some("p".into()),
         }
     }
 
     fn seeds() -> Vec<Vec<u8>> {
-        std::fs::read_dir(format!("{}/tests/data", env!("CARGO_MANIFEST_DIR")))
-            .unwrap()
-            .map(|e| std::fs::read(e.unwrap().path()).unwrap())
-            .collect()
+        let mut paths: Vec<_> =
+            std::fs::read_dir(format!("{}/tests/data", env!("CARGO_MANIFEST_DIR")))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+        paths.sort();
+        paths.iter().map(|p| std::fs::read(p).unwrap()).collect()
+    }
+
+    /// Which cores the pod asks for, read independently of the webhook: the
+    /// `vke.volcengine.com/*` requests in its spec and the record.
+    fn asks(pod: &Value) -> (bool, bool) {
+        let (mut online, mut offline) = (false, false);
+        for list in ["initContainers", "containers"] {
+            for c in pod["spec"][list].as_array().into_iter().flatten() {
+                for part in ["limits", "requests"] {
+                    let res = &c["resources"][part];
+                    online |= res.get(M).is_some();
+                    offline |= res.get(R).is_some();
+                }
+            }
+        }
+        if let Some(rec) = pod["metadata"]["annotations"][REQUESTED].as_str() {
+            let n = |key: &str| -> u64 {
+                rec.split(';')
+                    .find_map(|f| f.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+                    .unwrap_or(0)
+            };
+            match (n("offline-cores") > 0, n("online-cores") > 0) {
+                (true, false) => offline = true,
+                (false, true) => online = true,
+                _ => {}
+            }
+        }
+        (online, offline)
+    }
+
+    /// The invariants of one reviewed request.
+    fn check(
+        request: &[u8],
+        mode: Mode,
+        backend: Option<Backend>,
+        r: &Reviewed,
+    ) -> Result<(), TestCaseError> {
+        prop_assert!(r.status == 200 || r.status == 400, "status {}", r.status);
+        if r.status != 200 {
+            return Ok(());
+        }
+        let req: Value = serde_json::from_slice(request).unwrap();
+        let resp: Value = serde_json::from_slice(&r.body).unwrap();
+        // The response answers this request.
+        prop_assert_eq!(&resp["response"]["uid"], &req["request"]["uid"]);
+        if resp["response"]["allowed"] != true {
+            prop_assert_eq!(r.result, "denied");
+            return Ok(());
+        }
+        if mode == Mode::Validate {
+            prop_assert!(resp["response"]["patch"].is_null(), "/validate patched");
+        }
+        // The patch applies to the object it was made for.
+        let pod = patched(request, &resp);
+        if req["request"]["operation"] == "UPDATE" {
+            if let Some(p) = resp["response"]["patch"].as_str() {
+                let ops: Value = serde_json::from_slice(&base64_decode(p)).unwrap();
+                for op in ops.as_array().unwrap() {
+                    let path = op["path"].as_str().unwrap_or("");
+                    prop_assert!(
+                        path == "/metadata" || path.starts_with("/metadata/annotations"),
+                        "UPDATE patch touches {}",
+                        path
+                    );
+                }
+            }
+        }
+        // Idempotent: the patched object reviewed again is allowed and not patched.
+        let again = rerun_with(request, &pod);
+        let r2 = review(
+            &again,
+            mode,
+            backend,
+            &settings(backend.unwrap_or(Backend::Hami)),
+        );
+        prop_assert_eq!(r2.status, 200);
+        let resp2: Value = serde_json::from_slice(&r2.body).unwrap();
+        prop_assert_eq!(
+            &resp2["response"]["allowed"],
+            &Value::Bool(true),
+            "second pass: {}",
+            resp2
+        );
+        prop_assert!(
+            resp2["response"]["patch"].is_null(),
+            "second pass patched: {}",
+            resp2
+        );
+        // Only Pods are ours.
+        if req["request"]["kind"]["kind"] != "Pod" || !pod.is_object() {
+            return Ok(());
+        }
+        let qos = pod["metadata"]["annotations"][QOS].as_str().map(str::trim);
+        let (online, offline) = asks(&pod);
+        // Never an offline pod without reclaimed cores (when it asks for mGPU cores at
+        // all; a CPU-only reclaimed_cores pod is none of the webhook's business), nor
+        // one that asks for online cores.
+        if qos == Some("reclaimed_cores") && (online || offline) {
+            prop_assert!(
+                offline && !online,
+                "reclaimed_cores pod asks for online cores: {}",
+                pod
+            );
+        }
+        // And never a pod asking for reclaimed cores that is anything but reclaimed_cores
+        // (missing only on /validate, which does not patch).
+        if offline {
+            prop_assert!(!online, "pod asks for online and offline cores: {}", pod);
+            let ok = qos == Some("reclaimed_cores") || (mode == Mode::Validate && qos.is_none());
+            prop_assert!(ok, "pod asks for reclaimed cores but is {:?}: {}", qos, pod);
+        }
+        if online {
+            let ok = matches!(qos, Some("shared_cores" | "dedicated_cores"))
+                || (mode == Mode::Validate && qos.is_none());
+            prop_assert!(ok, "pod asks for online cores but is {:?}: {}", qos, pod);
+        }
+        Ok(())
     }
 
     fn arb_json() -> impl Strategy<Value = Value> {
@@ -642,13 +801,154 @@ mod fuzz {
         })
     }
 
+    fn arb_backend() -> impl Strategy<Value = Backend> {
+        prop_oneof![
+            Just(Backend::Vke),
+            Just(Backend::NvidiaShared),
+            Just(Backend::Hami)
+        ]
+    }
+
+    fn arb_quantity() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("1"),
+            Just("30"),
+            Just("100"),
+            Just("200"),
+            Just(" 30 "),
+            Just("1k"),
+            Just("0"),
+            Just("150"),
+            Just("0.5"),
+            Just("abc"),
+        ]
+        .prop_map(String::from)
+    }
+
+    /// One container's resources: mostly plausible mGPU requests, sometimes wrong ones.
+    fn arb_resources() -> impl Strategy<Value = Value> {
+        (
+            prop::option::weighted(0.4, arb_quantity()),
+            prop::option::weighted(0.4, arb_quantity()),
+            prop::option::weighted(0.3, arb_quantity()),
+            0u8..3,
+            prop::option::weighted(0.05, arb_quantity()),
+        )
+            .prop_map(|(online, offline, memory, parts, other)| {
+                let mut m = serde_json::Map::new();
+                m.insert("cpu".into(), "1".into());
+                for (k, v) in [(M, online), (R, offline), (MEM, memory)] {
+                    if let Some(v) = v {
+                        m.insert(k.into(), v.into());
+                    }
+                }
+                let mut requests = m.clone();
+                if let Some(other) = other {
+                    requests.insert(R.into(), other.into());
+                }
+                match parts {
+                    0 => serde_json::json!({"limits": m}),
+                    1 => serde_json::json!({"requests": requests}),
+                    _ => serde_json::json!({"limits": m, "requests": requests}),
+                }
+            })
+    }
+
+    fn arb_annotation(values: &'static [&'static str]) -> impl Strategy<Value = Option<String>> {
+        prop::option::weighted(0.6, prop::sample::select(values).prop_map(String::from))
+    }
+
+    /// A pod: containers, init containers, annotations (a record, right or forged, now and
+    /// then), sometimes without vke requests (as translated by another backend).
+    fn arb_pod() -> impl Strategy<Value = Value> {
+        (
+            prop::collection::vec(arb_resources(), 1..3),
+            prop::collection::vec(arb_resources(), 0..2),
+            arb_annotation(&["shared_cores", "dedicated_cores", "reclaimed_cores", "system_cores", "batch", ""]),
+            arb_annotation(&["fixed-share", "guaranteed-burst-share", "native-burst-share", "weird"]),
+            prop::option::weighted(0.3, prop::sample::select(&[
+                "offline-cores=30;online-cores=0;memory-mib=0",
+                "offline-cores=0;online-cores=30;memory-mib=0",
+                "offline-cores=0;online-cores=0;memory-mib=0",
+                "garbage",
+            ][..])),
+            any::<bool>(),
+            // As a backend other than vke leaves it: no vke.volcengine.com/* requests.
+            prop::bool::weighted(0.25),
+        )
+            .prop_map(|(cs, inits, qos, policy, record, priority, translated)| {
+                let container = |prefix: &str, i: usize, res: &Value| {
+                    let res = if translated { serde_json::json!({"limits": {"nvidia.com/gpu": "1"}}) } else { res.clone() };
+                    serde_json::json!({"name": format!("{prefix}{i}"), "image": "x", "resources": res})
+                };
+                let mut ann = serde_json::Map::new();
+                for (k, v) in [(QOS, qos), (POLICY, policy), (REQUESTED, record.map(String::from))] {
+                    if let Some(v) = v {
+                        ann.insert(k.into(), v.into());
+                    }
+                }
+                let mut spec = serde_json::json!({
+                    "containers": cs.iter().enumerate().map(|(i, r)| container("c", i, r)).collect::<Vec<_>>(),
+                });
+                if !inits.is_empty() {
+                    spec["initContainers"] = inits.iter().enumerate().map(|(i, r)| container("init", i, r)).collect();
+                }
+                if priority {
+                    spec["priorityClassName"] = "batch".into();
+                }
+                let mut metadata = serde_json::json!({"name": "p", "namespace": "ml"});
+                if !ann.is_empty() {
+                    metadata["annotations"] = Value::Object(ann);
+                }
+                serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
+            })
+    }
+
+    /// An edit an UPDATE makes to the created pod's annotations or labels.
+    fn arb_edit() -> impl Strategy<Value = (usize, Option<&'static str>)> {
+        (
+            0usize..5,
+            prop::option::weighted(
+                0.8,
+                prop::sample::select(
+                    &[
+                        "shared_cores",
+                        "dedicated_cores",
+                        "reclaimed_cores",
+                        "system_cores",
+                        "batch",
+                        "native-burst-share",
+                        "fixed-share",
+                        "offline-cores=0;online-cores=30;memory-mib=0",
+                        "offline-cores=30;online-cores=0;memory-mib=0",
+                    ][..],
+                ),
+            ),
+        )
+    }
+
+    fn envelope(
+        name: &str,
+        uid: &str,
+        operation: &str,
+        object: &Value,
+        old: Option<&Value>,
+    ) -> Vec<u8> {
+        let mut req: Value = serde_json::from_slice(&fixture(name)).unwrap();
+        req["request"]["uid"] = uid.into();
+        req["request"]["operation"] = operation.into();
+        req["request"]["object"] = object.clone();
+        req["request"]["oldObject"] = old.cloned().unwrap_or(Value::Null);
+        serde_json::to_vec(&req).unwrap()
+    }
+
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, .. ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, .. ProptestConfig::default() })]
 
         /// Mutated fixtures: flipped bytes, truncations, splices. Never a panic; always a
-        /// 200 with a review or a 400.
+        /// 200 with a review or a 400; the invariants hold.
         #[test]
-        fn mutated_fixture_bytes(seed in 0usize..64, pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>(), op in 0u8..3) {
+        fn mutated_fixture_bytes(seed in 0usize..64, pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>(), op in 0u8..3, backend in arb_backend()) {
             let seeds = seeds();
             let mut b = seeds[seed % seeds.len()].clone();
             match op {
@@ -657,25 +957,58 @@ mod fuzz {
                 _ => { let i = pos.index(b.len()); b.insert(i, byte); }
             }
             for mode in [Mode::Mutate, Mode::Validate] {
-                let r = review(&b, mode, None, &settings());
-                prop_assert!(r.status == 200 || r.status == 400);
+                let r = review(&b, mode, Some(backend), &settings(backend));
+                check(&b, mode, Some(backend), &r)?;
             }
         }
 
         /// Structurally valid reviews whose pod is arbitrary JSON.
         #[test]
-        fn arbitrary_pods(pod in arb_json(), spec in arb_json()) {
-            let seeds = seeds();
-            let mut req: Value = serde_json::from_slice(&seeds[0]).unwrap();
-            req["request"]["object"] = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": pod, "spec": spec});
-            let b = serde_json::to_vec(&req).unwrap();
-            let r = review(&b, Mode::Mutate, None, &settings());
-            prop_assert!(r.status == 200 || r.status == 400);
-            if r.status == 200 && r.result == "patched" {
-                // Every patch applies to the object it was made for.
-                let resp: Value = serde_json::from_slice(&r.body).unwrap();
-                let pod = patched(&b, &resp);
-                prop_assert!(pod.is_object());
+        fn arbitrary_pods(pod in arb_json(), spec in arb_json(), backend in arb_backend()) {
+            let object = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": pod, "spec": spec});
+            let b = envelope("offline-deployment-create", "fuzz-uid", "CREATE", &object, None);
+            for mode in [Mode::Mutate, Mode::Validate] {
+                let r = review(&b, mode, Some(backend), &settings(backend));
+                check(&b, mode, Some(backend), &r)?;
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1000, failure_persistence: None, .. ProptestConfig::default() })]
+
+        /// Plausible pods created, then updated: the invariants hold at every step, on
+        /// both endpoints, for every backend.
+        #[test]
+        fn created_then_updated(pod in arb_pod(), backend in arb_backend(), uid in "[a-f0-9-]{1,36}", edits in prop::collection::vec(arb_edit(), 0..3)) {
+            let create = envelope("offline-deployment-create", &uid, "CREATE", &pod, None);
+            for mode in [Mode::Mutate, Mode::Validate] {
+                let r = review(&create, mode, Some(backend), &settings(backend));
+                check(&create, mode, Some(backend), &r)?;
+            }
+            let r = review(&create, Mode::Mutate, Some(backend), &settings(backend));
+            let resp: Value = serde_json::from_slice(&r.body).unwrap();
+            if resp["response"]["allowed"] != true {
+                return Ok(());
+            }
+            let old = patched(&create, &resp);
+            let mut new = old.clone();
+            for (field, value) in edits {
+                let key = [QOS, POLICY, REQUESTED, REQUESTS, "team"][field];
+                if key == "team" {
+                    new["metadata"]["labels"]["team"] = "ml".into();
+                    continue;
+                }
+                let ann = &mut new["metadata"]["annotations"];
+                match value {
+                    Some(v) => ann[key] = v.into(),
+                    None => { ann.as_object_mut().map(|a| a.remove(key)); }
+                }
+            }
+            let update = envelope("offline-deployment-create", &uid, "UPDATE", &new, Some(&old));
+            for mode in [Mode::Mutate, Mode::Validate] {
+                let r = review(&update, mode, Some(backend), &settings(backend));
+                check(&update, mode, Some(backend), &r)?;
             }
         }
     }
