@@ -3,11 +3,10 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use coloc_webhook::server::{router, AppState};
+use coloc_webhook::server::{router, AppState, Limits};
 use coloc_webhook::translate::{Backend, Settings};
 use http_body_util::BodyExt;
 use serde_json::Value;
-use std::sync::Arc;
 use tower::ServiceExt;
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -19,14 +18,17 @@ fn fixture(name: &str) -> Vec<u8> {
 }
 
 fn app(backend: Backend) -> axum::Router {
-    router(AppState {
-        settings: Arc::new(Settings {
+    router(AppState::new(
+        Settings {
             backend,
             offline_priority_class: Some("gpu-coloc-offline".into()),
-        }),
-        max_body: 64 * 1024,
-        prom: None,
-    })
+        },
+        Limits {
+            max_body: 64 * 1024,
+            ..Limits::default()
+        },
+        None,
+    ))
 }
 
 async fn post(app: &axum::Router, path: &str, body: Vec<u8>) -> (StatusCode, Vec<u8>) {
@@ -572,7 +574,6 @@ async fn bad_input_is_400_never_a_panic() {
             .to_vec(),
         br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#.to_vec(),
         br#"{"apiVersion":"v1","kind":"Pod"}"#.to_vec(),
-        vec![b'x'; 100 * 1024],
     ];
     for body in cases {
         let (status, _) = post(&app, "/mutate", body.clone()).await;
@@ -585,6 +586,88 @@ async fn bad_input_is_400_never_a_panic() {
     }
     let (status, _) = post(&app, "/mutate?backend=volcano", fixture("plain-pod")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn bodies_over_the_limit_are_413() {
+    let app = app(Backend::Hami);
+    // Read past the limit (no Content-Length: streamed).
+    let (status, _) = post(&app, "/mutate", vec![b'x'; 64 * 1024 + 1]).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    // Declared too large: refused before reading.
+    let req = Request::post("/validate")
+        .header("content-length", (64 * 1024 + 1).to_string())
+        .body(Body::from(vec![b'x'; 64 * 1024 + 1]))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    // At the limit: read (and a 400, as it is no review).
+    let (status, _) = post(&app, "/mutate", vec![b'x'; 64 * 1024]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+/// A body that never ends: 408 within the body read timeout; and at most
+/// `max_concurrent_reviews` bodies are read at once (the next review waits for a slot).
+#[tokio::test(start_paused = true)]
+async fn slow_bodies_time_out_and_reviews_are_limited() {
+    use tokio::time::{Duration, Instant};
+    let limits = Limits {
+        body_read_timeout: Duration::from_secs(2),
+        max_concurrent_reviews: 1,
+        ..Limits::default()
+    };
+    let app = router(AppState::new(
+        Settings {
+            backend: Backend::Hami,
+            offline_priority_class: None,
+        },
+        limits,
+        None,
+    ));
+    let t = Instant::now();
+    let slow = tokio::spawn(
+        app.clone().oneshot(
+            Request::post("/mutate")
+                .body(Body::from_stream(trickle()))
+                .unwrap(),
+        ),
+    );
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let normal = tokio::spawn(
+        app.clone().oneshot(
+            Request::post("/mutate")
+                .body(Body::from(fixture("offline-deployment-create")))
+                .unwrap(),
+        ),
+    );
+    // Bounded (in virtual time) even if a limit is gone.
+    let bound = Duration::from_secs(10);
+    let normal = tokio::time::timeout(bound, normal)
+        .await
+        .expect("review never answered")
+        .unwrap()
+        .unwrap();
+    let waited = t.elapsed();
+    let slow = tokio::time::timeout(bound, slow)
+        .await
+        .expect("endless body never cut off")
+        .unwrap()
+        .unwrap();
+    assert_eq!(slow.status(), StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(normal.status(), StatusCode::OK);
+    // The normal review got the only slot when the slow one gave up (at 2 s).
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_millis(2100),
+        "{waited:?}"
+    );
+}
+
+/// An endless body: one byte every 100 ms.
+fn trickle() -> impl futures::Stream<Item = Result<Vec<u8>, std::io::Error>> {
+    futures::stream::unfold((), |()| async {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        Some((Ok(b" ".to_vec()), ()))
+    })
 }
 
 /// A pod translated already (the webhook invoked again after another webhook's mutation,
