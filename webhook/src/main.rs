@@ -1,11 +1,12 @@
 //! `coloc-webhook`: see `coloc-webhook --help`.
 use anyhow::{Context, Result};
 use clap::Parser;
-use coloc_webhook::server::{install_metrics, reload_certificates, router, AppState};
+use coloc_webhook::server::{
+    install_metrics, reload_certificates, router, serve, AppState, Limits,
+};
 use coloc_webhook::translate::{Backend, Settings};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// gpu-coloc admission webhook: validates vke.volcengine.com mGPU requests and translates
@@ -44,9 +45,31 @@ struct Args {
     /// Address to listen on.
     #[arg(long, env = "COLOC_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
     listen: SocketAddr,
-    /// Largest AdmissionReview accepted, bytes (larger: HTTP 400).
+    /// Largest AdmissionReview accepted, bytes (larger: HTTP 413). The default is the API
+    /// server's own limit on a request body: a pod is at most 1.5 MiB (etcd), and an
+    /// UPDATE review carries two of them.
     #[arg(long, env = "COLOC_WEBHOOK_MAX_BODY", default_value_t = 3 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Seconds allowed for the TLS handshake and for each request's headers (an HTTP/1.1
+    /// keep-alive connection waiting for its next request is closed after this too).
+    #[arg(long, env = "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS", default_value = "10", value_parser = parse_secs)]
+    header_read_timeout_secs: Duration,
+    /// Seconds allowed for a review's body, from the end of its headers, however slowly
+    /// it trickles in (larger: HTTP 408). The API server waits at most 30 s for a webhook.
+    #[arg(long, env = "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS", default_value = "10", value_parser = parse_secs)]
+    body_read_timeout_secs: Duration,
+    /// Seconds a connection may stay with no byte moving either way before it is closed;
+    /// longer than the API server's own idle timeout for its connections (90 s), so that
+    /// it, not the webhook, closes idle connections.
+    #[arg(long, env = "COLOC_WEBHOOK_IDLE_TIMEOUT_SECS", default_value = "120", value_parser = parse_secs)]
+    idle_timeout_secs: Duration,
+    /// Connections open at once; more are closed as they are accepted.
+    #[arg(long, env = "COLOC_WEBHOOK_MAX_CONNECTIONS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+    /// Reviews read and handled at once; others wait within their body read timeout
+    /// (then HTTP 503). Bodies held in memory: at most this times --max-body-bytes.
+    #[arg(long, env = "COLOC_WEBHOOK_MAX_CONCURRENT_REVIEWS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    max_concurrent_reviews: u32,
     /// How often to check the certificate files for changes.
     #[arg(long, env = "COLOC_WEBHOOK_RELOAD_SECS", default_value_t = 10)]
     reload_secs: u64,
@@ -60,6 +83,20 @@ struct Args {
     /// the result, or the denial (exit 1). `-` reads standard input.
     #[arg(long, value_name = "POD_JSON")]
     translate: Option<PathBuf>,
+}
+
+/// Seconds, possibly fractional ("0.5"), more than 0 and at most a day.
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v > 0.0 && v <= 86_400.0) {
+        return Err(format!(
+            "{s:?}: allowed: more than 0 and at most 86400 seconds"
+        ));
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Result<()> {
@@ -135,18 +172,27 @@ fn run(a: Args) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let app = router(AppState { settings: Arc::new(settings.clone()), max_body: a.max_body_bytes, prom: Some(prom) });
-        tracing::info!(listen = %a.listen, backend = %settings.backend, tls = !a.insecure_http, "Webhook started");
-        if a.insecure_http {
-            let l = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
-            axum::serve(l, app).await?;
-            return Ok(());
-        }
-        let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(&a.cert, &a.key)
-            .await
-            .with_context(|| format!("loading TLS certificate {} and key {}", a.cert.display(), a.key.display()))?;
-        tokio::spawn(reload_certificates(tls.clone(), a.cert.clone(), a.key.clone(), Duration::from_secs(a.reload_secs.max(1))));
-        axum_server::bind_rustls(a.listen, tls).serve(app.into_make_service()).await?;
+        let limits = Limits {
+            header_read_timeout: a.header_read_timeout_secs,
+            body_read_timeout: a.body_read_timeout_secs,
+            idle_timeout: a.idle_timeout_secs,
+            max_connections: a.max_connections as usize,
+            max_concurrent_reviews: a.max_concurrent_reviews as usize,
+            max_body: a.max_body_bytes,
+        };
+        let app = router(AppState::new(settings.clone(), limits, Some(prom)));
+        tracing::info!(listen = %a.listen, backend = %settings.backend, tls = !a.insecure_http, ?limits, "Webhook started");
+        let listener = std::net::TcpListener::bind(a.listen).with_context(|| format!("binding {}", a.listen))?;
+        let tls = if a.insecure_http {
+            None
+        } else {
+            let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(&a.cert, &a.key)
+                .await
+                .with_context(|| format!("loading TLS certificate {} and key {}", a.cert.display(), a.key.display()))?;
+            tokio::spawn(reload_certificates(tls.clone(), a.cert.clone(), a.key.clone(), Duration::from_secs(a.reload_secs.max(1))));
+            Some(tls)
+        };
+        serve(listener, app, tls, limits, axum_server::Handle::new()).await?;
         Ok(())
     })
 }

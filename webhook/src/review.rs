@@ -1,11 +1,14 @@
 //! AdmissionReview in, AdmissionReview out. Pure function of the request bytes, so that
 //! the router, the fuzz test and the benchmark all drive the same code.
 //!
+//! CREATE goes to [`translate`]; UPDATE to [`review_update`], which checks the update
+//! against what the pod asked for at creation and patches metadata only.
+//!
 //! Bad input never panics: unparsable bodies and reviews without a request are HTTP 400;
 //! objects that are not Pods are allowed untouched; pods that cannot be read are denied
 //! with a message.
 
-use crate::translate::{translate, Backend, Settings};
+use crate::translate::{review_update, translate, Backend, Settings};
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::DynamicObject;
 use serde_json::Value;
@@ -53,7 +56,13 @@ fn bad_request(msg: String) -> Reviewed {
 
 /// Handles one AdmissionReview body.
 pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Settings) -> Reviewed {
-    let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+    // The objects are read as sent (JSON), so that a patch is made against exactly what
+    // the API server will apply it to; the typed view validates the envelope.
+    let raw: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(format!("not an admission.k8s.io/v1 AdmissionReview: {e}")),
+    };
+    let review: AdmissionReview<DynamicObject> = match serde::Deserialize::deserialize(&raw) {
         Ok(r) => r,
         Err(e) => return bad_request(format!("not an admission.k8s.io/v1 AdmissionReview: {e}")),
     };
@@ -71,10 +80,16 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
     let is_pod = req.kind.group.is_empty() && req.kind.kind == "Pod" && req.sub_resource.is_none();
     let acts = matches!(req.operation, Operation::Create | Operation::Update);
     let (resp, result, reason) = match (&req.object, is_pod && acts) {
-        (Some(obj), true) => {
-            let pod = serde_json::to_value(obj).unwrap_or(Value::Null);
+        (Some(_), true) => {
+            let pod = &raw["request"]["object"];
             let backend = backend.unwrap_or(settings.backend);
-            match translate(&pod, backend, settings) {
+            let outcome = if req.operation == Operation::Update {
+                // Checked against what the pod asked for at CREATE; metadata-only patch.
+                review_update(&raw["request"]["oldObject"], pod)
+            } else {
+                translate(pod, backend, settings)
+            };
+            match outcome {
                 Ok(ops) if ops.is_empty() || mode == Mode::Validate => (resp, "allowed", None),
                 Ok(ops) => match serde_json::from_value::<json_patch::Patch>(Value::Array(ops))
                     .map_err(|e| e.to_string())

@@ -1,17 +1,49 @@
 //! Pure translation of a Pod's mGPU requests for a GPU backend. No I/O.
 //!
 //! Input: the Pod as JSON (as the API server sends it). Output: RFC 6902 operations, or a
-//! denial whose message names the container, the field and the allowed values.
+//! denial whose message names the container, the field, the offending value and the
+//! allowed values.
 //!
-//! Rules (DESIGN.md):
+//! Rules at CREATE ([`translate`], DESIGN.md):
 //! - `mgpu-core` (online) and `reclaimed-mgpu-core` (offline): 1–100 or a multiple of 100;
 //!   `mgpu-memory` in MiB, only together with cores;
 //! - one container may not ask for both; one pod may not mix online and offline containers;
 //! - `qos_level` is set when missing (`reclaimed_cores` for offline, `shared_cores` for
-//!   online) and must not contradict the request;
+//!   online) and must not contradict the request: offline requests need
+//!   `reclaimed_cores`; online requests need `shared_cores` or `dedicated_cores`; an
+//!   unknown value is denied;
 //! - the compute policy defaults to `guaranteed-burst-share`; offline pods may not use
 //!   `native-burst-share`;
+//! - the pod gets [`REQUESTED_ANNOTATION`], the record of what it asked for (below); a pod
+//!   that carries the record but no `vke.volcengine.com/*` requests (translated already:
+//!   the webhook invoked again, or `/validate` after `/mutate`) is held to the record;
 //! - a second pass over the mutated pod yields no operation (idempotent).
+//!
+//! Rules at UPDATE ([`review_update`]): the API server forbids changing a pod's resources,
+//! env or priority class after creation, so an UPDATE is checked against what the pod
+//! asked for at CREATE, and its patch only ever touches `/metadata/annotations`:
+//! - [`REQUESTED_ANNOTATION`] (and the older per-container [`REQUESTS_ANNOTATION`]) may not
+//!   be added, changed or removed;
+//! - the new `qos_level` and compute policy must agree with the recorded requests, by the
+//!   CREATE rules above. This matters for the `hami` and `nvidia-shared` backends, which
+//!   remove the `vke.volcengine.com/*` requests from the pod at CREATE: without the record
+//!   an offline pod could later declare itself `shared_cores` and never be suspended.
+//!   Where the record is missing (a pod admitted by an older webhook), the per-container
+//!   record or the `vke.volcengine.com/*` requests still in the spec are used;
+//! - an UPDATE that leaves `qos_level` and the compute policy as they were is never denied
+//!   for them (a pod admitted before the webhook was installed stays updatable, e.g. so
+//!   that its finalizers can be removed).
+//!
+//! ## The record: `gpu-coloc.dev/requested`
+//!
+//! `offline-cores=<n>;online-cores=<n>;memory-mib=<n>`: exactly these three fields, in this
+//! order, separated by `;`, each a non-negative decimal integer without sign or leading
+//! zeros. Each is the sum over the pod's containers and init containers of the value asked
+//! for: `vke.volcengine.com/reclaimed-mgpu-core`, `vke.volcengine.com/mgpu-core` (percent of
+//! one GPU) and `vke.volcengine.com/mgpu-memory` (MiB). Since a pod is either online or
+//! offline, one of the two core fields is 0. Example:
+//! `gpu-coloc.dev/requested: "offline-cores=40;online-cores=0;memory-mib=2048"`. It is
+//! written for every backend, and only for pods that ask for mGPU cores.
 
 use qos_core::resources::{
     parse_memory_mib, CorePercent, COMPUTE_POLICY_ANNOTATION, MGPU_CORE, MGPU_MEMORY,
@@ -25,8 +57,13 @@ use std::str::FromStr;
 
 /// Annotation recording which backend translated the pod.
 pub const BACKEND_ANNOTATION: &str = "gpu-coloc.dev/backend";
-/// Annotation recording the original mGPU requests (JSON, per container).
+/// Annotation recording the original mGPU requests per container (JSON; `nvidia-shared`
+/// and `hami` only). Kept for users and pods admitted by older versions; the guarded
+/// record is [`REQUESTED_ANNOTATION`].
 pub const REQUESTS_ANNOTATION: &str = "gpu-coloc.dev/requests";
+/// Annotation recording, at CREATE, what the pod asked for ([`Requested`]); guarded on
+/// UPDATE.
+pub const REQUESTED_ANNOTATION: &str = "gpu-coloc.dev/requested";
 /// The MPS client priority hint for offline containers on `nvidia-shared`.
 pub const MPS_PRIORITY_ENV: &str = "CUDA_MPS_CLIENT_PRIORITY";
 
@@ -103,6 +140,83 @@ pub fn esc(s: &str) -> String {
     s.replace('~', "~0").replace('/', "~1")
 }
 
+/// What a pod asked for at creation: the value of [`REQUESTED_ANNOTATION`]. See the module
+/// documentation for the format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Requested {
+    /// Sum of `reclaimed-mgpu-core` (percent of one GPU).
+    pub offline_cores: u64,
+    /// Sum of `mgpu-core` (percent of one GPU).
+    pub online_cores: u64,
+    /// Sum of `mgpu-memory` (MiB).
+    pub memory_mib: u64,
+}
+
+/// Whether a pod's mGPU requests are online or offline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodClass {
+    /// `mgpu-core`: needs `qos_level` `shared_cores` or `dedicated_cores`.
+    Online,
+    /// `reclaimed-mgpu-core`: needs `qos_level` `reclaimed_cores`.
+    Offline,
+}
+
+impl Requested {
+    /// Online or offline; `None` when the record asks for no cores, or (never written by
+    /// the webhook) for both.
+    pub fn class(&self) -> Option<PodClass> {
+        match (self.offline_cores > 0, self.online_cores > 0) {
+            (true, false) => Some(PodClass::Offline),
+            (false, true) => Some(PodClass::Online),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Requested {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "offline-cores={};online-cores={};memory-mib={}",
+            self.offline_cores, self.online_cores, self.memory_mib
+        )
+    }
+}
+
+impl FromStr for Requested {
+    type Err = String;
+    /// Strict: the exact form [`fmt::Display`] writes.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("{s:?} is not offline-cores=<n>;online-cores=<n>;memory-mib=<n>");
+        let mut fields = s.split(';');
+        let mut next = |key: &str| -> Result<u64, String> {
+            let field = fields.next().ok_or_else(bad)?;
+            let v = field
+                .strip_prefix(key)
+                .and_then(|r| r.strip_prefix('='))
+                .ok_or_else(bad)?;
+            let n: u64 = if v.bytes().all(|b| b.is_ascii_digit()) {
+                v.parse().map_err(|_| bad())?
+            } else {
+                return Err(bad());
+            };
+            if n.to_string() != v {
+                return Err(bad());
+            }
+            Ok(n)
+        };
+        let r = Requested {
+            offline_cores: next("offline-cores")?,
+            online_cores: next("online-cores")?,
+            memory_mib: next("memory-mib")?,
+        };
+        if fields.next().is_some() {
+            return Err(bad());
+        }
+        Ok(r)
+    }
+}
+
 #[derive(Debug, Clone)]
 struct ContainerReq {
     name: String,
@@ -110,6 +224,18 @@ struct ContainerReq {
     online: Option<CorePercent>,
     offline: Option<CorePercent>,
     memory: Option<u64>,
+}
+
+impl ContainerReq {
+    /// `vke.volcengine.com/…-core=N` for `class`, as asked.
+    fn cores(&self, class: PodClass) -> String {
+        match class {
+            PodClass::Online => format!("{MGPU_CORE}={}", self.online.map_or(0, |c| c.0)),
+            PodClass::Offline => {
+                format!("{RECLAIMED_MGPU_CORE}={}", self.offline.map_or(0, |c| c.0))
+            }
+        }
+    }
 }
 
 fn quantity(v: &Value) -> Option<String> {
@@ -167,10 +293,10 @@ fn read_container(name: &str, path: String, c: &Value) -> Result<Option<Containe
         .map(parse_memory_mib)
         .transpose()
         .map_err(ctx)?;
-    if online.is_some() && offline.is_some() {
+    if let (Some(on), Some(off)) = (online, offline) {
         return Err(deny(
             "both_online_and_offline",
-            format!("container {name:?} asks for both {MGPU_CORE} (online) and {RECLAIMED_MGPU_CORE} (offline); allowed: one of them"),
+            format!("container {name:?} asks for both {MGPU_CORE}={} (online) and {RECLAIMED_MGPU_CORE}={} (offline); allowed: one of them", on.0, off.0),
         ));
     }
     if memory.is_some() && online.is_none() && offline.is_none() {
@@ -188,8 +314,8 @@ fn read_container(name: &str, path: String, c: &Value) -> Result<Option<Containe
     }))
 }
 
-/// Translates `pod` for `backend`. `Ok(vec![])` means: allowed, nothing to change.
-pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Value>, Denial> {
+/// The containers (init containers first) that ask for mGPU resources.
+fn read_requests(pod: &Value) -> Result<Vec<ContainerReq>, Denial> {
     let mut reqs = Vec::new();
     for list in ["initContainers", "containers"] {
         if let Some(cs) = pod["spec"][list].as_array() {
@@ -201,96 +327,191 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
             }
         }
     }
-    if reqs.is_empty() {
-        return Ok(vec![]);
-    }
-    let offline = reqs.iter().any(|r| r.offline.is_some());
-    let online = reqs.iter().any(|r| r.online.is_some());
-    if offline && online {
-        let on: Vec<_> = reqs
-            .iter()
-            .filter(|r| r.online.is_some())
-            .map(|r| r.name.as_str())
-            .collect();
-        let off: Vec<_> = reqs
-            .iter()
-            .filter(|r| r.offline.is_some())
-            .map(|r| r.name.as_str())
-            .collect();
+    Ok(reqs)
+}
+
+/// The pod's class; denies a pod that mixes online and offline containers. `reqs` is not
+/// empty.
+fn pod_class(reqs: &[ContainerReq]) -> Result<PodClass, Denial> {
+    let on: Vec<&ContainerReq> = reqs.iter().filter(|r| r.online.is_some()).collect();
+    let off: Vec<&ContainerReq> = reqs.iter().filter(|r| r.offline.is_some()).collect();
+    if !on.is_empty() && !off.is_empty() {
+        let list = |v: &[&ContainerReq], class| {
+            v.iter()
+                .map(|r| format!("container {:?} asks for {}", r.name, r.cores(class)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         return Err(deny(
             "mixed_pod",
-            format!("pod mixes online containers {on:?} ({MGPU_CORE}) and offline containers {off:?} ({RECLAIMED_MGPU_CORE}); a pod is either online or offline"),
+            format!(
+                "pod mixes online and offline containers: {} (online); {} (offline); a pod is either online ({MGPU_CORE}) or offline ({RECLAIMED_MGPU_CORE})",
+                list(&on, PodClass::Online),
+                list(&off, PodClass::Offline)
+            ),
         ));
     }
-    let empty = Map::new();
-    let annotations = pod["metadata"]["annotations"].as_object().unwrap_or(&empty);
-    let mut ops = Vec::new();
-    let add_annotation = |ops: &mut Vec<Value>, key: &str, value: &str| {
-        if annotations.get(key).and_then(Value::as_str) == Some(value) {
-            return;
-        }
-        let op = if annotations.contains_key(key) {
-            "replace"
-        } else {
-            "add"
-        };
-        ops.push(json!({"op": op, "path": format!("/metadata/annotations/{}", esc(key)), "value": value}));
-    };
-    if pod["metadata"]["annotations"].as_object().is_none() {
-        ops.push(json!({"op": "add", "path": "/metadata/annotations", "value": {}}));
-    }
+    Ok(if off.is_empty() {
+        PodClass::Online
+    } else {
+        PodClass::Offline
+    })
+}
 
-    // qos_level.
+/// Names the containers whose requests make the pod `class`, for messages.
+fn describe(reqs: &[ContainerReq], class: PodClass) -> String {
+    let mut it = reqs.iter().filter(|r| match class {
+        PodClass::Online => r.online.is_some(),
+        PodClass::Offline => r.offline.is_some(),
+    });
+    let first = it.next().map_or_else(
+        || "the pod asks for mGPU cores".to_string(),
+        |r| format!("container {:?} asks for {}", r.name, r.cores(class)),
+    );
+    match it.count() {
+        0 => first,
+        n => format!(
+            "{first} (and {n} more container{})",
+            if n == 1 { "" } else { "s" }
+        ),
+    }
+}
+
+fn annotations_of(pod: &Value) -> Option<&Map<String, Value>> {
+    pod["metadata"]["annotations"].as_object()
+}
+
+/// Adds or replaces one annotation unless it already has `value`.
+fn set_annotation(ops: &mut Vec<Value>, annotations: &Map<String, Value>, key: &str, value: &str) {
+    if annotations.get(key).and_then(Value::as_str) == Some(value) {
+        return;
+    }
+    let op = if annotations.contains_key(key) {
+        "replace"
+    } else {
+        "add"
+    };
+    ops.push(
+        json!({"op": op, "path": format!("/metadata/annotations/{}", esc(key)), "value": value}),
+    );
+}
+
+/// The pod-level annotation rules (`qos_level`, compute policy) for a pod of `class`;
+/// `what` says which request makes it that class (for messages). Missing annotations
+/// are added to `ops`; `ops` may only ever touch `/metadata/annotations` here.
+fn check_annotations(
+    class: PodClass,
+    what: &str,
+    annotations: &Map<String, Value>,
+    ops: &mut Vec<Value>,
+) -> Result<(), Denial> {
     let level = QosLevel::parse(
         annotations
             .get(QOS_LEVEL_ANNOTATION)
             .and_then(Value::as_str),
     );
-    match (&level, offline) {
-        (QosLevel::Missing, true) => add_annotation(&mut ops, QOS_LEVEL_ANNOTATION, "reclaimed_cores"),
-        (QosLevel::Missing, false) => add_annotation(&mut ops, QOS_LEVEL_ANNOTATION, "shared_cores"),
-        (QosLevel::ReclaimedCores, true) | (QosLevel::SharedCores | QosLevel::DedicatedCores, false) => {}
-        (QosLevel::SharedCores | QosLevel::DedicatedCores | QosLevel::SystemCores, true) => {
+    let shown = level.as_annotation().unwrap_or("");
+    match (&level, class) {
+        (QosLevel::Missing, PodClass::Offline) => {
+            set_annotation(ops, annotations, QOS_LEVEL_ANNOTATION, "reclaimed_cores")
+        }
+        (QosLevel::Missing, PodClass::Online) => {
+            set_annotation(ops, annotations, QOS_LEVEL_ANNOTATION, "shared_cores")
+        }
+        (QosLevel::ReclaimedCores, PodClass::Offline)
+        | (QosLevel::SharedCores | QosLevel::DedicatedCores, PodClass::Online) => {}
+        (
+            QosLevel::SharedCores | QosLevel::DedicatedCores | QosLevel::SystemCores,
+            PodClass::Offline,
+        ) => {
             return Err(deny(
                 "qos_contradiction",
                 format!(
-                    "pod is {QOS_LEVEL_ANNOTATION}={} but asks for {RECLAIMED_MGPU_CORE}; allowed: reclaimed_cores for offline requests, or use {MGPU_CORE}",
-                    level.as_annotation().unwrap_or("")
+                    "{what} (offline), but the pod is {QOS_LEVEL_ANNOTATION}={shown}; allowed for offline requests: reclaimed_cores (or ask for {MGPU_CORE} instead)"
                 ),
             ))
         }
-        (QosLevel::ReclaimedCores | QosLevel::SystemCores, false) => {
+        (QosLevel::ReclaimedCores | QosLevel::SystemCores, PodClass::Online) => {
             return Err(deny(
                 "qos_contradiction",
                 format!(
-                    "pod is {QOS_LEVEL_ANNOTATION}={} but asks for {MGPU_CORE} (online cores); allowed: shared_cores or dedicated_cores, or use {RECLAIMED_MGPU_CORE}",
-                    level.as_annotation().unwrap_or("")
+                    "{what} (online), but the pod is {QOS_LEVEL_ANNOTATION}={shown}; allowed for online requests: shared_cores or dedicated_cores (or ask for {RECLAIMED_MGPU_CORE} instead)"
                 ),
             ))
         }
         (QosLevel::Unknown(v), _) => {
             return Err(deny(
                 "qos_unknown",
-                format!("{QOS_LEVEL_ANNOTATION}={v:?} is not a QoS level; allowed: shared_cores, dedicated_cores, reclaimed_cores, system_cores"),
+                format!("{QOS_LEVEL_ANNOTATION}={v:?} is not a QoS level ({what}); allowed: shared_cores, dedicated_cores, reclaimed_cores, system_cores"),
             ))
         }
     }
 
-    // Compute policy.
     let policy_raw = annotations
         .get(COMPUTE_POLICY_ANNOTATION)
         .and_then(Value::as_str);
     let policy = ComputePolicy::from_annotation(policy_raw)
-        .map_err(|e| deny(e.metric_label(), e.to_string()))?;
-    if offline && !policy.allowed_for_offline() {
+        .map_err(|e| deny(e.metric_label(), format!("{e} ({what})")))?;
+    if class == PodClass::Offline && !policy.allowed_for_offline() {
         return Err(deny(
             "native_burst_offline",
-            format!("{COMPUTE_POLICY_ANNOTATION}=native-burst-share is not supported for offline (reclaimed) pods: co-location supports fixed-share and guaranteed-burst-share"),
+            format!("{what} (offline), but {COMPUTE_POLICY_ANNOTATION}=native-burst-share is not supported for offline (reclaimed) pods; allowed: fixed-share, guaranteed-burst-share"),
         ));
     }
     if policy_raw.is_none() {
-        add_annotation(&mut ops, COMPUTE_POLICY_ANNOTATION, policy.as_str());
+        set_annotation(ops, annotations, COMPUTE_POLICY_ANNOTATION, policy.as_str());
     }
+    Ok(())
+}
+
+/// Starts a patch: creates `/metadata/annotations` (and `/metadata`) when missing.
+fn start_ops(pod: &Value) -> Vec<Value> {
+    if annotations_of(pod).is_some() {
+        Vec::new()
+    } else if pod["metadata"].is_object() {
+        vec![json!({"op": "add", "path": "/metadata/annotations", "value": {}})]
+    } else {
+        vec![json!({"op": "add", "path": "/metadata", "value": {"annotations": {}}})]
+    }
+}
+
+/// Drops a patch that would only create an empty annotations block.
+fn finish_ops(mut ops: Vec<Value>) -> Vec<Value> {
+    let path = ops.first().map(|op| &op["path"]);
+    if ops.len() == 1
+        && (path == Some(&json!("/metadata/annotations")) || path == Some(&json!("/metadata")))
+    {
+        ops.clear();
+    }
+    ops
+}
+
+/// Translates `pod` (CREATE) for `backend`. `Ok(vec![])` means: allowed, nothing to change.
+pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Value>, Denial> {
+    let reqs = read_requests(pod)?;
+    if reqs.is_empty() {
+        return translate_recorded(pod);
+    }
+    let class = pod_class(&reqs)?;
+    let empty = Map::new();
+    let annotations = annotations_of(pod).unwrap_or(&empty);
+    // A record that disagrees with the requests did not come from this webhook (one that
+    // merely differs, or cannot be read, is rewritten below).
+    if let Some((recorded, text)) = annotations
+        .get(REQUESTED_ANNOTATION)
+        .and_then(Value::as_str)
+        .and_then(|t| recorded(t).ok().map(|(c, _)| (c, t)))
+    {
+        if recorded != class {
+            return Err(deny(
+                "record_inconsistent",
+                format!("{REQUESTED_ANNOTATION}={text} disagrees with the pod's requests ({}); it is written by the gpu-coloc webhook (remove it)", describe(&reqs, class)),
+            ));
+        }
+    }
+    let mut ops = start_ops(pod);
+    check_annotations(class, &describe(&reqs, class), annotations, &mut ops)?;
+    let offline = class == PodClass::Offline;
 
     // Priority class for offline pods.
     if offline && pod["spec"]["priorityClassName"].is_null() && pod["spec"]["priority"].is_null() {
@@ -299,29 +520,156 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
         }
     }
 
+    // The record checked on UPDATE, for every backend.
+    let record = reqs.iter().fold(Requested::default(), |acc, r| Requested {
+        offline_cores: acc
+            .offline_cores
+            .saturating_add(r.offline.map_or(0, |c| u64::from(c.0))),
+        online_cores: acc
+            .online_cores
+            .saturating_add(r.online.map_or(0, |c| u64::from(c.0))),
+        memory_mib: acc.memory_mib.saturating_add(r.memory.unwrap_or(0)),
+    });
+    set_annotation(
+        &mut ops,
+        annotations,
+        REQUESTED_ANNOTATION,
+        &record.to_string(),
+    );
+
     if backend != Backend::Vke {
-        let record: Map<String, Value> = reqs
+        let per_container: Map<String, Value> = reqs
             .iter()
             .map(|r| {
                 let core = r.online.or(r.offline).map(|c| c.0);
                 (r.name.clone(), json!({"class": if r.offline.is_some() {"offline"} else {"online"}, "core": core, "memory_mib": r.memory}))
             })
             .collect();
-        add_annotation(
+        set_annotation(
             &mut ops,
+            annotations,
             REQUESTS_ANNOTATION,
-            &Value::Object(record).to_string(),
+            &Value::Object(per_container).to_string(),
         );
         for r in &reqs {
             translate_container(&mut ops, pod, r, backend);
         }
     }
-    add_annotation(&mut ops, BACKEND_ANNOTATION, backend.as_str());
-    // Only the annotations block was to be created: nothing else to do, no patch.
-    if ops.len() == 1 && ops[0]["path"] == "/metadata/annotations" {
-        ops.clear();
+    set_annotation(&mut ops, annotations, BACKEND_ANNOTATION, backend.as_str());
+    Ok(finish_ops(ops))
+}
+
+/// The class [`REQUESTED_ANNOTATION`] records, and a phrase for messages.
+fn recorded(text: &str) -> Result<(PodClass, String), String> {
+    let class = text
+        .parse::<Requested>()?
+        .class()
+        .ok_or_else(|| format!("{text:?} records no cores, or both online and offline"))?;
+    let asked = match class {
+        PodClass::Offline => RECLAIMED_MGPU_CORE,
+        PodClass::Online => MGPU_CORE,
+    };
+    Ok((
+        class,
+        format!("the pod asked for {asked} at creation ({REQUESTED_ANNOTATION}: {text})"),
+    ))
+}
+
+/// CREATE of a pod without `vke.volcengine.com/*` requests. One that carries the record
+/// was translated already (the webhook is invoked again after another webhook's
+/// mutation, or this is `/validate` after `/mutate`): it is held to the record.
+fn translate_recorded(pod: &Value) -> Result<Vec<Value>, Denial> {
+    let empty = Map::new();
+    let annotations = annotations_of(pod).unwrap_or(&empty);
+    let Some(v) = annotations.get(REQUESTED_ANNOTATION) else {
+        return Ok(vec![]);
+    };
+    let (class, what) = v.as_str().ok_or_else(|| v.to_string()).and_then(recorded).map_err(|e| {
+        deny(
+            "record_malformed",
+            format!("{REQUESTED_ANNOTATION}: {e}; it is written by the gpu-coloc webhook (remove it)"),
+        )
+    })?;
+    let mut ops = start_ops(pod);
+    check_annotations(class, &what, annotations, &mut ops)?;
+    Ok(finish_ops(ops))
+}
+
+/// The class an older webhook recorded in [`REQUESTS_ANNOTATION`] (per container).
+fn legacy_class(text: &str) -> Option<PodClass> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    let classes: Vec<&str> = v
+        .as_object()?
+        .values()
+        .filter_map(|c| c["class"].as_str())
+        .collect();
+    match (classes.contains(&"offline"), classes.contains(&"online")) {
+        (true, false) => Some(PodClass::Offline),
+        (false, true) => Some(PodClass::Online),
+        _ => None,
     }
-    Ok(ops)
+}
+
+/// Reviews an UPDATE of a pod: `old` is the pod as stored, `new` as updated (the module
+/// documentation has the rules). The patch only touches `/metadata/annotations`.
+pub fn review_update(old: &Value, new: &Value) -> Result<Vec<Value>, Denial> {
+    let empty = Map::new();
+    let old_ann = annotations_of(old).unwrap_or(&empty);
+    let new_ann = annotations_of(new).unwrap_or(&empty);
+    for key in [REQUESTED_ANNOTATION, REQUESTS_ANNOTATION] {
+        let (o, n) = (old_ann.get(key), new_ann.get(key));
+        let message = match (o, n) {
+            _ if o == n => continue,
+            (Some(o), None) => format!("{key} records what the pod asked for at creation and cannot be removed (it is {o})"),
+            (None, Some(n)) => format!("{key} is written by the gpu-coloc webhook at creation and cannot be added later (got {n})"),
+            (Some(o), Some(n)) => format!("{key} records what the pod asked for at creation and cannot be changed (from {o} to {n})"),
+            (None, None) => continue,
+        };
+        return Err(deny("record_changed", message));
+    }
+
+    // What the pod asked for, from every source there is.
+    let mut sources: Vec<(PodClass, String)> = Vec::new();
+    if let Some(text) = old_ann.get(REQUESTED_ANNOTATION).and_then(Value::as_str) {
+        if let Ok(source) = recorded(text) {
+            sources.push(source);
+        }
+    }
+    if let Some(text) = old_ann.get(REQUESTS_ANNOTATION).and_then(Value::as_str) {
+        if let Some(class) = legacy_class(text) {
+            sources.push((
+                class,
+                format!("the pod asked for mGPU cores at creation ({REQUESTS_ANNOTATION}: {text})"),
+            ));
+        }
+    }
+    let reqs = read_requests(new)?;
+    if !reqs.is_empty() {
+        let class = pod_class(&reqs)?;
+        sources.push((class, describe(&reqs, class)));
+    }
+    let Some((class, what)) = sources.first().cloned() else {
+        return Ok(vec![]);
+    };
+    if let Some((_, other)) = sources.iter().find(|(c, _)| *c != class) {
+        return Err(deny(
+            "record_inconsistent",
+            format!("the pod's requests disagree: {what}; {other}"),
+        ));
+    }
+    let mut ops = start_ops(new);
+    match check_annotations(class, &what, new_ann, &mut ops) {
+        Ok(()) => Ok(finish_ops(ops)),
+        // A state the pod already had is not this UPDATE's doing.
+        Err(_)
+            if [QOS_LEVEL_ANNOTATION, COMPUTE_POLICY_ANNOTATION]
+                .iter()
+                .all(|k| old_ann.get(*k) == new_ann.get(*k)) =>
+        {
+            Ok(vec![])
+        }
+        Err(d) => Err(d),
+    }
 }
 
 fn translate_container(ops: &mut Vec<Value>, pod: &Value, r: &ContainerReq, backend: Backend) {
@@ -502,6 +850,64 @@ mod tests {
         assert!(translate(&p, Backend::Hami, &settings(Backend::Hami))
             .unwrap()
             .is_empty());
+    }
+
+    #[test]
+    fn record_format_round_trips_and_is_strict() {
+        let r = Requested {
+            offline_cores: 40,
+            online_cores: 0,
+            memory_mib: 2048,
+        };
+        let text = "offline-cores=40;online-cores=0;memory-mib=2048";
+        assert_eq!(r.to_string(), text);
+        assert_eq!(text.parse::<Requested>().unwrap(), r);
+        assert_eq!(r.class(), Some(PodClass::Offline));
+        for bad in [
+            "",
+            "offline-cores=40;online-cores=0",
+            "offline-cores=40;online-cores=0;memory-mib=2048;",
+            "online-cores=0;offline-cores=40;memory-mib=2048",
+            "offline-cores=040;online-cores=0;memory-mib=2048",
+            "offline-cores=+40;online-cores=0;memory-mib=2048",
+            "offline-cores=-1;online-cores=0;memory-mib=2048",
+            "offline-cores= 40;online-cores=0;memory-mib=2048",
+            "offline-cores=99999999999999999999;online-cores=0;memory-mib=0",
+        ] {
+            assert!(bad.parse::<Requested>().is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            "offline-cores=0;online-cores=0;memory-mib=0"
+                .parse::<Requested>()
+                .unwrap()
+                .class(),
+            None
+        );
+    }
+
+    #[test]
+    fn update_patches_metadata_only() {
+        // An offline vke pod admitted before the webhook: no annotations at all.
+        let old = pod(json!(null), json!({"limits": {RECLAIMED_MGPU_CORE: "30"}}));
+        let mut new = old.clone();
+        new["metadata"]["labels"] = json!({"a": "b"});
+        let ops = review_update(&old, &new).unwrap();
+        assert!(!ops.is_empty());
+        for op in &ops {
+            assert!(
+                op["path"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("/metadata/annotations"),
+                "{op}"
+            );
+        }
+        let out = apply(&new, &ops);
+        assert_eq!(
+            out["metadata"]["annotations"][QOS_LEVEL_ANNOTATION],
+            "reclaimed_cores"
+        );
+        assert!(review_update(&old, &out).unwrap().is_empty());
     }
 
     #[test]

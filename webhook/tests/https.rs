@@ -201,3 +201,63 @@ fn https_with_verified_certificate_and_rotation() {
     assert!(ok > 10, "the load ran ({ok} requests)");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn limits_are_flags_with_env_and_defaults() {
+    let out = Command::new(env!("CARGO_BIN_EXE_coloc-webhook"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for (flag, env, default) in [
+        ("--max-body-bytes", "COLOC_WEBHOOK_MAX_BODY", "3145728"),
+        (
+            "--header-read-timeout-secs",
+            "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS",
+            "10",
+        ),
+        (
+            "--body-read-timeout-secs",
+            "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS",
+            "10",
+        ),
+        (
+            "--idle-timeout-secs",
+            "COLOC_WEBHOOK_IDLE_TIMEOUT_SECS",
+            "120",
+        ),
+        ("--max-connections", "COLOC_WEBHOOK_MAX_CONNECTIONS", "256"),
+        (
+            "--max-concurrent-reviews",
+            "COLOC_WEBHOOK_MAX_CONCURRENT_REVIEWS",
+            "8",
+        ),
+    ] {
+        let at = help
+            .find(flag)
+            .unwrap_or_else(|| panic!("{flag} missing:\n{help}"));
+        let section = &help[at..];
+        let section = &section[..section[2..]
+            .find("\n      --")
+            .map_or(section.len(), |i| i + 2)];
+        assert!(section.contains(&format!("[env: {env}=]")), "{section}");
+        assert!(
+            section.contains(&format!("[default: {default}]")),
+            "{section}"
+        );
+    }
+    // The defaults in --help are the library's.
+    let d = coloc_webhook::server::Limits::default();
+    assert_eq!(d.max_body, 3145728);
+    assert_eq!(d.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(d.body_read_timeout, Duration::from_secs(10));
+    assert_eq!(d.idle_timeout, Duration::from_secs(120));
+    assert_eq!((d.max_connections, d.max_concurrent_reviews), (256, 8));
+    // Bad values are refused.
+    let out = Command::new(env!("CARGO_BIN_EXE_coloc-webhook"))
+        .args(["--idle-timeout-secs", "0", "--translate", "-"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("more than 0"));
+}
