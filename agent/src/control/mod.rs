@@ -85,6 +85,8 @@ pub struct LoopConfig {
     pub nvml_grace: Duration,
     /// How long one NVML call may take before the watchdog fails open.
     pub nvml_hang_timeout: Duration,
+    /// How often a held target is checked again (stopped again if something resumed it).
+    pub recheck: Duration,
 }
 
 /// The loop's edges (real ones in `main`, fakes in tests).
@@ -163,13 +165,14 @@ impl Loop {
             mounts: cfg.cgroups.clone(),
             own: edges.procfs.self_cgroups(),
         };
-        let holds = Holds::new(
+        let mut holds = Holds::new(
             edges.actuator,
             edges.record,
             edges.procfs.clone(),
             edges.clock.clone(),
             cfg.confirm_timeout,
         );
+        holds.recheck_ns = cfg.recheck.as_nanos() as u64;
         Ok(Loop {
             machine: Machine::new(cfg.machine),
             health: Health::new(cfg.nvml_grace),
@@ -331,7 +334,7 @@ impl Loop {
                 breaks = b.breaks,
                 "Offline work keeps resuming itself while suspended: its cgroup is now frozen"
             );
-        } else if b.breaks == 1 || b.breaks % 100 == 0 {
+        } else if b.breaks == 1 || b.breaks.is_multiple_of(100) {
             warn!(
                 ?owners,
                 breaks = b.breaks,

@@ -107,6 +107,8 @@ pub struct Holds {
     pending: Vec<Pending>,
     /// Holders whose suspension failed and was undone (the loop retries them).
     failed: Vec<ProcKey>,
+    /// How often a held target is checked again (`--recheck-interval`), ns.
+    pub(crate) recheck_ns: u64,
     confirm_timeout: Duration,
 }
 
@@ -152,6 +154,7 @@ impl Holds {
             held: BTreeMap::new(),
             pending: Vec::new(),
             failed: Vec::new(),
+            recheck_ns: recheck::RECHECK_NS,
             confirm_timeout,
         }
     }

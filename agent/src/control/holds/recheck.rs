@@ -2,8 +2,9 @@
 //! again when something resumed it (a sibling process in the pod sending SIGCONT, a
 //! tenant writing to a delegated `cgroup.freeze`).
 //!
-//! Every hold is checked every [`RECHECK_NS`]; a hold that was found broken once is
-//! checked every tick from then on. A signalled cgroup whose processes keep resuming
+//! Every hold is checked every `--recheck-interval` (default [`RECHECK_NS`], 5 ms; `1ms`
+//! or less: every tick); a hold that was found broken once is checked every tick from then
+//! on. A signalled cgroup whose processes keep resuming
 //! themselves is escalated to the freezer (SIGCONT cannot thaw a frozen cgroup) after
 //! [`ESCALATE_AFTER`] breaks; it is recorded before it is frozen, like any suspension.
 //!
@@ -16,7 +17,7 @@ use crate::edges::procfs::ProcKey;
 use std::time::Duration;
 use tracing::error;
 
-/// How often a hold that never broke is checked.
+/// How often a hold that never broke is checked, by default.
 pub const RECHECK_NS: u64 = 5_000_000;
 /// Breaks after which a signalled cgroup is frozen.
 pub const ESCALATE_AFTER: u32 = 2;
@@ -46,7 +47,7 @@ impl Holds {
             .iter()
             .filter(|(k, h)| {
                 !pending.contains(*k)
-                    && (h.breaks > 0 || now.saturating_sub(h.checked_ns) >= RECHECK_NS)
+                    && (h.breaks > 0 || now.saturating_sub(h.checked_ns) >= self.recheck_ns)
             })
             .map(|(k, _)| k.clone())
             .collect();
