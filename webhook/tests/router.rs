@@ -817,8 +817,15 @@ mod fuzz {
             "second pass patched: {}",
             resp2
         );
-        // Only Pods are ours.
-        if req["request"]["kind"]["kind"] != "Pod" || !pod.is_object() {
+        // Only Pods are ours: the core group's Pod kind, no subresource, CREATE or UPDATE
+        // (the API server sets these; a mutated envelope that names another kind, group or
+        // operation is not a pod review, and is allowed unchanged).
+        let r = &req["request"];
+        let is_pod = r["kind"]["kind"] == "Pod"
+            && r["kind"]["group"].as_str() == Some("")
+            && r["subResource"].is_null()
+            && matches!(r["operation"].as_str(), Some("CREATE" | "UPDATE"));
+        if !is_pod || !pod.is_object() {
             return Ok(());
         }
         let qos = pod["metadata"]["annotations"][QOS].as_str().map(str::trim);
