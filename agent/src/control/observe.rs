@@ -45,7 +45,17 @@ impl Loop {
         }
         self.scratch = samples;
         let generation = self.classifier.source.generation();
-        if !unknown.is_empty() || now >= self.next_refresh_ns || self.table.stale(generation) {
+        let why = if !unknown.is_empty() {
+            Some("unknown_pid")
+        } else if self.table.stale(generation) {
+            Some("pod_source")
+        } else if now >= self.next_refresh_ns {
+            Some("interval")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            metrics::counter!("coloc_process_list_refreshes_total", "why" => why).increment(1);
             self.next_refresh_ns = now + self.cfg.process_interval.as_nanos() as u64;
             let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
             let mut list_failed = BTreeSet::new();

@@ -185,6 +185,12 @@ impl Table {
                 e.gpus.retain(|g| failed.contains(g));
             }
         }
+        self.generation = Some(generation);
+        self.refreshed = true;
+        self.offline_present = self
+            .procs
+            .values()
+            .any(|e| e.cls.class == Class::Offline && !e.gpus.is_empty());
         self.invisible.retain(|pid, since| {
             listed.contains_key(pid) || now.saturating_sub(*since) < 10 * INVISIBLE_WARN_AFTER_NS
         });

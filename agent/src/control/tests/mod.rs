@@ -294,3 +294,33 @@ fn a_reused_pid_is_never_signalled() {
     }
     assert!(!h.lp.holds().holds(&h.key(10)));
 }
+
+/// The loop polls at `--poll-interval` while offline work is on a GPU, and reads the
+/// process lists every `--process-interval`, not every tick.
+#[test]
+fn polls_fast_only_with_offline_work_and_lists_processes_on_the_interval() {
+    let mut h = harness(1);
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    assert_eq!(
+        h.lp.current_poll(),
+        Duration::from_millis(10),
+        "no offline work: the idle poll"
+    );
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.clock.advance(60 * MS);
+    h.ticks(1);
+    assert_eq!(
+        h.lp.current_poll(),
+        Duration::from_millis(1),
+        "offline present: the fast poll"
+    );
+    let before = h.gpu.state.lock().unwrap().calls;
+    h.ticks(200);
+    let calls = h.gpu.state.lock().unwrap().calls - before;
+    // 200 ticks of 1 ms: 200 sample calls, and the process list every 50 ms (4-5 times).
+    assert!(
+        calls <= 200 + 6,
+        "{calls} NVML calls in 200 ticks: the process list is read every tick"
+    );
+}
