@@ -116,7 +116,7 @@ fn run(args: RunArgs) -> Result<()> {
     let actuator: Box<dyn Actuator> = if cfg.dry_run {
         Box::new(DryRun)
     } else {
-        Box::new(Host)
+        Box::new(Host::default())
     };
     let procfs = HostProc::new(&cfg.cgroups);
     if procfs.roots() != &Default::default() {

@@ -208,7 +208,10 @@ pub trait Actuator: Send {
 /// The host's actuator: the freezer for cgroup targets, signals for process targets, in
 /// one batch so that confirming costs one wait, not one per process.
 #[derive(Debug, Default)]
-pub struct Host;
+pub struct Host {
+    /// Open `/proc/<pid>/stat` files of processes being confirmed or held.
+    stats: signal::StatCache,
+}
 
 impl Actuator for Host {
     fn start(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
@@ -222,23 +225,23 @@ impl Actuator for Host {
                 Target::Process { key, pidfd } => signal::issue(*key, pidfd, op).err(),
             })
             .collect();
-        wait(targets, op, issued, events, start, budget)
+        wait(targets, op, issued, events, start, budget, &mut self.stats)
     }
 
     fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
         let start = Instant::now();
         let events = freezer::open_events(targets);
         let none = targets.iter().map(|_| None).collect();
-        wait(targets, op, none, events, start, budget)
+        wait(targets, op, none, events, start, budget, &mut self.stats)
     }
 }
 
 /// Whether `target` is in the state `op` asks for: `Some(true)` yes, `Some(false)` not
 /// yet, `None` gone.
-fn confirmed(target: &Target, op: Op) -> Option<bool> {
+fn confirmed(target: &Target, op: Op, stats: &mut signal::StatCache) -> Option<bool> {
     match target {
         Target::Cgroup { dir, version } => freezer::confirmed(dir, *version, op),
-        Target::Process { key, .. } => signal::confirmed(*key, op),
+        Target::Process { key, .. } => signal::confirmed(*key, op, stats),
     }
 }
 
@@ -254,6 +257,7 @@ fn wait(
     mut events: Vec<Option<std::fs::File>>,
     start: Instant,
     budget: Duration,
+    stats: &mut signal::StatCache,
 ) -> Vec<Progress> {
     let mut backoff = Duration::from_micros(20);
     loop {
@@ -263,7 +267,7 @@ fn wait(
             }
             let state = match &events[i] {
                 Some(f) => freezer::read_events(f, op),
-                None => confirmed(t, op),
+                None => confirmed(t, op, stats),
             };
             match state {
                 Some(true) => out[i] = Some(Progress::Done),
@@ -317,7 +321,7 @@ pub fn resume_recorded(e: &RecordEntry, timeout: Duration) -> Progress {
             }
         }
     };
-    match Host
+    match Host::default()
         .start(std::slice::from_ref(&t), Op::Resume, timeout)
         .pop()
     {

@@ -24,9 +24,52 @@ pub(super) fn issue(key: ProcKey, pidfd: &OwnedFd, op: Op) -> Result<(), Progres
     }
 }
 
+/// Open `/proc/<pid>/stat` files of the processes being confirmed or held: one `pread`
+/// per check instead of open, read and close (a few µs instead of about 15 on a loaded
+/// node; the loop checks held processes again and again).
+#[derive(Debug, Default)]
+pub struct StatCache {
+    files: Option<std::collections::HashMap<ProcKey, std::fs::File>>,
+}
+
+/// Files kept at most; past that the cache starts afresh.
+const STAT_CACHE_MAX: usize = 4096;
+
+impl StatCache {
+    /// An empty cache.
+    pub const fn new() -> StatCache {
+        StatCache { files: None }
+    }
+
+    fn read(&mut self, key: ProcKey) -> Option<crate::edges::procfs::Stat> {
+        use std::os::unix::fs::FileExt;
+        let files = self.files.get_or_insert_with(Default::default);
+        if files.len() >= STAT_CACHE_MAX {
+            files.clear();
+        }
+        if let std::collections::hash_map::Entry::Vacant(v) = files.entry(key) {
+            v.insert(std::fs::File::open(format!("/proc/{}/stat", key.pid)).ok()?);
+        }
+        let mut buf = [0u8; 1024];
+        let n = files.get(&key)?.read_at(&mut buf, 0);
+        match n.ok().and_then(|n| {
+            std::str::from_utf8(&buf[..n])
+                .ok()
+                .and_then(crate::edges::procfs::parse_stat)
+        }) {
+            Some(s) => Some(s),
+            None => {
+                // Exited (the read fails with ESRCH), or unreadable: forget the file.
+                files.remove(&key);
+                None
+            }
+        }
+    }
+}
+
 /// Whether the process is in the state `op` asks for (`None`: gone or replaced).
-pub(super) fn confirmed(key: ProcKey, op: Op) -> Option<bool> {
-    let stat = read_stat(key.pid).ok()?;
+pub(super) fn confirmed(key: ProcKey, op: Op, stats: &mut StatCache) -> Option<bool> {
+    let stat = stats.read(key).or_else(|| read_stat(key.pid).ok())?;
     if stat.start != key.start || stat.state == 'Z' || stat.state == 'X' {
         return None;
     }

@@ -23,16 +23,16 @@ fn signal_stop_and_continue_are_confirmed() {
     let pid = child.id();
     let t = target_of(&child);
     let budget = Duration::from_secs(2);
-    let r = Host.start(std::slice::from_ref(&t), Op::Suspend, budget);
+    let r = Host::default().start(std::slice::from_ref(&t), Op::Suspend, budget);
     assert!(matches!(r[0], Progress::Done), "{r:?}");
     assert_eq!(read_stat(pid).unwrap().state, 'T');
-    let r = Host.start(std::slice::from_ref(&t), Op::Resume, budget);
+    let r = Host::default().start(std::slice::from_ref(&t), Op::Resume, budget);
     assert!(matches!(r[0], Progress::Done), "{r:?}");
     assert_ne!(read_stat(pid).unwrap().state, 'T');
     child.kill().unwrap();
     child.wait().unwrap();
     // The process is gone (reaped): the pidfd refuses, nothing else is hit.
-    let r = Host.start(std::slice::from_ref(&t), Op::Suspend, budget);
+    let r = Host::default().start(std::slice::from_ref(&t), Op::Suspend, budget);
     assert!(matches!(r[0], Progress::Gone), "{r:?}");
 }
 
@@ -63,7 +63,7 @@ fn signal_goes_through_the_pidfd_not_the_pid() {
         },
         pidfd,
     };
-    let r = Host.start(
+    let r = Host::default().start(
         std::slice::from_ref(&reused),
         Op::Suspend,
         Duration::from_millis(200),
@@ -91,7 +91,7 @@ fn unconfirmed_within_the_budget_is_pending_not_failed() {
         unreachable!()
     };
     let t0 = Instant::now();
-    let r = Host.check(
+    let r = Host::default().check(
         std::slice::from_ref(&t),
         Op::Suspend,
         Duration::from_millis(30),
@@ -143,13 +143,13 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         key,
         pidfd: Arc::new(open_pidfd(key).unwrap()),
     };
-    let r = Host.start(
+    let r = Host::default().start(
         std::slice::from_ref(&t),
         Op::Suspend,
         Duration::from_secs(2),
     );
     let state = read_stat(pid).unwrap().state;
-    let _ = Host.start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
+    let _ = Host::default().start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
     let _ = tracer.kill();
     let _ = tracer.wait();
     let _ = rustix::process::kill_process(
