@@ -109,6 +109,8 @@ pub struct Holds {
     failed: Vec<ProcKey>,
     /// How often a held target is checked again (`--recheck-interval`), ns.
     pub(crate) recheck_ns: u64,
+    /// Where the round-robin re-check goes on next tick.
+    recheck_cursor: Option<HoldKey>,
     confirm_timeout: Duration,
 }
 
@@ -155,6 +157,7 @@ impl Holds {
             pending: Vec::new(),
             failed: Vec::new(),
             recheck_ns: recheck::RECHECK_NS,
+            recheck_cursor: None,
             confirm_timeout,
         }
     }

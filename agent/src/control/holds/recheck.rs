@@ -24,6 +24,8 @@ pub const RECHECK_NS: u64 = 5_000_000;
 /// the holds already found broken: bounds the cost (a `/proc/<pid>/stat` read is a few
 /// µs) whatever the number of held processes.
 pub const RECHECK_TARGETS_PER_TICK: usize = 2;
+/// How many holds one tick looks at, at most, to find the due ones.
+pub const RECHECK_SCAN: usize = 16;
 /// Breaks after which a signalled cgroup is frozen.
 pub const ESCALATE_AFTER: u32 = 2;
 
@@ -45,46 +47,57 @@ pub struct Broken {
 impl Holds {
     /// Checks the holds that are due, stops again what runs, escalates repeat offenders.
     pub fn recheck(&mut self, now: u64) -> Vec<Broken> {
-        let pending: std::collections::BTreeSet<_> =
-            self.pending.iter().map(|p| p.key.clone()).collect();
-        // Broken holds every tick; the others when due, oldest first, at most
-        // RECHECK_TARGETS_PER_TICK targets a tick (so the cost does not grow with the
-        // number of held processes: with many holds, each is checked less often).
-        let mut due: Vec<(u64, super::HoldKey, usize)> = self
-            .held
-            .iter()
-            .filter(|(k, h)| {
-                !pending.contains(*k)
-                    && (h.breaks > 0 || now.saturating_sub(h.checked_ns) >= self.recheck_ns)
-            })
-            .map(|(k, h)| {
-                (
-                    if h.breaks > 0 { 0 } else { h.checked_ns.max(1) },
-                    k.clone(),
-                    h.members.len(),
-                )
-            })
-            .collect();
-        due.sort_unstable_by_key(|d| d.0);
+        if self.held.is_empty() {
+            return Vec::new();
+        }
+        // Broken holds every tick; the others round-robin from a cursor, at most
+        // RECHECK_TARGETS_PER_TICK targets a tick and only when due (so the cost does not
+        // grow with the number of held processes: with many holds, each is checked less
+        // often), looking at no more than RECHECK_SCAN holds a tick.
+        let mut due: Vec<super::HoldKey> = Vec::new();
         let mut budget = RECHECK_TARGETS_PER_TICK;
-        let due: Vec<super::HoldKey> = due
-            .into_iter()
-            .take_while(|(broken, _, n)| {
-                let take = *broken == 0 || budget > 0;
-                budget = budget.saturating_sub(*n);
-                take
-            })
-            .map(|(_, k, _)| k)
-            .collect();
+        let start = self.recheck_cursor.take();
+        let after = start
+            .clone()
+            .map(std::ops::Bound::Excluded)
+            .unwrap_or(std::ops::Bound::Unbounded);
+        let ring = self
+            .held
+            .range((after, std::ops::Bound::Unbounded))
+            .chain(self.held.iter())
+            .take(self.held.len().min(RECHECK_SCAN));
+        let mut last = None;
+        for (k, h) in ring {
+            last = Some(k.clone());
+            if budget == 0 {
+                break;
+            }
+            if h.breaks == 0
+                && now.saturating_sub(h.checked_ns) >= self.recheck_ns
+                && !self.pending.iter().any(|p| p.key == *k)
+            {
+                budget = budget.saturating_sub(h.members.len());
+                due.push(k.clone());
+            }
+        }
+        self.recheck_cursor = last.or(start);
+        due.extend(
+            self.held
+                .iter()
+                .filter(|(_, h)| h.breaks > 0)
+                .map(|(k, _)| k.clone()),
+        );
         let mut out = Vec::new();
         for key in due {
             let Some(hold) = self.held.get_mut(&key) else {
                 continue;
             };
             hold.checked_ns = now;
-            let members = hold.members.clone();
-            let state = self.actuator.check(&members, Op::Suspend, Duration::ZERO);
-            let running: Vec<Target> = members
+            let state = self
+                .actuator
+                .check(&hold.members, Op::Suspend, Duration::ZERO);
+            let running: Vec<Target> = hold
+                .members
                 .iter()
                 .zip(&state)
                 .filter(|(_, p)| matches!(p, Progress::Pending))
