@@ -118,17 +118,18 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         .args(["-f", "-o", "/dev/null", "sleep", "30"])
         .spawn()
         .unwrap();
-    // The traced `sleep` is the tracer's child.
+    // The traced `sleep` is the tracer's child, once it has exec'd and sleeps.
     let t0 = Instant::now();
     let pid = loop {
         let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", tracer.id()))
             .unwrap_or_default();
-        if let Some(p) = children
+        let child = children
             .split_whitespace()
             .next()
-            .and_then(|p| p.parse::<u32>().ok())
-        {
-            if read_stat(p).is_ok_and(|s| s.state == 'S') {
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(p) = child {
+            let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+            if comm.trim() == "sleep" && read_stat(p).is_ok_and(|s| s.state == 'S') {
                 break p;
             }
         }
@@ -143,13 +144,23 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         key,
         pidfd: Arc::new(open_pidfd(key).unwrap()),
     };
-    let r = Host::default().start(
+    let mut host = Host::default();
+    let r = host.start(
         std::slice::from_ref(&t),
         Op::Suspend,
         Duration::from_secs(2),
     );
-    let state = read_stat(pid).unwrap().state;
-    let _ = Host::default().start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
+    // The tracer relays the stop (the tracee passes through `t` while the tracer decides,
+    // then stays in `t`, group-stopped): wait for it to settle.
+    let t1 = Instant::now();
+    let mut state = read_stat(pid).unwrap().state;
+    while state != 't' && t1.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(5));
+        state = read_stat(pid).unwrap().state;
+    }
+    // Checked again while settled in `t`: confirmed stopped.
+    let again = host.check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
+    let _ = host.start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
     let _ = tracer.kill();
     let _ = tracer.wait();
     let _ = rustix::process::kill_process(
@@ -158,4 +169,8 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
     );
     assert_eq!(state, 't', "the premise: a traced process stops in t");
     assert!(matches!(r[0], Progress::Done), "{r:?}");
+    assert!(
+        matches!(again[0], Progress::Done),
+        "a process stopped in t is not counted as stopped: {again:?}"
+    );
 }
