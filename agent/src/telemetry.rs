@@ -31,6 +31,26 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 }
 
 fn describe() {
+    describe_counter!(
+        "coloc_pod_watch_errors_total",
+        "Errors of the Kubernetes pod watch (the last known pods stay in use; retried with backoff)."
+    );
+    describe_counter!(
+        "coloc_unknown_qos_level_total",
+        "Pods whose qos_level annotation has an unknown value (treated as online)."
+    );
+    describe_counter!(
+        "coloc_process_list_refreshes_total",
+        "Reads of the GPU process lists, by why (interval; unknown_pid: a sample of a process not yet known; pod_source: classification may have changed)."
+    );
+    describe_counter!(
+        "coloc_suspension_breaks_total",
+        "Held offline work found running (resumed by something else, e.g. a SIGCONT from inside the pod) and stopped again, by actuator."
+    );
+    describe_counter!(
+        "coloc_suspension_retries_total",
+        "Failed (undone) suspensions tried again while online work stayed busy."
+    );
     describe_histogram!("coloc_detection_latency_seconds", Unit::Seconds,
         "Sample timestamp of the first online activity on a GPU to the agent's decision that the GPU is busy.");
     describe_histogram!("coloc_actuation_latency_seconds", Unit::Seconds,
