@@ -175,11 +175,7 @@ fn nvml_failure_fails_open_only_when_it_persists_and_only_that_gpu() {
 #[test]
 fn a_hung_nvml_call_trips_the_watchdog() {
     let mut h = harness(1);
-    h.spawn(0, 10, class(Class::Offline, None));
-    h.spawn(0, 20, class(Class::Online, None));
-    h.tick();
-    h.active(0, 20);
-    h.tick();
+    h.preempt(10, 20);
     assert!(h.suspended(10));
     h.gpu.set_hang(true);
     let holds = h.lp.holds.clone();
@@ -232,11 +228,7 @@ fn events_name_the_actuator_that_acted() {
     let mut cfg = default_config();
     cfg.actuator = Kind::Freezer;
     let mut h = harness_with(1, cfg);
-    h.spawn(0, 10, class(Class::Offline, None));
-    h.spawn(0, 20, class(Class::Online, None));
-    h.tick();
-    h.active(0, 20);
-    h.tick();
+    h.preempt(10, 20);
     let ev = h.events();
     assert!(
         matches!(&ev[..], [Event::Preempt(p)] if p.actuator == Some(Kind::Signal)),
@@ -269,11 +261,7 @@ fn fixed_share_caps_offline_to_its_share() {
 #[test]
 fn shutdown_resumes_everything() {
     let mut h = harness(1);
-    h.spawn(0, 10, class(Class::Offline, None));
-    h.spawn(0, 20, class(Class::Online, None));
-    h.tick();
-    h.active(0, 20);
-    h.tick();
+    h.preempt(10, 20);
     h.lp.release_everything("shutdown");
     assert!(h.lp.holds().is_empty());
     assert!(h.rec.disk.lock().unwrap().is_empty());

@@ -110,6 +110,15 @@ impl H {
     fn active(&self, gpu: u32, pid: u32) {
         self.gpu.sample(gpu, pid, self.now());
     }
+    /// Offline `off` and online `on` on GPU 0; one tick, then online is active: returns
+    /// after the tick that preempts.
+    fn preempt(&mut self, off: u32, on: u32) {
+        self.spawn(0, off, class(Class::Offline, None));
+        self.spawn(0, on, class(Class::Online, None));
+        self.tick();
+        self.active(0, on);
+        self.tick();
+    }
     fn suspended(&self, pid: u32) -> bool {
         self.lp.machine.suspended().keys().any(|k| k.pid == pid)
             && self.lp.holds().holds(&self.key(pid))
@@ -269,11 +278,7 @@ fn a_failed_suspension_is_undone_and_reported() {
 #[test]
 fn a_reused_pid_is_never_signalled() {
     let mut h = harness(1);
-    h.spawn(0, 10, class(Class::Offline, None));
-    h.spawn(0, 20, class(Class::Online, None));
-    h.tick();
-    h.active(0, 20);
-    h.tick();
+    h.preempt(10, 20);
     assert!(h.suspended(10));
     // PID 10 exits and a new process (start time differs) takes the PID: online this time.
     h.procs.add(10, 999, "new", "/other");
