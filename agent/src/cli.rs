@@ -114,8 +114,9 @@ pub struct RunArgs {
     pub nvml_hang_timeout: Duration,
     /// How often a suspended target is checked again, and stopped again if something
     /// resumed it (a SIGCONT from inside the pod). A target found resumed is checked every
-    /// tick from then on, and a signalled cgroup that keeps resuming is frozen. `1ms` (the
-    /// poll interval) checks every target every tick, at about 2 µs per held process.
+    /// tick from then on, and a signalled cgroup that keeps resuming is frozen. At most 2
+    /// targets are checked a tick (round robin), so with many held processes each is
+    /// checked less often.
     #[arg(long, env = "COLOC_RECHECK_INTERVAL", default_value = "5ms", value_parser = parse_duration)]
     pub recheck_interval: Duration,
     /// Root of the cgroup filesystem (pure v2 at the root, or hybrid with `unified/` and
