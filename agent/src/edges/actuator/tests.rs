@@ -150,16 +150,22 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         Op::Suspend,
         Duration::from_secs(2),
     );
-    // The tracer relays the stop (the tracee passes through `t` while the tracer decides,
-    // then stays in `t`, group-stopped): wait for it to settle.
+    // The tracer relays the stop: the tracee passes through `t` while the tracer decides,
+    // may run a moment, then stays in `t`, group-stopped. Until it has settled there, a
+    // check may rightly say "not yet"; once it has, the check must say "stopped".
     let t1 = Instant::now();
-    let mut state = read_stat(pid).unwrap().state;
-    while state != 't' && t1.elapsed() < Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(5));
-        state = read_stat(pid).unwrap().state;
+    let mut seen_t = false;
+    let mut again = Vec::new();
+    while t1.elapsed() < Duration::from_secs(3) {
+        if read_stat(pid).is_ok_and(|s| s.state == 't') {
+            seen_t = true;
+            again = host.check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
+            if matches!(again[0], Progress::Done) && read_stat(pid).is_ok_and(|s| s.state == 't') {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
-    // Checked again while settled in `t`: confirmed stopped.
-    let again = host.check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
     let _ = host.start(std::slice::from_ref(&t), Op::Resume, Duration::from_secs(2));
     let _ = tracer.kill();
     let _ = tracer.wait();
@@ -167,7 +173,7 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         rustix::process::Pid::from_raw(pid as i32).unwrap(),
         rustix::process::Signal::KILL,
     );
-    assert_eq!(state, 't', "the premise: a traced process stops in t");
+    assert!(seen_t, "the premise: a traced process stops in t");
     assert!(matches!(r[0], Progress::Done), "{r:?}");
     assert!(
         matches!(again[0], Progress::Done),
