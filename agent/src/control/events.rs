@@ -175,11 +175,6 @@ impl Tracker {
         finished.into_iter().map(finish).collect()
     }
 
-    /// Events still waiting.
-    pub fn len(&self) -> usize {
-        self.waiting.len()
-    }
-
     /// No event is waiting.
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()

@@ -95,13 +95,6 @@ impl Health {
         Verdict::Transient
     }
 
-    /// Whether `gpu` is failing (persistently, or within the grace).
-    pub fn failing(&self, gpu: u32) -> bool {
-        self.gpus
-            .get(&gpu)
-            .is_some_and(|h| h.failing_since.is_some())
-    }
-
     /// Whether `gpu` has failed open and is unmanaged.
     pub fn degraded(&self, gpu: u32) -> bool {
         self.gpus.get(&gpu).is_some_and(|h| h.degraded)

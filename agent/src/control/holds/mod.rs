@@ -91,10 +91,6 @@ pub struct Started {
     pub started: Vec<(ProcKey, HoldKey)>,
     /// Operations that ended now.
     pub done: Vec<Completion>,
-    /// The record could not be written: nothing was suspended.
-    pub record_failed: bool,
-    /// Suspensions that failed and were undone.
-    pub undone: usize,
 }
 
 /// The suspension holds, the actuator and the record.
@@ -175,11 +171,6 @@ impl Holds {
     /// Whether `holder` holds some suspension.
     pub fn holds(&self, holder: &ProcKey) -> bool {
         self.held.values().any(|h| h.holders.contains(holder))
-    }
-
-    /// The record's entries.
-    pub fn recorded(&self) -> &BTreeSet<RecordEntry> {
-        self.record.entries()
     }
 
     /// Holders whose suspension failed since the last call (it was undone, or never
@@ -279,7 +270,6 @@ impl Holds {
         if let Err(err) = self.record.add(&entries) {
             error!(error = %format!("{err:#}"), targets = fresh.len(), "Cannot write the suspension record: not suspending (fail open)");
             metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
-            out.record_failed = true;
             for (key, h) in fresh {
                 self.failed.extend(h.holders.iter().copied());
                 out.done.push(Completion {
@@ -318,7 +308,6 @@ impl Holds {
                 Some(Outcome::Failed(reason)) => {
                     let kind = hold.kind;
                     self.fail_suspension(&key, hold, reason, &p, now);
-                    out.undone += 1;
                     out.done.push(Completion {
                         key,
                         op: Op::Suspend,
