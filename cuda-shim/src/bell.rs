@@ -1,0 +1,247 @@
+//! The doorbell: set up on the first submission, rung on every one after.
+//!
+//! Modes: *unset* (nothing decided yet), *on* (online process with a doorbell page),
+//! *off* (any other class, no `COLOC_DOORBELL_DIR`, or an internal failure). The launch
+//! path reads the mode once; *off* costs that load and a branch.
+
+use coloc_doorbell::{Entry, Page, DEFAULT_WAKE_GAP_NS, PAGE};
+use std::cell::Cell;
+use std::ffi::{c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
+use std::sync::{Once, OnceLock};
+
+const UNSET: u8 = 0;
+const ON: u8 = 1;
+const OFF: u8 = 2;
+
+static MODE: AtomicU8 = AtomicU8::new(UNSET);
+static INIT: Once = Once::new();
+static BASE: AtomicUsize = AtomicUsize::new(0);
+static GAP_NS: AtomicU64 = AtomicU64::new(DEFAULT_WAKE_GAP_NS);
+static PATH: OnceLock<CString> = OnceLock::new();
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+type CtxGetCurrent = unsafe extern "C" fn(*mut usize) -> c_int;
+type CtxGetDevice = unsafe extern "C" fn(*mut c_int) -> c_int;
+type DeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> c_int;
+
+static CTX_GET_CURRENT: AtomicUsize = AtomicUsize::new(0);
+static CTX_GET_DEVICE: AtomicUsize = AtomicUsize::new(0);
+static DEVICE_GET_UUID: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// (context, entry address) of this thread's latest launch.
+    static CACHE: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+}
+
+/// Called before every submission.
+#[inline]
+pub fn before_launch() {
+    match MODE.load(Relaxed) {
+        ON => ring(),
+        OFF => {}
+        _ => {
+            INIT.call_once(|| {
+                let mode = std::panic::catch_unwind(init).unwrap_or(OFF);
+                MODE.store(mode, Release);
+            });
+            if MODE.load(Acquire) == ON {
+                ring();
+            }
+        }
+    }
+}
+
+fn fail(msg: &str) -> u8 {
+    crate::warn_once(&FAILED, &format!("{msg}; passing every call through"));
+    OFF
+}
+
+fn init() -> u8 {
+    match std::env::var("COLOC_SHIM_CLASS").as_deref() {
+        Ok("online") => {}
+        _ => return OFF,
+    }
+    let Some(dir) = std::env::var_os("COLOC_DOORBELL_DIR") else {
+        return OFF;
+    };
+    if let Ok(v) = std::env::var("COLOC_SHIM_WAKE_GAP_MS") {
+        match v.parse::<f64>() {
+            Ok(ms) if ms.is_finite() && ms > 0.0 => GAP_NS.store((ms * 1e6) as u64, Relaxed),
+            _ => {
+                return fail(&format!(
+                    "COLOC_SHIM_WAKE_GAP_MS={v:?} is not a positive number of milliseconds"
+                ))
+            }
+        }
+    }
+    if !resolve_helpers() {
+        return fail("cannot find cuCtxGetCurrent/cuCtxGetDevice/cuDeviceGetUuid in the driver");
+    }
+    match create_page(std::path::Path::new(&dir)) {
+        Ok(()) => ON,
+        Err(e) => fail(&format!(
+            "cannot create a doorbell in {}: {e}",
+            std::path::Path::new(&dir).display()
+        )),
+    }
+}
+
+/// The driver's helper functions, through the getter we saw, or the loaded `libcuda.so.1`.
+fn resolve_helpers() -> bool {
+    let lookup = |name: &CStr| -> usize {
+        let g = crate::hooks::ANY_GETTER.load(Acquire);
+        if g != 0 {
+            type Getter = unsafe extern "C" fn(
+                *const std::ffi::c_char,
+                *mut *mut c_void,
+                c_int,
+                u64,
+                *mut c_int,
+            ) -> c_int;
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: the driver's own getter; a null status pointer is allowed.
+            let r = unsafe {
+                std::mem::transmute::<usize, Getter>(g)(
+                    name.as_ptr(),
+                    &mut p,
+                    12000,
+                    0,
+                    std::ptr::null_mut(),
+                )
+            };
+            if r == 0 && !p.is_null() {
+                return p as usize;
+            }
+        }
+        // SAFETY: RTLD_NOLOAD only returns an already loaded library.
+        let h =
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        let h = if h.is_null() { libc::RTLD_NEXT } else { h };
+        crate::dl::real_dlsym(h, name) as usize
+    };
+    let cur = lookup(c"cuCtxGetCurrent");
+    let dev = lookup(c"cuCtxGetDevice");
+    let mut uuid = lookup(c"cuDeviceGetUuid_v2");
+    if uuid == 0 {
+        uuid = lookup(c"cuDeviceGetUuid");
+    }
+    CTX_GET_CURRENT.store(cur, Relaxed);
+    CTX_GET_DEVICE.store(dev, Relaxed);
+    DEVICE_GET_UUID.store(uuid, Relaxed);
+    cur != 0 && dev != 0 && uuid != 0
+}
+
+fn create_page(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let pid = std::process::id();
+    let nonce = coloc_doorbell::now_ns() ^ ((&MODE as *const _ as u64) << 16);
+    let path = dir.join(format!("{pid}-{nonce:016x}{}", coloc_doorbell::SUFFIX));
+    let cpath = CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: a valid C path; the flags never follow a symlink and never reuse a file.
+    let fd = unsafe {
+        libc::open(
+            cpath.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is ours; fchmod/ftruncate/mmap on it; the mapping outlives the fd.
+    let base = unsafe {
+        libc::fchmod(fd, 0o644);
+        let ok = libc::ftruncate(fd, PAGE as libc::off_t) == 0;
+        let base = if ok {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        } else {
+            libc::MAP_FAILED
+        };
+        let err = std::io::Error::last_os_error();
+        libc::close(fd);
+        if base == libc::MAP_FAILED {
+            libc::unlink(cpath.as_ptr());
+            return Err(err);
+        }
+        base
+    };
+    // SAFETY: a fresh page-sized shared mapping that is never unmapped.
+    let page = unsafe { Page::from_raw(base.cast()) };
+    page.init(pid, GAP_NS.load(Relaxed), coloc_doorbell::now_ns());
+    BASE.store(base as usize, Release);
+    let _ = PATH.set(cpath);
+    // SAFETY: registering plain extern "C" functions.
+    unsafe {
+        libc::atexit(remove_page);
+        libc::pthread_atfork(None, None, Some(after_fork_child));
+    }
+    Ok(())
+}
+
+extern "C" fn remove_page() {
+    if let Some(p) = PATH.get() {
+        // SAFETY: a valid C path.
+        unsafe { libc::unlink(p.as_ptr()) };
+    }
+}
+
+/// A forked child is another process: it must not ring its parent's page.
+extern "C" fn after_fork_child() {
+    MODE.store(OFF, Relaxed);
+}
+
+#[inline]
+fn ring() {
+    let cur = CTX_GET_CURRENT.load(Relaxed);
+    let mut ctx = 0usize;
+    // SAFETY: the driver's cuCtxGetCurrent with a valid out-pointer.
+    if unsafe { std::mem::transmute::<usize, CtxGetCurrent>(cur)(&mut ctx) } != 0 || ctx == 0 {
+        return;
+    }
+    let (cached_ctx, cached) = CACHE.with(|c| c.get());
+    let entry = if cached_ctx == ctx {
+        cached
+    } else {
+        let e = entry_for_current().map_or(0, |e| e as *const Entry as usize);
+        CACHE.with(|c| c.set((ctx, e)));
+        e
+    };
+    if entry == 0 {
+        return;
+    }
+    // SAFETY: BASE is the live page (set before MODE became ON); `entry` points into it.
+    let page = unsafe { Page::from_raw(BASE.load(Relaxed) as *mut u8) };
+    let e = unsafe { &*(entry as *const Entry) };
+    if page.ring(e, coloc_doorbell::now_ns(), GAP_NS.load(Relaxed)) {
+        page.wake();
+    }
+}
+
+/// The page's entry for the current context's GPU.
+fn entry_for_current() -> Option<&'static Entry> {
+    let mut dev: c_int = 0;
+    let mut uuid = [0u8; 16];
+    // SAFETY: the driver's functions with valid out-pointers.
+    unsafe {
+        if std::mem::transmute::<usize, CtxGetDevice>(CTX_GET_DEVICE.load(Relaxed))(&mut dev) != 0 {
+            return None;
+        }
+        if std::mem::transmute::<usize, DeviceGetUuid>(DEVICE_GET_UUID.load(Relaxed))(
+            &mut uuid, dev,
+        ) != 0
+        {
+            return None;
+        }
+    }
+    // SAFETY: as in `ring`.
+    let page: Page<'static> = unsafe { Page::from_raw(BASE.load(Relaxed) as *mut u8) };
+    page.entry_for(&uuid)
+}

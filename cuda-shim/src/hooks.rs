@@ -1,0 +1,369 @@
+//! The entry points: the getters (`cuGetProcAddress`, `cuGetProcAddress_v2`), forwarding
+//! slots for the launch entry points, and the exported launch symbols for programs linked
+//! against `libcuda` directly.
+//!
+//! A *slot* is a wrapper bound to one real driver pointer. The driver may hand out several
+//! pointers for one name (`_ptsz` with the per-thread default stream, older ABIs for older
+//! `cudaVersion`s); each gets its own slot, so a wrapper always calls exactly the pointer
+//! the driver chose for that request. Every submission entry point takes only integer and
+//! pointer arguments, so a slot forwards twelve machine words unchanged: the callee reads
+//! the ones it has (for the SysV and AAPCS64 ABIs alike) and the rest is never looked at.
+
+use crate::bell;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
+
+/// `CUDA_SUCCESS`.
+const CUDA_SUCCESS: c_int = 0;
+/// `CUDA_ERROR_NOT_FOUND`.
+const CUDA_ERROR_NOT_FOUND: c_int = 500;
+
+/// Base names of the entry points that submit GPU work.
+pub const LAUNCH_BASES: &[&str] = &[
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cuLaunchCooperativeKernel",
+    "cuLaunchCooperativeKernelMultiDevice",
+    "cuLaunchHostFunc",
+    "cuGraphLaunch",
+    "cuMemcpyAsync",
+    "cuMemcpyHtoDAsync",
+    "cuMemcpyDtoHAsync",
+    "cuMemcpyDtoDAsync",
+    "cuMemcpyHtoAAsync",
+    "cuMemcpyAtoHAsync",
+    "cuMemcpyPeerAsync",
+    "cuMemcpy2DAsync",
+    "cuMemcpy3DAsync",
+    "cuMemcpy3DPeerAsync",
+    "cuMemsetD8Async",
+    "cuMemsetD16Async",
+    "cuMemsetD32Async",
+    "cuMemsetD2D8Async",
+    "cuMemsetD2D16Async",
+    "cuMemsetD2D32Async",
+];
+
+/// `name` without its ABI suffixes (`_v2`, `_v3`, `_ptsz`, `_ptds`).
+pub fn base_name(name: &str) -> &str {
+    let mut n = name;
+    loop {
+        let before = n;
+        for suf in ["_ptsz", "_ptds", "_v2", "_v3"] {
+            if let Some(s) = n.strip_suffix(suf) {
+                n = s;
+            }
+        }
+        if n == before {
+            return n;
+        }
+    }
+}
+
+/// A submission entry point, by any of its names.
+pub fn is_launch(name: &str) -> bool {
+    LAUNCH_BASES.contains(&base_name(name))
+}
+
+fn is_getter(name: &[u8]) -> bool {
+    name == b"cuGetProcAddress" || name == b"cuGetProcAddress_v2"
+}
+
+type Fwd = unsafe extern "C" fn(
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+) -> c_int;
+
+type Getter =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
+
+const NSLOTS: usize = 64;
+const NGETTERS: usize = 8;
+static SLOT_REAL: [AtomicUsize; NSLOTS] = [const { AtomicUsize::new(0) }; NSLOTS];
+static GETTER_REAL: [AtomicUsize; NGETTERS] = [const { AtomicUsize::new(0) }; NGETTERS];
+static SLOTS_FULL: AtomicBool = AtomicBool::new(false);
+
+/// A real getter seen so far (the shim resolves its own helpers through it).
+pub static ANY_GETTER: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn slot<const N: usize>(
+    a0: usize,
+    a1: usize,
+    a2: usize,
+    a3: usize,
+    a4: usize,
+    a5: usize,
+    a6: usize,
+    a7: usize,
+    a8: usize,
+    a9: usize,
+    a10: usize,
+    a11: usize,
+) -> c_int {
+    bell::before_launch();
+    let f = SLOT_REAL[N].load(Relaxed);
+    // SAFETY: slot N is handed out only after its real pointer was stored; the pointer is
+    // the driver's entry point for this request, called with the caller's own arguments.
+    unsafe {
+        std::mem::transmute::<usize, Fwd>(f)(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
+    }
+}
+
+unsafe extern "C" fn getter<const N: usize>(
+    sym: *const c_char,
+    pfn: *mut *mut c_void,
+    ver: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> c_int {
+    let f = GETTER_REAL[N].load(Relaxed);
+    // SAFETY: as for `slot`; `cuGetProcAddress` (4 arguments) ignores the fifth.
+    let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
+    if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
+        // SAFETY: the driver succeeded, so `sym` is a C string and `pfn` a valid slot.
+        unsafe { after_get(sym, pfn) };
+    }
+    r
+}
+
+/// Replaces the driver's answer for a wrapped name with our wrapper.
+unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void) {
+    // SAFETY: caller's contract.
+    let (name, real) = unsafe { (CStr::from_ptr(sym), *pfn) };
+    if real.is_null() {
+        return;
+    }
+    let name = name.to_bytes();
+    let ours = std::panic::catch_unwind(|| {
+        if is_getter(name) {
+            getter_for(real as usize)
+        } else if std::str::from_utf8(name).is_ok_and(is_launch) {
+            slot_for(real as usize)
+        } else {
+            None
+        }
+    });
+    if let Ok(Some(w)) = ours {
+        // SAFETY: `pfn` is the caller's out-pointer.
+        unsafe { *pfn = w as *mut c_void };
+    }
+}
+
+macro_rules! table {
+    ($f:ident, $t:ty, $($n:literal)*) => { [$($f::<$n> as $t),*] };
+}
+
+static SLOT_FNS: [Fwd; NSLOTS] = table!(slot, Fwd,
+    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+    32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63);
+static GETTER_FNS: [Getter; NGETTERS] = table!(getter, Getter, 0 1 2 3 4 5 6 7);
+
+/// Finds or takes a slot for `real` in `reals`; `None` when all are taken.
+fn claim(reals: &[AtomicUsize], real: usize) -> Option<usize> {
+    if let Some(i) = reals.iter().position(|r| r.load(Acquire) == real) {
+        return Some(i);
+    }
+    for (i, r) in reals.iter().enumerate() {
+        match r.compare_exchange(0, real, AcqRel, Acquire) {
+            Ok(_) => return Some(i),
+            Err(v) if v == real => return Some(i),
+            Err(_) => {}
+        }
+    }
+    None
+}
+
+/// The wrapper forwarding to launch pointer `real` (`None`: pointer is ours already, or
+/// no slot is left — the caller then gets the real pointer, unwrapped).
+pub fn slot_for(real: usize) -> Option<usize> {
+    if is_ours(real) {
+        return None;
+    }
+    match claim(&SLOT_REAL, real) {
+        Some(i) => Some(SLOT_FNS[i] as usize),
+        None => {
+            crate::warn_once(
+                &SLOTS_FULL,
+                "out of launch wrappers: further entry points pass through unobserved",
+            );
+            None
+        }
+    }
+}
+
+/// The wrapper forwarding to getter `real`.
+pub fn getter_for(real: usize) -> Option<usize> {
+    if is_ours(real) {
+        return None;
+    }
+    ANY_GETTER.store(real, Release);
+    claim(&GETTER_REAL, real).map(|i| GETTER_FNS[i] as usize)
+}
+
+/// `addr` lies in this library (a wrapper of ours, e.g. found through `RTLD_DEFAULT`).
+fn is_ours(addr: usize) -> bool {
+    static BASE: AtomicUsize = AtomicUsize::new(0);
+    let fbase = |a: usize| {
+        // SAFETY: dladdr only inspects the address; `info` is a valid out-pointer.
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        let ok = unsafe { libc::dladdr(a as *const c_void, &mut info) };
+        if ok == 0 {
+            0
+        } else {
+            info.dli_fbase as usize
+        }
+    };
+    let mut base = BASE.load(Relaxed);
+    if base == 0 {
+        base = fbase(is_ours as fn(usize) -> bool as usize);
+        BASE.store(base, Relaxed);
+    }
+    base != 0 && fbase(addr) == base
+}
+
+/// Our answer to `dlsym(handle, name)` for a name starting with `cu` (null: glibc answers).
+pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
+    let bytes = name.to_bytes();
+    let getter = is_getter(bytes);
+    let launch = !getter && std::str::from_utf8(bytes).is_ok_and(is_launch);
+    if !getter && !launch {
+        return std::ptr::null_mut();
+    }
+    let real = crate::dl::real_dlsym(handle, name);
+    if real.is_null() {
+        return std::ptr::null_mut();
+    }
+    let ours = if getter {
+        getter_for(real as usize)
+    } else {
+        slot_for(real as usize)
+    };
+    ours.map_or(std::ptr::null_mut(), |w| w as *mut c_void)
+}
+
+/// The driver's symbol `name` for an exported wrapper: the next definition after us, or
+/// the one in an already loaded `libcuda.so.1`.
+fn resolve_next(name: &CStr) -> usize {
+    let p = crate::dl::real_dlsym(libc::RTLD_NEXT, name);
+    if !p.is_null() {
+        return p as usize;
+    }
+    // SAFETY: dlopen with RTLD_NOLOAD only returns a handle to an already loaded library.
+    let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if h.is_null() {
+        return 0;
+    }
+    let p = crate::dl::real_dlsym(h, name) as usize;
+    // SAFETY: balances the dlopen above (the library stays loaded: RTLD_NOLOAD).
+    unsafe { libc::dlclose(h) };
+    if is_ours(p) {
+        0
+    } else {
+        p
+    }
+}
+
+macro_rules! exported_launch {
+    ($($name:ident)*) => { $(
+        /// Exported submission entry point: rings the doorbell, then calls the driver's.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            a0: usize, a1: usize, a2: usize, a3: usize, a4: usize, a5: usize,
+            a6: usize, a7: usize, a8: usize, a9: usize, a10: usize, a11: usize,
+        ) -> c_int {
+            static REAL: AtomicUsize = AtomicUsize::new(0);
+            let mut f = REAL.load(Relaxed);
+            if f == 0 {
+                let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
+                f = cname.map_or(0, resolve_next);
+                if f == 0 {
+                    return CUDA_ERROR_NOT_FOUND;
+                }
+                REAL.store(f, Relaxed);
+            }
+            bell::before_launch();
+            // SAFETY: the driver's own entry point of the same name, same arguments.
+            unsafe {
+                std::mem::transmute::<usize, Fwd>(f)(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
+            }
+        }
+    )* };
+}
+
+exported_launch!(
+    cuLaunchKernel cuLaunchKernel_ptsz cuLaunchKernelEx cuLaunchKernelEx_ptsz
+    cuLaunchCooperativeKernel cuLaunchCooperativeKernel_ptsz cuLaunchCooperativeKernelMultiDevice
+    cuLaunchHostFunc cuLaunchHostFunc_ptsz cuGraphLaunch cuGraphLaunch_ptsz
+    cuMemcpyAsync cuMemcpyAsync_ptsz
+    cuMemcpyHtoDAsync_v2 cuMemcpyHtoDAsync_v2_ptsz cuMemcpyDtoHAsync_v2 cuMemcpyDtoHAsync_v2_ptsz
+    cuMemcpyDtoDAsync_v2 cuMemcpyDtoDAsync_v2_ptsz cuMemcpyPeerAsync cuMemcpyPeerAsync_ptsz
+    cuMemcpy2DAsync_v2 cuMemcpy2DAsync_v2_ptsz cuMemcpy3DAsync_v2 cuMemcpy3DAsync_v2_ptsz
+    cuMemcpy3DPeerAsync cuMemcpy3DPeerAsync_ptsz
+    cuMemsetD8Async cuMemsetD8Async_ptsz cuMemsetD16Async cuMemsetD16Async_ptsz
+    cuMemsetD32Async cuMemsetD32Async_ptsz
+);
+
+macro_rules! exported_getter {
+    ($($name:ident)*) => { $(
+        /// Exported getter: the driver's answer, with our wrappers for the launch entry points.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            sym: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags: u64, status: *mut c_int,
+        ) -> c_int {
+            static REAL: AtomicUsize = AtomicUsize::new(0);
+            let mut f = REAL.load(Relaxed);
+            if f == 0 {
+                let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
+                f = cname.map_or(0, resolve_next);
+                if f == 0 {
+                    return CUDA_ERROR_NOT_FOUND;
+                }
+                ANY_GETTER.store(f, Release);
+                REAL.store(f, Relaxed);
+            }
+            // SAFETY: the driver's getter with the caller's arguments.
+            let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
+            if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
+                // SAFETY: as in `getter`.
+                unsafe { after_get(sym, pfn) };
+            }
+            r
+        }
+    )* };
+}
+
+exported_getter!(cuGetProcAddress cuGetProcAddress_v2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(base_name("cuMemcpyHtoDAsync_v2_ptsz"), "cuMemcpyHtoDAsync");
+        assert_eq!(base_name("cuLaunchKernel"), "cuLaunchKernel");
+        assert!(is_launch("cuLaunchKernel_ptsz"));
+        assert!(is_launch("cuGraphLaunch"));
+        assert!(!is_launch("cuMemAlloc_v2"));
+        assert!(!is_launch("cuStreamSynchronize"));
+        assert!(is_getter(b"cuGetProcAddress_v2"));
+    }
+
+    #[test]
+    fn slots_are_per_real_pointer() {
+        let a = claim(&SLOT_REAL, 0x1000).unwrap();
+        let b = claim(&SLOT_REAL, 0x2000).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(claim(&SLOT_REAL, 0x1000), Some(a));
+    }
+}
