@@ -70,14 +70,36 @@ pub struct RunArgs {
     /// Manage only these GPU indices (comma-separated); default all.
     #[arg(long, env = "COLOC_GPUS", value_delimiter = ',')]
     pub gpus: Vec<u32>,
-    /// How often to read per-process utilisation samples (e.g. 1ms, 500us) while offline
-    /// work is present on a managed GPU; see --idle-poll-interval for the rest of the time.
+    /// The loop's fastest tick (e.g. 1ms, 500us): how often suspensions and resumptions
+    /// still waiting for confirmation, failed suspensions and fixed-share duty cycles are
+    /// looked at. Otherwise the loop sleeps until something is due (an NVML read, a release
+    /// at the end of an idle window, a re-check) or a doorbell rings.
     #[arg(long, env = "COLOC_POLL_INTERVAL", default_value = "1ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
-    /// Sampling period while no offline process is on any managed GPU (nothing to
-    /// preempt); the agent switches to --poll-interval as soon as offline work appears.
-    #[arg(long, env = "COLOC_IDLE_POLL_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
+    /// The loop's longest sleep when nothing is due (a doorbell still wakes it at once).
+    #[arg(long, env = "COLOC_IDLE_POLL_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
     pub idle_poll_interval: Duration,
+    /// How often to read NVML's per-process utilisation samples. Real drivers produce a new
+    /// sample only every ~100 ms (open kernel modules) to 1 s (GSP firmware, e.g. H100), and
+    /// every NVML call takes the driver's lock, which GPU submissions also need: reading
+    /// faster finds nothing new and slows the GPU's users. Online work is seen at once by
+    /// the CUDA shim's doorbell; NVML attributes work and covers processes without the shim
+    /// (seen later: up to this interval plus the driver's own delay).
+    #[arg(long, env = "COLOC_NVML_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
+    pub nvml_interval: Duration,
+    /// The driver's sample period. A sample's timestamp is the END of the period it covers,
+    /// so the onset of work seen only by NVML is taken as timestamp minus this period.
+    #[arg(long, env = "COLOC_NVML_SAMPLE_PERIOD", default_value = "100ms", value_parser = parse_duration)]
+    pub nvml_sample_period: Duration,
+    /// Directory of the CUDA shim's doorbell pages: `<pid>-<nonce>.bell` of standalone
+    /// processes, and `pods/<pod-uid>/` per pod on Kubernetes. Created (mode 1777) if
+    /// missing. Empty: no doorbells, NVML only.
+    #[arg(
+        long,
+        env = "COLOC_DOORBELL_DIR",
+        default_value = "/run/gpu-coloc/doorbells"
+    )]
+    pub doorbell_dir: PathBuf,
     /// How often to re-read the running-process list (a PID seen in samples but not yet
     /// known triggers a re-read at once).
     #[arg(long, env = "COLOC_PROCESS_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
@@ -192,6 +214,18 @@ impl RunArgs {
         if self.idle_window.is_zero() {
             bail!("--idle-window must be positive");
         }
+        if self.nvml_interval > Duration::from_secs(10) {
+            bail!(
+                "--nvml-interval {:?}: allowed up to 10s",
+                self.nvml_interval
+            );
+        }
+        if self.nvml_sample_period > Duration::from_secs(10) {
+            bail!(
+                "--nvml-sample-period {:?}: allowed up to 10s",
+                self.nvml_sample_period
+            );
+        }
         if self.nvml_hang_timeout < Duration::from_millis(10) {
             bail!(
                 "--nvml-hang-timeout {:?}: must be at least 10ms (NVML calls take up to a few ms)",
@@ -216,6 +250,8 @@ impl RunArgs {
             poll: self.poll_interval,
             idle_poll: self.idle_poll_interval,
             process_interval: self.process_interval,
+            nvml_interval: self.nvml_interval,
+            nvml_sample_period: self.nvml_sample_period,
             machine: qos_core::Config {
                 idle_window: self.idle_window.as_nanos() as u64,
                 unmanaged_is_online: self.unmanaged_is_online,
@@ -293,7 +329,8 @@ mod tests {
         let cfg = args.loop_config().unwrap();
         assert_eq!(cfg.machine.idle_window, 100_000_000);
         assert_eq!(cfg.poll, Duration::from_millis(1));
-        assert_eq!(cfg.idle_poll, Duration::from_millis(10));
+        assert_eq!(cfg.idle_poll, Duration::from_millis(100));
+        assert_eq!(cfg.nvml_interval, Duration::from_millis(100));
         assert_eq!(cfg.nvml_grace, Duration::from_millis(50));
         assert!(cfg.machine.unmanaged_is_online);
         assert!(!args.state_cmdlines);

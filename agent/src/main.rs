@@ -5,6 +5,7 @@ use coloc_agent::cli::{Cli, Command, LogFormat, RunArgs};
 use coloc_agent::control::state::Shared;
 use coloc_agent::control::{Edges, Loop};
 use coloc_agent::edges::actuator::{self, dry_run::DryRun, Actuator, Host, Progress};
+use coloc_agent::edges::doorbell::{DirBells, Doorbells, NoBells};
 use coloc_agent::edges::record::{FileRecord, MemRecord, RecordStore};
 use coloc_agent::edges::source::{kube::KubeSource, PodSource, Rules};
 use coloc_agent::edges::{clock::SystemClock, gpu, procfs::HostProc};
@@ -122,7 +123,24 @@ fn run(args: RunArgs) -> Result<()> {
     if procfs.roots() != &Default::default() {
         info!(roots = ?procfs.roots(), "The agent runs in a cgroup namespace of its own: cgroup paths are re-rooted at these host paths");
     }
+    let bells: Box<dyn Doorbells> = if args.doorbell_dir.as_os_str().is_empty() {
+        info!("No --doorbell-dir: online work is seen through NVML alone");
+        Box::new(NoBells::default())
+    } else {
+        match DirBells::new(&args.doorbell_dir) {
+            Ok(b) => {
+                info!(dir = %args.doorbell_dir.display(), "Watching CUDA shim doorbells");
+                Box::new(b)
+            }
+            Err(err) => {
+                warn!(error = %format!("{err:#}"), "No doorbells: online work is seen through NVML alone (later)");
+                Box::new(NoBells::default())
+            }
+        }
+    };
+    let waker = bells.waker();
     let edges = Edges {
+        bells,
         gpu: Box::new(sampler),
         procfs: Arc::new(procfs),
         source: source.clone(),
@@ -186,6 +204,7 @@ fn run(args: RunArgs) -> Result<()> {
         anyhow::Ok(())
     })?;
     shared.stop.store(true, Ordering::SeqCst);
+    waker.wake();
     match lp.join() {
         Ok(()) => {
             info!("All offline work resumed; exiting");

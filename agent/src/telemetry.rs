@@ -52,11 +52,11 @@ fn describe() {
         "Failed (undone) suspensions tried again while online work stayed busy."
     );
     describe_histogram!("coloc_detection_latency_seconds", Unit::Seconds,
-        "Sample timestamp of the first online activity on a GPU to the agent's decision that the GPU is busy.");
+        "Onset of online work on a GPU (a launch seen by the doorbell, or the start of an NVML sampled period) to the agent's decision that the GPU is busy, by the signal that detected it.");
     describe_histogram!("coloc_actuation_latency_seconds", Unit::Seconds,
         "Decision that a GPU is busy to every offline process on it confirmed stopped, by the actuator that acted.");
     describe_histogram!("coloc_preemption_latency_seconds", Unit::Seconds,
-        "Sample timestamp of the first online activity to every offline process confirmed stopped (detection + actuation), by the actuator that acted.");
+        "Onset of online work to every offline process confirmed stopped (detection + actuation), by the actuator that acted and the signal that detected it.");
     describe_histogram!("coloc_release_latency_seconds", Unit::Seconds,
         "End of the idle window to every offline process confirmed running again, by the actuator that acted.");
     describe_histogram!(
@@ -104,15 +104,18 @@ fn describe() {
     );
 }
 
+/// Every signal, for label values present from the start.
+const SIGNALS: [qos_core::Signal; 2] = [qos_core::Signal::Doorbell, qos_core::Signal::Nvml];
+
 /// Metric handles of one GPU.
 #[derive(Debug)]
 pub struct GpuMetrics {
     busy: (metrics::Gauge, std::cell::Cell<f64>),
     degraded: (metrics::Gauge, std::cell::Cell<f64>),
     suspended: (metrics::Gauge, std::cell::Cell<f64>),
-    detection: metrics::Histogram,
+    detection: BTreeMap<&'static str, metrics::Histogram>,
     actuation: BTreeMap<&'static str, metrics::Histogram>,
-    preemption: BTreeMap<&'static str, metrics::Histogram>,
+    preemption: BTreeMap<(&'static str, &'static str), metrics::Histogram>,
     release: BTreeMap<&'static str, metrics::Histogram>,
 }
 
@@ -136,9 +139,22 @@ impl GpuMetrics {
             suspended: gauge(
                 metrics::gauge!("coloc_offline_suspended_processes", "gpu" => g.clone()),
             ),
-            detection: metrics::histogram!("coloc_detection_latency_seconds", "gpu" => g.clone()),
+            detection: SIGNALS
+                .iter()
+                .map(|s| {
+                    let h = metrics::histogram!("coloc_detection_latency_seconds", "gpu" => g.clone(), "signal" => s.as_str());
+                    (s.as_str(), h)
+                })
+                .collect(),
             actuation: per_actuator("coloc_actuation_latency_seconds"),
-            preemption: per_actuator("coloc_preemption_latency_seconds"),
+            preemption: [Kind::Freezer, Kind::Signal]
+                .iter()
+                .flat_map(|k| SIGNALS.iter().map(move |s| (*k, *s)))
+                .map(|(k, s)| {
+                    let h = metrics::histogram!("coloc_preemption_latency_seconds", "gpu" => g.clone(), "actuator" => k.as_str(), "signal" => s.as_str());
+                    ((k.as_str(), s.as_str()), h)
+                })
+                .collect(),
             release: per_actuator("coloc_release_latency_seconds"),
         }
     }
@@ -222,9 +238,13 @@ impl Telemetry {
     }
 
     /// Records the detection latency of a preemption decided now.
-    pub fn detected(&self, gpu: u32, detection_s: f64) {
-        if let Some(m) = self.gpus.get(&gpu) {
-            m.detection.record(detection_s);
+    pub fn detected(&self, gpu: u32, signal: qos_core::Signal, detection_s: f64) {
+        if let Some(h) = self
+            .gpus
+            .get(&gpu)
+            .and_then(|m| m.detection.get(signal.as_str()))
+        {
+            h.record(detection_s);
         }
     }
 
@@ -249,6 +269,7 @@ impl Telemetry {
                 info!(
                     gpu = p.gpu,
                     offline = p.offline,
+                    signal = p.signal.as_str(),
                     detection_ms = p.detection_s * 1e3,
                     preemption_ms = p.preemption_s.map(|s| s * 1e3),
                     actuator = p.actuator.map(Kind::as_str),
@@ -262,7 +283,7 @@ impl Telemetry {
                     push_bounded(&mut h.preemption_ms, pre * 1e3, HISTORY);
                     if let Some(m) = self.gpus.get(&p.gpu) {
                         m.actuation[kind.as_str()].record(act);
-                        m.preemption[kind.as_str()].record(pre);
+                        m.preemption[&(kind.as_str(), p.signal.as_str())].record(pre);
                     }
                 }
             }

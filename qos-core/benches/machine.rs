@@ -1,6 +1,6 @@
 //! Cost of one state-machine tick: 8 GPUs × (1 online + N offline) processes.
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use qos_core::{Class, Config, GpuInput, Machine, ProcessObs, Share, MS};
+use qos_core::{Class, Config, GpuInput, Machine, ProcessObs, Share, Signal, MS};
 
 fn inputs(n_offline: u32, now: u64, busy: bool) -> Vec<GpuInput<u32>> {
     (0..8)
@@ -9,12 +9,16 @@ fn inputs(n_offline: u32, now: u64, busy: bool) -> Vec<GpuInput<u32>> {
                 key: g * 1000,
                 class: Class::Online,
                 last_active: busy.then_some(now),
+                onset: None,
+                signal: Signal::Nvml,
                 share: Share::Burst,
             }];
             procs.extend((1..=n_offline).map(|i| ProcessObs {
                 key: g * 1000 + i,
                 class: Class::Offline,
                 last_active: Some(now),
+                onset: None,
+                signal: Signal::Nvml,
                 share: Share::Burst,
             }));
             GpuInput { gpu: g, procs }

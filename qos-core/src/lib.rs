@@ -28,7 +28,9 @@ pub mod resources;
 pub mod stats;
 
 pub use class::{classify, Class, Classification, QosLevel, QOS_LEVEL_ANNOTATION};
-pub use machine::{Config, Decision, GpuInput, GpuState, Machine, ProcessObs, Share, Transition};
+pub use machine::{
+    Config, Decision, GpuInput, GpuState, Machine, ProcessObs, Share, Signal, Transition,
+};
 pub use resources::{ComputePolicy, ResourceError};
 
 /// Nanoseconds on the clock shared by NVML sample timestamps and the agent.

@@ -69,10 +69,39 @@ pub struct ProcessObs<K> {
     pub key: K,
     /// Its class.
     pub class: Class,
-    /// Timestamp of its latest observed GPU activity on this GPU, if any.
+    /// End of its latest observed GPU activity on this GPU (a launch, or the end of a
+    /// sampled period), if any. The idle window counts from here.
     pub last_active: Option<Nanos>,
+    /// Onset of its current run of activity: the earliest evidence that it started (a
+    /// launch time, or the start of a sampled period). `None`: same as `last_active`.
+    pub onset: Option<Nanos>,
+    /// The signal that gave the onset.
+    pub signal: Signal,
     /// Its share policy (only meaningful for offline processes).
     pub share: Share,
+}
+
+/// Which signal revealed online work.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Signal {
+    /// The CUDA shim's launch doorbell: onset is the launch time.
+    Doorbell,
+    /// An NVML utilisation sample: onset is the start of the sampled period.
+    #[default]
+    Nvml,
+}
+
+impl Signal {
+    /// Label value (`doorbell` / `nvml`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Signal::Doorbell => "doorbell",
+            Signal::Nvml => "nvml",
+        }
+    }
 }
 
 /// Everything observed on one GPU this tick.
@@ -95,9 +124,9 @@ pub enum GpuState {
     /// suspended, and offline processes that appear are suspended at once. A tick at
     /// `last_online + idle_window` or later → [`GpuState::OfflineRunning`], offline resumes.
     OnlineBusy {
-        /// Sample timestamp of the online activity that made the GPU busy.
+        /// Onset of the online activity that made the GPU busy.
         since: Nanos,
-        /// Sample timestamp of the latest online activity.
+        /// End of the latest online activity.
         last_online: Nanos,
     },
 }
@@ -133,8 +162,11 @@ pub enum Transition {
     Preempt {
         /// The GPU.
         gpu: u32,
-        /// Sample timestamp of the first online activity seen (start of detection latency).
-        first_activity: Nanos,
+        /// Onset: the earliest evidence of the online work that made the GPU busy (start
+        /// of detection and preemption latency).
+        onset: Nanos,
+        /// The signal that gave the onset.
+        signal: Signal,
         /// When the machine decided (end of detection, start of actuation).
         decided_at: Nanos,
         /// Offline processes present on the GPU.
@@ -277,14 +309,25 @@ impl<K: Ord + Clone> Machine<K> {
                     last_online: last_online.unwrap_or(since),
                 },
                 (GpuState::OfflineRunning, true) => {
-                    // The earliest online sample still inside the window started it.
-                    let first = online_times
-                        .filter(|t| now.saturating_sub(*t) < window)
+                    // The earliest onset among the online processes active inside the window.
+                    let (first, signal) = input
+                        .procs
+                        .iter()
+                        .filter(|p| is_online(p))
+                        .filter(|p| {
+                            p.last_active
+                                .is_some_and(|t| now.saturating_sub(t) < window)
+                        })
+                        .map(|p| {
+                            let end = p.last_active.unwrap_or(now);
+                            (p.onset.unwrap_or(end).min(end), p.signal)
+                        })
                         .min()
-                        .unwrap_or(now);
+                        .unwrap_or((now, Signal::Nvml));
                     transitions.push(Transition::Preempt {
                         gpu: input.gpu,
-                        first_activity: first,
+                        onset: first,
+                        signal,
                         decided_at: now,
                         offline,
                     });
@@ -364,6 +407,8 @@ mod tests {
             key,
             class,
             last_active,
+            onset: None,
+            signal: Signal::Nvml,
             share: Share::Burst,
         }
     }
@@ -373,6 +418,55 @@ mod tests {
     }
 
     const T0: Nanos = 1_000_000 * MS;
+
+    #[test]
+    fn preemption_reports_the_earliest_onset_and_its_signal() {
+        let mut m = Machine::new(Config::default());
+        let bell = ProcessObs {
+            onset: Some(T0 + 3 * MS),
+            signal: Signal::Doorbell,
+            ..p(2, Class::Online, Some(T0 + 4 * MS))
+        };
+        let sampled = ProcessObs {
+            // A sampled period from T0 - 96 ms to T0 + 4 ms: its start is the onset.
+            onset: Some(T0 - 96 * MS),
+            ..p(3, Class::Online, Some(T0 + 4 * MS))
+        };
+        let old = ProcessObs {
+            // Outside the window: it started nothing that is still going on.
+            onset: Some(T0 - 500 * MS),
+            signal: Signal::Doorbell,
+            ..p(4, Class::Online, Some(T0 - 400 * MS))
+        };
+        let d = m.tick(
+            T0 + 5 * MS,
+            &[gpu(
+                0,
+                vec![p(1, Class::Offline, None), bell.clone(), old.clone()],
+            )],
+        );
+        assert!(matches!(
+            d.transitions[..],
+            [Transition::Preempt { onset, signal: Signal::Doorbell, .. }] if onset == T0 + 3 * MS
+        ));
+        let mut m = Machine::new(Config::default());
+        let d = m.tick(
+            T0 + 5 * MS,
+            &[gpu(0, vec![p(1, Class::Offline, None), bell, sampled, old])],
+        );
+        assert!(matches!(
+            d.transitions[..],
+            [Transition::Preempt { onset, signal: Signal::Nvml, .. }] if onset == T0 - 96 * MS
+        ));
+        // The window counts from the end of activity, not from the onset.
+        assert_eq!(
+            m.state(0),
+            GpuState::OnlineBusy {
+                since: T0 - 96 * MS,
+                last_online: T0 + 4 * MS
+            }
+        );
+    }
 
     #[test]
     fn online_activity_suspends_offline_and_idle_window_edges() {
@@ -402,7 +496,8 @@ mod tests {
             d.transitions,
             vec![Transition::Preempt {
                 gpu: 0,
-                first_activity: act,
+                onset: act,
+                signal: Signal::Nvml,
                 decided_at: T0 + 2 * MS,
                 offline: 1
             }]
@@ -593,6 +688,8 @@ mod tests {
                         key: 1,
                         class: Class::Offline,
                         last_active: None,
+                        onset: None,
+                        signal: Signal::Nvml,
                         share: Share::Fixed { percent: 30 },
                     },
                     p(2, Class::Offline, None),
@@ -679,7 +776,7 @@ mod tests {
                             *e = (*e).max(t);
                         }
                     }
-                    inputs.get_mut(&g).unwrap().push(ProcessObs { key, class, last_active, share: Share::Burst });
+                    inputs.get_mut(&g).unwrap().push(ProcessObs { key, class, last_active, onset: None, signal: Signal::Nvml, share: Share::Burst });
                 }
                 let inputs: Vec<_> = inputs.into_iter().map(|(gpu, procs)| GpuInput { gpu, procs }).collect();
                 let d = m.tick(now, &inputs);

@@ -29,7 +29,7 @@ pub fn intervals(events: &[Event], gpu: u32) -> (Intervals, Intervals) {
             Event::Preempt(p) if p.gpu == gpu => open = Some(p),
             Event::Release(r) if r.gpu == gpu => {
                 if let Some(p) = open.take() {
-                    let start = p.first_activity_ns;
+                    let start = p.onset_ns;
                     let last_online = r.window_end_ns.saturating_sub(r.idle_window_ns);
                     busy.push((start, last_online.max(start)));
                     if let (Some(s), Some(r)) = (p.confirmed_ns, r.confirmed_ns) {
@@ -169,12 +169,12 @@ mod tests {
     #[test]
     fn intervals_from_events() {
         let ev = crate::control::events::parse_log(concat!(
-            r#"{"event":"preempt","gpu":0,"first_activity_ns":100,"decided_ns":105,"detection_s":0.0,"offline":1,"confirmed_ns":110}"#,
+            r#"{"event":"preempt","gpu":0,"onset_ns":100,"signal":"nvml","decided_ns":105,"detection_s":0.0,"offline":1,"confirmed_ns":110}"#,
             "\n",
             r#"{"event":"release","gpu":0,"window_end_ns":400,"decided_ns":401,"idle_window_ns":100,"busy_for_s":0.0,"offline":1,"confirmed_ns":405}"#,
             "\n",
             "not an event\n",
-            r#"{"event":"preempt","gpu":1,"first_activity_ns":150,"decided_ns":155,"detection_s":0.0,"offline":1,"confirmed_ns":160}"#,
+            r#"{"event":"preempt","gpu":1,"onset_ns":150,"signal":"doorbell","decided_ns":155,"detection_s":0.0,"offline":1,"confirmed_ns":160}"#,
             "\n",
         ));
         assert_eq!(ev.len(), 3);

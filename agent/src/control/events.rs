@@ -40,11 +40,14 @@ impl Event {
 pub struct Preempt {
     /// GPU index.
     pub gpu: u32,
-    /// Timestamp of the first online activity seen (NVML sample), ns.
-    pub first_activity_ns: u64,
+    /// Onset: the earliest evidence of the online work (a doorbell's launch time, or the
+    /// start of the NVML sampled period that showed it), ns.
+    pub onset_ns: u64,
+    /// The signal that gave the onset.
+    pub signal: qos_core::Signal,
     /// When the agent decided, ns.
     pub decided_ns: u64,
-    /// `decided_ns - first_activity_ns`, seconds.
+    /// `decided_ns - onset_ns`, seconds.
     pub detection_s: f64,
     /// Offline processes on the GPU.
     pub offline: usize,
@@ -60,7 +63,7 @@ pub struct Preempt {
     /// `confirmed_ns - decided_ns`, seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub actuation_s: Option<f64>,
-    /// `confirmed_ns - first_activity_ns`, seconds.
+    /// `confirmed_ns - onset_ns`, seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preemption_s: Option<f64>,
 }
@@ -189,7 +192,7 @@ fn finish(w: Waiting) -> Event {
                 p.actuator = Some(kind);
                 p.confirmed_ns = Some(at);
                 p.actuation_s = Some(secs(at.saturating_sub(p.decided_ns)));
-                p.preemption_s = Some(secs(at.saturating_sub(p.first_activity_ns)));
+                p.preemption_s = Some(secs(at.saturating_sub(p.onset_ns)));
             }
             Event::Release(r) => {
                 r.actuator = Some(kind);

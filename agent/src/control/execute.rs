@@ -81,12 +81,13 @@ impl Loop {
             let opened = match *tr {
                 Transition::Preempt {
                     gpu,
-                    first_activity,
+                    onset,
+                    signal,
                     decided_at,
                     offline,
                 } => {
-                    let detection = decided_at.saturating_sub(first_activity);
-                    self.telemetry.detected(gpu, secs(detection));
+                    let detection = decided_at.saturating_sub(onset);
+                    self.telemetry.detected(gpu, signal, secs(detection));
                     let holds: BTreeSet<HoldKey> = started
                         .iter()
                         .filter(|(holder, _)| {
@@ -96,7 +97,8 @@ impl Loop {
                         .collect();
                     let ev = Event::Preempt(Preempt {
                         gpu,
-                        first_activity_ns: first_activity,
+                        onset_ns: onset,
+                        signal,
                         decided_ns: decided_at,
                         detection_s: secs(detection),
                         offline,

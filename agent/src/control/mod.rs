@@ -20,6 +20,7 @@
 //! serving HTTP. Fails open: on a persistent NVML failure (per GPU), a hung NVML call, a
 //! record write error, shutdown, or a panic (via `Drop`).
 
+mod bells;
 pub mod events;
 mod execute;
 pub mod health;
@@ -36,6 +37,7 @@ mod tests;
 
 use crate::edges::actuator::{Actuator, CgroupMounts, Kind};
 use crate::edges::clock::Clock;
+use crate::edges::doorbell::Doorbells;
 use crate::edges::gpu::GpuSampler;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::record::RecordStore;
@@ -64,6 +66,10 @@ pub struct LoopConfig {
     pub idle_poll: Duration,
     /// Running-process list period.
     pub process_interval: Duration,
+    /// How often NVML's per-process samples are read.
+    pub nvml_interval: Duration,
+    /// The driver's sample period (a sample covers the period ending at its timestamp).
+    pub nvml_sample_period: Duration,
     /// State machine settings.
     pub machine: qos_core::Config,
     /// Preferred actuator.
@@ -103,6 +109,8 @@ pub struct Edges {
     pub actuator: Box<dyn Actuator>,
     /// The fail-open record.
     pub record: Box<dyn RecordStore>,
+    /// Doorbell pages, and the loop's sleep.
+    pub bells: Box<dyn Doorbells>,
 }
 
 impl std::fmt::Debug for Edges {
@@ -134,8 +142,14 @@ pub struct Loop {
     /// Reused sample buffer.
     scratch: Vec<crate::edges::gpu::Activity>,
     next_refresh_ns: u64,
+    /// When NVML's samples are next read.
+    next_nvml_ns: u64,
+    /// Something asked for the process lists to be read at the next tick (and why).
+    refresh_asked: Option<&'static str>,
     last_tick_ns: Option<u64>,
     last_publish_ns: u64,
+    /// Doorbells: pages, their attribution, the UUID → GPU map.
+    bells: bells::Bells,
 }
 
 impl std::fmt::Debug for Loop {
@@ -160,6 +174,8 @@ impl Loop {
             None => None,
         };
         let gpus = edges.gpu.gpus();
+        let uuids: Vec<(u32, String)> = gpus.iter().map(|g| (*g, edges.gpu.uuid(*g))).collect();
+        let started_ns = edges.clock.now_ns();
         let chooser = Chooser {
             preferred: cfg.actuator,
             mounts: cfg.cgroups.clone(),
@@ -195,6 +211,9 @@ impl Loop {
             blind_until: BTreeMap::new(),
             scratch: Vec::new(),
             next_refresh_ns: 0,
+            next_nvml_ns: 0,
+            refresh_asked: None,
+            bells: bells::Bells::new(edges.bells, &uuids, started_ns),
             last_tick_ns: None,
             last_publish_ns: 0,
             cfg,
@@ -217,34 +236,54 @@ impl Loop {
         if let Err(err) = &wd {
             warn!(%err, "Cannot start the NVML watchdog thread: a hung NVML call will not fail open");
         }
-        let mut next = Instant::now();
         while !self.shared.stop.load(Ordering::Relaxed) {
+            let started = Instant::now();
             self.tick();
-            next += self.current_poll();
-            let now = Instant::now();
-            if next > now {
-                std::thread::sleep(next - now);
-            } else {
-                // Overran: don't try to catch up with a burst of ticks.
-                next = now;
+            let sleep = self.next_wait(self.clock.now_ns());
+            if sleep > started.elapsed() {
+                if self.bells.wait(sleep - started.elapsed()) {
+                    metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
+                }
             }
         }
         info!("Stopping: resuming all offline work before exit");
         self.release_everything("shutdown");
     }
 
-    /// `--poll-interval` while any offline process is on a managed GPU (someone may need
-    /// preempting) or something is held; `--idle-poll-interval` otherwise.
-    fn current_poll(&self) -> Duration {
-        if self.table.offline_present()
+    /// How long the loop may sleep before something is due: `--poll-interval` while a
+    /// confirmation, an event, a retry or a fixed-share duty cycle is in progress; else
+    /// until the next NVML read, process-list read, end of an idle window, re-check or
+    /// publication, and at most `--idle-poll-interval`. A doorbell ends the sleep early.
+    pub(crate) fn next_wait(&self, now: u64) -> Duration {
+        let poll = self.cfg.poll;
+        let busy_holds = {
+            let h = self.holds();
+            h.pending()
+        };
+        if busy_holds
             || !self.tracker.is_empty()
             || !self.retries.is_empty()
-            || !self.holds().is_empty()
+            || self.table.fixed_share_present()
+            || self.refresh_asked.is_some()
         {
-            self.cfg.poll
-        } else {
-            self.cfg.idle_poll.max(self.cfg.poll)
+            return poll;
         }
+        let mut due = now + self.cfg.idle_poll.max(poll).as_nanos() as u64;
+        if self.table.offline_present() || !self.holds().is_empty() {
+            due = due.min(self.next_nvml_ns);
+        }
+        due = due.min(self.next_refresh_ns);
+        if !self.holds().is_empty() {
+            due = due.min(now + self.cfg.recheck.as_nanos() as u64);
+        }
+        let window = self.cfg.machine.idle_window;
+        for (_, st) in self.machine.states() {
+            if let qos_core::GpuState::OnlineBusy { last_online, .. } = st {
+                due = due.min(last_online.saturating_add(window));
+            }
+        }
+        due = due.min(self.last_publish_ns + 100_000_000);
+        Duration::from_nanos(due.saturating_sub(now)).max(Duration::from_micros(50))
     }
 
     /// One iteration: sample, classify new processes, decide, act, publish.
@@ -265,7 +304,10 @@ impl Loop {
         if self.watchdog.leave(&self.holds) {
             self.after_watchdog(now);
         }
-        self.judge(failed, now);
+        if let Some(failed) = failed {
+            self.judge(failed, now);
+        }
+        self.ring_bells(now);
 
         let managed: Vec<u32> = self
             .gpus
@@ -357,10 +399,13 @@ impl Loop {
         for e in self.table.entries() {
             for g in &e.gpus {
                 if let Some(v) = by_gpu.get_mut(g) {
+                    let onset = e.onset.get(g).copied();
                     v.push(qos_core::ProcessObs {
                         key: e.key,
                         class: e.cls.class,
                         last_active: e.last_active.get(g).copied(),
+                        onset: onset.map(|o| o.0),
+                        signal: onset.map_or(qos_core::Signal::Nvml, |o| o.1),
                         share: e.cls.share,
                     });
                 }

@@ -3,18 +3,33 @@
 
 use super::events::{Event, FailOpen};
 use super::health::Verdict;
+use super::table::Activity;
 use super::Loop;
+use qos_core::Signal;
 use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, info, warn};
 
 impl Loop {
-    /// Reads samples (and, when due, the process lists) of every GPU. Returns the GPUs
-    /// whose calls failed this tick, with the reason.
-    pub(super) fn observe(&mut self, now: u64) -> BTreeMap<u32, String> {
+    /// Reads, when due, the samples and the process lists of every GPU. Returns the GPUs
+    /// whose calls failed this tick, with the reason; `None` when no NVML call was due.
+    pub(super) fn observe(&mut self, now: u64) -> Option<BTreeMap<u32, String>> {
+        let samples_due = now >= self.next_nvml_ns;
+        let list_due = self.list_due(now);
+        if !samples_due && list_due.is_none() {
+            return None;
+        }
         let mut failed = BTreeMap::new();
-        let mut unknown: Vec<(u32, u32, u64)> = Vec::new();
+        let mut unknown: Vec<(u32, u32, Activity)> = Vec::new();
         let mut samples = std::mem::take(&mut self.scratch);
+        let period = self.cfg.nvml_sample_period.as_nanos() as u64;
+        let window = self.cfg.machine.idle_window;
+        if samples_due {
+            self.next_nvml_ns = now + self.cfg.nvml_interval.as_nanos() as u64;
+        }
         for i in 0..self.gpus.len() {
+            if !samples_due {
+                break;
+            }
             let gpu = self.gpus[i];
             let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
             samples.clear();
@@ -32,8 +47,15 @@ impl Loop {
                         if a.at_ns <= blind {
                             continue;
                         }
-                        if !self.table.note_sample(gpu, a.pid, a.at_ns) {
-                            unknown.push((gpu, a.pid, a.at_ns));
+                        // A sample covers the period that ends at its timestamp.
+                        let act = Activity {
+                            start: a.at_ns.saturating_sub(period).max(blind),
+                            end: a.at_ns,
+                            signal: Signal::Nvml,
+                            window,
+                        };
+                        if !self.table.note_sample(gpu, a.pid, act) {
+                            unknown.push((gpu, a.pid, act));
                         }
                     }
                 }
@@ -47,14 +69,11 @@ impl Loop {
         let generation = self.classifier.source.generation();
         let why = if !unknown.is_empty() {
             Some("unknown_pid")
-        } else if self.table.stale(generation) {
-            Some("pod_source")
-        } else if now >= self.next_refresh_ns {
-            Some("interval")
         } else {
-            None
+            self.list_due(now)
         };
         if let Some(why) = why {
+            self.refresh_asked = None;
             metrics::counter!("coloc_process_list_refreshes_total", "why" => why).increment(1);
             self.next_refresh_ns = now + self.cfg.process_interval.as_nanos() as u64;
             let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
@@ -76,11 +95,24 @@ impl Loop {
             }
             self.table
                 .refresh(&listed, &list_failed, generation, now, &self.classifier);
-            for (gpu, pid, at) in unknown {
-                self.table.note_sample(gpu, pid, at);
+            for (gpu, pid, act) in unknown {
+                self.table.note_sample(gpu, pid, act);
             }
         }
-        failed
+        Some(failed)
+    }
+
+    /// Why the process lists must be read now, if they must.
+    fn list_due(&self, now: u64) -> Option<&'static str> {
+        if self.table.stale(self.classifier.source.generation()) {
+            Some("pod_source")
+        } else if let Some(why) = self.refresh_asked {
+            Some(why)
+        } else if now >= self.next_refresh_ns {
+            Some("interval")
+        } else {
+            None
+        }
     }
 
     /// Applies the health policy to this tick's failures.

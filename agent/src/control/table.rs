@@ -12,7 +12,7 @@ use crate::control::target::{Chooser, Plan};
 use crate::edges::actuator::Target;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::{Classified, PodSource};
-use qos_core::Class;
+use qos_core::{Class, Signal};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -33,14 +33,54 @@ pub struct Entry {
     pub cmd: String,
     /// GPUs it has a context on.
     pub gpus: BTreeSet<u32>,
-    /// Latest activity per GPU (sample timestamp, ns).
+    /// End of the latest activity per GPU (a launch, or the end of a sampled period), ns.
     pub last_active: BTreeMap<u32, u64>,
+    /// Onset of the current run of activity per GPU, and the signal that gave it.
+    pub onset: BTreeMap<u32, (u64, Signal)>,
+    /// Real UID of the process.
+    pub uid: u32,
+    /// The pod it runs in, from its cgroup path (Kubernetes), if any.
+    pub pod_uid: Option<String>,
     /// How it is suspended (offline processes only).
     pub plan: Option<Plan>,
     /// A pidfd pinning it (tells cheaply when it has exited).
     pub pin: Option<Arc<OwnedFd>>,
     /// The pod source's generation when it was classified.
     pub generation: u64,
+}
+
+/// Activity seen on a GPU: from `start` to `end` (ns), through `signal`; a start at least
+/// `window` after the previous end begins a new run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Activity {
+    /// Earliest evidence (a launch time, or the start of a sampled period).
+    pub start: u64,
+    /// Latest evidence (a launch time, or the end of a sampled period).
+    pub end: u64,
+    /// Where it was seen.
+    pub signal: Signal,
+    /// The idle window: a gap this long ends a run.
+    pub window: u64,
+}
+
+impl Entry {
+    /// Records activity on `gpu`. Within a run the onset only moves earlier, except that
+    /// a doorbell's launch time (exact) replaces a sampled period's start (a bound).
+    fn note(&mut self, gpu: u32, a: Activity) {
+        let start = a.start.min(a.end);
+        let prev_end = self.last_active.get(&gpu).copied();
+        let new_run = prev_end.is_none_or(|p| start >= p.saturating_add(a.window));
+        let run = self.onset.entry(gpu).or_insert((start, a.signal));
+        if new_run {
+            *run = (start, a.signal);
+        } else if run.1 == a.signal {
+            run.0 = run.0.min(start);
+        } else if a.signal == Signal::Doorbell {
+            *run = (start, Signal::Doorbell);
+        }
+        let t = self.last_active.entry(gpu).or_insert(0);
+        *t = (*t).max(a.end);
+    }
 }
 
 /// What classification needs.
@@ -81,15 +121,26 @@ pub struct Table {
 impl Table {
     /// Records a sample; returns `false` when the PID is unknown on that GPU (the caller
     /// re-reads the process list).
-    pub fn note_sample(&mut self, gpu: u32, pid: u32, at: u64) -> bool {
+    pub fn note_sample(&mut self, gpu: u32, pid: u32, act: Activity) -> bool {
         match self.procs.get_mut(&pid) {
             Some(e) if e.gpus.contains(&gpu) => {
-                let t = e.last_active.entry(gpu).or_insert(0);
-                *t = (*t).max(at);
+                e.note(gpu, act);
                 true
             }
             // An exited process's samples count for nothing.
             _ => self.invisible.contains_key(&pid),
+        }
+    }
+
+    /// The entry of `pid`, if known.
+    pub fn by_pid(&self, pid: u32) -> Option<&Entry> {
+        self.procs.get(&pid)
+    }
+
+    /// Notes activity of a known process (a doorbell reading attributed to it).
+    pub fn note(&mut self, key: &ProcKey, gpu: u32, act: Activity) {
+        if let Some(e) = self.procs.get_mut(&key.pid).filter(|e| e.key == *key) {
+            e.note(gpu, act);
         }
     }
 
@@ -101,6 +152,16 @@ impl Table {
     /// Whether an offline process was on a GPU at the latest refresh.
     pub fn offline_present(&self) -> bool {
         self.offline_present
+    }
+
+    /// Some offline process with a `fixed-share` cap is on a GPU (its duty cycle needs
+    /// the fast tick).
+    pub fn fixed_share_present(&self) -> bool {
+        self.procs.values().any(|e| {
+            e.cls.class == Class::Offline
+                && !e.gpus.is_empty()
+                && matches!(e.cls.share, qos_core::Share::Fixed { .. })
+        })
     }
 
     /// The entry of `key` (same PID and start time).
@@ -120,8 +181,12 @@ impl Table {
             match gpu {
                 Some(g) => {
                     e.last_active.remove(&g);
+                    e.onset.remove(&g);
                 }
-                None => e.last_active.clear(),
+                None => {
+                    e.last_active.clear();
+                    e.onset.clear();
+                }
             }
         }
     }
@@ -178,6 +243,7 @@ impl Table {
                 e.gpus = gpus.union(&keep).copied().collect();
                 let on = e.gpus.clone();
                 e.last_active.retain(|g, _| on.contains(g));
+                e.onset.retain(|g, _| on.contains(g));
             }
         }
         for (pid, e) in self.procs.iter_mut() {
@@ -313,12 +379,20 @@ impl Table {
         if cls.class == Class::Unmanaged {
             metrics::counter!("coloc_unmanaged_processes_total").increment(1);
         }
+        let pod_uid = info
+            .cgroups
+            .paths()
+            .find_map(crate::edges::source::podref::parse)
+            .map(|p| p.uid);
         Some(Entry {
             key: info.key,
             cls,
             cmd: truncate(&info.cmdline, 200),
             gpus: BTreeSet::new(),
             last_active: BTreeMap::new(),
+            onset: BTreeMap::new(),
+            uid: info.uid,
+            pod_uid,
             plan,
             pin: pin.ok(),
             generation,

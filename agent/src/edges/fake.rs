@@ -122,7 +122,7 @@ impl GpuSampler for FakeGpu {
         self.gpus.clone()
     }
     fn uuid(&self, gpu: u32) -> String {
-        format!("GPU-fake-{gpu}")
+        coloc_doorbell::format_uuid(&fake_uuid(gpu))
     }
     fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError> {
         let mut s = self.state.lock().unwrap();
@@ -399,5 +399,81 @@ impl Actuator for FakeActuator {
                 _ => self.answer(t, op),
             })
             .collect()
+    }
+}
+
+/// The UUID bytes of fake GPU `gpu`.
+pub fn fake_uuid(gpu: u32) -> [u8; 16] {
+    let mut u = [0xc0, 0x10, 0xc5, 0x17, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    u[12..].copy_from_slice(&gpu.to_be_bytes());
+    u
+}
+
+/// Doorbell pages the test writes by hand; `wait` returns at once.
+#[derive(Debug, Clone, Default)]
+pub struct FakeBells {
+    /// Shared state.
+    pub state: Arc<Mutex<FakeBellState>>,
+}
+
+/// What [`FakeBells`] serves.
+#[derive(Debug, Default)]
+pub struct FakeBellState {
+    /// Mapped pages.
+    pub pages: Vec<crate::edges::doorbell::PageInfo>,
+    /// Current readings.
+    pub readings: Vec<crate::edges::doorbell::BellReading>,
+    /// The page set changed since the last rescan.
+    pub changed: bool,
+    /// Timeouts the loop asked to sleep for.
+    pub waits: Vec<std::time::Duration>,
+}
+
+impl FakeBells {
+    /// Adds page `id` claiming `owner`, its file owned by `file_uid`.
+    pub fn page(&self, id: u64, owner: crate::edges::doorbell::Owner, file_uid: u32) {
+        let mut s = self.state.lock().unwrap();
+        s.pages.push(crate::edges::doorbell::PageInfo {
+            id,
+            path: format!("/fake/{id}.bell").into(),
+            owner,
+            file_uid,
+            wake_gap_ns: coloc_doorbell::DEFAULT_WAKE_GAP_NS,
+        });
+        s.changed = true;
+    }
+    /// Page `id` says: a run on `gpu` since `since`, latest launch `last`.
+    pub fn ring(&self, id: u64, gpu: u32, since: u64, last: u64) {
+        let mut s = self.state.lock().unwrap();
+        s.readings
+            .retain(|r| !(r.page == id && r.reading.index == gpu as usize));
+        s.readings.push(crate::edges::doorbell::BellReading {
+            page: id,
+            reading: coloc_doorbell::Reading {
+                index: gpu as usize,
+                uuid: fake_uuid(gpu),
+                last_launch_ns: last,
+                busy_since_ns: since,
+            },
+        });
+    }
+}
+
+impl crate::edges::doorbell::Doorbells for FakeBells {
+    fn rescan(&mut self, _force: bool) -> bool {
+        std::mem::take(&mut self.state.lock().unwrap().changed)
+    }
+    fn pages(&self) -> Vec<crate::edges::doorbell::PageInfo> {
+        self.state.lock().unwrap().pages.clone()
+    }
+    fn read(&self, out: &mut Vec<crate::edges::doorbell::BellReading>) {
+        out.extend(self.state.lock().unwrap().readings.iter().copied());
+    }
+    fn wait(&mut self, timeout: std::time::Duration) -> bool {
+        self.state.lock().unwrap().waits.push(timeout);
+        false
+    }
+    fn waker(&self) -> crate::edges::doorbell::Waker {
+        crate::edges::doorbell::Waker::default()
     }
 }

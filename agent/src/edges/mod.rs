@@ -8,6 +8,7 @@
 //!   actuator::Actuator  freezer, signal, dry run ──────────────── stop / continue
 //!   record::RecordStore the fail-open file ────────────────────── what is stopped
 //!   clock::Clock ────── wall clock (NVML's timestamps) ────────── now
+//!   doorbell::Doorbells launch pages of the CUDA shim, futex ─── onset; the loop's sleep
 //! ```
 //!
 //! Only `gpu` calls a C library (through `nvml-wrapper`); only `actuator` and `record`
@@ -16,6 +17,7 @@
 pub mod actuator;
 pub mod cgroupfs;
 pub mod clock;
+pub mod doorbell;
 pub mod gpu;
 pub mod procfs;
 pub mod record;

@@ -163,6 +163,11 @@ impl Holds {
         self.held.len()
     }
 
+    /// Some suspension or resumption waits for confirmation.
+    pub fn pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Nothing is held.
     pub fn is_empty(&self) -> bool {
         self.held.is_empty()

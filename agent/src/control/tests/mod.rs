@@ -2,6 +2,7 @@
 //! process is touched, and time is a fake clock the test moves. `failures`: what goes
 //! wrong (stuck targets, NVML failing or hanging, exited PIDs) and what the loop does.
 
+mod bells;
 mod failures;
 
 use super::events::Event;
@@ -28,6 +29,20 @@ fn default_config() -> LoopConfig {
     let Command::Run(args) = cli.cmd else {
         unreachable!()
     };
+    let mut cfg = args.loop_config().unwrap();
+    // These tests model a driver that samples every millisecond, read every tick (the
+    // doorbell tests below use the real defaults).
+    cfg.nvml_interval = Duration::ZERO;
+    cfg.nvml_sample_period = Duration::from_millis(1);
+    cfg
+}
+
+/// The configuration exactly as a user gets it.
+fn user_config() -> LoopConfig {
+    let cli = Cli::try_parse_from(["coloc-agent", "run", "--actuator", "signal"]).unwrap();
+    let Command::Run(args) = cli.cmd else {
+        unreachable!()
+    };
     args.loop_config().unwrap()
 }
 
@@ -39,6 +54,7 @@ struct H {
     source: FakeSource,
     act: FakeActuator,
     rec: FakeRecord,
+    bells: FakeBells,
 }
 
 fn harness(gpus: u32) -> H {
@@ -52,6 +68,7 @@ fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
     let procs = FakeProc::default();
     let source = FakeSource::default();
     let rec = FakeRecord::default();
+    let bells = FakeBells::default();
     let act = FakeActuator {
         disk: rec.disk.clone(),
         clock: Some(clock.clone()),
@@ -65,6 +82,7 @@ fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
         clock: Arc::new(clock.clone()),
         actuator: Box::new(act.clone()),
         record: Box::new(rec.clone()),
+        bells: Box::new(bells.clone()),
     };
     let lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
     H {
@@ -75,6 +93,7 @@ fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
         source,
         act,
         rec,
+        bells,
     }
 }
 
@@ -182,10 +201,16 @@ fn preempts_and_releases_at_the_end_of_the_idle_window() {
         panic!("{ev:?}")
     };
     assert_eq!(p.actuator, Some(Kind::Signal));
+    assert_eq!(p.signal, qos_core::Signal::Nvml);
+    assert_eq!(
+        p.onset_ns,
+        last - MS,
+        "onset: the start of the 1 ms sampled period that ends at the sample's timestamp"
+    );
     assert_eq!(
         p.preemption_s,
-        Some(0.0005),
-        "actuation time of the fake: 0.5 ms"
+        Some(0.0015),
+        "from onset: the 1 ms sampled period, then the fake's 0.5 ms actuation"
     );
     let Some(Event::Release(r)) = ev.iter().find(|e| matches!(e, Event::Release(_))) else {
         panic!("{ev:?}")
@@ -300,32 +325,37 @@ fn a_reused_pid_is_never_signalled() {
     assert!(!h.lp.holds().holds(&h.key(10)));
 }
 
-/// The loop polls at `--poll-interval` while offline work is on a GPU, and reads the
-/// process lists every `--process-interval`, not every tick.
+/// The loop sleeps until something is due: NVML's samples every `--nvml-interval`
+/// (100 ms), the process lists every `--process-interval` (50 ms), the end of an idle
+/// window; the fast tick only while a confirmation is pending.
 #[test]
-fn polls_fast_only_with_offline_work_and_lists_processes_on_the_interval() {
-    let mut h = harness(1);
+fn sleeps_until_due_and_reads_nvml_at_its_interval() {
+    let mut h = harness_with(1, user_config());
     h.spawn(0, 20, class(Class::Online, None));
-    h.ticks(3);
-    assert_eq!(
-        h.lp.current_poll(),
-        Duration::from_millis(10),
-        "no offline work: the idle poll"
+    h.ticks(1);
+    let w = h.lp.next_wait(h.now());
+    assert!(
+        w > Duration::from_millis(40) && w <= Duration::from_millis(50),
+        "nothing to do: asleep until the process list is due, {w:?}"
     );
     h.spawn(0, 10, class(Class::Offline, None));
     h.clock.advance(60 * MS);
     h.ticks(1);
-    assert_eq!(
-        h.lp.current_poll(),
-        Duration::from_millis(1),
-        "offline present: the fast poll"
-    );
     let before = h.gpu.state.lock().unwrap().calls;
-    h.ticks(200);
+    // 1000 ticks of 1 ms: samples 10 times, process lists 20 times (one GPU).
+    h.ticks(1000);
     let calls = h.gpu.state.lock().unwrap().calls - before;
-    // 200 ticks of 1 ms: 200 sample calls, and the process list every 50 ms (4-5 times).
     assert!(
-        calls <= 200 + 6,
-        "{calls} NVML calls in 200 ticks: the process list is read every tick"
+        (28..=32).contains(&calls),
+        "{calls} NVML calls in 1 s: samples every 100 ms and lists every 50 ms expected"
     );
+    // Online busy (a doorbell launch now): offline is suspended; while its confirmation
+    // is pending the loop ticks fast, then sleeps until the window's end at the latest.
+    h.bells.page(1, crate::edges::doorbell::Owner::Pid(20), 0);
+    let now = h.now();
+    h.bells.ring(1, 0, now, now);
+    h.lp.tick();
+    assert!(h.suspended(10));
+    let w = h.lp.next_wait(h.now());
+    assert!(w <= Duration::from_millis(100), "{w:?}");
 }

@@ -1,0 +1,224 @@
+//! Doorbells in the loop: the CUDA shim's launch times, attributed to online processes.
+//!
+//! Trust: a page's readings count only for a process the table already knows and
+//! classifies as **online**, on the GPU the reading names, and that owns the page:
+//! - standalone (`<dir>/<pid>-….bell`): the process with that PID, whose real UID owns
+//!   the file;
+//! - Kubernetes (`<dir>/pods/<uid>/…`): a process of the pod with that UID (the directory
+//!   is mounted into that pod alone).
+//!
+//! Anything else is rejected, counted by reason, and logged once per page. A page never
+//! names whom to suspend: it can only make its own online owner's activity visible
+//! sooner, which that owner could cause anyway by launching work.
+
+use super::table::Activity;
+use super::Loop;
+use crate::edges::doorbell::{BellReading, Doorbells, Owner, PageInfo};
+use qos_core::{Class, Signal};
+use std::collections::HashMap;
+use tracing::{info, warn};
+
+/// Why a reading was not attributed (metric label).
+const REASONS: [&str; 5] = [
+    "unknown_gpu",
+    "unknown_owner",
+    "not_online",
+    "uid_mismatch",
+    "not_on_gpu",
+];
+
+/// The loop's doorbell state.
+pub(super) struct Bells {
+    edge: Box<dyn Doorbells>,
+    /// GPU UUID bytes → GPU index.
+    uuid_gpu: HashMap<[u8; 16], u32>,
+    pages: HashMap<u64, PageState>,
+    buf: Vec<BellReading>,
+    /// Readings older than this are history (the agent's start).
+    started_ns: u64,
+    next_scan_ns: u64,
+    window_ns: u64,
+}
+
+struct PageState {
+    info: PageInfo,
+    /// The latest rejection logged for this page.
+    rejected: Option<&'static str>,
+    attributed: bool,
+    refresh_asked_ns: u64,
+}
+
+impl std::fmt::Debug for Bells {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bells")
+            .field("pages", &self.pages.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Bells {
+    pub(super) fn new(edge: Box<dyn Doorbells>, uuids: &[(u32, String)], now: u64) -> Bells {
+        for r in REASONS {
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => r).absolute(0);
+        }
+        metrics::counter!("coloc_doorbell_wakeups_total").absolute(0);
+        let mut uuid_gpu = HashMap::new();
+        for (gpu, s) in uuids {
+            match coloc_doorbell::parse_uuid(s) {
+                Some(u) => {
+                    uuid_gpu.insert(u, *gpu);
+                }
+                None => {
+                    warn!(gpu, uuid = %s, "GPU UUID not in NVML's form: doorbells cannot name this GPU")
+                }
+            }
+        }
+        Bells {
+            edge,
+            uuid_gpu,
+            pages: HashMap::new(),
+            buf: Vec::new(),
+            started_ns: now,
+            next_scan_ns: 0,
+            window_ns: 0,
+        }
+    }
+
+    /// Sleeps until a doorbell rings or `timeout` passes; true when woken early.
+    pub(super) fn wait(&mut self, timeout: std::time::Duration) -> bool {
+        self.edge.wait(timeout)
+    }
+}
+
+impl Loop {
+    /// Reads every doorbell page and notes the launches of online processes.
+    pub(super) fn ring_bells(&mut self, now: u64) {
+        let b = &mut self.bells;
+        b.window_ns = self.cfg.machine.idle_window;
+        let force = now >= b.next_scan_ns;
+        if force {
+            b.next_scan_ns = now + 1_000_000_000;
+        }
+        if b.edge.rescan(force) {
+            let infos = b.edge.pages();
+            b.pages.retain(|id, _| infos.iter().any(|i| i.id == *id));
+            for info in infos {
+                if info.wake_gap_ns > b.window_ns {
+                    warn!(page = %info.path.display(), wake_gap_ms = info.wake_gap_ns as f64 / 1e6, idle_window_ms = b.window_ns as f64 / 1e6,
+                        "Doorbell wake gap longer than the idle window: a launch after a pause between the two is seen at the next tick, not at once (set COLOC_SHIM_WAKE_GAP_MS to the idle window)");
+                }
+                b.pages.entry(info.id).or_insert(PageState {
+                    info,
+                    rejected: None,
+                    attributed: false,
+                    refresh_asked_ns: 0,
+                });
+            }
+        }
+        if b.pages.is_empty() {
+            return;
+        }
+        let mut buf = std::mem::take(&mut b.buf);
+        buf.clear();
+        b.edge.read(&mut buf);
+        for r in &buf {
+            self.attribute(r, now);
+        }
+        self.bells.buf = buf;
+    }
+
+    fn attribute(&mut self, r: &BellReading, now: u64) {
+        let last = r.reading.last_launch_ns;
+        let Some(gpu) = self.bells.uuid_gpu.get(&r.reading.uuid).copied() else {
+            self.reject(r.page, "unknown_gpu");
+            return;
+        };
+        let blind = self
+            .blind_until
+            .get(&gpu)
+            .copied()
+            .unwrap_or(0)
+            .max(self.bells.started_ns);
+        if last <= blind || self.health.degraded(gpu) {
+            return;
+        }
+        let Some(page) = self.bells.pages.get(&r.page) else {
+            return;
+        };
+        let found = match &page.info.owner {
+            Owner::Pid(pid) => match self.table.by_pid(*pid) {
+                None => Err("unknown_owner"),
+                Some(e) if e.cls.class != Class::Online => Err("not_online"),
+                Some(e) if e.uid != page.info.file_uid => Err("uid_mismatch"),
+                Some(e) if !e.gpus.contains(&gpu) => Err("not_on_gpu"),
+                Some(e) => Ok(e.key),
+            },
+            Owner::Pod(uid) => {
+                let mut of_pod = self
+                    .table
+                    .entries()
+                    .filter(|e| e.pod_uid.as_deref() == Some(uid.as_str()))
+                    .peekable();
+                if of_pod.peek().is_none() {
+                    Err("unknown_owner")
+                } else {
+                    let mut online = of_pod.filter(|e| e.cls.class == Class::Online).peekable();
+                    if online.peek().is_none() {
+                        Err("not_online")
+                    } else {
+                        online
+                            .find(|e| e.gpus.contains(&gpu))
+                            .map(|e| e.key)
+                            .ok_or("not_on_gpu")
+                    }
+                }
+            }
+        };
+        let key = match found {
+            Ok(k) => k,
+            Err(why) => {
+                // A process that just started is listed by the driver before the next
+                // periodic read: read the lists now (at most once a second per page).
+                if matches!(why, "unknown_owner" | "not_on_gpu") && now >= last {
+                    let p = self.bells.pages.get_mut(&r.page).expect("checked above");
+                    if now.saturating_sub(p.refresh_asked_ns) >= 1_000_000_000 {
+                        p.refresh_asked_ns = now;
+                        self.refresh_asked = Some("doorbell");
+                        return;
+                    }
+                }
+                self.reject(r.page, why);
+                return;
+            }
+        };
+        let p = self.bells.pages.get_mut(&r.page).expect("checked above");
+        if !p.attributed {
+            p.attributed = true;
+            p.rejected = None;
+            info!(page = %p.info.path.display(), pid = key.pid, gpu, "Doorbell page attributed to an online process");
+        }
+        self.table.note(
+            &key,
+            gpu,
+            Activity {
+                start: r.reading.busy_since_ns.max(blind),
+                end: last,
+                signal: Signal::Doorbell,
+                window: self.bells.window_ns,
+            },
+        );
+    }
+
+    fn reject(&mut self, page: u64, why: &'static str) {
+        let Some(p) = self.bells.pages.get_mut(&page) else {
+            return;
+        };
+        if p.rejected != Some(why) {
+            p.rejected = Some(why);
+            p.attributed = false;
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => why).increment(1);
+            warn!(page = %p.info.path.display(), owner = ?p.info.owner, file_uid = p.info.file_uid, reason = why,
+                "Doorbell page not attributed: its launches count for nothing");
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! Doorbells in the loop: a launch of an online process preempts at once, measured from
+//! the launch; a page that does not belong to an online process suspends nothing.
+
+use super::*;
+use crate::edges::doorbell::Owner;
+
+/// Offline 10 and online 20 on GPU 0, with the user's defaults (NVML read every 100 ms).
+fn setup() -> H {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h
+}
+
+#[test]
+fn a_launch_preempts_at_once_measured_from_the_launch() {
+    let mut h = setup();
+    h.bells.page(1, Owner::Pid(20), 0);
+    h.clock.advance(10 * MS);
+    let launch = h.now();
+    h.clock.advance(MS / 5);
+    h.bells.ring(1, 0, launch, launch);
+    h.lp.tick();
+    assert!(
+        h.suspended(10),
+        "the doorbell preempts without waiting for NVML"
+    );
+    h.ticks(3);
+    let ev = h.events();
+    let Some(Event::Preempt(p)) = ev.iter().find(|e| matches!(e, Event::Preempt(_))) else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(p.signal, qos_core::Signal::Doorbell);
+    assert_eq!(p.onset_ns, launch, "onset is the launch time");
+    assert_eq!(p.detection_s, 0.0002);
+    // Launches keep it busy; the window counts from the last launch.
+    let last = h.now();
+    h.bells.ring(1, 0, launch, last);
+    h.tick();
+    while h.now() < last + 99 * MS {
+        h.tick();
+        assert!(h.suspended(10), "released before the window's end");
+    }
+    h.clock.set(last + 100 * MS);
+    h.tick();
+    assert!(
+        !h.suspended(10),
+        "released at the window's end after the last launch"
+    );
+}
+
+#[test]
+fn pages_that_are_not_an_online_owners_suspend_nothing() {
+    let mut h = setup();
+    h.spawn(0, 30, class(Class::Online, None));
+    h.procs.procs.lock().unwrap().get_mut(&30).unwrap().uid = 1000;
+    h.ticks(1);
+    // The offline process's own page; a page naming an online PID but owned by another
+    // UID; a page naming a PID the driver does not list; a page for a GPU that is not
+    // the owner's; a pod page for a pod nobody runs in.
+    h.bells.page(1, Owner::Pid(10), 0);
+    h.bells.page(2, Owner::Pid(30), 0);
+    h.bells.page(3, Owner::Pid(4242), 0);
+    h.bells.page(4, Owner::Pid(20), 0);
+    h.bells.page(
+        5,
+        Owner::Pod("0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11".into()),
+        0,
+    );
+    for _ in 0..50 {
+        let now = h.now();
+        h.bells.ring(1, 0, now, now);
+        h.bells.ring(2, 0, now, now);
+        h.bells.ring(3, 0, now, now);
+        h.bells.ring(4, 3, now, now);
+        h.bells.ring(5, 0, now, now);
+        h.tick();
+        assert!(!h.suspended(10), "a forged ring suspended offline work");
+    }
+    assert!(h.events().is_empty(), "{:?}", h.events());
+    // The same launches from the online owner's own page preempt.
+    h.bells.page(6, Owner::Pid(20), 0);
+    let now = h.now();
+    h.bells.ring(6, 0, now, now);
+    h.tick();
+    assert!(h.suspended(10));
+}
