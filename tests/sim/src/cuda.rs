@@ -21,6 +21,18 @@ const CUDA_ERROR_NOT_READY: CUresult = 600;
 
 type GetProcV2 =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+type Getter = Box<dyn Fn(&CStr) -> Result<*mut c_void>>;
+
+/// A function pointer from a `void*` the driver returned.
+///
+/// # Safety
+/// `p` must be a function whose C signature is `T`.
+unsafe fn fn_ptr<T: Copy>(p: *mut c_void) -> T {
+    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: same size; the caller vouches for the signature.
+    unsafe { std::mem::transmute_copy(&p) }
+}
+
 type GetProcV1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
 
 /// Driver entry points, all obtained through `cuGetProcAddress[_v2]`.
@@ -90,7 +102,7 @@ impl CudaGpu {
     pub fn open(ordinal: u32, per_thread_stream: bool) -> Result<CudaGpu> {
         // SAFETY: plain dlopen/dlsym of the driver library; the handle is never closed
         // (as the runtime never closes it), so the function pointers stay valid.
-        let getter: Box<dyn Fn(&CStr) -> Result<*mut c_void>> = unsafe {
+        let getter: Getter = unsafe {
             let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
             if h.is_null() {
                 bail!("dlopen(libcuda.so.1): {}", dl_error());
@@ -129,7 +141,7 @@ impl CudaGpu {
                 let p = getter($name)?;
                 // SAFETY: the driver's entry point for this base name, whose C signature
                 // the field's type spells out (cuda.h).
-                unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+                unsafe { fn_ptr(p) }
             }};
         }
         let api = Api {
