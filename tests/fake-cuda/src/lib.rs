@@ -258,7 +258,7 @@ fn init() -> Result<Driver, CUresult> {
     let sim = match SimGpu::from_env() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("fake libcuda: {e:#}: no simulated GPU, cuInit answers CUDA_ERROR_NO_DEVICE");
+            eprintln!("fake libcuda: {e:#}; cuInit answers CUDA_ERROR_NO_DEVICE");
             return Err(CUDA_ERROR_NO_DEVICE);
         }
     };
