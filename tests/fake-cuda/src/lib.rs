@@ -944,9 +944,9 @@ pub unsafe extern "C" fn cuStreamCreate(ps: *mut CUstream, flags: c_uint) -> CUr
         }
         let mut st = drv()?.lock();
         let ctx = st.current()?;
-        let last = st.slot_of(ctx)?.submitted();
+        st.slot_of(ctx)?;
         let h = st.handle();
-        st.streams.insert(h, Stream { ctx, last });
+        st.streams.insert(h, Stream { ctx, last: 0 });
         put(ps, h as CUstream)
     })
 }

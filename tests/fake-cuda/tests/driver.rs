@@ -363,3 +363,92 @@ fn uuids_and_the_primary_context_slot() {
         assert_eq!((c.primary_release)(1), INVALID_CONTEXT);
     }
 }
+
+#[repr(C)]
+struct LaunchConfig {
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u32,
+    stream: H,
+    attrs: H,
+    n_attrs: u32,
+}
+
+#[test]
+fn every_launch_entry_point_takes_the_first_parameter_as_duration() {
+    let _g = start();
+    let s = setup(0);
+    let ptr = |name: &CStr| {
+        let (r, p, _) = get(name, 12040, 2);
+        assert_eq!(r, OK, "{name:?}");
+        p
+    };
+    type Ex =
+        unsafe extern "C" fn(*const LaunchConfig, H, *mut *mut c_void, *mut *mut c_void) -> c_int;
+    type Coop =
+        unsafe extern "C" fn(H, u32, u32, u32, u32, u32, u32, u32, H, *mut *mut c_void) -> c_int;
+    type GetCtx = unsafe extern "C" fn(H, *mut H) -> c_int;
+    // SAFETY: pointers from the getter for these cuda.h signatures; valid arguments.
+    unsafe {
+        let ex: Ex = std::mem::transmute::<H, Ex>(ptr(c"cuLaunchKernelEx"));
+        let coop: Coop = std::mem::transmute::<H, Coop>(ptr(c"cuLaunchCooperativeKernel"));
+        let launch: FnLaunch = std::mem::transmute::<H, FnLaunch>(ptr(c"cuLaunchKernel"));
+        let get_ctx: GetCtx = std::mem::transmute::<H, GetCtx>(ptr(c"cuStreamGetCtx"));
+        let mut ctx = null_mut();
+        assert_eq!(get_ctx(s.stream, &mut ctx), OK);
+        assert_eq!(ctx, s.ctx);
+        assert_eq!(
+            get_ctx(null_mut(), &mut ctx),
+            OK,
+            "default stream: current context"
+        );
+        assert_eq!(ctx, s.ctx);
+        let (sub0, _) = counters(0);
+        let mut a = 1_000u64;
+        let mut b = 20_000u64;
+        let mut params = [&mut a as *mut u64 as *mut c_void];
+        let mut params_b = [&mut b as *mut u64 as *mut c_void];
+        let cfg = LaunchConfig {
+            grid: [2, 1, 1],
+            block: [64, 1, 1],
+            shared: 0,
+            stream: s.stream,
+            attrs: null_mut(),
+            n_attrs: 0,
+        };
+        assert_eq!(ex(&cfg, s.func, params.as_mut_ptr(), null_mut()), OK);
+        assert_eq!(
+            coop(s.func, 1, 1, 1, 1, 1, 1, 0, s.stream, params_b.as_mut_ptr()),
+            OK
+        );
+        // Parameters packed in `extra` (CU_LAUNCH_PARAM_BUFFER_POINTER/SIZE/END), on the
+        // per-thread default stream.
+        let mut buf = 300_000u64;
+        let mut size = 8usize;
+        let key = |k: usize| std::ptr::without_provenance_mut::<c_void>(k);
+        let mut extra = [
+            key(1),
+            &mut buf as *mut u64 as *mut c_void,
+            key(2),
+            &mut size as *mut usize as *mut c_void,
+            null_mut(),
+        ];
+        let r = launch(
+            s.func,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            0,
+            2 as H,
+            null_mut(),
+            extra.as_mut_ptr(),
+        );
+        assert_eq!(r, OK);
+        assert_eq!(counters(0).0 - sub0, 1_000 + 20_000 + 300_000);
+        assert_eq!((cu().ctx_sync)(), OK);
+        assert_eq!((cu().ctx_destroy)(s.ctx), OK);
+    }
+}

@@ -62,6 +62,7 @@ struct Api {
         *mut *mut c_void,
         *mut *mut c_void,
     ) -> CUresult,
+    mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CUresult,
     event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> CUresult,
     event_record: unsafe extern "C" fn(Handle, Handle) -> CUresult,
     event_query: unsafe extern "C" fn(Handle) -> CUresult,
@@ -98,8 +99,9 @@ fn dl_error() -> String {
 
 impl CudaGpu {
     /// Loads the driver, initialises it and sets up device `ordinal` (as numbered by
-    /// the driver, i.e. after `CUDA_VISIBLE_DEVICES`).
-    pub fn open(ordinal: u32, per_thread_stream: bool) -> Result<CudaGpu> {
+    /// the driver, i.e. after `CUDA_VISIBLE_DEVICES`), holding `mem_bytes` of device
+    /// memory (what NVML then lists for the process, as on the non-CUDA path).
+    pub fn open(ordinal: u32, per_thread_stream: bool, mem_bytes: usize) -> Result<CudaGpu> {
         // SAFETY: plain dlopen/dlsym of the driver library; the handle is never closed
         // (as the runtime never closes it), so the function pointers stay valid.
         let getter: Getter = unsafe {
@@ -156,6 +158,7 @@ impl CudaGpu {
             stream_destroy: get!(c"cuStreamDestroy"),
             stream_sync: get!(c"cuStreamSynchronize"),
             launch_kernel: get!(c"cuLaunchKernel"),
+            mem_alloc: get!(c"cuMemAlloc"),
             event_create: get!(c"cuEventCreate"),
             event_record: get!(c"cuEventRecord"),
             event_query: get!(c"cuEventQuery"),
@@ -189,6 +192,8 @@ impl CudaGpu {
                 "cuModuleLoadData",
                 (g.api.module_load_data)(&mut module, IMAGE.as_ptr() as *const c_void),
             )?;
+            let mut dptr = 0u64;
+            g.check("cuMemAlloc", (g.api.mem_alloc)(&mut dptr, mem_bytes))?;
             let mut func = std::ptr::null_mut();
             let r = (g.api.module_get_function)(&mut func, module, c"coloc_busy".as_ptr());
             g.check("cuModuleGetFunction", r)?;

@@ -352,7 +352,10 @@ fn main() -> Result<()> {
                 anyhow::ensure!(kernels > 0, "--kernels must be positive");
                 // The driver finds the simulated GPU through the environment.
                 std::env::set_var(STATE_ENV, &state);
-                Gpu::Cuda(cuda::CudaGpu::open(gpu, per_thread_stream)?, kernels)
+                Gpu::Cuda(
+                    cuda::CudaGpu::open(gpu, per_thread_stream, 1 << 30)?,
+                    kernels,
+                )
             } else {
                 Gpu::Slot(sim.register(gpu, 1 << 30)?)
             };
@@ -372,7 +375,7 @@ fn main() -> Result<()> {
             let sim = SimGpu::open(&state)?;
             if cuda {
                 std::env::set_var(STATE_ENV, &state);
-                let g = cuda::CudaGpu::open(gpu, per_thread_stream)?;
+                let g = cuda::CudaGpu::open(gpu, per_thread_stream, 4 << 30)?;
                 run_offline_cuda(&g, step_ms, queue_depth, duration_s, fork_every_ms, out)
             } else {
                 run_offline(
