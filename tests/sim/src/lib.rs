@@ -26,6 +26,12 @@
 //!   ([`SimGpu::nvml_inject`], [`SimGpu::nvml_hang`], … in [`nvml`]), so a test in one
 //!   process can make the NVML calls of the agent in another fail, stall or hang.
 //!
+//! - Workloads may also submit through the CUDA driver API: `tests/fake-cuda` builds
+//!   `libfake_cuda.so`, a `libcuda.so.1` whose launches become slot submissions;
+//!   [`fake_libcuda_dir`] gives the directory to put on `LD_LIBRARY_PATH`, and
+//!   `coloc-sim online --cuda` / `offline --cuda` use it. Both fakes name GPUs by
+//!   [`gpu_uuid`] / [`uuid_string`].
+//!
 //! Clock: `CLOCK_REALTIME` nanoseconds, as NVML's timestamps are wall-clock microseconds.
 
 use anyhow::{bail, Context, Result};
