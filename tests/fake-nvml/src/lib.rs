@@ -10,6 +10,10 @@
 //! `NVML_ERROR_NOT_FOUND` when there are none, `NVML_ERROR_INSUFFICIENT_SIZE` with the
 //! needed count when the buffer is too small or absent.
 //!
+//! UUIDs: `coloc_sim::uuid_string(&coloc_sim::gpu_uuid(gpu))`, e.g.
+//! `GPU-c010c517-0000-0000-0000-000000000001` for GPU 1, the same 16 bytes the fake CUDA
+//! driver (`tests/fake-cuda`) answers from `cuDeviceGetUuid`.
+//!
 //! ## Fault injection
 //!
 //! The switches live in the state file's header (atomics), so a test in another process
@@ -50,7 +54,7 @@
 //!   `NVML_ERROR_UNINITIALIZED` and are not counted.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use coloc_sim::{NvmlCall, NvmlFunc, SimGpu};
+use coloc_sim::{gpu_uuid, uuid_string, NvmlCall, NvmlFunc, SimGpu};
 use std::ffi::{c_char, c_uint, c_ulonglong};
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
@@ -305,13 +309,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
 ) -> NvmlReturn {
     match device(dev, NvmlFunc::DeviceGetUUID, false) {
         // SAFETY: forwarded caller contract.
-        Ok(c) => unsafe {
-            write_str(
-                buf,
-                len,
-                &format!("GPU-fake0000-0000-0000-0000-{:012}", c.gpu),
-            )
-        },
+        Ok(c) => unsafe { write_str(buf, len, &uuid_string(&gpu_uuid(c.gpu))) },
         Err(e) => e,
     }
 }

@@ -26,12 +26,18 @@
 //!   ([`SimGpu::nvml_inject`], [`SimGpu::nvml_hang`], … in [`nvml`]), so a test in one
 //!   process can make the NVML calls of the agent in another fail, stall or hang.
 //!
+//! - Workloads may also submit through the CUDA driver API: `tests/fake-cuda` builds
+//!   `libfake_cuda.so`, a `libcuda.so.1` whose launches become slot submissions;
+//!   [`fake_libcuda_dir`] gives the directory to put on `LD_LIBRARY_PATH`, and
+//!   `coloc-sim online --cuda` / `offline --cuda` use it. Both fakes name GPUs by
+//!   [`gpu_uuid`] / [`uuid_string`].
+//!
 //! Clock: `CLOCK_REALTIME` nanoseconds, as NVML's timestamps are wall-clock microseconds.
 
 use anyhow::{bail, Context, Result};
 use memmap2::MmapMut;
 use std::fs::OpenOptions;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
 pub mod nvml;
@@ -313,6 +319,29 @@ impl SimGpu {
         bail!("all {MAX_SLOTS} simulated GPU process slots are in use")
     }
 
+    /// Every live slot with its counters (tests read other processes' progress here).
+    pub fn slot_infos(&self) -> Vec<SlotInfo> {
+        let hwm = (self.header().slots_hwm.load(Acquire) as usize).min(MAX_SLOTS);
+        self.slots()[..hwm]
+            .iter()
+            .filter(|s| s.state.load(Acquire) == SLOT_LIVE)
+            .map(|s| SlotInfo {
+                pid: s.pid.load(Relaxed),
+                gpu: s.gpu.load(Relaxed),
+                mem_bytes: s.mem_bytes.load(Relaxed),
+                submitted_ns: s.submitted_ns.load(Acquire),
+                completed_ns: s.completed_ns.load(Acquire),
+            })
+            .collect()
+    }
+
+    /// The live slot of `pid` on `gpu`, if any.
+    pub fn slot_info(&self, pid: u32, gpu: u32) -> Option<SlotInfo> {
+        self.slot_infos()
+            .into_iter()
+            .find(|s| s.pid == pid && s.gpu == gpu)
+    }
+
     /// Releases every slot of `pid` (used when a workload exits).
     pub fn unregister_pid(&self, pid: u32) {
         for s in self.slots() {
@@ -321,6 +350,21 @@ impl SimGpu {
             }
         }
     }
+}
+
+/// A snapshot of one live slot's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotInfo {
+    /// Owner.
+    pub pid: u32,
+    /// Simulated GPU.
+    pub gpu: u32,
+    /// Memory it holds.
+    pub mem_bytes: u64,
+    /// Work submitted, ns.
+    pub submitted_ns: u64,
+    /// Work completed, ns.
+    pub completed_ns: u64,
 }
 
 /// A workload's claim on a slot; released on drop.
@@ -338,6 +382,16 @@ impl SlotHandle<'_> {
     /// Queues `ns` of exclusive GPU time; returns the completion target.
     pub fn submit(&self, ns: u64) -> u64 {
         self.slot().submitted_ns.fetch_add(ns, AcqRel) + ns
+    }
+
+    /// The simulated GPU of this slot.
+    pub fn gpu(&self) -> u32 {
+        self.slot().gpu.load(Relaxed)
+    }
+
+    /// Sets the GPU memory the process holds (as NVML lists it).
+    pub fn set_mem_bytes(&self, bytes: u64) {
+        self.slot().mem_bytes.store(bytes, Relaxed);
     }
 
     /// Work submitted so far.
@@ -533,6 +587,74 @@ impl<'a> Daemon<'a> {
     }
 }
 
+/// The UUID of simulated GPU `gpu`, as 16 bytes (`CUuuid`, what `cuDeviceGetUuid`
+/// answers): `c0 10 c5 17` ("coloc"), zeros, and the GPU index big-endian in the last two
+/// bytes. [`uuid_string`] turns it into NVML's form, what `nvmlDeviceGetUUID` answers.
+pub fn gpu_uuid(gpu: u32) -> [u8; 16] {
+    let mut u = [0u8; 16];
+    u[..4].copy_from_slice(&[0xc0, 0x10, 0xc5, 0x17]);
+    u[14..].copy_from_slice(&(gpu as u16).to_be_bytes());
+    u
+}
+
+/// NVML's text form of a UUID: `GPU-` and 8-4-4-4-12 lowercase hex digits
+/// (`GPU-c010c517-0000-0000-0000-000000000001` for GPU 1).
+pub fn uuid_string(u: &[u8; 16]) -> String {
+    let h = |r: std::ops::Range<usize>| u[r].iter().map(|b| format!("{b:02x}")).collect::<String>();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        h(0..4),
+        h(4..6),
+        h(6..8),
+        h(8..10),
+        h(10..16)
+    )
+}
+
+/// File name of the fake CUDA driver as built by cargo (`tests/fake-cuda`).
+pub const FAKE_CUDA_LIB: &str = "libfake_cuda.so";
+
+/// A directory holding `libcuda.so.1` (a symlink to the fake CUDA driver built in
+/// `target_profile_dir`, e.g. `target/debug`), to put on `LD_LIBRARY_PATH`: programs that
+/// `dlopen("libcuda.so.1")`, as the CUDA runtime does, then get the fake. Creates
+/// `<dir>/fake-cuda/libcuda.so.1`; idempotent, and safe when several tests call it at
+/// once (the link is made under a unique name and renamed into place). Fails when
+/// the library is not built (`cargo build -p fake-cuda`). The library is taken from
+/// `target_profile_dir` or, when only there or newer there, its `deps/` (where cargo
+/// leaves it when built as a dependency of a test).
+pub fn fake_libcuda_dir(target_profile_dir: &Path) -> Result<PathBuf> {
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let top = target_profile_dir.join(FAKE_CUDA_LIB);
+    let deps = target_profile_dir.join("deps").join(FAKE_CUDA_LIB);
+    let lib = match (mtime(&top), mtime(&deps)) {
+        (Some(a), Some(b)) if b > a => deps,
+        (Some(_), _) => top,
+        (None, Some(_)) => deps,
+        (None, None) => bail!(
+            "{} missing: build the fake CUDA driver first (`cargo build -p fake-cuda`)",
+            top.display()
+        ),
+    };
+    let lib =
+        std::fs::canonicalize(&lib).with_context(|| format!("resolving {}", lib.display()))?;
+    let dir = target_profile_dir.join("fake-cuda");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let link = dir.join("libcuda.so.1");
+    if std::fs::read_link(&link).is_ok_and(|t| t == lib) {
+        return Ok(dir);
+    }
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let tmp = dir.join(format!(
+        ".libcuda.so.1.{}.{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Relaxed)
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&lib, &tmp).with_context(|| format!("linking {}", tmp.display()))?;
+    std::fs::rename(&tmp, &link).with_context(|| format!("placing {}", link.display()))?;
+    Ok(dir)
+}
+
 /// Percentile of a sorted slice: the project's one nearest-rank percentile
 /// (`qos_core::stats`); 0 for an empty slice.
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -594,6 +716,18 @@ mod tests {
         drop((a, b));
         assert!(sim.processes(0).is_empty());
         std::fs::remove_file(path).ok();
+    }
+
+    #[test]
+    fn uuid_forms() {
+        assert_eq!(
+            uuid_string(&gpu_uuid(1)),
+            "GPU-c010c517-0000-0000-0000-000000000001"
+        );
+        assert_eq!(
+            uuid_string(&gpu_uuid(0x1234)),
+            "GPU-c010c517-0000-0000-0000-000000001234"
+        );
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //! coloc-sim offline --state /dev/shm/x --gpu 0 --step-ms 5 --queue-depth 2 --out offline.json
 //! coloc-sim nvml    --state /dev/shm/x inject utilization --code INSUFFICIENT_SIZE --data-call --count 1
 //! ```
+//!
+//! `online --cuda` and `offline --cuda` submit through the CUDA driver API instead
+//! (`libcuda.so.1` found by `dlopen`, entry points through `cuGetProcAddress_v2`, as the
+//! CUDA 12 runtime does; see `cuda.rs`), so a shim in front of the driver sees them.
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use coloc_sim::nvml::parse_nvml_return;
@@ -14,6 +18,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+mod cuda;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -70,6 +76,19 @@ enum Cmd {
         /// Write a JSON summary (and per-request records) here on exit.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Submit through the CUDA driver API (`libcuda.so.1`; in tests the fake driver
+        /// on LD_LIBRARY_PATH): each request is --kernels kernels, back to back on one
+        /// stream, then cuStreamSynchronize. --gpu is then the CUDA device ordinal.
+        #[arg(long)]
+        cuda: bool,
+        /// With --cuda: kernels per request (their durations sum to --work-ms).
+        #[arg(long, default_value_t = 4, requires = "cuda")]
+        kernels: u32,
+        /// With --cuda: ask cuGetProcAddress for the per-thread default stream variants
+        /// (flag 2, the `_ptsz` entry points), as a program built with
+        /// --default-stream per-thread does.
+        #[arg(long, requires = "cuda")]
+        per_thread_stream: bool,
     },
     /// An offline job: continuous steps, each busy on the GPU for a while.
     Offline {
@@ -78,9 +97,11 @@ enum Cmd {
         /// GPU time per step, ms (at full speed).
         #[arg(long, default_value_t = 5.0)]
         step_ms: f64,
-        /// Steps kept queued on the GPU: what keeps running after a SIGSTOP is about
-        /// (queue_depth - 1..queue_depth) × step.
-        #[arg(long, default_value_t = 1)]
+        /// Steps kept queued on the GPU (the run-ahead, as PyTorch's asynchronous
+        /// launches keep kernels queued): what keeps running after a SIGSTOP is about
+        /// (queue_depth - 1..queue_depth) × step. With --cuda: kernels in flight, each
+        /// followed by an event; the job waits on the oldest event (cuEventSynchronize).
+        #[arg(long, visible_alias = "depth", default_value_t = 1)]
         queue_depth: u32,
         #[arg(long, default_value_t = 0.0)]
         duration_s: f64,
@@ -93,6 +114,13 @@ enum Cmd {
         /// Free-form label, for rules that match on the command line.
         #[arg(long)]
         tag: Option<String>,
+        /// Submit through the CUDA driver API (see `online --cuda`): one kernel of
+        /// --step-ms per step. --gpu is then the CUDA device ordinal.
+        #[arg(long)]
+        cuda: bool,
+        /// With --cuda: the `_ptsz` entry points (see `online --per-thread-stream`).
+        #[arg(long, requires = "cuda")]
+        per_thread_stream: bool,
     },
     /// Busy on the GPU once for a fixed time (after an optional delay), then exit.
     Busy {
@@ -315,18 +343,23 @@ fn main() -> Result<()> {
             start_delay_s,
             seed,
             out,
+            cuda,
+            kernels,
+            per_thread_stream,
         } => {
             let sim = SimGpu::open(&state)?;
-            run_online(
-                &sim,
-                gpu,
-                rate,
-                work_ms,
-                duration_s,
-                start_delay_s,
-                seed,
-                out,
-            )
+            let gpu = if cuda {
+                anyhow::ensure!(kernels > 0, "--kernels must be positive");
+                // The driver finds the simulated GPU through the environment.
+                std::env::set_var(STATE_ENV, &state);
+                Gpu::Cuda(
+                    cuda::CudaGpu::open(gpu, per_thread_stream, 1 << 30)?,
+                    kernels,
+                )
+            } else {
+                Gpu::Slot(sim.register(gpu, 1 << 30)?)
+            };
+            run_online(&gpu, rate, work_ms, duration_s, start_delay_s, seed, out)
         }
         Cmd::Offline {
             gpu,
@@ -336,17 +369,25 @@ fn main() -> Result<()> {
             fork_every_ms,
             out,
             tag: _,
+            cuda,
+            per_thread_stream,
         } => {
             let sim = SimGpu::open(&state)?;
-            run_offline(
-                &sim,
-                gpu,
-                step_ms,
-                queue_depth,
-                duration_s,
-                fork_every_ms,
-                out,
-            )
+            if cuda {
+                std::env::set_var(STATE_ENV, &state);
+                let g = cuda::CudaGpu::open(gpu, per_thread_stream, 4 << 30)?;
+                run_offline_cuda(&g, step_ms, queue_depth, duration_s, fork_every_ms, out)
+            } else {
+                run_offline(
+                    &sim,
+                    gpu,
+                    step_ms,
+                    queue_depth,
+                    duration_s,
+                    fork_every_ms,
+                    out,
+                )
+            }
         }
         Cmd::Busy {
             gpu,
@@ -413,10 +454,37 @@ fn sleep_until(t_ns: u64) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Where a workload's GPU work goes.
+enum Gpu<'a> {
+    /// Straight into a simulated GPU slot.
+    Slot(coloc_sim::SlotHandle<'a>),
+    /// Through the CUDA driver API, this many kernels per request.
+    Cuda(cuda::CudaGpu, u32),
+}
+
+impl Gpu<'_> {
+    /// Runs `ns` of GPU work and waits for it.
+    fn run(&self, ns: u64) -> Result<()> {
+        match self {
+            Gpu::Slot(slot) => {
+                let target = slot.submit(ns);
+                slot.wait_completed(target);
+            }
+            Gpu::Cuda(g, k) => {
+                let k = u64::from(*k);
+                for i in 0..k {
+                    // Durations sum to ns exactly.
+                    g.launch(ns * (i + 1) / k - ns * i / k)?;
+                }
+                g.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+}
+
 fn run_online(
-    sim: &SimGpu,
-    gpu: u32,
+    gpu: &Gpu<'_>,
     rate: f64,
     work_ms: f64,
     duration_s: f64,
@@ -425,7 +493,6 @@ fn run_online(
     out: Option<PathBuf>,
 ) -> Result<()> {
     anyhow::ensure!(rate > 0.0, "--rate must be positive");
-    let slot = sim.register(gpu, 1 << 30)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let work_ns = (work_ms * 1e6) as u64;
     let start = now_ns() + (start_delay_s * 1e9) as u64;
@@ -447,8 +514,7 @@ fn run_online(
             break;
         }
         let started = now_ns();
-        let target = slot.submit(work_ns);
-        slot.wait_completed(target);
+        gpu.run(work_ns)?;
         records.push((arrival, started, now_ns()));
     }
     let mut lat: Vec<f64> = records.iter().map(|r| (r.2 - r.0) as f64 / 1e6).collect();
@@ -510,6 +576,65 @@ fn run_offline(
     }
     let elapsed = (now_ns() - start) as f64 / 1e9;
     let steps = slot.completed() / step_ns;
+    for mut c in children {
+        c.wait().ok();
+    }
+    let summary = serde_json::json!({
+        "steps": steps,
+        "elapsed_s": elapsed,
+        "steps_per_s": steps as f64 / elapsed.max(1e-9),
+        "step_ms": step_ms,
+    });
+    write_out(out, &summary)
+}
+
+/// `offline --cuda`: keep `depth` kernels of `step_ms` in flight on one stream, an event
+/// after each; wait on the oldest event (cuEventSynchronize), then top up. What runs on
+/// after a SIGSTOP is exactly the kernels in flight: (depth - 1..depth) × step.
+fn run_offline_cuda(
+    g: &cuda::CudaGpu,
+    step_ms: f64,
+    depth: u32,
+    duration_s: f64,
+    fork_every_ms: u64,
+    out: Option<PathBuf>,
+) -> Result<()> {
+    let step_ns = ((step_ms * 1e6) as u64).max(1);
+    let depth = depth.max(1) as usize;
+    let start = now_ns();
+    let end = if duration_s > 0.0 {
+        start + (duration_s * 1e9) as u64
+    } else {
+        u64::MAX
+    };
+    let mut children = Vec::new();
+    let mut next_fork = start;
+    let exe = std::env::current_exe()?;
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut steps = 0u64;
+    while now_ns() < end && !STOP.load(Ordering::Relaxed) {
+        if fork_every_ms > 0 && now_ns() >= next_fork {
+            next_fork = now_ns() + fork_every_ms * 1_000_000;
+            if let Ok(c) = std::process::Command::new(&exe).arg("child").spawn() {
+                children.push(c);
+            }
+            children.retain_mut(|c| c.try_wait().ok().flatten().is_none());
+        }
+        while in_flight.len() < depth {
+            g.launch(step_ns)?;
+            in_flight.push_back(g.record()?);
+        }
+        if let Some(e) = in_flight.pop_front() {
+            g.wait(e)?;
+            steps += 1;
+        }
+    }
+    let elapsed = (now_ns() - start) as f64 / 1e9;
+    for e in &in_flight {
+        if g.done(e)? {
+            steps += 1;
+        }
+    }
     for mut c in children {
         c.wait().ok();
     }
