@@ -165,9 +165,9 @@ fn create_page(dir: &std::path::Path) -> std::io::Result<()> {
         } else {
             libc::MAP_FAILED
         };
-        let err = std::io::Error::last_os_error();
-        libc::close(fd);
         if base == libc::MAP_FAILED {
+            let err = std::io::Error::last_os_error();
+            libc::close(fd);
             libc::unlink(cpath.as_ptr());
             return Err(err);
         }
@@ -176,6 +176,10 @@ fn create_page(dir: &std::path::Path) -> std::io::Result<()> {
     // SAFETY: a fresh page-sized shared mapping that is never unmapped.
     let page = unsafe { Page::from_raw(base.cast()) };
     page.init(pid, GAP_NS.load(Relaxed), coloc_doorbell::now_ns());
+    // Closed only now: the agent's watcher maps the page when it sees the close, and the
+    // page is complete by then.
+    // SAFETY: our own fd, closed once.
+    unsafe { libc::close(fd) };
     BASE.store(base as usize, Release);
     let _ = PATH.set(cpath);
     // SAFETY: registering plain extern "C" functions.

@@ -203,6 +203,7 @@ impl Loop {
             Activity {
                 start: r.reading.busy_since_ns.max(blind),
                 end: last,
+                end_min: last,
                 signal: Signal::Doorbell,
                 window: self.bells.window_ns,
             },

@@ -47,10 +47,16 @@ impl Loop {
                         if a.at_ns <= blind {
                             continue;
                         }
-                        // A sample covers the period that ends at its timestamp.
+                        // A sample covers the period that ends at its timestamp: the work
+                        // started no earlier than the period's start (the onset), and ran
+                        // for sm_util % of it, so it was active at least until start +
+                        // sm_util % of the period (`end_min`; see `Entry::note`).
+                        let start = a.at_ns.saturating_sub(period);
+                        let busy = period / 100 * u64::from(a.sm_util.clamp(1, 100));
                         let act = Activity {
-                            start: a.at_ns.saturating_sub(period).max(blind),
+                            start: start.max(blind),
                             end: a.at_ns,
+                            end_min: (start + busy).min(a.at_ns).max(blind + 1),
                             signal: Signal::Nvml,
                             window,
                         };

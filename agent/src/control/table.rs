@@ -41,6 +41,8 @@ pub struct Entry {
     pub uid: u32,
     /// The pod it runs in, from its cgroup path (Kubernetes), if any.
     pub pod_uid: Option<String>,
+    /// A doorbell page is attributed to it (its launches are seen as they happen).
+    pub rung: bool,
     /// How it is suspended (offline processes only).
     pub plan: Option<Plan>,
     /// A pidfd pinning it (tells cheaply when it has exited).
@@ -57,6 +59,9 @@ pub struct Activity {
     pub start: u64,
     /// Latest evidence (a launch time, or the end of a sampled period).
     pub end: u64,
+    /// The latest moment it is known to have been active (a launch time; for a sampled
+    /// period, its start plus the share of it that was busy).
+    pub end_min: u64,
     /// Where it was seen.
     pub signal: Signal,
     /// The idle window: a gap this long ends a run.
@@ -66,7 +71,18 @@ pub struct Activity {
 impl Entry {
     /// Records activity on `gpu`. Within a run the onset only moves earlier, except that
     /// a doorbell's launch time (exact) replaces a sampled period's start (a bound).
-    fn note(&mut self, gpu: u32, a: Activity) {
+    ///
+    /// How long activity lasts: for a process whose launches the doorbell sees, a sample
+    /// only says it was busy until `end_min` (a kernel still running at the period's end
+    /// makes that the end; a short request long finished does not). For a process without
+    /// the shim the sample is all there is, and it counts until the period's end, so that
+    /// work seen late is still preempted.
+    fn note(&mut self, gpu: u32, mut a: Activity) {
+        if a.signal == Signal::Doorbell {
+            self.rung = true;
+        } else if self.rung {
+            a.end = a.end_min;
+        }
         let start = a.start.min(a.end);
         let prev_end = self.last_active.get(&gpu).copied();
         let new_run = prev_end.is_none_or(|p| start >= p.saturating_add(a.window));
@@ -393,6 +409,7 @@ impl Table {
             onset: BTreeMap::new(),
             uid: info.uid,
             pod_uid,
+            rung: false,
             plan,
             pin: pin.ok(),
             generation,

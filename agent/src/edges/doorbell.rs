@@ -356,7 +356,8 @@ impl Doorbells for DirBells {
             let w = &m.page().header().wake;
             words.push((w, w.load(Acquire)));
         }
-        let polled = self.pages.len() >= MAX_WAITERS;
+        // Pages beyond futex_waitv's 128, or a file not yet a complete page: look again soon.
+        let polled = self.pages.len() >= MAX_WAITERS || self.incomplete;
         let timeout = if polled || self.no_waitv {
             // Pages beyond futex_waitv's 128 (or an old kernel): read at least every ms.
             timeout.min(Duration::from_millis(1))

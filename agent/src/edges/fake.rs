@@ -156,7 +156,11 @@ impl GpuSampler for FakeGpu {
         out.extend(
             v.into_iter()
                 .filter(|(_, at)| at / 1000 > since_us)
-                .map(|(pid, at_ns)| Activity { pid, at_ns }),
+                .map(|(pid, at_ns)| Activity {
+                    pid,
+                    at_ns,
+                    sm_util: 100,
+                }),
         );
         Ok(())
     }

@@ -22,8 +22,10 @@ use std::time::Instant;
 pub struct Activity {
     /// Process ID.
     pub pid: u32,
-    /// When the activity happened (the driver's timestamp), ns since the Unix epoch.
+    /// The driver's timestamp: the END of the sampled period, ns since the Unix epoch.
     pub at_ns: u64,
+    /// Percent of the period the process had work on the GPU (1–100).
+    pub sm_util: u32,
 }
 
 /// Errors from the GPU sampler.
@@ -301,6 +303,7 @@ impl GpuSampler for Nvml {
                         .map(|s| Activity {
                             pid: s.pid,
                             at_ns: s.time_stamp.saturating_mul(1000),
+                            sm_util: s.sm_util.max(s.enc_util).max(s.dec_util).min(100),
                         }),
                 );
                 Ok(())

@@ -345,6 +345,8 @@ pub struct Agent {
     pub port: u16,
     /// State directory (fail-open record).
     pub state_dir: PathBuf,
+    /// Doorbell directory (`--doorbell-dir`).
+    pub doorbell_dir: PathBuf,
     /// Log file.
     pub log: PathBuf,
 }
@@ -360,6 +362,8 @@ pub struct AgentOpts<'a> {
     pub extra: Vec<String>,
     /// Reuse this state directory (restart tests).
     pub state_dir: Option<PathBuf>,
+    /// Extra environment (e.g. `COLOC_NVML_INTERVAL` back to its default).
+    pub env: Vec<(&'a str, String)>,
 }
 
 impl Default for AgentOpts<'_> {
@@ -369,6 +373,7 @@ impl Default for AgentOpts<'_> {
             actuator: "signal",
             extra: vec![],
             state_dir: None,
+            env: vec![],
         }
     }
 }
@@ -425,6 +430,7 @@ impl Agent {
             state_dir.unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
         let port = free_port();
         let log = dir.join("agent.log");
+        let doorbell_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-bells"));
         let mut cmd = match prefix {
             None => Command::new(bin("coloc-agent")),
             Some(p) => {
@@ -446,6 +452,11 @@ impl Agent {
             .arg("/sys/fs/cgroup")
             .args(args)
             .env("COLOC_SIM_STATE", &sim.state)
+            // The simulated driver samples every millisecond in these tests (unless a test
+            // says otherwise): read it as often.
+            .env("COLOC_NVML_INTERVAL", "1ms")
+            .env("COLOC_NVML_SAMPLE_PERIOD", "1ms")
+            .env("COLOC_DOORBELL_DIR", &doorbell_dir)
             .stderr(std::fs::File::create(&log).unwrap());
         for (k, v) in env {
             cmd.env(k, v);
@@ -455,6 +466,7 @@ impl Agent {
             child: Some(child),
             port,
             state_dir,
+            doorbell_dir,
             log,
         }
     }
@@ -473,7 +485,12 @@ impl Agent {
         ];
         args.extend(o.extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Agent::spawn_in(sim, &args, &[], o.state_dir)
+        let env: Vec<(&str, &std::ffi::OsStr)> = o
+            .env
+            .iter()
+            .map(|(k, v)| (*k, std::ffi::OsStr::new(v.as_str())))
+            .collect();
+        Agent::spawn_in(sim, &args, &env, o.state_dir)
     }
 
     /// Waits until `/state` lists at least `n` processes on GPU 0.
@@ -545,6 +562,7 @@ impl Drop for Agent {
                 let _ = reap_within(&mut c, Duration::from_secs(5));
             }
         }
+        let _ = std::fs::remove_dir_all(&self.doorbell_dir);
     }
 }
 

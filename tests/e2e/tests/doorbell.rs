@@ -1,0 +1,289 @@
+//! The launch doorbell end to end, through the real dynamic linker: simulated workloads
+//! `dlopen("libcuda.so.1")` (the fake driver) and look up `cuGetProcAddress_v2` as the
+//! CUDA runtime does; `libcoloc_cuda.so` is `LD_PRELOAD`ed into them. The simulated driver
+//! samples every 100 ms, as real drivers do, and the agent reads NVML at its defaults.
+
+use coloc_e2e::*;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const RULES: &str = "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\
+                     [[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n";
+
+fn fake_cuda() -> PathBuf {
+    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
+    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
+}
+
+/// A `coloc-sim` workload on the fake driver, optionally under the shim with a class.
+fn workload(sim: &Sim, args: &[&str], shim: Option<(&str, &std::path::Path)>) -> Command {
+    let mut c = sim.cmd(args);
+    c.arg("--cuda").env("LD_LIBRARY_PATH", fake_cuda());
+    if let Some((class, dir)) = shim {
+        c.env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+            .env("COLOC_SHIM_CLASS", class)
+            .env("COLOC_DOORBELL_DIR", dir);
+    }
+    c
+}
+
+/// The agent at its NVML defaults (100 ms), with an event log.
+fn agent(sim: &Sim) -> (Agent, PathBuf) {
+    let log = std::env::temp_dir()
+        .join(unique("coloc-e2e-events"))
+        .with_extension("jsonl");
+    let a = Agent::start(
+        sim,
+        AgentOpts {
+            rules: RULES,
+            extra: vec!["--event-log".into(), log.display().to_string()],
+            env: vec![
+                ("COLOC_NVML_INTERVAL", "100ms".into()),
+                ("COLOC_NVML_SAMPLE_PERIOD", "100ms".into()),
+            ],
+            ..Default::default()
+        },
+    );
+    (a, log)
+}
+
+fn preempts(log: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "preempt")
+        .collect()
+}
+
+fn online_args<'a>(out: &'a str) -> Vec<&'a str> {
+    vec![
+        "online",
+        "--gpu",
+        "0",
+        "--rate",
+        "4",
+        "--work-ms",
+        "20",
+        "--duration-s",
+        "3",
+        "--seed",
+        "7",
+        "--out",
+        out,
+    ]
+}
+
+#[test]
+fn a_launch_under_the_shim_rings_and_offline_is_stopped_from_the_ring() {
+    let sim = Sim::start(1, &["--sample-period-ms", "100"]);
+    let (a, log) = agent(&sim);
+    let _off = Proc(
+        workload(&sim, &["offline", "--gpu", "0", "--step-ms", "2"], None)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    a.wait_processes(1);
+    let out = std::env::temp_dir()
+        .join(unique("coloc-e2e-online"))
+        .with_extension("json");
+    let out_s = out.display().to_string();
+    let mut on = Proc(
+        workload(
+            &sim,
+            &online_args(&out_s),
+            Some(("online", &a.doorbell_dir)),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    wait_for("a doorbell page", Duration::from_secs(5), || {
+        std::fs::read_dir(&a.doorbell_dir)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().ends_with(".bell"))
+            })
+            .unwrap_or(false)
+    })
+    .unwrap();
+    assert!(on.wait_within("online", Duration::from_secs(20)).success());
+    let ev = preempts(&log);
+    let bell: Vec<&serde_json::Value> = ev.iter().filter(|e| e["signal"] == "doorbell").collect();
+    assert!(
+        bell.len() >= 3,
+        "preemptions seen by the doorbell: {} of {}; log:\n{}",
+        bell.len(),
+        ev.len(),
+        a.log_text()
+    );
+    for e in &bell {
+        let d = e["detection_s"].as_f64().unwrap();
+        // NVML alone would take up to its 100 ms period plus the read interval.
+        assert!(
+            d < 0.010,
+            "doorbell detection {d} s: {e}\nall: {ev:?}\nlog:\n{}",
+            a.log_text()
+        );
+        assert!(
+            e["confirmed_ns"].as_u64().is_some(),
+            "offline confirmed stopped: {e}"
+        );
+    }
+    assert!(
+        metric(&a.metrics(), "coloc_doorbell_wakeups_total", &[]) >= 1.0,
+        "the loop was woken by the doorbell"
+    );
+    // The shim removes its page when the process exits.
+    wait_for("the page removed", Duration::from_secs(5), || {
+        std::fs::read_dir(&a.doorbell_dir)
+            .map(|d| {
+                !d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().ends_with(".bell"))
+            })
+            .unwrap_or(true)
+    })
+    .unwrap();
+}
+
+#[test]
+fn without_the_shim_nvml_still_preempts() {
+    let sim = Sim::start(1, &["--sample-period-ms", "100"]);
+    let (a, log) = agent(&sim);
+    let _off = Proc(
+        workload(&sim, &["offline", "--gpu", "0", "--step-ms", "2"], None)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    a.wait_processes(1);
+    let out = std::env::temp_dir()
+        .join(unique("coloc-e2e-online"))
+        .with_extension("json");
+    let out_s = out.display().to_string();
+    let mut on = Proc(
+        workload(&sim, &online_args(&out_s), None)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(on.wait_within("online", Duration::from_secs(20)).success());
+    let ev = preempts(&log);
+    assert!(
+        !ev.is_empty(),
+        "no preemption through NVML: {}",
+        a.log_text()
+    );
+    assert!(ev.iter().all(|e| e["signal"] == "nvml"), "{ev:?}");
+}
+
+#[test]
+fn a_forged_ring_from_an_offline_process_suspends_nothing() {
+    let sim = Sim::start(1, &["--sample-period-ms", "100"]);
+    let (a, log) = agent(&sim);
+    // An offline process that claims to be online to the shim: its page is its own, but
+    // the agent classifies it offline, so its launches count for nothing.
+    let victim = Proc(
+        workload(&sim, &["offline", "--gpu", "0", "--step-ms", "2"], None)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let _forger = Proc(
+        workload(
+            &sim,
+            &["offline", "--gpu", "0", "--step-ms", "2"],
+            Some(("online", &a.doorbell_dir)),
+        )
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
+    a.wait_processes(2);
+    holds_for("offline never stopped", Duration::from_secs(2), || {
+        victim.state() != Some('T')
+    })
+    .unwrap();
+    assert!(preempts(&log).is_empty(), "{:?}", preempts(&log));
+    assert!(
+        metric(
+            &a.metrics(),
+            "coloc_doorbell_rejected_total",
+            &["reason=\"not_online\""]
+        ) >= 1.0,
+        "the forged page was rejected as not online:\n{}",
+        a.metrics()
+    );
+}
+
+#[test]
+fn with_no_agent_the_shim_passes_through() {
+    let sim = Sim::start(1, &[]);
+    let out = std::env::temp_dir()
+        .join(unique("coloc-e2e-online"))
+        .with_extension("json");
+    let out_s = out.display().to_string();
+    // No doorbell directory at all (no agent on this host).
+    let missing = std::env::temp_dir().join(unique("coloc-e2e-no-agent"));
+    let r = output_within(
+        workload(
+            &sim,
+            &[
+                "online",
+                "--gpu",
+                "0",
+                "--rate",
+                "50",
+                "--work-ms",
+                "2",
+                "--duration-s",
+                "1",
+                "--out",
+                &out_s,
+            ],
+            Some(("online", &missing)),
+        )
+        .stdout(Stdio::null()),
+        Duration::from_secs(20),
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert!(v["requests"].as_u64().unwrap() > 10, "{v}");
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    let shim_lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("libcoloc_cuda:"))
+        .collect();
+    assert_eq!(
+        shim_lines.len(),
+        1,
+        "one line says why it passes through: {stderr}"
+    );
+    assert!(!missing.exists());
+    // Not online (no class): silent.
+    let r = output_within(
+        workload(
+            &sim,
+            &[
+                "online",
+                "--gpu",
+                "0",
+                "--rate",
+                "50",
+                "--work-ms",
+                "2",
+                "--duration-s",
+                "1",
+            ],
+            None,
+        )
+        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+        .stdout(Stdio::null()),
+        Duration::from_secs(20),
+    );
+    assert!(r.status.success());
+    assert!(!String::from_utf8_lossy(&r.stderr).contains("libcoloc_cuda"));
+}
