@@ -51,6 +51,18 @@ fn describe() {
         "coloc_suspension_retries_total",
         "Failed (undone) suspensions tried again while online work stayed busy."
     );
+    describe_gauge!(
+        "coloc_doorbell_pages",
+        "Doorbell pages of the CUDA shim mapped by the agent (one per process that loaded libcoloc_cuda.so as online)."
+    );
+    describe_counter!(
+        "coloc_doorbell_rejected_total",
+        "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu); counted once per page and reason."
+    );
+    describe_counter!(
+        "coloc_doorbell_wakeups_total",
+        "Times the control loop was woken early by a doorbell (a run of launches started) or by a page appearing."
+    );
     describe_histogram!("coloc_detection_latency_seconds", Unit::Seconds,
         "Onset of online work on a GPU (a launch seen by the doorbell, or the start of an NVML sampled period) to the agent's decision that the GPU is busy, by the signal that detected it.");
     describe_histogram!("coloc_actuation_latency_seconds", Unit::Seconds,

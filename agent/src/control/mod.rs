@@ -239,11 +239,11 @@ impl Loop {
         while !self.shared.stop.load(Ordering::Relaxed) {
             let started = Instant::now();
             self.tick();
-            let sleep = self.next_wait(self.clock.now_ns());
-            if sleep > started.elapsed() {
-                if self.bells.wait(sleep - started.elapsed()) {
-                    metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
-                }
+            let sleep = self
+                .next_wait(self.clock.now_ns())
+                .saturating_sub(started.elapsed());
+            if !sleep.is_zero() && self.bells.wait(sleep) {
+                metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
             }
         }
         info!("Stopping: resuming all offline work before exit");

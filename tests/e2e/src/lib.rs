@@ -54,11 +54,18 @@ pub struct Sim {
 }
 
 impl Sim {
-    /// Starts `gpus` simulated GPUs with a 1 ms sample period.
+    /// Starts `gpus` simulated GPUs, with a 1 ms sample period unless `extra` names one
+    /// (most tests model a fast driver; the doorbell tests a realistic one).
     pub fn start(gpus: u32, extra: &[&str]) -> Sim {
         let state = PathBuf::from("/dev/shm").join(unique("coloc-e2e"));
+        let period: &[&str] = if extra.contains(&"--sample-period-ms") {
+            &[]
+        } else {
+            &["--sample-period-ms", "1"]
+        };
         let child = Command::new(bin("coloc-sim"))
             .args(["gpu", "--gpus", &gpus.to_string()])
+            .args(period)
             .args(extra)
             .env("COLOC_SIM_STATE", &state)
             .stderr(Stdio::null())

@@ -198,6 +198,7 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
     let state_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-priv-state"));
     let port = free_port();
     let log = dir.join("agent.log");
+    let doorbell_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-priv-bells"));
     let agent_bin = bin("coloc-agent");
     let mut cmd = with_only_caps(caps, &agent_bin);
     cmd.arg("run")
@@ -211,6 +212,9 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
         .arg("/sys/fs/cgroup")
         .args(args)
         .env("COLOC_SIM_STATE", &sim.state)
+        .env("COLOC_NVML_INTERVAL", "1ms")
+        .env("COLOC_NVML_SAMPLE_PERIOD", "1ms")
+        .env("COLOC_DOORBELL_DIR", &doorbell_dir)
         // As the chart sets it: a raised loop priority only with SYS_NICE.
         .env(
             "COLOC_LOOP_NICE",
@@ -229,6 +233,7 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
         child: Some(child),
         port,
         state_dir,
+        doorbell_dir,
         log,
     };
     let pid = agent.child.as_ref().unwrap().id();

@@ -44,9 +44,10 @@ enum Cmd {
         /// Number of GPUs.
         #[arg(long, default_value_t = 1)]
         gpus: u32,
-        /// Driver sample period for per-process utilisation, ms (NVIDIA drivers: 1/6 s
-        /// on older GPUs, finer on recent ones).
-        #[arg(long, default_value_t = 1.0)]
+        /// Driver sample period for per-process utilisation, ms. Real drivers: a 72-entry
+        /// ring per 10 s in the open kernel modules (~140 ms), samples pushed once a second
+        /// by GSP firmware (H100); 100 ms until the real-GPU harness measures it.
+        #[arg(long, default_value_t = 100.0)]
         sample_period_ms: f64,
         /// Model tick, µs.
         #[arg(long, default_value_t = 100)]
