@@ -1,18 +1,24 @@
-//! `coloc-demo`: gpu-coloc's co-location on a simulated GPU, on any Linux host (no GPU, no
-//! cluster). Not part of the product: it drives the product's binary like a user would.
+//! `coloc-demo`: gpu-coloc's co-location on simulated GPUs, on any Linux host (no GPU, no
+//! cluster). Not part of the product: it drives the product's binaries like a user would.
 //!
-//! Runs four simulated GPUs side by side for the same time, with the same online request
-//! sequence on each:
+//! Five scenarios run side by side for the same time, each on `--replicas` simulated GPUs
+//! (default 3, so that every p99 rests on hundreds of requests), with the same online
+//! request sequences in every scenario:
 //!
-//! | GPU | workload                         | shows                         |
-//! |-----|----------------------------------|-------------------------------|
-//! | 0   | online alone                     | the latency online should get |
-//! | 1   | offline alone                    | offline's full speed          |
-//! | 2   | online + offline, no agent       | uncontrolled sharing          |
-//! | 3   | online + offline, agent managing | gpu-coloc                     |
+//! | scenario   | workload                                              | shows                          |
+//! |------------|-------------------------------------------------------|--------------------------------|
+//! | `alone`    | online alone                                          | the latency online should get  |
+//! | `offline`  | offline alone (one GPU)                               | offline's full speed           |
+//! | `no-agent` | online + offline                                      | uncontrolled sharing           |
+//! | `nvml`     | online + offline, the agent, NVML only                | gpu-coloc without the shim     |
+//! | `doorbell` | online under `libcoloc_cuda.so` + offline, the agent  | gpu-coloc with the doorbell    |
 //!
-//! The agent is the real `coloc-agent run` next to this binary, loading the fake NVML
-//! library through its normal NVML path; processes and signals (or cgroups) are real. The
+//! Every workload submits through the CUDA driver API (`coloc-sim … --cuda`: `dlopen` of
+//! the simulated `libcuda.so.1`, entry points through `cuGetProcAddress_v2`), offline work
+//! is a stream of kernels (its drain is the kernels in flight), and the simulated driver
+//! samples every `--sample-period-ms` (100 ms, as real drivers do). One real `coloc-agent
+//! run` manages the `nvml` and `doorbell` GPUs, loading the fake NVML library through its
+//! normal NVML path; processes, signals (or cgroups) and the dynamic linker are real. The
 //! agent and every workload are stopped on the way out, also when the demo fails.
 
 use anyhow::{bail, Context, Result};
@@ -26,35 +32,37 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// gpu-coloc demo: online and offline workloads on simulated GPUs, without and with the
-/// agent, then a table of online latency and offline progress, and a timeline picture.
+/// gpu-coloc demo: online and offline workloads on simulated GPUs, without the agent, with
+/// the agent on NVML alone, and with the CUDA shim's doorbell; then a table of online
+/// latency and offline progress, and a timeline picture.
 #[derive(Parser, Debug, Clone)]
 #[command(version, about, long_about = None)]
 pub struct DemoArgs {
     /// How long each workload runs, seconds.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = 90.0)]
     pub duration_s: f64,
-    /// Actuator the agent uses (freezer puts offline work in its own cgroup; needs root).
+    /// GPUs per scenario (the scenarios' request counts add up over them; at most 3, as
+    /// the simulator has 16 GPUs).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
+    pub replicas: u32,
+    /// Actuator the agent uses (freezer puts offline work in cgroups of its own; needs root).
     #[arg(long, value_enum, default_value_t = Kind::Signal)]
     pub actuator: Kind,
-    /// Online requests per second (Poisson arrivals).
+    /// Online requests per second per GPU (Poisson arrivals).
     #[arg(long, default_value_t = 2.0)]
     pub online_rate: f64,
     /// GPU time per online request, ms.
     #[arg(long, default_value_t = 20.0)]
     pub online_work_ms: f64,
-    /// GPU time per offline step, ms (also what keeps running after a stop: the drain).
+    /// GPU time per offline kernel, ms (what keeps running after a stop: the drain).
     #[arg(long, default_value_t = 2.0)]
     pub offline_step_ms: f64,
-    /// Simulated driver sample period, ms.
-    #[arg(long, default_value_t = 1.0)]
+    /// Simulated driver sample period, ms (also the agent's --nvml-sample-period).
+    #[arg(long, default_value_t = 100.0)]
     pub sample_period_ms: f64,
     /// Agent idle window.
     #[arg(long, default_value = "100ms", value_parser = coloc_agent::cli::parse_duration)]
     pub idle_window: Duration,
-    /// Agent poll interval.
-    #[arg(long, default_value = "1ms", value_parser = coloc_agent::cli::parse_duration)]
-    pub poll_interval: Duration,
     /// Directory for the workloads' results, the agent's log and event log (default: a
     /// new directory under /tmp).
     #[arg(long)]
@@ -62,6 +70,23 @@ pub struct DemoArgs {
     /// Write the summary as JSON to this file as well.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// The scenarios, in GPU order (`offline` has one GPU, the others `--replicas`).
+const SCENARIOS: [&str; 5] = ["alone", "offline", "no-agent", "nvml", "doorbell"];
+
+/// GPUs of each scenario.
+fn layout(replicas: u32) -> Vec<(&'static str, Vec<u32>)> {
+    let mut next = 0;
+    SCENARIOS
+        .iter()
+        .map(|s| {
+            let n = if *s == "offline" { 1 } else { replicas };
+            let g: Vec<u32> = (next..next + n).collect();
+            next += n;
+            (*s, g)
+        })
+        .collect()
 }
 
 /// Finds a sibling binary of the running executable (same cargo target directory).
@@ -125,13 +150,18 @@ fn main() {
 fn run(a: DemoArgs) -> Result<()> {
     let sim = sibling("coloc-sim")?;
     let fake = sibling("libfake_nvml.so")?;
+    let shim = sibling("libcoloc_cuda.so")?;
     let me = sibling("coloc-agent")?;
+    let bin_dir = me.parent().context("binary directory")?.to_path_buf();
+    let cuda_dir = coloc_sim::fake_libcuda_dir(&bin_dir)
+        .context("the simulated libcuda.so.1 (cargo build --release --workspace)")?;
     let id = std::process::id();
     let out = match &a.out_dir {
         Some(d) => d.clone(),
         None => std::env::temp_dir().join(format!("coloc-demo-{id}")),
     };
     std::fs::create_dir_all(&out)?;
+    let bells = out.join("doorbells");
     let shm = Path::new("/dev/shm");
     let state = if shm.is_dir() {
         shm.to_path_buf()
@@ -139,9 +169,19 @@ fn run(a: DemoArgs) -> Result<()> {
         out.clone()
     }
     .join(format!("coloc-demo-{id}"));
+    let lay = layout(a.replicas);
+    let gpus_of = |s: &str| {
+        lay.iter()
+            .find(|l| l.0 == s)
+            .map(|l| l.1.clone())
+            .unwrap_or_default()
+    };
+    let managed: Vec<u32> = [gpus_of("nvml"), gpus_of("doorbell")].concat();
+    let n_gpus: u32 = lay.iter().map(|l| l.1.len() as u32).sum();
 
-    // Offline work on GPU 3 goes in its own cgroup when the freezer is used.
-    let mut cgroup_dir: Option<PathBuf> = None;
+    // Offline work on a managed GPU goes in a cgroup of its own when the freezer is used.
+    let mut cgroups: Vec<PathBuf> = Vec::new();
+    let mut cgroup_base: Option<PathBuf> = None;
     let mut rules = String::from("# coloc-agent demo rules\n");
     if a.actuator == Kind::Freezer {
         let mounts = CgroupMounts::detect(Path::new("/sys/fs/cgroup"));
@@ -149,13 +189,10 @@ fn run(a: DemoArgs) -> Result<()> {
             .v2
             .or(mounts.v1_freezer)
             .context("--actuator freezer: no cgroup v2 or v1 freezer under /sys/fs/cgroup")?;
-        let dir = base.join(format!("coloc-demo-{id}"));
-        std::fs::create_dir_all(&dir)
-            .with_context(|| format!("creating cgroup {} (needs root)", dir.display()))?;
         rules += &format!(
-            "[[rule]]\nname = \"demo-offline\"\nclass = \"reclaimed_cores\"\ncgroup = \"/coloc-demo-{id}\"\n"
+            "[[rule]]\nname = \"demo-offline\"\nclass = \"reclaimed_cores\"\ncgroup = \"/coloc-demo-{id}-g*\"\n"
         );
-        cgroup_dir = Some(dir);
+        cgroup_base = Some(base);
     } else {
         rules += "[[rule]]\nname = \"demo-offline\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n";
     }
@@ -164,7 +201,8 @@ fn run(a: DemoArgs) -> Result<()> {
     std::fs::write(&rules_path, rules)?;
 
     println!(
-        "gpu-coloc demo: 4 simulated GPUs, {} s, actuator {}, results in {}",
+        "gpu-coloc demo: {n_gpus} simulated GPUs (driver samples every {} ms), {} s, actuator {}, results in {}",
+        a.sample_period_ms,
         a.duration_s,
         a.actuator.as_str(),
         out.display()
@@ -172,7 +210,7 @@ fn run(a: DemoArgs) -> Result<()> {
     let mut procs = Kill(Vec::new());
     procs.0.push(
         Command::new(&sim)
-            .args(["gpu", "--gpus", "4", "--sample-period-ms"])
+            .args(["gpu", "--gpus", &n_gpus.to_string(), "--sample-period-ms"])
             .arg(a.sample_period_ms.to_string())
             .env("COLOC_SIM_STATE", &state)
             .stderr(Stdio::null())
@@ -193,16 +231,17 @@ fn run(a: DemoArgs) -> Result<()> {
     let events = out.join("events.jsonl");
     let _ = std::fs::remove_file(&events);
     let agent_log = std::fs::File::create(out.join("agent.log"))?;
+    let managed_s: Vec<String> = managed.iter().map(u32::to_string).collect();
     let agent = Command::new(&me)
         .args([
             "run",
-            "--gpus",
-            "3",
             "--listen",
             "127.0.0.1:0",
             "--actuator",
             a.actuator.as_str(),
         ])
+        .arg("--gpus")
+        .arg(managed_s.join(","))
         .arg("--rules")
         .arg(&rules_path)
         .arg("--nvml-lib")
@@ -211,10 +250,12 @@ fn run(a: DemoArgs) -> Result<()> {
         .arg(state.with_extension("agent"))
         .arg("--event-log")
         .arg(&events)
+        .arg("--doorbell-dir")
+        .arg(&bells)
+        .arg("--nvml-sample-period")
+        .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
         .arg("--idle-window")
         .arg(format!("{}us", a.idle_window.as_micros()))
-        .arg("--poll-interval")
-        .arg(format!("{}us", a.poll_interval.as_micros()))
         .env("COLOC_SIM_STATE", &state)
         .stderr(agent_log)
         .spawn()
@@ -229,55 +270,75 @@ fn run(a: DemoArgs) -> Result<()> {
     }
 
     let dur = a.duration_s.to_string();
-    let online = |gpu: u32, name: &str| -> Result<Child> {
-        Ok(Command::new(&sim)
-            .args([
-                "online",
-                "--gpu",
-                &gpu.to_string(),
-                "--duration-s",
-                &dur,
-                "--seed",
-                "7",
-            ])
-            .args([
-                "--rate",
-                &a.online_rate.to_string(),
-                "--work-ms",
-                &a.online_work_ms.to_string(),
-            ])
+    let cuda = |c: &mut Command| {
+        c.arg("--cuda")
+            .env("LD_LIBRARY_PATH", &cuda_dir)
+            .env("COLOC_SIM_STATE", &state);
+    };
+    let online = |gpu: u32, replica: u32, name: &str, doorbell: bool| -> Result<Child> {
+        let mut c = Command::new(&sim);
+        c.args(["online", "--gpu", &gpu.to_string(), "--duration-s", &dur])
+            .args(["--seed", &(7 + replica).to_string()])
+            .args(["--rate", &a.online_rate.to_string()])
+            .args(["--work-ms", &a.online_work_ms.to_string()])
             .arg("--out")
-            .arg(out.join(name))
-            .env("COLOC_SIM_STATE", &state)
-            .spawn()?)
+            .arg(out.join(name));
+        cuda(&mut c);
+        if doorbell {
+            c.env("LD_PRELOAD", &shim)
+                .env("COLOC_SHIM_CLASS", "online")
+                .env("COLOC_DOORBELL_DIR", &bells)
+                .env(
+                    "COLOC_SHIM_WAKE_GAP_MS",
+                    (a.idle_window.as_secs_f64() * 1e3).to_string(),
+                );
+        }
+        Ok(c.spawn()?)
     };
     let offline = |gpu: u32, name: &str, cgroup: Option<&Path>| -> Result<Child> {
-        let mut args: Vec<String> = vec![
-            "offline".into(),
-            "--gpu".into(),
-            gpu.to_string(),
-            "--duration-s".into(),
-            dur.clone(),
-            "--step-ms".into(),
-            a.offline_step_ms.to_string(),
-            "--out".into(),
-            out.join(name).display().to_string(),
-        ];
-        let mut cmd = match cgroup {
+        let mut c = match cgroup {
             Some(cg) => command_in_cgroup(cg, &sim),
             None => Command::new(&sim),
         };
-        cmd.args(args.drain(..));
-        Ok(cmd.env("COLOC_SIM_STATE", &state).spawn()?)
+        c.args(["offline", "--gpu", &gpu.to_string(), "--duration-s", &dur])
+            .args(["--step-ms", &a.offline_step_ms.to_string()])
+            .arg("--out")
+            .arg(out.join(name));
+        cuda(&mut c);
+        Ok(c.spawn()?)
     };
-    let mut work = vec![
-        online(0, "online-alone.json")?,
-        offline(1, "offline-alone.json", None)?,
-        online(2, "online-noagent.json")?,
-        offline(2, "offline-noagent.json", None)?,
-        online(3, "online-agent.json")?,
-        offline(3, "offline-agent.json", cgroup_dir.as_deref())?,
-    ];
+    let mut work = Vec::new();
+    for (scenario, gpus) in &lay {
+        for (i, g) in gpus.iter().enumerate() {
+            let i = i as u32;
+            if *scenario != "offline" {
+                work.push(online(
+                    *g,
+                    i,
+                    &format!("online-{scenario}-{i}.json"),
+                    *scenario == "doorbell",
+                )?);
+            }
+            if *scenario != "alone" {
+                let cg = match &cgroup_base {
+                    Some(base) if managed.contains(g) => {
+                        let dir = base.join(format!("coloc-demo-{id}-g{g}"));
+                        std::fs::create_dir_all(&dir).with_context(|| {
+                            format!("creating cgroup {} (needs root)", dir.display())
+                        })?;
+                        cgroups.push(dir.clone());
+                        Some(dir)
+                    }
+                    _ => None,
+                };
+                work.push(offline(
+                    *g,
+                    &format!("offline-{scenario}-{i}.json"),
+                    cg.as_deref(),
+                )?);
+            }
+        }
+    }
     // Workloads end by themselves after the duration; never wait forever on one.
     let deadline = Instant::now() + Duration::from_secs_f64(a.duration_s + 30.0);
     for w in &mut work {
@@ -308,7 +369,7 @@ fn run(a: DemoArgs) -> Result<()> {
     let mut child = agent.0.pop().context("agent")?;
     let st = child.wait()?;
     drop(procs);
-    if let Some(cg) = &cgroup_dir {
+    for cg in &cgroups {
         let _ = std::fs::remove_dir(cg);
     }
     let _ = std::fs::remove_file(&state);
@@ -319,9 +380,9 @@ fn run(a: DemoArgs) -> Result<()> {
         );
     }
 
-    let mut summary = summarize(&out, &events, a.duration_s)?;
+    let mut summary = summarize(&out, &events, &lay, a.duration_s)?;
     let svg = out.join("timeline.svg");
-    write_timeline(&out, &events, &svg)?;
+    write_timeline(&out, &events, &lay, &svg)?;
     summary["timeline"] = serde_json::json!(svg.display().to_string());
     print_table(&summary);
     println!(
@@ -334,140 +395,177 @@ fn run(a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
+/// Request latencies (ms) and busy time (ns) of a scenario's online workloads.
+fn online_of(out: &Path, scenario: &str, n: usize) -> Result<(Vec<f64>, f64)> {
+    let mut lat = Vec::new();
+    let mut busy = 0.0;
+    for i in 0..n {
+        let v = read_json(&out.join(format!("online-{scenario}-{i}.json")))?;
+        for r in v["records"].as_array().into_iter().flatten() {
+            let (arr, start, done) = (
+                r[0].as_f64().unwrap_or(0.0),
+                r[1].as_f64().unwrap_or(0.0),
+                r[2].as_f64().unwrap_or(0.0),
+            );
+            lat.push((done - arr) / 1e6);
+            busy += done - start;
+        }
+    }
+    Ok((lat, busy))
+}
+
+/// Mean offline kernels per second over a scenario's GPUs.
+fn offline_of(out: &Path, scenario: &str, n: usize) -> Result<f64> {
+    let mut sum = 0.0;
+    for i in 0..n {
+        sum += read_json(&out.join(format!("offline-{scenario}-{i}.json")))?["steps_per_s"]
+            .as_f64()
+            .unwrap_or(0.0);
+    }
+    Ok(sum / n.max(1) as f64)
+}
+
 /// Reads the workloads' results and the agent's event log into one summary.
-fn summarize(out: &Path, events: &Path, duration_s: f64) -> Result<Value> {
-    let on = |n: &str| read_json(&out.join(n));
-    let (alone, noagent, agent) = (
-        on("online-alone.json")?,
-        on("online-noagent.json")?,
-        on("online-agent.json")?,
-    );
-    let (off_alone, off_noagent, off_agent) = (
-        on("offline-alone.json")?,
-        on("offline-noagent.json")?,
-        on("offline-agent.json")?,
-    );
-    // Share of the time online leaves the GPU idle, from the online-alone run.
-    let busy_ns: f64 = alone["records"]
-        .as_array()
-        .map(|r| {
-            r.iter()
-                .map(|x| x[2].as_f64().unwrap_or(0.0) - x[1].as_f64().unwrap_or(0.0))
-                .sum()
-        })
-        .unwrap_or(0.0);
-    let idle_fraction = (1.0 - busy_ns / (duration_s * 1e9)).clamp(0.0, 1.0);
+fn summarize(
+    out: &Path,
+    events: &Path,
+    lay: &[(&'static str, Vec<u32>)],
+    duration_s: f64,
+) -> Result<Value> {
+    let n = |s: &str| lay.iter().find(|l| l.0 == s).map_or(0, |l| l.1.len());
     let evs = parse_log(&std::fs::read_to_string(events).unwrap_or_default());
-    let ms = |v: Option<f64>| v.map(|s| s * 1e3);
-    let pre: Vec<f64> = evs
-        .iter()
-        .filter_map(|e| match e {
-            Event::Preempt(p) => ms(p.preemption_s),
-            _ => None,
-        })
-        .collect();
-    let det: Vec<f64> = evs
-        .iter()
-        .filter_map(|e| match e {
-            Event::Preempt(p) => Some(p.detection_s * 1e3),
-            _ => None,
-        })
-        .collect();
-    let rel: Vec<f64> = evs
-        .iter()
-        .filter_map(|e| match e {
-            Event::Release(r) => ms(r.release_s),
-            _ => None,
-        })
-        .collect();
-    let fail_opens = evs
-        .iter()
-        .filter(|e| matches!(e, Event::FailOpen(_)))
-        .count();
-    let steps = |v: &Value| v["steps_per_s"].as_f64().unwrap_or(0.0);
-    let idle_share = steps(&off_agent) / (steps(&off_alone) * idle_fraction).max(1e-9);
+    let (alone_lat, alone_busy) = online_of(out, "alone", n("alone"))?;
+    // Share of the time online leaves the GPU idle, from the online-alone runs.
+    let idle_fraction = (1.0 - alone_busy / (duration_s * 1e9 * n("alone") as f64)).clamp(0.0, 1.0);
+    let off_alone = offline_of(out, "offline", 1)?;
+    let alone_p99 = pct(alone_lat.clone(), 99.0);
+    let mut rows = serde_json::Map::new();
+    rows.insert(
+        "alone".into(),
+        serde_json::json!({"requests": alone_lat.len(), "p50_ms": pct(alone_lat.clone(), 50.0), "p99_ms": alone_p99, "p99_vs_alone": 1.0}),
+    );
+    rows.insert(
+        "offline".into(),
+        serde_json::json!({"offline_steps_per_s": off_alone}),
+    );
+    let mut fail_opens = 0;
+    for s in ["no-agent", "nvml", "doorbell"] {
+        let (lat, _) = online_of(out, s, n(s))?;
+        let off = offline_of(out, s, n(s))?;
+        let gpus = lay
+            .iter()
+            .find(|l| l.0 == s)
+            .map(|l| l.1.clone())
+            .unwrap_or_default();
+        let ms = |v: Option<f64>| v.map(|x| x * 1e3);
+        let mut pre = Vec::new();
+        let mut det = Vec::new();
+        let mut rel = Vec::new();
+        let mut signals = std::collections::BTreeMap::<&str, usize>::new();
+        for e in &evs {
+            match e {
+                Event::Preempt(p) if gpus.contains(&p.gpu) => {
+                    det.push(p.detection_s * 1e3);
+                    pre.extend(ms(p.preemption_s));
+                    *signals.entry(p.signal.as_str()).or_default() += 1;
+                }
+                Event::Release(r) if gpus.contains(&r.gpu) => rel.extend(ms(r.release_s)),
+                Event::FailOpen(_) => fail_opens += 1,
+                _ => {}
+            }
+        }
+        let p99 = pct(lat.clone(), 99.0);
+        rows.insert(
+            s.into(),
+            serde_json::json!({
+                "requests": lat.len(),
+                "p50_ms": pct(lat.clone(), 50.0),
+                "p99_ms": p99,
+                "p99_vs_alone": p99 / alone_p99.max(1e-9),
+                "offline_steps_per_s": off,
+                "offline_share_of_idle": off / (off_alone * idle_fraction).max(1e-9),
+                "preemptions": pre.len(),
+                "signals": signals,
+                "preemption_ms": {"p50": pct(pre.clone(), 50.0), "p99": pct(pre, 99.0)},
+                "detection_ms": {"p50": pct(det.clone(), 50.0), "p99": pct(det, 99.0)},
+                "release_ms": {"p50": pct(rel.clone(), 50.0), "p99": pct(rel, 99.0)},
+            }),
+        );
+    }
     Ok(serde_json::json!({
-        "online_alone": {"p50_ms": alone["p50_ms"], "p99_ms": alone["p99_ms"], "requests": alone["requests"]},
-        "online_no_agent": {"p50_ms": noagent["p50_ms"], "p99_ms": noagent["p99_ms"], "requests": noagent["requests"]},
-        "online_agent": {"p50_ms": agent["p50_ms"], "p99_ms": agent["p99_ms"], "requests": agent["requests"]},
-        "offline_alone_steps_per_s": steps(&off_alone),
-        "offline_no_agent_steps_per_s": steps(&off_noagent),
-        "offline_agent_steps_per_s": steps(&off_agent),
+        "scenarios": rows,
         "online_idle_fraction": idle_fraction,
-        "offline_share_of_idle": idle_share,
-        "preemptions": pre.len(),
-        "fail_opens": fail_opens,
-        "preemption_ms": {"p50": pct(pre.clone(), 50.0), "p99": pct(pre, 99.0)},
-        "detection_ms": {"p50": pct(det.clone(), 50.0), "p99": pct(det, 99.0)},
-        "release_ms": {"p50": pct(rel.clone(), 50.0), "p99": pct(rel, 99.0)},
-        "p99_ratio_agent": agent["p99_ms"].as_f64().unwrap_or(0.0) / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9),
-        "p99_ratio_no_agent": noagent["p99_ms"].as_f64().unwrap_or(0.0) / alone["p99_ms"].as_f64().unwrap_or(1.0).max(1e-9),
+        "fail_opens": fail_opens / 3,
     }))
 }
 
 fn print_table(s: &Value) {
     let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let r = |name: &str| &s["scenarios"][name];
     println!();
     println!(
-        "{:<34} {:>12} {:>12} {:>16}",
-        "scenario", "online p50", "online p99", "offline steps/s"
+        "{:<30} {:>8} {:>10} {:>10} {:>8} {:>12} {:>9}",
+        "scenario", "requests", "online p50", "online p99", "vs alone", "offline k/s", "of idle"
     );
-    println!(
-        "{:<34} {:>9.1} ms {:>9.1} ms {:>16}",
-        "online alone (GPU 0)",
-        f(&s["online_alone"]["p50_ms"]),
-        f(&s["online_alone"]["p99_ms"]),
-        "-"
-    );
-    println!(
-        "{:<34} {:>12} {:>12} {:>16.1}",
-        "offline alone (GPU 1)",
-        "-",
-        "-",
-        f(&s["offline_alone_steps_per_s"])
-    );
-    println!(
-        "{:<34} {:>9.1} ms {:>9.1} ms {:>16.1}",
-        "online + offline, no agent (GPU 2)",
-        f(&s["online_no_agent"]["p50_ms"]),
-        f(&s["online_no_agent"]["p99_ms"]),
-        f(&s["offline_no_agent_steps_per_s"])
-    );
-    println!(
-        "{:<34} {:>9.1} ms {:>9.1} ms {:>16.1}",
-        "online + offline, gpu-coloc (GPU 3)",
-        f(&s["online_agent"]["p50_ms"]),
-        f(&s["online_agent"]["p99_ms"]),
-        f(&s["offline_agent_steps_per_s"])
-    );
+    let labels = [
+        ("alone", "online alone"),
+        ("offline", "offline alone"),
+        ("no-agent", "online + offline, no agent"),
+        ("nvml", "gpu-coloc, NVML only"),
+        ("doorbell", "gpu-coloc, doorbell (shim)"),
+    ];
+    for (k, label) in labels {
+        let row = r(k);
+        let opt = |v: &Value, unit: &str, prec: usize| {
+            if v.is_null() {
+                "-".to_string()
+            } else {
+                format!("{:.*}{unit}", prec, f(v))
+            }
+        };
+        println!(
+            "{:<30} {:>8} {:>10} {:>10} {:>8} {:>12} {:>9}",
+            label,
+            opt(&row["requests"], "", 0),
+            opt(&row["p50_ms"], " ms", 1),
+            opt(&row["p99_ms"], " ms", 1),
+            opt(&row["p99_vs_alone"], "x", 2),
+            opt(&row["offline_steps_per_s"], "", 1),
+            if row["offline_share_of_idle"].is_null() {
+                "-".to_string()
+            } else {
+                format!("{:.0} %", 100.0 * f(&row["offline_share_of_idle"]))
+            },
+        );
+    }
     println!();
     println!(
-        "online p99 vs alone:      no agent {:.2}x, with gpu-coloc {:.2}x",
-        f(&s["p99_ratio_no_agent"]),
-        f(&s["p99_ratio_agent"])
+        "online leaves the GPU idle {:.0} % of the time; 'of idle': offline's progress over (offline alone x that share)",
+        100.0 * f(&s["online_idle_fraction"])
     );
-    println!(
-        "offline share of the time online leaves idle ({:.0} % idle): {:.0} %",
-        100.0 * f(&s["online_idle_fraction"]),
-        100.0 * f(&s["offline_share_of_idle"])
-    );
-    println!(
-        "preemptions: {}   preemption latency p50 {:.2} ms, p99 {:.2} ms (detection p50 {:.2} ms)",
-        s["preemptions"],
-        f(&s["preemption_ms"]["p50"]),
-        f(&s["preemption_ms"]["p99"]),
-        f(&s["detection_ms"]["p50"])
-    );
-    println!(
-        "release latency (after the idle window) p50 {:.2} ms, p99 {:.2} ms",
-        f(&s["release_ms"]["p50"]),
-        f(&s["release_ms"]["p99"])
-    );
+    for (k, label) in [("nvml", "NVML only"), ("doorbell", "doorbell")] {
+        let row = r(k);
+        println!(
+            "{label:>10}: {} preemptions {}, detection p50 {:.2} ms p99 {:.2} ms, preemption p50 {:.2} ms p99 {:.2} ms (from onset), release p99 {:.2} ms",
+            row["preemptions"],
+            row["signals"],
+            f(&row["detection_ms"]["p50"]),
+            f(&row["detection_ms"]["p99"]),
+            f(&row["preemption_ms"]["p50"]),
+            f(&row["preemption_ms"]["p99"]),
+            f(&row["release_ms"]["p99"]),
+        );
+    }
 }
 
-/// Writes the demo's timeline picture: GPU 3's busy/suspended periods from the agent's
-/// event log, and online request latency with and without the agent.
-fn write_timeline(out: &Path, events: &Path, svg: &Path) -> Result<()> {
+/// Writes the demo's timeline picture: the first doorbell GPU's busy/suspended periods
+/// from the agent's event log, and online request latency there and without the agent.
+fn write_timeline(
+    out: &Path,
+    events: &Path,
+    lay: &[(&'static str, Vec<u32>)],
+    svg: &Path,
+) -> Result<()> {
     let evs = parse_log(&std::fs::read_to_string(events).unwrap_or_default());
     let recs = |name: &str| -> Result<Vec<(u64, u64)>> {
         Ok(read_json(&out.join(name))?["records"]
@@ -479,20 +577,31 @@ fn write_timeline(out: &Path, events: &Path, svg: &Path) -> Result<()> {
             })
             .unwrap_or_default())
     };
-    let (with, without) = (recs("online-agent.json")?, recs("online-noagent.json")?);
+    let gpu = lay
+        .iter()
+        .find(|l| l.0 == "doorbell")
+        .and_then(|l| l.1.first().copied())
+        .unwrap_or(0);
+    let (with, nvml, without) = (
+        recs("online-doorbell-0.json")?,
+        recs("online-nvml-0.json")?,
+        recs("online-no-agent-0.json")?,
+    );
     let t0 = with
         .first()
         .map(|r| r.0)
         .unwrap_or(0)
         .saturating_sub(200_000_000);
-    let t1 = with.last().map(|r| r.1).unwrap_or(t0) + 200_000_000;
+    // The first 20 s at most: a picture, not a log.
+    let t1 = (with.last().map(|r| r.1).unwrap_or(t0) + 200_000_000).min(t0 + 20_000_000_000);
     let doc = coloc_agent::cmd::timeline::svg(
-        "gpu-coloc demo: GPU 3 (online + offline, agent managing)",
+        &format!("gpu-coloc demo: GPU {gpu} (online under the shim + offline, agent managing)"),
         &evs,
-        3,
+        gpu,
         &[
-            ("online, with gpu-coloc", "#1f77b4", &with),
-            ("online, no agent (GPU 2)", "#999999", &without),
+            ("online, gpu-coloc with doorbell", "#1f77b4", &with),
+            ("online, gpu-coloc NVML only", "#ff7f0e", &nvml),
+            ("online, no agent", "#999999", &without),
         ],
         t0,
         t1,

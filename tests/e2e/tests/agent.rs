@@ -711,10 +711,17 @@ fn http_endpoints() {
 fn demo_shows_the_difference() {
     let dir = std::env::temp_dir().join(unique("coloc-e2e-demo"));
     let json = dir.join("summary.json");
-    // 10 requests/s for 5 s: 50 online requests, so the medians compared below rest on
-    // enough samples (at the default 2/s a "p99" would be the largest of ~10).
+    // One GPU per scenario, 10 requests/s for 6 s: about 60 online requests each, so the
+    // medians compared below rest on enough samples.
     let out = std::process::Command::new(bin("coloc-demo"))
-        .args(["--duration-s", "5", "--online-rate", "10"])
+        .args([
+            "--duration-s",
+            "6",
+            "--online-rate",
+            "10",
+            "--replicas",
+            "1",
+        ])
         .arg("--out-dir")
         .arg(&dir)
         .arg("--json")
@@ -727,20 +734,35 @@ fn demo_shows_the_difference() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("online p99 vs alone"), "{stdout}");
+    assert!(stdout.contains("gpu-coloc, doorbell (shim)"), "{stdout}");
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let f = |p: &str| s.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-    assert!(s["preemptions"].as_u64().unwrap() >= 1, "{s}");
-    // Without the agent a typical online request takes about twice as long (the GPU is
-    // shared); with it, close to alone (suspension within ~1 ms of a 20 ms request).
-    let alone = f("/online_alone/p50_ms");
-    assert!(f("/online_no_agent/p50_ms") > 1.5 * alone, "{s}");
-    assert!(f("/online_agent/p50_ms") < 1.3 * alone, "{s}");
+    let alone = f("/scenarios/alone/p50_ms");
+    // Without the agent a typical online request takes longer (the GPU is shared with
+    // offline kernels); with the doorbell, close to alone (offline stopped within about a
+    // millisecond of the launch, then its kernels in flight drain).
+    assert!(f("/scenarios/no-agent/p50_ms") > 1.3 * alone, "{s}");
+    assert!(f("/scenarios/doorbell/p50_ms") < 1.3 * alone, "{s}");
+    // Every doorbell preemption was detected by the doorbell, within milliseconds; the
+    // NVML-only GPU's by NVML, a sample period late.
+    let bell = &s["scenarios"]["doorbell"];
+    assert!(bell["preemptions"].as_u64().unwrap() >= 5, "{s}");
+    assert_eq!(bell["signals"]["doorbell"], bell["preemptions"], "{s}");
+    assert!(f("/scenarios/doorbell/detection_ms/p99") < 10.0, "{s}");
+    assert!(
+        s["scenarios"]["nvml"]["signals"]["nvml"].as_u64().unwrap() >= 1,
+        "{s}"
+    );
+    assert!(
+        f("/scenarios/nvml/detection_ms/p50") > 10.0 * f("/scenarios/doorbell/detection_ms/p50"),
+        "{s}"
+    );
     assert_eq!(s["fail_opens"], 0, "{s}");
     let svg = std::path::PathBuf::from(s["timeline"].as_str().unwrap());
     assert!(render_svg(&svg).unwrap() > 5, "the demo's timeline renders");
     assert!(
-        f("/offline_agent_steps_per_s") > 0.3 * f("/offline_alone_steps_per_s"),
+        f("/scenarios/doorbell/offline_steps_per_s")
+            > 0.2 * f("/scenarios/offline/offline_steps_per_s"),
         "{s}"
     );
 }
