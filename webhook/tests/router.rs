@@ -19,10 +19,7 @@ fn fixture(name: &str) -> Vec<u8> {
 
 fn app(backend: Backend) -> axum::Router {
     router(AppState::new(
-        Settings {
-            backend,
-            offline_priority_class: Some("gpu-coloc-offline".into()),
-        },
+        Settings::with_priority_class(backend, "gpu-coloc-offline", -10),
         Limits {
             max_body: 64 * 1024,
             ..Limits::default()
@@ -547,10 +544,7 @@ async fn denials_name_the_container_and_the_offending_value() {
                     );
                 }
             }
-            let settings = Settings {
-                backend,
-                offline_priority_class: None,
-            };
+            let settings = Settings::new(backend);
             let r = coloc_webhook::review::review(
                 &fixture(name),
                 coloc_webhook::review::Mode::Mutate,
@@ -616,14 +610,7 @@ async fn slow_bodies_time_out_and_reviews_are_limited() {
         max_concurrent_reviews: 1,
         ..Limits::default()
     };
-    let app = router(AppState::new(
-        Settings {
-            backend: Backend::Hami,
-            offline_priority_class: None,
-        },
-        limits,
-        None,
-    ));
+    let app = router(AppState::new(Settings::new(Backend::Hami), limits, None));
     let t = Instant::now();
     let slow = tokio::spawn(
         app.clone().oneshot(
@@ -715,10 +702,7 @@ mod fuzz {
     const MEM: &str = "vke.volcengine.com/mgpu-memory";
 
     fn settings(backend: Backend) -> Settings {
-        Settings {
-            backend,
-            offline_priority_class: Some("p".into()),
-        }
+        Settings::with_priority_class(backend, "p", -10)
     }
 
     fn seeds() -> Vec<Vec<u8>> {
