@@ -64,6 +64,31 @@ pub const REQUESTS_ANNOTATION: &str = "gpu-coloc.dev/requests";
 /// Annotation recording, at CREATE, what the pod asked for ([`Requested`]); guarded on
 /// UPDATE.
 pub const REQUESTED_ANNOTATION: &str = "gpu-coloc.dev/requested";
+/// Namespace label that picks the backend for the namespace's pods (the chart routes each
+/// value to `/mutate?backend=<value>`, any other value to `/unsupported-backend`).
+pub const BACKEND_LABEL: &str = "gpu-coloc.dev/backend";
+/// The values [`BACKEND_LABEL`] may take.
+pub const BACKEND_NAMES: [&str; 3] = ["vke", "nvidia-shared", "hami"];
+/// The requests the webhook reviews, for messages.
+pub const MGPU_RESOURCE_PREFIX: &str = "vke.volcengine.com/*";
+/// The service's `coloc_webhook_denials_total` reasons (bounded; present at 0 from start).
+pub const DENIAL_REASONS: &[&str] = &[
+    "malformed",
+    "mismatch",
+    "out_of_range",
+    "unknown_policy",
+    "both_online_and_offline",
+    "memory_without_cores",
+    "mixed_pod",
+    "qos_contradiction",
+    "qos_unknown",
+    "native_burst_offline",
+    "record_inconsistent",
+    "record_malformed",
+    "record_changed",
+    "backend_unsupported",
+    "internal",
+];
 /// The MPS client priority hint for offline containers on `nvidia-shared`.
 pub const MPS_PRIORITY_ENV: &str = "CUDA_MPS_CLIENT_PRIORITY";
 
@@ -610,6 +635,15 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     }
     set_annotation(&mut ops, annotations, BACKEND_ANNOTATION, backend.as_str());
     Ok(finish_ops(ops))
+}
+
+/// Does `pod` ask for mGPU (any `vke.volcengine.com/*` request, readable or not, or the
+/// record of one)? Pods that do not are never changed or denied by the webhook.
+pub fn asks_for_mgpu(pod: &Value) -> bool {
+    let recorded = annotations_of(pod).is_some_and(|a| {
+        a.contains_key(REQUESTED_ANNOTATION) || a.contains_key(REQUESTS_ANNOTATION)
+    });
+    recorded || read_requests(pod).map_or(true, |r| !r.is_empty())
 }
 
 /// The class [`REQUESTED_ANNOTATION`] records, and a phrase for messages.
