@@ -122,7 +122,10 @@ fn dashboard_and_alerts_against_real_prometheus() {
         r#"coloc_fail_open_total{reason="nvml"} 0"#,
         r#"coloc_actuation_errors_total{actuator="freezer",op="suspend",reason="timeout"} 0"#,
     ] {
-        assert!(before.contains(series), "{series} not in /metrics:\n{before}");
+        assert!(
+            before.contains(series),
+            "{series} not in /metrics:\n{before}"
+        );
     }
     // One fail-open episode.
     let probe = sim.open();
@@ -237,7 +240,9 @@ fn dashboard_and_alerts_against_real_prometheus() {
         // The cluster label exists only where Prometheus adds one; every other variable
         // lists values (the node label comes from the scrape config, as the chart's
         // ServiceMonitor sets it).
-        if series.is_empty() || (label != "cluster" && !series.iter().any(|s| s["metric"][label].is_string())) {
+        if series.is_empty()
+            || (label != "cluster" && !series.iter().any(|s| s["metric"][label].is_string()))
+        {
             empty.push(format!("variable {}: {inner} has no {label}", v["name"]));
         }
     }
