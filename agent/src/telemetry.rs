@@ -18,6 +18,13 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 /// Every bounded reason of `coloc_fail_open_total`, present at 0 from the start.
 pub const FAIL_OPEN_REASONS: &[&str] = &["nvml", "nvml_hung", "record", "actuation", "panic"];
 
+/// Every bounded (actuator, reasons) of `coloc_actuation_errors_total`, present at 0 from
+/// the start for both ops.
+pub const ACTUATION_ERRORS: &[(&str, &[&str])] = &[
+    ("freezer", &["cgroup_write", "signal", "timeout"]),
+    ("signal", &["signal", "timeout"]),
+];
+
 /// Installs the global recorder and returns the renderer for `/metrics`.
 pub fn install() -> anyhow::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new()
@@ -26,6 +33,14 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     describe();
     for reason in FAIL_OPEN_REASONS {
         metrics::counter!("coloc_fail_open_total", "reason" => *reason).increment(0);
+    }
+    // So is every actuation error an alert waits for (`increase()` needs an earlier sample).
+    for (actuator, reasons) in ACTUATION_ERRORS {
+        for op in ["suspend", "resume"] {
+            for reason in *reasons {
+                metrics::counter!("coloc_actuation_errors_total", "actuator" => *actuator, "op" => op, "reason" => *reason).increment(0);
+            }
+        }
     }
     Ok(handle)
 }

@@ -6,7 +6,8 @@ import json, os, shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHART = os.path.join(HERE, "..", "helm", "gpu-coloc")
-SEL = 'cluster=~"$cluster", instance=~"$node"'
+# `node` is the agent's node: the chart's ServiceMonitor sets it from the pod's node name.
+SEL = 'cluster=~"$cluster", node=~"$node"'
 GPU = SEL + ', gpu=~"$gpu"'
 R = "$__rate_interval"
 
@@ -27,7 +28,7 @@ PANELS = [
         q(quantile("coloc_preemption_latency_seconds", 0.99), "p99"),
     ], "How fast offline work gets out of the way: from the NVML sample timestamp of the first online activity to every offline process confirmed stopped."),
     ("Preemptions per second", "ops", 8, 9, [
-        q(f'sum by (instance, gpu) (rate(coloc_suspensions_total{{{GPU}, reason="online_busy"}}[{R}]))', "{{instance}} GPU {{gpu}}"),
+        q(f'sum by (node, gpu) (rate(coloc_suspensions_total{{{GPU}, reason="online_busy"}}[{R}]))', "{{node}} GPU {{gpu}}"),
     ], "Offline processes suspended because online work became busy."),
     ("Release latency (end of idle window → offline running)", "s", 12, 8, [
         q(quantile("coloc_release_latency_seconds", 0.5), "p50"),
@@ -38,27 +39,27 @@ PANELS = [
         q(quantile("coloc_actuation_latency_seconds", 0.99), "actuation p99"),
     ], "Detection: sample timestamp → decision (NVML sampling and polling). Actuation: decision → confirmed stopped (freezer or signals)."),
     ("Online busy vs offline suspended, per GPU", "short", 12, 8, [
-        q(f'max by (instance, gpu) (coloc_gpu_online_busy{{{GPU}}})', "online busy {{instance}} GPU {{gpu}}"),
-        q(f'max by (instance, gpu) (coloc_offline_suspended_processes{{{GPU}}})', "offline suspended {{instance}} GPU {{gpu}}"),
+        q(f'max by (node, gpu) (coloc_gpu_online_busy{{{GPU}}})', "online busy {{node}} GPU {{gpu}}"),
+        q(f'max by (node, gpu) (coloc_offline_suspended_processes{{{GPU}}})', "offline suspended {{node}} GPU {{gpu}}"),
     ], "1 while online work is busy on the GPU; number of offline processes suspended."),
     ("GPU time given back to offline work", "percentunit", 12, 8, [
-        q(f'sum by (instance, gpu) (rate(coloc_offline_reclaimed_seconds_total{{{GPU}}}[{R}]))', "offline running {{instance}} GPU {{gpu}}"),
-        q(f'sum by (instance, gpu) (rate(coloc_offline_suspended_seconds_total{{{GPU}}}[{R}]))', "offline suspended {{instance}} GPU {{gpu}}"),
+        q(f'sum by (node, gpu) (rate(coloc_offline_reclaimed_seconds_total{{{GPU}}}[{R}]))', "offline running {{node}} GPU {{gpu}}"),
+        q(f'sum by (node, gpu) (rate(coloc_offline_suspended_seconds_total{{{GPU}}}[{R}]))', "offline suspended {{node}} GPU {{gpu}}"),
     ], "Share of wall time offline work ran while online was idle (reclaimed), and was held suspended."),
     ("Fail-open events and actuation errors", "short", 12, 8, [
         q(f'sum by (reason) (increase(coloc_fail_open_total{{{SEL}}}[{R}])) or vector(0)', "fail-open {{reason}}"),
         q(f'sum by (actuator, op, reason) (increase(coloc_actuation_errors_total{{{SEL}}}[{R}])) or vector(0)', "error {{actuator}} {{op}} {{reason}}"),
     ], "Fail-open: the agent resumed all offline work (NVML failure, record write failure, failed actuation). Any non-zero value deserves a look."),
     ("Agent health", "s", 12, 8, [
-        q(f'max by (instance) (rate(coloc_loop_lag_seconds_sum{{{SEL}}}[{R}]) / rate(coloc_loop_lag_seconds_count{{{SEL}}}[{R}]))', "loop lag {{instance}}"),
+        q(f'max by (node) (rate(coloc_loop_lag_seconds_sum{{{SEL}}}[{R}]) / rate(coloc_loop_lag_seconds_count{{{SEL}}}[{R}]))', "loop lag {{node}}"),
         q(f'histogram_quantile(0.99, sum by (le, function) (rate(coloc_nvml_call_duration_seconds_bucket{{{SEL}}}[{R}])))', "NVML p99 {{function}}"),
-        q(f'min by (instance) (up{{{SEL}, job=~"gpu-coloc-agent.*"}})', "up {{instance}}"),
+        q(f'min by (node, instance) (up{{{SEL}, job="gpu-coloc-agent"}})', "up {{node}} {{instance}}"),
     ], "Control-loop lag (how late ticks start), NVML call latency, and whether each agent is scraped."),
     ("Webhook admissions", "reqps", 12, 8, [
-        q(f'sum by (endpoint, result) (rate(coloc_webhook_admissions_total{{cluster=~"$cluster"}}[{R}]))', "{{endpoint}} {{result}}"),
+        q(f'sum by (endpoint, result) (rate(coloc_webhook_admissions_total{{cluster=~"$cluster", job="gpu-coloc-webhook"}}[{R}]))', "{{endpoint}} {{result}}"),
     ], "Admission reviews by result: allowed (nothing to change), patched (translated), denied, invalid (malformed request)."),
     ("Webhook denials by reason", "reqps", 12, 8, [
-        q(f'sum by (reason) (rate(coloc_webhook_denials_total{{cluster=~"$cluster"}}[{R}])) or vector(0)', "{{reason}}"),
+        q(f'sum by (reason) (rate(coloc_webhook_denials_total{{cluster=~"$cluster", job="gpu-coloc-webhook"}}[{R}])) or vector(0)', "{{reason}}"),
     ], "Pods rejected for invalid mGPU requests, by reason."),
 ]
 
@@ -85,15 +86,23 @@ def dashboard():
         "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "refresh": 2, "sort": 1,
     }
     return {
+        # For Grafana's import (Dashboards -> Import): it asks for a Prometheus data source
+        # and sets the datasource variable to it. The chart's ConfigMap (sidecar) works too:
+        # there the variable falls back to the default Prometheus.
+        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "Prometheus scraping the gpu-coloc agent and webhook",
+                      "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}],
+        "__requires": [{"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+                       {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+                       {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"}],
         "uid": "gpu-coloc", "title": "gpu-coloc: GPU co-location", "tags": ["gpu-coloc", "gpu"],
         "schemaVersion": 39, "version": 1, "editable": True, "time": {"from": "now-1h", "to": "now"},
         "refresh": "30s",
         "templating": {"list": [
             {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-             "current": {"text": "Prometheus", "value": "prometheus"}},
+             "current": {"text": "Prometheus", "value": "${DS_PROMETHEUS}"}},
             var("cluster", "label_values(coloc_agent_info, cluster)", "Cluster"),
-            var("node", 'label_values(coloc_agent_info{cluster=~"$cluster"}, instance)', "Node"),
-            var("gpu", 'label_values(coloc_gpu_online_busy{cluster=~"$cluster", instance=~"$node"}, gpu)', "GPU"),
+            var("node", 'label_values(coloc_agent_info{cluster=~"$cluster"}, node)', "Node"),
+            var("gpu", 'label_values(coloc_gpu_online_busy{cluster=~"$cluster", node=~"$node"}, gpu)', "GPU"),
         ]},
         "panels": panels,
     }

@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
-"""Offline checks of everything in deploy/: the Helm chart rendered with several value
-sets (render-chart.py), the kustomize base and overlay (kubectl kustomize), each object
-validated against the Kubernetes 1.33 schemas (kubernetes-validate, strict), the plain
-manifests in sync with the chart, and the promises the README makes about them."""
-import os, subprocess, sys, tempfile
+"""Offline checks of everything in deploy/: the Helm chart linted and rendered by the real
+Helm engine (helm-python-sdk, deploy/scripts/chart.py) with several value sets, bad values
+refused by values.schema.json, every rendered object validated against the Kubernetes 1.33
+schemas (kubernetes-validate, strict), the webhooks' routing by namespace label and their
+matchConditions (CEL, cel-python) checked on pods, the kustomize base and overlay, the
+monitoring objects, alerts and dashboard agreeing on names, and the promises the README
+makes about all of it."""
+import glob, json, os, re, subprocess, sys, tempfile
 import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEPLOY = os.path.dirname(HERE)
 ROOT = os.path.dirname(DEPLOY)
+CHART = os.path.join(DEPLOY, "helm", "gpu-coloc")
 K8S = "1.33.0"
 CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+sys.path.insert(0, HERE)
+import chart  # noqa: E402
+
 failures = []
 
 
@@ -24,6 +31,7 @@ def run(*cmd, **kw):
 def check(cond, msg):
     if not cond:
         failures.append(msg)
+    return cond
 
 
 def validate(text, label):
@@ -48,16 +56,52 @@ def by_kind(docs, kind):
     return [d for d in docs if d.get("kind") == kind]
 
 
-def render(*sets):
-    args = ["python3", os.path.join(HERE, "render-chart.py")]
-    for s in sets:
-        args += ["--set", s]
-    return run(*args)
+def one(docs, kind, suffix=""):
+    found = [d for d in by_kind(docs, kind) if d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"{kind} *{suffix}: {len(found)} rendered"
+    return found[0]
 
 
-def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc"):
+def render(*sets, name="gpu-coloc", namespace="gpu-coloc"):
+    return chart.render(chart.values(sets), name=name, namespace=namespace)
+
+
+def helm_checks():
+    """Lint, and the schema's refusals."""
+    h = chart.helm()
+    report = h.lint(CHART, {}, strict=True, kube_version="v1.33.0")
+    msgs = [m for m in report["messages"] if m["severity"] >= 2] + [{"error": e} for e in report["errors"]]
+    check(not msgs, f"helm lint --strict: {msgs}")
+    print(f"ok  helm lint --strict (Helm {h.helm_sdk_version()}): {len(report['messages'])} info message(s)")
+    # Values that used to pass and crash-loop later are refused at install.
+    bad = {
+        "agent.actuator=freez": "actuator",
+        "agent.idleWindow=100": "idleWindow",
+        "agent.pollInterval=1 ms": "pollInterval",
+        "webhook.replicas=two": "replicas",
+        "webhook.failurePolicy=Sometimes": "failurePolicy",
+        "webhook.backend=volcano": "backend",
+        "agent.idlewindow=100ms": "idlewindow",
+        "agent.settings.POLL_INTERVAL=1ms": "POLL_INTERVAL",
+        "offlinePriorityClass.value=-1e12": "value",
+    }
+    for s, needle in bad.items():
+        try:
+            render(s)
+            failures.append(f"values.schema.json accepts {s}")
+        except h.HelmError as e:
+            check(needle in str(e), f"{s}: refused without naming {needle}: {e}")
+    for good in ("agent.idleWindow=250ms", "agent.pollInterval=500us", "webhook.replicas=3", "agent.settings.COLOC_CONFIRM_TIMEOUT=2s"):
+        try:
+            render(good)
+        except h.HelmError as e:
+            failures.append(f"values.schema.json refuses {good}: {e}")
+    print(f"ok  values.schema.json refuses {len(bad)} bad value sets")
+
+
+def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-coloc"):
     caps = list(caps)
-    ds = by_kind(docs, "DaemonSet")[0]
+    ds = one(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     c = pod["containers"][0]
     sc = c["securityContext"]
@@ -67,29 +111,41 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc"):
     check(sc["capabilities"]["add"] == caps, f"{label}: agent capabilities {sc['capabilities']['add']}, expected {caps}")
     check(sc.get("allowPrivilegeEscalation") is False, f"{label}: agent allowPrivilegeEscalation")
     check(pod.get("securityContext", {}).get("seccompProfile") == {"type": "RuntimeDefault"}, f"{label}: agent seccomp RuntimeDefault")
+    cm = one(docs, "ConfigMap", "-agent")
+    settings = cm["data"]
+    check(c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}], f"{label}: agent settings from its ConfigMap")
+    check(settings["COLOC_LOOP_NICE"] == ("-10" if "SYS_NICE" in caps else "0"), f"{label}: COLOC_LOOP_NICE without/with SYS_NICE")
+    check(settings["COLOC_STATE_CMDLINES"] == "false", f"{label}: /state hides command lines by default")
+    known = set(re.findall(r'env = "(COLOC_[A-Z_]+)"', open(os.path.join(ROOT, "agent", "src", "cli.rs")).read()))
+    check(set(settings) <= known, f"{label}: agent ConfigMap keys that are no flag: {sorted(set(settings) - known)}")
+    check("checksum/config" in ds["spec"]["template"]["metadata"].get("annotations", {}), f"{label}: a settings change rolls the DaemonSet")
     env = {e["name"]: e for e in c["env"]}
-    check(env["COLOC_LOOP_NICE"]["value"] == ("-10" if "SYS_NICE" in caps else "0"), f"{label}: COLOC_LOOP_NICE without/with SYS_NICE")
     check(env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", f"{label}: NODE_NAME from the downward API")
     check(c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz", f"{label}: probes")
     check("requests" in c["resources"] and "limits" in c["resources"], f"{label}: resources")
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     check("/host/sys/fs/cgroup" in mounts and "/run/coloc-agent" in mounts, f"{label}: cgroup and state mounts")
-    check(pod.get("priorityClassName") == "gpu-coloc-agent", f"{label}: agent priority class")
+    pcs = {p["metadata"]["name"]: p for p in by_kind(docs, "PriorityClass")}
+    check(pod.get("priorityClassName") == f"{fullname}-agent" and f"{fullname}-agent" in pcs, f"{label}: agent priority class named per release")
+    for p in pcs.values():
+        check(type(p["value"]) is int, f"{label}: PriorityClass {p['metadata']['name']} value {p['value']!r} is not an integer")
     check(pod.get("nodeSelector"), f"{label}: GPU node selection")
-    role = by_kind(docs, "ClusterRole")[0]
+    role = one(docs, "ClusterRole", "-agent")
     check(role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}], f"{label}: RBAC limited to get/list/watch pods")
-    svc = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("agent-metrics")][0]
+    svc = one(docs, "Service", "agent-metrics")
     check(svc["metadata"]["annotations"].get("prometheus.io/scrape") == "true", f"{label}: scrape annotations")
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         for cfg in by_kind(docs, kind):
             for w in cfg["webhooks"]:
                 check(w["sideEffects"] == "None" and w["failurePolicy"] and w["timeoutSeconds"], f"{label}: {w['name']} settings")
-                ns = w["namespaceSelector"]["matchExpressions"][0]
+                exprs = w["namespaceSelector"]["matchExpressions"]
+                ns = exprs[0]
                 # By namespace name (set by the API server only), never by a label that a
                 # tenant could put on its own pod.
-                check(ns["key"] == "kubernetes.io/metadata.name" and ns["operator"] == "NotIn" and set(ns["values"]) == {"kube-system", release_ns},
+                check(ns["key"] == "kubernetes.io/metadata.name" and ns["operator"] == "NotIn" and {"kube-system", release_ns} <= set(ns["values"]),
                       f"{label}: {w['name']} excludes kube-system and the release namespace {release_ns} by name")
                 check("objectSelector" not in w, f"{label}: {w['name']} has an objectSelector (tenants can set pod labels)")
+                check(w.get("matchConditions"), f"{label}: {w['name']} reviews only mGPU pods (matchConditions)")
                 if kind.startswith("Mutating"):
                     check(w.get("reinvocationPolicy") == "IfNeeded", f"{label}: reinvocationPolicy")
     dep = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("webhook")]
@@ -101,34 +157,290 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc"):
         wsc = wpod["containers"][0]["securityContext"]
         check(wsc.get("runAsNonRoot") is True and wsc["capabilities"] == {"drop": ["ALL"]}, f"{label}: webhook non-root, no capabilities")
         check(by_kind(docs, "PodDisruptionBudget"), f"{label}: webhook PDB")
+        cfg = yaml.safe_load(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"].replace(" = ", ": "))
+        offline = one(docs, "PriorityClass", "-offline")
+        check(cfg.get("offline_priority_class") == offline["metadata"]["name"] and cfg.get("offline_priority") == offline["value"]
+              and cfg.get("offline_preemption_policy") == offline["preemptionPolicy"],
+              f"{label}: the webhook writes the offline class's own name, value and preemption policy ({cfg} vs {offline})")
+
+
+# --- The webhooks' routing: namespace selectors and matchConditions ------------------
+
+def selector_matches(sel, labels):
+    for e in sel.get("matchExpressions", []):
+        k, op, vals = e["key"], e["operator"], e.get("values", [])
+        if op == "In" and labels.get(k) not in vals:
+            return False
+        if op == "NotIn" and k in labels and labels[k] in vals:
+            return False
+        if op == "Exists" and k not in labels:
+            return False
+        if op == "DoesNotExist" and k in labels:
+            return False
+    return all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items())
+
+
+def routes(docs, ns_labels):
+    """(kind, path) of every webhook that a pod CREATE in a namespace with these labels
+    is sent to (before matchConditions)."""
+    out = []
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for cfg in by_kind(docs, kind):
+            for w in cfg["webhooks"]:
+                if "CREATE" in w["rules"][0]["operations"] and selector_matches(w["namespaceSelector"], ns_labels):
+                    out.append((kind[0], w["clientConfig"]["service"]["path"]))
+    return sorted(out)
+
+
+def routing_checks(docs):
+    name = lambda n: {"kubernetes.io/metadata.name": n}
+    cases = {
+        "no label: the default backend": (name("ml"), [("M", "/mutate"), ("V", "/validate")]),
+        "backend=vke": ({**name("ml"), "gpu-coloc.dev/backend": "vke"}, [("M", "/mutate?backend=vke"), ("V", "/validate?backend=vke")]),
+        "backend=nvidia-shared": ({**name("ml"), "gpu-coloc.dev/backend": "nvidia-shared"}, [("M", "/mutate?backend=nvidia-shared"), ("V", "/validate?backend=nvidia-shared")]),
+        "backend=hami": ({**name("ml"), "gpu-coloc.dev/backend": "hami"}, [("M", "/mutate?backend=hami"), ("V", "/validate?backend=hami")]),
+        "backend=volcano (no such backend): refused": ({**name("ml"), "gpu-coloc.dev/backend": "volcano"}, [("V", "/unsupported-backend")]),
+        "backend= (empty): refused": ({**name("ml"), "gpu-coloc.dev/backend": ""}, [("V", "/unsupported-backend")]),
+        "opted out": ({**name("ml"), "gpu-coloc.dev/webhook": "disabled"}, []),
+        "opted out, with a backend": ({**name("ml"), "gpu-coloc.dev/webhook": "disabled", "gpu-coloc.dev/backend": "hami"}, []),
+        "kube-system": (name("kube-system"), []),
+        "the release's namespace": (name("gpu-coloc"), []),
+    }
+    for what, (labels, expected) in cases.items():
+        got = routes(docs, labels)
+        check(got == sorted(expected), f"routing, {what}: sent to {got}, expected {sorted(expected)}")
+    print(f"ok  webhook routing by namespace label: {len(cases)} cases")
+
+
+def match_condition_checks(docs):
+    import celpy
+    env = celpy.Environment()
+    exprs = {w["matchConditions"][0]["expression"] for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+             for c in by_kind(docs, k) for w in c["webhooks"]}
+    check(len(exprs) == 1, f"every webhook has the same matchCondition ({len(exprs)} differ)")
+    prg = env.program(env.compile(exprs.pop()))
+
+    def matches(obj, op="CREATE", old=None):
+        act = {"object": celpy.json_to_cel(obj), "oldObject": celpy.json_to_cel(old), "request": celpy.json_to_cel({"operation": op})}
+        return bool(prg.evaluate(act))
+
+    # The webhook's own fixtures: every one it acts on is sent; the plain pod is not.
+    n = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "webhook", "tests", "data", "*.json"))):
+        req = json.load(open(path))["request"]
+        if req["operation"] not in ("CREATE", "UPDATE") or not req.get("object"):
+            continue
+        base = os.path.basename(path)
+        expected = base != "plain-pod.json"
+        check(matches(req["object"], req["operation"], req.get("oldObject")) == expected,
+              f"matchConditions on {base}: expected {'sent' if expected else 'not sent'}")
+        n += 1
+    lim = lambda k, v: {"name": "c", "image": "x", "resources": {"limits": {k: v}}}
+    pod = lambda *cs, init=(), ann=None: {"metadata": {"annotations": ann} if ann else {}, "spec": {"containers": list(cs), **({"initContainers": list(init)} if init else {})}}
+    cases = [
+        ("no resources", pod({"name": "c", "image": "x"}), "CREATE", None, False),
+        ("cpu only", pod(lim("cpu", "1")), "CREATE", None, False),
+        ("nvidia.com/gpu only", pod(lim("nvidia.com/gpu", "1")), "CREATE", None, False),
+        ("mgpu in an init container", pod({"name": "c", "image": "x"}, init=[lim("vke.volcengine.com/mgpu-core", "20")]), "CREATE", None, True),
+        ("mgpu in requests only", pod({"name": "c", "image": "x", "resources": {"requests": {"vke.volcengine.com/reclaimed-mgpu-core": "30"}}}), "CREATE", None, True),
+        ("translated pod (record only)", pod(lim("nvidia.com/gpu", "1"), ann={"gpu-coloc.dev/requested": "offline-cores=30;online-cores=0;memory-mib=0"}), "UPDATE", None, True),
+        ("update removing the record", pod(lim("nvidia.com/gpu", "1")), "UPDATE",
+         pod(lim("nvidia.com/gpu", "1"), ann={"gpu-coloc.dev/requested": "offline-cores=30;online-cores=0;memory-mib=0"}), True),
+        ("update of a plain pod", pod(lim("cpu", "1")), "UPDATE", pod(lim("cpu", "1")), False),
+    ]
+    for what, obj, op, old, expected in cases:
+        check(matches(obj, op, old) == expected, f"matchConditions, {what}: expected {'sent' if expected else 'not sent'}")
+    print(f"ok  matchConditions (CEL): {n} webhook fixtures and {len(cases)} pods")
+
+
+# --- Certificates ---------------------------------------------------------------------
+
+def cert_checks():
+    d = [x for x in yaml.safe_load_all(render()) if x]
+    job = one(d, "Job", "-cert")
+    args = dict(a.split("=", 1) for a in job["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+    dep = one(d, "Deployment", "-webhook")
+    secret = dep["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
+    check(job["spec"]["template"]["spec"]["containers"][0]["args"][0] == "bootstrap-cert", "the Job runs coloc-webhook bootstrap-cert")
+    check(args["--secret"] == secret, f"the Job writes {args['--secret']}, the webhook mounts {secret}")
+    check(args["--service"] == one(d, "Service", "-webhook")["metadata"]["name"], "the Job's certificate is for the webhook's Service")
+    check(args["--mutating-config"] == one(d, "MutatingWebhookConfiguration")["metadata"]["name"]
+          and args["--validating-config"] == one(d, "ValidatingWebhookConfiguration")["metadata"]["name"], "the Job patches the chart's configurations")
+    check(job["spec"]["template"]["spec"]["containers"][0]["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"], "the Job runs the webhook's image")
+    check(job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade", "the Job runs after install and upgrade")
+    cr = one(d, "ClusterRole", "-cert")
+    check(cr["rules"][0]["resourceNames"] == [args["--mutating-config"]] and cr["rules"][0]["verbs"] == ["get", "patch"], "the Job may only get/patch its own configurations")
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for w in one(d, kind)["webhooks"]:
+            check(w["failurePolicy"] == "Ignore", f"default install: {w['name']} failurePolicy Ignore (never blocks the cluster)")
+    cm = [x for x in yaml.safe_load_all(render("webhook.certManager.enabled=true")) if x]
+    check(not by_kind(cm, "Job") and by_kind(cm, "Certificate"), "cert-manager: a Certificate, no bootstrap Job")
+    manual = [x for x in yaml.safe_load_all(render("webhook.caBundle=Zm9v")) if x]
+    check(not by_kind(manual, "Job") and all(w["clientConfig"].get("caBundle") == "Zm9v" for w in one(manual, "MutatingWebhookConfiguration")["webhooks"]), "a given caBundle: used, no Job")
+    fail = [x for x in yaml.safe_load_all(render("webhook.failurePolicy=Fail")) if x]
+    check(all(w["failurePolicy"] == "Fail" for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration") for w in one(fail, k)["webhooks"]), "failurePolicy=Fail opts in")
+    print("ok  certificate bootstrap Job, cert-manager, manual caBundle, failurePolicy")
+
+
+# --- Monitoring: one naming across ServiceMonitors, alerts, dashboard ------------------
+
+def monitoring_checks():
+    d = [x for x in yaml.safe_load_all(render("monitoring.serviceMonitors.enabled=true", "monitoring.prometheusRules.enabled=true",
+                                              "monitoring.additionalLabels.release=prometheus", name="prod")) if x]
+    sms = {s["metadata"]["name"]: s for s in by_kind(d, "ServiceMonitor")}
+    check(set(sms) == {"prod-gpu-coloc-agent", "prod-gpu-coloc-webhook"}, f"ServiceMonitors for agent and webhook: {sorted(sms)}")
+    jobs = set()
+    for sm in sms.values():
+        check(sm["metadata"]["labels"].get("release") == "prometheus", f"{sm['metadata']['name']}: additionalLabels")
+        check(sm["spec"]["jobLabel"] == "app.kubernetes.io/name", f"{sm['metadata']['name']}: job from app.kubernetes.io/name")
+        svcs = [s for s in by_kind(d, "Service") if selector_matches({"matchLabels": sm["spec"]["selector"]["matchLabels"]}, s["metadata"]["labels"])]
+        check(len(svcs) == 1, f"{sm['metadata']['name']} selects {len(svcs)} Services")
+        for s in svcs:
+            jobs.add(s["metadata"]["labels"]["app.kubernetes.io/name"])
+            ports = {p["name"] for p in s["spec"]["ports"]}
+            check(all(e["port"] in ports for e in sm["spec"]["endpoints"]), f"{sm['metadata']['name']}: endpoint ports exist on the Service")
+    check(jobs == {"gpu-coloc-agent", "gpu-coloc-webhook"}, f"jobs {jobs}")
+    agent_sm = sms["prod-gpu-coloc-agent"]
+    check({"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in agent_sm["spec"]["endpoints"][0].get("relabelings", []),
+          "the agent's ServiceMonitor sets node from the pod's node")
+    check(one(d, "PrometheusRule")["metadata"]["labels"].get("release") == "prometheus", "PrometheusRule: additionalLabels")
+    rules = yaml.safe_load(open(os.path.join(DEPLOY, "prometheus", "rules.yaml")))
+    used = set(re.findall(r'job="([^"]+)"', open(os.path.join(DEPLOY, "prometheus", "rules.yaml")).read()))
+    dash_text = open(os.path.join(DEPLOY, "grafana", "gpu-coloc.json")).read()
+    used_dash = set(re.findall(r'job=\\?"([^"\\]+)', dash_text))
+    check(used and used <= jobs, f"alerts select jobs {used}; the ServiceMonitors make {jobs}")
+    check(used_dash and used_dash <= jobs, f"the dashboard selects jobs {used_dash}; the ServiceMonitors make {jobs}")
+    dash = json.loads(dash_text)
+    node_var = [v for v in dash["templating"]["list"] if v["name"] == "node"][0]
+    check(node_var["query"]["query"].endswith(", node)"), f"the dashboard's node variable lists the node label: {node_var['query']}")
+    check(dash.get("__inputs") and dash["__inputs"][0]["pluginId"] == "prometheus", "dashboard __inputs for import")
+    # Every alert has a firing and a silent case in the promtool tests.
+    tests = yaml.safe_load(open(os.path.join(DEPLOY, "prometheus", "rules_test.yaml")))
+    fire, silent = set(), set()
+    for t in tests["tests"]:
+        for a in t.get("alert_rule_test", []):
+            (fire if a.get("exp_alerts") else silent).add(a["alertname"])
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    check(alerts <= fire, f"alerts with no firing case: {sorted(alerts - fire)}")
+    check(alerts <= silent, f"alerts with no silent case: {sorted(alerts - silent)}")
+    run("promtool", "test", "rules", os.path.join(DEPLOY, "prometheus", "rules_test.yaml"))
+    print(f"ok  monitoring: ServiceMonitors, jobs {sorted(jobs)}, node label, {len(alerts)} alerts each firing and silent (promtool test rules)")
+
+
+def release_checks():
+    a = [x for x in yaml.safe_load_all(render(name="team-a", namespace="a")) if x]
+    b = [x for x in yaml.safe_load_all(render(name="team-b", namespace="b")) if x]
+    cluster = lambda docs: {(d["kind"], d["metadata"]["name"]) for d in docs if "namespace" not in d["metadata"]}
+    clash = cluster(a) & cluster(b)
+    check(not clash, f"two releases collide on cluster-scoped objects: {sorted(clash)}")
+    o = [x for x in yaml.safe_load_all(render("fullnameOverride=coloc")) if x]
+    names = {d["metadata"]["name"] for d in o}
+    check(all(n.startswith("coloc") for n in names), f"fullnameOverride: {sorted(n for n in names if not n.startswith('coloc'))}")
+    check(one(o, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == "coloc-webhook-tls", "fullnameOverride reaches the Secret")
+    _, notes = chart.render({}, notes=True)
+    check("gpu-coloc-webhook-cert" in notes and "failurePolicy Ignore" in notes and "gpu-coloc.dev/backend" in notes, f"NOTES.txt: {notes}")
+    net = [x for x in yaml.safe_load_all(render("networkPolicy.enabled=true")) if x]
+    pol = one(net, "NetworkPolicy")
+    check(pol["spec"]["ingress"][0]["ports"] == [{"port": "metrics", "protocol": "TCP"}], "NetworkPolicy: metrics port only")
+    validate(render("networkPolicy.enabled=true"), "chart (NetworkPolicy)")
+    print("ok  two releases side by side, fullnameOverride, NOTES.txt, NetworkPolicy")
+
+
+def readme_table_checks():
+    """The chart README's values table lists every leaf of values.yaml."""
+    vals = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
+
+    def leaves(v, prefix=""):
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                yield from leaves(x, f"{prefix}{k}.")
+        else:
+            yield prefix[:-1]
+
+    table = open(os.path.join(CHART, "README.md")).read()
+    missing = [k for k in leaves(vals) if f"| `{k}` |" not in table]
+    check(not missing, f"deploy/helm/gpu-coloc/README.md values table lacks {missing}")
+
+
+def image_checks():
+    """What can be checked of the images without a Docker daemon (none runs here)."""
+    import shutil
+    daemon = shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+    print(f"note images: {'a Docker daemon runs, but' if daemon else 'no Docker daemon here:'} the images are not built by this test;"
+          " it checks the Dockerfiles statically")
+    d = [x for x in yaml.safe_load_all(render()) if x]
+    vals = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
+    for component, binary in (("agent", "coloc-agent"), ("webhook", "coloc-webhook")):
+        path = os.path.join(ROOT, "deploy", "docker", f"{component}.Dockerfile")
+        if not check(os.path.exists(path), f"no Dockerfile for {component}: {path}"):
+            continue
+        text = open(path).read()
+        stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, flags=re.M | re.I)
+        check(len(stages) >= 2, f"{component}: multi-stage build")
+        check(re.search(r"^ARG TARGETARCH", text, flags=re.M), f"{component}: builds per TARGETARCH (amd64, arm64)")
+        check(f"--bin {binary}" in text or f"-p {'coloc-' + component}" in text, f"{component}: builds {binary}")
+        check(re.search(rf"^ENTRYPOINT \[\"/usr/local/bin/{binary}\"\]", text, flags=re.M), f"{component}: ENTRYPOINT {binary}")
+        for src in re.findall(r"^COPY\s+(?!--from)(\S+)\s", text, flags=re.M):
+            check(os.path.exists(os.path.join(ROOT, src)), f"{component}: COPY {src} does not exist")
+        check("target/" in open(os.path.join(ROOT, ".dockerignore")).read(), ".dockerignore leaves out target/")
+        check(re.search(r"^FROM .*distroless", text, flags=re.M), f"{component}: small runtime base (distroless)")
+        repo = vals["image"][component]["repository"]
+        check(f"# image: {repo}" in text, f"{component}: the Dockerfile does not say it builds {repo}")
+        if component == "webhook":
+            check(re.search(r"^USER 65532", text, flags=re.M), "webhook image runs as a non-root user (65532, as the chart's runAsUser)")
+            job = one(d, "Job", "-cert")
+            check(job["spec"]["template"]["spec"]["containers"][0]["image"].startswith(repo), "the bootstrap Job uses the webhook image")
+        else:
+            links = re.findall(r"host-nvml/libnvidia-ml\.so\.1", text)
+            check(links and "x86_64-linux-gnu" in text and "aarch64-linux-gnu" in text, "agent image: host NVML link for both architectures")
+    print("ok  Dockerfiles: static checks")
 
 
 def main():
-    subprocess.run([sys.executable, "-m", "pip", "show", "-q", "kubernetes-validate"], capture_output=True).returncode == 0 or \
-        run(sys.executable, "-m", "pip", "install", "-q", "kubernetes-validate==1.33.1")
+    helm_checks()
     default = render()
-    promises(validate(default, "chart (defaults)"), "chart (defaults)")
-    host = validate(render("agent.runtimeClassName="), "chart (driver from host path)")
-    env = {e["name"] for e in by_kind(host, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    check("COLOC_NVML_LIB" in env, "host-path mode sets COLOC_NVML_LIB")
+    dd = validate(default, "chart (defaults)")
+    promises(dd, "chart (defaults)")
+    host = validate(render("agent.runtimeClassName="), "chart (driver from the host, either architecture)")
+    hc = one(host, "DaemonSet")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in hc["containers"][0]["env"]}
+    vols = {v["name"]: v for v in hc["volumes"]}
+    check(env.get("COLOC_NVML_LIB") == "/opt/coloc/host-nvml/libnvidia-ml.so.1" and vols["nvidia-lib"]["hostPath"]["path"] == "/usr/lib",
+          "host mode: the image's per-architecture link into the host's /usr/lib")
+    lib64 = [x for x in yaml.safe_load_all(render("agent.runtimeClassName=", "agent.hostLibraryDir=/usr/lib64")) if x]
+    l64 = one(lib64, "DaemonSet")["spec"]["template"]["spec"]
+    check({e["name"]: e.get("value") for e in l64["containers"][0]["env"]}.get("COLOC_NVML_LIB") == "/host/nvidia-lib/libnvidia-ml.so.1"
+          and {v["name"]: v for v in l64["volumes"]}["nvidia-lib"]["hostPath"]["path"] == "/usr/lib64", "host mode with hostLibraryDir")
     promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
     promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
-    other_ns = validate(run("python3", os.path.join(HERE, "render-chart.py"), "--namespace", "gpu-sharing"), "chart (namespace gpu-sharing)")
+    other_ns = validate(render(namespace="gpu-sharing"), "chart (namespace gpu-sharing)")
     promises(other_ns, "chart (namespace gpu-sharing)", release_ns="gpu-sharing")
-    full = validate(render("agent.serviceMonitor.enabled=true", "webhook.certManager.enabled=true", "prometheusRules.enabled=true"), "chart (ServiceMonitor, cert-manager, rules)")
-    check(by_kind(full, "ServiceMonitor") and by_kind(full, "Certificate"), "optional objects rendered when enabled")
+    full = validate(render("monitoring.serviceMonitors.enabled=true", "webhook.certManager.enabled=true", "monitoring.prometheusRules.enabled=true"),
+                    "chart (ServiceMonitors, cert-manager, rules)")
+    check(by_kind(full, "ServiceMonitor") and by_kind(full, "Certificate") and by_kind(full, "PrometheusRule"), "optional objects rendered when enabled")
+    settings = [x for x in yaml.safe_load_all(render("agent.settings.COLOC_CONFIRM_TIMEOUT=2s")) if x]
+    check(one(settings, "ConfigMap", "-agent")["data"].get("COLOC_CONFIRM_TIMEOUT") == "2s", "agent.settings reach the agent's ConfigMap")
     agent_only = validate(render("webhook.enabled=false"), "chart (agent only)")
-    check(not by_kind(agent_only, "MutatingWebhookConfiguration"), "webhook.enabled=false drops the webhook")
+    check(not by_kind(agent_only, "MutatingWebhookConfiguration") and not by_kind(agent_only, "Job"), "webhook.enabled=false drops the webhook")
+    routing_checks(dd)
+    match_condition_checks(dd)
+    cert_checks()
+    monitoring_checks()
+    release_checks()
+    readme_table_checks()
+    image_checks()
 
     with open(os.path.join(DEPLOY, "kustomize", "base", "gpu-coloc.yaml")) as f:
         committed = f.read()
-    fresh = run("bash", "-c", f"cd {DEPLOY} && {{ echo '# Generated by deploy/scripts/render-manifests.sh from deploy/helm/gpu-coloc (default values).'; echo '# Do not edit: change the chart and regenerate.'; python3 scripts/render-chart.py --name gpu-coloc --namespace gpu-coloc; }}")
+    fresh = ("# Generated by deploy/scripts/render-manifests.sh from deploy/helm/gpu-coloc (default values).\n"
+             "# Do not edit: change the chart and regenerate.\n" + render())
     check(committed == fresh, "deploy/kustomize/base/gpu-coloc.yaml is stale: run deploy/scripts/render-manifests.sh")
     base = run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "base"))
     promises(validate(base, "kustomize base"), "kustomize base")
     over = validate(run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "overlays", "cert-manager")), "kustomize overlay cert-manager")
     for cfg in by_kind(over, "MutatingWebhookConfiguration") + by_kind(over, "ValidatingWebhookConfiguration"):
         check(cfg["metadata"]["annotations"].get("cert-manager.io/inject-ca-from") == "gpu-coloc/gpu-coloc-webhook", "overlay injects the CA")
+    check(not by_kind(over, "Job"), "overlay: cert-manager owns the Secret, no bootstrap Job")
 
     # The chart ships the same dashboard and rules as deploy/grafana and deploy/prometheus.
     pairs = [("grafana/gpu-coloc.json", "helm/gpu-coloc/dashboards/gpu-coloc.json"),
@@ -139,24 +451,26 @@ def main():
     run("promtool", "check", "rules", os.path.join(DEPLOY, "prometheus", "rules.yaml"))
     print("ok  promtool check rules")
 
-    # The README's install commands name these paths.
+    # The README's install section is the chart's.
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    for needle in ("kubectl apply -k deploy/kustomize/base", "kubectl apply -k deploy/kustomize/overlays/cert-manager",
-                   "deploy/scripts/self-signed-webhook-cert.sh", "helm install gpu-coloc deploy/helm/gpu-coloc"):
+    for needle in ("helm install gpu-coloc deploy/helm/gpu-coloc", "kubectl apply -k deploy/kustomize/base",
+                   "kubectl apply -k deploy/kustomize/overlays/cert-manager", "deploy/docker/agent.Dockerfile", "deploy/docker/webhook.Dockerfile"):
         check(needle in readme, f"README lacks {needle!r}")
+    for gone in ("self-signed-webhook-cert.sh", "render-chart.py"):
+        check(gone not in readme, f"README still names {gone}")
 
     # The README's privileges table names exactly the capabilities the chart can grant.
-    import re
     table = set(re.findall(r"^\| capability `([A-Z_]+)`", readme, flags=re.M))
     granted = set()
     for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",)):
-        ds = by_kind([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")[0]
+        ds = one([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")
         granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
     check(table == granted, f"README privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")
 
     if failures:
         print("\n".join("FAIL " + f for f in failures))
+        print(f"deploy checks: {len(failures)} failed")
         sys.exit(1)
     print("deploy checks: all passed")
 

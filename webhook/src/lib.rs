@@ -9,6 +9,7 @@
 //! rustls (ring), certificates reloaded from files when they change.
 #![forbid(unsafe_code)]
 
+pub mod bootstrap;
 pub mod review;
 pub mod server;
 pub mod translate;

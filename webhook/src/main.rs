@@ -5,9 +5,53 @@ use coloc_webhook::server::{
     install_metrics, reload_certificates, router, serve, AppState, Limits,
 };
 use coloc_webhook::translate::{Backend, Settings};
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines (colours only on a terminal).
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Create (or keep, while valid) the webhook's TLS Secret with a self-signed CA, and set
+    /// that CA as `caBundle` in the webhook configurations. The chart runs it as a Helm hook
+    /// Job when cert-manager is not used. Talks to the API server (in-cluster service
+    /// account, or KUBECONFIG).
+    BootstrapCert(BootstrapArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct BootstrapArgs {
+    /// Namespace of the webhook's Service and Secret.
+    #[arg(long, env = "COLOC_WEBHOOK_NAMESPACE")]
+    namespace: String,
+    /// The webhook's Service (the certificate is for its cluster DNS names).
+    #[arg(long)]
+    service: String,
+    /// The TLS Secret the webhook's pods mount (tls.crt, tls.key, ca.crt).
+    #[arg(long)]
+    secret: String,
+    /// MutatingWebhookConfiguration to give the CA (repeatable).
+    #[arg(long = "mutating-config")]
+    mutating: Vec<String>,
+    /// ValidatingWebhookConfiguration to give the CA (repeatable).
+    #[arg(long = "validating-config")]
+    validating: Vec<String>,
+    /// Validity of a new certificate, days.
+    #[arg(long, default_value_t = 3650)]
+    validity_days: u64,
+    /// Replace a certificate with fewer days than this left.
+    #[arg(long, default_value_t = 30)]
+    renew_before_days: u64,
+}
 
 /// gpu-coloc admission webhook: validates vke.volcengine.com mGPU requests and translates
 /// them for the cluster's GPU backend (vke, nvidia-shared, hami).
@@ -19,10 +63,24 @@ use std::time::Duration;
 Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], GET /healthz /readyz /metrics.
 Example config (TOML):
   backend = \"hami\"                          # default backend
-  offline_priority_class = \"gpu-coloc-offline\""
+  offline_priority_class = \"gpu-coloc-offline\"
+  offline_priority = -10                      # that PriorityClass's value
+  offline_preemption_policy = \"Never\"        # and its preemptionPolicy"
 )]
 struct Args {
-    /// Settings file (TOML): `backend`, `offline_priority_class`.
+    #[command(subcommand)]
+    command: Option<Cmd>,
+    /// Log format.
+    #[arg(
+        long,
+        env = "COLOC_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
+    log_format: LogFormat,
+    /// Settings file (TOML): `backend`, `offline_priority_class`, `offline_priority`,
+    /// `offline_preemption_policy`.
     #[arg(long, env = "COLOC_WEBHOOK_CONFIG")]
     config: Option<PathBuf>,
     /// Default backend (overrides the file).
@@ -135,29 +193,70 @@ fn load_settings(a: &Args) -> Result<Settings> {
                 )
             })?
         }
-        None => Settings {
-            backend: Backend::Vke,
-            offline_priority_class: None,
-        },
+        None => Settings::new(Backend::Vke),
     };
     if let Some(b) = a.backend {
         s.backend = b;
     }
+    s.check().map_err(|e| match &a.config {
+        Some(p) => anyhow::anyhow!("{}: {e}", p.display()),
+        None => anyhow::anyhow!("{e}"),
+    })?;
     Ok(s)
 }
 
 fn main() {
-    tracing_subscriber::fmt()
+    let args = Args::parse();
+    let b = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never into a log collector.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("COLOC_LOG")
                 .unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    if let Err(e) = run(Args::parse()) {
+        );
+    match args.log_format {
+        LogFormat::Text => b.init(),
+        LogFormat::Json => b.json().init(),
+    }
+    let result = match &args.command {
+        Some(Cmd::BootstrapCert(b)) => bootstrap_cert(b),
+        None => run(args),
+    };
+    if let Err(e) = result {
         eprintln!("coloc-webhook: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn bootstrap_cert(b: &BootstrapArgs) -> Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let target = coloc_webhook::bootstrap::Target {
+        namespace: b.namespace.clone(),
+        service: b.service.clone(),
+        secret: b.secret.clone(),
+        mutating: b.mutating.clone(),
+        validating: b.validating.clone(),
+        validity_days: b.validity_days,
+        renew_before_days: b.renew_before_days,
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let client = kube::Client::try_default()
+            .await
+            .context("Kubernetes client (in-cluster service account, or KUBECONFIG)")?;
+        let out = coloc_webhook::bootstrap::bootstrap(client, &target, now).await?;
+        println!(
+            "secret {}/{}: {:?}; caBundle set on {} webhook(s)",
+            target.namespace, target.secret, out.secret, out.webhooks_patched
+        );
+        Ok(())
+    })
 }
 
 fn run(a: Args) -> Result<()> {

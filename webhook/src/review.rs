@@ -20,6 +20,9 @@ pub enum Mode {
     Mutate,
     /// `/validate`: validate only.
     Validate,
+    /// `/unsupported-backend`: the namespace's `gpu-coloc.dev/backend` label names no
+    /// backend; pods that ask for mGPU are refused at CREATE, others allowed.
+    Unsupported,
 }
 
 impl Mode {
@@ -28,6 +31,7 @@ impl Mode {
         match self {
             Mode::Mutate => "mutate",
             Mode::Validate => "validate",
+            Mode::Unsupported => "unsupported_backend",
         }
     }
 }
@@ -83,7 +87,20 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
         (Some(_), true) => {
             let pod = &raw["request"]["object"];
             let backend = backend.unwrap_or(settings.backend);
-            let outcome = if req.operation == Operation::Update {
+            let outcome = if mode == Mode::Unsupported {
+                // Only CREATE: pods admitted before the label changed stay updatable.
+                if req.operation == Operation::Create && crate::translate::asks_for_mgpu(pod) {
+                    Err(crate::translate::Denial {
+                        message: format!("this pod asks for mGPU ({}), but its namespace's label {} names no backend this webhook knows; allowed: {} (or remove the label for the default backend)",
+                            crate::translate::MGPU_RESOURCE_PREFIX,
+                            crate::translate::BACKEND_LABEL,
+                            crate::translate::BACKEND_NAMES.join(", ")),
+                        reason: "backend_unsupported",
+                    })
+                } else {
+                    Ok(vec![])
+                }
+            } else if req.operation == Operation::Update {
                 // Checked against what the pod asked for at CREATE; metadata-only patch.
                 review_update(&raw["request"]["oldObject"], pod)
             } else {

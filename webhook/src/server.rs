@@ -115,6 +115,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/mutate", post(mutate))
         .route("/validate", post(validate))
+        .route("/unsupported-backend", post(unsupported))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics))
@@ -137,6 +138,15 @@ async fn validate(
     body: Body,
 ) -> Response {
     handle(s, Mode::Validate, q, headers, body).await
+}
+
+async fn unsupported(
+    State(s): State<AppState>,
+    q: Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, Mode::Unsupported, q, headers, body).await
 }
 
 enum BodyError {
@@ -307,6 +317,25 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
         "coloc_webhook_limited_total",
         "Requests and connections refused or closed by a limit: connections (too many open), idle, body_timeout (408), body_size (413), reviews (503)."
     );
+    // Every bounded label value at 0 from the start, so that `increase()` and `rate()` see
+    // the first event (a series born at its first increment has no earlier sample).
+    for mode in [Mode::Mutate, Mode::Validate, Mode::Unsupported] {
+        for result in ["allowed", "patched", "denied", "invalid"] {
+            metrics::counter!("coloc_webhook_admissions_total", "endpoint" => mode.as_str(), "result" => result).increment(0);
+        }
+        for reason in crate::translate::DENIAL_REASONS {
+            metrics::counter!("coloc_webhook_denials_total", "endpoint" => mode.as_str(), "reason" => *reason).increment(0);
+        }
+    }
+    for limit in [
+        "connections",
+        "idle",
+        "body_timeout",
+        "body_size",
+        "reviews",
+    ] {
+        metrics::counter!("coloc_webhook_limited_total", "limit" => limit).increment(0);
+    }
     Ok(h)
 }
 

@@ -64,6 +64,31 @@ pub const REQUESTS_ANNOTATION: &str = "gpu-coloc.dev/requests";
 /// Annotation recording, at CREATE, what the pod asked for ([`Requested`]); guarded on
 /// UPDATE.
 pub const REQUESTED_ANNOTATION: &str = "gpu-coloc.dev/requested";
+/// Namespace label that picks the backend for the namespace's pods (the chart routes each
+/// value to `/mutate?backend=<value>`, any other value to `/unsupported-backend`).
+pub const BACKEND_LABEL: &str = "gpu-coloc.dev/backend";
+/// The values [`BACKEND_LABEL`] may take.
+pub const BACKEND_NAMES: [&str; 3] = ["vke", "nvidia-shared", "hami"];
+/// The requests the webhook reviews, for messages.
+pub const MGPU_RESOURCE_PREFIX: &str = "vke.volcengine.com/*";
+/// The service's `coloc_webhook_denials_total` reasons (bounded; present at 0 from start).
+pub const DENIAL_REASONS: &[&str] = &[
+    "malformed",
+    "mismatch",
+    "out_of_range",
+    "unknown_policy",
+    "both_online_and_offline",
+    "memory_without_cores",
+    "mixed_pod",
+    "qos_contradiction",
+    "qos_unknown",
+    "native_burst_offline",
+    "record_inconsistent",
+    "record_malformed",
+    "record_changed",
+    "backend_unsupported",
+    "internal",
+];
 /// The MPS client priority hint for offline containers on `nvidia-shared`.
 pub const MPS_PRIORITY_ENV: &str = "CUDA_MPS_CLIENT_PRIORITY";
 
@@ -120,6 +145,48 @@ pub struct Settings {
     /// Priority class given to offline pods that have none (none when unset).
     #[serde(default)]
     pub offline_priority_class: Option<String>,
+    /// The value of that PriorityClass, written to `spec.priority` with the name (see
+    /// [`translate`]); required with `offline_priority_class`.
+    #[serde(default)]
+    pub offline_priority: Option<i32>,
+    /// The `preemptionPolicy` of that PriorityClass (`Never` or `PreemptLowerPriority`),
+    /// written to `spec.preemptionPolicy` with the name; `Never` when unset.
+    #[serde(default)]
+    pub offline_preemption_policy: Option<String>,
+}
+
+impl Settings {
+    /// `backend`, no priority class.
+    pub fn new(backend: Backend) -> Settings {
+        Settings {
+            backend,
+            offline_priority_class: None,
+            offline_priority: None,
+            offline_preemption_policy: None,
+        }
+    }
+
+    /// `backend`, offline pods get PriorityClass `name` of `value`, `preemptionPolicy: Never`.
+    pub fn with_priority_class(backend: Backend, name: &str, value: i32) -> Settings {
+        Settings {
+            offline_priority_class: Some(name.into()),
+            offline_priority: Some(value),
+            ..Settings::new(backend)
+        }
+    }
+
+    /// Settings that cannot work are refused at start, not at the first pod.
+    pub fn check(&self) -> Result<(), String> {
+        if self.offline_priority_class.is_some() && self.offline_priority.is_none() {
+            return Err("offline_priority_class needs offline_priority, the value of that PriorityClass: the API server refuses a pod whose spec.priority is not its class's value".into());
+        }
+        match self.offline_preemption_policy.as_deref() {
+            None | Some("Never" | "PreemptLowerPriority") => Ok(()),
+            Some(p) => Err(format!(
+                "offline_preemption_policy {p:?} is not a preemption policy; allowed: Never, PreemptLowerPriority"
+            )),
+        }
+    }
 }
 
 /// A denial: the message shown to the user, and a bounded reason for metrics.
@@ -513,10 +580,21 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     check_annotations(class, &describe(&reqs, class), annotations, &mut ops)?;
     let offline = class == PodClass::Offline;
 
-    // Priority class for offline pods.
-    if offline && pod["spec"]["priorityClassName"].is_null() && pod["spec"]["priority"].is_null() {
-        if let Some(pc) = &s.offline_priority_class {
+    // Priority class for offline pods that have none. The API server's Priority admission
+    // plugin has already run (it runs before the webhooks): it set `spec.priority` (and
+    // `preemptionPolicy`) from the pod's class, or from no class (0). When a webhook
+    // changes the pod, the API server runs the in-tree plugins again, and Priority then
+    // refuses a pod whose `spec.priority` differs from its class's value. So the class
+    // comes with its value and preemption policy, replacing what no class gave.
+    let no_class = pod["spec"]["priorityClassName"]
+        .as_str()
+        .is_none_or(str::is_empty);
+    if offline && no_class {
+        if let (Some(pc), Some(value)) = (&s.offline_priority_class, s.offline_priority) {
+            let policy = s.offline_preemption_policy.as_deref().unwrap_or("Never");
             ops.push(json!({"op": "add", "path": "/spec/priorityClassName", "value": pc}));
+            ops.push(json!({"op": "add", "path": "/spec/priority", "value": value}));
+            ops.push(json!({"op": "add", "path": "/spec/preemptionPolicy", "value": policy}));
         }
     }
 
@@ -557,6 +635,15 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     }
     set_annotation(&mut ops, annotations, BACKEND_ANNOTATION, backend.as_str());
     Ok(finish_ops(ops))
+}
+
+/// Does `pod` ask for mGPU (any `vke.volcengine.com/*` request, readable or not, or the
+/// record of one)? Pods that do not are never changed or denied by the webhook.
+pub fn asks_for_mgpu(pod: &Value) -> bool {
+    let recorded = annotations_of(pod).is_some_and(|a| {
+        a.contains_key(REQUESTED_ANNOTATION) || a.contains_key(REQUESTS_ANNOTATION)
+    });
+    recorded || read_requests(pod).map_or(true, |r| !r.is_empty())
 }
 
 /// The class [`REQUESTED_ANNOTATION`] records, and a phrase for messages.
@@ -722,10 +809,7 @@ mod tests {
     use super::*;
 
     fn settings(b: Backend) -> Settings {
-        Settings {
-            backend: b,
-            offline_priority_class: Some("gpu-coloc-offline".into()),
-        }
+        Settings::with_priority_class(b, "gpu-coloc-offline", -10)
     }
 
     fn pod(annotations: Value, resources: Value) -> Value {

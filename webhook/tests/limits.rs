@@ -45,14 +45,7 @@ fn start(limits: Limits) -> Server {
             key.serialize_pem().into_bytes(),
         ))
         .unwrap();
-    let app = router(AppState::new(
-        Settings {
-            backend: Backend::Hami,
-            offline_priority_class: None,
-        },
-        limits,
-        None,
-    ));
+    let app = router(AppState::new(Settings::new(Backend::Hami), limits, None));
     let handle = axum_server::Handle::new();
     rt.spawn(serve(listener, app, Some(tls), limits, handle.clone()));
     Server {

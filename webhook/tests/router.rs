@@ -19,10 +19,7 @@ fn fixture(name: &str) -> Vec<u8> {
 
 fn app(backend: Backend) -> axum::Router {
     router(AppState::new(
-        Settings {
-            backend,
-            offline_priority_class: Some("gpu-coloc-offline".into()),
-        },
+        Settings::with_priority_class(backend, "gpu-coloc-offline", -10),
         Limits {
             max_body: 64 * 1024,
             ..Limits::default()
@@ -470,7 +467,16 @@ async fn denials_carry_clear_messages() {
 async fn denials_name_the_container_and_the_offending_value() {
     const R: &str = "vke.volcengine.com/reclaimed-mgpu-core";
     const M: &str = "vke.volcengine.com/mgpu-core";
-    let cases: [(&str, &str, Vec<String>); 7] = [
+    let cases: [(&str, &str, Vec<String>); 8] = [
+        (
+            "deny-shared-asks-reclaimed",
+            "qos_contradiction",
+            vec![
+                "container \"main\"".into(),
+                format!("{R}=30"),
+                format!("{QOS}=shared_cores"),
+            ],
+        ),
         (
             "deny-mixed-pod",
             "mixed_pod",
@@ -547,10 +553,7 @@ async fn denials_name_the_container_and_the_offending_value() {
                     );
                 }
             }
-            let settings = Settings {
-                backend,
-                offline_priority_class: None,
-            };
+            let settings = Settings::new(backend);
             let r = coloc_webhook::review::review(
                 &fixture(name),
                 coloc_webhook::review::Mode::Mutate,
@@ -559,6 +562,10 @@ async fn denials_name_the_container_and_the_offending_value() {
             );
             assert_eq!(r.result, "denied");
             assert_eq!(r.reason, Some(*reason), "{name}");
+            assert!(
+                coloc_webhook::translate::DENIAL_REASONS.contains(reason),
+                "{reason} is not among the reasons counted from start"
+            );
         }
     }
 }
@@ -616,14 +623,7 @@ async fn slow_bodies_time_out_and_reviews_are_limited() {
         max_concurrent_reviews: 1,
         ..Limits::default()
     };
-    let app = router(AppState::new(
-        Settings {
-            backend: Backend::Hami,
-            offline_priority_class: None,
-        },
-        limits,
-        None,
-    ));
+    let app = router(AppState::new(Settings::new(Backend::Hami), limits, None));
     let t = Instant::now();
     let slow = tokio::spawn(
         app.clone().oneshot(
@@ -715,10 +715,7 @@ mod fuzz {
     const MEM: &str = "vke.volcengine.com/mgpu-memory";
 
     fn settings(backend: Backend) -> Settings {
-        Settings {
-            backend,
-            offline_priority_class: Some("p".into()),
-        }
+        Settings::with_priority_class(backend, "p", -10)
     }
 
     fn seeds() -> Vec<Vec<u8>> {
@@ -1102,4 +1099,68 @@ mod fuzz {
             }
         }
     }
+}
+
+/// Every value of the namespace label `gpu-coloc.dev/backend` either works or is refused:
+/// the chart sends `vke`, `nvidia-shared` and `hami` to `/mutate?backend=<value>` (and
+/// `/validate?backend=<value>`), any other value to `/unsupported-backend`
+/// (deploy/scripts/check-deploy.py checks that routing on the rendered chart).
+#[tokio::test]
+async fn every_backend_label_value_works_or_is_refused() {
+    let app = app(Backend::Vke);
+    for value in coloc_webhook::translate::BACKEND_NAMES {
+        let (status, out) = post(
+            &app,
+            &format!("/mutate?backend={value}"),
+            fixture("offline-deployment-create"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{value}");
+        let r: Value = serde_json::from_slice(&out).unwrap();
+        let pod = patched(&fixture("offline-deployment-create"), &r);
+        assert_eq!(
+            pod["metadata"]["annotations"]["gpu-coloc.dev/backend"], value,
+            "{value}: translated for that backend"
+        );
+        let (status, out) = post(
+            &app,
+            &format!("/validate?backend={value}"),
+            fixture("offline-deployment-create"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            serde_json::from_slice::<Value>(&out).unwrap()["response"]["allowed"],
+            true,
+            "{value}"
+        );
+    }
+    // Any other label value: mGPU pods are refused with a message that says what to do;
+    // other pods, and updates of pods admitted earlier, pass.
+    let (status, out) = post(
+        &app,
+        "/unsupported-backend",
+        fixture("offline-deployment-create"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let msg = denial(&serde_json::from_slice(&out).unwrap());
+    assert!(
+        msg.contains("gpu-coloc.dev/backend") && msg.contains("vke, nvidia-shared, hami"),
+        "{msg}"
+    );
+    for allowed in ["plain-pod", "online-update"] {
+        let (_, out) = post(&app, "/unsupported-backend", fixture(allowed)).await;
+        let r: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(r["response"]["allowed"], true, "{allowed}: {r}");
+        assert!(r["response"]["patch"].is_null(), "{allowed}");
+    }
+    // A typo in ?backend= (a chart bug, not a tenant's) is a 400, never a translation.
+    let (status, _) = post(
+        &app,
+        "/mutate?backend=vk",
+        fixture("offline-deployment-create"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
 }

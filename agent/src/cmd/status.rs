@@ -44,9 +44,9 @@ pub fn http_get(url: &str, path: &str) -> Result<String> {
     let mut s = std::net::TcpStream::connect(hostport)
         .with_context(|| format!("cannot reach the agent at {url} (is it running? --url)"))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n"
+    // One write: the request is one segment.
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n").as_bytes(),
     )?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf)?;
@@ -95,7 +95,7 @@ pub fn render(st: &StateDoc) -> String {
             "\nGPU {} {}  {}{}\n  last preemption: {since}\n  preemption latency: p50 {} p99 {} (n={})   release latency: p50 {} p99 {} (n={})\n",
             g.index,
             sanitize(&g.uuid),
-            sanitize(&g.state.to_uppercase()),
+            shown_state(g),
             if g.degraded { "  (NVML failing: not managed)" } else { "" },
             ms(g.preemption_ms.p50),
             ms(g.preemption_ms.p99),
@@ -125,6 +125,31 @@ pub fn render(st: &StateDoc) -> String {
     out
 }
 
+/// The state shown for a GPU: the machine's `offline_running` means "nothing online is
+/// busy"; with no offline work on the GPU that is just idle, not offline work running.
+fn shown_state(g: &crate::control::state::GpuDoc) -> String {
+    let offline = g
+        .processes
+        .iter()
+        .any(|p| p.class == qos_core::Class::Offline);
+    if g.state == "offline_running" && !offline {
+        "IDLE".into()
+    } else {
+        sanitize(&g.state.to_uppercase()).to_string()
+    }
+}
+
+/// Writes to standard output; `Ok(false)` once the reader has gone (`status --json | head
+/// -1`): the command then ends quietly instead of panicking on the closed pipe.
+fn emit(text: &str) -> Result<bool> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(e).context("writing to standard output"),
+    }
+}
+
 /// Runs `coloc-agent status`.
 pub fn run(a: StatusArgs) -> Result<()> {
     loop {
@@ -132,6 +157,19 @@ pub fn run(a: StatusArgs) -> Result<()> {
         let st: StateDoc = serde_json::from_str(&body)
             .context("the agent's /state is not a state document (agent of another version?)")?;
         if let Some(p) = &a.plot {
+            if !st.gpus.iter().any(|g| g.index == a.gpu) {
+                let have: Vec<String> = st.gpus.iter().map(|g| g.index.to_string()).collect();
+                bail!(
+                    "GPU {} is not managed by the agent at {} (its GPUs: {}); pass --gpu",
+                    a.gpu,
+                    a.url,
+                    if have.is_empty() {
+                        "none".into()
+                    } else {
+                        have.join(", ")
+                    }
+                );
+            }
             let events = &st.recent_events;
             let now = st.updated_ns;
             let t0 = events
@@ -152,14 +190,20 @@ pub fn run(a: StatusArgs) -> Result<()> {
                 now,
             );
             std::fs::write(p, doc).with_context(|| format!("writing {}", p.display()))?;
-            println!("wrote {}", p.display());
+            emit(&format!("wrote {}\n", p.display()))?;
         } else if a.json {
-            println!("{}", serde_json::to_string_pretty(&st)?);
-        } else {
-            if a.watch.is_some() {
-                print!("\x1b[2J\x1b[H");
+            if !emit(&format!("{}\n", serde_json::to_string_pretty(&st)?))? {
+                return Ok(());
             }
-            print!("{}", render(&st));
+        } else {
+            let clear = if a.watch.is_some() {
+                "\x1b[2J\x1b[H"
+            } else {
+                ""
+            };
+            if !emit(&format!("{clear}{}", render(&st)))? {
+                return Ok(());
+            }
         }
         match a.watch {
             Some(secs) if a.plot.is_none() => {
@@ -218,6 +262,57 @@ mod tests {
         // One line per process: the newline in the command line did not start another.
         assert_eq!(out.lines().filter(|l| l.contains("FAKE LINE")).count(), 1);
         assert!(!out.lines().any(|l| l.starts_with("FAKE")));
+    }
+
+    #[test]
+    fn a_gpu_without_offline_work_is_idle_not_offline_running() {
+        let out = render(&doc(&[]));
+        assert!(out.contains("GPU 0 GPU-0  IDLE"), "{out}");
+        assert!(!out.contains("OFFLINE_RUNNING"), "{out}");
+        let out = render(&doc(&["train.py"]));
+        assert!(out.contains("OFFLINE_RUNNING"), "{out}");
+    }
+
+    /// Serves one `/state` document per connection on 127.0.0.1:0.
+    fn serve(doc: StateDoc) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let body = serde_json::to_string(&doc).unwrap();
+        std::thread::spawn(move || {
+            for mut c in l.incoming().flatten() {
+                use std::io::{Read, Write};
+                let (mut head, mut buf) = (Vec::new(), [0u8; 256]);
+                while !head.ends_with(b"\r\n\r\n") {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = write!(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+            }
+        });
+        url
+    }
+
+    #[test]
+    fn plot_of_a_gpu_the_agent_does_not_have_fails_and_says_which_it_has() {
+        let dir = std::env::temp_dir().join(format!("coloc-status-plot-{}", std::process::id()));
+        let args = StatusArgs {
+            url: serve(doc(&["train.py"])),
+            plot: Some(dir.with_extension("svg")),
+            gpu: 7,
+            watch: None,
+            json: false,
+        };
+        let e = run(args).unwrap_err().to_string();
+        assert!(
+            e.contains("GPU 7 is not managed") && e.contains("its GPUs: 0"),
+            "{e}"
+        );
+        assert!(
+            !dir.with_extension("svg").exists(),
+            "no empty chart written"
+        );
     }
 
     #[test]

@@ -115,7 +115,19 @@ fn dashboard_and_alerts_against_real_prometheus() {
         );
     }
     post("/mutate", b"{not json");
-    // One fail-open episode, so the fail-open series exists.
+    // Counters that alerts wait on exist at 0 before their first event, so that
+    // `increase()` sees that event.
+    let before = agent.metrics();
+    for series in [
+        r#"coloc_fail_open_total{reason="nvml"} 0"#,
+        r#"coloc_actuation_errors_total{actuator="freezer",op="suspend",reason="timeout"} 0"#,
+    ] {
+        assert!(
+            before.contains(series),
+            "{series} not in /metrics:\n{before}"
+        );
+    }
+    // One fail-open episode.
     let probe = sim.open();
     probe
         .header()
@@ -134,7 +146,7 @@ fn dashboard_and_alerts_against_real_prometheus() {
     let dir = std::env::temp_dir().join(unique("coloc-e2e-prom"));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = format!(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: gpu-coloc-agent\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n  - job_name: gpu-coloc-webhook\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n",
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: gpu-coloc-agent\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n        labels:\n          node: node1\n  - job_name: gpu-coloc-webhook\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n",
         rules_dir.join("rules.yaml").display(),
         agent.port,
         wport
@@ -217,14 +229,21 @@ fn dashboard_and_alerts_against_real_prometheus() {
         .filter(|v| v["type"] == "query")
     {
         let q = v["query"]["query"].as_str().unwrap();
-        let inner = q
+        let (inner, label) = q
             .trim_start_matches("label_values(")
+            .trim_end_matches(')')
             .rsplit_once(',')
-            .map(|x| x.0)
-            .unwrap_or(q);
+            .map(|(a, b)| (a, b.trim()))
+            .unwrap_or((q, ""));
         let r = prom_query(pport, &substitute(inner));
-        if r["data"]["result"].as_array().map(Vec::len).unwrap_or(0) == 0 {
-            empty.push(format!("variable {}: {inner}", v["name"]));
+        let series = r["data"]["result"].as_array().cloned().unwrap_or_default();
+        // The cluster label exists only where Prometheus adds one; every other variable
+        // lists values (the node label comes from the scrape config, as the chart's
+        // ServiceMonitor sets it).
+        if series.is_empty()
+            || (label != "cluster" && !series.iter().any(|s| s["metric"][label].is_string()))
+        {
+            empty.push(format!("variable {}: {inner} has no {label}", v["name"]));
         }
     }
     assert!(
@@ -246,7 +265,7 @@ fn dashboard_and_alerts_against_real_prometheus() {
         .iter()
         .flat_map(|g| g["rules"].as_array().unwrap())
         .collect();
-    assert_eq!(loaded.len(), 7, "{rules}");
+    assert_eq!(loaded.len(), 8, "{rules}");
     for r in loaded {
         assert_eq!(r["health"], "ok", "rule {} unhealthy: {r}", r["name"]);
         let q = prom_query(pport, r["query"].as_str().unwrap());

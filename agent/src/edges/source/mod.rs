@@ -82,10 +82,12 @@ pub enum RulesError {
         message: String,
     },
     /// A rule is well-formed TOML but means nothing valid.
-    #[error("rules file {path}: rule {rule}: {message}")]
+    #[error("rules file {path}:{line}: rule {rule}: {message}")]
     Invalid {
         /// The file.
         path: String,
+        /// Line of the rule (or key) in the file, from 1.
+        line: usize,
         /// The rule's name or position.
         rule: String,
         /// What is wrong.
@@ -97,9 +99,21 @@ pub enum RulesError {
 #[serde(deny_unknown_fields)]
 struct RawFile {
     /// Class of GPU processes no rule matches (default `unmanaged`).
-    unmatched: Option<String>,
+    unmatched: Option<toml::Spanned<String>>,
     #[serde(default, rename = "rule")]
-    rules: Vec<RawRule>,
+    rules: Vec<toml::Spanned<RawRule>>,
+}
+
+/// The line (from 1) of byte offset `at` in `text`.
+fn line_of(text: &str, at: usize) -> usize {
+    text[..at.min(text.len())].matches('\n').count() + 1
+}
+
+/// Does `pattern` match every string (only `*`s)?
+fn matches_all(pattern: &Option<String>) -> bool {
+    pattern
+        .as_deref()
+        .is_none_or(|p| !p.is_empty() && p.chars().all(|c| c == '*'))
 }
 
 #[derive(Debug, Deserialize)]
@@ -160,9 +174,10 @@ pub struct Rules {
     unmatched: Class,
 }
 
-fn parse_class(path: &str, rule: &str, v: &str) -> Result<Class, RulesError> {
+fn parse_class(path: &str, line: usize, rule: &str, v: &str) -> Result<Class, RulesError> {
     Class::parse_config(v).ok_or_else(|| RulesError::Invalid {
         path: path.into(),
+        line,
         rule: rule.into(),
         message: format!(
             "class {v:?} is not a class; allowed: shared_cores, dedicated_cores, \
@@ -188,18 +203,42 @@ impl Rules {
             message: e.to_string().trim_end().replace('\n', " "),
         })?;
         let unmatched = match &raw.unmatched {
-            Some(v) => parse_class(path, "unmatched", v)?,
+            Some(v) => parse_class(
+                path,
+                line_of(text, v.span().start),
+                "unmatched",
+                v.get_ref(),
+            )?,
             None => Class::Unmanaged,
         };
         let mut rules = Vec::new();
-        for (i, r) in raw.rules.into_iter().enumerate() {
+        // Rule name -> line, for duplicates; the first rule that matches every process.
+        let mut names: std::collections::HashMap<String, usize> = Default::default();
+        let mut catch_all: Option<(String, usize, String)> = None;
+        for (i, spanned) in raw.rules.into_iter().enumerate() {
+            let line = line_of(text, spanned.span().start);
+            let r = spanned.into_inner();
             let name = r.name.clone().unwrap_or_else(|| format!("#{}", i + 1));
             let invalid = |message: String| RulesError::Invalid {
                 path: path.into(),
+                line,
                 rule: name.clone(),
                 message,
             };
-            let class = parse_class(path, &name, &r.class)?;
+            if let Some((first, first_line, what)) = &catch_all {
+                return Err(invalid(format!(
+                    "never matches: rule {first} (line {first_line}) before it matches every process ({what}); \
+                     put the catch-all last, or use `unmatched = \"<class>\"`"
+                )));
+            }
+            if r.name.is_some() {
+                if let Some(prev) = names.insert(name.clone(), line) {
+                    return Err(invalid(format!(
+                        "the name {name:?} is already used by the rule at line {prev}; names identify rules in logs and /state"
+                    )));
+                }
+            }
+            let class = parse_class(path, line, &name, &r.class)?;
             if r.cgroup.is_none() && r.exe.is_none() && r.cmdline.is_none() && r.uid.is_none() {
                 return Err(invalid(
                     "has no matcher; give at least one of cgroup, exe, cmdline, uid".into(),
@@ -234,6 +273,22 @@ impl Rules {
                 }
                 _ => Share::Burst,
             };
+            if r.uid.is_none()
+                && matches_all(&r.cgroup)
+                && matches_all(&r.exe)
+                && matches_all(&r.cmdline)
+            {
+                let what = [
+                    ("cgroup", &r.cgroup),
+                    ("exe", &r.exe),
+                    ("cmdline", &r.cmdline),
+                ]
+                .iter()
+                .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k} = {v:?}")))
+                .collect::<Vec<_>>()
+                .join(", ");
+                catch_all = Some((name.clone(), line, what));
+            }
             rules.push(Rule {
                 name,
                 class,
@@ -333,6 +388,43 @@ mod tests {
             cmdline: cmd.into(),
             cgroups: Cgroups::parse(&format!("0::{cg}\n")),
         }
+    }
+
+    #[test]
+    fn semantic_errors_give_file_and_line() {
+        let text = "unmatched = \"unmanaged\"\n\n[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"*x*\"\n\n[[rule]]\nname = \"b\"\nclass = \"offline\"\nshare = 30\ncmdline = \"*y*\"\n";
+        let e = Rules::parse("r.toml", text).unwrap_err().to_string();
+        assert!(e.starts_with("rules file r.toml:8: rule b: share"), "{e}");
+        let e = Rules::parse("r.toml", "\nunmatched = \"nope\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("rules file r.toml:2: rule unmatched:"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        let text = "[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"*x*\"\n[[rule]]\nname = \"a\"\nclass = \"online\"\nuid = 3\n";
+        let e = Rules::parse("r.toml", text).unwrap_err().to_string();
+        assert!(
+            e.contains("r.toml:5: rule a:") && e.contains("already used by the rule at line 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_catch_all_rule_before_others_is_refused_and_is_fine_last() {
+        let shadowing = "[[rule]]\nname = \"all\"\nclass = \"offline\"\ncmdline = \"*\"\n[[rule]]\nname = \"serve\"\nclass = \"online\"\ncmdline = \"*serve*\"\n";
+        let e = Rules::parse("r.toml", shadowing).unwrap_err().to_string();
+        assert!(
+            e.contains("r.toml:5: rule serve: never matches: rule all (line 1)")
+                && e.contains("cmdline = \"*\""),
+            "{e}"
+        );
+        // Narrowed by a uid, or last: valid.
+        let by_uid = shadowing.replace("cmdline = \"*\"\n", "cmdline = \"*\"\nuid = 7\n");
+        assert!(Rules::parse("r.toml", &by_uid).is_ok());
+        let last = "[[rule]]\nname = \"serve\"\nclass = \"online\"\ncmdline = \"*serve*\"\n[[rule]]\nname = \"all\"\nclass = \"offline\"\nexe = \"**\"\n";
+        assert!(Rules::parse("r.toml", last).is_ok());
     }
 
     #[test]

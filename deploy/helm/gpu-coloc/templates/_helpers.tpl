@@ -1,0 +1,98 @@
+{{/*
+Names. Everything the chart creates is named after the release ("fullname"), cluster-scoped
+objects (PriorityClasses, ClusterRoles, webhook configurations) included, so that two
+releases never collide. `app.kubernetes.io/name` stays gpu-coloc-agent / gpu-coloc-webhook
+whatever the release: ServiceMonitors use it as the `job` label, which the alerts and the
+dashboard select on.
+*/}}
+{{- define "gpu-coloc.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "gpu-coloc.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gpu-coloc.agent" -}}{{ include "gpu-coloc.fullname" . | trunc 57 | trimSuffix "-" }}-agent{{- end }}
+{{- define "gpu-coloc.webhook" -}}{{ include "gpu-coloc.fullname" . | trunc 55 | trimSuffix "-" }}-webhook{{- end }}
+
+{{/* The PriorityClass the webhook gives offline pods: named per release unless set. */}}
+{{- define "gpu-coloc.offlinePriorityClass" -}}
+{{- default (printf "%s-offline" (include "gpu-coloc.fullname" . | trunc 55 | trimSuffix "-")) .Values.offlinePriorityClass.name }}
+{{- end }}
+{{- define "gpu-coloc.agentPriorityClass" -}}
+{{- default (include "gpu-coloc.agent" .) .Values.agent.priorityClass.name }}
+{{- end }}
+
+{{- define "gpu-coloc.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpu-coloc
+{{- end }}
+
+{{/* Common labels plus the instance, for objects without a component selector. */}}
+{{- define "gpu-coloc.releaseLabels" -}}
+{{ include "gpu-coloc.labels" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpu-coloc.agentSelector" -}}
+app.kubernetes.io/name: gpu-coloc-agent
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+{{- define "gpu-coloc.webhookSelector" -}}
+app.kubernetes.io/name: gpu-coloc-webhook
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpu-coloc.image" -}}
+{{- $img := index .Values.image .component -}}
+{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) }}
+{{- end }}
+
+{{/* TLS for the webhook: certManager, or the bootstrap Job, or a caBundle given by hand. */}}
+{{- define "gpu-coloc.tlsMode" -}}
+{{- if .Values.webhook.certManager.enabled }}cert-manager{{ else if .Values.webhook.caBundle }}manual{{ else }}bootstrap{{ end }}
+{{- end }}
+
+{{/*
+Which pods the webhooks review: only those that ask for mGPU (a vke.volcengine.com/*
+request in a container or init container) or carry the webhook's record of one. For an
+UPDATE, the old pod's record counts too (removing it is refused). CEL, Kubernetes >= 1.30.
+*/}}
+{{- define "gpu-coloc.asksForMgpu" -}}
+(has({{ . }}.metadata.annotations) && ('gpu-coloc.dev/requested' in {{ . }}.metadata.annotations || 'gpu-coloc.dev/requests' in {{ . }}.metadata.annotations))
+{{- range $list := list "containers" "initContainers" }} ||
+(has({{ $ }}.spec.{{ $list }}) && {{ $ }}.spec.{{ $list }}.exists(c, has(c.resources) && (
+(has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('vke.volcengine.com/'))) ||
+(has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('vke.volcengine.com/'))))))
+{{- end }}
+{{- end }}
+
+{{- define "gpu-coloc.matchConditions" -}}
+- name: asks-for-mgpu
+  expression: |-
+    {{- include "gpu-coloc.asksForMgpu" "object" | nindent 4 }} ||
+    (request.operation == 'UPDATE' && (
+    {{- include "gpu-coloc.asksForMgpu" "oldObject" | nindent 4 }}))
+{{- end }}
+
+{{/* Namespaces no webhook looks at: kube-system, the release's own, the opted-out. */}}
+{{- define "gpu-coloc.namespaceExclusions" -}}
+- key: kubernetes.io/metadata.name
+  operator: NotIn
+  values: {{ concat (list "kube-system" .Release.Namespace) .Values.webhook.excludeNamespaces | uniq | toJson }}
+- key: gpu-coloc.dev/webhook
+  operator: NotIn
+  values: ["disabled"]
+{{- end }}

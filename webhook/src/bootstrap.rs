@@ -1,0 +1,297 @@
+//! `coloc-webhook bootstrap-cert`: the chart's serving certificate without cert-manager.
+//!
+//! Run once per install and upgrade by a Helm hook Job (the webhook's own image, its own
+//! service account with the narrow rights below). It talks to the API server only; the
+//! serving webhook never does.
+//!
+//! ```text
+//!  Secret <secret> (kubernetes.io/tls) ── missing, unreadable, for other names, or
+//!        │                                 expiring within --renew-before-days
+//!        │                                 ─► new CA + serving certificate, written
+//!        ▼
+//!  ca.crt ─► caBundle of every webhook in the named Mutating/ValidatingWebhookConfigurations
+//! ```
+//!
+//! A valid certificate is kept, so `helm upgrade` does not rotate it; the webhook's pods
+//! re-read the mounted files when they change. Rights needed: `get, create, update` on
+//! the Secret (namespace), `get, patch` on the two configurations (cluster).
+
+use anyhow::{bail, Context, Result};
+use base64::Engine;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::ByteString;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use std::collections::BTreeMap;
+
+/// Annotation on the Secret: when its serving certificate expires (Unix seconds).
+pub const NOT_AFTER_ANNOTATION: &str = "gpu-coloc.dev/not-after";
+/// Annotation on the Secret: the DNS names its serving certificate is for (comma-separated).
+pub const DNS_NAMES_ANNOTATION: &str = "gpu-coloc.dev/dns-names";
+
+/// What to bootstrap.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// Namespace of the Service and the Secret.
+    pub namespace: String,
+    /// The webhook's Service: the certificate is for its cluster DNS names.
+    pub service: String,
+    /// The TLS Secret the webhook's pods mount.
+    pub secret: String,
+    /// MutatingWebhookConfigurations whose webhooks get the CA bundle.
+    pub mutating: Vec<String>,
+    /// ValidatingWebhookConfigurations whose webhooks get the CA bundle.
+    pub validating: Vec<String>,
+    /// Validity of a new certificate, days.
+    pub validity_days: u64,
+    /// A certificate with less than this left is replaced, days.
+    pub renew_before_days: u64,
+}
+
+impl Target {
+    /// The Service's names inside the cluster.
+    pub fn dns_names(&self) -> Vec<String> {
+        let (s, n) = (&self.service, &self.namespace);
+        vec![
+            format!("{s}.{n}.svc"),
+            format!("{s}.{n}.svc.cluster.local"),
+            format!("{s}.{n}"),
+            s.clone(),
+        ]
+    }
+}
+
+/// What happened to the Secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SecretOutcome {
+    /// There was none: created.
+    Created,
+    /// There was one, unusable or expiring: replaced.
+    Renewed,
+    /// There was a valid one: kept.
+    Kept,
+}
+
+/// The result of one bootstrap.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The Secret.
+    pub secret: SecretOutcome,
+    /// Webhooks whose `caBundle` was set.
+    pub webhooks_patched: usize,
+    /// The CA certificate (PEM) now in the Secret and the configurations.
+    pub ca_pem: String,
+}
+
+/// The day of a Unix time, as rcgen wants it (its date type is not re-exported).
+macro_rules! date {
+    ($unix:expr) => {{
+        let (y, m, d) = civil($unix);
+        rcgen::date_time_ymd(y, m, d)
+    }};
+}
+/// A new CA and a serving certificate signed by it: (ca.crt, tls.crt, tls.key), PEM.
+pub fn issue(
+    dns_names: &[String],
+    now_unix: u64,
+    validity_days: u64,
+) -> Result<(String, String, String)> {
+    let not_before = date!(now_unix.saturating_sub(86_400));
+    let not_after = date!(now_unix + validity_days * 86_400);
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "gpu-coloc webhook CA");
+    ca_params.not_before = not_before;
+    ca_params.not_after = not_after;
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(dns_names.to_vec())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, dns_names[0].clone());
+    params.not_before = not_before;
+    params.not_after = not_after;
+    let cert = params.signed_by(&key, &ca)?;
+    Ok((ca.pem(), cert.pem(), key.serialize_pem()))
+}
+
+/// The calendar day (UTC) of a Unix time: (year, month, day).
+fn civil(unix: u64) -> (i32, u8, u8) {
+    // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
+    let z = (unix / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u8;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u8;
+    let y = (yoe + era * 400 + i64::from(m <= 2)) as i32;
+    (y, m, d)
+}
+
+/// Why an existing Secret cannot be kept, or `None` when it can.
+fn unusable(s: &Secret, t: &Target, now_unix: u64) -> Option<String> {
+    let data = s.data.as_ref();
+    for key in ["ca.crt", "tls.crt", "tls.key"] {
+        if data.and_then(|d| d.get(key)).is_none_or(|v| v.0.is_empty()) {
+            return Some(format!("it has no {key}"));
+        }
+    }
+    let ann = s.metadata.annotations.clone().unwrap_or_default();
+    let Some(not_after) = ann
+        .get(NOT_AFTER_ANNOTATION)
+        .and_then(|v| v.parse::<u64>().ok())
+    else {
+        return Some(format!("it has no {NOT_AFTER_ANNOTATION} annotation"));
+    };
+    if ann.get(DNS_NAMES_ANNOTATION) != Some(&t.dns_names().join(",")) {
+        return Some(format!(
+            "it is for other names ({:?})",
+            ann.get(DNS_NAMES_ANNOTATION)
+        ));
+    }
+    if not_after < now_unix + t.renew_before_days * 86_400 {
+        return Some(format!(
+            "it expires in {} days",
+            not_after.saturating_sub(now_unix) / 86_400
+        ));
+    }
+    None
+}
+
+fn secret_for(t: &Target, now_unix: u64) -> Result<(Secret, String)> {
+    let names = t.dns_names();
+    let (ca, crt, key) = issue(&names, now_unix, t.validity_days)?;
+    let data: BTreeMap<String, ByteString> =
+        [("ca.crt", &ca), ("tls.crt", &crt), ("tls.key", &key)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), ByteString(v.clone().into_bytes())))
+            .collect();
+    let mut s = Secret {
+        type_: Some("kubernetes.io/tls".into()),
+        data: Some(data),
+        ..Default::default()
+    };
+    s.metadata.name = Some(t.secret.clone());
+    s.metadata.namespace = Some(t.namespace.clone());
+    s.metadata.labels = Some(BTreeMap::from([(
+        "app.kubernetes.io/managed-by".to_string(),
+        "coloc-webhook-bootstrap-cert".to_string(),
+    )]));
+    s.metadata.annotations = Some(BTreeMap::from([
+        (
+            NOT_AFTER_ANNOTATION.to_string(),
+            (now_unix + t.validity_days * 86_400).to_string(),
+        ),
+        (DNS_NAMES_ANNOTATION.to_string(), names.join(",")),
+    ]));
+    Ok((s, ca))
+}
+
+/// JSON patch setting `caBundle` on each of `count` webhooks.
+fn ca_patch(count: usize, ca_pem: &str) -> Result<json_patch::Patch> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    let ops: Vec<serde_json::Value> = (0..count)
+        .map(|i| serde_json::json!({"op": "add", "path": format!("/webhooks/{i}/clientConfig/caBundle"), "value": b64}))
+        .collect();
+    Ok(serde_json::from_value(serde_json::Value::Array(ops))?)
+}
+
+/// Makes sure the Secret holds a valid certificate for the Service, then puts its CA in
+/// every named webhook configuration.
+pub async fn bootstrap(client: kube::Client, t: &Target, now_unix: u64) -> Result<Outcome> {
+    if t.mutating.is_empty() && t.validating.is_empty() {
+        bail!("no webhook configuration named: pass --mutating-config and/or --validating-config");
+    }
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &t.namespace);
+    let existing = secrets
+        .get_opt(&t.secret)
+        .await
+        .with_context(|| format!("reading Secret {}/{}", t.namespace, t.secret))?;
+    let (outcome, ca_pem) = match existing {
+        Some(s) => match unusable(&s, t, now_unix) {
+            None => {
+                let ca = s
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get("ca.crt"))
+                    .map(|v| v.0.clone());
+                let ca = String::from_utf8(ca.unwrap_or_default())
+                    .context("ca.crt in the Secret is not PEM text")?;
+                tracing::info!(secret = %t.secret, "Serving certificate valid: kept");
+                (SecretOutcome::Kept, ca)
+            }
+            Some(why) => {
+                tracing::info!(secret = %t.secret, %why, "Replacing the serving certificate");
+                let (mut new, ca) = secret_for(t, now_unix)?;
+                new.metadata.resource_version = s.metadata.resource_version.clone();
+                secrets
+                    .replace(&t.secret, &PostParams::default(), &new)
+                    .await
+                    .with_context(|| format!("replacing Secret {}/{}", t.namespace, t.secret))?;
+                (SecretOutcome::Renewed, ca)
+            }
+        },
+        None => {
+            let (new, ca) = secret_for(t, now_unix)?;
+            secrets
+                .create(&PostParams::default(), &new)
+                .await
+                .with_context(|| format!("creating Secret {}/{}", t.namespace, t.secret))?;
+            tracing::info!(secret = %t.secret, "Serving certificate created");
+            (SecretOutcome::Created, ca)
+        }
+    };
+
+    let mut patched = 0;
+    let pp = PatchParams::default();
+    for name in &t.mutating {
+        let api: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+        let cfg = api
+            .get(name)
+            .await
+            .with_context(|| format!("reading MutatingWebhookConfiguration {name}"))?;
+        let n = cfg.webhooks.as_ref().map_or(0, Vec::len);
+        api.patch(name, &pp, &Patch::Json::<()>(ca_patch(n, &ca_pem)?))
+            .await
+            .with_context(|| format!("patching MutatingWebhookConfiguration {name}"))?;
+        patched += n;
+    }
+    for name in &t.validating {
+        let api: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+        let cfg = api
+            .get(name)
+            .await
+            .with_context(|| format!("reading ValidatingWebhookConfiguration {name}"))?;
+        let n = cfg.webhooks.as_ref().map_or(0, Vec::len);
+        api.patch(name, &pp, &Patch::Json::<()>(ca_patch(n, &ca_pem)?))
+            .await
+            .with_context(|| format!("patching ValidatingWebhookConfiguration {name}"))?;
+        patched += n;
+    }
+    tracing::info!(webhooks = patched, "CA bundle set");
+    Ok(Outcome {
+        secret: outcome,
+        webhooks_patched: patched,
+        ca_pem,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil(0), (1970, 1, 1));
+        // 2024-02-29 12:00 UTC (a leap day) and 2026-12-31.
+        assert_eq!(civil(1_709_208_000), (2024, 2, 29));
+        assert_eq!(civil(1_798_675_200), (2026, 12, 31));
+    }
+}
