@@ -12,6 +12,9 @@
 //! per mode with the environment set (the preload must be there from the start).
 //! `cargo bench -p coloc-e2e --bench shim_launch`.
 
+// Function pointers from the driver's getter: each transmute names its type in the binding.
+#![allow(clippy::missing_transmute_annotations)]
+
 use criterion::{criterion_group, Criterion};
 use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;

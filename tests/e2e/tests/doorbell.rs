@@ -57,7 +57,7 @@ fn preempts(log: &std::path::Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn online_args<'a>(out: &'a str) -> Vec<&'a str> {
+fn online_args(out: &str) -> Vec<&str> {
     vec![
         "online",
         "--gpu",
