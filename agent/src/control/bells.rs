@@ -203,7 +203,7 @@ impl Loop {
             Activity {
                 start: r.reading.busy_since_ns.max(blind),
                 end: last,
-                end_min: last,
+                through_end: false,
                 signal: Signal::Doorbell,
                 window: self.bells.window_ns,
             },

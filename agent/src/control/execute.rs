@@ -117,6 +117,9 @@ impl Loop {
                     busy_for,
                     offline,
                 } => {
+                    // The busy period is over: the next one's onset is its own evidence,
+                    // not the start of a chain of samples that spans both.
+                    self.table.end_runs(gpu);
                     let holds: BTreeSet<HoldKey> = resumed
                         .iter()
                         .filter(|(holder, _)| {

@@ -6,6 +6,9 @@ use super::health::Verdict;
 use super::table::Activity;
 use super::Loop;
 use qos_core::Signal;
+
+/// A sample at least this busy (%) says the work ran through the end of its period.
+const FULL_PERIOD_UTIL: u32 = 95;
 use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, info, warn};
 
@@ -48,15 +51,12 @@ impl Loop {
                             continue;
                         }
                         // A sample covers the period that ends at its timestamp: the work
-                        // started no earlier than the period's start (the onset), and ran
-                        // for sm_util % of it, so it was active at least until start +
-                        // sm_util % of the period (`end_min`; see `Entry::note`).
-                        let start = a.at_ns.saturating_sub(period);
-                        let busy = period / 100 * u64::from(a.sm_util.clamp(1, 100));
+                        // started no earlier than the period's start (the onset). Busy for
+                        // (nearly) all of it: still running at its end (see `Entry::note`).
                         let act = Activity {
-                            start: start.max(blind),
+                            start: a.at_ns.saturating_sub(period).max(blind),
                             end: a.at_ns,
-                            end_min: (start + busy).min(a.at_ns).max(blind + 1),
+                            through_end: a.sm_util >= FULL_PERIOD_UTIL,
                             signal: Signal::Nvml,
                             window,
                         };

@@ -59,9 +59,8 @@ pub struct Activity {
     pub start: u64,
     /// Latest evidence (a launch time, or the end of a sampled period).
     pub end: u64,
-    /// The latest moment it is known to have been active (a launch time; for a sampled
-    /// period, its start plus the share of it that was busy).
-    pub end_min: u64,
+    /// A sampled period busy (nearly) all through: the work was still running at `end`.
+    pub through_end: bool,
     /// Where it was seen.
     pub signal: Signal,
     /// The idle window: a gap this long ends a run.
@@ -72,16 +71,18 @@ impl Entry {
     /// Records activity on `gpu`. Within a run the onset only moves earlier, except that
     /// a doorbell's launch time (exact) replaces a sampled period's start (a bound).
     ///
-    /// How long activity lasts: for a process whose launches the doorbell sees, a sample
-    /// only says it was busy until `end_min` (a kernel still running at the period's end
-    /// makes that the end; a short request long finished does not). For a process without
-    /// the shim the sample is all there is, and it counts until the period's end, so that
-    /// work seen late is still preempted.
-    fn note(&mut self, gpu: u32, mut a: Activity) {
+    /// How long activity lasts: for a process whose launches the doorbell sees, its
+    /// samples count only when it was busy through the end of the sampled period (a kernel
+    /// still running long after its launch); a partly busy period is work the doorbell
+    /// already saw start, and counting it until the period's end would re-preempt after
+    /// the release for work long finished. For a process without the shim the sample is
+    /// all there is: it counts until the period's end, so that work seen late is still
+    /// preempted.
+    fn note(&mut self, gpu: u32, a: Activity) {
         if a.signal == Signal::Doorbell {
             self.rung = true;
-        } else if self.rung {
-            a.end = a.end_min;
+        } else if self.rung && !a.through_end {
+            return;
         }
         let start = a.start.min(a.end);
         let prev_end = self.last_active.get(&gpu).copied();
@@ -145,6 +146,14 @@ impl Table {
             }
             // An exited process's samples count for nothing.
             _ => self.invisible.contains_key(&pid),
+        }
+    }
+
+    /// Forgets the onsets on `gpu` (its busy period ended): the next activity there starts
+    /// a run of its own.
+    pub fn end_runs(&mut self, gpu: u32) {
+        for e in self.procs.values_mut() {
+            e.onset.remove(&gpu);
         }
     }
 
