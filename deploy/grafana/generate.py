@@ -22,11 +22,11 @@ def quantile(metric, p, extra=""):
 
 PANELS = [
     # (title, unit, width, height, targets, description)
-    ("Preemption latency (online activity → offline confirmed stopped)", "s", 16, 9, [
-        q(quantile("coloc_preemption_latency_seconds", 0.5), "p50"),
-        q(quantile("coloc_preemption_latency_seconds", 0.9), "p90"),
-        q(quantile("coloc_preemption_latency_seconds", 0.99), "p99"),
-    ], "How fast offline work gets out of the way: from the NVML sample timestamp of the first online activity to every offline process confirmed stopped."),
+    ("Preemption latency (onset of online work → offline confirmed stopped)", "s", 16, 9, [
+        q(quantile("coloc_preemption_latency_seconds", 0.5, ", signal"), "p50 {{signal}}"),
+        q(quantile("coloc_preemption_latency_seconds", 0.9, ", signal"), "p90 {{signal}}"),
+        q(quantile("coloc_preemption_latency_seconds", 0.99, ", signal"), "p99 {{signal}}"),
+    ], "How fast offline work gets out of the way: from the onset of online work to every offline process confirmed stopped. signal=doorbell: the onset is the launch, seen by the CUDA shim; signal=nvml: work without the shim, whose onset is the start of the NVML sampled period that showed it (one driver sample period or more late)."),
     ("Preemptions per second", "ops", 8, 9, [
         q(f'sum by (node, gpu) (rate(coloc_suspensions_total{{{GPU}, reason="online_busy"}}[{R}]))', "{{node}} GPU {{gpu}}"),
     ], "Offline processes suspended because online work became busy."),
@@ -35,9 +35,9 @@ PANELS = [
         q(quantile("coloc_release_latency_seconds", 0.99), "p99"),
     ], "How soon offline work gets the GPU back once online has been idle for the window."),
     ("Detection vs actuation (p99)", "s", 12, 8, [
-        q(quantile("coloc_detection_latency_seconds", 0.99), "detection p99"),
+        q(quantile("coloc_detection_latency_seconds", 0.99, ", signal"), "detection p99 {{signal}}"),
         q(quantile("coloc_actuation_latency_seconds", 0.99), "actuation p99"),
-    ], "Detection: sample timestamp → decision (NVML sampling and polling). Actuation: decision → confirmed stopped (freezer or signals)."),
+    ], "Detection: onset → decision, by the signal that showed the onset (doorbell: the launch; nvml: the start of the sampled period). Actuation: decision → confirmed stopped (freezer or signals)."),
     ("Online busy vs offline suspended, per GPU", "short", 12, 8, [
         q(f'max by (node, gpu) (coloc_gpu_online_busy{{{GPU}}})', "online busy {{node}} GPU {{gpu}}"),
         q(f'max by (node, gpu) (coloc_offline_suspended_processes{{{GPU}}})', "offline suspended {{node}} GPU {{gpu}}"),

@@ -45,7 +45,7 @@ pub struct GpuDoc {
     pub uuid: String,
     /// `offline_running` or `online_busy`.
     pub state: String,
-    /// Busy since (first online activity), ns; while busy.
+    /// Busy since (the onset of the online work that made it busy), ns; while busy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<u64>,
     /// Latest online activity, ns; while busy.
