@@ -216,6 +216,13 @@ impl DirBells {
                 .and_then(|n| n.split(['-', '.']).next())
                 .and_then(|n| n.parse::<u32>().ok());
             if let Some(pid) = pid {
+                // A process killed before it could remove its page: remove it for it.
+                if !Path::new(&format!("/proc/{pid}")).exists() {
+                    if std::fs::remove_file(&p).is_ok() {
+                        debug!(page = %p.display(), pid, "Removed the doorbell page of an exited process");
+                    }
+                    continue;
+                }
                 out.push((p, Owner::Pid(pid)));
             }
         }
@@ -576,6 +583,9 @@ mod tests {
         std::fs::create_dir_all(dir.join("pods").join(pod)).unwrap();
         let _p = write_page(&dir.join("pods").join(pod).join("7-2.bell"), [6; 16], 2_000);
         std::fs::write(dir.join("junk.bell"), b"short").unwrap();
+        // A page left by a process that no longer exists is removed.
+        let dead = dir.join(format!("{}-3.bell", u32::MAX - 1));
+        std::fs::write(&dead, [0u8; PAGE]).unwrap();
         assert!(b.rescan(true));
         let mut pages = b.pages();
         pages.sort_by_key(|p| p.id);
@@ -583,6 +593,7 @@ mod tests {
         assert!(owners.contains(&Owner::Pid(me)), "{owners:?}");
         assert!(owners.contains(&Owner::Pod(pod.into())), "{owners:?}");
         assert_eq!(pages.len(), 2, "the short file is not a page");
+        assert!(!dead.exists(), "the dead process's page was removed");
         let mut r = Vec::new();
         b.read(&mut r);
         assert_eq!(r.len(), 2);

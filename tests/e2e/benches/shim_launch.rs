@@ -12,102 +12,14 @@
 //! per mode with the environment set (the preload must be there from the start).
 //! `cargo bench -p coloc-e2e --bench shim_launch`.
 
-// Function pointers from the driver's getter: each transmute names its type in the binding.
-#![allow(clippy::missing_transmute_annotations)]
-
 use criterion::{criterion_group, Criterion};
-use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
-
-type Getter =
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
-type Launch = unsafe extern "C" fn(
-    *mut c_void,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> c_int;
-
-struct Driver {
-    launch: Launch,
-    func: *mut c_void,
-}
-
-unsafe fn get(getter: Getter, name: &std::ffi::CStr) -> *mut c_void {
-    let mut p = std::ptr::null_mut();
-    // SAFETY: the driver's getter with valid pointers.
-    let r = unsafe { getter(name.as_ptr(), &mut p, 12040, 0, std::ptr::null_mut()) };
-    assert!(r == 0 && !p.is_null(), "{name:?}: {r}");
-    p
-}
-
-fn driver() -> Driver {
-    // SAFETY: FFI to the (fake) driver exactly as the CUDA runtime calls it; every handle
-    // lives until the process exits.
-    unsafe {
-        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
-        assert!(!h.is_null(), "dlopen libcuda.so.1 (LD_LIBRARY_PATH)");
-        let g = libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr());
-        assert!(!g.is_null());
-        let getter: Getter = std::mem::transmute(g);
-        let init: unsafe extern "C" fn(u32) -> c_int = std::mem::transmute(get(getter, c"cuInit"));
-        assert_eq!(init(0), 0);
-        let dev_get: unsafe extern "C" fn(*mut c_int, c_int) -> c_int =
-            std::mem::transmute(get(getter, c"cuDeviceGet"));
-        let mut dev = 0;
-        assert_eq!(dev_get(&mut dev, 0), 0);
-        let ctx_create: unsafe extern "C" fn(*mut *mut c_void, u32, c_int) -> c_int =
-            std::mem::transmute(get(getter, c"cuCtxCreate"));
-        let mut ctx = std::ptr::null_mut();
-        assert_eq!(ctx_create(&mut ctx, 0, dev), 0);
-        let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int =
-            std::mem::transmute(get(getter, c"cuModuleLoadData"));
-        let mut module = std::ptr::null_mut();
-        assert_eq!(load(&mut module, c"bench".as_ptr().cast()), 0);
-        let getf: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> c_int =
-            std::mem::transmute(get(getter, c"cuModuleGetFunction"));
-        let mut func = std::ptr::null_mut();
-        assert_eq!(getf(&mut func, module, c"noop".as_ptr()), 0);
-        Driver {
-            launch: std::mem::transmute(get(getter, c"cuLaunchKernel")),
-            func,
-        }
-    }
-}
 
 fn bench(c: &mut Criterion) {
     let mode = std::env::var("COLOC_BENCH_MODE").unwrap_or_default();
-    let d = driver();
-    c.bench_function(&format!("launch/{mode}"), |b| {
-        b.iter(|| {
-            let mut ns = 0u64;
-            let mut params = [&mut ns as *mut u64 as *mut c_void];
-            // SAFETY: a zero-length kernel on the default stream of our context.
-            let r = unsafe {
-                (d.launch)(
-                    d.func,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    0,
-                    std::ptr::null_mut(),
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            };
-            assert_eq!(r, 0);
-        })
-    });
+    let d = coloc_e2e::cuda::Driver::open(0);
+    // Zero-length kernels: the cost measured is the call path, not simulated GPU time.
+    c.bench_function(&format!("launch/{mode}"), |b| b.iter(|| d.launch(0)));
 }
 
 criterion_group!(benches, bench);

@@ -86,3 +86,35 @@ fn pages_that_are_not_an_online_owners_suspend_nothing() {
     h.tick();
     assert!(h.suspended(10));
 }
+
+/// Kubernetes layout: a page in a pod's directory counts for that pod's online process.
+#[test]
+fn a_pod_page_counts_for_the_pods_online_process() {
+    let mut h = harness_with(1, user_config());
+    let uid = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.procs.add(
+        20,
+        120,
+        "serve",
+        &format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-abc.scope", uid.replace('-', "_")),
+    );
+    h.gpu.add(0, 20);
+    h.source.set(20, class(Class::Online, None));
+    h.ticks(3);
+    // Another pod's page first: nothing.
+    h.bells.page(
+        1,
+        Owner::Pod("11111111-2222-3333-4444-555555555555".into()),
+        0,
+    );
+    let now = h.now();
+    h.bells.ring(1, 0, now, now);
+    h.ticks(3);
+    assert!(!h.suspended(10), "a page of a pod with no process here");
+    h.bells.page(2, Owner::Pod(uid.into()), 0);
+    let now = h.now();
+    h.bells.ring(2, 0, now, now);
+    h.lp.tick();
+    assert!(h.suspended(10), "the pod's own page preempts");
+}

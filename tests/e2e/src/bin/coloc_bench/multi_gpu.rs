@@ -35,12 +35,15 @@ pub struct Opts {
     pub seed: u64,
     pub json: Option<PathBuf>,
     pub keep_logs: Option<PathBuf>,
+    /// Online submits through the CUDA driver API under `libcoloc_cuda.so`, the driver
+    /// samples every 100 ms and the agent reads NVML at its default interval.
+    pub doorbell: bool,
 }
 
 pub const USAGE: &str = "\
 coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
             [--actuator signal|freezer] [--step-ms 2] [--burst-ms 5-20]
-            [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR]
+            [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR] [--doorbell]
     Agent cost on a busy node: GPUS simulated GPUs (1 ms sample period), OFFLINE-PER-GPU
     offline processes per GPU (continuous STEP-MS steps; with the freezer actuator each
     GPU's offline processes share one cgroup, declared offline by a rules `cgroup`
@@ -48,7 +51,11 @@ coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
     separated by exponential idle gaps (mean GAP-MEAN-MS), seeded. The release agent runs
     with its defaults (--poll-interval 1ms). Prints a Markdown table; --json writes the
     figures; --keep-logs copies the agent's log and event log into DIR.
-    --duration-s 600 is the soak variant. Needs root for the freezer actuator.";
+    --duration-s 600 is the soak variant. Needs root for the freezer actuator.
+    --doorbell: the realistic setting: the simulated driver samples every 100 ms, the agent
+    reads NVML at its defaults (every 100 ms), and each online process submits through the
+    simulated libcuda.so.1 under libcoloc_cuda.so (class online), so online work is seen
+    at the launch.";
 
 fn opt<'a>(args: &'a [String], k: &str) -> Option<&'a str> {
     args.iter()
@@ -95,6 +102,7 @@ impl Opts {
             seed: num(args, "--seed", 1),
             json: opt(args, "--json").map(PathBuf::from),
             keep_logs: opt(args, "--keep-logs").map(PathBuf::from),
+            doorbell: args.iter().any(|a| a == "--doorbell"),
         }
     }
 }
@@ -123,7 +131,15 @@ pub fn online_worker(args: &[String]) {
     let gpu: u32 = num(args, "--gpu", 0);
     let o = Opts::parse(args);
     let sim = coloc_sim::SimGpu::open(&state).expect("open simulated GPU state");
-    let slot = sim.register(gpu, 1 << 30).expect("register online slot");
+    // Through the driver API (under the shim, in --doorbell runs), or the slot directly.
+    let (slot, drv) = if o.doorbell {
+        (None, Some(coloc_e2e::cuda::Driver::open(gpu as i32)))
+    } else {
+        (
+            Some(sim.register(gpu, 1 << 30).expect("register online slot")),
+            None,
+        )
+    };
     let mut rng = Rng(o.seed ^ (u64::from(gpu) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
     let end = Instant::now() + Duration::from_secs_f64(o.duration_s);
     let mut extra_ms = Vec::new(); // wall time of a burst minus its GPU time
@@ -137,8 +153,17 @@ pub fn online_worker(args: &[String]) {
         }
         std::thread::sleep(wake - Instant::now());
         let t = Instant::now();
-        let target = slot.submit((burst * 1e6) as u64);
-        slot.wait_completed(target);
+        match (&slot, &drv) {
+            (Some(slot), _) => {
+                let target = slot.submit((burst * 1e6) as u64);
+                slot.wait_completed(target);
+            }
+            (None, Some(d)) => {
+                d.launch((burst * 1e6) as u64);
+                d.synchronize();
+            }
+            (None, None) => unreachable!(),
+        }
         extra_ms.push(t.elapsed().as_secs_f64() * 1e3 - burst);
         busy_ms += burst;
     }
@@ -222,7 +247,8 @@ fn series(text: &str, name: &str) -> Vec<(String, f64)> {
 
 pub fn run(o: &Opts) -> serde_json::Value {
     let load_before = loadavg();
-    let sim = Sim::start(o.gpus, &["--sample-period-ms", "1"]);
+    let period = if o.doorbell { "100" } else { "1" };
+    let sim = Sim::start(o.gpus, &["--sample-period-ms", period]);
     let group = unique("coloc-bench-mgpu");
     // Freezer: one cgroup per GPU holding that GPU's offline processes.
     let mut cgroups = Vec::new();
@@ -252,12 +278,24 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "--poll-interval".into(),
         "1ms".into(),
     ];
+    let (rules, env) = if o.doorbell {
+        (
+            rules + "[[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*--online-worker*\"\n",
+            vec![
+                ("COLOC_NVML_INTERVAL", "100ms".to_string()),
+                ("COLOC_NVML_SAMPLE_PERIOD", "100ms".to_string()),
+            ],
+        )
+    } else {
+        (rules, vec![])
+    };
     let mut agent = Agent::start(
         &sim,
         AgentOpts {
             rules: &rules,
             actuator: &o.actuator,
             extra: agent_args.clone(),
+            env,
             ..Default::default()
         },
     );
@@ -307,9 +345,22 @@ pub fn run(o: &Opts) -> serde_json::Value {
     let burst = format!("{}-{}", o.burst_min_ms, o.burst_max_ms);
     let mut workers = Vec::new();
     let (t0, c0, k0) = (Instant::now(), cpu_ns(pid), cpu_ticks_s(pid));
+    let target_dir = bin("coloc-sim").parent().unwrap().to_path_buf();
     for g in 0..o.gpus {
         let out = dir.join(format!("gpu{g}.json"));
-        let child = std::process::Command::new(&exe)
+        let mut cmd = std::process::Command::new(&exe);
+        if o.doorbell {
+            cmd.env(
+                "LD_LIBRARY_PATH",
+                coloc_sim::fake_libcuda_dir(&target_dir).expect("fake libcuda"),
+            )
+            .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+            .env("COLOC_SHIM_CLASS", "online")
+            .env("COLOC_DOORBELL_DIR", &agent.doorbell_dir)
+            .env("COLOC_SIM_STATE", &sim.state)
+            .arg("--doorbell");
+        }
+        let child = cmd
             .args(["--online-worker", "--state"])
             .arg(&sim.state)
             .args(["--gpu", &g.to_string(), "--seed", &o.seed.to_string()])
@@ -457,6 +508,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "online": online,
         "loadavg_before": load_before, "loadavg_after": load_after,
     });
+    r["doorbell"] = serde_json::json!(o.doorbell);
     r["agent_rss_timeline_s_mib"] = serde_json::json!(rss_timeline);
     r
 }
