@@ -237,13 +237,37 @@ struct State {
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
 
+/// This process's PID, cached (`getpid` is a system call; every entry point checks it, to
+/// refuse use after a fork as the real driver does). Reset in a forked child.
+static PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn my_pid() -> u32 {
+    use std::sync::atomic::Ordering::Relaxed;
+    match PID.load(Relaxed) {
+        0 => {
+            extern "C" fn forked() {
+                PID.store(0, std::sync::atomic::Ordering::Relaxed);
+            }
+            static ATFORK: std::sync::Once = std::sync::Once::new();
+            // SAFETY: registering a plain extern "C" function.
+            ATFORK.call_once(|| unsafe {
+                libc::pthread_atfork(None, None, Some(forked));
+            });
+            let p = std::process::id();
+            PID.store(p, Relaxed);
+            p
+        }
+        p => p,
+    }
+}
+
 thread_local! {
     static CTX_STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
 fn drv() -> Result<&'static Driver, CUresult> {
     match DRIVER.get() {
-        Some(Ok(d)) if d.pid == std::process::id() => Ok(d),
+        Some(Ok(d)) if d.pid == my_pid() => Ok(d),
         _ => Err(CUDA_ERROR_NOT_INITIALIZED),
     }
 }
@@ -693,7 +717,7 @@ pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         match DRIVER.get_or_init(init) {
-            Ok(d) if d.pid == std::process::id() => Ok(()),
+            Ok(d) if d.pid == my_pid() => Ok(()),
             Ok(_) => Err(CUDA_ERROR_NOT_INITIALIZED),
             Err(e) => Err(*e),
         }
