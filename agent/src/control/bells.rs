@@ -46,6 +46,8 @@ struct PageState {
     rejected: Option<&'static str>,
     attributed: bool,
     refresh_asked_ns: u64,
+    /// When the agent found the page.
+    found_ns: u64,
 }
 
 impl std::fmt::Debug for Bells {
@@ -93,6 +95,7 @@ impl Bells {
 impl Loop {
     /// Reads every doorbell page and notes the launches of online processes.
     pub(super) fn ring_bells(&mut self, now: u64) {
+        let found_ns = now;
         let b = &mut self.bells;
         b.window_ns = self.cfg.machine.idle_window;
         let force = now >= b.next_scan_ns;
@@ -112,14 +115,13 @@ impl Loop {
                     rejected: None,
                     attributed: false,
                     refresh_asked_ns: 0,
+                    found_ns,
                 });
             }
         }
-        if b.pages.is_empty() {
-            return;
-        }
         let mut buf = std::mem::take(&mut b.buf);
         buf.clear();
+        // Always, pages or not: the read also notes the wake words for the next sleep.
         b.edge.read(&mut buf);
         for r in &buf {
             self.attribute(r, now);
@@ -211,9 +213,15 @@ impl Loop {
     }
 
     fn reject(&mut self, page: u64, why: &'static str) {
+        let now = self.clock.now_ns();
         let Some(p) = self.bells.pages.get_mut(&page) else {
             return;
         };
+        // A process that just started may not be listed by the driver yet: only an owner
+        // still unknown a second after its page appeared is a rejection.
+        if why == "unknown_owner" && now.saturating_sub(p.found_ns) < 1_000_000_000 {
+            return;
+        }
         if p.rejected != Some(why) {
             p.rejected = Some(why);
             p.attributed = false;

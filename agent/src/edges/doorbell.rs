@@ -66,10 +66,13 @@ pub trait Doorbells: Send {
     fn rescan(&mut self, force: bool) -> bool;
     /// Pages mapped now.
     fn pages(&self) -> Vec<PageInfo>;
-    /// Appends every mapped page's entries.
-    fn read(&self, out: &mut Vec<BellReading>);
+    /// Appends every mapped page's entries. Also notes each page's wake word (and the
+    /// waker's) before reading it: [`Doorbells::wait`] returns at once if any changed
+    /// since, so a run that starts while the loop works on the readings is never missed.
+    fn read(&mut self, out: &mut Vec<BellReading>);
     /// Sleeps for at most `timeout`; returns early (true) when a launch starts a run on a
-    /// mapped page, a page appears or goes, or [`Doorbells::waker`] is woken.
+    /// mapped page (after the latest [`Doorbells::read`]), a page appears or goes, or
+    /// [`Doorbells::waker`] is woken.
     fn wait(&mut self, timeout: Duration) -> bool;
     /// A handle that cuts the current or next [`Doorbells::wait`] short (shutdown).
     fn waker(&self) -> Waker;
@@ -91,6 +94,7 @@ impl Waker {
 #[derive(Debug, Default)]
 pub struct NoBells {
     waker: Waker,
+    seen: u32,
 }
 
 impl Doorbells for NoBells {
@@ -100,10 +104,11 @@ impl Doorbells for NoBells {
     fn pages(&self) -> Vec<PageInfo> {
         Vec::new()
     }
-    fn read(&self, _out: &mut Vec<BellReading>) {}
+    fn read(&mut self, _out: &mut Vec<BellReading>) {
+        self.seen = self.waker.0.load(Acquire);
+    }
     fn wait(&mut self, timeout: Duration) -> bool {
-        let seen = self.waker.0.load(Acquire);
-        waitv(&[(&self.waker.0, seen)], timeout).unwrap_or_else(|| {
+        waitv(&[(&self.waker.0, self.seen)], timeout).unwrap_or_else(|| {
             std::thread::sleep(timeout);
             false
         })
@@ -116,6 +121,8 @@ impl Doorbells for NoBells {
 struct Mapped {
     info: PageInfo,
     base: *mut libc::c_void,
+    /// The wake word as of the latest read.
+    seen: u32,
 }
 
 // SAFETY: the mapping is read-only shared memory accessed only through atomics; it is
@@ -152,6 +159,8 @@ pub struct DirBells {
     no_waitv: bool,
     /// Some file was not a valid page yet: look again at the next rescan.
     incomplete: bool,
+    /// The waker's word as of the latest read.
+    waker_seen: u32,
 }
 
 impl std::fmt::Debug for DirBells {
@@ -194,6 +203,7 @@ impl DirBells {
             dirty,
             no_waitv: false,
             incomplete: false,
+            waker_seen: 0,
         })
     }
 
@@ -279,6 +289,7 @@ impl DirBells {
                 wake_gap_ns: 0,
             },
             base,
+            seen: 0,
         };
         if !m.page().valid() {
             return Err("not a doorbell page of this version (yet)".into());
@@ -338,10 +349,14 @@ impl Doorbells for DirBells {
         self.pages.values().map(|m| m.info.clone()).collect()
     }
 
-    fn read(&self, out: &mut Vec<BellReading>) {
+    fn read(&mut self, out: &mut Vec<BellReading>) {
+        self.waker_seen = self.waker.0.load(Acquire);
         let mut tmp = Vec::with_capacity(coloc_doorbell::MAX_GPUS);
-        for m in self.pages.values() {
+        for m in self.pages.values_mut() {
             tmp.clear();
+            // The word first: a run that starts after this load bumps it, and the wait
+            // that follows returns at once.
+            m.seen = m.page().header().wake.load(Acquire);
             m.page().read(&mut tmp);
             out.extend(tmp.iter().map(|r| BellReading {
                 page: m.info.id,
@@ -355,13 +370,12 @@ impl Doorbells for DirBells {
         if self.dirty.load(Acquire) != 0 {
             return true;
         }
-        // Expected values first: a launch after this load changes the word, so the wait
-        // returns at once (no lost wake-up).
+        // The values seen by the latest read: a run started since then has changed its
+        // word, and the wait returns at once (no lost wake-up).
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(self.pages.len() + 1);
-        words.push((&self.waker.0, self.waker.0.load(Acquire)));
+        words.push((&self.waker.0, self.waker_seen));
         for m in self.pages.values().take(MAX_WAITERS - 1) {
-            let w = &m.page().header().wake;
-            words.push((w, w.load(Acquire)));
+            words.push((&m.page().header().wake, m.seen));
         }
         // Pages beyond futex_waitv's 128, or a file not yet a complete page: look again soon.
         let polled = self.pages.len() >= MAX_WAITERS || self.incomplete;
@@ -607,7 +621,9 @@ mod tests {
                 quiet = true;
                 break;
             }
+            // As the loop does every tick: rescan and read (noting the wake words).
             b.rescan(false);
+            b.read(&mut Vec::new());
         }
         assert!(quiet, "the wait never timed out");
         // A launch that starts a run, from another thread, cuts the wait short.
@@ -626,6 +642,16 @@ mod tests {
         });
         assert!(ring.0, "woken by the ring");
         assert!(ring.1 < Duration::from_secs(1), "woke after {:?}", ring.1);
+        // A run that starts after the loop read the pages but before it sleeps (while it
+        // works on the readings) still cuts the sleep short: no lost wake-up.
+        r.clear();
+        b.read(&mut r);
+        let e = page.entry_for(&[5; 16]).unwrap();
+        assert!(page.ring(e, coloc_doorbell::now_ns() + 10_000_000_000, 1));
+        page.wake();
+        let t = std::time::Instant::now();
+        assert!(b.wait(Duration::from_secs(5)), "the run between read and wait was missed");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         std::fs::remove_dir_all(&dir).ok();
     }
 
@@ -655,9 +681,19 @@ mod tests {
             b.wait(Duration::from_millis(10));
         }
         assert!(found, "the new page was mapped");
+        // As the loop does every tick: read (noting the wake words), then sleep.
+        b.read(&mut Vec::new());
         std::fs::remove_file(&path).unwrap();
-        assert!(b.wait(Duration::from_secs(5)), "a removal wakes too");
-        assert!(b.rescan(false));
+        let mut gone = false;
+        for _ in 0..50 {
+            assert!(b.wait(Duration::from_secs(5)), "a removal wakes too");
+            if b.rescan(false) {
+                gone = true;
+                break;
+            }
+            b.read(&mut Vec::new());
+        }
+        assert!(gone, "the removal was seen");
         assert!(b.pages().is_empty());
         std::fs::remove_dir_all(&dir).ok();
     }

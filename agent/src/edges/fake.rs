@@ -470,7 +470,7 @@ impl crate::edges::doorbell::Doorbells for FakeBells {
     fn pages(&self) -> Vec<crate::edges::doorbell::PageInfo> {
         self.state.lock().unwrap().pages.clone()
     }
-    fn read(&self, out: &mut Vec<crate::edges::doorbell::BellReading>) {
+    fn read(&mut self, out: &mut Vec<crate::edges::doorbell::BellReading>) {
         out.extend(self.state.lock().unwrap().readings.iter().copied());
     }
     fn wait(&mut self, timeout: std::time::Duration) -> bool {
