@@ -93,13 +93,17 @@ pub struct RunArgs {
     pub nvml_sample_period: Duration,
     /// Directory of the CUDA shim's doorbell pages: `<pid>-<nonce>.bell` of standalone
     /// processes, and `pods/<pod-uid>/` per pod on Kubernetes. Created (mode 1777) if
-    /// missing. Empty: no doorbells, NVML only.
+    /// missing.
     #[arg(
         long,
         env = "COLOC_DOORBELL_DIR",
         default_value = "/run/gpu-coloc/doorbells"
     )]
     pub doorbell_dir: PathBuf,
+    /// No doorbells: see online work through NVML alone (one driver sample period or more
+    /// after it starts).
+    #[arg(long, env = "COLOC_NO_DOORBELLS")]
+    pub no_doorbells: bool,
     /// How often to re-read the running-process list (a PID seen in samples but not yet
     /// known triggers a re-read at once).
     #[arg(long, env = "COLOC_PROCESS_INTERVAL", default_value = "50ms", value_parser = parse_duration)]

@@ -123,8 +123,8 @@ fn run(args: RunArgs) -> Result<()> {
     if procfs.roots() != &Default::default() {
         info!(roots = ?procfs.roots(), "The agent runs in a cgroup namespace of its own: cgroup paths are re-rooted at these host paths");
     }
-    let bells: Box<dyn Doorbells> = if args.doorbell_dir.as_os_str().is_empty() {
-        info!("No --doorbell-dir: online work is seen through NVML alone");
+    let bells: Box<dyn Doorbells> = if args.no_doorbells {
+        info!("--no-doorbells: online work is seen through NVML alone");
         Box::new(NoBells::default())
     } else {
         match DirBells::new(&args.doorbell_dir) {

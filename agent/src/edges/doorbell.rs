@@ -90,7 +90,7 @@ impl Waker {
     }
 }
 
-/// No doorbells (`--doorbell-dir ""`): a plain sleep, cut short only by the waker.
+/// No doorbells (`--no-doorbells`): a plain sleep, cut short only by the waker.
 #[derive(Debug, Default)]
 pub struct NoBells {
     waker: Waker,
@@ -650,7 +650,10 @@ mod tests {
         assert!(page.ring(e, coloc_doorbell::now_ns() + 10_000_000_000, 1));
         page.wake();
         let t = std::time::Instant::now();
-        assert!(b.wait(Duration::from_secs(5)), "the run between read and wait was missed");
+        assert!(
+            b.wait(Duration::from_secs(5)),
+            "the run between read and wait was missed"
+        );
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         std::fs::remove_dir_all(&dir).ok();
     }

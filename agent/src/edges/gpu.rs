@@ -33,15 +33,15 @@ pub struct Activity {
 pub enum GpuError {
     /// The library could not be loaded or initialised.
     #[error(
-        "no NVIDIA driver: cannot use NVML library {lib:?} ({source}). Install the NVIDIA \
+        "no NVIDIA driver: cannot use NVML library {lib:?} ({cause}). Install the NVIDIA \
          driver, or pass --nvml-lib; to try gpu-coloc without a GPU, run `coloc-demo`"
     )]
     NoDriver {
         /// Library path tried.
         lib: String,
-        /// Cause.
-        #[source]
-        source: nvml_wrapper::error::NvmlError,
+        /// Cause, once: the innermost error of NVML's chain (the loader's own message).
+        /// Not a `#[source]`, so the message does not repeat it.
+        cause: String,
     },
     /// A call failed.
     #[error("NVML {function} on GPU {gpu} failed: {source}")]
@@ -147,9 +147,17 @@ impl Nvml {
         let nvml = nvml_wrapper::Nvml::builder()
             .lib_path(OsStr::new(lib))
             .init()
-            .map_err(|source| GpuError::NoDriver {
-                lib: lib.to_string(),
-                source,
+            .map_err(|source| {
+                // The innermost cause (e.g. the loader's "cannot open shared object
+                // file"), said once.
+                let mut cause: &dyn std::error::Error = &source;
+                while let Some(next) = cause.source() {
+                    cause = next;
+                }
+                GpuError::NoDriver {
+                    lib: lib.to_string(),
+                    cause: cause.to_string(),
+                }
             })?;
         // The agent keeps NVML for its whole life; leaking it gives devices a 'static
         // borrow, and the driver is shut down when the process exits.

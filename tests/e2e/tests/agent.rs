@@ -583,6 +583,11 @@ fn no_driver_is_one_clear_line() {
     let lines: Vec<_> = err.lines().filter(|l| l.contains("coloc-agent:")).collect();
     assert_eq!(lines.len(), 1, "{err}");
     assert!(lines[0].contains("no NVIDIA driver"), "{err}");
+    assert_eq!(
+        lines[0].matches("cannot open shared object file").count(),
+        1,
+        "the cause is said once: {err}"
+    );
 }
 
 #[test]
