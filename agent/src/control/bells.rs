@@ -59,7 +59,12 @@ impl std::fmt::Debug for Bells {
 }
 
 impl Bells {
-    pub(super) fn new(edge: Box<dyn Doorbells>, uuids: &[(u32, String)], now: u64) -> Bells {
+    pub(super) fn new(
+        edge: Box<dyn Doorbells>,
+        uuids: &[(u32, String)],
+        now: u64,
+        window_ns: u64,
+    ) -> Bells {
         for r in REASONS {
             metrics::counter!("coloc_doorbell_rejected_total", "reason" => r).absolute(0);
         }
@@ -82,7 +87,7 @@ impl Bells {
             buf: Vec::new(),
             started_ns: now,
             next_scan_ns: 0,
-            window_ns: 0,
+            window_ns,
         }
     }
 
@@ -97,7 +102,6 @@ impl Loop {
     pub(super) fn ring_bells(&mut self, now: u64) {
         let found_ns = now;
         let b = &mut self.bells;
-        b.window_ns = self.cfg.machine.idle_window;
         let force = now >= b.next_scan_ns;
         if force {
             b.next_scan_ns = now + 1_000_000_000;
@@ -181,7 +185,7 @@ impl Loop {
             Err(why) => {
                 // A process that just started is listed by the driver before the next
                 // periodic read: read the lists now (at most once a second per page).
-                if matches!(why, "unknown_owner" | "not_on_gpu") && now >= last {
+                if matches!(why, "unknown_owner" | "not_on_gpu") {
                     let p = self.bells.pages.get_mut(&r.page).expect("checked above");
                     if now.saturating_sub(p.refresh_asked_ns) >= 1_000_000_000 {
                         p.refresh_asked_ns = now;

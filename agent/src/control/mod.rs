@@ -213,7 +213,7 @@ impl Loop {
             next_refresh_ns: 0,
             next_nvml_ns: 0,
             refresh_asked: None,
-            bells: bells::Bells::new(edges.bells, &uuids, started_ns),
+            bells: bells::Bells::new(edges.bells, &uuids, started_ns, cfg.machine.idle_window),
             last_tick_ns: None,
             last_publish_ns: 0,
             cfg,
@@ -256,11 +256,11 @@ impl Loop {
     /// publication, and at most `--idle-poll-interval`. A doorbell ends the sleep early.
     pub(crate) fn next_wait(&self, now: u64) -> Duration {
         let poll = self.cfg.poll;
-        let busy_holds = {
+        let (pending, held) = {
             let h = self.holds();
-            h.pending()
+            (h.pending(), !h.is_empty())
         };
-        if busy_holds
+        if pending
             || !self.tracker.is_empty()
             || !self.retries.is_empty()
             || self.table.fixed_share_present()
@@ -269,11 +269,11 @@ impl Loop {
             return poll;
         }
         let mut due = now + self.cfg.idle_poll.max(poll).as_nanos() as u64;
-        if self.table.offline_present() || !self.holds().is_empty() {
+        if self.table.offline_present() || held {
             due = due.min(self.next_nvml_ns);
         }
         due = due.min(self.next_refresh_ns);
-        if !self.holds().is_empty() {
+        if held {
             due = due.min(now + self.cfg.recheck.as_nanos() as u64);
         }
         let window = self.cfg.machine.idle_window;

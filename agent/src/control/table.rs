@@ -130,6 +130,8 @@ pub struct Table {
     generation: Option<u64>,
     /// Some offline process is on a GPU (as of the latest refresh).
     offline_present: bool,
+    /// Some of them has a `fixed-share` cap (as of the latest refresh).
+    fixed_share_present: bool,
     /// A refresh happened since the latest purge.
     refreshed: bool,
     warned: BTreeSet<String>,
@@ -182,11 +184,7 @@ impl Table {
     /// Some offline process with a `fixed-share` cap is on a GPU (its duty cycle needs
     /// the fast tick).
     pub fn fixed_share_present(&self) -> bool {
-        self.procs.values().any(|e| {
-            e.cls.class == Class::Offline
-                && !e.gpus.is_empty()
-                && matches!(e.cls.share, qos_core::Share::Fixed { .. })
-        })
+        self.fixed_share_present
     }
 
     /// The entry of `key` (same PID and start time).
@@ -278,10 +276,14 @@ impl Table {
         }
         self.generation = Some(generation);
         self.refreshed = true;
-        self.offline_present = self
-            .procs
-            .values()
-            .any(|e| e.cls.class == Class::Offline && !e.gpus.is_empty());
+        let offline = || {
+            self.procs
+                .values()
+                .filter(|e| e.cls.class == Class::Offline && !e.gpus.is_empty())
+        };
+        self.offline_present = offline().next().is_some();
+        self.fixed_share_present =
+            offline().any(|e| matches!(e.cls.share, qos_core::Share::Fixed { .. }));
         self.invisible.retain(|pid, since| {
             listed.contains_key(pid) || now.saturating_sub(*since) < 10 * INVISIBLE_WARN_AFTER_NS
         });

@@ -24,28 +24,18 @@ fn bench(c: &mut Criterion) {
 
 criterion_group!(benches, bench);
 
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    deps.parent().unwrap().to_path_buf()
-}
-
 fn main() {
     if std::env::var_os("COLOC_BENCH_MODE").is_some() {
         benches();
         Criterion::default().configure_from_args().final_summary();
         return;
     }
-    let dir = target_dir();
+    // Built beside this benchmark's profile (`cargo build --release --workspace`).
+    let shim = coloc_e2e::bin("libcoloc_cuda.so");
+    let dir = shim.parent().expect("target dir").to_path_buf();
     let state = PathBuf::from("/dev/shm").join(format!("coloc-bench-shim-{}", std::process::id()));
     let _sim = coloc_sim::SimGpu::create(&state, 1, 100_000_000).expect("simulated GPU state");
     let cuda = coloc_sim::fake_libcuda_dir(&dir).expect("fake libcuda (cargo build -p fake-cuda)");
-    let shim = dir.join("libcoloc_cuda.so");
-    assert!(
-        shim.exists(),
-        "{} missing: cargo build -p coloc-cuda-shim",
-        shim.display()
-    );
     let bells = std::env::temp_dir().join(format!("coloc-bench-bells-{}", std::process::id()));
     std::fs::create_dir_all(&bells).unwrap();
     for mode in ["no-shim", "shim-pass-through", "shim-doorbell"] {

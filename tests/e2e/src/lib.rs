@@ -118,6 +118,16 @@ impl Drop for Sim {
     }
 }
 
+/// The environment every test agent gets: the simulated GPU, NVML read as often as the
+/// simulated driver samples in most tests (every millisecond; a test may say otherwise
+/// with its own environment, set after this), and a doorbell directory of its own.
+pub fn test_agent_env(cmd: &mut Command, sim: &Sim, doorbell_dir: &Path) {
+    cmd.env("COLOC_SIM_STATE", &sim.state)
+        .env("COLOC_NVML_INTERVAL", "1ms")
+        .env("COLOC_NVML_SAMPLE_PERIOD", "1ms")
+        .env("COLOC_DOORBELL_DIR", doorbell_dir);
+}
+
 /// A child process that is continued and killed on drop (never left stopped).
 #[derive(Debug)]
 pub struct Proc(pub Child);
@@ -458,13 +468,8 @@ impl Agent {
             .arg("--cgroup-root")
             .arg("/sys/fs/cgroup")
             .args(args)
-            .env("COLOC_SIM_STATE", &sim.state)
-            // The simulated driver samples every millisecond in these tests (unless a test
-            // says otherwise): read it as often.
-            .env("COLOC_NVML_INTERVAL", "1ms")
-            .env("COLOC_NVML_SAMPLE_PERIOD", "1ms")
-            .env("COLOC_DOORBELL_DIR", &doorbell_dir)
             .stderr(std::fs::File::create(&log).unwrap());
+        test_agent_env(&mut cmd, sim, &doorbell_dir);
         for (k, v) in env {
             cmd.env(k, v);
         }

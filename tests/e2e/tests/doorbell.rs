@@ -75,21 +75,33 @@ fn online_args(out: &str) -> Vec<&str> {
     ]
 }
 
-#[test]
-fn a_launch_under_the_shim_rings_and_offline_is_stopped_from_the_ring() {
+/// A 100 ms simulated driver, the agent, and one offline process it has seen.
+fn node_with_offline() -> (Sim, Agent, PathBuf, Proc) {
     let sim = Sim::start(1, &["--sample-period-ms", "100"]);
     let (a, log) = agent(&sim);
-    let _off = Proc(
+    let off = Proc(
         workload(&sim, &["offline", "--gpu", "0", "--step-ms", "2"], None)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
     a.wait_processes(1);
-    let out = std::env::temp_dir()
+    (sim, a, log, off)
+}
+
+/// A fresh path for an online workload's JSON summary.
+fn result_file() -> String {
+    std::env::temp_dir()
         .join(unique("coloc-e2e-online"))
-        .with_extension("json");
-    let out_s = out.display().to_string();
+        .with_extension("json")
+        .display()
+        .to_string()
+}
+
+#[test]
+fn a_launch_under_the_shim_rings_and_offline_is_stopped_from_the_ring() {
+    let (sim, a, log, _off) = node_with_offline();
+    let out_s = result_file();
     let mut on = Proc(
         workload(
             &sim,
@@ -151,19 +163,8 @@ fn a_launch_under_the_shim_rings_and_offline_is_stopped_from_the_ring() {
 
 #[test]
 fn without_the_shim_nvml_still_preempts() {
-    let sim = Sim::start(1, &["--sample-period-ms", "100"]);
-    let (a, log) = agent(&sim);
-    let _off = Proc(
-        workload(&sim, &["offline", "--gpu", "0", "--step-ms", "2"], None)
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    a.wait_processes(1);
-    let out = std::env::temp_dir()
-        .join(unique("coloc-e2e-online"))
-        .with_extension("json");
-    let out_s = out.display().to_string();
+    let (sim, a, log, _off) = node_with_offline();
+    let out_s = result_file();
     let mut on = Proc(
         workload(&sim, &online_args(&out_s), None)
             .stdout(Stdio::null())

@@ -211,10 +211,6 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
         .arg("--cgroup-root")
         .arg("/sys/fs/cgroup")
         .args(args)
-        .env("COLOC_SIM_STATE", &sim.state)
-        .env("COLOC_NVML_INTERVAL", "1ms")
-        .env("COLOC_NVML_SAMPLE_PERIOD", "1ms")
-        .env("COLOC_DOORBELL_DIR", &doorbell_dir)
         // As the chart sets it: a raised loop priority only with SYS_NICE.
         .env(
             "COLOC_LOOP_NICE",
@@ -225,6 +221,7 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
             },
         )
         .stderr(std::fs::File::create(&log).unwrap());
+    test_agent_env(&mut cmd, sim, &doorbell_dir);
     for (k, v) in env {
         cmd.env(k, v);
     }
