@@ -150,6 +150,12 @@ pub struct Loop {
     last_publish_ns: u64,
     /// Doorbells: pages, their attribution, the UUID → GPU map.
     bells: bells::Bells,
+    /// The state machine must run at the next tick whatever changed (start, fail-open).
+    decide_next: bool,
+    /// The inputs of the latest decision.
+    last_inputs: Vec<qos_core::GpuInput<ProcKey>>,
+    /// Per-GPU summary of the latest decision (time accounting between decisions).
+    summary: Vec<publish::GpuSummary>,
 }
 
 impl std::fmt::Debug for Loop {
@@ -216,6 +222,9 @@ impl Loop {
             bells: bells::Bells::new(edges.bells, &uuids, started_ns, cfg.machine.idle_window),
             last_tick_ns: None,
             last_publish_ns: 0,
+            decide_next: true,
+            last_inputs: Vec::new(),
+            summary: Vec::new(),
             cfg,
         })
     }
@@ -250,18 +259,18 @@ impl Loop {
         self.release_everything("shutdown");
     }
 
-    /// How long the loop may sleep before something is due: `--poll-interval` while a
-    /// confirmation, an event, a retry or a fixed-share duty cycle is in progress; else
-    /// until the next NVML read, process-list read, end of an idle window, re-check or
-    /// publication, and at most `--idle-poll-interval`. A doorbell ends the sleep early.
+    /// How long the loop may sleep before something is due: `--poll-interval` while an
+    /// event, a retry or a fixed-share duty cycle is in progress; else until the next
+    /// check of a pending confirmation (50 µs after the operation, the gap doubling up to
+    /// 1 ms), NVML read, process-list read, end of an idle window, re-check or publication,
+    /// and at most `--idle-poll-interval`. A doorbell ends the sleep early.
     pub(crate) fn next_wait(&self, now: u64) -> Duration {
         let poll = self.cfg.poll;
-        let (pending, held) = {
+        let (next_check, held) = {
             let h = self.holds();
-            (h.pending(), !h.is_empty())
+            (h.next_check_ns(), !h.is_empty())
         };
-        if pending
-            || !self.tracker.is_empty()
+        if (next_check.is_none() && !self.tracker.is_empty())
             || !self.retries.is_empty()
             || self.table.fixed_share_present()
             || self.refresh_asked.is_some()
@@ -275,6 +284,9 @@ impl Loop {
         due = due.min(self.next_refresh_ns);
         if held {
             due = due.min(now + self.cfg.recheck.as_nanos() as u64);
+        }
+        if let Some(t) = next_check {
+            due = due.min(t);
         }
         let window = self.cfg.machine.idle_window;
         for (_, st) in self.machine.states() {
@@ -303,28 +315,35 @@ impl Loop {
         let failed = self.observe(now);
         if self.watchdog.leave(&self.holds) {
             self.after_watchdog(now);
+            self.decide_next = true;
         }
+        let observed = failed.is_some();
         if let Some(failed) = failed {
             self.judge(failed, now);
         }
         self.ring_bells(now);
 
-        let managed: Vec<u32> = self
-            .gpus
-            .iter()
-            .copied()
-            .filter(|g| !self.health.degraded(*g))
-            .collect();
+        let mut retried = false;
         for key in self.retries.due(now) {
             if self.machine.forget(&key) {
                 metrics::counter!("coloc_suspension_retries_total").increment(1);
                 info!(pid = key.pid, "Retrying a failed suspension");
+                retried = true;
             }
         }
-        let inputs = self.inputs(&managed);
-        let decision = self.machine.tick(now, &inputs);
-        if !decision.is_empty() {
-            self.execute(decision, now);
+        if self.decision_due(now, observed || retried) {
+            let managed: Vec<u32> = self
+                .gpus
+                .iter()
+                .copied()
+                .filter(|g| !self.health.degraded(*g))
+                .collect();
+            self.last_inputs = self.inputs(&managed);
+            let decision = self.machine.tick(now, &self.last_inputs);
+            if !decision.is_empty() {
+                self.execute(decision, now);
+            }
+            self.summarise();
         }
         let done = self.holds().poll(now);
         if !done.is_empty() {
@@ -353,12 +372,35 @@ impl Loop {
             machine.suspended().contains_key(k)
                 || holds.lock().unwrap_or_else(|e| e.into_inner()).holds(k)
         });
-        self.account(dt, &inputs);
+        self.account(dt);
         self.shared.mark_tick(now);
         if now.saturating_sub(self.last_publish_ns) >= 100_000_000 {
             self.last_publish_ns = now;
             self.publish(now);
+            // `/state` shows the machine's view: bring it up to date once per publication.
+            self.decide_next = true;
         }
+    }
+
+    /// Whether this tick runs the state machine. It needs to only when what it reads
+    /// changed or a time it waits for came: NVML was read (samples, process lists,
+    /// health), a retry is due, a doorbell rang on a GPU that offline work runs on, an
+    /// idle window may have ended, a `fixed-share` duty cycle runs, or after a fail-open
+    /// and once per publication. A doorbell on a GPU already busy only moves its window's
+    /// end, which the next decision reads: skipping those ticks is what keeps re-checks
+    /// and confirmations cheap.
+    fn decision_due(&mut self, now: u64, changed: bool) -> bool {
+        let touched = self.table.take_touched();
+        if changed || std::mem::take(&mut self.decide_next) || self.table.fixed_share_present() {
+            return true;
+        }
+        let window = self.cfg.machine.idle_window;
+        self.machine.states().any(|(g, st)| match st {
+            qos_core::GpuState::OnlineBusy { last_online, .. } => {
+                now >= last_online.saturating_add(window)
+            }
+            qos_core::GpuState::OfflineRunning => touched.contains(&g),
+        })
     }
 
     /// Something resumed held offline work: say who, count it.
@@ -420,6 +462,7 @@ impl Loop {
     /// Resumes every held target and forgets all suspensions (shutdown, panic).
     pub fn release_everything(&mut self, reason: &'static str) {
         self.machine.release_all();
+        self.decide_next = true;
         let now = self.clock.now_ns();
         let n = self.holds().release_all(reason, now);
         if n > 0 && reason != "shutdown" {

@@ -2,24 +2,17 @@
 
 use super::state::{GpuDoc, ProcDoc, StateDoc};
 use super::Loop;
-use crate::edges::procfs::ProcKey;
 use qos_core::stats::Summary;
-use qos_core::{Class, GpuInput, GpuState};
+use qos_core::{Class, GpuState};
 
 impl Loop {
-    pub(super) fn account(&mut self, dt_ns: u64, inputs: &[GpuInput<ProcKey>]) {
-        let dts = dt_ns as f64 / 1e9;
-        let mut secs = self
-            .shared
-            .gpu_seconds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        for input in inputs {
-            let Some(m) = self.telemetry.gpus.get(&input.gpu) else {
-                continue;
-            };
+    /// Per GPU, from the latest decision: online busy, offline processes, suspended ones
+    /// (the time accounting and the gauges; recomputed only when the machine ran).
+    pub(super) fn summarise(&mut self) {
+        let mut out = std::mem::take(&mut self.summary);
+        out.clear();
+        for input in &self.last_inputs {
             let busy = matches!(self.machine.state(input.gpu), GpuState::OnlineBusy { .. });
-            m.set_busy(busy);
             let (mut offline, mut suspended) = (0, 0);
             for p in input.procs.iter().filter(|p| p.class == Class::Offline) {
                 offline += 1;
@@ -27,12 +20,34 @@ impl Loop {
                     suspended += 1;
                 }
             }
-            m.set_suspended(suspended);
-            let acc = secs.entry(input.gpu).or_default();
-            if suspended > 0 {
+            if let Some(m) = self.telemetry.gpus.get(&input.gpu) {
+                m.set_busy(busy);
+                m.set_suspended(suspended);
+            }
+            out.push(GpuSummary {
+                gpu: input.gpu,
+                busy,
+                offline,
+                suspended,
+            });
+        }
+        self.summary = out;
+    }
+
+    /// Adds `dt_ns` to each GPU's suspended and reclaimed time.
+    pub(super) fn account(&mut self, dt_ns: u64) {
+        let dts = dt_ns as f64 / 1e9;
+        let mut secs = self
+            .shared
+            .gpu_seconds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for s in &self.summary {
+            let acc = secs.entry(s.gpu).or_default();
+            if s.suspended > 0 {
                 acc.suspended += dts;
             }
-            if !busy && offline > suspended {
+            if !s.busy && s.offline > s.suspended {
                 acc.reclaimed += dts;
             }
         }
@@ -98,4 +113,13 @@ impl Loop {
         };
         *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
     }
+}
+
+/// One GPU's summary for the time accounting (see [`Loop::summarise`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GpuSummary {
+    gpu: u32,
+    busy: bool,
+    offline: usize,
+    suspended: usize,
 }

@@ -134,6 +134,8 @@ pub struct Table {
     fixed_share_present: bool,
     /// A refresh happened since the latest purge.
     refreshed: bool,
+    /// GPUs with doorbell activity noted since the last [`Table::take_touched`].
+    touched: Vec<u32>,
     warned: BTreeSet<String>,
 }
 
@@ -168,7 +170,16 @@ impl Table {
     pub fn note(&mut self, key: &ProcKey, gpu: u32, act: Activity) {
         if let Some(e) = self.procs.get_mut(&key.pid).filter(|e| e.key == *key) {
             e.note(gpu, act);
+            if !self.touched.contains(&gpu) {
+                self.touched.push(gpu);
+            }
         }
+    }
+
+    /// The GPUs with doorbell activity since the last call (NVML samples and refreshes
+    /// are known to the loop by the tick that read them).
+    pub fn take_touched(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.touched)
     }
 
     /// Whether an entry was classified under an older pod-source generation.

@@ -50,14 +50,15 @@ impl Holds {
         let at = self.clock.now_ns();
         match members_progress(&p) {
             None => {
-                self.pending.push(Pending {
+                self.pending.push(Pending::new(
                     key,
-                    op: Op::Resume,
+                    Op::Resume,
                     kind,
-                    members: pending_members(&members, &p),
-                    all: members.clone(),
-                    deadline_ns: now + self.confirm_timeout.as_nanos() as u64,
-                });
+                    pending_members(&members, &p),
+                    members.clone(),
+                    now,
+                    self.confirm_timeout,
+                ));
                 None
             }
             Some(outcome) => {
@@ -93,16 +94,26 @@ impl Holds {
         self.forget(members);
     }
 
-    /// Removes `members` from the record, except those a current hold still covers.
+    /// Marks `members` resumed: they leave the record at the next [`Holds::flush_forgotten`]
+    /// (at the end of the call that resumed them), all of them in one write.
     pub(super) fn forget(&mut self, members: &[Target]) {
+        self.forgotten.extend(members.iter().map(Target::record));
+    }
+
+    /// Removes what was resumed from the record, except what a current hold still covers:
+    /// one write however many holds a release resumed (one per hold would be 8 writes for
+    /// a GPU with 8 offline processes).
+    pub(super) fn flush_forgotten(&mut self) {
+        if self.forgotten.is_empty() {
+            return;
+        }
         let still: BTreeSet<RecordEntry> = self
             .held
             .values()
             .flat_map(|h| h.members.iter().map(Target::record))
             .collect();
-        let gone: Vec<RecordEntry> = members
-            .iter()
-            .map(Target::record)
+        let gone: Vec<RecordEntry> = std::mem::take(&mut self.forgotten)
+            .into_iter()
             .filter(|e| !still.contains(e))
             .collect();
         if let Err(err) = self.record.remove(&gone) {
@@ -117,11 +128,17 @@ impl Holds {
         }
         let mut done = Vec::new();
         for mut p in std::mem::take(&mut self.pending) {
+            if now < p.next_check_ns.min(p.deadline_ns) {
+                self.pending.push(p);
+                continue;
+            }
             let progress = self.actuator.check(&p.members, p.op, Duration::ZERO);
             let outcome = match members_progress(&progress) {
                 None if now >= p.deadline_ns => Some(Outcome::Failed("timeout")),
                 None => {
                     p.members = pending_members(&p.members, &progress);
+                    p.gap_ns = (p.gap_ns * 2).min(super::CHECK_MAX_NS);
+                    p.next_check_ns = now + p.gap_ns;
                     self.pending.push(p);
                     continue;
                 }
@@ -149,6 +166,7 @@ impl Holds {
                 at_ns: now,
             });
         }
+        self.flush_forgotten();
         done
     }
 
@@ -183,6 +201,7 @@ impl Holds {
             let outcome = members_progress(&p).unwrap_or(Outcome::Failed("timeout"));
             self.resumed(&key, &hold.members, &p, &outcome);
         }
+        self.flush_forgotten();
         let _ = now;
         n
     }

@@ -29,9 +29,17 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{error, warn};
 
-/// How long an actuation is waited for inline before the loop moves on and checks it
-/// again next tick.
-pub const INLINE_BUDGET: Duration = Duration::from_millis(2);
+/// How long an actuation is waited for inline: none. The actuator issues the operation
+/// and looks once; what is not confirmed yet is checked again by the loop, which sleeps
+/// between checks in its doorbell wait, so a launch on another GPU is seen meanwhile.
+pub const INLINE_BUDGET: Duration = Duration::ZERO;
+
+/// First re-check of a pending operation, ns after it started; the gap doubles up to
+/// [`CHECK_MAX_NS`]. A SIGSTOP takes effect when its target next runs (tens to hundreds
+/// of µs on a busy node); a freezer when every task has reached it.
+pub const CHECK_FIRST_NS: u64 = 50_000;
+/// Longest gap between two checks of a pending operation, ns.
+pub const CHECK_MAX_NS: u64 = 1_000_000;
 
 /// How a hold's operation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +90,32 @@ struct Pending {
     /// All members of the operation (what leaves the record when a resume completes).
     all: Vec<Target>,
     deadline_ns: u64,
+    /// When it is checked next, and the gap after that, ns.
+    next_check_ns: u64,
+    gap_ns: u64,
+}
+
+impl Pending {
+    fn new(
+        key: HoldKey,
+        op: Op,
+        kind: Kind,
+        members: Vec<Target>,
+        all: Vec<Target>,
+        now: u64,
+        timeout: Duration,
+    ) -> Pending {
+        Pending {
+            key,
+            op,
+            kind,
+            members,
+            all,
+            deadline_ns: now + timeout.as_nanos() as u64,
+            next_check_ns: now + CHECK_FIRST_NS,
+            gap_ns: CHECK_FIRST_NS,
+        }
+    }
 }
 
 /// Result of [`Holds::suspend`].
@@ -103,6 +137,8 @@ pub struct Holds {
     pending: Vec<Pending>,
     /// Holders whose suspension failed and was undone (the loop retries them).
     failed: Vec<ProcKey>,
+    /// Resumed targets still in the record (see [`Holds::flush_forgotten`]).
+    forgotten: Vec<RecordEntry>,
     /// How often a held target is checked again (`--recheck-interval`), ns.
     pub(crate) recheck_ns: u64,
     /// Where the round-robin re-check goes on next tick.
@@ -152,6 +188,7 @@ impl Holds {
             held: BTreeMap::new(),
             pending: Vec::new(),
             failed: Vec::new(),
+            forgotten: Vec::new(),
             recheck_ns: recheck::RECHECK_NS,
             recheck_cursor: None,
             confirm_timeout,
@@ -166,6 +203,14 @@ impl Holds {
     /// Some suspension or resumption waits for confirmation.
     pub fn pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// When the next pending operation is due to be checked, ns.
+    pub fn next_check_ns(&self) -> Option<u64> {
+        self.pending
+            .iter()
+            .map(|p| p.next_check_ns.min(p.deadline_ns))
+            .min()
     }
 
     /// Nothing is held.
@@ -263,6 +308,7 @@ impl Holds {
             return out;
         }
         self.act_on_fresh(fresh, now, &mut out);
+        self.flush_forgotten();
         out
     }
 
@@ -300,14 +346,15 @@ impl Holds {
             let p: Vec<Progress> = progress.by_ref().take(hold.members.len()).collect();
             match members_progress(&p) {
                 None => {
-                    self.pending.push(Pending {
-                        key: key.clone(),
-                        op: Op::Suspend,
-                        kind: hold.kind,
-                        members: pending_members(&hold.members, &p),
-                        all: hold.members.clone(),
-                        deadline_ns: now + self.confirm_timeout.as_nanos() as u64,
-                    });
+                    self.pending.push(Pending::new(
+                        key.clone(),
+                        Op::Suspend,
+                        hold.kind,
+                        pending_members(&hold.members, &p),
+                        hold.members.clone(),
+                        now,
+                        self.confirm_timeout,
+                    ));
                     self.held.insert(key, hold);
                 }
                 Some(Outcome::Failed(reason)) => {
@@ -359,6 +406,7 @@ impl Holds {
                 done.push(c);
             }
         }
+        self.flush_forgotten();
         (started, done)
     }
 
