@@ -138,11 +138,11 @@ pub struct RunArgs {
     /// answers 503 until the call returns.
     #[arg(long, env = "COLOC_NVML_HANG_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
     pub nvml_hang_timeout: Duration,
-    /// How often a suspended target is checked again, and stopped again if something
-    /// resumed it (a SIGCONT from inside the pod). A target found resumed is checked every
-    /// tick from then on, and a signalled cgroup that keeps resuming is frozen. At most 2
-    /// targets are checked a tick (round robin), so with many held processes each is
-    /// checked less often.
+    /// How often suspended targets are checked again, and stopped again if something
+    /// resumed them (a SIGCONT from inside the pod). Each time, at most 2 targets are
+    /// checked (round robin, so with many held processes each is checked less often),
+    /// plus every target found resumed before; a signalled cgroup that keeps resuming is
+    /// frozen.
     #[arg(long, env = "COLOC_RECHECK_INTERVAL", default_value = "5ms", value_parser = parse_duration)]
     pub recheck_interval: Duration,
     /// Root of the cgroup filesystem (pure v2 at the root, or hybrid with `unified/` and

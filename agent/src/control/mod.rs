@@ -266,10 +266,11 @@ impl Loop {
     /// and at most `--idle-poll-interval`. A doorbell ends the sleep early.
     pub(crate) fn next_wait(&self, now: u64) -> Duration {
         let poll = self.cfg.poll;
-        let (next_check, held) = {
+        let (next_check, recheck) = {
             let h = self.holds();
-            (h.next_check_ns(), !h.is_empty())
+            (h.next_check_ns(), h.next_recheck_ns())
         };
+        let held = recheck.is_some();
         if (next_check.is_none() && !self.tracker.is_empty())
             || !self.retries.is_empty()
             || self.table.fixed_share_present()
@@ -282,8 +283,8 @@ impl Loop {
             due = due.min(self.next_nvml_ns);
         }
         due = due.min(self.next_refresh_ns);
-        if held {
-            due = due.min(now + self.cfg.recheck.as_nanos() as u64);
+        if let Some(t) = recheck {
+            due = due.min(t.max(now));
         }
         if let Some(t) = next_check {
             due = due.min(t);

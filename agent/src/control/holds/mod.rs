@@ -143,6 +143,8 @@ pub struct Holds {
     pub(crate) recheck_ns: u64,
     /// Where the round-robin re-check goes on next tick.
     recheck_cursor: Option<HoldKey>,
+    /// When the next re-check is due, ns.
+    next_recheck_ns: u64,
     confirm_timeout: Duration,
 }
 
@@ -191,6 +193,7 @@ impl Holds {
             forgotten: Vec::new(),
             recheck_ns: recheck::RECHECK_NS,
             recheck_cursor: None,
+            next_recheck_ns: 0,
             confirm_timeout,
         }
     }
@@ -203,6 +206,11 @@ impl Holds {
     /// Some suspension or resumption waits for confirmation.
     pub fn pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// When the held targets are next re-checked, ns (`None`: nothing is held).
+    pub fn next_recheck_ns(&self) -> Option<u64> {
+        (!self.held.is_empty()).then_some(self.next_recheck_ns)
     }
 
     /// When the next pending operation is due to be checked, ns.

@@ -376,10 +376,12 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
         "not stopped again: {:?}",
         h.act.calls()
     );
-    // Again: now the cgroup is frozen too (recorded first).
+    // Again: now the cgroup is frozen too (recorded first), at the next re-check.
     h.act.resumed_by_tenant.lock().unwrap().insert(me.clone());
-    h.active(0, 20);
-    h.tick();
+    for _ in 0..6 {
+        h.active(0, 20);
+        h.tick();
+    }
     let cg = RecordEntry::Cgroup {
         dir: dir.clone(),
         version: crate::edges::actuator::CgroupVersion::V2,
