@@ -222,7 +222,14 @@ impl Actuator for Host {
             .iter()
             .map(|t| match t {
                 Target::Cgroup { dir, version } => freezer::issue(dir, *version, op).err(),
-                Target::Process { key, pidfd } => signal::issue(*key, pidfd, op).err(),
+                // SIGCONT ends a stop inside the kill(2) call (the kernel clears the group
+                // stop and wakes every thread before returning): a resume that was sent
+                // is done, without reading /proc. A SIGSTOP takes effect only when its
+                // target next runs, so a suspension is confirmed by reading its state.
+                Target::Process { key, pidfd } => match signal::issue(*key, pidfd, op) {
+                    Ok(()) if op == Op::Resume => Some(Progress::Done),
+                    r => r.err(),
+                },
             })
             .collect();
         wait(targets, op, issued, events, start, budget, &mut self.stats)
