@@ -78,12 +78,16 @@ impl Entry {
     /// the release for work long finished. For a process without the shim the sample is
     /// all there is: it counts until the period's end, so that work seen late is still
     /// preempted.
-    fn note(&mut self, gpu: u32, a: Activity) {
+    fn note(&mut self, gpu: u32, a: Activity) -> bool {
         if a.signal == Signal::Doorbell {
             self.rung = true;
         } else if self.rung && !a.through_end {
-            return;
+            return false;
         }
+        let before = (
+            self.last_active.get(&gpu).copied(),
+            self.onset.get(&gpu).copied(),
+        );
         let start = a.start.min(a.end);
         let prev_end = self.last_active.get(&gpu).copied();
         let new_run = prev_end.is_none_or(|p| start >= p.saturating_add(a.window));
@@ -97,6 +101,7 @@ impl Entry {
         }
         let t = self.last_active.entry(gpu).or_insert(0);
         *t = (*t).max(a.end);
+        before != (Some(*t), Some(*run))
     }
 }
 
@@ -169,8 +174,7 @@ impl Table {
     /// Notes activity of a known process (a doorbell reading attributed to it).
     pub fn note(&mut self, key: &ProcKey, gpu: u32, act: Activity) {
         if let Some(e) = self.procs.get_mut(&key.pid).filter(|e| e.key == *key) {
-            e.note(gpu, act);
-            if !self.touched.contains(&gpu) {
+            if e.note(gpu, act) && !self.touched.contains(&gpu) {
                 self.touched.push(gpu);
             }
         }
