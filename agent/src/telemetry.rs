@@ -72,7 +72,7 @@ fn describe() {
     );
     describe_counter!(
         "coloc_doorbell_rejected_total",
-        "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu); counted once per page and reason."
+        "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu; invalidated: a mapped page that stopped being valid, e.g. its file was truncated); counted once per page and reason."
     );
     describe_counter!(
         "coloc_doorbell_wakeups_total",

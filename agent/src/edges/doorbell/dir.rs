@@ -1,0 +1,338 @@
+//! Pages under a directory: found by inotify and rescans, mapped read-only, read, and
+//! waited on.
+
+use super::guard;
+use super::wait::{waitv, Watcher, MAX_WAITERS};
+use super::{BellReading, Doorbells, Owner, PageInfo, Waker};
+use coloc_doorbell::{Page, PAGE, SUFFIX};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering::*};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{debug, info, warn};
+
+struct Mapped {
+    info: PageInfo,
+    base: *mut libc::c_void,
+    /// The wake word as of the latest read.
+    seen: u32,
+}
+
+// SAFETY: the mapping is read-only shared memory accessed only through atomics; it is
+// unmapped once, on drop, by whoever owns the `Mapped`.
+unsafe impl Send for Mapped {}
+
+impl Mapped {
+    fn page(&self) -> Page<'_> {
+        // SAFETY: `base` is a live PROT_READ mapping of PAGE bytes; `Page` only loads
+        // through atomics (the agent never calls the writer-side methods on it).
+        unsafe { Page::from_raw(self.base.cast()) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        guard::unregister(self.base as usize);
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.base, PAGE) };
+    }
+}
+
+/// How long a file that is not a valid page yet is looked at again at every rescan.
+const INCOMPLETE_RETRY: Duration = Duration::from_secs(1);
+
+/// Pages under a directory, watched with inotify.
+pub struct DirBells {
+    dir: PathBuf,
+    pages: HashMap<PathBuf, Mapped>,
+    /// Files seen that are not (yet) valid pages, with the reason (logged once) and when
+    /// first seen.
+    rejected: HashMap<PathBuf, (String, std::time::Instant)>,
+    next_id: u64,
+    /// Bumped by the inotify thread and by [`Waker`]s.
+    waker: Waker,
+    /// The inotify thread saw a change since the latest rescan.
+    dirty: Arc<AtomicU32>,
+    /// `futex_waitv` is missing (Linux < 5.16): the loop polls instead.
+    no_waitv: bool,
+    /// Some file seen less than [`INCOMPLETE_RETRY`] ago was not a valid page yet: look
+    /// again at the next rescan (later, only at the forced rescans, once a second: a file
+    /// a tenant leaves incomplete must not make the agent poll).
+    incomplete: bool,
+    /// The waker's word as of the latest read.
+    waker_seen: u32,
+}
+
+impl std::fmt::Debug for DirBells {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirBells")
+            .field("dir", &self.dir)
+            .field("pages", &self.pages.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DirBells {
+    /// Watches `dir` (created, mode 1777 — any user's process may add its page, none may
+    /// remove another's — with `pods/` inside, if missing).
+    pub fn new(dir: &Path) -> anyhow::Result<DirBells> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        for d in [dir.to_path_buf(), dir.join("pods")] {
+            if !d.exists() {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o1777)
+                    .create(&d)
+                    .map_err(|e| anyhow::anyhow!("creating --doorbell-dir {}: {e}", d.display()))?;
+                // The umask may have cut the mode.
+                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777)).ok();
+            }
+        }
+        let waker = Waker::default();
+        let dirty = Arc::new(AtomicU32::new(1));
+        let watcher = Watcher::spawn(dir, waker.clone(), dirty.clone());
+        if let Err(err) = &watcher {
+            warn!(%err, dir = %dir.display(), "Cannot watch the doorbell directory: new pages are found every second instead of at once");
+        }
+        Ok(DirBells {
+            dir: dir.to_path_buf(),
+            pages: HashMap::new(),
+            rejected: HashMap::new(),
+            next_id: 1,
+            waker,
+            dirty,
+            no_waitv: false,
+            incomplete: false,
+            waker_seen: 0,
+        })
+    }
+
+    fn candidates(&self) -> Vec<(PathBuf, Owner)> {
+        let mut out = Vec::new();
+        let bells = |d: &Path| -> Vec<PathBuf> {
+            std::fs::read_dir(d)
+                .map(|rd| {
+                    rd.flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.to_str().is_some_and(|s| s.ends_with(SUFFIX)))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        for p in bells(&self.dir) {
+            let pid = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.split(['-', '.']).next())
+                .and_then(|n| n.parse::<u32>().ok());
+            if let Some(pid) = pid {
+                // A process killed before it could remove its page: remove it for it.
+                if !Path::new(&format!("/proc/{pid}")).exists() {
+                    if std::fs::remove_file(&p).is_ok() {
+                        debug!(page = %p.display(), pid, "Removed the doorbell page of an exited process");
+                    }
+                    continue;
+                }
+                out.push((p, Owner::Pid(pid)));
+            }
+        }
+        if let Ok(rd) = std::fs::read_dir(self.dir.join("pods")) {
+            for pod in rd.flatten() {
+                let Some(uid) = pod.file_name().to_str().map(str::to_string) else {
+                    continue;
+                };
+                if !is_pod_uid(&uid) {
+                    continue;
+                }
+                for p in bells(&pod.path()) {
+                    out.push((p, Owner::Pod(uid.clone())));
+                }
+            }
+        }
+        out
+    }
+
+    fn map(&mut self, path: &Path, owner: Owner) -> Result<Mapped, String> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| format!("open: {e}"))?;
+        let md = f.metadata().map_err(|e| format!("stat: {e}"))?;
+        if !md.file_type().is_file() {
+            return Err("not a regular file".into());
+        }
+        if md.len() < PAGE as u64 {
+            return Err(format!("{} bytes, a page is {PAGE}", md.len()));
+        }
+        // SAFETY: mapping PAGE bytes of a regular file at least that long, read-only and
+        // shared; the fd may be closed afterwards.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+        }
+        // Guarded before the first load: a file truncated from now on cannot kill us.
+        if !guard::register(base as usize) {
+            // SAFETY: the mapping just made, never read.
+            unsafe { libc::munmap(base, PAGE) };
+            return Err(format!(
+                "no SIGBUS guard for it ({} pages already mapped, or the handler could not be installed)",
+                guard::MAX_GUARDED
+            ));
+        }
+        let mut m = Mapped {
+            info: PageInfo {
+                id: 0,
+                path: path.to_path_buf(),
+                owner,
+                file_uid: md.uid(),
+                wake_gap_ns: 0,
+            },
+            base,
+            seen: 0,
+        };
+        if !m.page().valid() {
+            return Err("not a doorbell page of this version (yet)".into());
+        }
+        m.info.wake_gap_ns = m.page().wake_gap_ns();
+        m.info.id = self.next_id;
+        self.next_id += 1;
+        Ok(m)
+    }
+}
+
+use std::os::unix::fs::OpenOptionsExt;
+
+/// Kubernetes pod UIDs are RFC 4122 strings; anything else under `pods/` is ignored.
+fn is_pod_uid(s: &str) -> bool {
+    s.len() == 36 && s.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
+}
+
+impl Doorbells for DirBells {
+    fn rescan(&mut self, force: bool) -> bool {
+        // A page that stopped being valid (its file shrunk and the guard replaced it with
+        // zeros, or it was rewritten): dropped now, its file looked at again below.
+        let before = self.pages.len();
+        self.pages.retain(|p, m| {
+            let ok = m.page().valid();
+            if !ok {
+                metrics::counter!("coloc_doorbell_rejected_total", "reason" => "invalidated")
+                    .increment(1);
+                warn!(page = %p.display(), faults_absorbed = guard::rescued(), "Doorbell page no longer valid (its file was truncated or rewritten): dropped");
+            }
+            ok
+        });
+        let dropped = self.pages.len() != before;
+        if self.dirty.swap(0, AcqRel) == 0 && !force && !self.incomplete && !dropped {
+            return false;
+        }
+        self.incomplete = false;
+        let found = self.candidates();
+        let mut changed = dropped;
+        let live: std::collections::HashSet<&PathBuf> = found.iter().map(|(p, _)| p).collect();
+        let before = self.pages.len();
+        self.pages.retain(|p, _| live.contains(p));
+        self.rejected.retain(|p, _| live.contains(p));
+        changed |= self.pages.len() != before;
+        for (path, owner) in found {
+            if self.pages.contains_key(&path) {
+                continue;
+            }
+            match self.map(&path, owner) {
+                Ok(m) => {
+                    info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
+                    self.rejected.remove(&path);
+                    self.pages.insert(path, m);
+                    changed = true;
+                }
+                Err(why) => {
+                    let now = std::time::Instant::now();
+                    let first = match self.rejected.get(&path) {
+                        Some((w, first)) if *w == why => *first,
+                        _ => {
+                            debug!(page = %path.display(), %why, "Not a usable doorbell page");
+                            now
+                        }
+                    };
+                    self.rejected.insert(path.clone(), (why, first));
+                    // Maybe still being written: look again at the next rescan, for a
+                    // while.
+                    if now.duration_since(first) < INCOMPLETE_RETRY {
+                        self.incomplete = true;
+                    }
+                }
+            }
+        }
+        metrics::gauge!("coloc_doorbell_pages").set(self.pages.len() as f64);
+        changed
+    }
+
+    fn pages(&self) -> Vec<PageInfo> {
+        self.pages.values().map(|m| m.info.clone()).collect()
+    }
+
+    fn read(&mut self, out: &mut Vec<BellReading>) {
+        self.waker_seen = self.waker.0.load(Acquire);
+        let mut tmp = Vec::with_capacity(coloc_doorbell::MAX_GPUS);
+        for m in self.pages.values_mut() {
+            tmp.clear();
+            // The word first: a run that starts after this load bumps it, and the wait
+            // that follows returns at once.
+            m.seen = m.page().header().wake.load(Acquire);
+            m.page().read(&mut tmp);
+            out.extend(tmp.iter().map(|r| BellReading {
+                page: m.info.id,
+                reading: *r,
+            }));
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> bool {
+        // A change the watcher saw since the latest rescan: rescan now.
+        if self.dirty.load(Acquire) != 0 {
+            return true;
+        }
+        // The values seen by the latest read: a run started since then has changed its
+        // word, and the wait returns at once (no lost wake-up).
+        let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(self.pages.len() + 1);
+        words.push((&self.waker.0, self.waker_seen));
+        for m in self.pages.values().take(MAX_WAITERS - 1) {
+            words.push((&m.page().header().wake, m.seen));
+        }
+        // Pages beyond futex_waitv's 128, or a file not yet a complete page: look again soon.
+        let polled = self.pages.len() >= MAX_WAITERS || self.incomplete;
+        let timeout = if polled || self.no_waitv {
+            // Pages beyond futex_waitv's 128 (or an old kernel): read at least every ms.
+            timeout.min(Duration::from_millis(1))
+        } else {
+            timeout
+        };
+        if !self.no_waitv {
+            match waitv(&words, timeout) {
+                Some(woken) => return woken,
+                None => {
+                    warn!("futex_waitv is not available (Linux < 5.16): doorbells are polled every millisecond");
+                    self.no_waitv = true;
+                }
+            }
+        }
+        std::thread::sleep(timeout);
+        false
+    }
+
+    fn waker(&self) -> Waker {
+        self.waker.clone()
+    }
+}

@@ -1,0 +1,125 @@
+//! Doorbell pages: the launch times that `libcoloc_cuda.so` writes in online processes,
+//! and the loop's sleep, which a launch cuts short.
+//!
+//! ```text
+//!  <dir>/<pid>-<nonce>.bell              standalone: a page of process <pid>
+//!  <dir>/pods/<pod-uid>/<pid>-<nonce>.bell  Kubernetes: a page of pod <pod-uid>
+//!     │ inotify (new, closed, gone) ─► rescan ─► map read-only, check the layout
+//!     │ futex_waitv on every page's wake word (+ our own word for inotify and stop)
+//!     ▼
+//!  read(): (page, GPU UUID, last launch, run start) for the loop to attribute
+//! ```
+//!
+//! This module decides nothing about trust: it reports where a page lies (its claimed
+//! owner), the page file's owner UID, and what the page says, bounds-checked. The loop
+//! attributes a page only to a process it already classifies as online (see
+//! `control::bells`). Pages are mapped read-only: nothing a tenant writes can make the
+//! agent write anywhere.
+
+mod dir;
+mod guard;
+mod wait;
+
+pub use dir::DirBells;
+
+use coloc_doorbell::Reading;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering::*};
+use std::sync::Arc;
+use std::time::Duration;
+use wait::waitv;
+
+/// Who a page says it belongs to, from where it lies.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Owner {
+    /// Standalone: the process with this PID (from the file name).
+    Pid(u32),
+    /// Kubernetes: the pod with this UID (from the directory name).
+    Pod(String),
+}
+
+/// A mapped page, as the loop sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageInfo {
+    /// Stable id while mapped.
+    pub id: u64,
+    /// Where it lies.
+    pub path: PathBuf,
+    /// Claimed owner.
+    pub owner: Owner,
+    /// UID owning the file.
+    pub file_uid: u32,
+    /// The writer's wake gap, ns.
+    pub wake_gap_ns: u64,
+}
+
+/// One reading of one page entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BellReading {
+    /// [`PageInfo::id`].
+    pub page: u64,
+    /// The entry.
+    pub reading: Reading,
+}
+
+/// Source of doorbell readings and the loop's sleep.
+pub trait Doorbells: Send {
+    /// Picks up new pages and drops vanished ones when something changed (or when
+    /// `force`); returns true when the set changed.
+    fn rescan(&mut self, force: bool) -> bool;
+    /// Pages mapped now.
+    fn pages(&self) -> Vec<PageInfo>;
+    /// Appends every mapped page's entries. Also notes each page's wake word (and the
+    /// waker's) before reading it: [`Doorbells::wait`] returns at once if any changed
+    /// since, so a run that starts while the loop works on the readings is never missed.
+    fn read(&mut self, out: &mut Vec<BellReading>);
+    /// Sleeps for at most `timeout`; returns early (true) when a launch starts a run on a
+    /// mapped page (after the latest [`Doorbells::read`]), a page appears or goes, or
+    /// [`Doorbells::waker`] is woken.
+    fn wait(&mut self, timeout: Duration) -> bool;
+    /// A handle that cuts the current or next [`Doorbells::wait`] short (shutdown).
+    fn waker(&self) -> Waker;
+}
+
+/// Wakes a waiting loop from another thread.
+#[derive(Debug, Clone, Default)]
+pub struct Waker(Arc<AtomicU32>);
+
+impl Waker {
+    /// Cuts the loop's sleep short.
+    pub fn wake(&self) {
+        self.0.fetch_add(1, Release);
+        coloc_doorbell::futex_wake(&self.0);
+    }
+}
+
+/// No doorbells (`--no-doorbells`): a plain sleep, cut short only by the waker.
+#[derive(Debug, Default)]
+pub struct NoBells {
+    waker: Waker,
+    seen: u32,
+}
+
+impl Doorbells for NoBells {
+    fn rescan(&mut self, _force: bool) -> bool {
+        false
+    }
+    fn pages(&self) -> Vec<PageInfo> {
+        Vec::new()
+    }
+    fn read(&mut self, _out: &mut Vec<BellReading>) {
+        self.seen = self.waker.0.load(Acquire);
+    }
+    fn wait(&mut self, timeout: Duration) -> bool {
+        waitv(&[(&self.waker.0, self.seen)], timeout).unwrap_or_else(|| {
+            std::thread::sleep(timeout);
+            false
+        })
+    }
+    fn waker(&self) -> Waker {
+        self.waker.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests;

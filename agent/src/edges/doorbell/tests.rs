@@ -1,0 +1,206 @@
+use super::*;
+use coloc_doorbell::{Page, PAGE};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+fn write_page(path: &Path, uuid: [u8; 16], at: u64) -> memmap_page::Owned {
+    memmap_page::Owned::create(path, uuid, at)
+}
+
+/// A writer-side page in a test (what the shim does, minus CUDA).
+mod memmap_page {
+    use super::*;
+    pub struct Owned(*mut libc::c_void);
+    impl Owned {
+        pub fn create(path: &Path, uuid: [u8; 16], at: u64) -> Owned {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .unwrap();
+            f.set_len(PAGE as u64).unwrap();
+            // SAFETY: a fresh shared RW mapping of a page-long file.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    PAGE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    f.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(base, libc::MAP_FAILED);
+            let o = Owned(base);
+            let p = o.page();
+            p.init(std::process::id(), 0, at);
+            let e = p.entry_for(&uuid).unwrap();
+            p.ring(e, at, coloc_doorbell::DEFAULT_WAKE_GAP_NS);
+            o
+        }
+        pub fn page(&self) -> Page<'_> {
+            // SAFETY: our own live mapping.
+            unsafe { Page::from_raw(self.0.cast()) }
+        }
+    }
+    impl Drop for Owned {
+        fn drop(&mut self) {
+            // SAFETY: our own mapping.
+            unsafe { libc::munmap(self.0, PAGE) };
+        }
+    }
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("coloc-bells-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn pages_are_found_read_and_a_run_start_wakes_the_wait() {
+    let dir = tmpdir("wake");
+    let mut b = DirBells::new(&dir).unwrap();
+    assert!(!b.rescan(true));
+    let me = std::process::id();
+    let w = write_page(&dir.join(format!("{me}-1.bell")), [5; 16], 1_000);
+    let pod = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    std::fs::create_dir_all(dir.join("pods").join(pod)).unwrap();
+    let _p = write_page(&dir.join("pods").join(pod).join("7-2.bell"), [6; 16], 2_000);
+    std::fs::write(dir.join("junk.bell"), b"short").unwrap();
+    // A page left by a process that no longer exists is removed.
+    let dead = dir.join(format!("{}-3.bell", u32::MAX - 1));
+    std::fs::write(&dead, [0u8; PAGE]).unwrap();
+    assert!(b.rescan(true));
+    let mut pages = b.pages();
+    pages.sort_by_key(|p| p.id);
+    let owners: Vec<_> = pages.iter().map(|p| p.owner.clone()).collect();
+    assert!(owners.contains(&Owner::Pid(me)), "{owners:?}");
+    assert!(owners.contains(&Owner::Pod(pod.into())), "{owners:?}");
+    assert_eq!(pages.len(), 2, "the short file is not a page");
+    assert!(!dead.exists(), "the dead process's page was removed");
+    let mut r = Vec::new();
+    b.read(&mut r);
+    assert_eq!(r.len(), 2);
+    // The watcher's events for the writes above arrive asynchronously: once they are
+    // consumed and nothing rings, a wait lasts its timeout.
+    let mut quiet = false;
+    for _ in 0..20 {
+        let t = std::time::Instant::now();
+        if !b.wait(Duration::from_millis(30)) {
+            assert!(t.elapsed() >= Duration::from_millis(29));
+            quiet = true;
+            break;
+        }
+        // As the loop does every tick: rescan and read (noting the wake words).
+        b.rescan(false);
+        b.read(&mut Vec::new());
+    }
+    assert!(quiet, "the wait never timed out");
+    // A launch that starts a run, from another thread, cuts the wait short.
+    let page = w.page();
+    let ring = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(20));
+            let e = page.entry_for(&[5; 16]).unwrap();
+            let now = coloc_doorbell::now_ns();
+            assert!(page.ring(e, now, 1));
+            page.wake();
+        });
+        let t = std::time::Instant::now();
+        let woken = b.wait(Duration::from_secs(5));
+        (woken, t.elapsed())
+    });
+    assert!(ring.0, "woken by the ring");
+    assert!(ring.1 < Duration::from_secs(1), "woke after {:?}", ring.1);
+    // A run that starts after the loop read the pages but before it sleeps (while it
+    // works on the readings) still cuts the sleep short: no lost wake-up.
+    r.clear();
+    b.read(&mut r);
+    let e = page.entry_for(&[5; 16]).unwrap();
+    assert!(page.ring(e, coloc_doorbell::now_ns() + 10_000_000_000, 1));
+    page.wake();
+    let t = std::time::Instant::now();
+    assert!(
+        b.wait(Duration::from_secs(5)),
+        "the run between read and wait was missed"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_new_page_wakes_the_wait_through_inotify() {
+    let dir = tmpdir("inotify");
+    let mut b = DirBells::new(&dir).unwrap();
+    b.rescan(true);
+    let path = dir.join(format!("{}-9.bell", std::process::id()));
+    let woken = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(20));
+            let o = write_page(&path, [1; 16], 5);
+            std::mem::forget(o);
+        });
+        b.wait(Duration::from_secs(5))
+    });
+    assert!(woken);
+    // The file may be seen before it is a valid page; a second rescan settles it.
+    let mut found = false;
+    for _ in 0..50 {
+        b.rescan(false);
+        if !b.pages().is_empty() {
+            found = true;
+            break;
+        }
+        b.wait(Duration::from_millis(10));
+    }
+    assert!(found, "the new page was mapped");
+    // As the loop does every tick: read (noting the wake words), then sleep.
+    b.read(&mut Vec::new());
+    std::fs::remove_file(&path).unwrap();
+    let mut gone = false;
+    for _ in 0..50 {
+        assert!(b.wait(Duration::from_secs(5)), "a removal wakes too");
+        if b.rescan(false) {
+            gone = true;
+            break;
+        }
+        b.read(&mut Vec::new());
+    }
+    assert!(gone, "the removal was seen");
+    assert!(b.pages().is_empty());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A tenant truncates its page file while the agent has it mapped: the agent's next read
+/// would die of SIGBUS without the guard; with it the read sees an invalid page, and the
+/// rescan drops it.
+#[test]
+fn a_page_truncated_under_the_agent_is_dropped_not_fatal() {
+    let dir = tmpdir("truncate");
+    let mut bells = DirBells::new(&dir).unwrap();
+    let path = dir.join(format!("{}-trunc.bell", std::process::id()));
+    let writer = write_page(&path, [7; 16], 1_000);
+    assert!(bells.rescan(true));
+    let mut out = Vec::new();
+    bells.read(&mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let before = guard::rescued();
+    out.clear();
+    bells.read(&mut out);
+    assert!(out.is_empty(), "{out:?}");
+    assert!(guard::rescued() > before, "the fault was not absorbed");
+    assert!(bells.rescan(false), "the invalid page was not dropped");
+    assert!(bells.pages().is_empty());
+    // Nothing to wait on any more: the wait does not touch the dropped page.
+    bells.wait(Duration::from_millis(1));
+    drop(writer);
+    std::fs::remove_dir_all(&dir).ok();
+}
