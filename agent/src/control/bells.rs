@@ -151,35 +151,7 @@ impl Loop {
         let Some(page) = self.bells.pages.get(&r.page) else {
             return;
         };
-        let found = match &page.info.owner {
-            Owner::Pid(pid) => match self.table.by_pid(*pid) {
-                None => Err("unknown_owner"),
-                Some(e) if e.cls.class != Class::Online => Err("not_online"),
-                Some(e) if e.uid != page.info.file_uid => Err("uid_mismatch"),
-                Some(e) if !e.gpus.contains(&gpu) => Err("not_on_gpu"),
-                Some(e) => Ok(e.key),
-            },
-            Owner::Pod(uid) => {
-                let mut of_pod = self
-                    .table
-                    .entries()
-                    .filter(|e| e.pod_uid.as_deref() == Some(uid.as_str()))
-                    .peekable();
-                if of_pod.peek().is_none() {
-                    Err("unknown_owner")
-                } else {
-                    let mut online = of_pod.filter(|e| e.cls.class == Class::Online).peekable();
-                    if online.peek().is_none() {
-                        Err("not_online")
-                    } else {
-                        online
-                            .find(|e| e.gpus.contains(&gpu))
-                            .map(|e| e.key)
-                            .ok_or("not_on_gpu")
-                    }
-                }
-            }
-        };
+        let found = self.owner_of(&page.info, gpu);
         let key = match found {
             Ok(k) => k,
             Err(why) => {
@@ -214,6 +186,43 @@ impl Loop {
                 window: self.bells.window_ns,
             },
         );
+    }
+
+    /// The online process a page's reading for `gpu` counts for, or why none does.
+    fn owner_of(
+        &self,
+        info: &PageInfo,
+        gpu: u32,
+    ) -> Result<crate::edges::procfs::ProcKey, &'static str> {
+        match &info.owner {
+            Owner::Pid(pid) => match self.table.by_pid(*pid) {
+                None => Err("unknown_owner"),
+                Some(e) if e.cls.class != Class::Online => Err("not_online"),
+                Some(e) if e.uid != info.file_uid => Err("uid_mismatch"),
+                Some(e) if !e.gpus.contains(&gpu) => Err("not_on_gpu"),
+                Some(e) => Ok(e.key),
+            },
+            Owner::Pod(uid) => {
+                let mut of_pod = self
+                    .table
+                    .entries()
+                    .filter(|e| e.pod_uid.as_deref() == Some(uid.as_str()))
+                    .peekable();
+                if of_pod.peek().is_none() {
+                    Err("unknown_owner")
+                } else {
+                    let mut online = of_pod.filter(|e| e.cls.class == Class::Online).peekable();
+                    if online.peek().is_none() {
+                        Err("not_online")
+                    } else {
+                        online
+                            .find(|e| e.gpus.contains(&gpu))
+                            .map(|e| e.key)
+                            .ok_or("not_on_gpu")
+                    }
+                }
+            }
+        }
     }
 
     fn reject(&mut self, page: u64, why: &'static str) {

@@ -14,7 +14,9 @@
 //! confirmations that never stall the loop), [`health`] (transient vs persistent NVML
 //! failures, the watchdog), [`events`] (typed events), [`state`] (the typed `/state`
 //! document and the handle shared with HTTP); [`execute`](self) turns a decision into holds and
-//! events; [`publish`](self) builds `/state` and the time accounting.
+//! events; [`follow`](self) handles what follows it (confirmations, broken holds, retries);
+//! [`pace`](self) decides when the loop wakes and when a tick runs the state machine;
+//! [`publish`](self) builds `/state` and the time accounting.
 //!
 //! Runs on its own OS thread so that its timing does not depend on the async runtime
 //! serving HTTP. Fails open: on a persistent NVML failure (per GPU), a hung NVML call, a
@@ -23,9 +25,11 @@
 mod bells;
 pub mod events;
 mod execute;
+mod follow;
 pub mod health;
 pub mod holds;
 mod observe;
+mod pace;
 mod publish;
 pub mod retry;
 pub mod state;
@@ -259,46 +263,6 @@ impl Loop {
         self.release_everything("shutdown");
     }
 
-    /// How long the loop may sleep before something is due: `--poll-interval` while an
-    /// event, a retry or a fixed-share duty cycle is in progress; else until the next
-    /// check of a pending confirmation (50 µs after the operation, the gap doubling up to
-    /// 1 ms), NVML read, process-list read, end of an idle window, re-check or publication,
-    /// and at most `--idle-poll-interval`. A doorbell ends the sleep early.
-    pub(crate) fn next_wait(&self, now: u64) -> Duration {
-        let poll = self.cfg.poll;
-        let (next_check, recheck) = {
-            let h = self.holds();
-            (h.next_check_ns(), h.next_recheck_ns())
-        };
-        let held = recheck.is_some();
-        if (next_check.is_none() && !self.tracker.is_empty())
-            || !self.retries.is_empty()
-            || self.table.fixed_share_present()
-            || self.refresh_asked.is_some()
-        {
-            return poll;
-        }
-        let mut due = now + self.cfg.idle_poll.max(poll).as_nanos() as u64;
-        if self.table.offline_present() || held {
-            due = due.min(self.next_nvml_ns);
-        }
-        due = due.min(self.next_refresh_ns);
-        if let Some(t) = recheck {
-            due = due.min(t.max(now));
-        }
-        if let Some(t) = next_check {
-            due = due.min(t);
-        }
-        let window = self.cfg.machine.idle_window;
-        for (_, st) in self.machine.states() {
-            if let qos_core::GpuState::OnlineBusy { last_online, .. } = st {
-                due = due.min(last_online.saturating_add(window));
-            }
-        }
-        due = due.min(self.last_publish_ns + 100_000_000);
-        Duration::from_nanos(due.saturating_sub(now)).max(Duration::from_micros(50))
-    }
-
     /// One iteration: sample, classify new processes, decide, act, publish.
     pub fn tick(&mut self) {
         let now = self.clock.now_ns();
@@ -346,33 +310,7 @@ impl Loop {
             }
             self.summarise();
         }
-        let done = self.holds().poll(now);
-        if !done.is_empty() {
-            for ev in self.tracker.complete(&done) {
-                self.telemetry.emit(ev);
-            }
-        }
-        let broken = self.holds().recheck(now);
-        for b in broken {
-            self.report_broken(b);
-        }
-        let failed = self.holds().take_failed();
-        for key in failed {
-            let due = self.retries.failed(key, now);
-            warn!(
-                pid = key.pid,
-                retry_in_ms = due.saturating_sub(now) / 1_000_000,
-                "Suspension failed and was undone; retrying while online stays busy"
-            );
-        }
-        let holds = self.holds.clone();
-        let machine = &self.machine;
-        let table = &self.table;
-        self.retries.retain(|k| table.entry(k).is_some());
-        self.table.purge(|k| {
-            machine.suspended().contains_key(k)
-                || holds.lock().unwrap_or_else(|e| e.into_inner()).holds(k)
-        });
+        self.follow_holds(now);
         self.account(dt);
         self.shared.mark_tick(now);
         if now.saturating_sub(self.last_publish_ns) >= 100_000_000 {
@@ -381,83 +319,6 @@ impl Loop {
             // `/state` shows the machine's view: bring it up to date once per publication.
             self.decide_next = true;
         }
-    }
-
-    /// Whether this tick runs the state machine. It needs to only when what it reads
-    /// changed or a time it waits for came: NVML was read (samples, process lists,
-    /// health), a retry is due, a doorbell rang on a GPU that offline work runs on, an
-    /// idle window may have ended, a `fixed-share` duty cycle runs, or after a fail-open
-    /// and once per publication. A doorbell on a GPU already busy only moves its window's
-    /// end, which the next decision reads: skipping those ticks is what keeps re-checks
-    /// and confirmations cheap.
-    fn decision_due(&mut self, now: u64, changed: bool) -> bool {
-        let touched = self.table.take_touched();
-        if changed || std::mem::take(&mut self.decide_next) || self.table.fixed_share_present() {
-            return true;
-        }
-        let window = self.cfg.machine.idle_window;
-        self.machine.states().any(|(g, st)| match st {
-            qos_core::GpuState::OnlineBusy { last_online, .. } => {
-                now >= last_online.saturating_add(window)
-            }
-            qos_core::GpuState::OfflineRunning => touched.contains(&g),
-        })
-    }
-
-    /// Something resumed held offline work: say who, count it.
-    fn report_broken(&mut self, b: holds::Broken) {
-        metrics::counter!("coloc_suspension_breaks_total", "actuator" => b.kind.as_str())
-            .increment(1);
-        let owners: Vec<String> = b
-            .holders
-            .iter()
-            .filter_map(|k| self.table.entry(k).map(|e| e.cls.owner.clone()))
-            .collect();
-        if b.escalated {
-            warn!(
-                ?owners,
-                breaks = b.breaks,
-                "Offline work keeps resuming itself while suspended: its cgroup is now frozen"
-            );
-        } else if b.breaks == 1 || b.breaks.is_multiple_of(100) {
-            warn!(
-                ?owners,
-                breaks = b.breaks,
-                resumed = b.resumed,
-                "Offline work was resumed by something else while suspended: stopped again"
-            );
-        }
-    }
-
-    fn suspended_on(&self, gpu: u32) -> usize {
-        self.table
-            .entries()
-            .filter(|e| e.gpus.contains(&gpu) && self.machine.suspended().contains_key(&e.key))
-            .count()
-    }
-
-    fn inputs(&self, managed: &[u32]) -> Vec<qos_core::GpuInput<ProcKey>> {
-        let mut by_gpu: BTreeMap<u32, Vec<qos_core::ProcessObs<ProcKey>>> =
-            managed.iter().map(|g| (*g, Vec::new())).collect();
-        for e in self.table.entries() {
-            for g in &e.gpus {
-                if let Some(v) = by_gpu.get_mut(g) {
-                    let onset = e.onset.get(g).copied();
-                    v.push(qos_core::ProcessObs {
-                        key: e.key,
-                        class: e.cls.class,
-                        last_active: e.last_active.get(g).copied(),
-                        onset: onset.map(|o| o.0),
-                        signal: onset.map_or(qos_core::Signal::Nvml, |o| o.1),
-                        share: e.cls.share,
-                    });
-                }
-            }
-        }
-        by_gpu
-            .into_iter()
-            .map(|(gpu, procs)| qos_core::GpuInput { gpu, procs })
-            .collect()
     }
 
     /// Resumes every held target and forgets all suspensions (shutdown, panic).

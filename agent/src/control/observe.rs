@@ -24,52 +24,11 @@ impl Loop {
         let mut failed = BTreeMap::new();
         let mut unknown: Vec<(u32, u32, Activity)> = Vec::new();
         let mut samples = std::mem::take(&mut self.scratch);
-        let period = self.cfg.nvml_sample_period.as_nanos() as u64;
-        let window = self.cfg.machine.idle_window;
         if samples_due {
             self.next_nvml_ns = now + self.cfg.nvml_interval.as_nanos() as u64;
         }
-        for i in 0..self.gpus.len() {
-            if !samples_due {
-                break;
-            }
-            let gpu = self.gpus[i];
-            let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
-            samples.clear();
-            match self.gpu.samples(gpu, since, &mut samples) {
-                Ok(()) => {
-                    if self.health.degraded(gpu) {
-                        // Answers again after failing open: what the driver buffered
-                        // meanwhile is history, not the start of a busy period.
-                        self.blind_until.insert(gpu, now);
-                    }
-                    let blind = self.blind_until.get(&gpu).copied().unwrap_or(0);
-                    for a in samples.iter().copied() {
-                        let seen = self.last_seen_us.entry(gpu).or_insert(0);
-                        *seen = (*seen).max(a.at_ns / 1000);
-                        if a.at_ns <= blind {
-                            continue;
-                        }
-                        // A sample covers the period that ends at its timestamp: the work
-                        // started no earlier than the period's start (the onset). Busy for
-                        // (nearly) all of it: still running at its end (see `Entry::note`).
-                        let act = Activity {
-                            start: a.at_ns.saturating_sub(period).max(blind),
-                            end: a.at_ns,
-                            through_end: a.sm_util >= FULL_PERIOD_UTIL,
-                            signal: Signal::Nvml,
-                            window,
-                        };
-                        if !self.table.note_sample(gpu, a.pid, act) {
-                            unknown.push((gpu, a.pid, act));
-                        }
-                    }
-                }
-                Err(err) => {
-                    metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
-                    failed.insert(gpu, err.to_string());
-                }
-            }
+        if samples_due {
+            self.read_samples(&mut samples, &mut failed, &mut unknown, now);
         }
         self.scratch = samples;
         let generation = self.classifier.source.generation();
@@ -106,6 +65,58 @@ impl Loop {
             }
         }
         Some(failed)
+    }
+
+    /// Reads every GPU's per-process samples since the newest one seen, notes them in the
+    /// table; PIDs the table does not know go to `unknown`, failures to `failed`.
+    fn read_samples(
+        &mut self,
+        samples: &mut Vec<crate::edges::gpu::Activity>,
+        failed: &mut BTreeMap<u32, String>,
+        unknown: &mut Vec<(u32, u32, Activity)>,
+        now: u64,
+    ) {
+        let period = self.cfg.nvml_sample_period.as_nanos() as u64;
+        let window = self.cfg.machine.idle_window;
+        for i in 0..self.gpus.len() {
+            let gpu = self.gpus[i];
+            let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
+            samples.clear();
+            match self.gpu.samples(gpu, since, samples) {
+                Ok(()) => {
+                    if self.health.degraded(gpu) {
+                        // Answers again after failing open: what the driver buffered
+                        // meanwhile is history, not the start of a busy period.
+                        self.blind_until.insert(gpu, now);
+                    }
+                    let blind = self.blind_until.get(&gpu).copied().unwrap_or(0);
+                    for a in samples.iter().copied() {
+                        let seen = self.last_seen_us.entry(gpu).or_insert(0);
+                        *seen = (*seen).max(a.at_ns / 1000);
+                        if a.at_ns <= blind {
+                            continue;
+                        }
+                        // A sample covers the period that ends at its timestamp: the work
+                        // started no earlier than the period's start (the onset). Busy for
+                        // (nearly) all of it: still running at its end (see `Entry::note`).
+                        let act = Activity {
+                            start: a.at_ns.saturating_sub(period).max(blind),
+                            end: a.at_ns,
+                            through_end: a.sm_util >= FULL_PERIOD_UTIL,
+                            signal: Signal::Nvml,
+                            window,
+                        };
+                        if !self.table.note_sample(gpu, a.pid, act) {
+                            unknown.push((gpu, a.pid, act));
+                        }
+                    }
+                }
+                Err(err) => {
+                    metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
+                    failed.insert(gpu, err.to_string());
+                }
+            }
+        }
     }
 
     /// Why the process lists must be read now, if they must.

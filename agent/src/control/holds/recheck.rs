@@ -53,44 +53,7 @@ impl Holds {
             return Vec::new();
         }
         self.next_recheck_ns = now + self.recheck_ns;
-        // Broken holds at every re-check; the others round-robin from a cursor, at most
-        // RECHECK_TARGETS_PER_TICK targets a re-check and only when due (so the cost does
-        // not grow with the number of held processes, nor with how often the loop wakes:
-        // with many holds, each is checked less often), looking at no more than
-        // RECHECK_SCAN holds.
-        let mut due: Vec<super::HoldKey> = Vec::new();
-        let mut budget = RECHECK_TARGETS_PER_TICK;
-        let start = self.recheck_cursor.take();
-        let after = start
-            .clone()
-            .map(std::ops::Bound::Excluded)
-            .unwrap_or(std::ops::Bound::Unbounded);
-        let ring = self
-            .held
-            .range((after, std::ops::Bound::Unbounded))
-            .chain(self.held.iter())
-            .take(self.held.len().min(RECHECK_SCAN));
-        let mut last = None;
-        for (k, h) in ring {
-            last = Some(k.clone());
-            if budget == 0 {
-                break;
-            }
-            if h.breaks == 0
-                && now.saturating_sub(h.checked_ns) + self.recheck_ns / 4 >= self.recheck_ns
-                && !self.pending.iter().any(|p| p.key == *k)
-            {
-                budget = budget.saturating_sub(h.members.len());
-                due.push(k.clone());
-            }
-        }
-        self.recheck_cursor = last.or(start);
-        due.extend(
-            self.held
-                .iter()
-                .filter(|(_, h)| h.breaks > 0)
-                .map(|(k, _)| k.clone()),
-        );
+        let due = self.due_for_recheck(now);
         let mut out = Vec::new();
         for key in due {
             let Some(hold) = self.held.get_mut(&key) else {
@@ -134,6 +97,51 @@ impl Holds {
             });
         }
         out
+    }
+
+    /// The holds to re-check now: round robin from a cursor, at most
+    /// RECHECK_TARGETS_PER_TICK targets and only those not checked for an interval, then
+    /// every hold found broken before.
+    fn due_for_recheck(&mut self, now: u64) -> Vec<super::HoldKey> {
+        // Broken holds at every re-check; the others round-robin from a cursor, at most
+        // RECHECK_TARGETS_PER_TICK targets a re-check and only when due (so the cost does
+        // not grow with the number of held processes, nor with how often the loop wakes:
+        // with many holds, each is checked less often), looking at no more than
+        // RECHECK_SCAN holds.
+        let mut due: Vec<super::HoldKey> = Vec::new();
+        let mut budget = RECHECK_TARGETS_PER_TICK;
+        let start = self.recheck_cursor.take();
+        let after = start
+            .clone()
+            .map(std::ops::Bound::Excluded)
+            .unwrap_or(std::ops::Bound::Unbounded);
+        let ring = self
+            .held
+            .range((after, std::ops::Bound::Unbounded))
+            .chain(self.held.iter())
+            .take(self.held.len().min(RECHECK_SCAN));
+        let mut last = None;
+        for (k, h) in ring {
+            last = Some(k.clone());
+            if budget == 0 {
+                break;
+            }
+            if h.breaks == 0
+                && now.saturating_sub(h.checked_ns) + self.recheck_ns / 4 >= self.recheck_ns
+                && !self.pending.iter().any(|p| p.key == *k)
+            {
+                budget = budget.saturating_sub(h.members.len());
+                due.push(k.clone());
+            }
+        }
+        self.recheck_cursor = last.or(start);
+        due.extend(
+            self.held
+                .iter()
+                .filter(|(_, h)| h.breaks > 0)
+                .map(|(k, _)| k.clone()),
+        );
+        due
     }
 
     /// Freezes a signalled cgroup as well (recorded first); returns whether it worked.
