@@ -23,6 +23,7 @@
 //! record write error, shutdown, or a panic (via `Drop`).
 
 mod bells;
+mod entry;
 pub mod events;
 mod execute;
 mod follow;
@@ -35,6 +36,7 @@ pub mod retry;
 pub mod state;
 pub mod table;
 pub mod target;
+mod text;
 
 #[cfg(test)]
 mod tests;

@@ -11,8 +11,8 @@
 use crate::control::target::{Chooser, Plan};
 use crate::edges::actuator::Target;
 use crate::edges::procfs::{ProcFs, ProcKey};
-use crate::edges::source::{Classified, PodSource};
-use qos_core::{Class, Signal};
+use crate::edges::source::PodSource;
+use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -22,88 +22,7 @@ use tracing::{info, warn};
 /// probably not in the host PID namespace.
 pub const INVISIBLE_WARN_AFTER_NS: u64 = 1_000_000_000;
 
-/// One GPU process.
-#[derive(Debug, Clone)]
-pub struct Entry {
-    /// Identity.
-    pub key: ProcKey,
-    /// Class and owner.
-    pub cls: Classified,
-    /// Command line (truncated).
-    pub cmd: String,
-    /// GPUs it has a context on.
-    pub gpus: BTreeSet<u32>,
-    /// End of the latest activity per GPU (a launch, or the end of a sampled period), ns.
-    pub last_active: BTreeMap<u32, u64>,
-    /// Onset of the current run of activity per GPU, and the signal that gave it.
-    pub onset: BTreeMap<u32, (u64, Signal)>,
-    /// Real UID of the process.
-    pub uid: u32,
-    /// The pod it runs in, from its cgroup path (Kubernetes), if any.
-    pub pod_uid: Option<String>,
-    /// A doorbell page is attributed to it (its launches are seen as they happen).
-    pub rung: bool,
-    /// How it is suspended (offline processes only).
-    pub plan: Option<Plan>,
-    /// A pidfd pinning it (tells cheaply when it has exited).
-    pub pin: Option<Arc<OwnedFd>>,
-    /// The pod source's generation when it was classified.
-    pub generation: u64,
-}
-
-/// Activity seen on a GPU: from `start` to `end` (ns), through `signal`; a start at least
-/// `window` after the previous end begins a new run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Activity {
-    /// Earliest evidence (a launch time, or the start of a sampled period).
-    pub start: u64,
-    /// Latest evidence (a launch time, or the end of a sampled period).
-    pub end: u64,
-    /// A sampled period busy (nearly) all through: the work was still running at `end`.
-    pub through_end: bool,
-    /// Where it was seen.
-    pub signal: Signal,
-    /// The idle window: a gap this long ends a run.
-    pub window: u64,
-}
-
-impl Entry {
-    /// Records activity on `gpu`. Within a run the onset only moves earlier, except that
-    /// a doorbell's launch time (exact) replaces a sampled period's start (a bound).
-    ///
-    /// How long activity lasts: for a process whose launches the doorbell sees, its
-    /// samples count only when it was busy through the end of the sampled period (a kernel
-    /// still running long after its launch); a partly busy period is work the doorbell
-    /// already saw start, and counting it until the period's end would re-preempt after
-    /// the release for work long finished. For a process without the shim the sample is
-    /// all there is: it counts until the period's end, so that work seen late is still
-    /// preempted.
-    fn note(&mut self, gpu: u32, a: Activity) -> bool {
-        if a.signal == Signal::Doorbell {
-            self.rung = true;
-        } else if self.rung && !a.through_end {
-            return false;
-        }
-        let before = (
-            self.last_active.get(&gpu).copied(),
-            self.onset.get(&gpu).copied(),
-        );
-        let start = a.start.min(a.end);
-        let prev_end = self.last_active.get(&gpu).copied();
-        let new_run = prev_end.is_none_or(|p| start >= p.saturating_add(a.window));
-        let run = self.onset.entry(gpu).or_insert((start, a.signal));
-        if new_run {
-            *run = (start, a.signal);
-        } else if run.1 == a.signal {
-            run.0 = run.0.min(start);
-        } else if a.signal == Signal::Doorbell {
-            *run = (start, Signal::Doorbell);
-        }
-        let t = self.last_active.entry(gpu).or_insert(0);
-        *t = (*t).max(a.end);
-        before != (Some(*t), Some(*run))
-    }
-}
+pub use super::entry::{Activity, Entry};
 
 /// What classification needs.
 #[derive(Clone)]
@@ -443,95 +362,4 @@ impl Table {
     }
 }
 
-/// `s` with control characters escaped ([`sanitize`]), cut to at most `n` bytes (never
-/// inside an escape), with an ellipsis when cut: what is kept of a command line for logs
-/// and `/state`.
-pub fn truncate(s: &str, n: usize) -> String {
-    let mut out = String::with_capacity(s.len().min(n) + 3);
-    let mut piece = String::new();
-    for c in s.chars() {
-        piece.clear();
-        escape_into(&mut piece, c);
-        if out.len() + piece.len() > n {
-            out.push('…');
-            return out;
-        }
-        out.push_str(&piece);
-    }
-    out
-}
-
-/// `s` with every character that a terminal or a log reader would act on escaped: C0 and
-/// C1 controls as `\n`, `\r`, `\t` or `\xHH` (ESC is `\x1b`), DEL as `\x7f`, and the
-/// Unicode line separators and bidirectional overrides as `\u{HHHH}`. A tenant's command
-/// line can then neither start a forged log line nor move the cursor or recolour a
-/// terminal. Backslashes are kept as they are (the escaping is for display, not reversible).
-pub fn sanitize(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(needs_escape) {
-        return std::borrow::Cow::Borrowed(s);
-    }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        escape_into(&mut out, c);
-    }
-    std::borrow::Cow::Owned(out)
-}
-
-fn needs_escape(c: char) -> bool {
-    c.is_control()
-        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-}
-
-fn escape_into(out: &mut String, c: char) {
-    use std::fmt::Write;
-    match c {
-        '\n' => out.push_str("\\n"),
-        '\r' => out.push_str("\\r"),
-        '\t' => out.push_str("\\t"),
-        c if c.is_control() => {
-            let _ = write!(out, "\\x{:02x}", c as u32);
-        }
-        c if needs_escape(c) => {
-            let _ = write!(out, "\\u{{{:04x}}}", c as u32);
-        }
-        c => out.push(c),
-    }
-}
-
-#[cfg(test)]
-mod text_tests {
-    use super::{sanitize, truncate};
-
-    #[test]
-    fn control_characters_are_escaped() {
-        let forged = "python train.py\n2024-01-01T00:00:00Z  INFO forged line";
-        assert_eq!(
-            sanitize(forged),
-            "python train.py\\n2024-01-01T00:00:00Z  INFO forged line"
-        );
-        assert_eq!(
-            sanitize("a\x1b[31mred\x1b[0m\r\t\x07\x7f\u{9b}2J\u{202e}z"),
-            "a\\x1b[31mred\\x1b[0m\\r\\t\\x07\\x7f\\x9b2J\\u{202e}z"
-        );
-        assert!(matches!(
-            sanitize("plain ü ✓"),
-            std::borrow::Cow::Borrowed(_)
-        ));
-        assert!(!truncate("x\ny\u{1b}]0;title\u{7}", 200)
-            .chars()
-            .any(|c| c.is_control()));
-    }
-
-    #[test]
-    fn truncation_never_splits_a_character_or_an_escape() {
-        assert_eq!(truncate("short", 10), "short");
-        assert_eq!(truncate("exactly10!", 10), "exactly10!");
-        assert_eq!(truncate("0123456789abc", 10), "0123456789…");
-        // 'é' is 2 bytes: it does not fit in the 1 byte left.
-        assert_eq!(truncate("abcdefghié", 10), "abcdefghi…");
-        // "\x1b" is 4 bytes: it is dropped whole rather than cut.
-        assert_eq!(truncate("abcdefgh\x1b", 10), "abcdefgh…");
-        assert_eq!(truncate("abcdef\x1b", 10), "abcdef\\x1b");
-        assert_eq!(truncate("", 0), "");
-    }
-}
+pub use super::text::{sanitize, truncate};

@@ -4,6 +4,7 @@
 
 mod bells;
 mod failures;
+mod holds;
 
 use super::events::Event;
 use super::state::Shared;

@@ -1,0 +1,93 @@
+//! One GPU process in the table, and how its activity is noted (runs, onsets, the
+//! latest evidence per GPU).
+
+use crate::control::target::Plan;
+use crate::edges::procfs::ProcKey;
+use crate::edges::source::Classified;
+use qos_core::Signal;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+/// One GPU process.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Identity.
+    pub key: ProcKey,
+    /// Class and owner.
+    pub cls: Classified,
+    /// Command line (truncated).
+    pub cmd: String,
+    /// GPUs it has a context on.
+    pub gpus: BTreeSet<u32>,
+    /// End of the latest activity per GPU (a launch, or the end of a sampled period), ns.
+    pub last_active: BTreeMap<u32, u64>,
+    /// Onset of the current run of activity per GPU, and the signal that gave it.
+    pub onset: BTreeMap<u32, (u64, Signal)>,
+    /// Real UID of the process.
+    pub uid: u32,
+    /// The pod it runs in, from its cgroup path (Kubernetes), if any.
+    pub pod_uid: Option<String>,
+    /// A doorbell page is attributed to it (its launches are seen as they happen).
+    pub rung: bool,
+    /// How it is suspended (offline processes only).
+    pub plan: Option<Plan>,
+    /// A pidfd pinning it (tells cheaply when it has exited).
+    pub pin: Option<Arc<OwnedFd>>,
+    /// The pod source's generation when it was classified.
+    pub generation: u64,
+}
+
+/// Activity seen on a GPU: from `start` to `end` (ns), through `signal`; a start at least
+/// `window` after the previous end begins a new run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Activity {
+    /// Earliest evidence (a launch time, or the start of a sampled period).
+    pub start: u64,
+    /// Latest evidence (a launch time, or the end of a sampled period).
+    pub end: u64,
+    /// A sampled period busy (nearly) all through: the work was still running at `end`.
+    pub through_end: bool,
+    /// Where it was seen.
+    pub signal: Signal,
+    /// The idle window: a gap this long ends a run.
+    pub window: u64,
+}
+
+impl Entry {
+    /// Records activity on `gpu`. Within a run the onset only moves earlier, except that
+    /// a doorbell's launch time (exact) replaces a sampled period's start (a bound).
+    ///
+    /// How long activity lasts: for a process whose launches the doorbell sees, its
+    /// samples count only when it was busy through the end of the sampled period (a kernel
+    /// still running long after its launch); a partly busy period is work the doorbell
+    /// already saw start, and counting it until the period's end would re-preempt after
+    /// the release for work long finished. For a process without the shim the sample is
+    /// all there is: it counts until the period's end, so that work seen late is still
+    /// preempted.
+    pub(super) fn note(&mut self, gpu: u32, a: Activity) -> bool {
+        if a.signal == Signal::Doorbell {
+            self.rung = true;
+        } else if self.rung && !a.through_end {
+            return false;
+        }
+        let before = (
+            self.last_active.get(&gpu).copied(),
+            self.onset.get(&gpu).copied(),
+        );
+        let start = a.start.min(a.end);
+        let prev_end = self.last_active.get(&gpu).copied();
+        let new_run = prev_end.is_none_or(|p| start >= p.saturating_add(a.window));
+        let run = self.onset.entry(gpu).or_insert((start, a.signal));
+        if new_run {
+            *run = (start, a.signal);
+        } else if run.1 == a.signal {
+            run.0 = run.0.min(start);
+        } else if a.signal == Signal::Doorbell {
+            *run = (start, Signal::Doorbell);
+        }
+        let t = self.last_active.entry(gpu).or_insert(0);
+        *t = (*t).max(a.end);
+        before != (Some(*t), Some(*run))
+    }
+}

@@ -1,0 +1,119 @@
+//! Holds in rules mode: mixed cgroups, and suspensions that something else resumes.
+
+use super::*;
+
+/// Rules mode: a cgroup declared offline that also holds a process another rule made
+/// online is never frozen or stopped whole; only the offline process is stopped.
+#[test]
+fn a_cgroup_holding_online_work_is_not_stopped_whole() {
+    let root = std::env::temp_dir().join(format!("coloc-loop-mixed-{}", std::process::id()));
+    let dir = root.join("batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    for preferred in [Kind::Freezer, Kind::Signal] {
+        let mut cfg = default_config();
+        cfg.cgroups.v2 = Some(root.clone());
+        cfg.actuator = preferred;
+        let mut h = harness_with(1, cfg);
+        h.procs.add(10, 110, "train", "/batch");
+        h.procs.add(13, 113, "serve", "/batch");
+        h.procs
+            .members
+            .lock()
+            .unwrap()
+            .insert(dir.clone(), vec![10, 13]);
+        h.gpu.add(0, 10);
+        h.source.set(10, class(Class::Offline, Some("/batch")));
+        h.source.set(13, class(Class::Online, None));
+        h.spawn(0, 20, class(Class::Online, None));
+        h.tick();
+        h.active(0, 20);
+        h.tick();
+        let calls = h.act.calls();
+        assert_eq!(
+            calls[0].targets,
+            vec![RecordEntry::Process {
+                pid: 10,
+                start: 110
+            }],
+            "{preferred:?}: {calls:?}"
+        );
+    }
+    std::fs::remove_dir_all(root).ok();
+}
+
+/// A held process that something else resumes (a SIGCONT from a sibling in its pod) is
+/// stopped again; a signalled cgroup that keeps doing it is frozen.
+#[test]
+fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
+    let root = std::env::temp_dir().join(format!("coloc-loop-hold-{}", std::process::id()));
+    let dir = root.join("batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    let mut cfg = default_config();
+    cfg.cgroups.v2 = Some(root.clone());
+    let mut h = harness_with(1, cfg);
+    h.procs.add(10, 110, "train", "/batch");
+    h.procs
+        .members
+        .lock()
+        .unwrap()
+        .insert(dir.clone(), vec![10]);
+    h.gpu.add(0, 10);
+    h.source.set(10, class(Class::Offline, Some("/batch")));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(h.suspends_of(10), 1);
+    let me = RecordEntry::Process {
+        pid: 10,
+        start: 110,
+    };
+    // A tenant resumes it; within the re-check period it is stopped again.
+    h.act.resumed_by_tenant.lock().unwrap().insert(me.clone());
+    for _ in 0..6 {
+        h.active(0, 20);
+        h.tick();
+    }
+    assert_eq!(
+        h.suspends_of(10),
+        2,
+        "not stopped again: {:?}",
+        h.act.calls()
+    );
+    // Again: now the cgroup is frozen too (recorded first), at the next re-check.
+    h.act.resumed_by_tenant.lock().unwrap().insert(me.clone());
+    for _ in 0..6 {
+        h.active(0, 20);
+        h.tick();
+    }
+    let cg = RecordEntry::Cgroup {
+        dir: dir.clone(),
+        version: crate::edges::actuator::CgroupVersion::V2,
+    };
+    let calls = h.act.calls();
+    let frozen = calls
+        .iter()
+        .find(|c| c.op == Op::Suspend && c.targets.contains(&cg));
+    assert!(
+        frozen.is_some_and(|c| c.unrecorded.is_empty()),
+        "not escalated to the freezer (recorded first): {calls:?}"
+    );
+    // The release resumes both.
+    h.clock.advance(200 * MS);
+    h.ticks(2);
+    let last = h
+        .act
+        .calls()
+        .into_iter()
+        .rev()
+        .find(|c| c.op == Op::Resume)
+        .unwrap();
+    assert!(
+        last.targets.contains(&cg) && last.targets.contains(&me),
+        "{last:?}"
+    );
+    assert!(h.rec.disk.lock().unwrap().is_empty());
+    std::fs::remove_dir_all(root).ok();
+}
