@@ -75,6 +75,10 @@ fn describe() {
         "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu; invalidated: a mapped page that stopped being valid, e.g. its file was truncated); counted once per page and reason."
     );
     describe_counter!(
+        "coloc_nvml_rounds_yielded_total",
+        "Rounds of NVML sample reads interrupted by a doorbell (the loop decided first and read the remaining GPUs at the next tick)."
+    );
+    describe_counter!(
         "coloc_doorbell_wakeups_total",
         "Times the control loop was woken early by a doorbell (a run of launches started) or by a page appearing."
     );

@@ -92,6 +92,11 @@ impl Bells {
     }
 
     /// Sleeps until a doorbell rings or `timeout` passes; true when woken early.
+    /// A run started (or the waker was woken) since the latest read.
+    pub(super) fn rang(&self) -> bool {
+        self.edge.rang()
+    }
+
     pub(super) fn wait(&mut self, timeout: std::time::Duration) -> bool {
         self.edge.wait(timeout)
     }

@@ -158,6 +158,10 @@ pub struct Loop {
     bells: bells::Bells,
     /// The state machine must run at the next tick whatever changed (start, fail-open).
     decide_next: bool,
+    /// Where the current round of NVML sample reads goes on (a doorbell interrupted it).
+    nvml_cursor: usize,
+    /// The GPUs whose NVML calls ran this tick (the health policy judges those only).
+    called: Vec<u32>,
     /// The inputs of the latest decision.
     last_inputs: Vec<qos_core::GpuInput<ProcKey>>,
     /// Per-GPU summary of the latest decision (time accounting between decisions).
@@ -229,6 +233,8 @@ impl Loop {
             last_tick_ns: None,
             last_publish_ns: 0,
             decide_next: true,
+            nvml_cursor: 0,
+            called: Vec::new(),
             last_inputs: Vec::new(),
             summary: Vec::new(),
             cfg,

@@ -24,11 +24,9 @@ impl Loop {
         let mut failed = BTreeMap::new();
         let mut unknown: Vec<(u32, u32, Activity)> = Vec::new();
         let mut samples = std::mem::take(&mut self.scratch);
-        if samples_due {
+        self.called.clear();
+        if samples_due && self.read_samples(&mut samples, &mut failed, &mut unknown, now) {
             self.next_nvml_ns = now + self.cfg.nvml_interval.as_nanos() as u64;
-        }
-        if samples_due {
-            self.read_samples(&mut samples, &mut failed, &mut unknown, now);
         }
         self.scratch = samples;
         let generation = self.classifier.source.generation();
@@ -45,6 +43,9 @@ impl Loop {
             let mut list_failed = BTreeSet::new();
             for i in 0..self.gpus.len() {
                 let gpu = self.gpus[i];
+                if !self.called.contains(&gpu) {
+                    self.called.push(gpu);
+                }
                 match self.gpu.processes(gpu) {
                     Ok(pids) => {
                         for pid in pids {
@@ -75,11 +76,20 @@ impl Loop {
         failed: &mut BTreeMap<u32, String>,
         unknown: &mut Vec<(u32, u32, Activity)>,
         now: u64,
-    ) {
+    ) -> bool {
         let period = self.cfg.nvml_sample_period.as_nanos() as u64;
         let window = self.cfg.machine.idle_window;
-        for i in 0..self.gpus.len() {
+        for i in self.nvml_cursor..self.gpus.len() {
+            // A launch rang while this round of NVML calls runs: the loop decides first,
+            // and the round goes on from here at the next tick (a doorbell never waits
+            // behind more than one GPU's calls).
+            if i > self.nvml_cursor && self.bells.rang() {
+                metrics::counter!("coloc_nvml_rounds_yielded_total").increment(1);
+                self.nvml_cursor = i;
+                return false;
+            }
             let gpu = self.gpus[i];
+            self.called.push(gpu);
             let since = self.last_seen_us.get(&gpu).copied().unwrap_or(0);
             samples.clear();
             match self.gpu.samples(gpu, since, samples) {
@@ -117,6 +127,8 @@ impl Loop {
                 }
             }
         }
+        self.nvml_cursor = 0;
+        true
     }
 
     /// Why the process lists must be read now, if they must.
@@ -136,6 +148,10 @@ impl Loop {
     pub(super) fn judge(&mut self, failed: BTreeMap<u32, String>, now: u64) {
         for i in 0..self.gpus.len() {
             let gpu = self.gpus[i];
+            // Only the GPUs whose NVML calls ran this tick are judged.
+            if !self.called.contains(&gpu) {
+                continue;
+            }
             let verdict = match failed.get(&gpu) {
                 None => self.health.ok(gpu),
                 Some(err) => self.health.failed(gpu, now, err.clone()),

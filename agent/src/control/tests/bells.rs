@@ -118,3 +118,37 @@ fn a_pod_page_counts_for_the_pods_online_process() {
     h.lp.tick();
     assert!(h.suspended(10), "the pod's own page preempts");
 }
+
+/// A launch that rings while a round of NVML reads runs is decided before the round ends:
+/// the round stops after the GPU in progress, and goes on from there at the next tick.
+#[test]
+fn a_ring_interrupts_a_round_of_nvml_reads() {
+    let mut h = harness_with(3, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h.clock.advance(100 * MS);
+    h.gpu.state.lock().unwrap().sampled.clear();
+    h.bells.state.lock().unwrap().rang_after = Some(0);
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().sampled,
+        vec![0],
+        "the ring stops the round after one GPU"
+    );
+    h.bells.state.lock().unwrap().rang_after = None;
+    h.clock.advance(MS / 10);
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().sampled,
+        vec![0, 1, 2],
+        "the round goes on where it stopped"
+    );
+    h.clock.advance(MS / 10);
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().sampled,
+        vec![0, 1, 2],
+        "the round is complete: the next one waits for --nvml-interval"
+    );
+}

@@ -335,4 +335,13 @@ impl Doorbells for DirBells {
     fn waker(&self) -> Waker {
         self.waker.clone()
     }
+
+    fn rang(&self) -> bool {
+        self.waker.0.load(Acquire) != self.waker_seen
+            || self.dirty.load(Acquire) != 0
+            || self
+                .pages
+                .values()
+                .any(|m| m.page().header().wake.load(Acquire) != m.seen)
+    }
 }

@@ -79,6 +79,9 @@ pub trait Doorbells: Send {
     fn wait(&mut self, timeout: Duration) -> bool;
     /// A handle that cuts the current or next [`Doorbells::wait`] short (shutdown).
     fn waker(&self) -> Waker;
+    /// Whether [`Doorbells::wait`] would return at once: a run started on a page, or the
+    /// waker was woken, since the latest [`Doorbells::read`]. A few loads, no system call.
+    fn rang(&self) -> bool;
 }
 
 /// Wakes a waiting loop from another thread.
@@ -118,6 +121,9 @@ impl Doorbells for NoBells {
     }
     fn waker(&self) -> Waker {
         self.waker.clone()
+    }
+    fn rang(&self) -> bool {
+        self.waker.0.load(Acquire) != self.seen
     }
 }
 

@@ -131,6 +131,10 @@ pub struct FakeBellState {
     pub changed: bool,
     /// Timeouts the loop asked to sleep for.
     pub waits: Vec<std::time::Duration>,
+    /// `rang()` answers true from its call number `n + 1` on (None: never).
+    pub rang_after: Option<u32>,
+    /// Calls of `rang()` so far.
+    pub rang_calls: u32,
 }
 
 impl FakeBells {
@@ -179,5 +183,10 @@ impl crate::edges::doorbell::Doorbells for FakeBells {
     }
     fn waker(&self) -> crate::edges::doorbell::Waker {
         crate::edges::doorbell::Waker::default()
+    }
+    fn rang(&self) -> bool {
+        let mut st = self.state.lock().unwrap();
+        st.rang_calls += 1;
+        st.rang_after.is_some_and(|n| st.rang_calls > n)
     }
 }

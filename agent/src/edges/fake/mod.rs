@@ -48,6 +48,8 @@ pub struct GpuState {
     pub failing: BTreeSet<u32>,
     /// Calls made.
     pub calls: u64,
+    /// The GPUs whose samples were read, in order.
+    pub sampled: Vec<u32>,
 }
 
 /// The fake NVML.
@@ -149,6 +151,7 @@ impl GpuSampler for FakeGpu {
         }
         let mut s = self.state.lock().unwrap();
         s.calls += 1;
+        s.sampled.push(gpu);
         if s.failing.contains(&gpu) {
             return Err(Self::err(gpu));
         }
