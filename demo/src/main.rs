@@ -161,7 +161,6 @@ fn run(a: DemoArgs) -> Result<()> {
         None => std::env::temp_dir().join(format!("coloc-demo-{id}")),
     };
     std::fs::create_dir_all(&out)?;
-    let bells = out.join("doorbells");
     let shm = Path::new("/dev/shm");
     let state = if shm.is_dir() {
         shm.to_path_buf()
@@ -169,6 +168,10 @@ fn run(a: DemoArgs) -> Result<()> {
         out.clone()
     }
     .join(format!("coloc-demo-{id}"));
+    // Doorbell pages in memory (tmpfs), as on a node (/run/gpu-coloc/doorbells): a page on
+    // a disk-backed file can make the shim's write wait for the filesystem when writeback
+    // runs, delaying the ring by milliseconds.
+    let bells = state.with_extension("bells");
     let lay = layout(a.replicas);
     let gpus_of = |s: &str| {
         lay.iter()
@@ -373,6 +376,7 @@ fn run(a: DemoArgs) -> Result<()> {
         let _ = std::fs::remove_dir(cg);
     }
     let _ = std::fs::remove_file(&state);
+    let _ = std::fs::remove_dir_all(&bells);
     if !st.success() {
         bail!(
             "agent exited with {st}; see {}",
