@@ -48,6 +48,9 @@ struct PageState {
     refresh_asked_ns: u64,
     /// When the agent found the page.
     found_ns: u64,
+    /// The readings last attributed, per GPU UUID: (last launch, run start). The same
+    /// reading again is not attributed again (most ticks read pages that did not change).
+    noted: Vec<([u8; 16], u64, u64)>,
 }
 
 impl std::fmt::Debug for Bells {
@@ -125,6 +128,7 @@ impl Loop {
                     attributed: false,
                     refresh_asked_ns: 0,
                     found_ns,
+                    noted: Vec::new(),
                 });
             }
         }
@@ -156,6 +160,10 @@ impl Loop {
         let Some(page) = self.bells.pages.get(&r.page) else {
             return;
         };
+        let reading = (r.reading.uuid, last, r.reading.busy_since_ns);
+        if page.attributed && page.noted.contains(&reading) {
+            return;
+        }
         let found = self.owner_of(&page.info, gpu);
         let key = match found {
             Ok(k) => k,
@@ -175,6 +183,8 @@ impl Loop {
             }
         };
         let p = self.bells.pages.get_mut(&r.page).expect("checked above");
+        p.noted.retain(|n| n.0 != reading.0);
+        p.noted.push(reading);
         if !p.attributed {
             p.attributed = true;
             p.rejected = None;
