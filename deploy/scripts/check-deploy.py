@@ -257,29 +257,129 @@ def match_condition_checks(docs):
 
 def cert_checks():
     d = [x for x in yaml.safe_load_all(render()) if x]
-    job = one(d, "Job", "-cert")
-    args = dict(a.split("=", 1) for a in job["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+    cm = [x for x in yaml.safe_load_all(render("webhook.certManager.enabled=true")) if x]
+    manual = [x for x in yaml.safe_load_all(render("webhook.caBundle=Zm9v")) if x]
     dep = one(d, "Deployment", "-webhook")
     secret = dep["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
-    check(job["spec"]["template"]["spec"]["containers"][0]["args"][0] == "bootstrap-cert", "the Job runs coloc-webhook bootstrap-cert")
-    check(args["--secret"] == secret, f"the Job writes {args['--secret']}, the webhook mounts {secret}")
-    check(args["--service"] == one(d, "Service", "-webhook")["metadata"]["name"], "the Job's certificate is for the webhook's Service")
-    check(args["--mutating-config"] == one(d, "MutatingWebhookConfiguration")["metadata"]["name"]
-          and args["--validating-config"] == one(d, "ValidatingWebhookConfiguration")["metadata"]["name"], "the Job patches the chart's configurations")
-    check(job["spec"]["template"]["spec"]["containers"][0]["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"], "the Job runs the webhook's image")
-    check(job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade", "the Job runs after install and upgrade")
-    cr = one(d, "ClusterRole", "-cert")
-    check(cr["rules"][0]["resourceNames"] == [args["--mutating-config"]] and cr["rules"][0]["verbs"] == ["get", "patch"], "the Job may only get/patch its own configurations")
+    # helm install --wait / upgrade --wait, step by step, for every TLS mode.
+    for label, docs, given in (("bootstrap", d, set()), ("cert-manager", cm, set()), ("manual caBundle", manual, {secret})):
+        for event in ("install", "upgrade"):
+            helm_lifecycle(docs, f"{label}, helm {event} --wait", event, given if event == "install" else given | {secret})
+    jobs = {j["metadata"]["annotations"]["helm.sh/hook"]: j for j in by_kind(d, "Job")}
+    if not check(set(jobs) == {"pre-install,pre-upgrade", "post-install,post-upgrade"}, f"certificate Jobs by hook: {sorted(jobs)}"):
+        return
+    pre, post = jobs["pre-install,pre-upgrade"], jobs["post-install,post-upgrade"]
+    for job in (pre, post):
+        c = job["spec"]["template"]["spec"]["containers"][0]
+        args = dict(a.split("=", 1) for a in c["args"][1:] if "=" in a)
+        check(c["args"][0] == "bootstrap-cert", "the Jobs run coloc-webhook bootstrap-cert")
+        check(args["--secret"] == secret, f"the Job uses {args['--secret']}, the webhook mounts {secret}")
+        check(args["--service"] == one(d, "Service", "-webhook")["metadata"]["name"], "the Job's certificate is for the webhook's Service")
+        check(c["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"], "the Job runs the webhook's image")
+    pre_args, post_args = pre["spec"]["template"]["spec"]["containers"][0]["args"], post["spec"]["template"]["spec"]["containers"][0]["args"]
+    check(not any(a.startswith(("--mutating-config", "--validating-config")) for a in pre_args) and "--patch-only" not in pre_args,
+          f"the pre-install Job makes the Secret only: {pre_args}")
+    check("--patch-only" in post_args, f"the post-install Job only patches: {post_args}")
+    cr = one(d, "ClusterRole", "-ca-bundle")
+    check(cr["rules"][0]["resourceNames"] == [one(d, "MutatingWebhookConfiguration")["metadata"]["name"]] and cr["rules"][0]["verbs"] == ["get", "patch"],
+          "the patch Job may only get/patch its own configurations")
+    check(not [c for c in by_kind(d, "ClusterRole") if c["metadata"]["name"].endswith("-cert")], "the Secret Job has no cluster-wide rights")
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         for w in one(d, kind)["webhooks"]:
             check(w["failurePolicy"] == "Ignore", f"default install: {w['name']} failurePolicy Ignore (never blocks the cluster)")
-    cm = [x for x in yaml.safe_load_all(render("webhook.certManager.enabled=true")) if x]
     check(not by_kind(cm, "Job") and by_kind(cm, "Certificate"), "cert-manager: a Certificate, no bootstrap Job")
-    manual = [x for x in yaml.safe_load_all(render("webhook.caBundle=Zm9v")) if x]
     check(not by_kind(manual, "Job") and all(w["clientConfig"].get("caBundle") == "Zm9v" for w in one(manual, "MutatingWebhookConfiguration")["webhooks"]), "a given caBundle: used, no Job")
     fail = [x for x in yaml.safe_load_all(render("webhook.failurePolicy=Fail")) if x]
     check(all(w["failurePolicy"] == "Fail" for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration") for w in one(fail, k)["webhooks"]), "failurePolicy=Fail opts in")
-    print("ok  certificate bootstrap Job, cert-manager, manual caBundle, failurePolicy")
+    print("ok  certificate: Secret before the pods (pre-install), caBundle after the configurations (post-install); "
+          "helm install/upgrade --wait modelled for bootstrap, cert-manager and a given caBundle")
+
+
+def rbac_allows(objs, sa, ns, verb, resource, name):
+    """Whether RBAC objects among `objs` let service account ns/sa do verb on resource/name."""
+    for b in objs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(s.get("kind") == "ServiceAccount" and s["name"] == sa and s.get("namespace") == ns for s in b.get("subjects", [])):
+            continue
+        ref = b["roleRef"]
+        for r in objs:
+            if r["kind"] != ref["kind"] or r["metadata"]["name"] != ref["name"]:
+                continue
+            for rule in r.get("rules", []):
+                if resource in rule.get("resources", []) and verb in rule.get("verbs", []) \
+                        and ("resourceNames" not in rule or name in rule["resourceNames"]):
+                    return True
+    return False
+
+
+def helm_lifecycle(docs, label, event, secrets):
+    """helm install|upgrade --wait on `docs`: pre hooks by weight (a Job runs once what it needs
+    exists: its service account and RBAC at a lower weight), then the release's objects, then
+    --wait for every pod (each Secret it mounts must exist by then), then post hooks. `secrets`:
+    Secrets there before (given by the user, or left by an earlier install)."""
+    hooks = {}
+    release = []
+    for x in docs:
+        ann = x["metadata"].get("annotations") or {}
+        if "helm.sh/hook" in ann:
+            for ph in ann["helm.sh/hook"].split(","):
+                hooks.setdefault(ph.strip(), []).append(x)
+        else:
+            release.append(x)
+    existing = list(release) if event == "upgrade" else []
+    secrets = set(secrets)
+    patched = set()
+
+    def run_phase(phase):
+        made = []
+        objs = sorted(hooks.get(phase, []), key=lambda x: int(x["metadata"]["annotations"].get("helm.sh/hook-weight", "0")))
+        for weight in sorted({int(x["metadata"]["annotations"].get("helm.sh/hook-weight", "0")) for x in objs}):
+            group = [x for x in objs if int(x["metadata"]["annotations"].get("helm.sh/hook-weight", "0")) == weight]
+            before = existing + made  # what exists when this weight's hooks are created
+            for job in [x for x in group if x["kind"] == "Job"]:
+                pod = job["spec"]["template"]["spec"]
+                ns = job["metadata"]["namespace"]
+                sa = pod.get("serviceAccountName", "default")
+                check(any(o["kind"] == "ServiceAccount" and o["metadata"]["name"] == sa for o in before),
+                      f"{label}: {phase} Job {job['metadata']['name']} runs before its service account {sa} exists")
+                a = pod["containers"][0]["args"]
+                if a[0] != "bootstrap-cert":
+                    continue
+                kv = dict(x.split("=", 1) for x in a[1:] if "=" in x)
+                sec = kv["--secret"]
+                cfgs = [(k, v) for k, v in (x.split("=", 1) for x in a[1:] if x.startswith(("--mutating-config=", "--validating-config=")))]
+                if "--patch-only" in a:
+                    check(sec in secrets, f"{label}: {phase} Job {job['metadata']['name']} reads Secret {sec}, which no earlier step made")
+                    check(rbac_allows(before, sa, ns, "get", "secrets", sec), f"{label}: {job['metadata']['name']} may not get Secret {sec}")
+                else:
+                    for verb in ("create", "get", "update"):
+                        check(rbac_allows(before, sa, ns, verb, "secrets", sec), f"{label}: {job['metadata']['name']} may not {verb} Secret {sec}")
+                    secrets.add(sec)
+                for flag, name in cfgs:
+                    kind = "MutatingWebhookConfiguration" if flag.startswith("--mutating") else "ValidatingWebhookConfiguration"
+                    check(any(o["kind"] == kind and o["metadata"]["name"] == name for o in before),
+                          f"{label}: {phase} Job {job['metadata']['name']} patches {kind} {name}, which does not exist yet")
+                    check(rbac_allows(before, sa, ns, "patch", kind.lower() + "s", name), f"{label}: {job['metadata']['name']} may not patch {kind} {name}")
+                    patched.add((kind, name))
+            made.extend(group)
+
+    run_phase(f"pre-{event}")
+    existing = list(release)
+    # cert-manager issues the Certificates' Secrets once the release's objects exist.
+    secrets |= {c["spec"]["secretName"] for c in by_kind(release, "Certificate")}
+    # --wait: every pod of the release starts only with the Secrets it mounts.
+    for w in [x for x in release if x["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]:
+        for v in w["spec"]["template"]["spec"].get("volumes", []):
+            if "secret" in v and not v["secret"].get("optional"):
+                check(v["secret"]["secretName"] in secrets,
+                      f"{label}: {w['kind']} {w['metadata']['name']} mounts Secret {v['secret']['secretName']}, which no step before --wait made: the install waits forever")
+    run_phase(f"post-{event}")
+    for cfg in by_kind(release, "MutatingWebhookConfiguration") + by_kind(release, "ValidatingWebhookConfiguration"):
+        key = (cfg["kind"], cfg["metadata"]["name"])
+        ok = key in patched or "cert-manager.io/inject-ca-from" in (cfg["metadata"].get("annotations") or {}) \
+            or all(w["clientConfig"].get("caBundle") for w in cfg["webhooks"])
+        check(ok, f"{label}: nothing sets the caBundle of {key}")
 
 
 # --- Monitoring: one naming across ServiceMonitors, alerts, dashboard ------------------
@@ -333,6 +433,13 @@ def release_checks():
     cluster = lambda docs: {(d["kind"], d["metadata"]["name"]) for d in docs if "namespace" not in d["metadata"]}
     clash = cluster(a) & cluster(b)
     check(not clash, f"two releases collide on cluster-scoped objects: {sorted(clash)}")
+    # The longest names Helm and the schema allow: every name fits (a Service's name is a
+    # DNS label, and a Job's name is also a label value of its pods: at most 63 characters).
+    for sets in ((), ("fullnameOverride=" + "f" * 50,)):
+        long = [x for x in yaml.safe_load_all(render(*sets, name="r" * 53)) if x]
+        too_long = [(x["kind"], x["metadata"]["name"]) for x in long
+                    if len(x["metadata"]["name"]) > (63 if x["kind"] in ("Service", "Job") else 253)]
+        check(not too_long, f"names too long for their kind: {too_long}")
     o = [x for x in yaml.safe_load_all(render("fullnameOverride=coloc")) if x]
     names = {d["metadata"]["name"] for d in o}
     check(all(n.startswith("coloc") for n in names), f"fullnameOverride: {sorted(n for n in names if not n.startswith('coloc'))}")
@@ -388,8 +495,8 @@ def image_checks():
         check(f"# image: {repo}" in text, f"{component}: the Dockerfile does not say it builds {repo}")
         if component == "webhook":
             check(re.search(r"^USER 65532", text, flags=re.M), "webhook image runs as a non-root user (65532, as the chart's runAsUser)")
-            job = one(d, "Job", "-cert")
-            check(job["spec"]["template"]["spec"]["containers"][0]["image"].startswith(repo), "the bootstrap Job uses the webhook image")
+            for job in by_kind(d, "Job"):
+                check(job["spec"]["template"]["spec"]["containers"][0]["image"].startswith(repo), "the certificate Jobs use the webhook image")
         else:
             links = re.findall(r"host-nvml/libnvidia-ml\.so\.1", text)
             check(links and "x86_64-linux-gnu" in text and "aarch64-linux-gnu" in text, "agent image: host NVML link for both architectures")
