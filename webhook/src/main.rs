@@ -79,12 +79,18 @@ struct BootstrapArgs {
     version,
     about,
     after_help = "\
-Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], GET /healthz /readyz /metrics.
+Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], POST /inject,
+POST /unsupported-backend, GET /healthz /readyz /metrics.
 Example config (TOML):
   backend = \"hami\"                          # default backend
   offline_priority_class = \"gpu-coloc-offline\"
   offline_priority = -10                      # that PriorityClass's value
-  offline_preemption_policy = \"Never\"        # and its preemptionPolicy"
+  offline_preemption_policy = \"Never\"        # and its preemptionPolicy
+  [shim]                                      # /inject: the CUDA shim into GPU pods
+  library = \"/var/lib/gpu-coloc/lib/libcoloc_cuda.so\"
+  doorbell_dir = \"/run/gpu-coloc/doorbells\"
+  gate_dir = \"/run/gpu-coloc/gate\"
+  inflight = 2                                # optional: COLOC_SHIM_INFLIGHT of offline pods"
 )]
 struct Args {
     #[command(subcommand)]
@@ -99,7 +105,8 @@ struct Args {
     )]
     log_format: LogFormat,
     /// Settings file (TOML): `backend`, `offline_priority_class`, `offline_priority`,
-    /// `offline_preemption_policy`.
+    /// `offline_preemption_policy`, and a `[shim]` table (`library`, `doorbell_dir`,
+    /// `gate_dir`, `inflight`) for /inject.
     #[arg(long, env = "COLOC_WEBHOOK_CONFIG")]
     config: Option<PathBuf>,
     /// Default backend (overrides the file).
@@ -156,8 +163,9 @@ struct Args {
     /// Worker threads.
     #[arg(long, env = "COLOC_WEBHOOK_THREADS", default_value_t = 2)]
     threads: usize,
-    /// Instead of serving: translate the Pod (JSON) in this file for the backend and print
-    /// the result, or the denial (exit 1). `-` reads standard input.
+    /// Instead of serving: translate the Pod (JSON) in this file for the backend (after
+    /// injecting the CUDA shim when the settings have a [shim] table) and print the
+    /// result, or the denial (exit 1). `-` reads standard input.
     #[arg(long, value_name = "POD_JSON")]
     translate: Option<PathBuf>,
 }
@@ -188,6 +196,16 @@ fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Resu
     let mut pod: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a JSON Pod", path.display()))?;
     let backend = a.backend.unwrap_or(settings.backend);
+    // As the API server calls them: /inject (first in the chart's configuration), then
+    // /mutate.
+    if let Some(shim) = &settings.shim {
+        let inj = coloc_webhook::inject::inject(&pod, shim);
+        for w in &inj.warnings {
+            eprintln!("warning: {w}");
+        }
+        let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(inj.ops))?;
+        json_patch::patch(&mut pod, &patch).context("applying the shim injection")?;
+    }
     match coloc_webhook::translate::translate(&pod, backend, settings) {
         Ok(ops) => {
             let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
