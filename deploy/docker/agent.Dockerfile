@@ -8,7 +8,7 @@
 #   --build-arg BINARIES=<an image holding /out as the build stage makes it>
 #   --build-arg RUNTIME_BASE=<a glibc base>
 # the runtime stage is assembled from binaries built on the host (the deploy checks build
-# it that way, without a registry: deploy/scripts/check-images.sh).
+# it that way with buildah, without a daemon or a registry: deploy/scripts/check-deploy.py).
 ARG RUST_VERSION=1.95
 ARG BINARIES=build
 ARG RUNTIME_BASE=gcr.io/distroless/cc-debian12
