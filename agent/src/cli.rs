@@ -17,7 +17,8 @@ Examples:
   coloc-agent check-rules rules.toml             validate a standalone rules file
   coloc-agent run --rules rules.toml             standalone host: classify GPU processes by rules
   coloc-agent run --rules rules.toml --dry-run   decide and report, never suspend anything
-  coloc-agent status --watch                     what a running agent sees and does")]
+  coloc-agent status --watch                     what a running agent sees and does
+  coloc-agent resume                             resume what a killed agent left suspended")]
 pub struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "COLOC_LOG_FORMAT", global = true)]
@@ -50,6 +51,10 @@ pub enum Command {
     /// Show a running agent's state: per GPU, its state, the online and offline
     /// processes on it, time since the last preemption and latency percentiles.
     Status(crate::cmd::status::StatusArgs),
+    /// Resume everything the fail-open record holds (thaw cgroups, continue processes), as
+    /// the agent does at start, when no agent is running with that state directory.
+    #[command(after_help = crate::cmd::resume::AFTER_HELP)]
+    Resume(crate::cmd::resume::ResumeArgs),
 }
 
 /// `coloc-agent run`.

@@ -21,6 +21,7 @@ fn main() {
         Command::Run(args) => run(args),
         Command::CheckRules { file } => check_rules(&file),
         Command::Status(args) => coloc_agent::cmd::status::run(args),
+        Command::Resume(args) => coloc_agent::cmd::resume::run(args),
     };
     if let Err(err) = result {
         // One line: the error and its causes.
@@ -80,6 +81,8 @@ fn run(args: RunArgs) -> Result<()> {
     let record: Box<dyn RecordStore> = if args.dry_run {
         Box::new(MemRecord::default())
     } else {
+        // Held until the agent exits: `coloc-agent resume` never acts behind its back.
+        coloc_agent::cmd::resume::lock_for_agent(&args.state_dir)?;
         let (mut record, leftover) = FileRecord::open(&args.state_dir)?;
         if !leftover.is_empty() {
             warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended");
@@ -234,9 +237,10 @@ fn resume_leftovers(
     leftover: &[actuator::RecordEntry],
     timeout: std::time::Duration,
 ) {
-    for e in leftover {
-        let outcome = actuator::resume_recorded(e, timeout);
-        match &outcome {
+    use coloc_agent::cmd::resume::resume_entries;
+    for step in resume_entries(record, leftover, timeout, Clone::clone) {
+        let e = &step.entry;
+        match &step.progress {
             Progress::Failed(err) => {
                 error!(entry = ?e, %err, "Failed to resume work a previous run left suspended");
                 metrics::counter!("coloc_actuation_errors_total", "actuator" => "record", "op" => "resume", "reason" => err.reason()).increment(1);
@@ -245,8 +249,8 @@ fn resume_leftovers(
             Progress::Gone => info!(entry = ?e, "Work a previous run suspended is gone"),
             _ => info!(entry = ?e, "Resumed work a previous run left suspended"),
         }
-        if let Err(err) = record.remove(std::slice::from_ref(e)) {
-            error!(error = %format!("{err:#}"), "Failed to update the suspension record");
+        if let Some(err) = &step.record_error {
+            error!(error = %err, "Failed to update the suspension record");
         }
     }
 }

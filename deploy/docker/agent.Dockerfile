@@ -1,28 +1,34 @@
 # image: ghcr.io/gpu-coloc/coloc-agent
-# The node agent. Multi-stage; amd64 and arm64 (docker buildx build --platform
-# linux/amd64,linux/arm64 -f deploy/docker/agent.Dockerfile .): each image is built
-# natively for its TARGETARCH (under emulation when it is not the builder's).
+# The node agent, with the CUDA shim its pods' init container installs on the node.
+# Multi-stage; amd64 and arm64 (docker buildx build --platform linux/amd64,linux/arm64 -f
+# deploy/docker/agent.Dockerfile .): each image is built natively for its TARGETARCH
+# (under emulation when it is not the builder's).
+#
+# BINARIES and RUNTIME_BASE let a build skip the Rust stage: with
+#   --build-arg BINARIES=<an image holding /out as the build stage makes it>
+#   --build-arg RUNTIME_BASE=<a glibc base>
+# the runtime stage is assembled from binaries built on the host (the deploy checks build
+# it that way with buildah, without a daemon or a registry: deploy/scripts/check-deploy.py).
 ARG RUST_VERSION=1.95
+ARG BINARIES=build
+ARG RUNTIME_BASE=gcr.io/distroless/cc-debian12
 FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build
 ARG TARGETARCH
 WORKDIR /src
 # The whole workspace (.dockerignore leaves out target/ and .git): Cargo needs every member.
 COPY . .
-RUN cargo build --release --locked --bin coloc-agent \
- && install -D target/release/coloc-agent /out/usr/local/bin/coloc-agent
-# With agent.runtimeClassName="" the chart mounts the host's /usr/lib at /host/usr/lib:
-# this link points into the multiarch directory of the image's own architecture.
-RUN case "${TARGETARCH}" in \
-      amd64) dir=x86_64-linux-gnu ;; \
-      arm64) dir=aarch64-linux-gnu ;; \
-      *) echo "unsupported TARGETARCH ${TARGETARCH}" >&2; exit 1 ;; \
-    esac \
- && mkdir -p /out/opt/coloc/host-nvml \
- && ln -s "/host/usr/lib/${dir}/libnvidia-ml.so.1" /out/opt/coloc/host-nvml/libnvidia-ml.so.1
+RUN echo "building coloc-agent for ${TARGETARCH}" \
+ && cargo build --release --locked --bin coloc-agent --bin coloc-node-setup \
+ && cargo build --release --locked -p coloc-cuda-shim --lib \
+ && install -D target/release/coloc-agent /out/usr/local/bin/coloc-agent \
+ && install -D target/release/coloc-node-setup /out/usr/local/bin/coloc-node-setup \
+ && install -D -m 0644 target/release/libcoloc_cuda.so /out/opt/coloc/lib/libcoloc_cuda.so
 
-# glibc (NVML is loaded with dlopen), nothing else; the agent runs as root by design
-# (see the README's privileges table), without a shell.
-FROM gcr.io/distroless/cc-debian12
-COPY --from=build /out/ /
+FROM ${BINARIES} AS binaries
+
+# glibc (NVML is loaded with dlopen; the shim is a glibc library), nothing else; the agent
+# runs as root by design (see the README's privileges table), without a shell.
+FROM ${RUNTIME_BASE}
+COPY --from=binaries /out/ /
 ENTRYPOINT ["/usr/local/bin/coloc-agent"]
 CMD ["run"]

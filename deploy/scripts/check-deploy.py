@@ -2,11 +2,14 @@
 """Offline checks of everything in deploy/: the Helm chart linted and rendered by the real
 Helm engine (helm-python-sdk, deploy/scripts/chart.py) with several value sets, bad values
 refused by values.schema.json, every rendered object validated against the Kubernetes 1.33
-schemas (kubernetes-validate, strict), the webhooks' routing by namespace label and their
-matchConditions (CEL, cel-python) checked on pods, the kustomize base and overlay, the
-monitoring objects, alerts and dashboard agreeing on names, and the promises the README
-makes about all of it."""
-import glob, json, os, re, subprocess, sys, tempfile
+schemas (kubernetes-validate, strict), `helm install/upgrade --wait` walked through the
+chart's hooks, the webhooks' routing by namespace label and their matchConditions (CEL,
+cel-python) checked on pods, the webhook fixtures' pods after the shim's injection and the
+translation (the chart's own webhook settings) validated, the agent pod's resume and shim
+containers, the kustomize base and overlay, the monitoring objects, alerts and dashboard
+agreeing on names, the images' runtime stages built with buildah and run, and the promises
+the README makes about all of it."""
+import glob, json, os, re, subprocess, sys, tempfile, tomllib
 import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,6 +87,13 @@ def helm_checks():
         "agent.idlewindow=100ms": "idlewindow",
         "agent.settings.POLL_INTERVAL=1ms": "POLL_INTERVAL",
         "offlinePriorityClass.value=-1e12": "value",
+        "agent.hostNvml.amd64=/usr/lib64": "amd64",
+        "agent.hostNvml.x86=/usr/lib/libnvidia-ml.so.1": "x86",
+        "agent.runtimeClassName=,agent.hostNvml=null": "hostNvml",
+        "shim.library=/opt/coloc/libfoo.so": "library",
+        "shim.inflight=-1": "inflight",
+        "shim.doorbellDir=run/doorbells": "doorbellDir",
+        "shim.enable=true": "enable",
     }
     for s, needle in bad.items():
         try:
@@ -91,7 +101,8 @@ def helm_checks():
             failures.append(f"values.schema.json accepts {s}")
         except h.HelmError as e:
             check(needle in str(e), f"{s}: refused without naming {needle}: {e}")
-    for good in ("agent.idleWindow=250ms", "agent.pollInterval=500us", "webhook.replicas=3", "agent.settings.COLOC_CONFIRM_TIMEOUT=2s"):
+    for good in ("agent.idleWindow=250ms", "agent.pollInterval=500us", "webhook.replicas=3", "agent.settings.COLOC_CONFIRM_TIMEOUT=2s",
+                 "shim.inflight=0", "shim.enabled=false", "agent.runtimeClassName=,agent.hostNvml.arm64=null"):
         try:
             render(good)
         except h.HelmError as e:
@@ -101,35 +112,39 @@ def helm_checks():
 
 def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-coloc"):
     caps = list(caps)
-    ds = one(docs, "DaemonSet")
-    pod = ds["spec"]["template"]["spec"]
-    c = pod["containers"][0]
-    sc = c["securityContext"]
-    check(pod.get("hostPID") is True, f"{label}: agent needs hostPID")
-    check(not sc.get("privileged"), f"{label}: agent must not be privileged by default")
-    check(sc["capabilities"]["drop"] == ["ALL"], f"{label}: agent drops all capabilities")
-    check(sc["capabilities"]["add"] == caps, f"{label}: agent capabilities {sc['capabilities']['add']}, expected {caps}")
-    check(sc.get("allowPrivilegeEscalation") is False, f"{label}: agent allowPrivilegeEscalation")
-    check(pod.get("securityContext", {}).get("seccompProfile") == {"type": "RuntimeDefault"}, f"{label}: agent seccomp RuntimeDefault")
-    cm = one(docs, "ConfigMap", "-agent")
-    settings = cm["data"]
-    check(c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}], f"{label}: agent settings from its ConfigMap")
-    check(settings["COLOC_LOOP_NICE"] == ("-10" if "SYS_NICE" in caps else "0"), f"{label}: COLOC_LOOP_NICE without/with SYS_NICE")
-    check(settings["COLOC_STATE_CMDLINES"] == "false", f"{label}: /state hides command lines by default")
-    known = set(re.findall(r'env = "(COLOC_[A-Z_]+)"', open(os.path.join(ROOT, "agent", "src", "cli.rs")).read()))
-    check(set(settings) <= known, f"{label}: agent ConfigMap keys that are no flag: {sorted(set(settings) - known)}")
-    check("checksum/config" in ds["spec"]["template"]["metadata"].get("annotations", {}), f"{label}: a settings change rolls the DaemonSet")
-    env = {e["name"]: e for e in c["env"]}
-    check(env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", f"{label}: NODE_NAME from the downward API")
-    check(c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz", f"{label}: probes")
-    check("requests" in c["resources"] and "limits" in c["resources"], f"{label}: resources")
-    mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    check("/host/sys/fs/cgroup" in mounts and "/run/coloc-agent" in mounts, f"{label}: cgroup and state mounts")
-    pcs = {p["metadata"]["name"]: p for p in by_kind(docs, "PriorityClass")}
-    check(pod.get("priorityClassName") == f"{fullname}-agent" and f"{fullname}-agent" in pcs, f"{label}: agent priority class named per release")
-    for p in pcs.values():
-        check(type(p["value"]) is int, f"{label}: PriorityClass {p['metadata']['name']} value {p['value']!r} is not an integer")
-    check(pod.get("nodeSelector"), f"{label}: GPU node selection")
+    dss = by_kind(docs, "DaemonSet")
+    check(dss, f"{label}: no agent DaemonSet")
+    for ds in dss:
+        pod = ds["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        sc = c["securityContext"]
+        check(pod.get("hostPID") is True, f"{label}: agent needs hostPID")
+        check(not sc.get("privileged"), f"{label}: agent must not be privileged by default")
+        check(sc["capabilities"]["drop"] == ["ALL"], f"{label}: agent drops all capabilities")
+        check(sc["capabilities"]["add"] == caps, f"{label}: agent capabilities {sc['capabilities']['add']}, expected {caps}")
+        check(sc.get("allowPrivilegeEscalation") is False, f"{label}: agent allowPrivilegeEscalation")
+        check(pod.get("securityContext", {}).get("seccompProfile") == {"type": "RuntimeDefault"}, f"{label}: agent seccomp RuntimeDefault")
+        cm = one(docs, "ConfigMap", "-agent")
+        settings = cm["data"]
+        check(c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}], f"{label}: agent settings from its ConfigMap")
+        check(settings["COLOC_LOOP_NICE"] == ("-10" if "SYS_NICE" in caps else "0"), f"{label}: COLOC_LOOP_NICE without/with SYS_NICE")
+        check(settings["COLOC_STATE_CMDLINES"] == "false", f"{label}: /state hides command lines by default")
+        known = set(re.findall(r'env = "(COLOC_[A-Z_]+)"', open(os.path.join(ROOT, "agent", "src", "cli.rs")).read()))
+        check(set(settings) <= known, f"{label}: agent ConfigMap keys that are no flag: {sorted(set(settings) - known)}")
+        check("checksum/config" in ds["spec"]["template"]["metadata"].get("annotations", {}), f"{label}: a settings change rolls the DaemonSet")
+        env = {e["name"]: e for e in c["env"]}
+        check(env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", f"{label}: NODE_NAME from the downward API")
+        check(c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz", f"{label}: probes")
+        check("requests" in c["resources"] and "limits" in c["resources"], f"{label}: resources")
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        check("/host/sys/fs/cgroup" in mounts and "/run/coloc-agent" in mounts, f"{label}: cgroup and state mounts")
+        resume_checks(pod, c, settings, label)
+        shim_agent_checks(docs, pod, c, settings, label)
+        pcs = {p["metadata"]["name"]: p for p in by_kind(docs, "PriorityClass")}
+        check(pod.get("priorityClassName") == f"{fullname}-agent" and f"{fullname}-agent" in pcs, f"{label}: agent priority class named per release")
+        for p in pcs.values():
+            check(type(p["value"]) is int, f"{label}: PriorityClass {p['metadata']['name']} value {p['value']!r} is not an integer")
+        check(pod.get("nodeSelector"), f"{label}: GPU node selection")
     role = one(docs, "ClusterRole", "-agent")
     check(role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}], f"{label}: RBAC limited to get/list/watch pods")
     svc = one(docs, "Service", "agent-metrics")
@@ -157,11 +172,119 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         wsc = wpod["containers"][0]["securityContext"]
         check(wsc.get("runAsNonRoot") is True and wsc["capabilities"] == {"drop": ["ALL"]}, f"{label}: webhook non-root, no capabilities")
         check(by_kind(docs, "PodDisruptionBudget"), f"{label}: webhook PDB")
-        cfg = yaml.safe_load(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"].replace(" = ", ": "))
+        cfg = tomllib.loads(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"])
         offline = one(docs, "PriorityClass", "-offline")
         check(cfg.get("offline_priority_class") == offline["metadata"]["name"] and cfg.get("offline_priority") == offline["value"]
               and cfg.get("offline_preemption_policy") == offline["preemptionPolicy"],
               f"{label}: the webhook writes the offline class's own name, value and preemption policy ({cfg} vs {offline})")
+
+
+def resume_checks(pod, c, settings, label):
+    """Nothing stays frozen when the agent's pod goes away: the agent container's preStop
+    runs `coloc-agent resume` (with the container's settings), and a native sidecar, which
+    the kubelet stops only after the agent's container, runs `resume --standby` on the
+    same record and cgroup paths with the same rights."""
+    check(c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") == ["/usr/local/bin/coloc-agent", "resume"],
+          f"{label}: the agent's preStop runs coloc-agent resume: {c.get('lifecycle')}")
+    guards = [i for i in pod.get("initContainers", []) if "--standby" in i.get("args", [])]
+    if not check(len(guards) == 1, f"{label}: one resume-guard sidecar ({len(guards)})"):
+        return
+    g = guards[0]
+    check(g.get("restartPolicy") == "Always", f"{label}: resume-guard is a native sidecar (restartPolicy Always): stopped after the agent")
+    check(g["args"][0] == "resume" and g["image"] == c["image"], f"{label}: resume-guard runs the agent image's coloc-agent resume")
+    args = dict(a.split("=", 1) for a in g["args"] if "=" in a)
+    check(args.get("--state-dir") == settings["COLOC_STATE_DIR"] and args.get("--cgroup-root") == settings["COLOC_CGROUP_ROOT"],
+          f"{label}: resume-guard reads the agent's record and cgroup paths: {args}")
+    agent_mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    for m in g["volumeMounts"]:
+        check(agent_mounts.get(m["name"]) == m["mountPath"] and not m.get("readOnly"),
+              f"{label}: resume-guard mounts {m['name']} where the agent does, writable")
+    check({m["name"] for m in g["volumeMounts"]} >= {"cgroup", "state"}, f"{label}: resume-guard mounts the cgroups and the record")
+    gsc = g["securityContext"]
+    check(gsc.get("runAsUser") == 0 and gsc["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]} and not gsc.get("privileged")
+          and gsc.get("allowPrivilegeEscalation") is False, f"{label}: resume-guard has the agent's rights, no more: {gsc}")
+
+
+def host_paths(pod):
+    return {v["name"]: v["hostPath"] for v in pod.get("volumes", []) if "hostPath" in v}
+
+
+def shim_agent_checks(docs, pod, c, settings, label):
+    """The shim on the node: an init container installs it into the directory the webhook
+    mounts into pods, and prepares the doorbell and gate directories the agent mounts;
+    every path agrees between the webhook's settings, the init container and the agent."""
+    inits = [i for i in pod.get("initContainers", []) if i["name"] == "install-shim"]
+    hp = host_paths(pod)
+    cfgs = by_kind(docs, "ConfigMap")
+    webhook_cfg = [tomllib.loads(x["data"]["config.toml"]) for x in cfgs if "config.toml" in x.get("data", {})]
+    shim = webhook_cfg[0].get("shim") if webhook_cfg else None
+    if not inits:
+        check(settings.get("COLOC_NO_DOORBELLS") == "true" and shim is None,
+              f"{label}: without the shim, the agent runs without doorbells and the webhook injects nothing")
+        return
+    i = inits[0]
+    check(i.get("command") == ["/usr/local/bin/coloc-node-setup"] and i["image"] == c["image"], f"{label}: install-shim runs the agent image's coloc-node-setup")
+    args = dict(a.split("=", 1) for a in i["args"])
+    check(args.get("--install") == "/opt/coloc/lib/libcoloc_cuda.so", f"{label}: install-shim installs the image's shim: {args}")
+    isc = i["securityContext"]
+    check(isc.get("runAsUser") == 0 and isc["capabilities"] == {"drop": ["ALL"]} and not isc.get("privileged"), f"{label}: install-shim: root, no capability")
+    mounts = {m["name"]: m for m in i["volumeMounts"]}
+    for flag in ("--into", "--doorbell-dir", "--gate-dir"):
+        m = [m for m in mounts.values() if m["mountPath"] == args.get(flag)]
+        check(m and hp[m[0]["name"]]["path"] == args[flag] and not m[0].get("readOnly"),
+              f"{label}: install-shim writes {flag}={args.get(flag)} on the host, at the same path")
+    am = {m["mountPath"]: m for m in c["volumeMounts"]}
+    for d in (args["--doorbell-dir"], args["--gate-dir"]):
+        check(d in am and hp[am[d]["name"]]["path"] == d and not am[d].get("readOnly"), f"{label}: the agent mounts {d} from the host, writable")
+    check(settings.get("COLOC_DOORBELL_DIR") == args["--doorbell-dir"], f"{label}: the agent watches the doorbell directory the pods get")
+    if shim is not None:
+        check(os.path.dirname(shim["library"]) == args["--into"] and os.path.basename(shim["library"]) == "libcoloc_cuda.so",
+              f"{label}: the webhook preloads {shim['library']}, the node gets {args['--into']}/libcoloc_cuda.so")
+        check(shim["doorbell_dir"] == args["--doorbell-dir"] and shim["gate_dir"] == args["--gate-dir"],
+              f"{label}: the webhook's doorbell/gate directories are the node's: {shim}")
+
+
+def host_mode_checks():
+    """Without the NVIDIA runtime the agent mounts the host's NVML library and nothing else
+    of the host's /usr: one DaemonSet per architecture, each with its own library path."""
+    expect = {"amd64": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "arm64": "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1"}
+    cases = [((), None, {}),
+             (("agent.runtimeClassName=",), "either architecture", expect),
+             (("agent.runtimeClassName=", "agent.hostNvml.amd64=/usr/lib64/libnvidia-ml.so.1", "agent.hostNvml.arm64=null"),
+              "another layout", {"amd64": "/usr/lib64/libnvidia-ml.so.1"})]
+    for sets, what, libs in cases:
+        docs = [x for x in yaml.safe_load_all(render(*sets)) if x] if what is None else validate(render(*sets), f"chart (NVML from the host, {what})")
+        if what:
+            promises(docs, f"chart (NVML from the host, {what})")
+        dss = by_kind(docs, "DaemonSet")
+        got = {}
+        for ds in dss:
+            pod = ds["spec"]["template"]["spec"]
+            c = pod["containers"][0]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            for v in host_paths(pod).values():
+                check(not v["path"].startswith(("/usr", "/lib", "/opt")) or v["path"] in libs.values(),
+                      f"host NVML, {what}: {ds['metadata']['name']} mounts host {v['path']}")
+            if not libs:
+                check(pod.get("runtimeClassName") == "nvidia" and env.get("NVIDIA_DRIVER_CAPABILITIES") == "utility" and "COLOC_NVML_LIB" not in env,
+                      "NVIDIA runtime: NVML from the runtime, nothing of the host's driver mounted")
+                continue
+            arch = pod["nodeSelector"].get("kubernetes.io/arch")
+            lib = [v for v in pod["volumes"] if v["name"] == "nvidia-ml"]
+            mount = [m for m in c["volumeMounts"] if m["name"] == "nvidia-ml"]
+            check("runtimeClassName" not in pod, f"host NVML, {what}: no RuntimeClass")
+            check(ds["spec"]["selector"]["matchLabels"].get("gpu-coloc.dev/arch") == arch
+                  and ds["spec"]["template"]["metadata"]["labels"].get("gpu-coloc.dev/arch") == arch, f"host NVML, {what}: DaemonSet selectors per architecture")
+            if check(lib and mount, f"host NVML, {what}: {ds['metadata']['name']} mounts no NVML library"):
+                got[arch] = lib[0]["hostPath"]["path"]
+                check(lib[0]["hostPath"]["type"] == "File" and mount[0]["readOnly"] is True
+                      and mount[0]["mountPath"] == env.get("COLOC_NVML_LIB") == "/opt/coloc/nvml/libnvidia-ml.so.1",
+                      f"host NVML, {what}: the library file alone, read-only, where COLOC_NVML_LIB points")
+        if libs:
+            check(got == libs, f"host NVML, {what}: libraries per architecture {got}, expected {libs}")
+            names = [d["metadata"]["name"] for d in dss]
+            check(len(set(names)) == len(names) == len(libs), f"host NVML, {what}: one DaemonSet per architecture: {names}")
+    print("ok  NVML: from the NVIDIA runtime, or only the host's libnvidia-ml.so.1 per architecture (amd64, arm64, another layout)")
 
 
 # --- The webhooks' routing: namespace selectors and matchConditions ------------------
@@ -194,21 +317,32 @@ def routes(docs, ns_labels):
 
 def routing_checks(docs):
     name = lambda n: {"kubernetes.io/metadata.name": n}
+    inj = [("M", "/inject")]
     cases = {
-        "no label: the default backend": (name("ml"), [("M", "/mutate"), ("V", "/validate")]),
-        "backend=vke": ({**name("ml"), "gpu-coloc.dev/backend": "vke"}, [("M", "/mutate?backend=vke"), ("V", "/validate?backend=vke")]),
-        "backend=nvidia-shared": ({**name("ml"), "gpu-coloc.dev/backend": "nvidia-shared"}, [("M", "/mutate?backend=nvidia-shared"), ("V", "/validate?backend=nvidia-shared")]),
-        "backend=hami": ({**name("ml"), "gpu-coloc.dev/backend": "hami"}, [("M", "/mutate?backend=hami"), ("V", "/validate?backend=hami")]),
-        "backend=volcano (no such backend): refused": ({**name("ml"), "gpu-coloc.dev/backend": "volcano"}, [("V", "/unsupported-backend")]),
-        "backend= (empty): refused": ({**name("ml"), "gpu-coloc.dev/backend": ""}, [("V", "/unsupported-backend")]),
+        "no label: the default backend": (name("ml"), inj + [("M", "/mutate"), ("V", "/validate")]),
+        "backend=vke": ({**name("ml"), "gpu-coloc.dev/backend": "vke"}, inj + [("M", "/mutate?backend=vke"), ("V", "/validate?backend=vke")]),
+        "backend=nvidia-shared": ({**name("ml"), "gpu-coloc.dev/backend": "nvidia-shared"}, inj + [("M", "/mutate?backend=nvidia-shared"), ("V", "/validate?backend=nvidia-shared")]),
+        "backend=hami": ({**name("ml"), "gpu-coloc.dev/backend": "hami"}, inj + [("M", "/mutate?backend=hami"), ("V", "/validate?backend=hami")]),
+        "backend=volcano (no such backend): refused": ({**name("ml"), "gpu-coloc.dev/backend": "volcano"}, inj + [("V", "/unsupported-backend")]),
+        "backend= (empty): refused": ({**name("ml"), "gpu-coloc.dev/backend": ""}, inj + [("V", "/unsupported-backend")]),
         "opted out": ({**name("ml"), "gpu-coloc.dev/webhook": "disabled"}, []),
         "opted out, with a backend": ({**name("ml"), "gpu-coloc.dev/webhook": "disabled", "gpu-coloc.dev/backend": "hami"}, []),
         "kube-system": (name("kube-system"), []),
         "the release's namespace": (name("gpu-coloc"), []),
+        "shim opted out": ({**name("ml"), "gpu-coloc.dev/shim": "disabled"}, [("M", "/mutate"), ("V", "/validate")]),
+        "Pod Security baseline (no hostPath volumes)": ({**name("ml"), "pod-security.kubernetes.io/enforce": "baseline"}, [("M", "/mutate"), ("V", "/validate")]),
+        "Pod Security restricted": ({**name("ml"), "pod-security.kubernetes.io/enforce": "restricted"}, [("M", "/mutate"), ("V", "/validate")]),
+        "Pod Security privileged": ({**name("ml"), "pod-security.kubernetes.io/enforce": "privileged"}, inj + [("M", "/mutate"), ("V", "/validate")]),
     }
     for what, (labels, expected) in cases.items():
         got = routes(docs, labels)
         check(got == sorted(expected), f"routing, {what}: sent to {got}, expected {sorted(expected)}")
+    first = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
+    check(first["clientConfig"]["service"]["path"] == "/inject" and first["rules"][0]["operations"] == ["CREATE"],
+          "the shim's webhook comes first (it sees the pod's own mGPU requests) and only at CREATE")
+    off = [x for x in yaml.safe_load_all(render("shim.enabled=false")) if x]
+    check(not [w for w in one(off, "MutatingWebhookConfiguration")["webhooks"] if w["clientConfig"]["service"]["path"] == "/inject"],
+          "shim.enabled=false: no /inject webhook")
     print(f"ok  webhook routing by namespace label: {len(cases)} cases")
 
 
@@ -253,33 +387,187 @@ def match_condition_checks(docs):
     print(f"ok  matchConditions (CEL): {n} webhook fixtures and {len(cases)} pods")
 
 
+# --- The CUDA shim in GPU pods -------------------------------------------------------
+
+def cargo_artifacts():
+    """cargo's artifact messages for this checkout, built as scripts/test-all builds it (the
+    same features: nothing is rebuilt after it)."""
+    return run("cargo", "build", "-q", "--workspace", "--all-targets", "--message-format=json", cwd=ROOT)
+
+
+def webhook_binary():
+    """The coloc-webhook binary of this checkout (built if needed)."""
+    for line in cargo_artifacts().splitlines():
+        msg = json.loads(line)
+        if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["target"]["name"] == "coloc-webhook" \
+                and not msg["profile"]["test"]:
+            return msg["executable"]
+    raise SystemExit("FAILED: no coloc-webhook binary from cargo build")
+
+
+def injection_checks(docs, label):
+    """GPU pods as the chart's webhook makes them (its own settings file; /inject, then
+    /mutate, as the API server calls them), for every backend and every admitted fixture,
+    validated against the Kubernetes schemas; a second pass changes nothing."""
+    cfg = one(docs, "ConfigMap", "-webhook")["data"]["config.toml"]
+    binary = webhook_binary()
+    pods, n = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = os.path.join(tmp, "config.toml")
+        with open(conf, "w") as f:
+            f.write(cfg)
+        for path in sorted(glob.glob(os.path.join(ROOT, "webhook", "tests", "data", "*.json"))):
+            req = json.load(open(path))["request"]
+            if req["operation"] != "CREATE" or not req.get("object") or os.path.basename(path).startswith("deny-"):
+                continue
+            for backend in ("vke", "nvidia-shared", "hami"):
+                src = os.path.join(tmp, "pod.json")
+                with open(src, "w") as f:
+                    json.dump(req["object"], f)
+                pod = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
+                name = os.path.basename(path)
+                asks = any(k.startswith("vke.volcengine.com/") for l in ("containers", "initContainers")
+                           for c in req["object"]["spec"].get(l, []) for part in ("limits", "requests")
+                           for k in c.get("resources", {}).get(part, {}))
+                ann = (pod["metadata"].get("annotations") or {})
+                check(("gpu-coloc.dev/shim-injected" in ann) == asks, f"{label}: {name} ({backend}): shim injected: {ann.get('gpu-coloc.dev/shim-injected')}")
+                with open(src, "w") as f:
+                    json.dump(pod, f)
+                again = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
+                check(again == pod, f"{label}: {name} ({backend}): a second pass changed the pod")
+                pod.setdefault("metadata", {})["name"] = f"{pod['metadata'].get('name', 'pod')}-{backend}"
+                pods.append(pod)
+                n += asks
+    validate(yaml.safe_dump_all(pods), f"{label}: {len(pods)} pods after /inject and /mutate ({n} with the shim)")
+
+
 # --- Certificates ---------------------------------------------------------------------
 
 def cert_checks():
     d = [x for x in yaml.safe_load_all(render()) if x]
-    job = one(d, "Job", "-cert")
-    args = dict(a.split("=", 1) for a in job["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+    cm = [x for x in yaml.safe_load_all(render("webhook.certManager.enabled=true")) if x]
+    manual = [x for x in yaml.safe_load_all(render("webhook.caBundle=Zm9v")) if x]
     dep = one(d, "Deployment", "-webhook")
     secret = dep["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
-    check(job["spec"]["template"]["spec"]["containers"][0]["args"][0] == "bootstrap-cert", "the Job runs coloc-webhook bootstrap-cert")
-    check(args["--secret"] == secret, f"the Job writes {args['--secret']}, the webhook mounts {secret}")
-    check(args["--service"] == one(d, "Service", "-webhook")["metadata"]["name"], "the Job's certificate is for the webhook's Service")
-    check(args["--mutating-config"] == one(d, "MutatingWebhookConfiguration")["metadata"]["name"]
-          and args["--validating-config"] == one(d, "ValidatingWebhookConfiguration")["metadata"]["name"], "the Job patches the chart's configurations")
-    check(job["spec"]["template"]["spec"]["containers"][0]["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"], "the Job runs the webhook's image")
-    check(job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade", "the Job runs after install and upgrade")
-    cr = one(d, "ClusterRole", "-cert")
-    check(cr["rules"][0]["resourceNames"] == [args["--mutating-config"]] and cr["rules"][0]["verbs"] == ["get", "patch"], "the Job may only get/patch its own configurations")
+    # helm install --wait / upgrade --wait, step by step, for every TLS mode.
+    for label, docs, given in (("bootstrap", d, set()), ("cert-manager", cm, set()), ("manual caBundle", manual, {secret})):
+        for event in ("install", "upgrade"):
+            helm_lifecycle(docs, f"{label}, helm {event} --wait", event, given if event == "install" else given | {secret})
+    jobs = {j["metadata"]["annotations"]["helm.sh/hook"]: j for j in by_kind(d, "Job")}
+    if not check(set(jobs) == {"pre-install,pre-upgrade", "post-install,post-upgrade"}, f"certificate Jobs by hook: {sorted(jobs)}"):
+        return
+    pre, post = jobs["pre-install,pre-upgrade"], jobs["post-install,post-upgrade"]
+    for job in (pre, post):
+        c = job["spec"]["template"]["spec"]["containers"][0]
+        args = dict(a.split("=", 1) for a in c["args"][1:] if "=" in a)
+        check(c["args"][0] == "bootstrap-cert", "the Jobs run coloc-webhook bootstrap-cert")
+        check(args["--secret"] == secret, f"the Job uses {args['--secret']}, the webhook mounts {secret}")
+        check(args["--service"] == one(d, "Service", "-webhook")["metadata"]["name"], "the Job's certificate is for the webhook's Service")
+        check(c["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"], "the Job runs the webhook's image")
+    pre_args, post_args = pre["spec"]["template"]["spec"]["containers"][0]["args"], post["spec"]["template"]["spec"]["containers"][0]["args"]
+    check(not any(a.startswith(("--mutating-config", "--validating-config")) for a in pre_args) and "--patch-only" not in pre_args,
+          f"the pre-install Job makes the Secret only: {pre_args}")
+    check("--patch-only" in post_args, f"the post-install Job only patches: {post_args}")
+    cr = one(d, "ClusterRole", "-ca-bundle")
+    check(cr["rules"][0]["resourceNames"] == [one(d, "MutatingWebhookConfiguration")["metadata"]["name"]] and cr["rules"][0]["verbs"] == ["get", "patch"],
+          "the patch Job may only get/patch its own configurations")
+    check(not [c for c in by_kind(d, "ClusterRole") if c["metadata"]["name"].endswith("-cert")], "the Secret Job has no cluster-wide rights")
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         for w in one(d, kind)["webhooks"]:
             check(w["failurePolicy"] == "Ignore", f"default install: {w['name']} failurePolicy Ignore (never blocks the cluster)")
-    cm = [x for x in yaml.safe_load_all(render("webhook.certManager.enabled=true")) if x]
     check(not by_kind(cm, "Job") and by_kind(cm, "Certificate"), "cert-manager: a Certificate, no bootstrap Job")
-    manual = [x for x in yaml.safe_load_all(render("webhook.caBundle=Zm9v")) if x]
     check(not by_kind(manual, "Job") and all(w["clientConfig"].get("caBundle") == "Zm9v" for w in one(manual, "MutatingWebhookConfiguration")["webhooks"]), "a given caBundle: used, no Job")
     fail = [x for x in yaml.safe_load_all(render("webhook.failurePolicy=Fail")) if x]
     check(all(w["failurePolicy"] == "Fail" for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration") for w in one(fail, k)["webhooks"]), "failurePolicy=Fail opts in")
-    print("ok  certificate bootstrap Job, cert-manager, manual caBundle, failurePolicy")
+    print("ok  certificate: Secret before the pods (pre-install), caBundle after the configurations (post-install); "
+          "helm install/upgrade --wait modelled for bootstrap, cert-manager and a given caBundle")
+
+
+def rbac_allows(objs, sa, ns, verb, resource, name):
+    """Whether RBAC objects among `objs` let service account ns/sa do verb on resource/name."""
+    for b in objs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(s.get("kind") == "ServiceAccount" and s["name"] == sa and s.get("namespace") == ns for s in b.get("subjects", [])):
+            continue
+        ref = b["roleRef"]
+        for r in objs:
+            if r["kind"] != ref["kind"] or r["metadata"]["name"] != ref["name"]:
+                continue
+            for rule in r.get("rules", []):
+                if resource in rule.get("resources", []) and verb in rule.get("verbs", []) \
+                        and ("resourceNames" not in rule or name in rule["resourceNames"]):
+                    return True
+    return False
+
+
+def helm_lifecycle(docs, label, event, secrets):
+    """helm install|upgrade --wait on `docs`: pre hooks by weight (a Job runs once what it needs
+    exists: its service account and RBAC at a lower weight), then the release's objects, then
+    --wait for every pod (each Secret it mounts must exist by then), then post hooks. `secrets`:
+    Secrets there before (given by the user, or left by an earlier install)."""
+    hooks = {}
+    release = []
+    for x in docs:
+        ann = x["metadata"].get("annotations") or {}
+        if "helm.sh/hook" in ann:
+            for ph in ann["helm.sh/hook"].split(","):
+                hooks.setdefault(ph.strip(), []).append(x)
+        else:
+            release.append(x)
+    existing = list(release) if event == "upgrade" else []
+    secrets = set(secrets)
+    patched = set()
+
+    def run_phase(phase):
+        made = []
+        objs = sorted(hooks.get(phase, []), key=lambda x: int(x["metadata"]["annotations"].get("helm.sh/hook-weight", "0")))
+        for weight in sorted({int(x["metadata"]["annotations"].get("helm.sh/hook-weight", "0")) for x in objs}):
+            group = [x for x in objs if int(x["metadata"]["annotations"].get("helm.sh/hook-weight", "0")) == weight]
+            before = existing + made  # what exists when this weight's hooks are created
+            for job in [x for x in group if x["kind"] == "Job"]:
+                pod = job["spec"]["template"]["spec"]
+                ns = job["metadata"]["namespace"]
+                sa = pod.get("serviceAccountName", "default")
+                check(any(o["kind"] == "ServiceAccount" and o["metadata"]["name"] == sa for o in before),
+                      f"{label}: {phase} Job {job['metadata']['name']} runs before its service account {sa} exists")
+                a = pod["containers"][0]["args"]
+                if a[0] != "bootstrap-cert":
+                    continue
+                kv = dict(x.split("=", 1) for x in a[1:] if "=" in x)
+                sec = kv["--secret"]
+                cfgs = [(k, v) for k, v in (x.split("=", 1) for x in a[1:] if x.startswith(("--mutating-config=", "--validating-config=")))]
+                if "--patch-only" in a:
+                    check(sec in secrets, f"{label}: {phase} Job {job['metadata']['name']} reads Secret {sec}, which no earlier step made")
+                    check(rbac_allows(before, sa, ns, "get", "secrets", sec), f"{label}: {job['metadata']['name']} may not get Secret {sec}")
+                else:
+                    for verb in ("create", "get", "update"):
+                        check(rbac_allows(before, sa, ns, verb, "secrets", sec), f"{label}: {job['metadata']['name']} may not {verb} Secret {sec}")
+                    secrets.add(sec)
+                for flag, name in cfgs:
+                    kind = "MutatingWebhookConfiguration" if flag.startswith("--mutating") else "ValidatingWebhookConfiguration"
+                    check(any(o["kind"] == kind and o["metadata"]["name"] == name for o in before),
+                          f"{label}: {phase} Job {job['metadata']['name']} patches {kind} {name}, which does not exist yet")
+                    check(rbac_allows(before, sa, ns, "patch", kind.lower() + "s", name), f"{label}: {job['metadata']['name']} may not patch {kind} {name}")
+                    patched.add((kind, name))
+            made.extend(group)
+
+    run_phase(f"pre-{event}")
+    existing = list(release)
+    # cert-manager issues the Certificates' Secrets once the release's objects exist.
+    secrets |= {c["spec"]["secretName"] for c in by_kind(release, "Certificate")}
+    # --wait: every pod of the release starts only with the Secrets it mounts.
+    for w in [x for x in release if x["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]:
+        for v in w["spec"]["template"]["spec"].get("volumes", []):
+            if "secret" in v and not v["secret"].get("optional"):
+                check(v["secret"]["secretName"] in secrets,
+                      f"{label}: {w['kind']} {w['metadata']['name']} mounts Secret {v['secret']['secretName']}, which no step before --wait made: the install waits forever")
+    run_phase(f"post-{event}")
+    for cfg in by_kind(release, "MutatingWebhookConfiguration") + by_kind(release, "ValidatingWebhookConfiguration"):
+        key = (cfg["kind"], cfg["metadata"]["name"])
+        ok = key in patched or "cert-manager.io/inject-ca-from" in (cfg["metadata"].get("annotations") or {}) \
+            or all(w["clientConfig"].get("caBundle") for w in cfg["webhooks"])
+        check(ok, f"{label}: nothing sets the caBundle of {key}")
 
 
 # --- Monitoring: one naming across ServiceMonitors, alerts, dashboard ------------------
@@ -333,6 +621,13 @@ def release_checks():
     cluster = lambda docs: {(d["kind"], d["metadata"]["name"]) for d in docs if "namespace" not in d["metadata"]}
     clash = cluster(a) & cluster(b)
     check(not clash, f"two releases collide on cluster-scoped objects: {sorted(clash)}")
+    # The longest names Helm and the schema allow: every name fits (a Service's name is a
+    # DNS label, and a Job's name is also a label value of its pods: at most 63 characters).
+    for sets in ((), ("fullnameOverride=" + "f" * 50,)):
+        long = [x for x in yaml.safe_load_all(render(*sets, name="r" * 53)) if x]
+        too_long = [(x["kind"], x["metadata"]["name"]) for x in long
+                    if len(x["metadata"]["name"]) > (63 if x["kind"] in ("Service", "Job") else 253)]
+        check(not too_long, f"names too long for their kind: {too_long}")
     o = [x for x in yaml.safe_load_all(render("fullnameOverride=coloc")) if x]
     names = {d["metadata"]["name"] for d in o}
     check(all(n.startswith("coloc") for n in names), f"fullnameOverride: {sorted(n for n in names if not n.startswith('coloc'))}")
@@ -363,11 +658,7 @@ def readme_table_checks():
 
 
 def image_checks():
-    """What can be checked of the images without a Docker daemon (none runs here)."""
-    import shutil
-    daemon = shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
-    print(f"note images: {'a Docker daemon runs, but' if daemon else 'no Docker daemon here:'} the images are not built by this test;"
-          " it checks the Dockerfiles statically")
+    """The Dockerfiles, statically; then their runtime stages built for real (image_builds)."""
     d = [x for x in yaml.safe_load_all(render()) if x]
     vals = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
     for component, binary in (("agent", "coloc-agent"), ("webhook", "coloc-webhook")):
@@ -383,17 +674,132 @@ def image_checks():
         for src in re.findall(r"^COPY\s+(?!--from)(\S+)\s", text, flags=re.M):
             check(os.path.exists(os.path.join(ROOT, src)), f"{component}: COPY {src} does not exist")
         check("target/" in open(os.path.join(ROOT, ".dockerignore")).read(), ".dockerignore leaves out target/")
-        check(re.search(r"^FROM .*distroless", text, flags=re.M), f"{component}: small runtime base (distroless)")
+        check(re.search(r"^ARG RUNTIME_BASE=gcr\.io/distroless/", text, flags=re.M) and re.search(r"^FROM \$\{RUNTIME_BASE\}$", text, flags=re.M),
+              f"{component}: small runtime base (distroless by default)")
+        check(re.search(r"^ARG BINARIES=build$", text, flags=re.M) and re.search(r"^FROM \$\{BINARIES\} AS binaries$", text, flags=re.M)
+              and "COPY --from=binaries /out/ /" in text, f"{component}: the runtime stage takes /out from the build stage (or BINARIES)")
         repo = vals["image"][component]["repository"]
         check(f"# image: {repo}" in text, f"{component}: the Dockerfile does not say it builds {repo}")
         if component == "webhook":
             check(re.search(r"^USER 65532", text, flags=re.M), "webhook image runs as a non-root user (65532, as the chart's runAsUser)")
-            job = one(d, "Job", "-cert")
-            check(job["spec"]["template"]["spec"]["containers"][0]["image"].startswith(repo), "the bootstrap Job uses the webhook image")
+            for job in by_kind(d, "Job"):
+                check(job["spec"]["template"]["spec"]["containers"][0]["image"].startswith(repo), "the certificate Jobs use the webhook image")
         else:
-            links = re.findall(r"host-nvml/libnvidia-ml\.so\.1", text)
-            check(links and "x86_64-linux-gnu" in text and "aarch64-linux-gnu" in text, "agent image: host NVML link for both architectures")
+            # What the chart's init container runs and installs, from this image.
+            ds = by_kind(d, "DaemonSet")[0]["spec"]["template"]["spec"]
+            inst = [i for i in ds["initContainers"] if i["name"] == "install-shim"][0]
+            src = dict(a.split("=", 1) for a in inst["args"])["--install"]
+            check("--bin coloc-node-setup" in text and f"/out{inst['command'][0]}" in text, "agent image: coloc-node-setup, the install-shim init container's command")
+            check("-p coloc-cuda-shim" in text and f"/out{src}" in text, f"agent image: the CUDA shim at {src}, which the init container installs")
     print("ok  Dockerfiles: static checks")
+    image_builds(d)
+
+
+BASE_CACHE = "/var/tmp/coloc-check/bookworm-minbase.tar"
+
+
+def image_builds(d):
+    """Builds the runtime stage of both Dockerfiles for real, without a daemon or a registry:
+    buildah (vfs storage, chroot isolation) on a Debian 12 base made with debootstrap (the
+    release of distroless/cc-debian12), fed with this checkout's binaries through the
+    Dockerfiles' BINARIES and RUNTIME_BASE arguments (the Rust build stage, which needs the
+    rust image from a registry, is skipped). Then runs the images' entry points and what the
+    chart runs in them. Installs buildah and debootstrap (Debian packages) when missing; what
+    cannot be done here is said, and only the static checks remain."""
+    import shutil
+    need = [t for t in ("buildah", "debootstrap") if not shutil.which(t)]
+    if need and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-qq", *need], capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        need = [t for t in need if not shutil.which(t)]
+    if need or os.geteuid() != 0:
+        why = f"{', '.join(need)} not installed and not installable here" if need else "building needs root (chroot isolation, vfs storage)"
+        print(f"note images: NOT BUILT ({why}): only the Dockerfiles' static checks ran")
+        return
+    arch = run("dpkg", "--print-architecture").strip()
+    tmp = tempfile.mkdtemp(prefix="coloc-images-")
+    b = ["buildah", "--root", os.path.join(tmp, "storage"), "--runroot", os.path.join(tmp, "run"), "--storage-driver", "vfs"]
+    try:
+        # The base: a debootstrap minbase of bookworm (cached between runs on this machine).
+        if not os.path.exists(BASE_CACHE):
+            rootfs = os.path.join(tmp, "rootfs")
+            r = subprocess.run(["debootstrap", "--variant=minbase", "bookworm", rootfs, "http://deb.debian.org/debian"], capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"note images: NOT BUILT (debootstrap could not make a Debian 12 base, no mirror reachable?): "
+                      f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}; only the Dockerfiles' static checks ran")
+                return
+            os.makedirs(os.path.dirname(BASE_CACHE), exist_ok=True)
+            run("tar", "-C", rootfs, "-cf", BASE_CACHE + ".part", ".")
+            os.rename(BASE_CACHE + ".part", BASE_CACHE)
+            shutil.rmtree(rootfs)
+        ctr = run(*b, "from", "scratch").strip()
+        run(*b, "add", ctr, BASE_CACHE, "/")
+        run(*b, "commit", "-q", "--rm", ctr, "localhost/coloc-check-base")
+        # This checkout's binaries, as the build stage leaves them in /out (stripped).
+        out = cargo_artifacts()
+        arts = {}
+        for line in out.splitlines():
+            m = json.loads(line)
+            if m.get("reason") == "compiler-artifact" and not m["profile"]["test"]:
+                for f in m.get("filenames", []) + ([m["executable"]] if m.get("executable") else []):
+                    arts[os.path.basename(f)] = f
+        stage = os.path.join(tmp, "stage")
+        for name, dest in (("coloc-agent", "usr/local/bin"), ("coloc-node-setup", "usr/local/bin"), ("coloc-webhook", "usr/local/bin"),
+                           ("libcoloc_cuda.so", "opt/coloc/lib")):
+            os.makedirs(os.path.join(stage, "out", dest), exist_ok=True)
+            run("strip", "-o", os.path.join(stage, "out", dest, name), arts[name])
+        ctr = run(*b, "from", "scratch").strip()
+        run(*b, "copy", ctr, os.path.join(stage, "out"), "/out")
+        run(*b, "commit", "-q", "--rm", ctr, "localhost/coloc-check-binaries")
+        images = {}
+        for component in ("agent", "webhook"):
+            tag = f"localhost/coloc-{component}:check"
+            run(*b, "build", "-q", "--isolation", "chroot", "--pull=never", "-f", os.path.join(DEPLOY, "docker", f"{component}.Dockerfile"),
+                "--build-arg", f"TARGETARCH={arch}", "--build-arg", "BINARIES=localhost/coloc-check-binaries",
+                "--build-arg", "RUNTIME_BASE=localhost/coloc-check-base", "-t", tag, ROOT)
+            images[component] = tag
+        # What the chart runs in them.
+        ds = by_kind(d, "DaemonSet")[0]["spec"]["template"]["spec"]
+        inst = [i for i in ds["initContainers"] if i["name"] == "install-shim"][0]
+        dep = one(d, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]
+
+        def in_image(tag, *cmd, user=None, env=()):
+            ctr = run(*b, "from", "--pull=never", tag).strip()
+            try:
+                extra = (["--user", user] if user else []) + [a for e in env for a in ("--env", e)]
+                r = subprocess.run([*b, "run", "--isolation", "chroot", *extra, ctr, "--", *cmd], capture_output=True, text=True)
+                return r.returncode, r.stdout + r.stderr
+            finally:
+                run(*b, "rm", ctr)
+
+        def config(tag):
+            return json.loads(run(*b, "inspect", "--type", "image", tag))["OCIv1"]["config"]
+
+        agent, webhook = config(images["agent"]), config(images["webhook"])
+        check(agent.get("Entrypoint") == ["/usr/local/bin/coloc-agent"] and agent.get("Cmd") == ["run"], f"agent image: entry point {agent}")
+        check(webhook.get("Entrypoint") == ["/usr/local/bin/coloc-webhook"] and webhook.get("User") == f"{dep['securityContext']['runAsUser']}:{dep['securityContext']['runAsUser']}",
+              f"webhook image: entry point and the chart's runAsUser: {webhook}")
+        rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "--version")
+        check(rc == 0 and "coloc-agent" in text, f"agent image: coloc-agent runs on the base: {text}")
+        rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "resume", "--state-dir", "/tmp/state")
+        check(rc == 0 and "nothing was suspended" in text, f"agent image: coloc-agent resume (the preStop and sidecar): {text}")
+        args = [a if not a.startswith(("--into=", "--doorbell-dir=", "--gate-dir=")) else a.split("=", 1)[0] + "=/tmp/node" + a.split("=", 1)[1] for a in inst["args"]]
+        rc, text = in_image(images["agent"], *inst["command"], *args)
+        check(rc == 0 and "installed" in text and "1777" in text, f"agent image: the install-shim init container's command: {text}")
+        # The shim the image carries loads under the image's glibc (and passes through: no CUDA here).
+        rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "--version", env=(f"LD_PRELOAD=/opt/coloc/lib/libcoloc_cuda.so",))
+        check(rc == 0 and "coloc-agent" in text and "cannot be preloaded" not in text, f"agent image: libcoloc_cuda.so loads with LD_PRELOAD: {text}")
+        rc, text = in_image(images["webhook"], "/usr/local/bin/coloc-webhook", "--version", user=str(dep["securityContext"]["runAsUser"]))
+        check(rc == 0 and "coloc-webhook" in text, f"webhook image: coloc-webhook runs as the chart's user: {text}")
+        rc, text = in_image(images["webhook"], "/usr/local/bin/coloc-webhook", "bootstrap-cert", "--help")
+        check(rc == 0 and "--patch-only" in text, f"webhook image: the certificate Jobs' bootstrap-cert: {text[:200]}")
+        print(f"ok  images built for real ({arch}): the runtime stages of agent.Dockerfile and webhook.Dockerfile with buildah "
+              "(vfs, chroot) on a debootstrap Debian 12 base, fed with this checkout's binaries; entry points, resume, "
+              "install-shim, the shim under LD_PRELOAD and the webhook as its user run in them. Not built: the Rust build "
+              "stage (its rust image needs a registry) and the distroless base (same)")
+    finally:
+        subprocess.run([*b, "rm", "--all"], capture_output=True)
+        subprocess.run([*b, "rmi", "--all", "--force"], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main():
@@ -401,16 +807,7 @@ def main():
     default = render()
     dd = validate(default, "chart (defaults)")
     promises(dd, "chart (defaults)")
-    host = validate(render("agent.runtimeClassName="), "chart (driver from the host, either architecture)")
-    hc = one(host, "DaemonSet")["spec"]["template"]["spec"]
-    env = {e["name"]: e.get("value") for e in hc["containers"][0]["env"]}
-    vols = {v["name"]: v for v in hc["volumes"]}
-    check(env.get("COLOC_NVML_LIB") == "/opt/coloc/host-nvml/libnvidia-ml.so.1" and vols["nvidia-lib"]["hostPath"]["path"] == "/usr/lib",
-          "host mode: the image's per-architecture link into the host's /usr/lib")
-    lib64 = [x for x in yaml.safe_load_all(render("agent.runtimeClassName=", "agent.hostLibraryDir=/usr/lib64")) if x]
-    l64 = one(lib64, "DaemonSet")["spec"]["template"]["spec"]
-    check({e["name"]: e.get("value") for e in l64["containers"][0]["env"]}.get("COLOC_NVML_LIB") == "/host/nvidia-lib/libnvidia-ml.so.1"
-          and {v["name"]: v for v in l64["volumes"]}["nvidia-lib"]["hostPath"]["path"] == "/usr/lib64", "host mode with hostLibraryDir")
+    host_mode_checks()
     promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
     promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
     other_ns = validate(render(namespace="gpu-sharing"), "chart (namespace gpu-sharing)")
@@ -424,6 +821,9 @@ def main():
     check(not by_kind(agent_only, "MutatingWebhookConfiguration") and not by_kind(agent_only, "Job"), "webhook.enabled=false drops the webhook")
     routing_checks(dd)
     match_condition_checks(dd)
+    injection_checks(dd, "chart (defaults)")
+    injection_checks([x for x in yaml.safe_load_all(render("shim.inflight=0", "shim.library=/opt/gpu/lib/libcoloc_cuda.so")) if x],
+                     "chart (other shim paths, K=0)")
     cert_checks()
     monitoring_checks()
     release_checks()

@@ -1,20 +1,29 @@
 //! `coloc-webhook bootstrap-cert`: the chart's serving certificate without cert-manager.
 //!
-//! Run once per install and upgrade by a Helm hook Job (the webhook's own image, its own
-//! service account with the narrow rights below). It talks to the API server only; the
-//! serving webhook never does.
+//! Run by two Helm hook Jobs (the webhook's own image, each with its own service account
+//! and the narrow rights below). It talks to the API server only; the serving webhook
+//! never does.
 //!
 //! ```text
+//!  pre-install/pre-upgrade (secret only: no configuration named)
 //!  Secret <secret> (kubernetes.io/tls) ── missing, unreadable, for other names, or
 //!        │                                 expiring within --renew-before-days
 //!        │                                 ─► new CA + serving certificate, written
 //!        ▼
+//!  post-install/post-upgrade (--patch-only: the Secret is read, never written)
 //!  ca.crt ─► caBundle of every webhook in the named Mutating/ValidatingWebhookConfigurations
 //! ```
 //!
+//! Why two steps: the webhook's pods mount the Secret, so it must exist before Helm waits
+//! for them (`helm install --wait`), i.e. before the release's objects; the
+//! configurations whose `caBundle` is set are release objects, so they exist only after.
+//! Both steps in one run (configurations named, no `--patch-only`) is the plain-manifest
+//! form.
+//!
 //! A valid certificate is kept, so `helm upgrade` does not rotate it; the webhook's pods
 //! re-read the mounted files when they change. Rights needed: `get, create, update` on
-//! the Secret (namespace), `get, patch` on the two configurations (cluster).
+//! the Secret (namespace) for the first step; `get` on the Secret and `get, patch` on the
+//! two configurations (cluster) for the second.
 
 use anyhow::{bail, Context, Result};
 use base64::Engine;
@@ -49,6 +58,19 @@ pub struct Target {
     pub validity_days: u64,
     /// A certificate with less than this left is replaced, days.
     pub renew_before_days: u64,
+    /// What to do.
+    pub mode: Mode,
+}
+
+/// Which of the two steps to take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Make sure the Secret holds a valid certificate; then set `caBundle` on the named
+    /// configurations, if any are named (none: the Secret only, e.g. before they exist).
+    Secret,
+    /// Only set `caBundle` from the Secret's `ca.crt` (which must exist and be valid);
+    /// the Secret is never written.
+    PatchOnly,
 }
 
 impl Target {
@@ -78,8 +100,8 @@ pub enum SecretOutcome {
 /// The result of one bootstrap.
 #[derive(Debug, Clone)]
 pub struct Outcome {
-    /// The Secret.
-    pub secret: SecretOutcome,
+    /// The Secret (`None` with [`Mode::PatchOnly`]: read, not written).
+    pub secret: Option<SecretOutcome>,
     /// Webhooks whose `caBundle` was set.
     pub webhooks_patched: usize,
     /// The CA certificate (PEM) now in the Secret and the configurations.
@@ -203,29 +225,33 @@ fn ca_patch(count: usize, ca_pem: &str) -> Result<json_patch::Patch> {
     Ok(serde_json::from_value(serde_json::Value::Array(ops))?)
 }
 
-/// Makes sure the Secret holds a valid certificate for the Service, then puts its CA in
-/// every named webhook configuration.
-pub async fn bootstrap(client: kube::Client, t: &Target, now_unix: u64) -> Result<Outcome> {
-    if t.mutating.is_empty() && t.validating.is_empty() {
-        bail!("no webhook configuration named: pass --mutating-config and/or --validating-config");
-    }
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &t.namespace);
+/// The CA (PEM) in a Secret that [`unusable`] accepts.
+fn ca_of(s: &Secret) -> Result<String> {
+    let ca = s
+        .data
+        .as_ref()
+        .and_then(|d| d.get("ca.crt"))
+        .map(|v| v.0.clone());
+    String::from_utf8(ca.unwrap_or_default()).context("ca.crt in the Secret is not PEM text")
+}
+
+/// Makes sure the Secret holds a valid certificate for the Service (creating or replacing
+/// it); returns what happened and its CA.
+pub async fn ensure_secret(
+    client: kube::Client,
+    t: &Target,
+    now_unix: u64,
+) -> Result<(SecretOutcome, String)> {
+    let secrets: Api<Secret> = Api::namespaced(client, &t.namespace);
     let existing = secrets
         .get_opt(&t.secret)
         .await
         .with_context(|| format!("reading Secret {}/{}", t.namespace, t.secret))?;
-    let (outcome, ca_pem) = match existing {
+    Ok(match existing {
         Some(s) => match unusable(&s, t, now_unix) {
             None => {
-                let ca = s
-                    .data
-                    .as_ref()
-                    .and_then(|d| d.get("ca.crt"))
-                    .map(|v| v.0.clone());
-                let ca = String::from_utf8(ca.unwrap_or_default())
-                    .context("ca.crt in the Secret is not PEM text")?;
                 tracing::info!(secret = %t.secret, "Serving certificate valid: kept");
-                (SecretOutcome::Kept, ca)
+                (SecretOutcome::Kept, ca_of(&s)?)
             }
             Some(why) => {
                 tracing::info!(secret = %t.secret, %why, "Replacing the serving certificate");
@@ -247,8 +273,43 @@ pub async fn bootstrap(client: kube::Client, t: &Target, now_unix: u64) -> Resul
             tracing::info!(secret = %t.secret, "Serving certificate created");
             (SecretOutcome::Created, ca)
         }
-    };
+    })
+}
 
+/// The CA of the Secret as it is (never written): it must exist and hold a certificate
+/// for the Service. One close to expiry is still used (with a warning): renewing is the
+/// first step's job.
+pub async fn read_ca(client: kube::Client, t: &Target, now_unix: u64) -> Result<String> {
+    let secrets: Api<Secret> = Api::namespaced(client, &t.namespace);
+    let s = secrets
+        .get_opt(&t.secret)
+        .await
+        .with_context(|| format!("reading Secret {}/{}", t.namespace, t.secret))?
+        .with_context(|| {
+            format!(
+                "Secret {}/{} does not exist: the certificate step (bootstrap-cert without \
+                 --patch-only, the chart's pre-install hook) creates it",
+                t.namespace, t.secret
+            )
+        })?;
+    match unusable(&s, t, now_unix) {
+        None => {}
+        Some(why) if why.starts_with("it expires") => {
+            tracing::warn!(secret = %t.secret, %why, "Setting the caBundle of a certificate close to expiry (the next upgrade renews it)")
+        }
+        Some(why) => bail!(
+            "Secret {}/{} cannot be used: {why}; the certificate step (bootstrap-cert without \
+             --patch-only) replaces it",
+            t.namespace,
+            t.secret
+        ),
+    }
+    ca_of(&s)
+}
+
+/// Sets `caBundle` to `ca_pem` on every webhook of the named configurations; returns how
+/// many webhooks were patched.
+pub async fn patch_ca_bundles(client: kube::Client, t: &Target, ca_pem: &str) -> Result<usize> {
     let mut patched = 0;
     let pp = PatchParams::default();
     for name in &t.mutating {
@@ -258,7 +319,7 @@ pub async fn bootstrap(client: kube::Client, t: &Target, now_unix: u64) -> Resul
             .await
             .with_context(|| format!("reading MutatingWebhookConfiguration {name}"))?;
         let n = cfg.webhooks.as_ref().map_or(0, Vec::len);
-        api.patch(name, &pp, &Patch::Json::<()>(ca_patch(n, &ca_pem)?))
+        api.patch(name, &pp, &Patch::Json::<()>(ca_patch(n, ca_pem)?))
             .await
             .with_context(|| format!("patching MutatingWebhookConfiguration {name}"))?;
         patched += n;
@@ -270,15 +331,36 @@ pub async fn bootstrap(client: kube::Client, t: &Target, now_unix: u64) -> Resul
             .await
             .with_context(|| format!("reading ValidatingWebhookConfiguration {name}"))?;
         let n = cfg.webhooks.as_ref().map_or(0, Vec::len);
-        api.patch(name, &pp, &Patch::Json::<()>(ca_patch(n, &ca_pem)?))
+        api.patch(name, &pp, &Patch::Json::<()>(ca_patch(n, ca_pem)?))
             .await
             .with_context(|| format!("patching ValidatingWebhookConfiguration {name}"))?;
         patched += n;
     }
-    tracing::info!(webhooks = patched, "CA bundle set");
+    if patched > 0 || !(t.mutating.is_empty() && t.validating.is_empty()) {
+        tracing::info!(webhooks = patched, "CA bundle set");
+    }
+    Ok(patched)
+}
+
+/// One run of `bootstrap-cert` ([`Mode`]).
+pub async fn bootstrap(client: kube::Client, t: &Target, now_unix: u64) -> Result<Outcome> {
+    let named = !(t.mutating.is_empty() && t.validating.is_empty());
+    let (secret, ca_pem) = match t.mode {
+        Mode::PatchOnly => {
+            if !named {
+                bail!("--patch-only sets caBundle: name the configurations with --mutating-config and/or --validating-config");
+            }
+            (None, read_ca(client.clone(), t, now_unix).await?)
+        }
+        Mode::Secret => {
+            let (o, ca) = ensure_secret(client.clone(), t, now_unix).await?;
+            (Some(o), ca)
+        }
+    };
+    let webhooks_patched = patch_ca_bundles(client, t, &ca_pem).await?;
     Ok(Outcome {
-        secret: outcome,
-        webhooks_patched: patched,
+        secret,
+        webhooks_patched,
         ca_pem,
     })
 }

@@ -3,13 +3,16 @@
 //! ```text
 //!  API server ──AdmissionReview──► /mutate   ─► review::review ─► translate::translate ─► JSON patch
 //!                                  /validate ─►        (pure)          (pure, qos-core parsing)
+//!                                  /inject   ─►                    ─► inject::inject (the CUDA shim)
 //! ```
 //!
-//! `translate` and `review` are pure (no I/O); `server` is the HTTPS wiring: axum +
-//! rustls (ring), certificates reloaded from files when they change.
+//! `translate`, `inject` and `review` are pure (no I/O); `server` is the HTTPS wiring:
+//! axum + rustls (ring), certificates reloaded from files when they change; `bootstrap`
+//! is the certificate Jobs' client of the API server.
 #![forbid(unsafe_code)]
 
 pub mod bootstrap;
+pub mod inject;
 pub mod review;
 pub mod server;
 pub mod translate;

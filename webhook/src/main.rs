@@ -22,9 +22,23 @@ enum LogFormat {
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
     /// Create (or keep, while valid) the webhook's TLS Secret with a self-signed CA, and set
-    /// that CA as `caBundle` in the webhook configurations. The chart runs it as a Helm hook
-    /// Job when cert-manager is not used. Talks to the API server (in-cluster service
-    /// account, or KUBECONFIG).
+    /// that CA as `caBundle` in the webhook configurations. Talks to the API server
+    /// (in-cluster service account, or KUBECONFIG).
+    ///
+    /// The chart runs it in two Helm hook Jobs when cert-manager is not used: before the
+    /// release's objects (pre-install/pre-upgrade) with no configuration named, which makes
+    /// the Secret only (the webhook's pods mount it, so `helm install --wait` does not wait
+    /// for a Secret that comes later); after them (post-install/post-upgrade) with
+    /// --patch-only, which sets caBundle from that Secret on the configurations, which
+    /// exist by then. Run with the configurations named and without --patch-only, it does
+    /// both (plain manifests).
+    #[command(after_help = "\
+Examples:
+  # the Secret only (the configurations may not exist yet)
+  coloc-webhook bootstrap-cert --namespace gpu-coloc --service gpu-coloc-webhook --secret gpu-coloc-webhook-tls
+  # caBundle from that Secret, which must exist; the Secret is never written
+  coloc-webhook bootstrap-cert --patch-only --namespace gpu-coloc --service gpu-coloc-webhook \\
+    --secret gpu-coloc-webhook-tls --mutating-config gpu-coloc-webhook --validating-config gpu-coloc-webhook")]
     BootstrapCert(BootstrapArgs),
 }
 
@@ -39,12 +53,17 @@ struct BootstrapArgs {
     /// The TLS Secret the webhook's pods mount (tls.crt, tls.key, ca.crt).
     #[arg(long)]
     secret: String,
-    /// MutatingWebhookConfiguration to give the CA (repeatable).
+    /// MutatingWebhookConfiguration to give the CA (repeatable). None named (and no
+    /// validating one): the Secret only.
     #[arg(long = "mutating-config")]
     mutating: Vec<String>,
     /// ValidatingWebhookConfiguration to give the CA (repeatable).
     #[arg(long = "validating-config")]
     validating: Vec<String>,
+    /// Only set caBundle on the named configurations, from the Secret as it is (it must
+    /// exist and be for --service); never write the Secret.
+    #[arg(long)]
+    patch_only: bool,
     /// Validity of a new certificate, days.
     #[arg(long, default_value_t = 3650)]
     validity_days: u64,
@@ -60,12 +79,18 @@ struct BootstrapArgs {
     version,
     about,
     after_help = "\
-Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], GET /healthz /readyz /metrics.
+Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], POST /inject,
+POST /unsupported-backend, GET /healthz /readyz /metrics.
 Example config (TOML):
   backend = \"hami\"                          # default backend
   offline_priority_class = \"gpu-coloc-offline\"
   offline_priority = -10                      # that PriorityClass's value
-  offline_preemption_policy = \"Never\"        # and its preemptionPolicy"
+  offline_preemption_policy = \"Never\"        # and its preemptionPolicy
+  [shim]                                      # /inject: the CUDA shim into GPU pods
+  library = \"/var/lib/gpu-coloc/lib/libcoloc_cuda.so\"
+  doorbell_dir = \"/run/gpu-coloc/doorbells\"
+  gate_dir = \"/run/gpu-coloc/gate\"
+  inflight = 2                                # optional: COLOC_SHIM_INFLIGHT of offline pods"
 )]
 struct Args {
     #[command(subcommand)]
@@ -80,7 +105,8 @@ struct Args {
     )]
     log_format: LogFormat,
     /// Settings file (TOML): `backend`, `offline_priority_class`, `offline_priority`,
-    /// `offline_preemption_policy`.
+    /// `offline_preemption_policy`, and a `[shim]` table (`library`, `doorbell_dir`,
+    /// `gate_dir`, `inflight`) for /inject.
     #[arg(long, env = "COLOC_WEBHOOK_CONFIG")]
     config: Option<PathBuf>,
     /// Default backend (overrides the file).
@@ -137,8 +163,9 @@ struct Args {
     /// Worker threads.
     #[arg(long, env = "COLOC_WEBHOOK_THREADS", default_value_t = 2)]
     threads: usize,
-    /// Instead of serving: translate the Pod (JSON) in this file for the backend and print
-    /// the result, or the denial (exit 1). `-` reads standard input.
+    /// Instead of serving: translate the Pod (JSON) in this file for the backend (after
+    /// injecting the CUDA shim when the settings have a [shim] table) and print the
+    /// result, or the denial (exit 1). `-` reads standard input.
     #[arg(long, value_name = "POD_JSON")]
     translate: Option<PathBuf>,
 }
@@ -169,6 +196,16 @@ fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Resu
     let mut pod: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a JSON Pod", path.display()))?;
     let backend = a.backend.unwrap_or(settings.backend);
+    // As the API server calls them: /inject (first in the chart's configuration), then
+    // /mutate.
+    if let Some(shim) = &settings.shim {
+        let inj = coloc_webhook::inject::inject(&pod, shim);
+        for w in &inj.warnings {
+            eprintln!("warning: {w}");
+        }
+        let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(inj.ops))?;
+        json_patch::patch(&mut pod, &patch).context("applying the shim injection")?;
+    }
     match coloc_webhook::translate::translate(&pod, backend, settings) {
         Ok(ops) => {
             let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
@@ -239,6 +276,11 @@ fn bootstrap_cert(b: &BootstrapArgs) -> Result<()> {
         validating: b.validating.clone(),
         validity_days: b.validity_days,
         renew_before_days: b.renew_before_days,
+        mode: if b.patch_only {
+            coloc_webhook::bootstrap::Mode::PatchOnly
+        } else {
+            coloc_webhook::bootstrap::Mode::Secret
+        },
     };
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
@@ -251,9 +293,18 @@ fn bootstrap_cert(b: &BootstrapArgs) -> Result<()> {
             .await
             .context("Kubernetes client (in-cluster service account, or KUBECONFIG)")?;
         let out = coloc_webhook::bootstrap::bootstrap(client, &target, now).await?;
+        let secret = match out.secret {
+            Some(o) => format!("{o:?}"),
+            None => "read (--patch-only)".into(),
+        };
+        let bundles = if target.mutating.is_empty() && target.validating.is_empty() {
+            "no webhook configuration named: caBundle left to a --patch-only run".to_string()
+        } else {
+            format!("caBundle set on {} webhook(s)", out.webhooks_patched)
+        };
         println!(
-            "secret {}/{}: {:?}; caBundle set on {} webhook(s)",
-            target.namespace, target.secret, out.secret, out.webhooks_patched
+            "secret {}/{}: {secret}; {bundles}",
+            target.namespace, target.secret
         );
         Ok(())
     })

@@ -23,6 +23,8 @@ pub enum Mode {
     /// `/unsupported-backend`: the namespace's `gpu-coloc.dev/backend` label names no
     /// backend; pods that ask for mGPU are refused at CREATE, others allowed.
     Unsupported,
+    /// `/inject`: the CUDA shim into GPU pods at CREATE ([`crate::inject`]); never denies.
+    Inject,
 }
 
 impl Mode {
@@ -32,6 +34,7 @@ impl Mode {
             Mode::Mutate => "mutate",
             Mode::Validate => "validate",
             Mode::Unsupported => "unsupported_backend",
+            Mode::Inject => "inject",
         }
     }
 }
@@ -84,6 +87,33 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
     let is_pod = req.kind.group.is_empty() && req.kind.kind == "Pod" && req.sub_resource.is_none();
     let acts = matches!(req.operation, Operation::Create | Operation::Update);
     let (resp, result, reason) = match (&req.object, is_pod && acts) {
+        (Some(_), true) if mode == Mode::Inject => {
+            let pod = &raw["request"]["object"];
+            // Only at CREATE: a pod's containers, env and volumes cannot change later.
+            let inj = match (&settings.shim, req.operation) {
+                (Some(shim), Operation::Create) => crate::inject::inject(pod, shim),
+                _ => crate::inject::Injection::default(),
+            };
+            let mut resp = resp;
+            if !inj.warnings.is_empty() {
+                resp.warnings = Some(inj.warnings);
+            }
+            if inj.ops.is_empty() {
+                (resp, "allowed", None)
+            } else {
+                match serde_json::from_value::<json_patch::Patch>(Value::Array(inj.ops))
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| resp.clone().with_patch(p).map_err(|e| e.to_string()))
+                {
+                    Ok(r) => (r, "patched", None),
+                    // Never deny for the shim: the pod runs without it.
+                    Err(e) => {
+                        tracing::error!(error = %e, "Could not build the shim injection patch; pod admitted without it");
+                        (resp, "allowed", None)
+                    }
+                }
+            }
+        }
         (Some(_), true) => {
             let pod = &raw["request"]["object"];
             let backend = backend.unwrap_or(settings.backend);

@@ -116,6 +116,7 @@ pub fn router(state: AppState) -> Router {
         .route("/mutate", post(mutate))
         .route("/validate", post(validate))
         .route("/unsupported-backend", post(unsupported))
+        .route("/inject", post(inject))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics))
@@ -147,6 +148,15 @@ async fn unsupported(
     body: Body,
 ) -> Response {
     handle(s, Mode::Unsupported, q, headers, body).await
+}
+
+async fn inject(
+    State(s): State<AppState>,
+    q: Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, Mode::Inject, q, headers, body).await
 }
 
 enum BodyError {
@@ -319,7 +329,12 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     );
     // Every bounded label value at 0 from the start, so that `increase()` and `rate()` see
     // the first event (a series born at its first increment has no earlier sample).
-    for mode in [Mode::Mutate, Mode::Validate, Mode::Unsupported] {
+    for mode in [
+        Mode::Mutate,
+        Mode::Validate,
+        Mode::Unsupported,
+        Mode::Inject,
+    ] {
         for result in ["allowed", "patched", "denied", "invalid"] {
             metrics::counter!("coloc_webhook_admissions_total", "endpoint" => mode.as_str(), "result" => result).increment(0);
         }

@@ -153,6 +153,10 @@ pub struct Settings {
     /// written to `spec.preemptionPolicy` with the name; `Never` when unset.
     #[serde(default)]
     pub offline_preemption_policy: Option<String>,
+    /// Where the CUDA shim is on the nodes, for `/inject` ([`crate::inject`]); without it
+    /// `/inject` changes nothing.
+    #[serde(default)]
+    pub shim: Option<crate::inject::ShimSettings>,
 }
 
 impl Settings {
@@ -163,6 +167,7 @@ impl Settings {
             offline_priority_class: None,
             offline_priority: None,
             offline_preemption_policy: None,
+            shim: None,
         }
     }
 
@@ -179,6 +184,9 @@ impl Settings {
     pub fn check(&self) -> Result<(), String> {
         if self.offline_priority_class.is_some() && self.offline_priority.is_none() {
             return Err("offline_priority_class needs offline_priority, the value of that PriorityClass: the API server refuses a pod whose spec.priority is not its class's value".into());
+        }
+        if let Some(shim) = &self.shim {
+            shim.check()?;
         }
         match self.offline_preemption_policy.as_deref() {
             None | Some("Never" | "PreemptLowerPriority") => Ok(()),
@@ -379,6 +387,19 @@ fn read_container(name: &str, path: String, c: &Value) -> Result<Option<Containe
         offline,
         memory,
     }))
+}
+
+/// The class a container's own mGPU requests make it (`None`: it asks for none); the
+/// denial when they cannot be read or contradict each other.
+pub fn container_class(c: &Value) -> Result<Option<PodClass>, Denial> {
+    let name = c["name"].as_str().unwrap_or("?");
+    Ok(
+        read_container(name, String::new(), c)?.and_then(|r| match (r.online, r.offline) {
+            (Some(_), None) => Some(PodClass::Online),
+            (None, Some(_)) => Some(PodClass::Offline),
+            _ => None,
+        }),
+    )
 }
 
 /// The containers (init containers first) that ask for mGPU resources.

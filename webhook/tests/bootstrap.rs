@@ -222,6 +222,13 @@ fn kubeconfig(dir: &std::path::Path, port: u16) -> std::path::PathBuf {
 }
 
 fn bootstrap(kubeconfig: &std::path::Path, extra: &[&str]) -> (bool, String) {
+    let mut args = vec!["--mutating-config", CONFIG, "--validating-config", CONFIG];
+    args.extend_from_slice(extra);
+    bootstrap_cert(kubeconfig, &args)
+}
+
+/// `coloc-webhook bootstrap-cert` for the test's Service and Secret, plus `args`.
+fn bootstrap_cert(kubeconfig: &std::path::Path, args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_coloc-webhook"))
         .args([
             "bootstrap-cert",
@@ -232,8 +239,7 @@ fn bootstrap(kubeconfig: &std::path::Path, extra: &[&str]) -> (bool, String) {
             "--secret",
             SECRET,
         ])
-        .args(["--mutating-config", CONFIG, "--validating-config", CONFIG])
-        .args(extra)
+        .args(args)
         .env("KUBECONFIG", kubeconfig)
         .env_remove("KUBERNETES_SERVICE_HOST")
         .output()
@@ -438,5 +444,85 @@ fn bootstrap_creates_keeps_and_renews_the_certificate_and_sets_every_ca_bundle()
         !ok && text.contains("ValidatingWebhookConfiguration missing"),
         "{text}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The chart's two hook Jobs: before the release's objects exist, the Secret alone (no
+/// configuration to patch, and none is touched); after, the caBundle from that Secret,
+/// which is read and never written.
+#[test]
+fn secret_only_before_the_configurations_then_patch_only_after() {
+    let dir = std::env::temp_dir().join(format!("coloc-webhook-steps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (port, store) = fake_api();
+    let kc = kubeconfig(&dir, port);
+
+    // Patch-only before the Secret exists: refused, saying which step makes it.
+    let patch = [
+        "--patch-only",
+        "--mutating-config",
+        CONFIG,
+        "--validating-config",
+        CONFIG,
+    ];
+    seed_configs(&store);
+    let (ok, text) = bootstrap_cert(&kc, &patch);
+    assert!(
+        !ok && text.contains("does not exist") && text.contains("pre-install"),
+        "{text}"
+    );
+    // ... and --patch-only without a configuration is a usage error.
+    let (ok, text) = bootstrap_cert(&kc, &["--patch-only"]);
+    assert!(!ok && text.contains("--mutating-config"), "{text}");
+
+    // pre-install: the configurations do not exist yet.
+    store.lock().unwrap().objects.clear();
+    let (ok, text) = bootstrap_cert(&kc, &[]);
+    assert!(ok, "secret-only run failed: {text}");
+    assert!(
+        text.contains("Created") && text.contains("caBundle left to a --patch-only run"),
+        "{text}"
+    );
+    assert_eq!(
+        store.lock().unwrap().writes,
+        vec![format!("create secret {SECRET}")],
+        "the secret step writes the Secret and nothing else"
+    );
+    let ca = secret_field(&store, "ca.crt");
+
+    // Helm creates the release's objects (the configurations, without a caBundle) ...
+    seed_configs(&store);
+    // ... and post-install sets every bundle from the Secret, writing no Secret.
+    let writes = store.lock().unwrap().writes.len();
+    let (ok, text) = bootstrap_cert(&kc, &patch);
+    assert!(ok, "patch-only run failed: {text}");
+    assert!(
+        text.contains("read (--patch-only)") && text.contains("caBundle set on 4 webhook(s)"),
+        "{text}"
+    );
+    assert_eq!(bundles(&store), vec![ca.clone(); 4]);
+    let new_writes = store.lock().unwrap().writes[writes..].to_vec();
+    assert!(
+        new_writes.iter().all(|w| w.starts_with("patch")) && new_writes.len() == 2,
+        "{new_writes:?}"
+    );
+
+    // pre-upgrade with a valid Secret: kept, nothing written.
+    let writes = store.lock().unwrap().writes.len();
+    let (ok, text) = bootstrap_cert(&kc, &[]);
+    assert!(ok && text.contains("Kept"), "{text}");
+    assert_eq!(store.lock().unwrap().writes.len(), writes);
+
+    // A Secret for other names is not used by the patch step (the secret step replaces it).
+    {
+        let mut st = store.lock().unwrap();
+        let s = st
+            .objects
+            .get_mut(&("secrets".to_string(), SECRET.to_string()))
+            .unwrap();
+        s["metadata"]["annotations"]["gpu-coloc.dev/dns-names"] = json!("other.example.com");
+    }
+    let (ok, text) = bootstrap_cert(&kc, &patch);
+    assert!(!ok && text.contains("other names"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }

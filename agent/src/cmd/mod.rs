@@ -1,5 +1,7 @@
 //! Subcommands that are not the agent itself: `status` (a running agent's `/state`, and
-//! its timeline as a picture) and the timeline renderer it shares with the demo.
+//! its timeline as a picture), `resume` (what a killed agent left suspended) and the
+//! timeline renderer `status` shares with the demo.
 
+pub mod resume;
 pub mod status;
 pub mod timeline;

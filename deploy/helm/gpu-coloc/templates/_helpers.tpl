@@ -96,3 +96,25 @@ UPDATE, the old pod's record counts too (removing it is refused). CEL, Kubernete
   operator: NotIn
   values: ["disabled"]
 {{- end }}
+
+{{/* The webhook's settings file (its ConfigMap; a change rolls the Deployment). */}}
+{{- define "gpu-coloc.webhookConfig" -}}
+backend = {{ .Values.webhook.backend | quote }}
+{{- if .Values.offlinePriorityClass.enabled }}
+# The class, its value and its preemption policy go into the pod together: the API
+# server's Priority plugin refuses a pod whose spec.priority is not its class's value.
+offline_priority_class = {{ include "gpu-coloc.offlinePriorityClass" . | quote }}
+offline_priority = {{ int .Values.offlinePriorityClass.value }}
+offline_preemption_policy = "Never"
+{{- end }}
+{{- if .Values.shim.enabled }}
+# /inject: the CUDA shim into GPU pods (the same paths the agent's pods use on the nodes).
+[shim]
+library = {{ .Values.shim.library | quote }}
+doorbell_dir = {{ .Values.shim.doorbellDir | quote }}
+gate_dir = {{ .Values.shim.gateDir | quote }}
+{{- if not (kindIs "invalid" .Values.shim.inflight) }}
+inflight = {{ int .Values.shim.inflight }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,470 @@
+//! Pure injection of the CUDA shim (`libcoloc_cuda.so`) into GPU pods, at CREATE. No I/O.
+//!
+//! Served on `/inject` (its own entry in the chart's MutatingWebhookConfiguration, first in
+//! the list, CREATE only, so a namespace can opt out by label alone). For a pod that asks
+//! for mGPU — online (`mgpu-core`: `shared_cores` or `dedicated_cores`) or offline
+//! (`reclaimed-mgpu-core`) — each container that asks for it gets:
+//!
+//! | what | online | offline |
+//! |---|---|---|
+//! | `LD_PRELOAD` += the shim (appended with `:` to a value set in `env`, never replaced) | yes | yes |
+//! | `COLOC_SHIM_CLASS` | `online` | `offline` |
+//! | `COLOC_POD_UID` (downward API `metadata.uid`) | yes | yes |
+//! | `COLOC_DOORBELL_DIR`, and there the host's `<doorbell dir>/pods/<pod UID>` (`subPathExpr: $(COLOC_POD_UID)`), read-write | yes | yes |
+//! | the shim's host directory, read-only, at the same path | yes | yes |
+//! | the gate directory, read-only, and `COLOC_GATE_FILE` | | yes |
+//! | `COLOC_SHIM_INFLIGHT` (when configured; a value the container sets is kept) | | yes |
+//!
+//! and the pod gets the three `hostPath` volumes (`DirectoryOrCreate`: a node without the
+//! agent never keeps the pod from starting) and the annotation [`INJECTED_ANNOTATION`]
+//! listing the containers, plus [`SKIPPED_ANNOTATION`] and an admission warning for each
+//! container left out, with why:
+//!
+//! - its `LD_PRELOAD` comes from `valueFrom` (the webhook cannot append to a value it
+//!   cannot see);
+//! - it has no `LD_PRELOAD` in `env` but an `envFrom` source that could set one (no
+//!   prefix, or a prefix `LD_PRELOAD` starts with): an `env` entry would replace it.
+//!   Setting `LD_PRELOAD` in `env` (even to `""`) lifts this;
+//! - one of the mount paths is taken by another volume.
+//!
+//! Opt-out: the pod annotation `gpu-coloc.dev/shim: disabled`, or the namespace label
+//! `gpu-coloc.dev/shim=disabled` (the chart's namespace selector for `/inject`).
+//! Idempotent: a container that already mounts [`SHIM_VOLUME`] is done, so a second
+//! review (reinvocation, or after the translation webhook changed the pod) adds nothing.
+//! The pod's containers are found by their `vke.volcengine.com/*` requests or, once
+//! translated for another backend, by the per-container record `gpu-coloc.dev/requests`.
+
+use crate::translate::{self, esc, PodClass};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+/// Pod annotation that opts a pod out (value `disabled`); also the namespace label.
+pub const OPT_OUT: &str = "gpu-coloc.dev/shim";
+/// Pod annotation: the containers the shim was injected into, comma-separated.
+pub const INJECTED_ANNOTATION: &str = "gpu-coloc.dev/shim-injected";
+/// Pod annotation: the containers left out, each with why (`name: reason; …`).
+pub const SKIPPED_ANNOTATION: &str = "gpu-coloc.dev/shim-skipped";
+/// Volume with the shim's host directory (the marker of a container already injected).
+pub const SHIM_VOLUME: &str = "gpu-coloc-shim";
+/// Volume with the host's per-pod doorbell directories.
+pub const DOORBELL_VOLUME: &str = "gpu-coloc-doorbells";
+/// Volume with the node's gate directory (offline pods).
+pub const GATE_VOLUME: &str = "gpu-coloc-gate";
+/// The file in the gate directory.
+pub const GATE_FILE: &str = "gates";
+
+/// Where the shim and its directories are on the nodes (`[shim]` in the settings file).
+/// Each host directory is mounted at the same path in the container.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShimSettings {
+    /// The shim on the host; its directory is mounted read-only.
+    #[serde(default = "default_library")]
+    pub library: String,
+    /// The agent's doorbell directory (`coloc-agent run --doorbell-dir`); pods get
+    /// `<doorbell_dir>/pods/<pod UID>` there.
+    #[serde(default = "default_doorbell_dir")]
+    pub doorbell_dir: String,
+    /// The node's gate directory (offline pods, read-only; the file [`GATE_FILE`]).
+    #[serde(default = "default_gate_dir")]
+    pub gate_dir: String,
+    /// `COLOC_SHIM_INFLIGHT` for offline containers (submissions in flight per stream);
+    /// unset: the shim's default.
+    #[serde(default)]
+    pub inflight: Option<u32>,
+}
+
+fn default_library() -> String {
+    "/var/lib/gpu-coloc/lib/libcoloc_cuda.so".into()
+}
+fn default_doorbell_dir() -> String {
+    "/run/gpu-coloc/doorbells".into()
+}
+fn default_gate_dir() -> String {
+    "/run/gpu-coloc/gate".into()
+}
+
+impl Default for ShimSettings {
+    fn default() -> Self {
+        ShimSettings {
+            library: default_library(),
+            doorbell_dir: default_doorbell_dir(),
+            gate_dir: default_gate_dir(),
+            inflight: None,
+        }
+    }
+}
+
+impl ShimSettings {
+    /// Settings that cannot work are refused at start.
+    pub fn check(&self) -> Result<(), String> {
+        for (key, v) in [
+            ("library", &self.library),
+            ("doorbell_dir", &self.doorbell_dir),
+            ("gate_dir", &self.gate_dir),
+        ] {
+            let clean = v.len() > 1
+                && v.starts_with('/')
+                && !v.ends_with('/')
+                && !v.split('/').any(|s| s == ".." || s == ".")
+                && !v.contains("//")
+                && !v.contains(|c: char| {
+                    c == ':' || c == '$' || c.is_whitespace() || c.is_control()
+                });
+            if !clean {
+                return Err(format!("[shim] {key} = {v:?}: an absolute path without '..', '//', ':', '$' or spaces, not ending in '/'"));
+            }
+        }
+        if self.library_dir() == "/" {
+            return Err(
+                "[shim] library: not in the root directory (its directory is mounted into pods)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn library_dir(&self) -> &str {
+        match self.library.rfind('/') {
+            Some(0) => "/",
+            Some(i) => &self.library[..i],
+            None => "/",
+        }
+    }
+
+    fn gate_file(&self) -> String {
+        format!("{}/{GATE_FILE}", self.gate_dir)
+    }
+}
+
+/// The patch and what to tell the user.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Injection {
+    /// RFC 6902 operations (empty: nothing to do).
+    pub ops: Vec<Value>,
+    /// Admission warnings (shown by kubectl).
+    pub warnings: Vec<String>,
+}
+
+/// A container the shim is meant for.
+struct Gpu {
+    path: String,
+    name: String,
+}
+
+/// The containers (init containers first) that ask for mGPU, and the pod's class; `None`
+/// for a pod that asks for none (or cannot be read: the translation webhook denies it).
+fn gpu_containers(pod: &Value) -> Option<(Vec<Gpu>, PodClass)> {
+    let mut out = Vec::new();
+    let recorded: Option<Map<String, Value>> = pod["metadata"]["annotations"]
+        [translate::REQUESTS_ANNOTATION]
+        .as_str()
+        .and_then(|t| serde_json::from_str(t).ok());
+    let mut classes = Vec::new();
+    for list in ["initContainers", "containers"] {
+        for (i, c) in pod["spec"][list]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let name = c["name"].as_str().unwrap_or("?").to_string();
+            let class = match translate::container_class(c) {
+                Ok(Some(class)) => Some(class),
+                Ok(None) => recorded.as_ref().and_then(|r| r.get(&name)).and_then(|e| {
+                    match e["class"].as_str() {
+                        Some("offline") => Some(PodClass::Offline),
+                        Some("online") => Some(PodClass::Online),
+                        _ => None,
+                    }
+                }),
+                Err(_) => return None,
+            };
+            if let Some(class) = class {
+                classes.push(class);
+                out.push(Gpu {
+                    path: format!("/spec/{list}/{i}"),
+                    name,
+                });
+            }
+        }
+    }
+    let class = *classes.first()?;
+    // A pod that mixes the two is denied by the translation webhook.
+    classes.iter().all(|c| *c == class).then_some((out, class))
+}
+
+fn env_named<'a>(c: &'a Value, name: &str) -> Vec<(usize, &'a Value)> {
+    c["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .filter(|(_, e)| e["name"] == name)
+        .collect()
+}
+
+/// Why the shim cannot go into container `c`, if it cannot.
+fn unsuitable(c: &Value, s: &ShimSettings) -> Option<String> {
+    let preload = env_named(c, "LD_PRELOAD");
+    if let Some((_, e)) = preload.last() {
+        if e.get("valueFrom").is_some_and(|v| !v.is_null()) {
+            return Some(
+                "its LD_PRELOAD comes from valueFrom, which the webhook cannot append to".into(),
+            );
+        }
+    } else if let Some(src) = c["envFrom"].as_array().into_iter().flatten().find(|src| {
+        let prefix = src["prefix"].as_str().unwrap_or("");
+        "LD_PRELOAD".starts_with(prefix)
+    }) {
+        let from = if src["configMapRef"].is_object() {
+            format!("ConfigMap {}", src["configMapRef"]["name"])
+        } else {
+            format!("Secret {}", src["secretRef"]["name"])
+        };
+        return Some(format!("its envFrom ({from}) may set LD_PRELOAD, which an env entry would replace; set LD_PRELOAD in env (even to \"\") to get the shim appended"));
+    }
+    let ours = [
+        (SHIM_VOLUME, s.library_dir()),
+        (DOORBELL_VOLUME, s.doorbell_dir.as_str()),
+        (GATE_VOLUME, s.gate_dir.as_str()),
+    ];
+    for m in c["volumeMounts"].as_array().into_iter().flatten() {
+        let path = m["mountPath"].as_str().unwrap_or("").trim_end_matches('/');
+        if let Some((_, p)) = ours.iter().find(|(v, p)| *p == path && m["name"] != *v) {
+            return Some(format!(
+                "its mount path {p} is taken by volume {}",
+                m["name"]
+            ));
+        }
+    }
+    None
+}
+
+/// The same variable, as the API server stores it (it defaults `fieldRef.apiVersion`).
+fn same_var(stored: &Value, ours: &Value) -> bool {
+    match (
+        &ours["valueFrom"]["fieldRef"],
+        &stored["valueFrom"]["fieldRef"],
+    ) {
+        (Value::Object(_), Value::Object(got)) => {
+            got.get("fieldPath") == ours["valueFrom"]["fieldRef"].get("fieldPath")
+                && stored.get("value").is_none_or(|v| v.is_null() || v == "")
+        }
+        (Value::Object(_), _) => false,
+        _ => stored["value"] == ours["value"] && stored["valueFrom"].is_null(),
+    }
+}
+
+fn preload_with(value: &str, lib: &str) -> String {
+    if value.split([':', ' ']).any(|p| p == lib) {
+        value.to_string()
+    } else if value.trim().is_empty() {
+        lib.to_string()
+    } else {
+        format!("{value}:{lib}")
+    }
+}
+
+/// Operations that give container `c` (at `path`) the shim.
+fn container_ops(ops: &mut Vec<Value>, path: &str, c: &Value, class: PodClass, s: &ShimSettings) {
+    let class_name = match class {
+        PodClass::Online => "online",
+        PodClass::Offline => "offline",
+    };
+    let mut set: Vec<Value> = vec![
+        json!({"name": "COLOC_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}),
+        json!({"name": "COLOC_SHIM_CLASS", "value": class_name}),
+        json!({"name": "COLOC_DOORBELL_DIR", "value": s.doorbell_dir}),
+    ];
+    if class == PodClass::Offline {
+        set.push(json!({"name": "COLOC_GATE_FILE", "value": s.gate_file()}));
+    }
+    let mut add: Vec<Value> = Vec::new();
+    // Ours, whatever the container said: the mounts below depend on them.
+    for var in set {
+        let found = env_named(c, var["name"].as_str().unwrap_or_default());
+        for (j, e) in &found {
+            if !same_var(e, &var) {
+                ops.push(json!({"op": "replace", "path": format!("{path}/env/{j}"), "value": var}));
+            }
+        }
+        if found.is_empty() {
+            add.push(var);
+        }
+    }
+    if class == PodClass::Offline {
+        if let Some(k) = s.inflight {
+            if env_named(c, "COLOC_SHIM_INFLIGHT").is_empty() {
+                add.push(json!({"name": "COLOC_SHIM_INFLIGHT", "value": k.to_string()}));
+            }
+        }
+    }
+    match env_named(c, "LD_PRELOAD").last() {
+        // The effective one (the kubelet lets a later entry win).
+        Some((j, e)) => {
+            let old = e["value"].as_str().unwrap_or("");
+            let new = preload_with(old, &s.library);
+            if new != old {
+                let op = if e.get("value").is_some() {
+                    "replace"
+                } else {
+                    "add"
+                };
+                ops.push(json!({"op": op, "path": format!("{path}/env/{j}/value"), "value": new}));
+            }
+        }
+        None => add.push(json!({"name": "LD_PRELOAD", "value": s.library})),
+    }
+    append(ops, &format!("{path}/env"), c["env"].is_array(), add);
+
+    let mut mounts = vec![
+        json!({"name": SHIM_VOLUME, "mountPath": s.library_dir(), "readOnly": true}),
+        json!({"name": DOORBELL_VOLUME, "mountPath": s.doorbell_dir, "subPathExpr": "$(COLOC_POD_UID)"}),
+    ];
+    if class == PodClass::Offline {
+        mounts.push(json!({"name": GATE_VOLUME, "mountPath": s.gate_dir, "readOnly": true}));
+    }
+    let have: Vec<&Value> = c["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| &m["name"])
+        .collect();
+    mounts.retain(|m| !have.contains(&&m["name"]));
+    append(
+        ops,
+        &format!("{path}/volumeMounts"),
+        c["volumeMounts"].is_array(),
+        mounts,
+    );
+}
+
+/// Adds `items` to the array at `path` (creating it when `exists` is false).
+fn append(ops: &mut Vec<Value>, path: &str, exists: bool, items: Vec<Value>) {
+    if items.is_empty() {
+        return;
+    }
+    if exists {
+        for v in items {
+            ops.push(json!({"op": "add", "path": format!("{path}/-"), "value": v}));
+        }
+    } else {
+        ops.push(json!({"op": "add", "path": path, "value": items}));
+    }
+}
+
+/// The injection for `pod` at CREATE (see the module documentation).
+pub fn inject(pod: &Value, s: &ShimSettings) -> Injection {
+    let annotations = pod["metadata"]["annotations"].as_object();
+    if annotations
+        .and_then(|a| a.get(OPT_OUT))
+        .and_then(Value::as_str)
+        == Some("disabled")
+    {
+        return Injection::default();
+    }
+    let Some((gpus, class)) = gpu_containers(pod) else {
+        return Injection::default();
+    };
+    let mut warnings = Vec::new();
+    let volumes = [
+        (SHIM_VOLUME, s.library_dir().to_string()),
+        (DOORBELL_VOLUME, format!("{}/pods", s.doorbell_dir)),
+        (GATE_VOLUME, s.gate_dir.clone()),
+    ];
+    let pod_volumes: Vec<&Value> = pod["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    for (name, host) in &volumes {
+        if let Some(v) = pod_volumes.iter().find(|v| v["name"] == *name) {
+            if v["hostPath"]["path"].as_str() != Some(host.as_str()) {
+                return Injection {
+                    ops: vec![],
+                    warnings: vec![format!("gpu-coloc: the CUDA shim was not injected: this pod already has a volume named {name} that is not the host directory {host}")],
+                };
+            }
+        }
+    }
+    let mut ops = Vec::new();
+    let (mut injected, mut skipped) = (Vec::new(), Vec::new());
+    for g in &gpus {
+        let c = pod.pointer(&g.path).unwrap_or(&Value::Null);
+        let done = c["volumeMounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|m| m["name"] == SHIM_VOLUME);
+        if done {
+            continue;
+        }
+        match unsuitable(c, s) {
+            Some(why) => {
+                warnings.push(format!("gpu-coloc: the CUDA shim was not injected into container {:?}: {why}; its GPU work is seen through NVML only", g.name));
+                skipped.push(format!("{}: {why}", g.name));
+            }
+            None => {
+                container_ops(&mut ops, &g.path, c, class, s);
+                injected.push(g.name.clone());
+            }
+        }
+    }
+    if injected.is_empty() && skipped.is_empty() {
+        return Injection::default();
+    }
+    if !injected.is_empty() {
+        let mut wanted: Vec<Value> = vec![
+            json!({"name": SHIM_VOLUME, "hostPath": {"path": volumes[0].1, "type": "DirectoryOrCreate"}}),
+            json!({"name": DOORBELL_VOLUME, "hostPath": {"path": volumes[1].1, "type": "DirectoryOrCreate"}}),
+        ];
+        if class == PodClass::Offline {
+            wanted.push(json!({"name": GATE_VOLUME, "hostPath": {"path": volumes[2].1, "type": "DirectoryOrCreate"}}));
+        }
+        wanted.retain(|w| !pod_volumes.iter().any(|v| v["name"] == w["name"]));
+        append(
+            &mut ops,
+            "/spec/volumes",
+            pod["spec"]["volumes"].is_array(),
+            wanted,
+        );
+    }
+    // What was done, on the pod itself: the containers injected so far, and those this
+    // review left out (the same list again on a second review: no operation).
+    let old = |k: &str| annotations.and_then(|a| a.get(k)).and_then(Value::as_str);
+    let mut notes: Vec<(&str, String)> = Vec::new();
+    if !injected.is_empty() {
+        let mut all: Vec<String> = old(INJECTED_ANNOTATION)
+            .filter(|o| !o.is_empty())
+            .map(|o| o.split(',').map(str::to_string).collect())
+            .unwrap_or_default();
+        all.extend(injected);
+        notes.push((INJECTED_ANNOTATION, all.join(",")));
+    }
+    if !skipped.is_empty() {
+        notes.push((SKIPPED_ANNOTATION, skipped.join("; ")));
+    }
+    notes.retain(|(k, v)| old(k) != Some(v.as_str()));
+    if annotations.is_none() {
+        let map: Map<String, Value> = notes
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), Value::String(v)))
+            .collect();
+        if !map.is_empty() {
+            ops.push(if pod["metadata"].is_object() {
+                json!({"op": "add", "path": "/metadata/annotations", "value": map})
+            } else {
+                json!({"op": "add", "path": "/metadata", "value": {"annotations": map}})
+            });
+        }
+    } else {
+        for (k, v) in notes {
+            let op = if old(k).is_some() { "replace" } else { "add" };
+            ops.push(
+                json!({"op": op, "path": format!("/metadata/annotations/{}", esc(k)), "value": v}),
+            );
+        }
+    }
+    Injection { ops, warnings }
+}

@@ -1,0 +1,652 @@
+//! `/inject`: the CUDA shim into GPU pods, through the router with AdmissionReview
+//! fixtures (tests/data/). Every patch is applied as the RFC 6902 patch the API server
+//! applies, and every resulting pod is checked against the Kubernetes Pod type (no
+//! unknown or mistyped field: it round-trips through k8s-openapi's `Pod`) and against the
+//! API server's own rules for what the patch adds (volume and mount names and paths,
+//! `subPathExpr`, env entries). `deploy/scripts/check-deploy.py` validates the same pods
+//! against the Kubernetes 1.33 OpenAPI schemas.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use coloc_webhook::inject::ShimSettings;
+use coloc_webhook::server::{router, AppState, Limits};
+use coloc_webhook::translate::{Backend, Settings};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use tower::ServiceExt;
+
+const SHIM: &str = "/var/lib/gpu-coloc/lib/libcoloc_cuda.so";
+
+fn fixture(name: &str) -> Value {
+    serde_json::from_slice(
+        &std::fs::read(format!(
+            "{}/tests/data/{name}.json",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap(),
+    )
+    .unwrap()
+}
+
+fn settings(backend: Backend, shim: Option<ShimSettings>) -> Settings {
+    Settings {
+        shim,
+        ..Settings::with_priority_class(backend, "gpu-coloc-offline", -10)
+    }
+}
+
+fn app(s: Settings) -> axum::Router {
+    router(AppState::new(s, Limits::default(), None))
+}
+
+fn shim() -> Option<ShimSettings> {
+    Some(ShimSettings {
+        inflight: Some(2),
+        ..ShimSettings::default()
+    })
+}
+
+/// Reviews `pod` (in `envelope`'s request) at `path`; returns the response and the pod
+/// with its patch applied.
+async fn review(app: &axum::Router, path: &str, envelope: &Value, pod: &Value) -> (Value, Value) {
+    let mut req = envelope.clone();
+    req["request"]["object"] = pod.clone();
+    let resp = app
+        .clone()
+        .oneshot(
+            Request::post(path)
+                .header("content-type", "application/json")
+                .body(Body::from(serde_json::to_vec(&req).unwrap()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let r: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(r["response"]["allowed"], true, "{path}: {r}");
+    let mut out = pod.clone();
+    if let Some(p) = r["response"]["patch"].as_str() {
+        use base64::Engine;
+        let bytes = base64::engine::general_purpose::STANDARD.decode(p).unwrap();
+        let patch: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
+        json_patch::patch(&mut out, &patch)
+            .unwrap_or_else(|e| panic!("{path}: the patch does not apply to the pod: {e}"));
+    }
+    (r, out)
+}
+
+/// What the API server does to a stored pod that the next review sees: defaults
+/// (`fieldRef.apiVersion`).
+fn as_stored(pod: &Value) -> Value {
+    let mut p = pod.clone();
+    for list in ["containers", "initContainers"] {
+        for c in p["spec"][list].as_array_mut().into_iter().flatten() {
+            for e in c["env"].as_array_mut().into_iter().flatten() {
+                if e["valueFrom"]["fieldRef"].is_object() {
+                    e["valueFrom"]["fieldRef"]["apiVersion"] = json!("v1");
+                }
+            }
+        }
+    }
+    p
+}
+
+fn prune_nulls(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .filter(|(_, x)| !x.is_null())
+                .map(|(k, x)| (k.clone(), prune_nulls(x)))
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(prune_nulls).collect()),
+        x => x.clone(),
+    }
+}
+
+fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// The pod as the API server would accept it: the Pod type, and the validation rules
+/// (pkg/apis/core/validation) for what injection touches.
+fn assert_valid_pod(pod: &Value, what: &str) {
+    let typed: k8s_openapi::api::core::v1::Pod =
+        serde_json::from_value(pod.clone()).unwrap_or_else(|e| panic!("{what}: not a Pod: {e}"));
+    let back = serde_json::to_value(&typed).unwrap();
+    assert_eq!(
+        prune_nulls(&back),
+        prune_nulls(pod),
+        "{what}: fields the Pod type does not know, or of the wrong type"
+    );
+    let volumes: Vec<&Value> = pod["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    let names: BTreeSet<&str> = volumes.iter().filter_map(|v| v["name"].as_str()).collect();
+    assert_eq!(names.len(), volumes.len(), "{what}: duplicate volume names");
+    for n in &names {
+        assert!(dns_label(n), "{what}: volume name {n:?}");
+    }
+    for v in &volumes {
+        if let Some(p) = v["hostPath"]["path"].as_str() {
+            assert!(
+                p.starts_with('/') && !p.split('/').any(|s| s == ".."),
+                "{what}: hostPath {p}"
+            );
+        }
+    }
+    for list in ["initContainers", "containers"] {
+        for c in pod["spec"][list].as_array().into_iter().flatten() {
+            let mut paths = BTreeSet::new();
+            for m in c["volumeMounts"].as_array().into_iter().flatten() {
+                let name = m["name"].as_str().unwrap();
+                assert!(
+                    names.contains(name),
+                    "{what}: mount of a missing volume {name}"
+                );
+                let path = m["mountPath"].as_str().unwrap();
+                assert!(
+                    paths.insert(path),
+                    "{what}: {path} mounted twice in {}",
+                    c["name"]
+                );
+                assert!(
+                    !(m.get("subPath").is_some() && m.get("subPathExpr").is_some()),
+                    "{what}: subPath and subPathExpr are mutually exclusive"
+                );
+                if let Some(e) = m["subPathExpr"].as_str() {
+                    // Expanded from the container's own env: every $(VAR) must be defined there.
+                    for var in e.split("$(").skip(1).filter_map(|r| r.split(')').next()) {
+                        assert!(
+                            c["env"]
+                                .as_array()
+                                .into_iter()
+                                .flatten()
+                                .any(|x| x["name"] == var),
+                            "{what}: subPathExpr {e} needs env {var} in {}",
+                            c["name"]
+                        );
+                    }
+                }
+            }
+            for e in c["env"].as_array().into_iter().flatten() {
+                let n = e["name"].as_str().unwrap();
+                assert!(
+                    !n.is_empty()
+                        && !n.starts_with(|ch: char| ch.is_ascii_digit())
+                        && n.chars()
+                            .all(|ch| ch.is_ascii_alphanumeric() || "-._".contains(ch)),
+                    "{what}: env name {n:?}"
+                );
+                assert!(
+                    !(e.get("value").is_some_and(|v| v != "") && e.get("valueFrom").is_some()),
+                    "{what}: env {n} has both value and valueFrom"
+                );
+            }
+        }
+    }
+}
+
+fn container<'a>(pod: &'a Value, name: &str) -> &'a Value {
+    ["initContainers", "containers"]
+        .iter()
+        .flat_map(|l| pod["spec"][*l].as_array().into_iter().flatten())
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn env<'a>(c: &'a Value, name: &str) -> Option<&'a Value> {
+    c["env"]
+        .as_array()?
+        .iter()
+        .rev()
+        .find(|e| e["name"] == name)
+}
+
+fn mount<'a>(c: &'a Value, volume: &str) -> Option<&'a Value> {
+    c["volumeMounts"]
+        .as_array()?
+        .iter()
+        .find(|m| m["name"] == volume)
+}
+
+/// What every injected container carries.
+fn assert_injected(pod: &Value, name: &str, class: &str) {
+    let c = container(pod, name);
+    let preload = env(c, "LD_PRELOAD").unwrap()["value"].as_str().unwrap();
+    assert!(
+        preload.split([':', ' ']).any(|p| p == SHIM),
+        "{name}: LD_PRELOAD {preload}"
+    );
+    assert_eq!(env(c, "COLOC_SHIM_CLASS").unwrap()["value"], class);
+    assert_eq!(
+        env(c, "COLOC_POD_UID").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.uid"
+    );
+    assert_eq!(
+        env(c, "COLOC_DOORBELL_DIR").unwrap()["value"],
+        "/run/gpu-coloc/doorbells"
+    );
+    let shim = mount(c, "gpu-coloc-shim").unwrap();
+    assert_eq!(shim["mountPath"], "/var/lib/gpu-coloc/lib");
+    assert_eq!(shim["readOnly"], true);
+    let bells = mount(c, "gpu-coloc-doorbells").unwrap();
+    assert_eq!(bells["mountPath"], "/run/gpu-coloc/doorbells");
+    assert_eq!(bells["subPathExpr"], "$(COLOC_POD_UID)");
+    assert!(
+        bells.get("readOnly").is_none_or(|r| r == false),
+        "the shim writes its page"
+    );
+    let gate = mount(c, "gpu-coloc-gate");
+    if class == "offline" {
+        assert_eq!(gate.unwrap()["readOnly"], true);
+        assert_eq!(gate.unwrap()["mountPath"], "/run/gpu-coloc/gate");
+        assert_eq!(
+            env(c, "COLOC_GATE_FILE").unwrap()["value"],
+            "/run/gpu-coloc/gate/gates"
+        );
+        assert_eq!(env(c, "COLOC_SHIM_INFLIGHT").unwrap()["value"], "2");
+    } else {
+        assert!(
+            gate.is_none() && env(c, "COLOC_GATE_FILE").is_none(),
+            "{name}: online has no gate"
+        );
+    }
+    let vols: Vec<(&str, &str)> = pod["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| Some((v["name"].as_str()?, v["hostPath"]["path"].as_str()?)))
+        .collect();
+    assert!(
+        vols.contains(&("gpu-coloc-shim", "/var/lib/gpu-coloc/lib")),
+        "{vols:?}"
+    );
+    assert!(
+        vols.contains(&("gpu-coloc-doorbells", "/run/gpu-coloc/doorbells/pods")),
+        "{vols:?}"
+    );
+    assert_eq!(
+        vols.contains(&("gpu-coloc-gate", "/run/gpu-coloc/gate")),
+        class == "offline"
+    );
+}
+
+fn assert_untouched(before: &Value, after: &Value, name: &str) {
+    assert_eq!(
+        container(before, name),
+        container(after, name),
+        "{name} was changed"
+    );
+}
+
+#[tokio::test]
+async fn gpu_pods_get_the_shim_once_before_and_after_translation() {
+    for (fixture_name, gpu, others, class) in [
+        (
+            "offline-deployment-create",
+            vec!["train"],
+            vec![],
+            "offline",
+        ),
+        (
+            "online-create-no-annotations",
+            vec!["server"],
+            vec![],
+            "online",
+        ),
+        (
+            "offline-multi-container-init",
+            vec!["fetch", "worker"],
+            vec!["sidecar"],
+            "offline",
+        ),
+    ] {
+        let envelope = fixture(fixture_name);
+        let pod = envelope["request"]["object"].clone();
+        for name in gpu.iter().chain(&others) {
+            container(&pod, name);
+        }
+        for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+            let what = format!("{fixture_name} ({backend})");
+            let app = app(settings(backend, shim()));
+            // As the API server calls them: /inject (first), then /mutate.
+            let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
+            assert!(
+                r["response"]["patch"].is_string(),
+                "{what}: not patched: {r}"
+            );
+            for name in &gpu {
+                assert_injected(&injected, name, class);
+            }
+            for name in &others {
+                assert_untouched(&pod, &injected, name);
+            }
+            assert_eq!(
+                injected["metadata"]["annotations"]["gpu-coloc.dev/shim-injected"],
+                gpu.join(","),
+                "{what}"
+            );
+            assert_valid_pod(&injected, &what);
+            // A second review of the stored pod adds nothing.
+            let (r, _) = review(&app, "/inject", &envelope, &as_stored(&injected)).await;
+            assert!(
+                r["response"]["patch"].is_null(),
+                "{what}: second review patched: {r}"
+            );
+            // Translation, then the reinvocation of /inject on the translated pod.
+            let (r, translated) = review(&app, "/mutate", &envelope, &as_stored(&injected)).await;
+            assert_eq!(r["response"]["allowed"], true);
+            assert_valid_pod(&translated, &format!("{what}, translated"));
+            let (r, _) = review(&app, "/inject", &envelope, &as_stored(&translated)).await;
+            assert!(
+                r["response"]["patch"].is_null(),
+                "{what}: reinvocation patched: {r}"
+            );
+            // And translation before injection gives the same containers the shim.
+            let (_, first) = review(&app, "/mutate", &envelope, &pod).await;
+            let (_, second) = review(&app, "/inject", &envelope, &as_stored(&first)).await;
+            for name in &gpu {
+                assert_injected(&second, name, class);
+            }
+            assert_valid_pod(&second, &format!("{what}, translated first"));
+        }
+    }
+}
+
+/// A pod with `env` (and `envFrom`) on its one GPU container `main`.
+fn pod_with(env: Value, env_from: Value) -> Value {
+    let mut env_pod = fixture("offline-deployment-create");
+    let c = &mut env_pod["request"]["object"]["spec"]["containers"][0];
+    c["name"] = json!("main");
+    if !env.is_null() {
+        c["env"] = env;
+    }
+    if !env_from.is_null() {
+        c["envFrom"] = env_from;
+    }
+    env_pod
+}
+
+async fn inject_into(envelope: &Value) -> (Value, Value) {
+    let app = app(settings(Backend::Vke, shim()));
+    let pod = envelope["request"]["object"].clone();
+    let (r, out) = review(&app, "/inject", envelope, &pod).await;
+    if r["response"]["patch"].is_string() {
+        assert_valid_pod(&out, "injected");
+        let (again, _) = review(&app, "/inject", envelope, &as_stored(&out)).await;
+        assert!(
+            again["response"]["patch"].is_null(),
+            "second review patched: {again}"
+        );
+    }
+    (r, out)
+}
+
+#[tokio::test]
+async fn an_existing_ld_preload_is_appended_to_never_replaced() {
+    let jemalloc = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2";
+    for (env, expected) in [
+        (
+            json!([{"name": "LD_PRELOAD", "value": jemalloc}]),
+            format!("{jemalloc}:{SHIM}"),
+        ),
+        (
+            json!([{"name": "LD_PRELOAD", "value": format!("{jemalloc} /opt/x.so")}]),
+            format!("{jemalloc} /opt/x.so:{SHIM}"),
+        ),
+        (
+            json!([{"name": "LD_PRELOAD", "value": ""}]),
+            SHIM.to_string(),
+        ),
+        (json!([{"name": "LD_PRELOAD"}]), SHIM.to_string()),
+        (
+            json!([{"name": "LD_PRELOAD", "value": format!("{SHIM}:{jemalloc}")}]),
+            format!("{SHIM}:{jemalloc}"),
+        ),
+        // The kubelet lets the last entry win: that is the one extended.
+        (
+            json!([{"name": "LD_PRELOAD", "value": "/first.so"}, {"name": "A", "value": "1"}, {"name": "LD_PRELOAD", "value": jemalloc}]),
+            format!("{jemalloc}:{SHIM}"),
+        ),
+        // Set in env next to an envFrom: the env value is the one that counts.
+        (
+            json!([{"name": "LD_PRELOAD", "value": jemalloc}]),
+            format!("{jemalloc}:{SHIM}"),
+        ),
+    ] {
+        let (_, out) = inject_into(&pod_with(env.clone(), Value::Null)).await;
+        let c = container(&out, "main");
+        assert_eq!(env_of(c, "LD_PRELOAD"), expected, "from {env}");
+        assert_injected(&out, "main", "offline");
+        // Other variables are kept, in place.
+        for (i, e) in env.as_array().unwrap().iter().enumerate() {
+            if e["name"] != "LD_PRELOAD" {
+                assert_eq!(&c["env"][i], e);
+            }
+        }
+    }
+    let (_, out) = inject_into(&pod_with(
+        json!([{"name": "LD_PRELOAD", "value": jemalloc}]),
+        json!([{"configMapRef": {"name": "settings"}}]),
+    ))
+    .await;
+    assert_eq!(
+        env_of(container(&out, "main"), "LD_PRELOAD"),
+        format!("{jemalloc}:{SHIM}")
+    );
+}
+
+fn env_of(c: &Value, name: &str) -> String {
+    env(c, name).unwrap()["value"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn containers_whose_ld_preload_cannot_be_seen_are_left_out_and_said_so() {
+    let from_secret =
+        json!([{"name": "LD_PRELOAD", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]);
+    for (env, env_from, why) in [
+        (from_secret, Value::Null, "valueFrom"),
+        (
+            Value::Null,
+            json!([{"configMapRef": {"name": "settings"}}]),
+            "ConfigMap",
+        ),
+        (
+            Value::Null,
+            json!([{"secretRef": {"name": "creds"}, "prefix": "LD_"}]),
+            "Secret",
+        ),
+    ] {
+        let envelope = pod_with(env, env_from);
+        let before = envelope["request"]["object"].clone();
+        let (r, out) = inject_into(&envelope).await;
+        assert_eq!(
+            container(&out, "main"),
+            container(&before, "main"),
+            "{why}: container changed"
+        );
+        let warnings: Vec<&str> = r["response"]["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        assert!(
+            warnings.len() == 1 && warnings[0].contains("\"main\"") && warnings[0].contains(why),
+            "{why}: {r}"
+        );
+        let skipped = out["metadata"]["annotations"]["gpu-coloc.dev/shim-skipped"]
+            .as_str()
+            .unwrap();
+        assert!(
+            skipped.starts_with("main: ") && skipped.contains(why),
+            "{skipped}"
+        );
+        assert!(
+            out["spec"].get("volumes").is_none(),
+            "{why}: volumes for nobody"
+        );
+    }
+    // An envFrom whose prefix cannot make LD_PRELOAD is no obstacle.
+    let (_, out) = inject_into(&pod_with(
+        Value::Null,
+        json!([{"configMapRef": {"name": "c"}, "prefix": "APP_"}]),
+    ))
+    .await;
+    assert_injected(&out, "main", "offline");
+}
+
+#[tokio::test]
+async fn opt_outs_updates_and_other_pods_are_not_touched() {
+    let app_on = app(settings(Backend::Vke, shim()));
+    let envelope = fixture("offline-deployment-create");
+    let pod = envelope["request"]["object"].clone();
+    // Per pod.
+    let mut opted = pod.clone();
+    opted["metadata"]["annotations"]["gpu-coloc.dev/shim"] = json!("disabled");
+    let (r, _) = review(&app_on, "/inject", &envelope, &opted).await;
+    assert!(r["response"]["patch"].is_null(), "{r}");
+    // No [shim] settings (the chart's shim.enabled=false).
+    let (r, _) = review(
+        &app(settings(Backend::Vke, None)),
+        "/inject",
+        &envelope,
+        &pod,
+    )
+    .await;
+    assert!(r["response"]["patch"].is_null(), "{r}");
+    // UPDATE: a pod's containers cannot change after creation.
+    let mut update = envelope.clone();
+    update["request"]["operation"] = json!("UPDATE");
+    update["request"]["oldObject"] = pod.clone();
+    let (r, _) = review(&app_on, "/inject", &update, &pod).await;
+    assert!(r["response"]["patch"].is_null(), "{r}");
+    // Pods that ask for no mGPU, or are denied by the translation (mixed, malformed).
+    for name in [
+        "plain-pod",
+        "deny-mixed-pod",
+        "deny-malformed-quantity",
+        "deny-memory-without-cores",
+    ] {
+        let e = fixture(name);
+        let (r, _) = review(&app_on, "/inject", &e, &e["request"]["object"].clone()).await;
+        assert!(r["response"]["patch"].is_null(), "{name}: {r}");
+    }
+    // The namespace opt-out is the chart's namespaceSelector (check-deploy.py).
+}
+
+#[tokio::test]
+async fn the_pod_uid_and_the_paths_are_the_webhooks() {
+    // A container cannot point its doorbell mount at another pod's directory, nor move
+    // the directories away from the mounts: those variables are replaced.
+    let envelope = pod_with(
+        json!([
+            {"name": "COLOC_POD_UID", "value": "0b7c9f6e-1111-2222-3333-444455556666"},
+            {"name": "COLOC_SHIM_CLASS", "value": "online"},
+            {"name": "COLOC_DOORBELL_DIR", "value": "/tmp"},
+            {"name": "COLOC_SHIM_INFLIGHT", "value": "8"}
+        ]),
+        Value::Null,
+    );
+    let (_, out) = inject_into(&envelope).await;
+    let c = container(&out, "main");
+    for name in ["COLOC_POD_UID", "COLOC_SHIM_CLASS", "COLOC_DOORBELL_DIR"] {
+        assert_eq!(
+            c["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["name"] == name)
+                .count(),
+            1,
+            "{name}"
+        );
+    }
+    assert_injected_but_inflight(&out);
+    // K the container chose is kept.
+    assert_eq!(env_of(c, "COLOC_SHIM_INFLIGHT"), "8");
+}
+
+fn assert_injected_but_inflight(pod: &Value) {
+    let c = container(pod, "main");
+    assert_eq!(env_of(c, "COLOC_SHIM_CLASS"), "offline");
+    assert_eq!(
+        env(c, "COLOC_POD_UID").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.uid"
+    );
+    assert_eq!(env_of(c, "COLOC_DOORBELL_DIR"), "/run/gpu-coloc/doorbells");
+}
+
+#[tokio::test]
+async fn taken_paths_and_names_are_not_overridden() {
+    // A mount at the doorbell path from another volume: that container is left out.
+    let mut envelope = fixture("offline-deployment-create");
+    let pod = &mut envelope["request"]["object"];
+    pod["spec"]["volumes"] = json!([{"name": "scratch", "emptyDir": {}}]);
+    pod["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "scratch", "mountPath": "/run/gpu-coloc/doorbells"}]);
+    let (r, out) = inject_into(&envelope).await;
+    assert!(
+        r["response"]["warnings"]
+            .to_string()
+            .contains("/run/gpu-coloc/doorbells"),
+        "{r}"
+    );
+    assert_eq!(
+        out["spec"]["volumes"],
+        json!([{"name": "scratch", "emptyDir": {}}])
+    );
+    // A volume of ours by name, but something else: the pod is left alone.
+    let mut envelope = fixture("offline-deployment-create");
+    envelope["request"]["object"]["spec"]["volumes"] =
+        json!([{"name": "gpu-coloc-shim", "emptyDir": {}}]);
+    let (r, out) = inject_into(&envelope).await;
+    assert!(r["response"]["patch"].is_null(), "{r}");
+    assert!(
+        r["response"]["warnings"]
+            .to_string()
+            .contains("gpu-coloc-shim"),
+        "{r}"
+    );
+    assert_eq!(out, envelope["request"]["object"]);
+}
+
+#[test]
+fn shim_settings_are_checked_at_start() {
+    for bad in [
+        "relative/libcoloc_cuda.so",
+        "/libcoloc_cuda.so",
+        "/a/../b/libcoloc_cuda.so",
+        "/a b/libcoloc_cuda.so",
+        "/a:b/libcoloc_cuda.so",
+    ] {
+        let s = Settings {
+            shim: Some(ShimSettings {
+                library: bad.into(),
+                ..ShimSettings::default()
+            }),
+            ..Settings::new(Backend::Vke)
+        };
+        assert!(s.check().is_err(), "{bad} accepted");
+    }
+    let toml_text =
+        "backend = \"vke\"\n[shim]\nlibrary = \"/opt/gpu/libcoloc_cuda.so\"\ninflight = 4\n";
+    let s: Settings = toml::from_str(toml_text).unwrap();
+    s.check().unwrap();
+    let shim = s.shim.unwrap();
+    assert_eq!(shim.doorbell_dir, "/run/gpu-coloc/doorbells");
+    assert_eq!(shim.inflight, Some(4));
+    assert!(
+        toml::from_str::<Settings>("backend = \"vke\"\n[shim]\nlibary = \"/x/y.so\"\n").is_err()
+    );
+}

@@ -1,0 +1,177 @@
+//! `coloc-node-setup` (the agent pod's init container) on temporary directories standing
+//! for the node's: the shim installed atomically (a process holding the old file keeps
+//! it), idempotent; the doorbell directories made 1777 (what the kubelet copies to each
+//! pod's `pods/<uid>`); the gate directory root 0755.
+
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("coloc-node-setup-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn setup(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_coloc-node-setup"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn installs_the_shim_atomically_and_once() {
+    let d = tmpdir("install");
+    let (image, host) = (d.join("image"), d.join("host/var/lib/gpu-coloc/lib"));
+    std::fs::create_dir_all(&image).unwrap();
+    let src = image.join("libcoloc_cuda.so");
+    std::fs::write(&src, b"version 1").unwrap();
+    let args = [
+        "--install",
+        src.to_str().unwrap(),
+        "--into",
+        host.to_str().unwrap(),
+    ];
+    let (ok, text) = setup(&args);
+    assert!(ok && text.contains("installed"), "{text}");
+    let dest = host.join("libcoloc_cuda.so");
+    assert_eq!(std::fs::read(&dest).unwrap(), b"version 1");
+    assert_eq!(mode(&dest), 0o644);
+    assert_eq!(mode(&host), 0o755);
+
+    // Same file: nothing written (the inode stays).
+    let ino = std::fs::metadata(&dest).unwrap().ino();
+    let (ok, text) = setup(&args);
+    assert!(ok && text.contains("unchanged"), "{text}");
+    assert_eq!(std::fs::metadata(&dest).unwrap().ino(), ino);
+
+    // A new version replaces it by rename: a process that has the old one open (loaded)
+    // keeps reading the old content; the path gives the new one; no temporary file stays.
+    let mut loaded = std::fs::File::open(&dest).unwrap();
+    std::fs::write(&src, b"version 2, longer").unwrap();
+    let (ok, text) = setup(&args);
+    assert!(ok && text.contains("replaced atomically"), "{text}");
+    let mut old = String::new();
+    loaded.read_to_string(&mut old).unwrap();
+    assert_eq!(old, "version 1");
+    assert_eq!(std::fs::read(&dest).unwrap(), b"version 2, longer");
+    assert_ne!(std::fs::metadata(&dest).unwrap().ino(), ino);
+    let left: Vec<_> = std::fs::read_dir(&host)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("libcoloc_cuda.so")]);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn doorbell_directories_let_any_user_of_a_pod_add_its_page() {
+    let d = tmpdir("bells");
+    let bells = d.join("run/gpu-coloc/doorbells");
+    // What the kubelet leaves when a GPU pod started before the agent: pods/ made by the
+    // hostPath volume (0755), and the pod's directory with the same mode.
+    std::fs::create_dir_all(bells.join("pods/3f1c2d4e-0000-4000-8000-000000000001")).unwrap();
+    for p in [
+        bells.clone(),
+        bells.join("pods"),
+        bells.join("pods/3f1c2d4e-0000-4000-8000-000000000001"),
+    ] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let pod_dir = bells.join("pods/3f1c2d4e-0000-4000-8000-000000000001");
+    let page = pod_dir.join("7-1.bell");
+    // As the kubelet leaves it, a non-root process of the pod cannot add its page.
+    let root = std::fs::metadata(&bells).unwrap().uid() == 0;
+    let as_nobody = |path: &Path| {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "touch"])
+            .arg(path)
+            .status()
+            .map(|s| s.success())
+    };
+    // (the temporary directory's parents must be traversable by that user)
+    let traversable = d.ancestors().all(|a| mode(a) & 0o001 != 0);
+    let check_user = root && traversable && as_nobody(Path::new("/dev/null")).is_ok();
+    if check_user {
+        assert!(
+            !as_nobody(&page).unwrap(),
+            "a 0755 root directory took a page"
+        );
+    }
+    let (ok, text) = setup(&["--doorbell-dir", bells.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    if check_user {
+        assert!(
+            as_nobody(&page).unwrap(),
+            "uid 65534 cannot create its page in {}",
+            pod_dir.display()
+        );
+        assert_eq!(std::fs::metadata(&page).unwrap().uid(), 65534);
+    } else {
+        eprintln!("not checked as another user: needs root and setpriv");
+    }
+    if root {
+        for p in [
+            bells.clone(),
+            bells.join("pods"),
+            bells.join("pods/3f1c2d4e-0000-4000-8000-000000000001"),
+        ] {
+            assert_eq!(mode(&p), 0o1777, "{}: {text}", p.display());
+        }
+    } else {
+        assert!(text.contains("not root"), "{text}");
+    }
+    std::fs::remove_file(&page).ok();
+    // Idempotent: nothing more to say.
+    let (ok, again) = setup(&["--doorbell-dir", bells.to_str().unwrap()]);
+    assert!(
+        ok && (again.is_empty() || again.contains("not root")),
+        "{again}"
+    );
+    // Created fresh.
+    let fresh = d.join("fresh/doorbells");
+    let (ok, text) = setup(&["--doorbell-dir", fresh.to_str().unwrap()]);
+    assert!(ok && text.contains("created"), "{text}");
+    assert_eq!(mode(&fresh.join("pods")), 0o1777);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn the_gate_directory_is_writable_by_its_owner_only() {
+    let d = tmpdir("gate");
+    let gate = d.join("gate");
+    let (ok, text) = setup(&["--gate-dir", gate.to_str().unwrap()]);
+    assert!(ok && text.contains("created"), "{text}");
+    assert_eq!(mode(&gate), 0o755);
+    std::fs::set_permissions(&gate, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (ok, text) = setup(&["--gate-dir", gate.to_str().unwrap()]);
+    assert!(ok && text.contains("0777 -> 0755"), "{text}");
+    assert_eq!(mode(&gate), 0o755);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn refuses_to_do_nothing_and_a_file_where_a_directory_belongs() {
+    let (ok, text) = setup(&[]);
+    assert!(!ok && text.contains("nothing to do"), "{text}");
+    let d = tmpdir("file");
+    std::fs::write(d.join("gate"), b"").unwrap();
+    let (ok, text) = setup(&["--gate-dir", d.join("gate").to_str().unwrap()]);
+    assert!(!ok && text.contains("not a directory"), "{text}");
+    std::fs::remove_dir_all(&d).ok();
+}
