@@ -148,7 +148,7 @@ pub struct RunArgs {
     /// checked (round robin, so with many held processes each is checked less often),
     /// plus every target found resumed before; a signalled cgroup that keeps resuming is
     /// frozen.
-    #[arg(long, env = "COLOC_RECHECK_INTERVAL", default_value = "5ms", value_parser = parse_duration)]
+    #[arg(long, env = "COLOC_RECHECK_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
     pub recheck_interval: Duration,
     /// Root of the cgroup filesystem (pure v2 at the root, or hybrid with `unified/` and
     /// `freezer/` below it).

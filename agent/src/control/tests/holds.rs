@@ -72,7 +72,7 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
     };
     // A tenant resumes it; within the re-check period it is stopped again.
     h.act.resumed_by_tenant.lock().unwrap().insert(me.clone());
-    for _ in 0..6 {
+    for _ in 0..12 {
         h.active(0, 20);
         h.tick();
     }
@@ -84,7 +84,7 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
     );
     // Again: now the cgroup is frozen too (recorded first), at the next re-check.
     h.act.resumed_by_tenant.lock().unwrap().insert(me.clone());
-    for _ in 0..6 {
+    for _ in 0..12 {
         h.active(0, 20);
         h.tick();
     }
