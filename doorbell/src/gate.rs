@@ -203,14 +203,22 @@ impl<'a> Gates<'a> {
     /// `uuid`'s slot, claiming a free one (agent side; bumps the generation when it
     /// claims, so readers that found no slot look again). `None` when all [`MAX_GPUS`]
     /// are other GPUs'.
+    ///
+    /// A claimed slot's epochs start after a seed taken from the heartbeat (milliseconds,
+    /// truncated to 32 bits), so a file that replaces another (a restarted agent) does not
+    /// repeat the epochs of the old one, which pages may still acknowledge.
     pub fn slot_for(&self, uuid: &[u8; 16]) -> Option<&'a Slot> {
         if let Some(s) = self.find(uuid) {
             return Some(s);
         }
-        let s = self
-            .slots
-            .iter()
-            .find(|s| claim(&s.state, &s.uuid_lo, &s.uuid_hi, uuid) == Claim::Mine)?;
+        let s = self.slots.iter().find(|s| {
+            s.state.load(Acquire) != READY
+                && claim(&s.state, &s.uuid_lo, &s.uuid_hi, uuid) == Claim::Mine
+        })?;
+        if s.epoch.load(SeqCst) == 0 {
+            let seed = (self.header.heartbeat_ns.load(Acquire) / 1_000_000) as u32;
+            let _ = s.epoch.compare_exchange(0, seed, SeqCst, SeqCst);
+        }
         self.header.generation.fetch_add(1, SeqCst);
         Some(s)
     }
@@ -299,10 +307,11 @@ mod tests {
         let u = [3u8; 16];
         assert!(g.find(&u).is_none(), "readers never claim");
         let gen0 = g.generation();
-        assert_eq!(g.close(&u), Some(1));
+        let e1 = g.close(&u).unwrap();
+        assert_ne!(e1, 0);
         assert!(g.is_closed(&u));
         let s = g.find(&u).unwrap();
-        assert_eq!(s.closed_epoch(), Some(1));
+        assert_eq!(s.closed_epoch(), Some(e1));
         assert_eq!(s.uuid(), u);
         assert!(epoch_after(g.generation(), gen0));
         let gen1 = g.generation();
@@ -310,12 +319,29 @@ mod tests {
         assert!(!g.is_closed(&u));
         assert!(g.open(&u).is_none(), "already open");
         assert!(epoch_after(g.generation(), gen1));
-        assert_eq!(g.close(&u), Some(2), "epochs are monotonic per slot");
-        assert_eq!(s.epoch.load(SeqCst), 2);
-        assert_eq!(g.close(&[4u8; 16]), Some(1), "per slot");
+        let e2 = g.close(&u).unwrap();
+        assert_eq!(e2, e1.wrapping_add(1), "epochs are monotonic per slot");
+        assert_eq!(s.epoch.load(SeqCst), e2);
+        assert!(g.close(&[4u8; 16]).is_some(), "per slot");
         assert_eq!(g.open_all().len(), 2);
         assert!(!g.is_closed(&u) && !g.is_closed(&[4u8; 16]));
         assert_eq!(g.read().len(), 2);
+    }
+
+    #[test]
+    fn a_new_file_does_not_repeat_an_old_files_epochs() {
+        let mut a = Buf([0; GATE_FILE_SIZE]);
+        let mut b = Buf([0; GATE_FILE_SIZE]);
+        let (old, new) = (gates(&mut a), gates(&mut b));
+        old.init(1, 5_000_000_000);
+        let u = [9u8; 16];
+        assert_eq!(
+            old.close(&u),
+            Some(5_001),
+            "seeded from the heartbeat's milliseconds"
+        );
+        new.init(2, 7_000_000_000);
+        assert_eq!(new.close(&u), Some(7_001));
     }
 
     #[test]
