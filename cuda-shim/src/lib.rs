@@ -40,6 +40,7 @@
 
 mod bell;
 mod dl;
+mod gate;
 mod hooks;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
