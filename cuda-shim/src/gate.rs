@@ -44,7 +44,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// Default in-flight bound per stream (`COLOC_SHIM_INFLIGHT`). See the crate docs for the
 /// measurement behind it.
-pub const DEFAULT_INFLIGHT: u32 = 2;
+pub const DEFAULT_INFLIGHT: u32 = 4;
 /// Stream rings at once.
 pub const MAX_POOLS: usize = 256;
 /// With `COLOC_SHIM_INFLIGHT=0` (unbounded), a ring still holds at most this many events

@@ -112,19 +112,42 @@ pub unsafe fn call(f: usize, a: [usize; 12]) -> c_int {
     }
 }
 
-/// A submission: doorbell (online), gate (offline with a gate), or straight through.
-///
-/// # Safety
-/// As [`call`].
-#[inline(always)]
-unsafe fn dispatch(f: usize, kind: &AtomicU32, a: [usize; 12]) -> c_int {
-    match bell::mode() {
-        bell::ON => bell::ring(),
-        bell::GATED => return crate::gate::submit(kind.load(Relaxed), f, a),
-        _ => {}
-    }
-    // SAFETY: the caller's contract.
-    unsafe { call(f, a) }
+/// A submission: doorbell (online), gate (offline with a gate), or straight through. A
+/// macro, so that the arguments are gathered into an array only on the gated path.
+macro_rules! dispatch {
+    ($f:expr, $kind:expr, $($a:ident),*) => {{
+        match bell::mode() {
+            bell::ON => bell::ring(),
+            bell::GATED => return gated($kind.load(Relaxed), $f, $($a),*),
+            _ => {}
+        }
+        // SAFETY: the caller's contract: `$f` is the driver's entry point for this
+        // request, called with the caller's own arguments.
+        unsafe { std::mem::transmute::<usize, Fwd>($f)($($a),*) }
+    }};
+}
+
+/// The gated path, out of line (the arguments are gathered only here).
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn gated(
+    kind: u32,
+    f: usize,
+    a0: usize,
+    a1: usize,
+    a2: usize,
+    a3: usize,
+    a4: usize,
+    a5: usize,
+    a6: usize,
+    a7: usize,
+    a8: usize,
+    a9: usize,
+    a10: usize,
+    a11: usize,
+) -> c_int {
+    crate::gate::submit(kind, f, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11])
 }
 
 /// `name` without its ABI suffixes (`_v2`, `_v3`, `_ptsz`, `_ptds`).
@@ -195,16 +218,24 @@ unsafe extern "C" fn slot<const N: usize>(
     a10: usize,
     a11: usize,
 ) -> c_int {
+    // Slot N is handed out only after its real pointer was stored.
     let f = SLOT_REAL[N].load(Relaxed);
-    // SAFETY: slot N is handed out only after its real pointer was stored; the pointer is
-    // the driver's entry point for this request, called with the caller's own arguments.
-    unsafe {
-        dispatch(
-            f,
-            &SLOT_KIND[N],
-            [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11],
-        )
-    }
+    dispatch!(
+        f,
+        SLOT_KIND[N],
+        a0,
+        a1,
+        a2,
+        a3,
+        a4,
+        a5,
+        a6,
+        a7,
+        a8,
+        a9,
+        a10,
+        a11
+    )
 }
 
 unsafe extern "C" fn getter<const N: usize>(
@@ -392,10 +423,8 @@ macro_rules! exported_launch {
                 KIND.store(kind_of(stringify!($name), false), Relaxed);
                 REAL.store(f, Relaxed);
             }
-            // SAFETY: the driver's own entry point of the same name, same arguments.
-            unsafe {
-                dispatch(f, &KIND, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11])
-            }
+            // The driver's own entry point of the same name, same arguments.
+            dispatch!(f, KIND, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
         }
     )* };
 }

@@ -471,7 +471,7 @@ fn with_no_gate_file_the_offline_shim_passes_everything_through() {
     assert_eq!(page.page().class(), CLASS_OFFLINE);
     let err_path = job.err.clone();
     let v = job.summary();
-    // Not bounded (the default K would cap it at 2), nothing blocked, nothing said.
+    // Not bounded (the default K would cap it at 4), nothing blocked, nothing said.
     assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
     assert!(v["launches"].as_u64().unwrap() > 200, "{v}");
     assert_eq!(std::fs::read_to_string(err_path).unwrap(), "");
