@@ -491,7 +491,6 @@ fn a_gate_file_that_appears_later_or_is_replaced_is_picked_up() {
     wait_progress(&n, pid, 0, 10 * STEP_NS, Duration::from_secs(10));
     // The agent starts after the process: within about a second the gate is in force.
     n.start_agent();
-    let started = Instant::now();
     let epoch = n.gate().close(&gpu0()).unwrap();
     let (took, at_ack, _) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(3));
     assert!(
@@ -519,5 +518,4 @@ fn a_gate_file_that_appears_later_or_is_replaced_is_picked_up() {
         n.progress(pid).0 == at_ack2
     })
     .unwrap();
-    let _ = started;
 }
