@@ -1,20 +1,28 @@
-//! The doorbell: set up on the first submission, rung on every one after.
+//! The doorbell page: set up on the first submission, rung on every one after (online).
 //!
 //! Modes: *unset* (nothing decided yet), *on* (online process with a doorbell page),
-//! *off* (any other class, no `COLOC_DOORBELL_DIR`, or an internal failure). The launch
-//! path reads the mode once; *off* costs that load and a branch.
+//! *open* (offline process with a page, gate not in force: pass-through), *gated*
+//! (offline process, gate file mapped: see [`crate::gate`]), *off* (any other class, no
+//! `COLOC_DOORBELL_DIR`, a forked child, or an internal failure). The launch path reads
+//! the mode once; *off* and *open* cost that load and a branch.
 
-use coloc_doorbell::{Entry, Page, DEFAULT_WAKE_GAP_NS, PAGE};
+use coloc_doorbell::{Entry, Page, CLASS_OFFLINE, CLASS_ONLINE, DEFAULT_WAKE_GAP_NS, PAGE};
 use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
 use std::sync::{Once, OnceLock};
 
 const UNSET: u8 = 0;
-const ON: u8 = 1;
-const OFF: u8 = 2;
+/// Online, with a doorbell page.
+pub const ON: u8 = 1;
+/// Pass-through.
+pub const OFF: u8 = 2;
+/// Offline with a page; the gate is not in force (no valid, fresh gate file yet).
+pub const OPEN: u8 = 3;
+/// Offline, gate file mapped: submissions go through [`crate::gate::submit`].
+pub const GATED: u8 = 4;
 
-static MODE: AtomicU8 = AtomicU8::new(UNSET);
+pub(crate) static MODE: AtomicU8 = AtomicU8::new(UNSET);
 static INIT: Once = Once::new();
 static BASE: AtomicUsize = AtomicUsize::new(0);
 static GAP_NS: AtomicU64 = AtomicU64::new(DEFAULT_WAKE_GAP_NS);
@@ -34,22 +42,39 @@ thread_local! {
     static CACHE: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
 }
 
-/// Called before every submission.
-#[inline]
-pub fn before_launch() {
-    match MODE.load(Relaxed) {
-        ON => ring(),
-        OFF => {}
-        _ => {
-            INIT.call_once(|| {
-                let mode = std::panic::catch_unwind(init).unwrap_or(OFF);
-                MODE.store(mode, Release);
-            });
-            if MODE.load(Acquire) == ON {
-                ring();
-            }
-        }
+/// The mode, deciding it on the first call (Acquire: a thread that sees *on* or *gated*
+/// sees the page and the gate state set up before).
+#[inline(always)]
+pub fn mode() -> u8 {
+    match MODE.load(Acquire) {
+        UNSET => init_mode(),
+        m => m,
     }
+}
+
+#[cold]
+#[inline(never)]
+fn init_mode() -> u8 {
+    INIT.call_once(|| {
+        let mode = std::panic::catch_unwind(init).unwrap_or(OFF);
+        // A fork child or a failure may have turned the shim off meanwhile.
+        let _ = MODE.compare_exchange(UNSET, mode, AcqRel, Acquire);
+    });
+    MODE.load(Acquire)
+}
+
+/// Turns the shim into a pass-through for good, with one line on stderr (any internal
+/// failure after the start).
+pub fn disable(msg: &str) {
+    MODE.store(OFF, Release);
+    crate::warn_once(&FAILED, &format!("{msg}; passing every call through"));
+}
+
+/// The process's page (null before it is created).
+pub fn page() -> Option<Page<'static>> {
+    let b = BASE.load(Acquire);
+    // SAFETY: a non-zero BASE is the live page (never unmapped).
+    (b != 0).then(|| unsafe { Page::from_raw(b as *mut u8) })
 }
 
 fn fail(msg: &str) -> u8 {
@@ -58,38 +83,68 @@ fn fail(msg: &str) -> u8 {
 }
 
 fn init() -> u8 {
-    match std::env::var("COLOC_SHIM_CLASS").as_deref() {
-        Ok("online") => {}
+    let class = match std::env::var("COLOC_SHIM_CLASS").as_deref() {
+        Ok("online") => CLASS_ONLINE,
+        Ok("offline") => CLASS_OFFLINE,
         _ => return OFF,
-    }
+    };
     let Some(dir) = std::env::var_os("COLOC_DOORBELL_DIR") else {
         return OFF;
     };
-    if let Ok(v) = std::env::var("COLOC_SHIM_WAKE_GAP_MS") {
-        match v.parse::<f64>() {
-            Ok(ms) if ms.is_finite() && ms > 0.0 => GAP_NS.store((ms * 1e6) as u64, Relaxed),
-            _ => {
-                return fail(&format!(
-                    "COLOC_SHIM_WAKE_GAP_MS={v:?} is not a positive number of milliseconds"
-                ))
-            }
+    if class == CLASS_ONLINE {
+        if let Err(e) = wake_gap() {
+            return fail(&e);
         }
     }
     if !resolve_helpers() {
         return fail("cannot find cuCtxGetCurrent/cuCtxGetDevice/cuDeviceGetUuid in the driver");
     }
-    match create_page(std::path::Path::new(&dir)) {
-        Ok(()) => ON,
-        Err(e) => fail(&format!(
+    if class == CLASS_OFFLINE {
+        if let Err(e) = crate::gate::configure() {
+            return fail(&e);
+        }
+    }
+    if let Err(e) = create_page(std::path::Path::new(&dir), class) {
+        return fail(&format!(
             "cannot create a doorbell in {}: {e}",
             std::path::Path::new(&dir).display()
-        )),
+        ));
+    }
+    if class == CLASS_ONLINE {
+        return ON;
+    }
+    // The gate is in force from the first submission if the agent's file is there.
+    let mode = if crate::gate::map_at_start() {
+        GATED
+    } else {
+        OPEN
+    };
+    match crate::gate::start_watcher() {
+        Ok(()) => mode,
+        Err(e) => fail(&e),
     }
 }
 
-/// The driver's helper functions, through the getter we saw, or the loaded `libcuda.so.1`.
-fn resolve_helpers() -> bool {
-    let lookup = |name: &CStr| -> usize {
+fn wake_gap() -> Result<(), String> {
+    if let Ok(v) = std::env::var("COLOC_SHIM_WAKE_GAP_MS") {
+        match v.parse::<f64>() {
+            Ok(ms) if ms.is_finite() && ms > 0.0 => GAP_NS.store((ms * 1e6) as u64, Relaxed),
+            _ => {
+                return Err(format!(
+                    "COLOC_SHIM_WAKE_GAP_MS={v:?} is not a positive number of milliseconds"
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A driver function by base name through the getter we saw (`cudaVersion` 12000, default
+/// stream semantics), or else `exported` from the loaded `libcuda.so.1`. Never one of our
+/// wrappers: the getter is the driver's own, and the names asked for are not wrapped.
+pub fn lookup(base: &CStr, exported: &CStr) -> usize {
+    {
+        let name = base;
         let g = crate::hooks::ANY_GETTER.load(Acquire);
         if g != 0 {
             type Getter = unsafe extern "C" fn(
@@ -114,17 +169,20 @@ fn resolve_helpers() -> bool {
                 return p as usize;
             }
         }
-        // SAFETY: RTLD_NOLOAD only returns an already loaded library.
-        let h =
-            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        let h = if h.is_null() { libc::RTLD_NEXT } else { h };
-        crate::dl::real_dlsym(h, name) as usize
-    };
-    let cur = lookup(c"cuCtxGetCurrent");
-    let dev = lookup(c"cuCtxGetDevice");
-    let mut uuid = lookup(c"cuDeviceGetUuid_v2");
+    }
+    // SAFETY: RTLD_NOLOAD only returns an already loaded library.
+    let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    let h = if h.is_null() { libc::RTLD_NEXT } else { h };
+    crate::dl::real_dlsym(h, exported) as usize
+}
+
+/// The driver's helper functions, through the getter we saw, or the loaded `libcuda.so.1`.
+fn resolve_helpers() -> bool {
+    let cur = lookup(c"cuCtxGetCurrent", c"cuCtxGetCurrent");
+    let dev = lookup(c"cuCtxGetDevice", c"cuCtxGetDevice");
+    let mut uuid = lookup(c"cuDeviceGetUuid", c"cuDeviceGetUuid_v2");
     if uuid == 0 {
-        uuid = lookup(c"cuDeviceGetUuid");
+        uuid = lookup(c"cuDeviceGetUuid", c"cuDeviceGetUuid");
     }
     CTX_GET_CURRENT.store(cur, Relaxed);
     CTX_GET_DEVICE.store(dev, Relaxed);
@@ -132,7 +190,7 @@ fn resolve_helpers() -> bool {
     cur != 0 && dev != 0 && uuid != 0
 }
 
-fn create_page(dir: &std::path::Path) -> std::io::Result<()> {
+fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let pid = std::process::id();
     let nonce = coloc_doorbell::now_ns() ^ ((&MODE as *const _ as u64) << 16);
@@ -175,7 +233,7 @@ fn create_page(dir: &std::path::Path) -> std::io::Result<()> {
     };
     // SAFETY: a fresh page-sized shared mapping that is never unmapped.
     let page = unsafe { Page::from_raw(base.cast()) };
-    page.init(pid, GAP_NS.load(Relaxed), coloc_doorbell::now_ns());
+    page.init_class(pid, class, GAP_NS.load(Relaxed), coloc_doorbell::now_ns());
     // Closed only now: the agent's watcher maps the page when it sees the close, and the
     // page is complete by then.
     // SAFETY: our own fd, closed once.
@@ -202,8 +260,9 @@ extern "C" fn after_fork_child() {
     MODE.store(OFF, Relaxed);
 }
 
+/// Stamps the launch (online: called when the mode is [`ON`]).
 #[inline]
-fn ring() {
+pub fn ring() {
     let cur = CTX_GET_CURRENT.load(Relaxed);
     let mut ctx = 0usize;
     // SAFETY: the driver's cuCtxGetCurrent with a valid out-pointer.
@@ -231,9 +290,15 @@ fn ring() {
 
 /// The page's entry for the current context's GPU.
 fn entry_for_current() -> Option<&'static Entry> {
+    page()?.entry_for(&current_uuid()?)
+}
+
+/// The current context's GPU UUID (the driver's functions, never our wrappers).
+pub fn current_uuid() -> Option<[u8; 16]> {
     let mut dev: c_int = 0;
     let mut uuid = [0u8; 16];
-    // SAFETY: the driver's functions with valid out-pointers.
+    // SAFETY: the driver's functions with valid out-pointers (resolved before any mode
+    // that calls this is set).
     unsafe {
         if std::mem::transmute::<usize, CtxGetDevice>(CTX_GET_DEVICE.load(Relaxed))(&mut dev) != 0 {
             return None;
@@ -245,7 +310,21 @@ fn entry_for_current() -> Option<&'static Entry> {
             return None;
         }
     }
-    // SAFETY: as in `ring`.
-    let page: Page<'static> = unsafe { Page::from_raw(BASE.load(Relaxed) as *mut u8) };
-    page.entry_for(&uuid)
+    Some(uuid)
+}
+
+/// The calling thread's current context (0: none, or the driver failed).
+#[inline]
+pub fn current_ctx() -> usize {
+    let mut ctx = 0usize;
+    // SAFETY: the driver's cuCtxGetCurrent (resolved before any mode that calls this is
+    // set) with a valid out-pointer.
+    let r = unsafe {
+        std::mem::transmute::<usize, CtxGetCurrent>(CTX_GET_CURRENT.load(Relaxed))(&mut ctx)
+    };
+    if r != 0 {
+        0
+    } else {
+        ctx
+    }
 }

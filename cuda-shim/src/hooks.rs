@@ -11,7 +11,7 @@
 
 use crate::bell;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::*};
 
 /// `CUDA_SUCCESS`.
 const CUDA_SUCCESS: c_int = 0;
@@ -43,6 +43,112 @@ pub const LAUNCH_BASES: &[&str] = &[
     "cuMemsetD2D16Async",
     "cuMemsetD2D32Async",
 ];
+
+/// Where a submission entry point takes its stream: argument `i` (0-based), as in
+/// `cuda.h`; [`STREAM_IN_CONFIG`]: `cuLaunchKernelEx`'s `CUlaunchConfig::hStream`;
+/// [`STREAM_NONE`]: `cuLaunchCooperativeKernelMultiDevice` (one stream per device, in its
+/// parameter list: gated on the current context's GPU, its work not tracked).
+const STREAM_ARG: &[(&str, u32)] = &[
+    ("cuLaunchKernel", 8),
+    ("cuLaunchKernelEx", STREAM_IN_CONFIG),
+    ("cuLaunchCooperativeKernel", 8),
+    ("cuLaunchCooperativeKernelMultiDevice", STREAM_NONE),
+    ("cuLaunchHostFunc", 0),
+    ("cuGraphLaunch", 1),
+    ("cuMemcpyAsync", 3),
+    ("cuMemcpyHtoDAsync", 3),
+    ("cuMemcpyDtoHAsync", 3),
+    ("cuMemcpyDtoDAsync", 3),
+    ("cuMemcpyHtoAAsync", 4),
+    ("cuMemcpyAtoHAsync", 4),
+    ("cuMemcpyPeerAsync", 5),
+    ("cuMemcpy2DAsync", 1),
+    ("cuMemcpy3DAsync", 1),
+    ("cuMemcpy3DPeerAsync", 1),
+    ("cuMemsetD8Async", 3),
+    ("cuMemsetD16Async", 3),
+    ("cuMemsetD32Async", 3),
+    ("cuMemsetD2D8Async", 5),
+    ("cuMemsetD2D16Async", 5),
+    ("cuMemsetD2D32Async", 5),
+];
+
+/// Kind: the stream is `CUlaunchConfig::hStream` (first argument).
+pub const STREAM_IN_CONFIG: u32 = 0xfd;
+/// Kind: no single stream.
+pub const STREAM_NONE: u32 = 0xfe;
+/// Kind flag: the per-thread default stream variant (`_ptsz`, or asked for with
+/// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`): stream 0 is the thread's own.
+pub const KIND_PTDS: u32 = 0x100;
+/// Kind flag: set once the kind is known (0: not known, treated as [`STREAM_NONE`]).
+pub const KIND_SET: u32 = 0x200;
+
+/// The kind of submission entry point `name` (any of its names), asked for per-thread
+/// default stream semantics or not.
+pub fn kind_of(name: &str, ptds: bool) -> u32 {
+    let ptds = ptds || name.ends_with("_ptsz") || name.ends_with("_ptds");
+    let base = base_name(name);
+    let pos = STREAM_ARG
+        .iter()
+        .find(|(n, _)| *n == base)
+        .map_or(STREAM_NONE, |(_, p)| *p);
+    pos | KIND_SET | if ptds { KIND_PTDS } else { 0 }
+}
+
+/// `cuGetProcAddress` flag `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`.
+const PER_THREAD_DEFAULT_STREAM: u64 = 2;
+
+/// Calls a driver entry point with twelve machine words (see the module doc).
+///
+/// # Safety
+/// `f` must be a submission entry point of the driver, and `a` the caller's arguments.
+#[inline(always)]
+pub unsafe fn call(f: usize, a: [usize; 12]) -> c_int {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::mem::transmute::<usize, Fwd>(f)(
+            a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11],
+        )
+    }
+}
+
+/// A submission: doorbell (online), gate (offline with a gate), or straight through. A
+/// macro, so that the arguments are gathered into an array only on the gated path.
+macro_rules! dispatch {
+    ($f:expr, $kind:expr, $($a:ident),*) => {{
+        match bell::mode() {
+            bell::ON => bell::ring(),
+            bell::GATED => return gated($kind.load(Relaxed), $f, $($a),*),
+            _ => {}
+        }
+        // SAFETY: the caller's contract: `$f` is the driver's entry point for this
+        // request, called with the caller's own arguments.
+        unsafe { std::mem::transmute::<usize, Fwd>($f)($($a),*) }
+    }};
+}
+
+/// The gated path, out of line (the arguments are gathered only here).
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn gated(
+    kind: u32,
+    f: usize,
+    a0: usize,
+    a1: usize,
+    a2: usize,
+    a3: usize,
+    a4: usize,
+    a5: usize,
+    a6: usize,
+    a7: usize,
+    a8: usize,
+    a9: usize,
+    a10: usize,
+    a11: usize,
+) -> c_int {
+    crate::gate::submit(kind, f, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11])
+}
 
 /// `name` without its ABI suffixes (`_v2`, `_v3`, `_ptsz`, `_ptds`).
 pub fn base_name(name: &str) -> &str {
@@ -90,6 +196,8 @@ type Getter =
 const NSLOTS: usize = 64;
 const NGETTERS: usize = 8;
 static SLOT_REAL: [AtomicUsize; NSLOTS] = [const { AtomicUsize::new(0) }; NSLOTS];
+/// Slot N's kind ([`kind_of`]), set when it is handed out (the first request wins).
+static SLOT_KIND: [AtomicU32; NSLOTS] = [const { AtomicU32::new(0) }; NSLOTS];
 static GETTER_REAL: [AtomicUsize; NGETTERS] = [const { AtomicUsize::new(0) }; NGETTERS];
 static SLOTS_FULL: AtomicBool = AtomicBool::new(false);
 
@@ -110,13 +218,24 @@ unsafe extern "C" fn slot<const N: usize>(
     a10: usize,
     a11: usize,
 ) -> c_int {
-    bell::before_launch();
+    // Slot N is handed out only after its real pointer was stored.
     let f = SLOT_REAL[N].load(Relaxed);
-    // SAFETY: slot N is handed out only after its real pointer was stored; the pointer is
-    // the driver's entry point for this request, called with the caller's own arguments.
-    unsafe {
-        std::mem::transmute::<usize, Fwd>(f)(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
-    }
+    dispatch!(
+        f,
+        SLOT_KIND[N],
+        a0,
+        a1,
+        a2,
+        a3,
+        a4,
+        a5,
+        a6,
+        a7,
+        a8,
+        a9,
+        a10,
+        a11
+    )
 }
 
 unsafe extern "C" fn getter<const N: usize>(
@@ -131,13 +250,14 @@ unsafe extern "C" fn getter<const N: usize>(
     let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
     if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
         // SAFETY: the driver succeeded, so `sym` is a C string and `pfn` a valid slot.
-        unsafe { after_get(sym, pfn) };
+        unsafe { after_get(sym, pfn, flags) };
     }
     r
 }
 
-/// Replaces the driver's answer for a wrapped name with our wrapper.
-unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void) {
+/// Replaces the driver's answer for a wrapped name with our wrapper (`flags`: the
+/// getter's, which say whether stream 0 is the per-thread default stream).
+unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void, flags: u64) {
     // SAFETY: caller's contract.
     let (name, real) = unsafe { (CStr::from_ptr(sym), *pfn) };
     if real.is_null() {
@@ -147,8 +267,11 @@ unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void) {
     let ours = std::panic::catch_unwind(|| {
         if is_getter(name) {
             getter_for(real as usize)
-        } else if std::str::from_utf8(name).is_ok_and(is_launch) {
-            slot_for(real as usize)
+        } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
+            slot_for(
+                real as usize,
+                kind_of(n, flags == PER_THREAD_DEFAULT_STREAM),
+            )
         } else {
             None
         }
@@ -185,12 +308,15 @@ fn claim(reals: &[AtomicUsize], real: usize) -> Option<usize> {
 
 /// The wrapper forwarding to launch pointer `real` (`None`: pointer is ours already, or
 /// no slot is left — the caller then gets the real pointer, unwrapped).
-pub fn slot_for(real: usize) -> Option<usize> {
+pub fn slot_for(real: usize, kind: u32) -> Option<usize> {
     if is_ours(real) {
         return None;
     }
     match claim(&SLOT_REAL, real) {
-        Some(i) => Some(SLOT_FNS[i] as usize),
+        Some(i) => {
+            let _ = SLOT_KIND[i].compare_exchange(0, kind, AcqRel, Acquire);
+            Some(SLOT_FNS[i] as usize)
+        }
         None => {
             crate::warn_once(
                 &SLOTS_FULL,
@@ -246,7 +372,11 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
     let ours = if getter {
         getter_for(real as usize)
     } else {
-        slot_for(real as usize)
+        // A name asked of dlsym is the exported one: `_ptsz` says per-thread.
+        slot_for(
+            real as usize,
+            kind_of(&String::from_utf8_lossy(bytes), false),
+        )
     };
     ours.map_or(std::ptr::null_mut(), |w| w as *mut c_void)
 }
@@ -282,6 +412,7 @@ macro_rules! exported_launch {
             a6: usize, a7: usize, a8: usize, a9: usize, a10: usize, a11: usize,
         ) -> c_int {
             static REAL: AtomicUsize = AtomicUsize::new(0);
+            static KIND: AtomicU32 = AtomicU32::new(0);
             let mut f = REAL.load(Relaxed);
             if f == 0 {
                 let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
@@ -289,13 +420,11 @@ macro_rules! exported_launch {
                 if f == 0 {
                     return CUDA_ERROR_NOT_FOUND;
                 }
+                KIND.store(kind_of(stringify!($name), false), Relaxed);
                 REAL.store(f, Relaxed);
             }
-            bell::before_launch();
-            // SAFETY: the driver's own entry point of the same name, same arguments.
-            unsafe {
-                std::mem::transmute::<usize, Fwd>(f)(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
-            }
+            // The driver's own entry point of the same name, same arguments.
+            dispatch!(f, KIND, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
         }
     )* };
 }
@@ -335,7 +464,7 @@ macro_rules! exported_getter {
             let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
             if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
                 // SAFETY: as in `getter`.
-                unsafe { after_get(sym, pfn) };
+                unsafe { after_get(sym, pfn, flags) };
             }
             r
         }
@@ -357,6 +486,37 @@ mod tests {
         assert!(!is_launch("cuMemAlloc_v2"));
         assert!(!is_launch("cuStreamSynchronize"));
         assert!(is_getter(b"cuGetProcAddress_v2"));
+    }
+
+    #[test]
+    fn kinds_name_the_stream_argument() {
+        assert_eq!(kind_of("cuLaunchKernel", false), 8 | KIND_SET);
+        assert_eq!(kind_of("cuLaunchKernel", true), 8 | KIND_SET | KIND_PTDS);
+        assert_eq!(
+            kind_of("cuLaunchKernel_ptsz", false),
+            8 | KIND_SET | KIND_PTDS
+        );
+        assert_eq!(
+            kind_of("cuMemcpyHtoDAsync_v2_ptsz", false),
+            3 | KIND_SET | KIND_PTDS
+        );
+        assert_eq!(kind_of("cuLaunchHostFunc", false), KIND_SET);
+        assert_eq!(kind_of("cuGraphLaunch", false), 1 | KIND_SET);
+        assert_eq!(kind_of("cuMemsetD2D32Async", false), 5 | KIND_SET);
+        assert_eq!(
+            kind_of("cuLaunchKernelEx", false),
+            STREAM_IN_CONFIG | KIND_SET
+        );
+        assert_eq!(
+            kind_of("cuLaunchCooperativeKernelMultiDevice", false),
+            STREAM_NONE | KIND_SET
+        );
+        for b in LAUNCH_BASES {
+            assert!(
+                STREAM_ARG.iter().any(|(n, _)| n == b),
+                "{b} has a stream position"
+            );
+        }
     }
 
     #[test]

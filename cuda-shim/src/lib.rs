@@ -3,8 +3,12 @@
 //! Loaded with `LD_PRELOAD` into a GPU process. In an **online** process
 //! (`COLOC_SHIM_CLASS=online`) it is a doorbell: every submission of GPU work stamps its
 //! time for the GPU it targets in a one-page shared file (`coloc-doorbell`), and the
-//! first submission after a pause wakes the node agent. Every other call, and every call
-//! in a process of any other class, passes straight through.
+//! first submission after a pause wakes the node agent. In an **offline** process
+//! (`COLOC_SHIM_CLASS=offline`) it is the **launch gate** ([`gate`]): while the agent holds
+//! a GPU's gate closed, the process's next submission to that GPU blocks, and at most K
+//! submissions per stream are in flight, so what keeps running after a close is short.
+//! Every other call, and every call in a process of any other class, passes straight
+//! through.
 //!
 //! ```text
 //!  libcudart / cuBLAS / Triton / NCCL
@@ -14,7 +18,8 @@
 //!     │ otherwise: tail-jump to glibc's dlsym (the caller's RTLD_NEXT stays the caller's)
 //!  cuGetProcAddress[_v2] (ours) ── launch entry point? ──► a forwarding slot
 //!     │ anything else: the driver's pointer, untouched
-//!  slot N: ring the doorbell (online only), then call the driver's pointer for slot N
+//!  slot N: online: ring the doorbell │ offline, gate in force: the gate │ else nothing;
+//!          then call the driver's pointer for slot N
 //! ```
 //!
 //! - **How the CUDA 12 runtime is caught**: it looks up `cuGetProcAddress_v2` with `dlsym`
@@ -23,23 +28,70 @@
 //!   wraps the getters (both versions, and themselves when asked for) and hands out a
 //!   forwarding slot per real launch pointer, so every variant (`_ptsz`, old ABIs) calls
 //!   exactly the pointer the driver returned for it. Programs linked against `libcuda`
-//!   directly reach the exported launch symbols instead.
+//!   directly reach the exported launch symbols instead. Each slot also knows where its
+//!   entry point takes the stream (`hooks::kind_of`) and whether stream 0 means the
+//!   per-thread default stream (a `_ptsz` name, or the getter's
+//!   `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` flag), which only the gate uses.
 //! - **Which GPU**: the current context's device, by UUID (`cuCtxGetCurrent` →
 //!   `cuCtxGetDevice` → `cuDeviceGetUuid`), cached per thread and context, so
-//!   `CUDA_VISIBLE_DEVICES` remapping does not matter.
-//! - **Cost**: see `benches/RESULTS.md`. With no agent (no `COLOC_DOORBELL_DIR`, or the
-//!   class is not `online`) a launch costs one load and one branch beyond the forwarding.
+//!   `CUDA_VISIBLE_DEVICES` remapping does not matter. The gate uses the stream's
+//!   context for a created stream (`cuStreamGetCtx`, once per stream).
+//! - **Cost**: see `benches/RESULTS.md` (`cargo bench -p coloc-e2e --bench shim_launch`).
+//!   Pass-through (no class, no `COLOC_DOORBELL_DIR`, or offline without a gate file) costs
+//!   one load and a branch beyond the forwarding; the online busy path a clock read and a
+//!   few loads and stores; the gated path (gate open) two atomic read-modify-writes, a
+//!   per-stream lock and one `cuEventRecord` (plus a wait for the oldest event once K are
+//!   in flight): about 170 ns over pass-through on the simulated driver.
 //! - **Never breaks its host process**: any internal failure turns the shim into a
-//!   pass-through and prints one line on stderr; nothing panics across the C boundary.
+//!   pass-through and prints one line on stderr; nothing panics across the C boundary. A
+//!   forked child passes through (it must not ring or gate on its parent's page).
 //!
-//! Environment: `COLOC_SHIM_CLASS` (`online`; anything else: pass-through),
+//! ## The launch gate (offline)
+//!
+//! Protocol and layout: `coloc_doorbell::gate` (the agent's gate file) and
+//! `coloc_doorbell::Entry` (the process's page). In short:
+//!
+//! - At the first submission the shim creates its page (class 2) in `COLOC_DOORBELL_DIR`
+//!   (none: no page, no gate, pass-through) and maps the gate file read-only
+//!   (`COLOC_GATE_FILE`, default `/run/gpu-coloc/gate/gates`). No valid file with a fresh
+//!   heartbeat: the gate is off (pass-through); a watcher thread looks for the file once a
+//!   second and turns the gate on when it appears (or when a restarted agent replaces it).
+//! - Gate on, per submission, for the GPU it targets: `in_submit += 1`, read the gate
+//!   word; closed: `in_submit -= 1`, note `blocked_ns`, `FUTEX_WAIT` on the word (50 ms at
+//!   a time, re-checking), and go on when it opens — or when the agent's heartbeat is
+//!   older than `COLOC_GATE_STALE_MS` (fail-open, one stderr line). Only the calling thread
+//!   waits. Then, with K events outstanding on the stream, wait for the oldest
+//!   (`cuEventSynchronize`) and recycle it, go back to the gate if it closed meanwhile;
+//!   the driver's submission; `cuEventRecord` after it; `inflight += 1`, `in_submit -= 1`.
+//! - The watcher thread (started at the first submission, never in a constructor or a
+//!   fork child) sleeps on the gate file's generation word. For a GPU of this process
+//!   closed with an epoch it has not acknowledged (in this file): it waits until
+//!   `in_submit == 0`, then for the newest event of every stream on that GPU, then writes
+//!   `gate_ack = epoch` and bumps and wakes the page's `wake` word. An idle process
+//!   acknowledges at once; a busy one once its in-flight work has drained.
+//! - **K** (`COLOC_SHIM_INFLIGHT`, default 4; 0 = unbounded): on the simulated GPU with
+//!   an application keeping 16 kernels queued, K = 4 keeps what runs after a close to
+//!   about 4 kernels (8 ms with 2 ms kernels, under 1 ms with 0.2 ms ones) and costs
+//!   under 1 % of throughput with 2 ms kernels, 4 % with 0.2 ms, 15 % with 0.05 ms; K = 2
+//!   halves the drain but costs 13 % at 0.2 ms (`coloc-bench --gate`, figures in
+//!   `benches/RESULTS.md`; simulated, real CUDA unchecked).
+//! - **Not gated**: the synchronous copies and memsets, `cuStreamWaitEvent`, and work
+//!   that `cuLaunchCooperativeKernelMultiDevice` queues (gated on the current GPU, its
+//!   work not tracked). A submission already past the mode check when the gate file first
+//!   appears is not counted (one driver call's window).
+//!
+//! Environment: `COLOC_SHIM_CLASS` (`online`, `offline`; anything else: pass-through),
 //! `COLOC_DOORBELL_DIR` (where to create `<pid>-<nonce>.bell`), `COLOC_SHIM_WAKE_GAP_MS`
-//! (a launch this long after the previous one on the same GPU wakes the agent; default 10).
+//! (online: a launch this long after the previous one on the same GPU wakes the agent;
+//! default 100), `COLOC_GATE_FILE`, `COLOC_SHIM_INFLIGHT`, `COLOC_GATE_STALE_MS` (offline:
+//! the gate file, K, and the heartbeat bound; defaults `/run/gpu-coloc/gate/gates`, 4,
+//! 1000).
 
 #![allow(clippy::missing_safety_doc)]
 
 mod bell;
 mod dl;
+mod gate;
 mod hooks;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};

@@ -24,17 +24,38 @@
 //!   process that writes it (mode 0644) and nothing the agent does depends on a tenant
 //!   granting it write access.
 //!
-//! Layout (all fields little-endian atomics, offsets fixed by `#[repr(C)]`):
-//! [`Header`] (64 bytes), then [`MAX_GPUS`] × [`Entry`] (128 bytes each).
+//! Layout (all fields little-endian atomics, offsets fixed by `#[repr(C)]`), version 2:
+//! [`Header`] (64 bytes: magic `"COLOCDB1"`, version, PID, `wake` futex word, `class`
+//! (1 online, 2 offline: informational, never trusted), wake gap, creation time), then
+//! [`MAX_GPUS`] × [`Entry`] (128 bytes each: state, UUID, `last_launch_ns`,
+//! `busy_since_ns`, `wakes`, and the launch gate's `inflight`, `in_submit`, `gate_ack`,
+//! `blocked_ns`, `submitted`). Readers accept version 1 pages too (the same layout with the
+//! version 2 fields 0).
+//!
+//! **Offline processes** write a page too (class 2), for the launch gate ([`gate`]): they
+//! never stamp launch times; they keep the gate fields of the entry of each GPU they
+//! submit to, and every time they write [`Entry::gate_ack`] they bump the header's `wake`
+//! word and wake it ([`Page::bump_and_wake`]), so an agent asleep in `futex_waitv` on the
+//! pages learns of the acknowledgement at once. The agent reads them with
+//! [`Page::read_gate`].
 //!
 //! Clock: `CLOCK_REALTIME` nanoseconds (the clock of NVML's sample timestamps).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
+pub mod gate;
+
 /// Identifies a doorbell page of this layout ("COLOCDB1").
 pub const MAGIC: u64 = 0x3142_4443_4f4c_4f43;
-/// Layout version.
-pub const VERSION: u32 = 1;
+/// Layout version written by this crate (2: the header's `class`, and the gate fields of
+/// [`Entry`]). Readers also accept version 1 pages (the same layout with those fields 0).
+pub const VERSION: u32 = 2;
+/// Oldest layout version readers accept.
+pub const MIN_VERSION: u32 = 1;
+/// [`Header::class`] of an online process (informational: the agent never trusts it).
+pub const CLASS_ONLINE: u32 = 1;
+/// [`Header::class`] of an offline process (informational: the agent never trusts it).
+pub const CLASS_OFFLINE: u32 = 2;
 /// Most GPUs one process can ring for.
 pub const MAX_GPUS: usize = 16;
 /// Size of the page (and of the file).
@@ -59,9 +80,11 @@ pub struct Header {
     pub version: AtomicU32,
     /// The writer's PID as it sees itself (informational: never trusted).
     pub pid: AtomicU32,
-    /// Futex word: bumped, then woken, at the start of every run.
+    /// Futex word: bumped, then woken, at the start of every run (online), and whenever
+    /// an offline process writes an [`Entry::gate_ack`].
     pub wake: AtomicU32,
-    _pad: u32,
+    /// [`CLASS_ONLINE`], [`CLASS_OFFLINE`], or 0 (not stated). Informational only.
+    pub class: AtomicU32,
     /// The writer's wake gap, ns (0: [`DEFAULT_WAKE_GAP_NS`]).
     pub wake_gap_ns: AtomicU64,
     /// When the page was created, ns.
@@ -86,7 +109,22 @@ pub struct Entry {
     pub busy_since_ns: AtomicU64,
     /// Runs started (wake-ups sent) on this GPU.
     pub wakes: AtomicU64,
-    _reserved: [u64; 10],
+    /// Launch gate (offline processes): this process's submissions on this GPU not yet
+    /// known complete.
+    pub inflight: AtomicU32,
+    /// Launch gate: threads between the gate check and the end of their submission.
+    pub in_submit: AtomicU32,
+    /// Launch gate: the last gate epoch this process acknowledged: every submitting
+    /// thread is blocked at the gate or idle, and the work it had in flight before the
+    /// close is complete. Every write is followed by a bump and wake of [`Header::wake`].
+    pub gate_ack: AtomicU32,
+    _pad2: u32,
+    /// Launch gate: when a thread first blocked at the gate in the current close, ns
+    /// (`CLOCK_REALTIME`); 0 when none is blocked.
+    pub blocked_ns: AtomicU64,
+    /// Launch gate: submissions made on this GPU (counted by the offline shim).
+    pub submitted: AtomicU64,
+    _reserved: [u64; 6],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == 64);
@@ -136,8 +174,16 @@ impl<'a> Page<'a> {
         self.header
     }
 
-    /// Initialises a fresh (zeroed) page for the writer `pid` with its wake gap.
+    /// Initialises a fresh (zeroed) page for the writer `pid` with its wake gap (class not
+    /// stated).
     pub fn init(&self, pid: u32, wake_gap_ns: u64, now_ns: u64) {
+        self.init_class(pid, 0, wake_gap_ns, now_ns);
+    }
+
+    /// Initialises a fresh (zeroed) page for the writer `pid` of `class`
+    /// ([`CLASS_ONLINE`], [`CLASS_OFFLINE`]) with its wake gap.
+    pub fn init_class(&self, pid: u32, class: u32, wake_gap_ns: u64, now_ns: u64) {
+        self.header.class.store(class, Relaxed);
         self.header.version.store(VERSION, Relaxed);
         self.header.pid.store(pid, Relaxed);
         self.header.wake_gap_ns.store(wake_gap_ns, Relaxed);
@@ -153,42 +199,59 @@ impl<'a> Page<'a> {
         }
     }
 
-    /// The page carries this layout.
+    /// The page carries this layout (version [`MIN_VERSION`] to [`VERSION`]).
     pub fn valid(&self) -> bool {
-        self.header.magic.load(Acquire) == MAGIC && self.header.version.load(Relaxed) == VERSION
+        self.header.magic.load(Acquire) == MAGIC
+            && (MIN_VERSION..=VERSION).contains(&self.header.version.load(Relaxed))
+    }
+
+    /// The class the writer states ([`CLASS_ONLINE`], [`CLASS_OFFLINE`], 0 or anything
+    /// else: not stated). Informational: never trusted.
+    pub fn class(&self) -> u32 {
+        self.header.class.load(Relaxed)
+    }
+
+    /// Entry `index` (bounds-checked).
+    pub fn entry(&self, index: usize) -> Option<&'a Entry> {
+        self.entries.get(index)
+    }
+
+    /// The index of entry `e` of this page (`None` if `e` is not one of its entries).
+    pub fn index_of(&self, e: &Entry) -> Option<usize> {
+        self.entries.iter().position(|x| std::ptr::eq(x, e))
+    }
+
+    /// Bumps the header's wake word and wakes whoever waits on it (writer side; an offline
+    /// process after it wrote an [`Entry::gate_ack`]).
+    pub fn bump_and_wake(&self) {
+        self.header.wake.fetch_add(1, Release);
+        futex_wake(&self.header.wake);
+    }
+
+    /// Reads the launch-gate fields of every ready entry (agent side).
+    pub fn read_gate(&self, out: &mut Vec<GateReading>) {
+        for (index, e) in self.entries.iter().enumerate() {
+            if e.state.load(Acquire) != ENTRY_READY {
+                continue;
+            }
+            out.push(GateReading {
+                index,
+                uuid: e.uuid(),
+                gate_ack: e.gate_ack.load(Acquire),
+                inflight: e.inflight.load(Relaxed),
+                in_submit: e.in_submit.load(Relaxed),
+                blocked_ns: e.blocked_ns.load(Relaxed),
+                submitted: e.submitted.load(Relaxed),
+            });
+        }
     }
 
     /// The entry for `uuid`, claiming a free one if needed (writer side). `None` when all
     /// [`MAX_GPUS`] are taken by other GPUs.
     pub fn entry_for(&self, uuid: &[u8; 16]) -> Option<&'a Entry> {
-        let (lo, hi) = split(uuid);
-        for e in self.entries.iter() {
-            loop {
-                match e.state.load(Acquire) {
-                    ENTRY_READY => {
-                        if e.uuid_lo.load(Relaxed) == lo && e.uuid_hi.load(Relaxed) == hi {
-                            return Some(e);
-                        }
-                        break;
-                    }
-                    ENTRY_FREE => {
-                        if e.state
-                            .compare_exchange(ENTRY_FREE, ENTRY_CLAIMING, AcqRel, Acquire)
-                            .is_ok()
-                        {
-                            e.uuid_lo.store(lo, Relaxed);
-                            e.uuid_hi.store(hi, Relaxed);
-                            e.state.store(ENTRY_READY, Release);
-                            return Some(e);
-                        }
-                    }
-                    // Another thread is writing this entry's UUID: it is ready in a few
-                    // instructions.
-                    _ => std::hint::spin_loop(),
-                }
-            }
-        }
-        None
+        self.entries
+            .iter()
+            .find(|e| claim(&e.state, &e.uuid_lo, &e.uuid_hi, uuid) == Claim::Mine)
     }
 
     /// Records a submission at `now_ns` on entry `e` (writer side), with the writer's wake
@@ -224,12 +287,9 @@ impl<'a> Page<'a> {
             }
             let last = e.last_launch_ns.load(Acquire);
             let since = e.busy_since_ns.load(Relaxed);
-            let mut uuid = [0u8; 16];
-            uuid[..8].copy_from_slice(&e.uuid_lo.load(Relaxed).to_le_bytes());
-            uuid[8..].copy_from_slice(&e.uuid_hi.load(Relaxed).to_le_bytes());
             out.push(Reading {
                 index,
-                uuid,
+                uuid: e.uuid(),
                 last_launch_ns: last,
                 busy_since_ns: if since == 0 || since > last {
                     last
@@ -244,6 +304,97 @@ impl<'a> Page<'a> {
     pub fn wakes(&self, index: usize) -> u64 {
         self.entries.get(index).map_or(0, |e| e.wakes.load(Relaxed))
     }
+}
+
+impl Entry {
+    /// The GPU UUID this entry is for (meaningful once the entry is ready).
+    pub fn uuid(&self) -> [u8; 16] {
+        join(self.uuid_lo.load(Relaxed), self.uuid_hi.load(Relaxed))
+    }
+}
+
+/// What the agent reads from one entry about the launch gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateReading {
+    /// Entry index.
+    pub index: usize,
+    /// GPU UUID bytes.
+    pub uuid: [u8; 16],
+    /// [`Entry::gate_ack`].
+    pub gate_ack: u32,
+    /// [`Entry::inflight`].
+    pub inflight: u32,
+    /// [`Entry::in_submit`].
+    pub in_submit: u32,
+    /// [`Entry::blocked_ns`].
+    pub blocked_ns: u64,
+    /// [`Entry::submitted`].
+    pub submitted: u64,
+}
+
+#[derive(PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// The record is (now) for this UUID.
+    Mine,
+    /// The record is another UUID's, or not a claimable state.
+    Other,
+}
+
+/// Finds or claims a record (`state`, `lo`, `hi`: free / claiming / ready) for `uuid`.
+pub(crate) fn claim(
+    state: &AtomicU32,
+    lo_w: &AtomicU64,
+    hi_w: &AtomicU64,
+    uuid: &[u8; 16],
+) -> Claim {
+    let (lo, hi) = split(uuid);
+    loop {
+        match state.load(Acquire) {
+            ENTRY_READY => {
+                return if lo_w.load(Relaxed) == lo && hi_w.load(Relaxed) == hi {
+                    Claim::Mine
+                } else {
+                    Claim::Other
+                };
+            }
+            ENTRY_FREE => {
+                if state
+                    .compare_exchange(ENTRY_FREE, ENTRY_CLAIMING, AcqRel, Acquire)
+                    .is_ok()
+                {
+                    lo_w.store(lo, Relaxed);
+                    hi_w.store(hi, Relaxed);
+                    state.store(ENTRY_READY, Release);
+                    return Claim::Mine;
+                }
+            }
+            // Another thread is writing this record's UUID: it is ready in a few
+            // instructions.
+            ENTRY_CLAIMING => std::hint::spin_loop(),
+            // Garbage (a reader's view of a page it does not own): never claimable.
+            _ => return Claim::Other,
+        }
+    }
+}
+
+/// Whether `uuid`'s record is ready (reader side: never claims, never spins).
+pub(crate) fn is_for(
+    state: &AtomicU32,
+    lo_w: &AtomicU64,
+    hi_w: &AtomicU64,
+    uuid: &[u8; 16],
+) -> bool {
+    let (lo, hi) = split(uuid);
+    state.load(Acquire) == ENTRY_READY && lo_w.load(Relaxed) == lo && hi_w.load(Relaxed) == hi
+}
+
+pub(crate) const READY: u32 = ENTRY_READY;
+
+pub(crate) fn join(lo: u64, hi: u64) -> [u8; 16] {
+    let mut uuid = [0u8; 16];
+    uuid[..8].copy_from_slice(&lo.to_le_bytes());
+    uuid[8..].copy_from_slice(&hi.to_le_bytes());
+    uuid
 }
 
 fn split(uuid: &[u8; 16]) -> (u64, u64) {
@@ -304,6 +455,27 @@ pub fn futex_wake(word: &AtomicU32) {
     // SAFETY: FUTEX_WAKE only uses the address as a key; `word` is a live reference.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+/// `FUTEX_WAIT` on a word in a shared mapping (read-only mappings too): sleeps while
+/// `word == expected`, until a wake, a signal, or `timeout_ns`. Returns at once when the
+/// word already differs. Spurious returns are possible: callers re-check.
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: `word` is a live reference; FUTEX_WAIT (shared, not private) only reads it;
+    // `ts` outlives the call.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
     }
 }
 
@@ -370,6 +542,51 @@ mod tests {
         let mut r = Vec::new();
         p.read(&mut r); // state words are 0xffffffff: not ready, nothing read
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn version_2_carries_class_and_gate_fields_and_version_1_still_reads() {
+        let mut b = Buf([0; PAGE]);
+        let p = page(&mut b);
+        p.init_class(9, CLASS_OFFLINE, 0, 1);
+        assert!(p.valid());
+        assert_eq!(p.class(), CLASS_OFFLINE);
+        assert_eq!(p.header().version.load(Relaxed), 2);
+        let e = p.entry_for(&[1; 16]).unwrap();
+        assert_eq!(p.index_of(e), Some(0));
+        assert!(std::ptr::eq(p.entry(0).unwrap(), e));
+        assert!(p.entry(MAX_GPUS).is_none());
+        e.inflight.store(3, Relaxed);
+        e.in_submit.store(1, Relaxed);
+        e.gate_ack.store(5, Relaxed);
+        e.blocked_ns.store(77, Relaxed);
+        e.submitted.store(1000, Relaxed);
+        let w = p.header().wake.load(Relaxed);
+        p.bump_and_wake();
+        assert_eq!(p.header().wake.load(Relaxed), w.wrapping_add(1));
+        let mut r = Vec::new();
+        p.read_gate(&mut r);
+        assert_eq!(
+            r,
+            vec![GateReading {
+                index: 0,
+                uuid: [1; 16],
+                gate_ack: 5,
+                inflight: 3,
+                in_submit: 1,
+                blocked_ns: 77,
+                submitted: 1000
+            }]
+        );
+        // The launch fields did not move.
+        let mut l = Vec::new();
+        p.read(&mut l);
+        assert_eq!(l[0].last_launch_ns, 0);
+        // A version 1 page (an older shim) is still read; a future version is not.
+        p.header().version.store(1, Relaxed);
+        assert!(p.valid());
+        p.header().version.store(3, Relaxed);
+        assert!(!p.valid());
     }
 
     #[test]

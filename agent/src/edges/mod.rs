@@ -18,6 +18,7 @@ pub mod actuator;
 pub mod cgroupfs;
 pub mod clock;
 pub mod doorbell;
+pub mod gate;
 pub mod gpu;
 pub mod procfs;
 pub mod record;

@@ -7,6 +7,10 @@
 //!   with no agent): the cost of the wrapper alone;
 //! - `launch/shim-doorbell`: class online with a doorbell directory: every launch stamps
 //!   its time (launches closer than the wake gap: the busy fast path, no system call).
+//! - `launch/shim-offline-no-gate`: class offline, no gate file (no agent): pass-through.
+//! - `launch/shim-gated-open`: class offline with a gate file whose gate is open and whose
+//!   heartbeat the parent keeps fresh: every launch goes through the gate check, the
+//!   in-flight bound (`COLOC_SHIM_INFLIGHT` at its default) and an event record.
 //!
 //! The shim's cost is the difference to `no-shim`. The parent re-runs this binary once
 //! per mode with the environment set (the preload must be there from the start).
@@ -38,7 +42,27 @@ fn main() {
     let cuda = coloc_sim::fake_libcuda_dir(&dir).expect("fake libcuda (cargo build -p fake-cuda)");
     let bells = std::env::temp_dir().join(format!("coloc-bench-bells-{}", std::process::id()));
     std::fs::create_dir_all(&bells).unwrap();
-    for mode in ["no-shim", "shim-pass-through", "shim-doorbell"] {
+    let gate_path = bells.join("gate").join("gates");
+    let gate = std::sync::Arc::new(
+        coloc_agent::edges::gate::GateFile::create(&gate_path).expect("gate file"),
+    );
+    let beating = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let beater = {
+        let (g, b) = (gate.clone(), beating.clone());
+        std::thread::spawn(move || {
+            while b.load(std::sync::atomic::Ordering::SeqCst) {
+                g.beat();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        })
+    };
+    for mode in [
+        "no-shim",
+        "shim-pass-through",
+        "shim-doorbell",
+        "shim-offline-no-gate",
+        "shim-gated-open",
+    ] {
         let mut c = std::process::Command::new(std::env::current_exe().unwrap());
         c.args(std::env::args_os().skip(1))
             .env("COLOC_BENCH_MODE", mode)
@@ -51,9 +75,22 @@ fn main() {
             c.env("COLOC_SHIM_CLASS", "online")
                 .env("COLOC_DOORBELL_DIR", &bells);
         }
+        if mode == "shim-offline-no-gate" {
+            c.env("COLOC_SHIM_CLASS", "offline")
+                .env("COLOC_DOORBELL_DIR", &bells)
+                .env("COLOC_GATE_FILE", bells.join("no-such-gate-file"));
+        }
+        if mode == "shim-gated-open" {
+            c.env("COLOC_SHIM_CLASS", "offline")
+                .env("COLOC_DOORBELL_DIR", &bells)
+                .env("COLOC_GATE_FILE", &gate_path);
+        }
         let st = c.status().expect("run the bench");
         assert!(st.success(), "{mode}: {st}");
     }
+    beating.store(false, std::sync::atomic::Ordering::SeqCst);
+    beater.join().unwrap();
+    drop(gate);
     let _ = std::fs::remove_dir_all(&bells);
     let _ = std::fs::remove_file(&state);
 }

@@ -44,6 +44,10 @@
 //!   returns at once; as on a real stream, once 1024 submissions of the process on that
 //!   GPU are outstanding the next one blocks until the oldest completes. Queued work
 //!   keeps running when the process is stopped (the simulated GPU's drain).
+//! - **Counters**: `coloc_fake_stats` (an extra export) fills a [`FakeStats`]: submissions
+//!   accepted, and the most submissions outstanding at once on one stream (the default
+//!   streams of a GPU count as one) and on one GPU, counted at each submission. This is how
+//!   tests see an in-flight bound (`COLOC_SHIM_INFLIGHT`) from outside the shim.
 //! - Events capture the completion target of their stream at `cuEventRecord`
 //!   (`cuEventQuery`: `CUDA_SUCCESS` or `CUDA_ERROR_NOT_READY`; never recorded:
 //!   `CUDA_SUCCESS`). `cuEventSynchronize`, `cuStreamSynchronize`, `cuCtxSynchronize` wait
@@ -191,6 +195,8 @@ struct Gpu {
     users: u32,
     /// Completion targets of outstanding submissions, oldest first.
     queue: VecDeque<u64>,
+    /// The same, of the default streams' submissions only.
+    default_queue: VecDeque<u64>,
     mem: u64,
     primary: Option<usize>,
     primary_refs: u32,
@@ -206,6 +212,8 @@ struct Stream {
     ctx: usize,
     /// Completion target of its last submission.
     last: u64,
+    /// Completion targets of its outstanding submissions, oldest first.
+    queue: VecDeque<u64>,
 }
 
 struct Event {
@@ -233,6 +241,21 @@ struct State {
     /// Graph exec → ns.
     graphs: HashMap<usize, u64>,
     allocs: BTreeMap<u64, Alloc>,
+    stats: FakeStats,
+}
+
+/// Counters of this process's submissions ([`coloc_fake_stats`]).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FakeStats {
+    /// Submissions accepted (kernels, graphs, copies, memsets, host functions).
+    pub submissions: u64,
+    /// Most submissions outstanding (submitted, not complete) on one stream at once,
+    /// counted when a submission is accepted. The default streams (`0`,
+    /// `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) of a GPU count as one stream.
+    pub max_outstanding_stream: u64,
+    /// Most submissions of the process outstanding on one GPU at once.
+    pub max_outstanding_gpu: u64,
 }
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
@@ -402,6 +425,7 @@ impl State {
             })?;
             g.slot = Some(Arc::new(slot));
             g.queue.clear();
+            g.default_queue.clear();
         }
         g.users += 1;
         Ok(())
@@ -413,6 +437,7 @@ impl State {
         if g.users == 0 {
             g.slot = None;
             g.queue.clear();
+            g.default_queue.clear();
         }
     }
 
@@ -522,9 +547,25 @@ fn submit(s: CUstream, ns: u64) -> Result<(Slot, u64), CUresult> {
                 if t > done {
                     g.queue.push_back(t);
                 }
-                if let Some(x) = stream.and_then(|x| st.streams.get_mut(&x)) {
-                    x.last = t;
+                let on_gpu = g.queue.len() as u64;
+                let q = match stream.and_then(|x| st.streams.get_mut(&x)) {
+                    Some(x) => {
+                        x.last = t;
+                        &mut x.queue
+                    }
+                    None => &mut st.gpus[dev].default_queue,
+                };
+                while q.front().is_some_and(|&x| x <= done) {
+                    q.pop_front();
                 }
+                if t > done {
+                    q.push_back(t);
+                }
+                let on_stream = q.len() as u64;
+                let s = &mut st.stats;
+                s.submissions += 1;
+                s.max_outstanding_stream = s.max_outstanding_stream.max(on_stream);
+                s.max_outstanding_gpu = s.max_outstanding_gpu.max(on_gpu);
                 return Ok((slot, t));
             }
             let oldest = g.queue.front().copied().unwrap_or(0);
@@ -970,7 +1011,14 @@ pub unsafe extern "C" fn cuStreamCreate(ps: *mut CUstream, flags: c_uint) -> CUr
         let ctx = st.current()?;
         st.slot_of(ctx)?;
         let h = st.handle();
-        st.streams.insert(h, Stream { ctx, last: 0 });
+        st.streams.insert(
+            h,
+            Stream {
+                ctx,
+                last: 0,
+                queue: VecDeque::new(),
+            },
+        );
         put(ps, h as CUstream)
     })
 }
@@ -1346,6 +1394,13 @@ pub extern "C" fn cuGraphExecDestroy(g: CUgraphExec) -> CUresult {
             .map(|_| ())
             .ok_or(CUDA_ERROR_INVALID_HANDLE)
     })
+}
+
+/// Test helper (not in `cuda.h`): this process's submission counters ([`FakeStats`]).
+/// `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
+#[no_mangle]
+pub unsafe extern "C" fn coloc_fake_stats(out: *mut FakeStats) -> CUresult {
+    ffi(|| put(out, drv()?.lock().stats))
 }
 
 /// Test helper (not in `cuda.h`): a `CUgraphExec` whose `cuGraphLaunch` is busy on the GPU

@@ -452,3 +452,61 @@ fn every_launch_entry_point_takes_the_first_parameter_as_duration() {
         assert_eq!((cu().ctx_destroy)(s.ctx), OK);
     }
 }
+
+/// `FakeStats` as the library fills it (submissions, most outstanding per stream, per GPU).
+fn stats() -> [u64; 3] {
+    let mut s = [0u64; 3];
+    // SAFETY: the extra export's signature; `[u64; 3]` has FakeStats's layout.
+    unsafe {
+        let f: unsafe extern "C" fn(*mut [u64; 3]) -> c_int = f(c"coloc_fake_stats");
+        assert_eq!(f(&mut s), OK);
+    }
+    s
+}
+
+#[test]
+fn events_wait_across_threads_and_outstanding_work_is_counted() {
+    let _g = start();
+    let s = setup(0);
+    let c = cu();
+    let before = stats();
+    // Three 20 ms kernels back to back on the stream: three outstanding on it at once.
+    for _ in 0..3 {
+        assert_eq!(s.launch(20_000_000), OK);
+    }
+    let mut ev = null_mut();
+    // SAFETY: valid out-pointer; handles from setup.
+    unsafe {
+        assert_eq!((c.event_create)(&mut ev, 0x3), OK);
+        assert_eq!((c.event_record)(ev, s.stream), OK);
+    }
+    let after = stats();
+    assert_eq!(after[0] - before[0], 3, "submissions counted: {after:?}");
+    assert!(after[1] >= 3, "three outstanding on the stream: {after:?}");
+    assert!(after[2] >= 3, "and on the GPU: {after:?}");
+    // Another thread, with no context current (as the shim's watcher), waits for the event.
+    let ev_addr = ev as usize;
+    let t0 = Instant::now();
+    let waited = std::thread::spawn(move || {
+        // SAFETY: an event of this process; cuEventSynchronize needs no current context.
+        let r = unsafe { (cu().event_sync)(ev_addr as H) };
+        (r, t0.elapsed())
+    })
+    .join()
+    .unwrap();
+    assert_eq!(waited.0, OK);
+    assert!(
+        waited.1 >= Duration::from_millis(55),
+        "the other thread waited for the three kernels: {:?}",
+        waited.1
+    );
+    let (sub, done) = counters(0);
+    assert!(done >= sub, "complete when the wait returned");
+    // SAFETY: the event is complete; querying it from yet another thread.
+    let r = std::thread::spawn(move || unsafe { (cu().event_query)(ev_addr as H) })
+        .join()
+        .unwrap();
+    assert_eq!(r, OK);
+    // SAFETY: handles from setup.
+    unsafe { assert_eq!((c.ctx_destroy)(s.ctx), OK) };
+}

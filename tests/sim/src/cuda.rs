@@ -79,6 +79,22 @@ pub struct CudaGpu {
     dev: c_int,
     func: Handle,
     stream: Handle,
+    /// Where work goes: `stream`, or the default stream (null) with `--default-stream`.
+    target: Handle,
+    /// The fake driver's `coloc_fake_stats`, when the driver has it.
+    stats: Option<unsafe extern "C" fn(*mut FakeStats) -> CUresult>,
+}
+
+/// The fake driver's counters (`coloc_fake_stats` in `tests/fake-cuda`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FakeStats {
+    /// Submissions the driver accepted.
+    pub submissions: u64,
+    /// Most submissions outstanding on one stream at once.
+    pub max_outstanding_stream: u64,
+    /// Most submissions outstanding on the GPU at once.
+    pub max_outstanding_gpu: u64,
 }
 
 /// A recorded event.
@@ -101,13 +117,28 @@ impl CudaGpu {
     /// Loads the driver, initialises it and sets up device `ordinal` (as numbered by
     /// the driver, i.e. after `CUDA_VISIBLE_DEVICES`), holding `mem_bytes` of device
     /// memory (what NVML then lists for the process, as on the non-CUDA path).
-    pub fn open(ordinal: u32, per_thread_stream: bool, mem_bytes: usize) -> Result<CudaGpu> {
+    ///
+    /// With `default_stream`, work goes to stream 0 (the legacy default stream, or the
+    /// thread's own with `per_thread_stream`) instead of a created stream.
+    pub fn open(
+        ordinal: u32,
+        per_thread_stream: bool,
+        default_stream: bool,
+        mem_bytes: usize,
+    ) -> Result<CudaGpu> {
+        let mut stats = None;
         // SAFETY: plain dlopen/dlsym of the driver library; the handle is never closed
         // (as the runtime never closes it), so the function pointers stay valid.
         let getter: Getter = unsafe {
             let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
             if h.is_null() {
                 bail!("dlopen(libcuda.so.1): {}", dl_error());
+            }
+            let st = libc::dlsym(h, c"coloc_fake_stats".as_ptr());
+            if !st.is_null() {
+                stats = Some(fn_ptr::<unsafe extern "C" fn(*mut FakeStats) -> CUresult>(
+                    st,
+                ));
             }
             let flags = if per_thread_stream { 2 } else { 0 };
             let v2 = libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr());
@@ -171,6 +202,8 @@ impl CudaGpu {
             dev: -1,
             func: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
+            target: std::ptr::null_mut(),
+            stats,
         };
         // SAFETY (all calls below): driver entry points with valid out-pointers.
         unsafe {
@@ -202,8 +235,21 @@ impl CudaGpu {
             let mut stream = std::ptr::null_mut();
             g.check("cuStreamCreate", (g.api.stream_create)(&mut stream, 1))?;
             g.stream = stream;
+            g.target = if default_stream {
+                std::ptr::null_mut()
+            } else {
+                stream
+            };
         }
         Ok(g)
+    }
+
+    /// The fake driver's counters for this process (`None` with another driver).
+    pub fn stats(&self) -> Option<FakeStats> {
+        let f = self.stats?;
+        let mut s = FakeStats::default();
+        // SAFETY: the fake driver's export with a valid out-pointer.
+        (unsafe { f(&mut s) } == 0).then_some(s)
     }
 
     fn check(&self, what: &str, r: CUresult) -> Result<()> {
@@ -222,7 +268,7 @@ impl CudaGpu {
         bail!("{what}: {name} ({r})")
     }
 
-    /// Queues a kernel busy for `ns` on the stream (the fake driver's convention: the
+    /// Queues a kernel busy for `ns` on the stream (or the default stream) (the fake driver's convention: the
     /// duration is the kernel's first parameter).
     pub fn launch(&self, ns: u64) -> Result<()> {
         let mut arg = ns;
@@ -238,7 +284,7 @@ impl CudaGpu {
                 1,
                 1,
                 0,
-                self.stream,
+                self.target,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
@@ -250,7 +296,7 @@ impl CudaGpu {
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: our stream.
         self.check("cuStreamSynchronize", unsafe {
-            (self.api.stream_sync)(self.stream)
+            (self.api.stream_sync)(self.target)
         })
     }
 
@@ -260,7 +306,7 @@ impl CudaGpu {
         // SAFETY: valid out-pointer; our stream.
         unsafe {
             self.check("cuEventCreate", (self.api.event_create)(&mut e, 0))?;
-            self.check("cuEventRecord", (self.api.event_record)(e, self.stream))?;
+            self.check("cuEventRecord", (self.api.event_record)(e, self.target))?;
         }
         Ok(Event(e))
     }

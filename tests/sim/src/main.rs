@@ -122,6 +122,14 @@ enum Cmd {
         /// With --cuda: the `_ptsz` entry points (see `online --per-thread-stream`).
         #[arg(long, requires = "cuda")]
         per_thread_stream: bool,
+        /// With --cuda: submit to stream 0 (the legacy default stream, or the thread's
+        /// per-thread default stream with --per-thread-stream) instead of a created stream.
+        #[arg(long, requires = "cuda")]
+        default_stream: bool,
+        /// With --cuda: after this many kernels, wait for them and stay idle (context
+        /// kept, nothing submitted) until the end; 0: never idle.
+        #[arg(long, default_value_t = 0, requires = "cuda")]
+        idle_after_steps: u64,
     },
     /// Busy on the GPU once for a fixed time (after an optional delay), then exit.
     Busy {
@@ -354,7 +362,7 @@ fn main() -> Result<()> {
                 // The driver finds the simulated GPU through the environment.
                 std::env::set_var(STATE_ENV, &state);
                 Gpu::Cuda(
-                    cuda::CudaGpu::open(gpu, per_thread_stream, 1 << 30)?,
+                    cuda::CudaGpu::open(gpu, per_thread_stream, false, 1 << 30)?,
                     kernels,
                 )
             } else {
@@ -372,12 +380,22 @@ fn main() -> Result<()> {
             tag: _,
             cuda,
             per_thread_stream,
+            default_stream,
+            idle_after_steps,
         } => {
             let sim = SimGpu::open(&state)?;
             if cuda {
                 std::env::set_var(STATE_ENV, &state);
-                let g = cuda::CudaGpu::open(gpu, per_thread_stream, 4 << 30)?;
-                run_offline_cuda(&g, step_ms, queue_depth, duration_s, fork_every_ms, out)
+                let g = cuda::CudaGpu::open(gpu, per_thread_stream, default_stream, 4 << 30)?;
+                run_offline_cuda(
+                    &g,
+                    step_ms,
+                    queue_depth,
+                    duration_s,
+                    fork_every_ms,
+                    idle_after_steps,
+                    out,
+                )
             } else {
                 run_offline(
                     &sim,
@@ -592,12 +610,19 @@ fn run_offline(
 /// `offline --cuda`: keep `depth` kernels of `step_ms` in flight on one stream, an event
 /// after each; wait on the oldest event (cuEventSynchronize), then top up. What runs on
 /// after a SIGSTOP is exactly the kernels in flight: (depth - 1..depth) × step.
+///
+/// Observing it from outside (the launch gate's tests): every kernel adds `step_ms` to the
+/// process's `submitted_ns` in the simulated GPU's state (`SimGpu::slot_info`), live; the
+/// summary gives `launches`, the first and last launch times, and the fake driver's
+/// counters (`max_outstanding_stream`: the most kernels ever in flight on the stream,
+/// which an in-flight bound in a shim caps).
 fn run_offline_cuda(
     g: &cuda::CudaGpu,
     step_ms: f64,
     depth: u32,
     duration_s: f64,
     fork_every_ms: u64,
+    idle_after_steps: u64,
     out: Option<PathBuf>,
 ) -> Result<()> {
     let step_ns = ((step_ms * 1e6) as u64).max(1);
@@ -613,6 +638,7 @@ fn run_offline_cuda(
     let exe = std::env::current_exe()?;
     let mut in_flight = std::collections::VecDeque::new();
     let mut steps = 0u64;
+    let (mut launches, mut first_launch_ns, mut last_launch_ns) = (0u64, 0u64, 0u64);
     while now_ns() < end && !STOP.load(Ordering::Relaxed) {
         if fork_every_ms > 0 && now_ns() >= next_fork {
             next_fork = now_ns() + fork_every_ms * 1_000_000;
@@ -621,8 +647,21 @@ fn run_offline_cuda(
             }
             children.retain_mut(|c| c.try_wait().ok().flatten().is_none());
         }
+        if idle_after_steps > 0 && launches >= idle_after_steps {
+            for e in in_flight.drain(..) {
+                g.wait(e)?;
+                steps += 1;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
         while in_flight.len() < depth {
             g.launch(step_ns)?;
+            last_launch_ns = now_ns();
+            if launches == 0 {
+                first_launch_ns = last_launch_ns;
+            }
+            launches += 1;
             in_flight.push_back(g.record()?);
         }
         if let Some(e) = in_flight.pop_front() {
@@ -639,11 +678,18 @@ fn run_offline_cuda(
     for mut c in children {
         c.wait().ok();
     }
+    let stats = g.stats();
     let summary = serde_json::json!({
         "steps": steps,
         "elapsed_s": elapsed,
         "steps_per_s": steps as f64 / elapsed.max(1e-9),
         "step_ms": step_ms,
+        "launches": launches,
+        "first_launch_ns": first_launch_ns,
+        "last_launch_ns": last_launch_ns,
+        "max_outstanding_stream": stats.map(|s| s.max_outstanding_stream),
+        "max_outstanding_gpu": stats.map(|s| s.max_outstanding_gpu),
+        "driver_submissions": stats.map(|s| s.submissions),
     });
     write_out(out, &summary)
 }

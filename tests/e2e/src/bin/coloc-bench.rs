@@ -4,9 +4,12 @@
 //!
 //! Run with `benches/run.sh` (release build). Prints a Markdown table; `--json FILE`
 //! writes the raw figures. `--multi-gpu`: the agent's cost on a busy 8-GPU node (see
-//! `coloc_bench/multi_gpu.rs`). `--help` lists the modes.
+//! `coloc_bench/multi_gpu.rs`). `--gate`: the launch gate's in-flight bound (see
+//! `coloc_bench/gate.rs`). `--help` lists the modes.
 
 // Not `src/bin/multi_gpu.rs`: cargo would take that for a second binary.
+#[path = "coloc_bench/gate.rs"]
+mod gate;
 #[path = "coloc_bench/multi_gpu.rs"]
 mod multi_gpu;
 
@@ -373,7 +376,7 @@ coloc-bench --nvml-probe [--nvml-lib LIB] [--gpu 0] [--seconds 5] [--stop-pid PI
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{HELP}{}", multi_gpu::USAGE);
+        println!("{HELP}{}{}", multi_gpu::USAGE, gate::USAGE);
         return;
     }
     if args.iter().any(|a| a == "--online-worker") {
@@ -385,6 +388,17 @@ fn main() {
         let r = multi_gpu::run(&o);
         multi_gpu::print(&r);
         if let Some(p) = &o.json {
+            std::fs::write(p, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+        }
+        return;
+    }
+    if args.iter().any(|a| a == "--gate") {
+        let r = gate::run(&args);
+        if let Some(p) = args
+            .iter()
+            .position(|a| a == "--json")
+            .and_then(|i| args.get(i + 1))
+        {
             std::fs::write(p, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
         }
         return;

@@ -1,0 +1,521 @@
+//! The launch gate end to end, through the real dynamic linker: `coloc-sim offline --cuda`
+//! (and `online --cuda` as an idle process) `dlopen("libcuda.so.1")` (the fake driver)
+//! with `libcoloc_cuda.so` preloaded and `COLOC_SHIM_CLASS=offline`. No agent: the test
+//! plays it, with the agent's own `GateFile` on a gate file in a temporary directory, and
+//! reads the processes' doorbell pages with `coloc-doorbell`, as the agent will.
+//!
+//! What a process submitted is read from the simulated GPU (its slot's `submitted_ns` and
+//! `completed_ns`, live); the most kernels in flight on a stream from the fake driver's
+//! counters, in the workload's summary. Every wait is bounded: a test fails, never hangs.
+
+use coloc_agent::edges::gate::GateFile;
+use coloc_doorbell::{GateReading, Page, CLASS_OFFLINE, PAGE};
+use coloc_e2e::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const STEP_MS: u64 = 2;
+const STEP_NS: u64 = STEP_MS * 1_000_000;
+
+fn fake_cuda() -> PathBuf {
+    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
+    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
+}
+
+/// A simulated GPU, a doorbell directory, and a gate file with an agent's heartbeat.
+struct Node {
+    sim: Sim,
+    root: PathBuf,
+    bells: PathBuf,
+    gate_path: PathBuf,
+    gate: Option<Arc<GateFile>>,
+    beating: Arc<AtomicBool>,
+    beater: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Node {
+    /// With a gate file (and its heartbeat every 20 ms), or without one.
+    fn new(with_gate: bool) -> Node {
+        let sim = Sim::start(1, &[]);
+        let root = std::env::temp_dir().join(unique("coloc-e2e-gate"));
+        let bells = root.join("bells");
+        std::fs::create_dir_all(&bells).unwrap();
+        let mut n = Node {
+            sim,
+            gate_path: root.join("gate").join("gates"),
+            root,
+            bells,
+            gate: None,
+            beating: Arc::new(AtomicBool::new(false)),
+            beater: None,
+        };
+        if with_gate {
+            n.start_agent();
+        }
+        n
+    }
+
+    /// Creates (or replaces) the gate file and beats it every 20 ms, as an agent would.
+    fn start_agent(&mut self) {
+        self.stop_beating();
+        let g = Arc::new(GateFile::create(&self.gate_path).unwrap());
+        let beating = Arc::new(AtomicBool::new(true));
+        let (gb, bb) = (g.clone(), beating.clone());
+        self.beater = Some(std::thread::spawn(move || {
+            while bb.load(Ordering::SeqCst) {
+                gb.beat();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }));
+        self.gate = Some(g);
+        self.beating = beating;
+    }
+
+    /// Stops the heartbeat (an agent killed with -9); returns when the last beat was.
+    fn stop_beating(&mut self) -> Option<u64> {
+        self.beating.store(false, Ordering::SeqCst);
+        if let Some(t) = self.beater.take() {
+            t.join().unwrap();
+        }
+        self.gate
+            .as_ref()
+            .map(|g| g.gates().header().heartbeat_ns.load(Ordering::SeqCst))
+    }
+
+    fn gate(&self) -> &GateFile {
+        self.gate.as_ref().expect("a gate file")
+    }
+
+    /// A workload under the shim, class offline, with `env` on top.
+    fn workload(&self, args: &[&str], env: &[(&str, &str)]) -> Command {
+        let mut c = self.sim.cmd(args);
+        c.arg("--cuda")
+            .env("LD_LIBRARY_PATH", fake_cuda())
+            .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+            .env("COLOC_SHIM_CLASS", "offline")
+            .env("COLOC_DOORBELL_DIR", &self.bells)
+            .env("COLOC_GATE_FILE", &self.gate_path);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    /// `offline --cuda` with 2 ms kernels, the application keeping `depth` in flight, for
+    /// `secs` seconds (0: until killed), stderr to a file.
+    fn offline(&self, depth: u32, secs: f64, env: &[(&str, &str)], extra: &[&str]) -> Job {
+        self.offline_step(STEP_MS, depth, secs, env, extra)
+    }
+
+    /// The same with kernels of `step_ms`.
+    fn offline_step(
+        &self,
+        step_ms: u64,
+        depth: u32,
+        secs: f64,
+        env: &[(&str, &str)],
+        extra: &[&str],
+    ) -> Job {
+        let out = self.root.join(unique("offline")).with_extension("json");
+        let err = self.root.join(unique("offline")).with_extension("err");
+        let (d, s, o) = (
+            depth.to_string(),
+            secs.to_string(),
+            out.display().to_string(),
+        );
+        let step = step_ms.to_string();
+        let mut args = vec![
+            "offline",
+            "--gpu",
+            "0",
+            "--step-ms",
+            &step,
+            "--queue-depth",
+            &d,
+            "--duration-s",
+            &s,
+            "--out",
+            &o,
+        ];
+        args.extend_from_slice(extra);
+        let p = Proc(
+            self.workload(&args, env)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&err).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        Job { p, out, err }
+    }
+
+    /// What `pid` has submitted and completed on GPU 0, ns of kernel time.
+    fn progress(&self, pid: u32) -> (u64, u64) {
+        self.sim
+            .open()
+            .slot_info(pid, 0)
+            .map_or((0, 0), |s| (s.submitted_ns, s.completed_ns))
+    }
+
+    /// The page of `pid` (waits for it).
+    fn page(&self, pid: u32) -> MappedPage {
+        let mut found = None;
+        wait_for(
+            "the process's doorbell page",
+            Duration::from_secs(10),
+            || {
+                found = std::fs::read_dir(&self.bells).ok().and_then(|d| {
+                    d.flatten().map(|e| e.path()).find(|p| {
+                        p.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with(&format!("{pid}-")))
+                    })
+                });
+                found.is_some()
+            },
+        )
+        .unwrap();
+        MappedPage::open(&found.unwrap())
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_beating();
+        self.gate = None;
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+struct Job {
+    p: Proc,
+    out: PathBuf,
+    err: PathBuf,
+}
+
+impl Job {
+    fn pid(&self) -> u32 {
+        self.p.pid()
+    }
+    /// Waits for the end and returns its summary.
+    fn summary(mut self) -> serde_json::Value {
+        let st = self
+            .p
+            .wait_within("offline workload", Duration::from_secs(30));
+        assert!(st.success(), "{st}: {}", self.stderr());
+        serde_json::from_slice(&std::fs::read(&self.out).unwrap()).unwrap()
+    }
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+}
+
+/// A doorbell page mapped read-only, as the agent maps it.
+struct MappedPage(*mut libc::c_void);
+
+impl MappedPage {
+    fn open(path: &Path) -> MappedPage {
+        use std::os::fd::AsRawFd;
+        // The shim creates the file, then sizes it: mapping it before would fault.
+        wait_for("the page sized", Duration::from_secs(5), || {
+            std::fs::metadata(path).is_ok_and(|m| m.len() >= PAGE as u64)
+        })
+        .unwrap();
+        let f = std::fs::File::open(path).unwrap();
+        // SAFETY: a read-only shared mapping of a page-long regular file.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        let m = MappedPage(base);
+        wait_for("the page initialised", Duration::from_secs(5), || {
+            m.page().valid()
+        })
+        .unwrap();
+        m
+    }
+    fn page(&self) -> Page<'_> {
+        // SAFETY: a live read-only mapping; only reader-side methods are called.
+        unsafe { Page::from_raw(self.0.cast()) }
+    }
+    /// The gate fields of the (one) GPU the process submits to.
+    fn gate(&self) -> Option<GateReading> {
+        let mut v = Vec::new();
+        self.page().read_gate(&mut v);
+        v.first().copied()
+    }
+    fn ack(&self) -> u32 {
+        self.gate().map_or(0, |r| r.gate_ack)
+    }
+}
+
+impl Drop for MappedPage {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.0, PAGE) };
+    }
+}
+
+/// GPU 0's UUID, as the fake driver answers `cuDeviceGetUuid`.
+fn gpu0() -> [u8; 16] {
+    coloc_sim::gpu_uuid(0)
+}
+
+/// Waits (polling every 100 µs) for the page to acknowledge `epoch`; returns how long it
+/// took and what the process had submitted and completed at that moment.
+fn wait_ack(
+    n: &Node,
+    page: &MappedPage,
+    pid: u32,
+    epoch: u32,
+    limit: Duration,
+) -> (Duration, u64, u64) {
+    let t0 = Instant::now();
+    loop {
+        if page.ack() == epoch {
+            let (s, c) = n.progress(pid);
+            return (t0.elapsed(), s, c);
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "no acknowledgement of epoch {epoch} within {limit:?}: {:?}",
+            page.gate()
+        );
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+/// Waits for `pid` to have submitted at least `ns` more than `from`.
+fn wait_progress(n: &Node, pid: u32, from: u64, ns: u64, limit: Duration) -> Duration {
+    wait_for("submissions", limit, || n.progress(pid).0 >= from + ns).unwrap()
+}
+
+#[test]
+fn a_closed_gate_lets_no_submission_through_and_opening_it_lets_them_through() {
+    let n = Node::new(true);
+    let job = n.offline(4, 0.0, &[], &[]);
+    let pid = job.pid();
+    let page = n.page(pid);
+    assert_eq!(page.page().class(), CLASS_OFFLINE);
+    wait_progress(&n, pid, 0, 20 * STEP_NS, Duration::from_secs(10));
+    let epoch = n.gate().close(&gpu0()).unwrap();
+    let (_, at_ack, _) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(2));
+    let counted = page.gate().unwrap().submitted;
+    // Closed for 300 ms: not one more submission.
+    holds_for(
+        "no submission while closed",
+        Duration::from_millis(300),
+        || n.progress(pid).0 == at_ack,
+    )
+    .unwrap();
+    let g = page.gate().unwrap();
+    assert_eq!(g.inflight, 0, "nothing in flight once acknowledged: {g:?}");
+    assert!(g.blocked_ns != 0, "a thread is blocked at the gate: {g:?}");
+    // Opened: submissions resume at once.
+    assert!(n.gate().open(&gpu0()));
+    let resumed = wait_progress(&n, pid, at_ack, 10 * STEP_NS, Duration::from_secs(2));
+    assert!(
+        resumed < Duration::from_millis(500),
+        "resumed after {resumed:?}"
+    );
+    wait_for("blocked_ns cleared", Duration::from_secs(2), || {
+        page.gate().is_some_and(|g| g.blocked_ns == 0)
+    })
+    .unwrap();
+    // Closed again: a new epoch, acknowledged again.
+    let e2 = n.gate().close(&gpu0()).unwrap();
+    assert_ne!(e2, epoch);
+    let (_, again, _) = wait_ack(&n, &page, pid, e2, Duration::from_secs(2));
+    holds_for(
+        "no submission while closed again",
+        Duration::from_millis(100),
+        || n.progress(pid).0 == again,
+    )
+    .unwrap();
+    assert_eq!(
+        (page.gate().unwrap().submitted - counted) * STEP_NS,
+        again - at_ack,
+        "the page counts the submissions made through the gate"
+    );
+    assert!(job.stderr().is_empty(), "silent: {}", job.stderr());
+}
+
+#[test]
+fn the_close_is_acknowledged_only_once_in_flight_work_is_complete() {
+    let n = Node::new(true);
+    // 5 ms kernels, the application keeps 8 in flight, the shim bounds them to 4.
+    let job = n.offline_step(5, 8, 0.0, &[("COLOC_SHIM_INFLIGHT", "4")], &[]);
+    let pid = job.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 20 * 5_000_000, Duration::from_secs(10));
+    for _ in 0..3 {
+        let (s, c) = n.progress(pid);
+        assert!(s > c, "work in flight before the close ({s} > {c})");
+        let epoch = n.gate().close(&gpu0()).unwrap();
+        let (took, s, c) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(2));
+        assert!(
+            c >= s,
+            "acknowledged after {took:?} with {} ms of kernels still queued",
+            (s - c) / 1_000_000
+        );
+        // At most K kernels were in flight plus one being submitted: 25 ms, with slack.
+        assert!(took < Duration::from_millis(500), "drain took {took:?}");
+        assert!(n.gate().open(&gpu0()));
+        wait_progress(&n, pid, s, 4 * 5_000_000, Duration::from_secs(2));
+    }
+    // An idle process (five kernels, then nothing) acknowledges at once.
+    let idle = n.offline(2, 0.0, &[], &["--idle-after-steps", "5"]);
+    let ipage = n.page(idle.pid());
+    wait_for("its kernels done", Duration::from_secs(10), || {
+        let (s, c) = n.progress(idle.pid());
+        s >= 5 * STEP_NS && c >= s
+    })
+    .unwrap();
+    let epoch = n.gate().close(&gpu0()).unwrap();
+    let (took, _, _) = wait_ack(&n, &ipage, idle.pid(), epoch, Duration::from_secs(2));
+    assert!(
+        took < Duration::from_millis(20),
+        "idle acknowledged after {took:?}"
+    );
+    n.gate().open(&gpu0());
+    drop((job, idle));
+}
+
+#[test]
+fn a_stale_heartbeat_opens_the_gate_within_the_bound() {
+    let mut n = Node::new(true);
+    let job = n.offline(4, 0.0, &[("COLOC_GATE_STALE_MS", "300")], &[]);
+    let pid = job.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 10 * STEP_NS, Duration::from_secs(10));
+    let epoch = n.gate().close(&gpu0()).unwrap();
+    let (_, at_ack, _) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(2));
+    // Beating: closed stays closed past the bound.
+    holds_for(
+        "closed while the agent beats",
+        Duration::from_millis(500),
+        || n.progress(pid).0 == at_ack,
+    )
+    .unwrap();
+    // The agent stops beating (killed with -9): the gate opens once the heartbeat is
+    // older than 300 ms, at the next 50 ms re-check.
+    let last = n.stop_beating().unwrap();
+    let mut opened_ns = 0;
+    wait_for("the gate to fail open", Duration::from_secs(3), || {
+        let moved = n.progress(pid).0 > at_ack;
+        if moved {
+            opened_ns = coloc_doorbell::now_ns();
+        }
+        moved
+    })
+    .unwrap();
+    let after = (opened_ns - last) as f64 / 1e6;
+    assert!(
+        (300.0..=300.0 + 50.0 + 150.0).contains(&after),
+        "opened {after:.1} ms after the last beat (bound 300 ms + 50 ms re-check)"
+    );
+    assert!(n.gate().is_closed(&gpu0()), "the file still says closed");
+    wait_progress(&n, pid, at_ack, 20 * STEP_NS, Duration::from_secs(2));
+    let err = job.stderr();
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("libcoloc_cuda:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line says so: {err}");
+    assert!(lines[0].contains("stale"), "{err}");
+}
+
+#[test]
+fn the_inflight_bound_caps_work_in_flight_per_stream() {
+    let n = Node::new(true);
+    let ran: Vec<(&str, Vec<&str>)> = vec![
+        ("created stream", vec![]),
+        ("legacy default stream", vec!["--default-stream"]),
+        (
+            "per-thread default stream",
+            vec!["--default-stream", "--per-thread-stream"],
+        ),
+    ];
+    for (what, extra) in ran {
+        let v = n
+            .offline(8, 1.0, &[("COLOC_SHIM_INFLIGHT", "2")], &extra)
+            .summary();
+        assert!(v["launches"].as_u64().unwrap() > 100, "{what}: {v}");
+        assert!(
+            v["max_outstanding_stream"].as_u64().unwrap() <= 2,
+            "{what}: K = 2 but more in flight: {v}"
+        );
+    }
+    // Unbounded (0): the application's own depth, 8, is reached: the counter is real.
+    let v = n
+        .offline(8, 1.0, &[("COLOC_SHIM_INFLIGHT", "0")], &[])
+        .summary();
+    assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
+}
+
+#[test]
+fn with_no_gate_file_the_offline_shim_passes_everything_through() {
+    let n = Node::new(false);
+    let job = n.offline(8, 1.0, &[], &[]);
+    let pid = job.pid();
+    let page = n.page(pid);
+    assert_eq!(page.page().class(), CLASS_OFFLINE);
+    let err_path = job.err.clone();
+    let v = job.summary();
+    // Not bounded (the default K would cap it at 4), nothing blocked, nothing said.
+    assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
+    assert!(v["launches"].as_u64().unwrap() > 200, "{v}");
+    assert_eq!(std::fs::read_to_string(err_path).unwrap(), "");
+    // The page is removed at exit.
+    wait_for("the page removed", Duration::from_secs(5), || {
+        std::fs::read_dir(&n.bells).unwrap().next().is_none()
+    })
+    .unwrap();
+}
+
+#[test]
+fn a_gate_file_that_appears_later_or_is_replaced_is_picked_up() {
+    let mut n = Node::new(false);
+    let job = n.offline(4, 0.0, &[("COLOC_GATE_STALE_MS", "300")], &[]);
+    let pid = job.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 10 * STEP_NS, Duration::from_secs(10));
+    // The agent starts after the process: within about a second the gate is in force.
+    n.start_agent();
+    let epoch = n.gate().close(&gpu0()).unwrap();
+    let (took, at_ack, _) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(3));
+    assert!(
+        took < Duration::from_millis(1_500),
+        "picked up after {took:?}"
+    );
+    holds_for("closed", Duration::from_millis(100), || {
+        n.progress(pid).0 == at_ack
+    })
+    .unwrap();
+    // The agent restarts (killed, then a new file replaces the old): the old one goes
+    // stale, the process fails open, then finds the new file and obeys it.
+    n.stop_beating();
+    n.start_agent();
+    assert!(!n.gate().is_closed(&gpu0()), "a new file starts open");
+    wait_progress(&n, pid, at_ack, 5 * STEP_NS, Duration::from_secs(3));
+    let epoch2 = n.gate().close(&gpu0()).unwrap();
+    assert_ne!(epoch2, epoch);
+    let (took, at_ack2, _) = wait_ack(&n, &page, pid, epoch2, Duration::from_secs(3));
+    assert!(
+        took < Duration::from_millis(2_500),
+        "new file picked up after {took:?}"
+    );
+    holds_for("closed by the new file", Duration::from_millis(100), || {
+        n.progress(pid).0 == at_ack2
+    })
+    .unwrap();
+}
