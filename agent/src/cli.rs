@@ -75,10 +75,11 @@ pub struct RunArgs {
     /// Manage only these GPU indices (comma-separated); default all.
     #[arg(long, env = "COLOC_GPUS", value_delimiter = ',')]
     pub gpus: Vec<u32>,
-    /// The loop's fastest tick (e.g. 1ms, 500us): how often suspensions and resumptions
-    /// still waiting for confirmation, failed suspensions and fixed-share duty cycles are
-    /// looked at. Otherwise the loop sleeps until something is due (an NVML read, a release
-    /// at the end of an idle window, a re-check) or a doorbell rings.
+    /// The loop's tick while failed suspensions, events, fixed-share duty cycles or a
+    /// requested process-list read are in progress (e.g. 1ms, 500us). Confirmations are
+    /// checked on their own schedule (50 µs after the operation, the gap doubling to 1 ms).
+    /// Otherwise the loop sleeps until something is due (an NVML read, a release at the
+    /// end of an idle window, a re-check) or a doorbell rings.
     #[arg(long, env = "COLOC_POLL_INTERVAL", default_value = "1ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
     /// The loop's longest sleep when nothing is due (a doorbell still wakes it at once).

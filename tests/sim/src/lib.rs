@@ -437,30 +437,7 @@ impl Drop for SlotHandle<'_> {
     }
 }
 
-fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: u64) {
-    let ts = libc::timespec {
-        tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
-    };
-    // SAFETY: `word` points into a live shared mapping; FUTEX_WAIT (not private: the
-    // word is shared between processes) only reads it; `ts` outlives the call.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-        );
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as above; FUTEX_WAKE only uses the address as a key.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
-    }
-}
+use coloc_doorbell::{futex_wait, futex_wake};
 
 /// The GPU daemon's model: the only writer of completion, activity and samples.
 #[derive(Debug)]
