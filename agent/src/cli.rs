@@ -110,6 +110,24 @@ pub struct RunArgs {
     /// after it starts).
     #[arg(long, env = "COLOC_NO_DOORBELLS")]
     pub no_doorbells: bool,
+    /// Suspend offline processes that run the CUDA shim at their launch gate: while online
+    /// work is busy on a GPU, the gate of that GPU is closed, the process's next
+    /// submission there blocks (its CPU side keeps running), and the suspension is
+    /// confirmed when its shim says its in-flight work has drained. Processes without
+    /// the shim, on more than one GPU, or under a fixed share are stopped with
+    /// --actuator as before, and so is one that does not acknowledge within
+    /// --gate-timeout. Needs the doorbells (the acknowledgements come in the pages).
+    #[arg(long, env = "COLOC_GATE")]
+    pub gate: bool,
+    /// The gate file the shims map (replaced at start, every gate open). Its directory is
+    /// created 0755 if missing and must not be writable by others.
+    #[arg(long, env = "COLOC_GATE_FILE", default_value = coloc_doorbell::gate::DEFAULT_GATE_FILE)]
+    pub gate_file: PathBuf,
+    /// How long a closed gate's acknowledgement is waited for before the process is
+    /// stopped with --actuator as well. The acknowledgement comes once the work the
+    /// process had in flight is done (at most K = COLOC_SHIM_INFLIGHT kernels per stream).
+    #[arg(long, env = "COLOC_GATE_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
+    pub gate_timeout: Duration,
     /// How often to re-read the running-process list (a PID seen in samples but not yet
     /// known triggers a re-read at once).
     #[arg(long, env = "COLOC_PROCESS_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
@@ -130,8 +148,8 @@ pub struct RunArgs {
     #[arg(long, env = "COLOC_DUTY_PERIOD", default_value = "100ms", value_parser = parse_duration)]
     pub duty_period: Duration,
     /// Give up confirming a suspend/resume after this long (the suspension is then undone).
-    /// Confirmation is waited for 2 ms inline, then checked every tick without blocking, so
-    /// a target that never confirms does not delay the other GPUs.
+    /// Confirmation is checked 50 µs after the operation, the gap doubling up to 1 ms,
+    /// without blocking, so a target that never confirms does not delay the other GPUs.
     #[arg(long, env = "COLOC_CONFIRM_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub confirm_timeout: Duration,
     /// A GPU whose NVML calls keep failing for this long (and on at least 3 consecutive
@@ -242,6 +260,16 @@ impl RunArgs {
                 self.nvml_hang_timeout
             );
         }
+        if self.gate && self.no_doorbells {
+            bail!("--gate needs the doorbells (the gate's acknowledgements come in the pages): drop --no-doorbells");
+        }
+        if self.gate_timeout.is_zero() || self.gate_timeout > self.confirm_timeout {
+            bail!(
+                "--gate-timeout {:?}: must be positive and at most --confirm-timeout ({:?})",
+                self.gate_timeout,
+                self.confirm_timeout
+            );
+        }
         if self.duty_period < Duration::from_millis(10) {
             bail!(
                 "--duty-period {:?}: must be at least 10ms",
@@ -276,6 +304,7 @@ impl RunArgs {
             nvml_grace: self.nvml_failure_grace,
             nvml_hang_timeout: self.nvml_hang_timeout,
             recheck: self.recheck_interval,
+            gate_timeout: self.gate_timeout,
             node: self
                 .node_name
                 .clone()

@@ -23,6 +23,7 @@ pub const FAIL_OPEN_REASONS: &[&str] = &["nvml", "nvml_hung", "record", "actuati
 pub const ACTUATION_ERRORS: &[(&str, &[&str])] = &[
     ("freezer", &["cgroup_write", "signal", "timeout"]),
     ("signal", &["signal", "timeout"]),
+    ("gate", &["no_gate", "timeout"]),
 ];
 
 /// Installs the global recorder and returns the renderer for `/metrics`.
@@ -31,6 +32,7 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
         .install_recorder()?;
     describe();
+    metrics::counter!("coloc_gate_escalations_total").increment(0);
     for reason in FAIL_OPEN_REASONS {
         metrics::counter!("coloc_fail_open_total", "reason" => *reason).increment(0);
     }
@@ -46,6 +48,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 }
 
 fn describe() {
+    describe_counter!(
+        "coloc_gate_escalations_total",
+        "Launch gates not acknowledged within --gate-timeout: the process was stopped with --actuator as well."
+    );
     describe_counter!(
         "coloc_pod_watch_errors_total",
         "Errors of the Kubernetes pod watch (the last known pods stay in use; retried with backoff)."
@@ -154,7 +160,7 @@ impl GpuMetrics {
     fn new(gpu: u32) -> GpuMetrics {
         let g = gpu.to_string();
         let per_actuator = |name: &'static str| {
-            [Kind::Freezer, Kind::Signal]
+            [Kind::Freezer, Kind::Signal, Kind::Gate]
                 .iter()
                 .map(|k| {
                     (
@@ -178,7 +184,7 @@ impl GpuMetrics {
                 })
                 .collect(),
             actuation: per_actuator("coloc_actuation_latency_seconds"),
-            preemption: [Kind::Freezer, Kind::Signal]
+            preemption: [Kind::Freezer, Kind::Signal, Kind::Gate]
                 .iter()
                 .flat_map(|k| SIGNALS.iter().map(move |s| (*k, *s)))
                 .map(|(k, s)| {

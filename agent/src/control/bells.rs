@@ -103,6 +103,24 @@ impl Bells {
     pub(super) fn wait(&mut self, timeout: std::time::Duration) -> bool {
         self.edge.wait(timeout)
     }
+
+    /// The pages found so far.
+    pub(super) fn page_infos(&self) -> impl Iterator<Item = &PageInfo> {
+        self.pages.values().map(|p| &p.info)
+    }
+
+    /// Page `page`'s launch-gate fields.
+    pub(super) fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>) {
+        self.edge.read_gate(page, out);
+    }
+
+    /// The UUID bytes of `gpu`.
+    pub(super) fn uuid_of(&self, gpu: u32) -> Option<[u8; 16]> {
+        self.uuid_gpu
+            .iter()
+            .find(|(_, g)| **g == gpu)
+            .map(|(u, _)| *u)
+    }
 }
 
 impl Loop {

@@ -38,6 +38,10 @@ impl Loop {
                 Reason::OnlineBusy { gpu } => (Some(*gpu), "online_busy"),
                 Reason::ShareCap => (None, "share_cap"),
             };
+            let plan = match gpu {
+                Some(g) => self.gate_plan(key, g, plan),
+                None => plan,
+            };
             metrics::counter!("coloc_suspensions_total", "gpu" => gpu.map(|g| g.to_string()).unwrap_or_else(|| "-".into()), "reason" => why).increment(1);
             reqs.push((*key, plan));
             reasons.push((*key, *reason));

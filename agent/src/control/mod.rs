@@ -27,6 +27,7 @@ mod entry;
 pub mod events;
 mod execute;
 mod follow;
+pub mod gates;
 pub mod health;
 pub mod holds;
 mod observe;
@@ -99,6 +100,8 @@ pub struct LoopConfig {
     pub nvml_hang_timeout: Duration,
     /// How often a held target is checked again (stopped again if something resumed it).
     pub recheck: Duration,
+    /// How long a launch gate's acknowledgement is waited for before the fallback.
+    pub gate_timeout: Duration,
 }
 
 /// The loop's edges (real ones in `main`, fakes in tests).
@@ -117,6 +120,8 @@ pub struct Edges {
     pub record: Box<dyn RecordStore>,
     /// Doorbell pages, and the loop's sleep.
     pub bells: Box<dyn Doorbells>,
+    /// The launch gate, when the actuator is a `Gated` one (`--gate`).
+    pub gates: Option<gates::GateLink>,
 }
 
 impl std::fmt::Debug for Edges {
@@ -166,6 +171,10 @@ pub struct Loop {
     last_inputs: Vec<qos_core::GpuInput<ProcKey>>,
     /// Per-GPU summary of the latest decision (time accounting between decisions).
     summary: Vec<publish::GpuSummary>,
+    /// The launch gate (`--gate`).
+    gates: Option<gates::GateLink>,
+    /// When the gate's heartbeat was last refreshed.
+    last_beat_ns: u64,
 }
 
 impl std::fmt::Debug for Loop {
@@ -205,6 +214,7 @@ impl Loop {
             cfg.confirm_timeout,
         );
         holds.recheck_ns = cfg.recheck.as_nanos() as u64;
+        holds.gate_timeout = cfg.gate_timeout;
         Ok(Loop {
             machine: Machine::new(cfg.machine),
             health: Health::new(cfg.nvml_grace),
@@ -237,6 +247,8 @@ impl Loop {
             called: Vec::new(),
             last_inputs: Vec::new(),
             summary: Vec::new(),
+            gates: edges.gates,
+            last_beat_ns: 0,
             cfg,
         })
     }
@@ -295,6 +307,7 @@ impl Loop {
             self.judge(failed, now);
         }
         self.ring_bells(now);
+        self.follow_gates(now);
 
         let mut retried = false;
         for key in self.retries.due(now) {

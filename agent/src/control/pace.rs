@@ -11,9 +11,9 @@ impl Loop {
     /// and at most `--idle-poll-interval`. A doorbell ends the sleep early.
     pub(crate) fn next_wait(&self, now: u64) -> Duration {
         let poll = self.cfg.poll;
-        let (next_check, recheck) = {
+        let (next_check, recheck, gated) = {
             let h = self.holds();
-            (h.next_check_ns(), h.next_recheck_ns())
+            (h.next_check_ns(), h.next_recheck_ns(), h.gates_closed())
         };
         let held = recheck.is_some();
         if (next_check.is_none() && !self.tracker.is_empty())
@@ -41,6 +41,10 @@ impl Loop {
             }
         }
         due = due.min(self.last_publish_ns + 100_000_000);
+        if gated {
+            // The shims read a stale heartbeat as an open gate.
+            due = due.min(self.last_beat_ns + super::gates::BEAT_NS);
+        }
         Duration::from_nanos(due.saturating_sub(now)).max(Duration::from_micros(50))
     }
 

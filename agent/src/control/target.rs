@@ -30,6 +30,14 @@ pub enum Plan {
         /// The GPU process itself.
         leader: Target,
     },
+    /// Close the GPU's launch gate for the process (a [`Target::Gate`]), and use
+    /// `fallback` if it does not acknowledge within `--gate-timeout`.
+    Gate {
+        /// The gate target.
+        gate: Target,
+        /// What suspends the process without the gate.
+        fallback: Box<Plan>,
+    },
 }
 
 /// What a suspension is held on: two offline processes in one frozen cgroup share one.
@@ -41,6 +49,8 @@ pub enum HoldKey {
     Process(ProcKey),
     /// Every process of a cgroup, stopped with signals.
     Group(PathBuf),
+    /// A process held at a launch gate.
+    Gate(ProcKey),
 }
 
 impl Plan {
@@ -52,6 +62,13 @@ impl Plan {
             | Plan::Signal(Target::Process { key, .. }) => HoldKey::Process(*key),
             Plan::Signal(Target::Cgroup { dir, .. }) => HoldKey::Cgroup(dir.clone()),
             Plan::SignalCgroup { dir, .. } => HoldKey::Group(dir.clone()),
+            Plan::Freeze(Target::Gate { key, .. })
+            | Plan::Signal(Target::Gate { key, .. })
+            | Plan::Gate {
+                gate: Target::Gate { key, .. },
+                ..
+            } => HoldKey::Gate(*key),
+            Plan::Gate { fallback, .. } => fallback.hold_key(),
         }
     }
 
@@ -60,6 +77,7 @@ impl Plan {
         match self {
             Plan::Freeze(t) | Plan::Signal(t) => t.kind(),
             Plan::SignalCgroup { .. } => Kind::Signal,
+            Plan::Gate { .. } => Kind::Gate,
         }
     }
 }
@@ -113,7 +131,7 @@ impl Chooser {
         };
         match self.preferred {
             Kind::Freezer => (Plan::Freeze(Target::Cgroup { dir, version }), None),
-            Kind::Signal => (
+            Kind::Signal | Kind::Gate => (
                 Plan::SignalCgroup {
                     dir,
                     version,
@@ -135,6 +153,7 @@ fn alone_target(p: Plan) -> Target {
     match p {
         Plan::Signal(t) | Plan::Freeze(t) => t,
         Plan::SignalCgroup { leader, .. } => leader,
+        Plan::Gate { fallback, .. } => alone_target(*fallback),
     }
 }
 

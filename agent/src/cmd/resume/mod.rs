@@ -256,7 +256,7 @@ fn rebase(from: &Path, to: &Path) -> impl Fn(&RecordEntry) -> RecordEntry {
             },
             _ => e.clone(),
         },
-        RecordEntry::Process { .. } => e.clone(),
+        RecordEntry::Process { .. } | RecordEntry::Gate { .. } => e.clone(),
     }
 }
 
@@ -264,6 +264,7 @@ fn describe(e: &RecordEntry) -> String {
     match e {
         RecordEntry::Cgroup { dir, version } => format!("cgroup {} ({version:?})", dir.display()),
         RecordEntry::Process { pid, start } => format!("process {pid} (start time {start})"),
+        RecordEntry::Gate { file, uuid } => format!("launch gate {uuid} in {}", file.display()),
     }
 }
 

@@ -128,7 +128,13 @@ impl Holds {
         }
         let mut done = Vec::new();
         for mut p in std::mem::take(&mut self.pending) {
-            if now < p.next_check_ns.min(p.deadline_ns) {
+            if p.escalate_ns.is_some_and(|e| now >= e) {
+                done.extend(self.escalate_gate(p, now));
+                continue;
+            }
+            // A gate is acknowledged through a page, which wakes the loop: look at every
+            // tick (a few loads), not only on the check schedule.
+            if now < p.next_check_ns.min(p.deadline_ns) && p.kind != Kind::Gate {
                 self.pending.push(p);
                 continue;
             }

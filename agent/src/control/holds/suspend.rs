@@ -17,12 +17,13 @@ impl Holds {
     pub(super) fn materialise(&self, plan: &Plan) -> Vec<Target> {
         match plan {
             Plan::Freeze(t) | Plan::Signal(t) => vec![t.clone()],
+            Plan::Gate { gate, .. } => vec![gate.clone()],
             Plan::SignalCgroup { dir, leader, .. } => {
                 let mut out = vec![leader.clone()];
                 let me = self.procfs.self_pid();
                 let lead = match leader {
                     Target::Process { key, .. } => key.pid,
-                    Target::Cgroup { .. } => 0,
+                    Target::Cgroup { .. } | Target::Gate { .. } => 0,
                 };
                 match self.procfs.cgroup_members(dir) {
                     Ok(pids) => {
@@ -81,6 +82,10 @@ impl Holds {
                         }),
                         _ => None,
                     },
+                    fallback: match plan {
+                        Plan::Gate { fallback, .. } => Some((**fallback).clone()),
+                        _ => None,
+                    },
                     checked_ns: now,
                     breaks: 0,
                 },
@@ -134,7 +139,7 @@ impl Holds {
             let p: Vec<Progress> = progress.by_ref().take(hold.members.len()).collect();
             match members_progress(&p) {
                 None => {
-                    self.pending.push(Pending::new(
+                    let mut pending = Pending::new(
                         key.clone(),
                         Op::Suspend,
                         hold.kind,
@@ -142,7 +147,11 @@ impl Holds {
                         hold.members.clone(),
                         now,
                         self.confirm_timeout,
-                    ));
+                    );
+                    if hold.fallback.is_some() {
+                        pending.escalate_ns = Some(now + self.gate_timeout.as_nanos() as u64);
+                    }
+                    self.pending.push(pending);
                     self.held.insert(key, hold);
                 }
                 Some(Outcome::Failed(reason)) => {

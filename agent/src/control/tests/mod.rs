@@ -4,6 +4,7 @@
 
 mod bells;
 mod failures;
+mod gates;
 mod holds;
 
 use super::events::Event;
@@ -63,6 +64,12 @@ fn harness(gpus: u32) -> H {
 }
 
 fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
+    harness_edges(gpus, cfg, None)
+}
+
+/// A harness whose actuator is the gate actuator over the fake one, with its gate file at
+/// `gate` (a real file: the test reads the gate words the shims would).
+fn harness_edges(gpus: u32, cfg: LoopConfig, gate: Option<PathBuf>) -> H {
     let clock = FakeClock::default();
     clock.set(T0);
     let gpu = FakeGpu::new(gpus);
@@ -76,14 +83,26 @@ fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
         act_ns: MS / 2,
         ..Default::default()
     };
+    let mut actuator: Box<dyn crate::edges::actuator::Actuator> = Box::new(act.clone());
+    let mut gates = None;
+    if let Some(path) = gate {
+        let file = crate::edges::gate::GateFile::create(&path).unwrap();
+        let gated = crate::edges::gate::Gated::new(actuator, file);
+        gates = Some(super::gates::GateLink {
+            board: gated.board(),
+            file: path,
+        });
+        actuator = Box::new(gated);
+    }
     let edges = Edges {
         gpu: Box::new(gpu.clone()),
         procfs: Arc::new(procs.clone()),
         source: Arc::new(source.clone()),
         clock: Arc::new(clock.clone()),
-        actuator: Box::new(act.clone()),
+        actuator,
         record: Box::new(rec.clone()),
         bells: Box::new(bells.clone()),
+        gates,
     };
     let lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
     H {

@@ -37,6 +37,9 @@ pub enum Kind {
     Freezer,
     /// SIGSTOP/SIGCONT through pidfds (every process of a cgroup declared offline).
     Signal,
+    /// The launch gate (`--gate`): not chosen here; a label for holds that close one.
+    #[value(skip)]
+    Gate,
 }
 
 impl Kind {
@@ -45,6 +48,7 @@ impl Kind {
         match self {
             Kind::Freezer => "freezer",
             Kind::Signal => "signal",
+            Kind::Gate => "gate",
         }
     }
 }
@@ -66,6 +70,16 @@ pub enum Target {
         /// pidfd opened when the process was first seen.
         pidfd: Arc<OwnedFd>,
     },
+    /// One process's submissions to one GPU, through the launch gate
+    /// ([`crate::edges::gate::Gated`]): confirmed when the process acknowledges the close.
+    Gate {
+        /// The process whose acknowledgement confirms the close.
+        key: ProcKey,
+        /// The GPU's UUID bytes (the gate file's slot).
+        uuid: [u8; 16],
+        /// The gate file.
+        file: PathBuf,
+    },
 }
 
 impl Target {
@@ -80,6 +94,10 @@ impl Target {
                 pid: key.pid,
                 start: key.start,
             },
+            Target::Gate { uuid, file, .. } => RecordEntry::Gate {
+                file: file.clone(),
+                uuid: coloc_doorbell::format_uuid(uuid),
+            },
         }
     }
 
@@ -88,6 +106,7 @@ impl Target {
         match self {
             Target::Cgroup { .. } => Kind::Freezer,
             Target::Process { .. } => Kind::Signal,
+            Target::Gate { .. } => Kind::Gate,
         }
     }
 }
@@ -97,6 +116,12 @@ impl std::fmt::Display for Target {
         match self {
             Target::Cgroup { dir, version } => write!(f, "cgroup {} ({version:?})", dir.display()),
             Target::Process { key, .. } => write!(f, "pid {}", key.pid),
+            Target::Gate { key, uuid, .. } => write!(
+                f,
+                "gate of {} for pid {}",
+                coloc_doorbell::format_uuid(uuid),
+                key.pid
+            ),
         }
     }
 }
@@ -118,6 +143,13 @@ pub enum RecordEntry {
         pid: u32,
         /// Start time, clock ticks since boot.
         start: u64,
+    },
+    /// A closed launch gate (one GPU's slot of a gate file).
+    Gate {
+        /// The gate file.
+        file: PathBuf,
+        /// The GPU's UUID, as NVML writes it.
+        uuid: String,
     },
 }
 
@@ -142,6 +174,9 @@ pub enum ActError {
         #[source]
         source: std::io::Error,
     },
+    /// The target needs the launch gate, which this actuator does not have.
+    #[error("{0}: no launch gate here")]
+    NoGate(String),
     /// The new state was not confirmed in time.
     #[error("{what} not confirmed within {timeout:?}")]
     Timeout {
@@ -159,6 +194,7 @@ impl ActError {
             ActError::Write { .. } => "cgroup_write",
             ActError::Signal { .. } => "signal",
             ActError::Timeout { .. } => "timeout",
+            ActError::NoGate(_) => "no_gate",
         }
     }
 }
@@ -203,6 +239,12 @@ pub trait Actuator: Send {
     fn start(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress>;
     /// Checks targets started earlier, waiting up to `budget` (zero: look once).
     fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress>;
+    /// Called by the loop at least every 20 ms while it runs (the gate's heartbeat).
+    fn keepalive(&mut self) {}
+    /// Whether some launch gate is closed (the loop then wakes often enough to beat).
+    fn gates_closed(&self) -> bool {
+        false
+    }
 }
 
 /// The host's actuator: the freezer for cgroup targets, signals for process targets, in
@@ -230,6 +272,7 @@ impl Actuator for Host {
                     Ok(()) if op == Op::Resume => Some(Progress::Done),
                     r => r.err(),
                 },
+                Target::Gate { .. } => Some(Progress::Failed(ActError::NoGate(t.to_string()))),
             })
             .collect();
         wait(targets, op, issued, events, start, budget, &mut self.stats)
@@ -249,6 +292,8 @@ fn confirmed(target: &Target, op: Op, stats: &mut signal::StatCache) -> Option<b
     match target {
         Target::Cgroup { dir, version } => freezer::confirmed(dir, *version, op),
         Target::Process { key, .. } => signal::confirmed(*key, op, stats),
+        // Host::start fails these at once; a check has nothing to confirm.
+        Target::Gate { .. } => None,
     }
 }
 
@@ -321,6 +366,7 @@ pub fn resume_recorded(e: &RecordEntry, timeout: Duration) -> Progress {
             dir: dir.clone(),
             version: *version,
         },
+        RecordEntry::Gate { file, uuid } => return crate::edges::gate::open_recorded(file, uuid),
         RecordEntry::Process { pid, start } => {
             let key = ProcKey {
                 pid: *pid,

@@ -199,6 +199,7 @@ impl DirBells {
                 owner,
                 file_uid: md.uid(),
                 wake_gap_ns: 0,
+                class: 0,
             },
             base,
             seen: 0,
@@ -207,6 +208,7 @@ impl DirBells {
             return Err("not a doorbell page of this version (yet)".into());
         }
         m.info.wake_gap_ns = m.page().wake_gap_ns();
+        m.info.class = m.page().class();
         m.info.id = self.next_id;
         self.next_id += 1;
         Ok(m)
@@ -334,6 +336,12 @@ impl Doorbells for DirBells {
 
     fn waker(&self) -> Waker {
         self.waker.clone()
+    }
+
+    fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>) {
+        if let Some(m) = self.pages.values().find(|m| m.info.id == page) {
+            m.page().read_gate(out);
+        }
     }
 
     fn rang(&self) -> bool {

@@ -51,6 +51,9 @@ pub struct PageInfo {
     pub file_uid: u32,
     /// The writer's wake gap, ns.
     pub wake_gap_ns: u64,
+    /// The class the page says its process is ([`coloc_doorbell::CLASS_ONLINE`],
+    /// [`coloc_doorbell::CLASS_OFFLINE`]); routing only, never trust.
+    pub class: u32,
 }
 
 /// One reading of one page entry.
@@ -82,6 +85,8 @@ pub trait Doorbells: Send {
     /// Whether [`Doorbells::wait`] would return at once: a run started on a page, or the
     /// waker was woken, since the latest [`Doorbells::read`]. A few loads, no system call.
     fn rang(&self) -> bool;
+    /// Appends the launch-gate fields of page `page`'s entries (nothing if not mapped).
+    fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>);
 }
 
 /// Wakes a waiting loop from another thread.
@@ -125,6 +130,7 @@ impl Doorbells for NoBells {
     fn rang(&self) -> bool {
         self.waker.0.load(Acquire) != self.seen
     }
+    fn read_gate(&self, _page: u64, _out: &mut Vec<coloc_doorbell::GateReading>) {}
 }
 
 #[cfg(test)]

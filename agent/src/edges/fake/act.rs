@@ -135,6 +135,8 @@ pub struct FakeBellState {
     pub rang_after: Option<u32>,
     /// Calls of `rang()` so far.
     pub rang_calls: u32,
+    /// Launch-gate fields per page.
+    pub gates: std::collections::HashMap<u64, Vec<coloc_doorbell::GateReading>>,
 }
 
 impl FakeBells {
@@ -147,8 +149,30 @@ impl FakeBells {
             owner,
             file_uid,
             wake_gap_ns: coloc_doorbell::DEFAULT_WAKE_GAP_NS,
+            class: coloc_doorbell::CLASS_ONLINE,
         });
         s.changed = true;
+    }
+    /// Adds an offline page `id` claiming `owner` (the launch gate's acknowledgements).
+    pub fn offline_page(&self, id: u64, owner: crate::edges::doorbell::Owner, file_uid: u32) {
+        self.page(id, owner, file_uid);
+        let mut s = self.state.lock().unwrap();
+        s.pages.last_mut().expect("just added").class = coloc_doorbell::CLASS_OFFLINE;
+    }
+    /// Offline page `id` acknowledges `epoch` for `gpu`.
+    pub fn ack(&self, id: u64, gpu: u32, epoch: u32) {
+        let mut s = self.state.lock().unwrap();
+        let g = s.gates.entry(id).or_default();
+        g.retain(|r| r.uuid != fake_uuid(gpu));
+        g.push(coloc_doorbell::GateReading {
+            index: gpu as usize,
+            uuid: fake_uuid(gpu),
+            gate_ack: epoch,
+            inflight: 0,
+            in_submit: 0,
+            blocked_ns: 0,
+            submitted: 0,
+        });
     }
     /// Page `id` says: a run on `gpu` since `since`, latest launch `last`.
     pub fn ring(&self, id: u64, gpu: u32, since: u64, last: u64) {
@@ -188,5 +212,10 @@ impl crate::edges::doorbell::Doorbells for FakeBells {
         let mut st = self.state.lock().unwrap();
         st.rang_calls += 1;
         st.rang_after.is_some_and(|n| st.rang_calls > n)
+    }
+    fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>) {
+        if let Some(g) = self.state.lock().unwrap().gates.get(&page) {
+            out.extend(g.iter().copied());
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The launch gate file, agent side: the one file per node whose per-GPU gate words the
 //! offline processes' CUDA shim blocks its submissions on (layout and protocol:
-//! `coloc_doorbell::gate`). Not wired into the loop yet.
+//! `coloc_doorbell::gate`).
 //!
 //! ```text
 //!  GateFile::create(path)   dir: created 0755 if missing; refused if a symlink, not a
@@ -20,6 +20,8 @@
 //! (`coloc_doorbell::Page::read_gate`): a close is acknowledged by a page when its
 //! `gate_ack` equals the close's epoch (equal, not greater: a replaced file's epochs are
 //! seeded afresh).
+//!
+//! [`Gated`] (in `act`) is the actuator that closes these gates for the loop.
 
 use anyhow::{bail, Context, Result};
 use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
@@ -163,6 +165,66 @@ impl GateFile {
         Ok(g)
     }
 
+    /// Maps the gate file a previous run left at `path`, read-write, without replacing it
+    /// (to open its gates: `coloc-agent resume`, leftovers at start). `None` when there is
+    /// no file; an error when it is not a regular file of this layout.
+    pub fn attach(path: &Path) -> Result<Option<GateFile>> {
+        let cpath = CString::new(path.as_os_str().as_bytes())?;
+        // SAFETY: a valid C path; never through a link.
+        let fd = unsafe {
+            libc::open(
+                cpath.as_ptr(),
+                libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK,
+            )
+        };
+        if fd < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::NotFound {
+                return Ok(None);
+            }
+            return Err(err).with_context(|| format!("opening {}", path.display()));
+        }
+        // SAFETY: `fd` is ours: fstat, then a mapping of the length checked; closed once.
+        let base = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            let ok = libc::fstat(fd, &mut st) == 0
+                && (st.st_mode & libc::S_IFMT) == libc::S_IFREG
+                && st.st_size as usize >= GATE_FILE_SIZE;
+            let base = if ok {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    GATE_FILE_SIZE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            } else {
+                libc::MAP_FAILED
+            };
+            libc::close(fd);
+            if !ok {
+                bail!(
+                    "{} is not a regular file of a gate file's size",
+                    path.display()
+                );
+            }
+            if base == libc::MAP_FAILED {
+                return Err(std::io::Error::last_os_error())
+                    .with_context(|| format!("mapping {}", path.display()));
+            }
+            base
+        };
+        let g = GateFile {
+            path: path.to_path_buf(),
+            base,
+        };
+        if !g.gates().valid() {
+            bail!("{} is not a gate file of this version", path.display());
+        }
+        Ok(Some(g))
+    }
+
     /// Where the file is.
     pub fn path(&self) -> &Path {
         &self.path
@@ -229,6 +291,9 @@ impl Drop for GateFile {
         unsafe { libc::munmap(self.base, GATE_FILE_SIZE) };
     }
 }
+
+mod act;
+pub use act::{open_recorded, AckBoard, Gated};
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,182 @@
+//! The launch gate in the loop: a process whose shim listens is held at its gate and
+//! confirmed by its acknowledgement, not stopped; one that does not acknowledge in time,
+//! or has no shim, is stopped as before; the gate is recorded before it closes and opens
+//! at the release.
+
+use super::*;
+use crate::edges::doorbell::Owner;
+use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
+
+/// The gate words of the file at `path`: (UUID, closed epoch or 0), as a shim reads them.
+fn gate_words(path: &std::path::Path) -> Vec<([u8; 16], u32)> {
+    let bytes = std::fs::read(path).unwrap();
+    let mut buf = vec![0u64; GATE_FILE_SIZE / 8];
+    for (i, w) in buf.iter_mut().enumerate() {
+        *w = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
+    }
+    // SAFETY: an 8-aligned private buffer of GATE_FILE_SIZE bytes, alive for the call.
+    let g = unsafe { Gates::from_raw(buf.as_ptr().cast()) };
+    g.read().into_iter().map(|(_, u, c, _)| (u, c)).collect()
+}
+
+fn closed(path: &std::path::Path, gpu: u32) -> Option<u32> {
+    gate_words(path)
+        .into_iter()
+        .find(|(u, _)| *u == fake_uuid(gpu))
+        .map(|(_, c)| c)
+        .filter(|c| *c != 0)
+}
+
+/// Offline 10 (its shim's page 1 has an entry for GPU 0) and online 20 on GPU 0.
+fn setup(name: &str) -> (H, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("coloc-gate-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("gates");
+    let mut cfg = default_config();
+    cfg.gate_timeout = Duration::from_millis(50);
+    let mut h = harness_edges(1, cfg, Some(path.clone()));
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.bells.offline_page(1, Owner::Pid(10), 0);
+    h.bells.ack(1, 0, 0);
+    h.ticks(3);
+    (h, path)
+}
+
+/// The preemption, once it is confirmed (an event is emitted when its holds are).
+fn preempt_event(h: &H) -> Option<crate::control::events::Preempt> {
+    h.events().into_iter().find_map(|e| match e {
+        Event::Preempt(p) => Some(p),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_process_with_the_shim_is_held_at_its_gate_and_confirmed_by_its_ack() {
+    let (mut h, path) = setup("ack");
+    h.active(0, 20);
+    h.tick();
+    let epoch = closed(&path, 0).expect("online busy on GPU 0: its gate is closed");
+    assert!(h.suspended(10));
+    assert_eq!(h.suspends_of(10), 0, "held at the gate, not stopped");
+    let gate_rec = RecordEntry::Gate {
+        file: path.clone(),
+        uuid: coloc_doorbell::format_uuid(&fake_uuid(0)),
+    };
+    assert!(
+        h.rec.disk.lock().unwrap().contains(&gate_rec),
+        "the closed gate is in the fail-open record"
+    );
+    // Not acknowledged yet: the preemption is not confirmed.
+    h.ticks(5);
+    assert!(preempt_event(&h).is_none(), "confirmed before the ack");
+    // An ack of an older epoch does not count.
+    h.bells.ack(1, 0, epoch.wrapping_sub(1));
+    h.tick();
+    assert!(preempt_event(&h).is_none(), "an old epoch confirmed it");
+    let acked_at = h.now();
+    h.bells.ack(1, 0, epoch);
+    h.tick();
+    let p = preempt_event(&h).expect("confirmed by the ack");
+    assert_eq!(p.actuator, Some(Kind::Gate));
+    assert_eq!(
+        p.confirmed_ns,
+        Some(acked_at),
+        "confirmed at the tick that read the ack"
+    );
+    // Past the gate timeout: no fallback once acknowledged.
+    for _ in 0..60 {
+        h.active(0, 20);
+        h.tick();
+    }
+    assert_eq!(h.suspends_of(10), 0, "stopped although acknowledged");
+    assert_eq!(
+        closed(&path, 0),
+        Some(epoch),
+        "one close for the whole busy period"
+    );
+    // Release: the gate opens and leaves the record.
+    h.ticks(110);
+    assert!(!h.suspended(10));
+    assert_eq!(closed(&path, 0), None, "the release opens the gate");
+    assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
+}
+
+#[test]
+fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
+    let (mut h, path) = setup("late");
+    h.active(0, 20);
+    h.tick();
+    let closed_at = h.now();
+    assert!(closed(&path, 0).is_some());
+    while h.now() < closed_at + 49 * MS {
+        h.active(0, 20);
+        h.tick();
+        assert_eq!(h.suspends_of(10), 0, "escalated before --gate-timeout");
+    }
+    h.ticks(3);
+    assert_eq!(h.suspends_of(10), 1, "not stopped after --gate-timeout");
+    assert!(
+        h.act.calls().iter().all(|c| c.unrecorded.is_empty()),
+        "the fallback acted before it was recorded"
+    );
+    let p = preempt_event(&h).expect("confirmed by the fallback");
+    assert_eq!(p.actuator, Some(Kind::Signal), "confirmed by the fallback");
+    assert!(p.confirmed_ns.is_some());
+    assert!(
+        closed(&path, 0).is_some(),
+        "the gate stays closed beside it"
+    );
+    // Release: both undone.
+    h.ticks(110);
+    assert!(!h.suspended(10));
+    assert_eq!(closed(&path, 0), None);
+    let resumed = h.act.calls().iter().any(|c| {
+        c.op == Op::Resume
+            && c.targets
+                .iter()
+                .any(|t| matches!(t, RecordEntry::Process { pid: 10, .. }))
+    });
+    assert!(resumed, "the fallback's stop was not undone");
+    assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
+}
+
+#[test]
+fn without_a_listening_shim_the_process_is_stopped_and_no_gate_closes() {
+    let (mut h, path) = setup("noshim");
+    // Offline 11 on GPU 0 has no page; 12 has a page owned by another UID; 13's page names
+    // only GPU 1.
+    h.spawn(0, 11, class(Class::Offline, None));
+    h.spawn(0, 12, class(Class::Offline, None));
+    h.spawn(0, 13, class(Class::Offline, None));
+    h.bells.offline_page(2, Owner::Pid(12), 4242);
+    h.bells.ack(2, 0, 0);
+    h.bells.offline_page(3, Owner::Pid(13), 0);
+    h.bells.ack(3, 1, 0);
+    h.ticks(2);
+    h.active(0, 20);
+    h.tick();
+    for pid in [11, 12, 13] {
+        assert_eq!(h.suspends_of(pid), 1, "pid {pid} was not stopped");
+    }
+    assert_eq!(h.suspends_of(10), 0, "10 has the shim: held at the gate");
+    assert!(closed(&path, 0).is_some());
+    // A forged ack in a page that is not 10's confirms nothing for 10.
+    let epoch = closed(&path, 0).unwrap();
+    h.bells.ack(2, 0, epoch);
+    h.tick();
+    assert!(
+        preempt_event(&h).is_none(),
+        "a forged ack confirmed 10's gate"
+    );
+}
+
+#[test]
+fn a_gate_is_never_closed_before_it_is_recorded() {
+    let (mut h, path) = setup("record");
+    h.rec.broken.store(true, Ordering::SeqCst);
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(closed(&path, 0), None, "closed although the record failed");
+    assert!(!h.lp.holds().holds(&h.key(10)));
+}
