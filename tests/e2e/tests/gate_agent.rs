@@ -1,0 +1,279 @@
+//! The agent's gate actuator end to end (`coloc-agent run --gate`), through the real
+//! dynamic linker: offline `coloc-sim offline --cuda` under `libcoloc_cuda.so`
+//! (`COLOC_SHIM_CLASS=offline`) is held at its gate — never stopped — while an online
+//! workload under the shim is busy; an offline process without the shim is stopped with
+//! signals as before; `kill -9` of the agent opens the gate within the shim's bound, and
+//! the restarted agent finds nothing blocked. Every wait is bounded.
+
+use coloc_e2e::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const RULES: &str = "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\
+                     [[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n";
+
+fn fake_cuda() -> PathBuf {
+    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
+    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
+}
+
+struct Node {
+    sim: Sim,
+    root: PathBuf,
+    gate_file: PathBuf,
+    events: PathBuf,
+}
+
+impl Node {
+    fn new() -> Node {
+        let root = std::env::temp_dir().join(unique("coloc-e2e-gate-agent"));
+        std::fs::create_dir_all(&root).unwrap();
+        Node {
+            sim: Sim::start(1, &["--sample-period-ms", "100"]),
+            gate_file: root.join("gate").join("gates"),
+            events: root.join("events.jsonl"),
+            root,
+        }
+    }
+
+    fn agent(&self, state_dir: Option<PathBuf>) -> Agent {
+        Agent::start(
+            &self.sim,
+            AgentOpts {
+                rules: RULES,
+                extra: vec![
+                    "--gate".into(),
+                    "--gate-file".into(),
+                    self.gate_file.display().to_string(),
+                    "--event-log".into(),
+                    self.events.display().to_string(),
+                ],
+                env: vec![
+                    ("COLOC_NVML_INTERVAL", "100ms".into()),
+                    ("COLOC_NVML_SAMPLE_PERIOD", "100ms".into()),
+                ],
+                state_dir,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// A workload on the fake driver; under the shim with `class` unless `None`.
+    fn workload(&self, a: &Agent, args: &[&str], class: Option<&str>, stale_ms: u64) -> Command {
+        let mut c = self.sim.cmd(args);
+        c.arg("--cuda").env("LD_LIBRARY_PATH", fake_cuda());
+        if let Some(class) = class {
+            c.env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+                .env("COLOC_SHIM_CLASS", class)
+                .env("COLOC_DOORBELL_DIR", &a.doorbell_dir)
+                .env("COLOC_GATE_FILE", &self.gate_file)
+                .env("COLOC_GATE_STALE_MS", stale_ms.to_string());
+        }
+        c
+    }
+
+    /// Offline, 2 ms kernels, 16 queued by the application, until killed.
+    fn offline(&self, a: &Agent, shim: bool, err: &Path) -> Proc {
+        let args = [
+            "offline",
+            "--gpu",
+            "0",
+            "--step-ms",
+            "2",
+            "--queue-depth",
+            "16",
+        ];
+        Proc(
+            self.workload(a, &args, shim.then_some("offline"), 300)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(err).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    /// Online under the shim: `rate` requests/s of `work_ms`, for `secs`.
+    fn online(&self, a: &Agent, rate: u32, work_ms: u32, secs: u32) -> Proc {
+        let out = self.root.join(unique("online")).with_extension("json");
+        let (r, w, s, o) = (
+            rate.to_string(),
+            work_ms.to_string(),
+            secs.to_string(),
+            out.display().to_string(),
+        );
+        let args = [
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            &r,
+            "--work-ms",
+            &w,
+            "--duration-s",
+            &s,
+            "--seed",
+            "3",
+            "--out",
+            &o,
+        ];
+        Proc(
+            self.workload(a, &args, Some("online"), 1000)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    /// Kernel time `pid` has submitted on GPU 0, ns.
+    fn submitted(&self, pid: u32) -> u64 {
+        self.sim
+            .open()
+            .slot_info(pid, 0)
+            .map_or(0, |s| s.submitted_ns)
+    }
+
+    fn preempts(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&self.events)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["event"] == "preempt")
+            .collect()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+#[test]
+fn offline_with_the_shim_is_held_at_its_gate_and_offline_without_it_is_stopped() {
+    let n = Node::new();
+    let a = n.agent(None);
+    let gated = n.offline(&a, true, &n.root.join("gated.err"));
+    let plain = n.offline(&a, false, &n.root.join("plain.err"));
+    a.wait_processes(2);
+    let mut on = n.online(&a, 4, 20, 3);
+    let (mut gated_stopped, mut plain_stopped) = (0, 0);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(20) {
+        if on.0.try_wait().unwrap().is_some() {
+            break;
+        }
+        gated_stopped += (proc_state(gated.pid()) == Some('T')) as u32;
+        plain_stopped += (proc_state(plain.pid()) == Some('T')) as u32;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(on.wait_within("online", Duration::from_secs(5)).success());
+    let ev = n.preempts();
+    let bell: Vec<_> = ev.iter().filter(|e| e["signal"] == "doorbell").collect();
+    assert!(bell.len() >= 3, "{ev:?}\nlog:\n{}", a.log_text());
+    for e in &bell {
+        assert!(e["confirmed_ns"].as_u64().is_some(), "not confirmed: {e}");
+    }
+    assert_eq!(gated_stopped, 0, "the process with the shim was stopped");
+    assert!(
+        plain_stopped > 0,
+        "the process without the shim was never stopped"
+    );
+    let m = a.metrics();
+    assert_eq!(
+        metric(&m, "coloc_gate_escalations_total", &[]),
+        0.0,
+        "a gate was not acknowledged in time:\n{}",
+        a.log_text()
+    );
+    assert!(
+        metric(
+            &m,
+            "coloc_preemption_latency_seconds_count",
+            &["actuator=\"gate\""]
+        ) >= 1.0
+            || metric(
+                &m,
+                "coloc_preemption_latency_seconds_count",
+                &["actuator=\"signal\""]
+            ) >= 1.0,
+        "{m}"
+    );
+    // Online is over: the gate opens and the process with the shim runs on.
+    let from = n.submitted(gated.pid());
+    wait_for("gated offline to run again", Duration::from_secs(3), || {
+        n.submitted(gated.pid()) > from + 20_000_000
+    })
+    .unwrap();
+    wait_for("nothing suspended", Duration::from_secs(2), || {
+        a.state()["suspended_targets"] == 0
+    })
+    .unwrap();
+}
+
+#[test]
+fn kill_9_of_the_agent_opens_the_gate_within_the_bound_and_a_restart_blocks_nothing() {
+    let n = Node::new();
+    let mut a = n.agent(None);
+    let err = n.root.join("gated.err");
+    let gated = n.offline(&a, true, &err);
+    a.wait_processes(1);
+    // Online launches 2 ms of work 200 times a second: busy, gaps far under the window.
+    let _on = n.online(&a, 200, 2, 30);
+    // Held: what it submitted stops moving for 300 ms.
+    let mut last = n.submitted(gated.pid());
+    let mut still_since = Instant::now();
+    wait_for(
+        "the gated process to be held",
+        Duration::from_secs(10),
+        || {
+            let now = n.submitted(gated.pid());
+            if now != last {
+                last = now;
+                still_since = Instant::now();
+            }
+            still_since.elapsed() >= Duration::from_millis(300)
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\nlog:\n{}", a.log_text()));
+    assert_ne!(
+        proc_state(gated.pid()),
+        Some('T'),
+        "stopped, not held at the gate"
+    );
+    let state_dir = a.state_dir.clone();
+    a.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = a.wait();
+    let held_at = n.submitted(gated.pid());
+    wait_for("the gate to fail open", Duration::from_secs(3), || {
+        n.submitted(gated.pid()) > held_at
+    })
+    .unwrap();
+    let opened = killed.elapsed();
+    // The shim's bound here is 300 ms (COLOC_GATE_STALE_MS), plus its 50 ms re-check,
+    // from the agent's last beat (at most 20 ms before the kill).
+    assert!(
+        opened <= Duration::from_millis(300 + 50 + 250),
+        "the gate opened {opened:?} after kill -9"
+    );
+    // The restarted agent: the record's gate is handled, and the process is held again
+    // (online is still busy), by the new file's gate, not left blocked on the old one.
+    let b = n.agent(Some(state_dir));
+    let text = b.log_text();
+    assert!(
+        text.contains("previous run left"),
+        "the leftover gate was not reported:\n{text}"
+    );
+    drop(_on);
+    let from = n.submitted(gated.pid());
+    wait_for(
+        "offline to run once online is gone",
+        Duration::from_secs(5),
+        || n.submitted(gated.pid()) > from + 20_000_000,
+    )
+    .unwrap_or_else(|e| panic!("{e}\nlog:\n{}", b.log_text()));
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    assert!(stderr.contains("stale"), "the shim said nothing: {stderr}");
+}
