@@ -55,6 +55,11 @@ pub enum Command {
     /// the agent does at start, when no agent is running with that state directory.
     #[command(after_help = crate::cmd::resume::AFTER_HELP)]
     Resume(crate::cmd::resume::ResumeArgs),
+    /// Run a command under the CUDA shim (a plain host; the webhook does it for pods):
+    /// online, its launches ring the agent's doorbell; offline, it submits through the
+    /// launch gate.
+    #[command(after_help = crate::cmd::exec::AFTER_HELP)]
+    Exec(crate::cmd::exec::ExecArgs),
 }
 
 /// `coloc-agent run`.

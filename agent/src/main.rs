@@ -24,6 +24,7 @@ fn main() {
         Command::CheckRules { file } => check_rules(&file),
         Command::Status(args) => coloc_agent::cmd::status::run(args),
         Command::Resume(args) => coloc_agent::cmd::resume::run(args),
+        Command::Exec(args) => coloc_agent::cmd::exec::run(args),
     };
     if let Err(err) = result {
         // One line: the error and its causes.

@@ -73,7 +73,8 @@ impl Node {
         c
     }
 
-    /// Offline, 2 ms kernels, 16 queued by the application, until killed.
+    /// Offline, 2 ms kernels, 16 queued by the application, until killed; with the shim,
+    /// started the way a plain host does it: `coloc-agent exec --class offline -- …`.
     fn offline(&self, a: &Agent, shim: bool, err: &Path) -> Proc {
         let args = [
             "offline",
@@ -84,9 +85,26 @@ impl Node {
             "--queue-depth",
             "16",
         ];
+        let mut c = self.workload(a, &args, None, 300);
+        if shim {
+            let mut e = Command::new(bin("coloc-agent"));
+            e.arg("exec")
+                .args(["--class", "offline", "--shim"])
+                .arg(bin("libcoloc_cuda.so"))
+                .arg("--doorbell-dir")
+                .arg(&a.doorbell_dir)
+                .arg("--gate-file")
+                .arg(&self.gate_file)
+                .arg("--")
+                .arg(c.get_program())
+                .args(c.get_args())
+                .env("COLOC_SIM_STATE", &self.sim.state)
+                .env("LD_LIBRARY_PATH", fake_cuda())
+                .env("COLOC_GATE_STALE_MS", "300");
+            c = e;
+        }
         Proc(
-            self.workload(a, &args, shim.then_some("offline"), 300)
-                .stdout(Stdio::null())
+            c.stdout(Stdio::null())
                 .stderr(std::fs::File::create(err).unwrap())
                 .spawn()
                 .unwrap(),
