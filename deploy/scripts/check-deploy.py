@@ -94,6 +94,9 @@ def helm_checks():
         "shim.inflight=-1": "inflight",
         "shim.doorbellDir=run/doorbells": "doorbellDir",
         "shim.enable=true": "enable",
+        "shim.gate=yes": "gate",
+        "shim.gateTimeout=50": "gateTimeout",
+        "shim.gateTimeout=null": "gateTimeout",
     }
     for s, needle in bad.items():
         try:
@@ -102,7 +105,8 @@ def helm_checks():
         except h.HelmError as e:
             check(needle in str(e), f"{s}: refused without naming {needle}: {e}")
     for good in ("agent.idleWindow=250ms", "agent.pollInterval=500us", "webhook.replicas=3", "agent.settings.COLOC_CONFIRM_TIMEOUT=2s",
-                 "shim.inflight=0", "shim.enabled=false", "agent.runtimeClassName=,agent.hostNvml.arm64=null"):
+                 "shim.inflight=0", "shim.enabled=false", "agent.runtimeClassName=,agent.hostNvml.arm64=null",
+                 "shim.gate=false", "shim.gateTimeout=200ms"):
         try:
             render(good)
         except h.HelmError as e:
@@ -110,7 +114,9 @@ def helm_checks():
     print(f"ok  values.schema.json refuses {len(bad)} bad value sets")
 
 
-def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-coloc"):
+def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-coloc", gate="50ms"):
+    """`gate`: the COLOC_GATE_TIMEOUT the agent gets with the launch gate on (the chart's
+    default: on whenever the shim is), or None where the gate must be off."""
     caps = list(caps)
     dss = by_kind(docs, "DaemonSet")
     check(dss, f"{label}: no agent DaemonSet")
@@ -139,7 +145,7 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         check("/host/sys/fs/cgroup" in mounts and "/run/coloc-agent" in mounts, f"{label}: cgroup and state mounts")
         resume_checks(pod, c, settings, label)
-        shim_agent_checks(docs, pod, c, settings, label)
+        shim_agent_checks(docs, pod, c, settings, label, gate)
         pcs = {p["metadata"]["name"]: p for p in by_kind(docs, "PriorityClass")}
         check(pod.get("priorityClassName") == f"{fullname}-agent" and f"{fullname}-agent" in pcs, f"{label}: agent priority class named per release")
         for p in pcs.values():
@@ -209,10 +215,25 @@ def host_paths(pod):
     return {v["name"]: v["hostPath"] for v in pod.get("volumes", []) if "hostPath" in v}
 
 
-def shim_agent_checks(docs, pod, c, settings, label):
+GATE_KEYS = ("COLOC_GATE", "COLOC_GATE_FILE", "COLOC_GATE_TIMEOUT")
+
+
+def webhook_gate_file_name():
+    """The file name the webhook puts after its gate_dir in offline pods' COLOC_GATE_FILE."""
+    text = open(os.path.join(ROOT, "webhook", "src", "inject.rs")).read()
+    m = re.search(r'pub const GATE_FILE: &str = "([^"]+)";', text)
+    if not m:
+        raise SystemExit("FAILED: no GATE_FILE constant in webhook/src/inject.rs")
+    return m.group(1)
+
+
+def shim_agent_checks(docs, pod, c, settings, label, gate="50ms"):
     """The shim on the node: an init container installs it into the directory the webhook
     mounts into pods, and prepares the doorbell and gate directories the agent mounts;
-    every path agrees between the webhook's settings, the init container and the agent."""
+    every path agrees between the webhook's settings, the init container and the agent.
+    With the gate on (`gate`: its timeout), the agent holds offline processes at the gate
+    file the webhook gives offline pods (COLOC_GATE_FILE), and the resume-guard sidecar
+    mounts the gate directory where the agent does, so that it opens recorded gates."""
     inits = [i for i in pod.get("initContainers", []) if i["name"] == "install-shim"]
     hp = host_paths(pod)
     cfgs = by_kind(docs, "ConfigMap")
@@ -221,6 +242,7 @@ def shim_agent_checks(docs, pod, c, settings, label):
     if not inits:
         check(settings.get("COLOC_NO_DOORBELLS") == "true" and shim is None,
               f"{label}: without the shim, the agent runs without doorbells and the webhook injects nothing")
+        check(not set(GATE_KEYS) & set(settings), f"{label}: without the shim, no launch gate (the gate needs doorbells): {settings}")
         return
     i = inits[0]
     check(i.get("command") == ["/usr/local/bin/coloc-node-setup"] and i["image"] == c["image"], f"{label}: install-shim runs the agent image's coloc-node-setup")
@@ -237,11 +259,51 @@ def shim_agent_checks(docs, pod, c, settings, label):
     for d in (args["--doorbell-dir"], args["--gate-dir"]):
         check(d in am and hp[am[d]["name"]]["path"] == d and not am[d].get("readOnly"), f"{label}: the agent mounts {d} from the host, writable")
     check(settings.get("COLOC_DOORBELL_DIR") == args["--doorbell-dir"], f"{label}: the agent watches the doorbell directory the pods get")
+    check("COLOC_NO_DOORBELLS" not in settings, f"{label}: with the shim, the agent uses the doorbells")
+    gate_file = f"{args['--gate-dir']}/{webhook_gate_file_name()}"
+    if gate is not None:
+        got = {k: settings.get(k) for k in GATE_KEYS}
+        check(got == {"COLOC_GATE": "true", "COLOC_GATE_FILE": gate_file, "COLOC_GATE_TIMEOUT": gate},
+              f"{label}: the agent holds offline processes at the gate file {gate_file} (timeout {gate}): {got}")
+    else:
+        check(not set(GATE_KEYS) & set(settings), f"{label}: shim.gate=false: no launch gate for the agent: {settings}")
+    # `coloc-agent resume` opens the record's gates in the file the agent named: the
+    # resume-guard sees the gate directory at the agent's path (the preStop runs in the
+    # agent's container, which has it).
+    guard = [i for i in pod.get("initContainers", []) if "--standby" in i.get("args", [])]
+    gm = {m["mountPath"]: m for g in guard for m in g["volumeMounts"]}
+    d = args["--gate-dir"]
+    check(d in gm and hp.get(gm[d]["name"], {}).get("path") == d and not gm[d].get("readOnly"),
+          f"{label}: the resume-guard mounts the gate directory {d} from the host, writable")
     if shim is not None:
         check(os.path.dirname(shim["library"]) == args["--into"] and os.path.basename(shim["library"]) == "libcoloc_cuda.so",
               f"{label}: the webhook preloads {shim['library']}, the node gets {args['--into']}/libcoloc_cuda.so")
         check(shim["doorbell_dir"] == args["--doorbell-dir"] and shim["gate_dir"] == args["--gate-dir"],
               f"{label}: the webhook's doorbell/gate directories are the node's: {shim}")
+        if gate is not None:
+            check(f"{shim['gate_dir']}/{webhook_gate_file_name()}" == settings.get("COLOC_GATE_FILE"),
+                  f"{label}: offline pods' COLOC_GATE_FILE ({shim['gate_dir']}/{webhook_gate_file_name()}) is the agent's "
+                  f"({settings.get('COLOC_GATE_FILE')})")
+
+
+def gate_checks():
+    """The launch gate follows shim.gate and shim.enabled: with the defaults the agent gets
+    COLOC_GATE, COLOC_GATE_FILE and COLOC_GATE_TIMEOUT (promises on the defaults and the
+    kustomize base); with shim.gate=false or without the shim, nothing of the gate."""
+    cases = [(("shim.gateTimeout=200ms", "shim.gateDir=/var/run/coloc-gate"), "200ms"),
+             (("shim.gate=false",), None),
+             (("shim.enabled=false",), None),
+             (("shim.enabled=false", "shim.gate=true"), None)]
+    for sets, gate in cases:
+        label = f"chart ({', '.join(sets)})"
+        docs = validate(render(*sets), label)
+        promises(docs, label, gate=gate)
+        # Wherever the agent's settings could come from: its ConfigMap, any container's env.
+        names = {k for cm in by_kind(docs, "ConfigMap") for k in (cm.get("data") or {})}
+        names |= {e["name"] for ds in by_kind(docs, "DaemonSet") for ctr in ds["spec"]["template"]["spec"]["containers"]
+                  + ds["spec"]["template"]["spec"].get("initContainers", []) for e in ctr.get("env", [])}
+        check(("COLOC_GATE" in names) == (gate is not None), f"{label}: COLOC_GATE {'missing from' if gate else 'in'} the rendered chart")
+    print(f"ok  launch gate: on with the shim by default, {len(cases)} other value sets")
 
 
 def host_mode_checks():
@@ -410,8 +472,9 @@ def injection_checks(docs, label):
     /mutate, as the API server calls them), for every backend and every admitted fixture,
     validated against the Kubernetes schemas; a second pass changes nothing."""
     cfg = one(docs, "ConfigMap", "-webhook")["data"]["config.toml"]
+    agent_settings = one(docs, "ConfigMap", "-agent")["data"]
     binary = webhook_binary()
-    pods, n = [], 0
+    pods, n, gated = [], 0, 0
     with tempfile.TemporaryDirectory() as tmp:
         conf = os.path.join(tmp, "config.toml")
         with open(conf, "w") as f:
@@ -431,6 +494,19 @@ def injection_checks(docs, label):
                            for k in c.get("resources", {}).get(part, {}))
                 ann = (pod["metadata"].get("annotations") or {})
                 check(("gpu-coloc.dev/shim-injected" in ann) == asks, f"{label}: {name} ({backend}): shim injected: {ann.get('gpu-coloc.dev/shim-injected')}")
+                # The shim in the pod and the agent meet at the same doorbell directory and
+                # (offline, with the gate on) the same gate file.
+                for ctr in pod["spec"].get("containers", []) + pod["spec"].get("initContainers", []):
+                    env = {e["name"]: e.get("value") for e in ctr.get("env", [])}
+                    if "COLOC_DOORBELL_DIR" in env:
+                        check(env["COLOC_DOORBELL_DIR"] == agent_settings.get("COLOC_DOORBELL_DIR"),
+                              f"{label}: {name} ({backend}): {ctr['name']} rings doorbells in {env['COLOC_DOORBELL_DIR']}, "
+                              f"the agent watches {agent_settings.get('COLOC_DOORBELL_DIR')}")
+                    if "COLOC_GATE_FILE" in env and "COLOC_GATE_FILE" in agent_settings:
+                        check(env["COLOC_GATE_FILE"] == agent_settings["COLOC_GATE_FILE"],
+                              f"{label}: {name} ({backend}): {ctr['name']} maps the gate file {env['COLOC_GATE_FILE']}, "
+                              f"the agent writes {agent_settings['COLOC_GATE_FILE']}")
+                        gated += 1
                 with open(src, "w") as f:
                     json.dump(pod, f)
                 again = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
@@ -438,7 +514,9 @@ def injection_checks(docs, label):
                 pod.setdefault("metadata", {})["name"] = f"{pod['metadata'].get('name', 'pod')}-{backend}"
                 pods.append(pod)
                 n += asks
-    validate(yaml.safe_dump_all(pods), f"{label}: {len(pods)} pods after /inject and /mutate ({n} with the shim)")
+    if "COLOC_GATE_FILE" in agent_settings:
+        check(gated, f"{label}: no offline container got the agent's gate file {agent_settings['COLOC_GATE_FILE']}")
+    validate(yaml.safe_dump_all(pods), f"{label}: {len(pods)} pods after /inject and /mutate ({n} with the shim, {gated} containers at the gate)")
 
 
 # --- Certificates ---------------------------------------------------------------------
@@ -810,6 +888,7 @@ def main():
     host_mode_checks()
     promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
     promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
+    gate_checks()
     other_ns = validate(render(namespace="gpu-sharing"), "chart (namespace gpu-sharing)")
     promises(other_ns, "chart (namespace gpu-sharing)", release_ns="gpu-sharing")
     full = validate(render("monitoring.serviceMonitors.enabled=true", "webhook.certManager.enabled=true", "monitoring.prometheusRules.enabled=true"),
