@@ -188,6 +188,12 @@ pub struct RunArgs {
     /// values keep offline processes that compete for CPU from delaying preemption.
     #[arg(long, env = "COLOC_LOOP_NICE", default_value_t = -10, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub loop_nice: i32,
+    /// Real-time priority (SCHED_FIFO, 1..99) for the control-loop thread; 0 keeps the
+    /// normal scheduler (with --loop-nice). A real-time loop runs as soon as a doorbell
+    /// wakes it, ahead of every normal process; it sleeps between ticks, and the kernel
+    /// caps real-time threads at 95 % of a CPU. Needs CAP_SYS_NICE.
+    #[arg(long, env = "COLOC_LOOP_RT_PRIORITY", default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=99))]
+    pub loop_rt_priority: i32,
     /// Append every preemption and release, with its latencies, to this JSON-lines file.
     #[arg(long, env = "COLOC_EVENT_LOG")]
     pub event_log: Option<PathBuf>,
@@ -306,6 +312,7 @@ impl RunArgs {
             cgroups,
             event_log: self.event_log.clone(),
             loop_nice: self.loop_nice,
+            loop_rt_priority: self.loop_rt_priority,
             nvml_grace: self.nvml_failure_grace,
             nvml_hang_timeout: self.nvml_hang_timeout,
             recheck: self.recheck_interval,

@@ -1,7 +1,7 @@
 //! `coloc-demo`: gpu-coloc's co-location on simulated GPUs, on any Linux host (no GPU, no
 //! cluster). Not part of the product: it drives the product's binaries like a user would.
 //!
-//! Five scenarios run side by side for the same time, each on `--replicas` simulated GPUs
+//! Six scenarios run side by side for the same time, each on `--replicas` simulated GPUs
 //! (default 3, so that every p99 rests on hundreds of requests), with the same online
 //! request sequences in every scenario:
 //!
@@ -12,6 +12,11 @@
 //! | `no-agent` | online + offline                                      | uncontrolled sharing           |
 //! | `nvml`     | online + offline, the agent, NVML only                | gpu-coloc without the shim     |
 //! | `doorbell` | online under `libcoloc_cuda.so` + offline, the agent  | gpu-coloc with the doorbell    |
+//! | `gate`     | the same, offline under the shim too (`--gate`)       | doorbell + launch gate (K)     |
+//!
+//! Offline keeps `--offline-queue-depth` kernels queued (16 by default: training
+//! frameworks run far ahead of the GPU), so what runs after a stop is up to that many
+//! kernels; the gate bounds it to K (`--gate-inflight`).
 //!
 //! Every workload submits through the CUDA driver API (`coloc-sim … --cuda`: `dlopen` of
 //! the simulated `libcuda.so.1`, entry points through `cuGetProcAddress_v2`), offline work
@@ -57,6 +62,13 @@ pub struct DemoArgs {
     /// GPU time per offline kernel, ms (what keeps running after a stop: the drain).
     #[arg(long, default_value_t = 2.0)]
     pub offline_step_ms: f64,
+    /// Kernels the offline application keeps queued (all of them keep running after a
+    /// SIGSTOP or a freeze; the gate lets at most K run).
+    #[arg(long, default_value_t = 16)]
+    pub offline_queue_depth: u32,
+    /// K for the `gate` scenario: submissions in flight per stream (0 = unbounded).
+    #[arg(long, default_value_t = 4)]
+    pub gate_inflight: u32,
     /// Simulated driver sample period, ms (also the agent's --nvml-sample-period).
     #[arg(long, default_value_t = 100.0)]
     pub sample_period_ms: f64,
@@ -73,7 +85,7 @@ pub struct DemoArgs {
 }
 
 /// The scenarios, in GPU order (`offline` has one GPU, the others `--replicas`).
-const SCENARIOS: [&str; 5] = ["alone", "offline", "no-agent", "nvml", "doorbell"];
+const SCENARIOS: [&str; 6] = ["alone", "offline", "no-agent", "nvml", "doorbell", "gate"];
 
 /// GPUs of each scenario.
 fn layout(replicas: u32) -> Vec<(&'static str, Vec<u32>)> {
@@ -179,7 +191,8 @@ fn run(a: DemoArgs) -> Result<()> {
             .map(|l| l.1.clone())
             .unwrap_or_default()
     };
-    let managed: Vec<u32> = [gpus_of("nvml"), gpus_of("doorbell")].concat();
+    let managed: Vec<u32> = [gpus_of("nvml"), gpus_of("doorbell"), gpus_of("gate")].concat();
+    let gate_file = state.with_extension("gate").join("gates");
     let n_gpus: u32 = lay.iter().map(|l| l.1.len() as u32).sum();
 
     // Offline work on a managed GPU goes in a cgroup of its own when the freezer is used.
@@ -255,6 +268,9 @@ fn run(a: DemoArgs) -> Result<()> {
         .arg(&events)
         .arg("--doorbell-dir")
         .arg(&bells)
+        .arg("--gate")
+        .arg("--gate-file")
+        .arg(&gate_file)
         .arg("--nvml-sample-period")
         .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
         .arg("--idle-window")
@@ -298,16 +314,24 @@ fn run(a: DemoArgs) -> Result<()> {
         }
         Ok(c.spawn()?)
     };
-    let offline = |gpu: u32, name: &str, cgroup: Option<&Path>| -> Result<Child> {
+    let offline = |gpu: u32, name: &str, cgroup: Option<&Path>, gated: bool| -> Result<Child> {
         let mut c = match cgroup {
             Some(cg) => command_in_cgroup(cg, &sim),
             None => Command::new(&sim),
         };
         c.args(["offline", "--gpu", &gpu.to_string(), "--duration-s", &dur])
             .args(["--step-ms", &a.offline_step_ms.to_string()])
+            .args(["--queue-depth", &a.offline_queue_depth.to_string()])
             .arg("--out")
             .arg(out.join(name));
         cuda(&mut c);
+        if gated {
+            c.env("LD_PRELOAD", &shim)
+                .env("COLOC_SHIM_CLASS", "offline")
+                .env("COLOC_DOORBELL_DIR", &bells)
+                .env("COLOC_GATE_FILE", &gate_file)
+                .env("COLOC_SHIM_INFLIGHT", a.gate_inflight.to_string());
+        }
         Ok(c.spawn()?)
     };
     let mut work = Vec::new();
@@ -319,7 +343,7 @@ fn run(a: DemoArgs) -> Result<()> {
                     *g,
                     i,
                     &format!("online-{scenario}-{i}.json"),
-                    *scenario == "doorbell",
+                    matches!(*scenario, "doorbell" | "gate"),
                 )?);
             }
             if *scenario != "alone" {
@@ -338,6 +362,7 @@ fn run(a: DemoArgs) -> Result<()> {
                     *g,
                     &format!("offline-{scenario}-{i}.json"),
                     cg.as_deref(),
+                    *scenario == "gate",
                 )?);
             }
         }
@@ -377,6 +402,7 @@ fn run(a: DemoArgs) -> Result<()> {
     }
     let _ = std::fs::remove_file(&state);
     let _ = std::fs::remove_dir_all(&bells);
+    let _ = std::fs::remove_dir_all(state.with_extension("gate"));
     if !st.success() {
         bail!(
             "agent exited with {st}; see {}",
@@ -453,7 +479,7 @@ fn summarize(
         serde_json::json!({"offline_steps_per_s": off_alone}),
     );
     let mut fail_opens = 0;
-    for s in ["no-agent", "nvml", "doorbell"] {
+    for s in ["no-agent", "nvml", "doorbell", "gate"] {
         let (lat, _) = online_of(out, s, n(s))?;
         let off = offline_of(out, s, n(s))?;
         let gpus = lay
@@ -499,7 +525,7 @@ fn summarize(
     Ok(serde_json::json!({
         "scenarios": rows,
         "online_idle_fraction": idle_fraction,
-        "fail_opens": fail_opens / 3,
+        "fail_opens": fail_opens / 4,
     }))
 }
 
@@ -517,6 +543,7 @@ fn print_table(s: &Value) {
         ("no-agent", "online + offline, no agent"),
         ("nvml", "gpu-coloc, NVML only"),
         ("doorbell", "gpu-coloc, doorbell (shim)"),
+        ("gate", "gpu-coloc, doorbell + gate"),
     ];
     for (k, label) in labels {
         let row = r(k);
@@ -547,7 +574,11 @@ fn print_table(s: &Value) {
         "online leaves the GPU idle {:.0} % of the time; 'of idle': offline's progress over (offline alone x that share)",
         100.0 * f(&s["online_idle_fraction"])
     );
-    for (k, label) in [("nvml", "NVML only"), ("doorbell", "doorbell")] {
+    for (k, label) in [
+        ("nvml", "NVML only"),
+        ("doorbell", "doorbell"),
+        ("gate", "gate"),
+    ] {
         let row = r(k);
         println!(
             "{label:>10}: {} preemptions {}, detection p50 {:.2} ms p99 {:.2} ms, preemption p50 {:.2} ms p99 {:.2} ms (from onset), release p99 {:.2} ms",

@@ -94,6 +94,8 @@ pub struct LoopConfig {
     pub node: String,
     /// Nice value of the control-loop thread (0: unchanged).
     pub loop_nice: i32,
+    /// SCHED_FIFO priority of the control-loop thread (0: the normal scheduler).
+    pub loop_rt_priority: i32,
     /// How long a GPU's NVML calls must keep failing before it fails open.
     pub nvml_grace: Duration,
     /// How long one NVML call may take before the watchdog fails open.
@@ -259,7 +261,7 @@ impl Loop {
 
     /// Runs until `shared.stop` is set, then resumes everything. Starts the watchdog.
     pub fn run(mut self) {
-        raise_priority(self.cfg.loop_nice);
+        raise_priority(self.cfg.loop_nice, self.cfg.loop_rt_priority);
         let wd = self.watchdog.spawn(
             self.cfg.nvml_hang_timeout,
             self.holds.clone(),
@@ -380,7 +382,20 @@ impl Drop for Loop {
 /// decisions and confirmations. Needs CAP_SYS_NICE (root has it); without it the loop runs
 /// at normal priority and says so. On Linux, setpriority on a thread ID affects that
 /// thread only.
-fn raise_priority(nice: i32) {
+fn raise_priority(nice: i32, rt: i32) {
+    if rt > 0 {
+        let param = libc::sched_param { sched_priority: rt };
+        // SAFETY: a valid sched_param; tid 0 is the calling thread.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } == 0 {
+            info!(
+                priority = rt,
+                "Control loop runs at real-time priority (SCHED_FIFO)"
+            );
+            return;
+        }
+        let error = std::io::Error::last_os_error();
+        warn!(priority = rt, %error, "Cannot give the control loop real-time priority (needs CAP_SYS_NICE); using --loop-nice");
+    }
     if nice == 0 {
         return;
     }
