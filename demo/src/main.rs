@@ -478,7 +478,10 @@ fn summarize(
         "offline".into(),
         serde_json::json!({"offline_steps_per_s": off_alone}),
     );
-    let mut fail_opens = 0;
+    let fail_opens = evs
+        .iter()
+        .filter(|e| matches!(e, Event::FailOpen(_)))
+        .count();
     for s in ["no-agent", "nvml", "doorbell", "gate"] {
         let (lat, _) = online_of(out, s, n(s))?;
         let off = offline_of(out, s, n(s))?;
@@ -500,7 +503,6 @@ fn summarize(
                     *signals.entry(p.signal.as_str()).or_default() += 1;
                 }
                 Event::Release(r) if gpus.contains(&r.gpu) => rel.extend(ms(r.release_s)),
-                Event::FailOpen(_) => fail_opens += 1,
                 _ => {}
             }
         }
@@ -525,7 +527,7 @@ fn summarize(
     Ok(serde_json::json!({
         "scenarios": rows,
         "online_idle_fraction": idle_fraction,
-        "fail_opens": fail_opens / 4,
+        "fail_opens": fail_opens,
     }))
 }
 

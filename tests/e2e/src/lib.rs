@@ -45,6 +45,12 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// The directory of the simulated `libcuda.so.1` (for `LD_LIBRARY_PATH`).
+pub fn fake_cuda() -> PathBuf {
+    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
+    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
+}
+
 /// A running simulated GPU daemon; killed and cleaned up on drop.
 #[derive(Debug)]
 pub struct Sim {

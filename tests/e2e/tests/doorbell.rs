@@ -11,11 +11,6 @@ use std::time::Duration;
 const RULES: &str = "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\
                      [[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n";
 
-fn fake_cuda() -> PathBuf {
-    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
-    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
-}
-
 /// A `coloc-sim` workload on the fake driver, optionally under the shim with a class.
 fn workload(sim: &Sim, args: &[&str], shim: Option<(&str, &std::path::Path)>) -> Command {
     let mut c = sim.cmd(args);

@@ -20,11 +20,6 @@ use std::time::{Duration, Instant};
 const STEP_MS: u64 = 2;
 const STEP_NS: u64 = STEP_MS * 1_000_000;
 
-fn fake_cuda() -> PathBuf {
-    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
-    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
-}
-
 /// A simulated GPU, a doorbell directory, and a gate file with an agent's heartbeat.
 struct Node {
     sim: Sim,

@@ -13,11 +13,6 @@ use std::time::{Duration, Instant};
 const RULES: &str = "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\
                      [[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n";
 
-fn fake_cuda() -> PathBuf {
-    let profile = bin("coloc-sim").parent().unwrap().to_path_buf();
-    coloc_sim::fake_libcuda_dir(&profile).expect("fake libcuda dir")
-}
-
 struct Node {
     sim: Sim,
     root: PathBuf,
