@@ -129,7 +129,7 @@ impl Holds {
         let mut done = Vec::new();
         for mut p in std::mem::take(&mut self.pending) {
             if p.escalate_ns.is_some_and(|e| now >= e) {
-                done.extend(self.escalate_gate(p, now));
+                done.extend(self.escalate_gate(p, now, "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)"));
                 continue;
             }
             // A gate is acknowledged through a page, which wakes the loop: look at every

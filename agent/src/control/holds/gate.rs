@@ -1,6 +1,7 @@
 //! Holds at a launch gate: a close that its process does not acknowledge within
 //! `--gate-timeout` escalates to the hold's fallback (freezer or signals, recorded first),
-//! and the gate stays closed beside it until the release.
+//! and the gate stays closed beside it until the release. A gate that cannot close at
+//! all (no free slot in the gate file) escalates at once.
 
 use super::{members_progress, pending_members, Completion, Holds, Outcome, Pending};
 use crate::edges::actuator::{Op, Target};
@@ -12,7 +13,12 @@ impl Holds {
     /// confirmed (or failed) at once; else `p` is pending again, waiting for the fallback,
     /// or, when there is nothing to escalate to, for the acknowledgement until its
     /// deadline.
-    pub(super) fn escalate_gate(&mut self, mut p: Pending, now: u64) -> Option<Completion> {
+    pub(super) fn escalate_gate(
+        &mut self,
+        mut p: Pending,
+        now: u64,
+        why: &'static str,
+    ) -> Option<Completion> {
         p.escalate_ns = None;
         let Some(fallback) = self.held.get_mut(&p.key).and_then(|h| h.fallback.take()) else {
             self.pending.push(p);
@@ -21,8 +27,8 @@ impl Holds {
         let members = self.materialise(&fallback);
         let gates: Vec<String> = p.members.iter().map(Target::to_string).collect();
         metrics::counter!("coloc_gate_escalations_total").increment(1);
-        warn!(?gates, fallback = fallback.kind().as_str(), timeout = ?self.gate_timeout,
-            "Launch gate not acknowledged in time (no shim listening, or work still in flight): stopping the process with its fallback");
+        warn!(?gates, fallback = fallback.kind().as_str(), timeout = ?self.gate_timeout, why,
+            "Launch gate did not hold the process: stopping it with its fallback");
         let records: Vec<_> = members.iter().map(Target::record).collect();
         if let Err(err) = self.record.add(&records) {
             error!(error = %format!("{err:#}"), "Cannot record the fallback suspension: waiting for the gate alone");

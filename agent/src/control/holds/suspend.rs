@@ -154,6 +154,23 @@ impl Holds {
                     self.pending.push(pending);
                     self.held.insert(key, hold);
                 }
+                Some(Outcome::Failed("no_gate")) if hold.fallback.is_some() => {
+                    // The gate cannot close (no free slot in the gate file: more GPUs
+                    // than it holds): the fallback at once, not a failure and a retry.
+                    let pending = Pending::new(
+                        key.clone(),
+                        Op::Suspend,
+                        hold.kind,
+                        Vec::new(),
+                        hold.members.clone(),
+                        now,
+                        self.confirm_timeout,
+                    );
+                    self.held.insert(key, hold);
+                    if let Some(done) = self.escalate_gate(pending, now, "the gate cannot close") {
+                        out.done.push(done);
+                    }
+                }
                 Some(Outcome::Failed(reason)) => {
                     let kind = hold.kind;
                     self.fail_suspension(&key, hold, reason, &p, now);

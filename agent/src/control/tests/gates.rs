@@ -180,3 +180,35 @@ fn a_gate_is_never_closed_before_it_is_recorded() {
     assert_eq!(closed(&path, 0), None, "closed although the record failed");
     assert!(!h.lp.holds().holds(&h.key(10)));
 }
+
+/// A gate file holds at most `MAX_GPUS` gates: when every slot is another GPU's, the
+/// suspension goes to the fallback in the same tick (recorded first), not through a
+/// failure and a retry.
+#[test]
+fn a_gate_that_cannot_close_falls_back_at_once() {
+    let (mut h, path) = setup("full");
+    // Another holder of the file takes every slot (other GPUs' gates, closed).
+    let other = crate::edges::gate::GateFile::attach(&path)
+        .unwrap()
+        .expect("the agent's gate file");
+    for i in 0..coloc_doorbell::MAX_GPUS {
+        other
+            .close(&[0xee, i as u8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+            .unwrap();
+    }
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(closed(&path, 0), None, "GPU 0's gate found a slot");
+    assert_eq!(h.suspends_of(10), 1, "not stopped by the fallback at once");
+    assert!(
+        h.act.calls().iter().all(|c| c.unrecorded.is_empty()),
+        "the fallback acted before it was recorded"
+    );
+    h.ticks(2);
+    let p = preempt_event(&h).expect("confirmed by the fallback");
+    assert_eq!(p.actuator, Some(Kind::Signal));
+    h.ticks(110);
+    assert!(!h.suspended(10));
+    assert_eq!(h.suspends_of(10), 1, "a retry stopped it again");
+    assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
+}
