@@ -189,11 +189,19 @@ pub struct RunArgs {
     #[arg(long, env = "COLOC_LOOP_NICE", default_value_t = -10, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub loop_nice: i32,
     /// Real-time priority (SCHED_FIFO, 1..99) for the control-loop thread; 0 keeps the
-    /// normal scheduler (with --loop-nice). A real-time loop runs as soon as a doorbell
+    /// normal scheduler (with --loop-nice and --loop-slice). A real-time loop runs as soon as a doorbell
     /// wakes it, ahead of every normal process; it sleeps between ticks, and the kernel
     /// caps real-time threads at 95 % of a CPU. Needs CAP_SYS_NICE.
     #[arg(long, env = "COLOC_LOOP_RT_PRIORITY", default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=99))]
     pub loop_rt_priority: i32,
+    /// Scheduler time slice the control-loop thread asks for (EEVDF custom slice, Linux
+    /// 6.12 or later; older kernels ignore it). A thread with a short slice preempts the
+    /// running one as soon as a doorbell wakes it; with the kernel's default slice
+    /// (0.75-3 ms) it waits until the running thread's slice ends, which is most of the
+    /// doorbell's tail on a busy node. 0 keeps the kernel's default; else 100us to 100ms.
+    /// Not used with --loop-rt-priority.
+    #[arg(long, env = "COLOC_LOOP_SLICE", default_value = "100us", value_parser = parse_duration)]
+    pub loop_slice: Duration,
     /// Append every preemption and release, with its latencies, to this JSON-lines file.
     #[arg(long, env = "COLOC_EVENT_LOG")]
     pub event_log: Option<PathBuf>,
@@ -281,6 +289,15 @@ impl RunArgs {
                 self.confirm_timeout
             );
         }
+        if !self.loop_slice.is_zero()
+            && (self.loop_slice < Duration::from_micros(100)
+                || self.loop_slice > Duration::from_millis(100))
+        {
+            bail!(
+                "--loop-slice {:?}: must be 0 (the kernel's default) or from 100us to 100ms (the kernel's bounds)",
+                self.loop_slice
+            );
+        }
         if self.duty_period < Duration::from_millis(10) {
             bail!(
                 "--duty-period {:?}: must be at least 10ms",
@@ -313,6 +330,7 @@ impl RunArgs {
             event_log: self.event_log.clone(),
             loop_nice: self.loop_nice,
             loop_rt_priority: self.loop_rt_priority,
+            loop_slice: self.loop_slice,
             nvml_grace: self.nvml_failure_grace,
             nvml_hang_timeout: self.nvml_hang_timeout,
             recheck: self.recheck_interval,
@@ -330,9 +348,13 @@ impl RunArgs {
     }
 }
 
-/// Parses `1ms`, `500us`, `0.5s`, `100ms`, `2m` (no unit: error).
+/// Parses `1ms`, `500us`, `0.5s`, `100ms`, `2m`, and `0` (any other number without a
+/// unit: error).
 pub fn parse_duration(s: &str) -> Result<Duration> {
     let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .with_context(|| format!("{s:?}: missing unit (use ns, us, ms, s or m)"))?;
@@ -402,6 +424,15 @@ mod tests {
             })
         };
         assert!(parse(&["--http-max-connections", "0"]).is_err());
+        for (slice, ok) in [
+            ("50us", false),
+            ("101ms", false),
+            ("0", true),
+            ("1ms", true),
+        ] {
+            let r = parse(&["--loop-slice", slice]).unwrap().loop_config();
+            assert_eq!(r.is_ok(), ok, "--loop-slice {slice}: {:?}", r.err());
+        }
         let a = parse(&["--http-header-timeout", "10ms"]).unwrap();
         assert!(a
             .http_limits()

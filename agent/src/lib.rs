@@ -23,4 +23,5 @@ pub mod cmd;
 pub mod control;
 pub mod edges;
 pub mod http;
+pub mod sched;
 pub mod telemetry;

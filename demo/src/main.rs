@@ -495,10 +495,19 @@ fn summarize(
         let mut det = Vec::new();
         let mut rel = Vec::new();
         let mut signals = std::collections::BTreeMap::<&str, usize>::new();
+        // Detections over 200 µs: the loop was in a tick at the onset, or asleep and
+        // woken late (the machine's wake-up latency; `coloc-bench --wake-floor`).
+        let (mut slow_busy, mut slow_asleep) = (0usize, 0usize);
         for e in &evs {
             match e {
                 Event::Preempt(p) if gpus.contains(&p.gpu) => {
                     det.push(p.detection_s * 1e3);
+                    if p.detection_s > 200e-6 {
+                        match p.slept_ns {
+                            Some(slept) if p.onset_ns >= slept => slow_asleep += 1,
+                            _ => slow_busy += 1,
+                        }
+                    }
                     pre.extend(ms(p.preemption_s));
                     *signals.entry(p.signal.as_str()).or_default() += 1;
                 }
@@ -520,6 +529,7 @@ fn summarize(
                 "signals": signals,
                 "preemption_ms": {"p50": pct(pre.clone(), 50.0), "p99": pct(pre, 99.0)},
                 "detection_ms": {"p50": pct(det.clone(), 50.0), "p99": pct(det, 99.0)},
+                "detection_over_200us": {"loop_busy": slow_busy, "woken_late": slow_asleep},
                 "release_ms": {"p50": pct(rel.clone(), 50.0), "p99": pct(rel, 99.0)},
             }),
         );
@@ -591,6 +601,13 @@ fn print_table(s: &Value) {
             f(&row["preemption_ms"]["p50"]),
             f(&row["preemption_ms"]["p99"]),
             f(&row["release_ms"]["p99"]),
+        );
+    }
+    for (k, label) in [("doorbell", "doorbell"), ("gate", "gate")] {
+        let slow = &r(k)["detection_over_200us"];
+        println!(
+            "{label:>10}: detections over 200 µs: {} with the loop inside a tick at the launch, {} with the loop asleep and woken late",
+            slow["loop_busy"], slow["woken_late"],
         );
     }
 }

@@ -66,6 +66,13 @@ pub struct Preempt {
     /// `confirmed_ns - onset_ns`, seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preemption_s: Option<f64>,
+    /// When the loop last went to sleep before the deciding tick, ns. An onset before it
+    /// fell while the loop was busy in a tick: detection then includes that tick's rest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slept_ns: Option<u64>,
+    /// When that sleep ended (a doorbell, or the deadline), ns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub woke_ns: Option<u64>,
 }
 
 /// `OnlineBusy` → `OfflineRunning` on one GPU.

@@ -111,6 +111,8 @@ impl Loop {
                         confirmed_ns: None,
                         actuation_s: None,
                         preemption_s: None,
+                        slept_ns: self.slept.map(|s| s.0),
+                        woke_ns: self.slept.map(|s| s.1),
                     });
                     self.tracker.open(ev, Op::Suspend, holds)
                 }

@@ -96,6 +96,8 @@ pub struct LoopConfig {
     pub loop_nice: i32,
     /// SCHED_FIFO priority of the control-loop thread (0: the normal scheduler).
     pub loop_rt_priority: i32,
+    /// Scheduler slice the control-loop thread asks for (zero: the kernel's default).
+    pub loop_slice: Duration,
     /// How long a GPU's NVML calls must keep failing before it fails open.
     pub nvml_grace: Duration,
     /// How long one NVML call may take before the watchdog fails open.
@@ -177,6 +179,8 @@ pub struct Loop {
     gates: Option<gates::GateLink>,
     /// When the gate's heartbeat was last refreshed.
     last_beat_ns: u64,
+    /// The loop's latest sleep: (went to sleep, woke), ns (`run` only).
+    slept: Option<(u64, u64)>,
 }
 
 impl std::fmt::Debug for Loop {
@@ -251,6 +255,7 @@ impl Loop {
             summary: Vec::new(),
             gates: edges.gates,
             last_beat_ns: 0,
+            slept: None,
             cfg,
         })
     }
@@ -261,7 +266,11 @@ impl Loop {
 
     /// Runs until `shared.stop` is set, then resumes everything. Starts the watchdog.
     pub fn run(mut self) {
-        raise_priority(self.cfg.loop_nice, self.cfg.loop_rt_priority);
+        raise_priority(
+            self.cfg.loop_nice,
+            self.cfg.loop_rt_priority,
+            self.cfg.loop_slice,
+        );
         let wd = self.watchdog.spawn(
             self.cfg.nvml_hang_timeout,
             self.holds.clone(),
@@ -277,9 +286,11 @@ impl Loop {
             let sleep = self
                 .next_wait(self.clock.now_ns())
                 .saturating_sub(started.elapsed());
+            let slept_ns = self.clock.now_ns();
             if !sleep.is_zero() && self.bells.wait(sleep) {
                 metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
             }
+            self.slept = Some((slept_ns, self.clock.now_ns()));
         }
         info!("Stopping: resuming all offline work before exit");
         self.release_everything("shutdown");
@@ -298,17 +309,15 @@ impl Loop {
         }
         self.last_tick_ns = Some(now);
 
-        self.watchdog.enter(now);
-        let failed = self.observe(now);
-        if self.watchdog.leave(&self.holds) {
-            self.after_watchdog(now);
-            self.decide_next = true;
-        }
-        let observed = failed.is_some();
-        if let Some(failed) = failed {
-            self.judge(failed, now);
-        }
+        let mut observed = self.observe_and_judge(now);
         self.ring_bells(now);
+        if self.refresh_asked == Some("doorbell") {
+            // A launch of a process that the driver's lists did not hold yet (it has just
+            // started): read the lists now and attribute the launch in this tick, not
+            // one `--poll-interval` later.
+            observed |= self.observe_and_judge(now);
+            self.ring_bells(now);
+        }
         self.follow_gates(now);
 
         let mut retried = false;
@@ -342,6 +351,22 @@ impl Loop {
             // `/state` shows the machine's view: bring it up to date once per publication.
             self.decide_next = true;
         }
+    }
+
+    /// Reads NVML when due (under the watchdog) and judges the failures; true when some
+    /// NVML call ran.
+    fn observe_and_judge(&mut self, now: u64) -> bool {
+        self.watchdog.enter(now);
+        let failed = self.observe(now);
+        if self.watchdog.leave(&self.holds) {
+            self.after_watchdog(now);
+            self.decide_next = true;
+        }
+        let observed = failed.is_some();
+        if let Some(failed) = failed {
+            self.judge(failed, now);
+        }
+        observed
     }
 
     /// Resumes every held target and forgets all suspensions (shutdown, panic).
@@ -379,10 +404,11 @@ impl Drop for Loop {
 
 /// Gives the control-loop thread a higher CPU priority (a negative nice value), so that
 /// offline processes competing for CPU (those just resumed, above all) do not delay
-/// decisions and confirmations. Needs CAP_SYS_NICE (root has it); without it the loop runs
-/// at normal priority and says so. On Linux, setpriority on a thread ID affects that
-/// thread only.
-fn raise_priority(nice: i32, rt: i32) {
+/// decisions and confirmations, and a short scheduler slice, so that a doorbell's wake-up
+/// preempts the thread running on the CPU instead of waiting for its slice to end. Or,
+/// with `rt` > 0, SCHED_FIFO. Priorities need CAP_SYS_NICE (root has it); without it the
+/// loop runs at normal priority and says so. These calls act on the calling thread only.
+fn raise_priority(nice: i32, rt: i32, slice: Duration) {
     if rt > 0 {
         let param = libc::sched_param { sched_priority: rt };
         // SAFETY: a valid sched_param; tid 0 is the calling thread.
@@ -395,6 +421,28 @@ fn raise_priority(nice: i32, rt: i32) {
         }
         let error = std::io::Error::last_os_error();
         warn!(priority = rt, %error, "Cannot give the control loop real-time priority (needs CAP_SYS_NICE); using --loop-nice");
+    }
+    if !slice.is_zero() {
+        let slice_us = slice.as_micros() as u64;
+        match crate::sched::set_slice(nice, slice.as_nanos() as u64) {
+            Ok(()) => {
+                info!(
+                    nice,
+                    slice_us,
+                    "Control loop runs at raised CPU priority with a short scheduler slice"
+                );
+                return;
+            }
+            Err(error) => match crate::sched::set_slice(0, slice.as_nanos() as u64) {
+                Ok(()) => {
+                    warn!(nice, %error, slice_us, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); it runs at nice 0 with a short scheduler slice");
+                    return;
+                }
+                Err(error) => {
+                    warn!(slice_us, %error, "Cannot set the control loop's scheduler slice (sched_setattr); using --loop-nice alone")
+                }
+            },
+        }
     }
     if nice == 0 {
         return;

@@ -152,3 +152,27 @@ fn a_ring_interrupts_a_round_of_nvml_reads() {
         "the round is complete: the next one waits for --nvml-interval"
     );
 }
+
+/// The first launch of an online process that started after the latest read of the
+/// driver's process lists preempts in the tick that reads it: the lists are read then and
+/// there, not one poll interval later.
+#[test]
+fn a_new_processs_first_launch_preempts_in_the_same_tick() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    // Its pod is known (no change of the pod source follows).
+    h.source.set(20, class(Class::Online, None));
+    h.ticks(3);
+    // Started after the latest list read; the driver lists it now.
+    h.procs.add(20, 120, "serve", "/w");
+    h.gpu.add(0, 20);
+    h.bells.page(1, Owner::Pid(20), 0);
+    h.clock.advance(MS);
+    let launch = h.now();
+    h.bells.ring(1, 0, launch, launch);
+    h.lp.tick();
+    assert!(
+        h.suspended(10),
+        "the first launch of a process not yet in the lists waited for another tick"
+    );
+}

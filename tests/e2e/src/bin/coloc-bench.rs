@@ -12,6 +12,8 @@
 mod gate;
 #[path = "coloc_bench/multi_gpu.rs"]
 mod multi_gpu;
+#[path = "coloc_bench/wake.rs"]
+mod wake;
 
 use coloc_e2e::*;
 use std::time::{Duration, Instant};
@@ -376,7 +378,7 @@ coloc-bench --nvml-probe [--nvml-lib LIB] [--gpu 0] [--seconds 5] [--stop-pid PI
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{HELP}{}{}", multi_gpu::USAGE, gate::USAGE);
+        println!("{HELP}{}{}{}", multi_gpu::USAGE, gate::USAGE, wake::USAGE);
         return;
     }
     if args.iter().any(|a| a == "--online-worker") {
@@ -394,6 +396,17 @@ fn main() {
     }
     if args.iter().any(|a| a == "--gate") {
         let r = gate::run(&args);
+        if let Some(p) = args
+            .iter()
+            .position(|a| a == "--json")
+            .and_then(|i| args.get(i + 1))
+        {
+            std::fs::write(p, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+        }
+        return;
+    }
+    if args.iter().any(|a| a == "--wake-floor") {
+        let r = wake::run(&args);
         if let Some(p) = args
             .iter()
             .position(|a| a == "--json")
