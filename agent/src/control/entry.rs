@@ -28,6 +28,8 @@ pub struct Entry {
     pub uid: u32,
     /// The pod it runs in, from its cgroup path (Kubernetes), if any.
     pub pod_uid: Option<String>,
+    /// Its PID in its own PID namespace (the PID its shim writes in its pages).
+    pub ns_pid: Option<u32>,
     /// A doorbell page is attributed to it (its launches are seen as they happen).
     pub rung: bool,
     /// How it is suspended (offline processes only).

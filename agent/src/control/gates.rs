@@ -8,8 +8,10 @@
 //!   which a signal or the freezer would);
 //! - it has a page of the offline class with an entry for g: its shim is listening. Whose
 //!   page: standalone, the file `<pid>-….bell` of that PID whose file owner is the
-//!   process's UID; Kubernetes, any offline page under its pod's directory (all of them
-//!   must acknowledge).
+//!   process's UID; Kubernetes, the offline pages under its pod's directory whose writer
+//!   gives the process's PID in its own namespace (`NSpid`; all of them must acknowledge;
+//!   without `NSpid`, every offline page of the pod). A page that a killed process left
+//!   behind names a PID that no live process of the pod has, and is not waited for.
 //!
 //! Otherwise, and when the gate is not acknowledged within `--gate-timeout`, the process
 //! is stopped as without `--gate`. Acknowledgements are the tenant's word: a shim that
@@ -53,7 +55,14 @@ impl Loop {
             }
             let mine = match &p.owner {
                 Owner::Pid(pid) => *pid == key.pid && p.file_uid == e.uid,
-                Owner::Pod(uid) => e.pod_uid.as_deref() == Some(uid.as_str()),
+                // The pod's pages of this process: the PID its shim writes is its PID in
+                // its own namespace. A page of a process that died (killed before its
+                // shim could remove the page) names a PID no live process of the pod has,
+                // and is not waited for.
+                Owner::Pod(uid) => {
+                    e.pod_uid.as_deref() == Some(uid.as_str())
+                        && e.ns_pid.is_none_or(|n| n == p.pid)
+                }
             };
             if !mine {
                 continue;

@@ -354,6 +354,7 @@ impl Table {
             onset: BTreeMap::new(),
             uid: info.uid,
             pod_uid,
+            ns_pid: info.ns_pid,
             rung: false,
             plan,
             pin: pin.ok(),

@@ -186,6 +186,7 @@ mod tests {
             exe: None,
             cmdline: "train".into(),
             cgroups: Cgroups::parse("0::/batch/job\n"),
+            ns_pid: None,
         };
         let cls = Classified {
             class: Class::Offline,

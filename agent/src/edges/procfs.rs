@@ -237,6 +237,9 @@ pub struct ProcInfo {
     pub cmdline: String,
     /// cgroup membership.
     pub cgroups: Cgroups,
+    /// Its PID in its own (innermost) PID namespace, as the process sees itself (a
+    /// container's PID), from `NSpid` in `/proc/<pid>/status`; None when not shown.
+    pub ns_pid: Option<u32>,
 }
 
 /// Reads a process's information from `/proc`.
@@ -249,6 +252,11 @@ pub fn read_proc(pid: u32) -> io::Result<ProcInfo> {
         .and_then(|l| l.split_whitespace().next())
         .and_then(|u| u.parse().ok())
         .unwrap_or(u32::MAX);
+    let ns_pid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|p| p.parse().ok());
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|b| {
@@ -269,12 +277,21 @@ pub fn read_proc(pid: u32) -> io::Result<ProcInfo> {
         exe,
         cmdline,
         cgroups,
+        ns_pid,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_pid_in_its_namespace() {
+        // The innermost NSpid is the PID the process sees for itself (its shim writes
+        // that in its pages), in a container or not.
+        let me = read_proc(std::process::id()).unwrap();
+        assert_eq!(me.ns_pid, Some(std::process::id()));
+    }
 
     #[test]
     fn stat_with_odd_comm() {

@@ -65,6 +65,7 @@ async fn watch_list_events_gone_disconnect_and_flip() {
             "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-abc.scope\n",
             UD.replace('-', "_")
         )),
+        ns_pid: None,
     };
     let c = src.classify(&proc);
     assert_eq!((c.class, c.owner.as_str()), (Class::Offline, "ml/d"));

@@ -212,3 +212,53 @@ fn a_gate_that_cannot_close_falls_back_at_once() {
     assert_eq!(h.suspends_of(10), 1, "a retry stopped it again");
     assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
 }
+
+/// Kubernetes: the pod's directory still holds the page of an offline process that was
+/// killed (its shim never removed it). It names a PID no live process of the pod has, so
+/// the live process's own acknowledgement confirms the gate; the stale page is not waited
+/// for, and nothing escalates.
+#[test]
+fn a_dead_processs_page_in_the_pod_is_not_waited_for() {
+    let dir = std::env::temp_dir().join(format!("coloc-gate-stale-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("gates");
+    let mut cfg = default_config();
+    cfg.gate_timeout = Duration::from_millis(50);
+    let mut h = harness_edges(1, cfg, Some(path.clone()));
+    let uid = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    h.procs.add(
+        10,
+        110,
+        "train",
+        &format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-abc.scope", uid.replace('-', "_")),
+    );
+    // PID 7 in its container.
+    h.procs.procs.lock().unwrap().get_mut(&10).unwrap().ns_pid = Some(7);
+    h.gpu.add(0, 10);
+    h.source.set(10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    // The killed process's page (PID 8), and the live one's (PID 7).
+    h.bells.offline_page(1, Owner::Pod(uid.into()), 0);
+    h.bells.set_pid(1, 8);
+    h.bells.ack(1, 0, 0);
+    h.bells.offline_page(2, Owner::Pod(uid.into()), 0);
+    h.bells.set_pid(2, 7);
+    h.bells.ack(2, 0, 0);
+    h.ticks(3);
+    h.active(0, 20);
+    h.tick();
+    let epoch = closed(&path, 0).expect("held at the gate");
+    h.bells.ack(2, 0, epoch);
+    h.tick();
+    let p = preempt_event(&h).expect("confirmed by the live process's ack");
+    assert_eq!(p.actuator, Some(Kind::Gate));
+    for _ in 0..80 {
+        h.active(0, 20);
+        h.tick();
+    }
+    assert_eq!(
+        h.suspends_of(10),
+        0,
+        "escalated: the dead process's page was waited for"
+    );
+}

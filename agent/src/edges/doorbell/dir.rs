@@ -200,6 +200,7 @@ impl DirBells {
                 file_uid: md.uid(),
                 wake_gap_ns: 0,
                 class: 0,
+                pid: 0,
             },
             base,
             seen: 0,
@@ -209,6 +210,11 @@ impl DirBells {
         }
         m.info.wake_gap_ns = m.page().wake_gap_ns();
         m.info.class = m.page().class();
+        m.info.pid = m
+            .page()
+            .header()
+            .pid
+            .load(std::sync::atomic::Ordering::Relaxed);
         m.info.id = self.next_id;
         self.next_id += 1;
         Ok(m)

@@ -51,6 +51,9 @@ pub struct PageInfo {
     pub file_uid: u32,
     /// The writer's wake gap, ns.
     pub wake_gap_ns: u64,
+    /// The PID the page's writer gives for itself (in its own PID namespace); never
+    /// trusted, used only to tell which of a pod's pages are its live processes'.
+    pub pid: u32,
     /// The class the page says its process is ([`coloc_doorbell::CLASS_ONLINE`],
     /// [`coloc_doorbell::CLASS_OFFLINE`]); routing only, never trust.
     pub class: u32,

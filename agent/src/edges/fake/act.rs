@@ -142,6 +142,10 @@ pub struct FakeBellState {
 impl FakeBells {
     /// Adds page `id` claiming `owner`, its file owned by `file_uid`.
     pub fn page(&self, id: u64, owner: crate::edges::doorbell::Owner, file_uid: u32) {
+        let owner_pid = match &owner {
+            crate::edges::doorbell::Owner::Pid(p) => Some(*p),
+            crate::edges::doorbell::Owner::Pod(_) => None,
+        };
         let mut s = self.state.lock().unwrap();
         s.pages.push(crate::edges::doorbell::PageInfo {
             id,
@@ -149,6 +153,10 @@ impl FakeBells {
             owner,
             file_uid,
             wake_gap_ns: coloc_doorbell::DEFAULT_WAKE_GAP_NS,
+            pid: match &owner_pid {
+                Some(p) => *p,
+                None => 0,
+            },
             class: coloc_doorbell::CLASS_ONLINE,
         });
         s.changed = true;
@@ -158,6 +166,13 @@ impl FakeBells {
         self.page(id, owner, file_uid);
         let mut s = self.state.lock().unwrap();
         s.pages.last_mut().expect("just added").class = coloc_doorbell::CLASS_OFFLINE;
+    }
+    /// Page `id`'s writer gives `pid` for itself (its PID in its own namespace).
+    pub fn set_pid(&self, id: u64, pid: u32) {
+        let mut s = self.state.lock().unwrap();
+        if let Some(p) = s.pages.iter_mut().find(|p| p.id == id) {
+            p.pid = pid;
+        }
     }
     /// Offline page `id` acknowledges `epoch` for `gpu`.
     pub fn ack(&self, id: u64, gpu: u32, epoch: u32) {

@@ -192,6 +192,7 @@ impl FakeProc {
                 exe: None,
                 cmdline: cmd.into(),
                 cgroups: Cgroups::parse(&format!("0::{cgroup}\n")),
+                ns_pid: Some(pid),
             },
         );
         key

@@ -8,6 +8,7 @@ fn proc(cmd: &str, cg: &str, uid: u32) -> ProcInfo {
         exe: Some("/usr/bin/python3.11".into()),
         cmdline: cmd.into(),
         cgroups: Cgroups::parse(&format!("0::{cg}\n")),
+        ns_pid: None,
     }
 }
 
