@@ -47,7 +47,7 @@ pub fn run(args: &[String]) -> serde_json::Value {
         .first()
         .copied()
         .unwrap_or(10);
-    println!("| kernel | K | throughput (gate open) | drain: close → ack p50 / max (ms) | kernel time run after the close p50 / max (ms) |");
+    println!("| kernel | K | throughput (gate open) | drain: close → ack p50 / p99 / max (ms) | kernel time run after the close p50 / p99 / max (ms) |");
     println!("|---|---|---|---|---|");
     let mut rows = Vec::new();
     for &step in &steps {
@@ -62,11 +62,13 @@ pub fn run(args: &[String]) -> serde_json::Value {
                 Some(k) => k.to_string(),
             };
             println!(
-                "| {step} ms | {kname} | {:.3} | {:.2} / {:.2} | {:.2} / {:.2} |",
+                "| {step} ms | {kname} | {:.3} | {:.2} / {:.2} / {:.2} | {:.2} / {:.2} / {:.2} |",
                 f("/throughput"),
                 f("/ack_ms/p50"),
+                f("/ack_ms/p99"),
                 f("/ack_ms/max"),
                 f("/after_ms/p50"),
+                f("/after_ms/p99"),
                 f("/after_ms/max"),
             );
             rows.push(r);
@@ -221,7 +223,7 @@ fn one(step_ms: f64, k: Option<u32>, closes: usize) -> serde_json::Value {
         "step_ms": step_ms,
         "k": k,
         "throughput": throughput,
-        "ack_ms": {"p50": pct(&mut ack_ms.clone(), 50.0), "max": pct(&mut ack_ms, 100.0)},
-        "after_ms": {"p50": pct(&mut after_ms.clone(), 50.0), "max": pct(&mut after_ms, 100.0)},
+        "ack_ms": {"p50": pct(&mut ack_ms.clone(), 50.0), "p99": pct(&mut ack_ms.clone(), 99.0), "max": pct(&mut ack_ms, 100.0)},
+        "after_ms": {"p50": pct(&mut after_ms.clone(), 50.0), "p99": pct(&mut after_ms.clone(), 99.0), "max": pct(&mut after_ms, 100.0)},
     })
 }
