@@ -3,8 +3,13 @@
 
 Scenarios, each --duration seconds, one GPU:
   online alone | offline alone | both, no agent | both, agent --dry-run (cost of observing)
-  | both, agent signal | both, agent freezer (skipped where no cgroup freezer is usable)
-then an NVML probe (sample period, freshness, call cost, drain after SIGSTOP).
+  | both, agent signal (NVML only) | both, agent freezer (skipped where no cgroup freezer
+  is usable) | both, agent doorbell (online under libcoloc_cuda.so) | both, agent doorbell
+  + gate (offline under the shim too, the agent's --gate, K = --gate-inflight)
+then an NVML probe (sample period, freshness, call cost, drain after SIGSTOP), the
+machine's wake-up floor (coloc-bench --wake-floor: the floor under launch -> decision),
+and, on a real GPU, shim_check.py (PyTorch unchanged under the shim, its doorbell page,
+the shim's cost per launch).
 Writes results.md and results.json to --out. Uses only the Python standard library and,
 without --sim, PyTorch with CUDA; binaries come from --bin (build them elsewhere and carry
 them: the device machine has no registries).
@@ -20,6 +25,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def pct(v, q):
     v = sorted(v)
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
+
+
+def duration_ms(s):
+    """'100ms' / '0.1s' / '100000us' -> milliseconds (the agent's duration syntax)."""
+    for unit, f in (("ms", 1.0), ("us", 1e-3), ("µs", 1e-3), ("ns", 1e-6), ("s", 1e3), ("m", 6e4)):
+        if s.endswith(unit):
+            return float(s[: -len(unit)]) * f
+    raise SystemExit(f"{s!r}: a duration needs a unit (ms, us, s)")
 
 
 def free_port():
@@ -59,6 +72,11 @@ class Harness:
         self.tmp = tempfile.mkdtemp(prefix="coloc-gpu-")
         self.env = dict(os.environ)
         self.gpu_daemon = None
+        self.shim = os.path.abspath(a.shim or os.path.join(self.bin, "libcoloc_cuda.so"))
+        self.bells = os.path.join(self.tmp, "bells")
+        self.gate_file = os.path.join(self.tmp, "gate", "gates")
+        os.makedirs(self.bells)
+        os.makedirs(os.path.dirname(self.gate_file))
         if a.sim:
             self.env["COLOC_SIM_STATE"] = os.path.join("/dev/shm", f"coloc-gpu-bench-{os.getpid()}")
             self.gpu_daemon = subprocess.Popen([os.path.join(self.bin, "coloc-sim"), "gpu", "--gpus", "1", "--sample-period-ms", str(a.sim_sample_period_ms)], env=self.env, stderr=subprocess.DEVNULL)
@@ -66,17 +84,23 @@ class Harness:
                 time.sleep(0.01)
             time.sleep(0.1)
             self.nvml = os.path.join(self.bin, "libfake_nvml.so")
+            # The simulated libcuda.so.1: every simulated workload submits through it (as
+            # PyTorch does through the real one), so the shim sees its launches.
+            cuda = os.path.join(self.tmp, "fake-cuda")
+            os.makedirs(cuda)
+            os.symlink(os.path.join(self.bin, "libfake_cuda.so"), os.path.join(cuda, "libcuda.so.1"))
+            self.env["LD_LIBRARY_PATH"] = cuda
         else:
             self.nvml = a.nvml_lib
 
     def online_cmd(self, out):
         if self.a.sim:
-            return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(self.a.rate), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(self.a.duration), "--out", out]
+            return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(self.a.rate), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(self.a.duration), "--cuda", "--out", out]
         return [sys.executable, os.path.join(HERE, "online.py"), "--rate", str(self.a.rate), "--duration", str(self.a.duration), "--out", out]
 
     def offline_cmd(self, out):
         if self.a.sim:
-            return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", "2", "--out", out]
+            return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", "2", "--cuda", "--out", out]
         return [sys.executable, os.path.join(HERE, "offline.py"), "--out", out]
 
     def rules(self, cgroup):
@@ -90,8 +114,18 @@ class Harness:
     def cg_root(d):
         return "/sys/fs/cgroup/unified" if d.startswith("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
 
+    def shim_env(self, cls):
+        """The environment of a workload under the shim (what `coloc-agent exec` sets)."""
+        env = dict(self.env, LD_PRELOAD=self.shim, COLOC_SHIM_CLASS=cls, COLOC_DOORBELL_DIR=self.bells)
+        if cls == "online":
+            env["COLOC_SHIM_WAKE_GAP_MS"] = str(duration_ms(self.a.idle_window))
+        else:
+            env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(self.a.gate_inflight))
+        return env
+
     def scenario(self, name, online=True, offline=True, agent=None):
-        """agent: None, or (actuator, dry_run)."""
+        """agent: None, or (actuator, dry_run, launch) with launch None (NVML only),
+        "doorbell" (online under the shim) or "gate" (offline under it too, --gate)."""
         tag = name.replace(" ", "-").replace(",", "")
         on_out, off_out = os.path.join(self.tmp, tag + "-online.json"), os.path.join(self.tmp, tag + "-offline.json")
         procs, ag, port, events, cg = [], None, None, None, None
@@ -105,9 +139,14 @@ class Harness:
                 events = os.path.join(self.tmp, tag + "-events.jsonl")
                 cmd = [os.path.join(self.bin, "coloc-agent"), "run", "--rules", self.rules(cg), "--nvml-lib", self.nvml,
                        "--actuator", agent[0], "--listen", f"127.0.0.1:{port}", "--state-dir", os.path.join(self.tmp, tag + "-state"),
-                       "--event-log", events, "--idle-window", self.a.idle_window, "--poll-interval", self.a.poll_interval]
+                       "--event-log", events, "--idle-window", self.a.idle_window, "--poll-interval", self.a.poll_interval,
+                       "--doorbell-dir", self.bells]
+                if self.a.sim:
+                    cmd += ["--nvml-sample-period", f"{self.a.sim_sample_period_ms}ms"]
                 if agent[1]:
                     cmd.append("--dry-run")
+                if agent[2] == "gate":
+                    cmd += ["--gate", "--gate-file", self.gate_file]
                 ag = subprocess.Popen(cmd, env=self.env, stderr=open(os.path.join(self.out, tag + "-agent.log"), "w"))
                 for _ in range(200):
                     try:
@@ -122,10 +161,12 @@ class Harness:
                 cmd = self.offline_cmd(off_out)
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
-                procs.append(subprocess.Popen(cmd, env=self.env))
+                gated = agent is not None and agent[2] == "gate"
+                procs.append(subprocess.Popen(cmd, env=self.shim_env("offline") if gated else self.env))
                 time.sleep(self.a.warmup)
             if online:
-                o = subprocess.Popen(self.online_cmd(on_out), env=self.env)
+                rung = agent is not None and agent[2] in ("doorbell", "gate")
+                o = subprocess.Popen(self.online_cmd(on_out), env=self.shim_env("online") if rung else self.env)
                 o.wait()
             else:
                 time.sleep(self.a.duration)
@@ -152,7 +193,16 @@ class Harness:
             pre = [e["preemption_s"] * 1e3 for e in ev if "preemption_s" in e]
             det = [e["detection_s"] * 1e3 for e in ev if e["event"] == "preempt"]
             rel = [e["release_s"] * 1e3 for e in ev if "release_s" in e]
-            r.update(preemptions=len(det), preemption_ms=[pct(pre, 50), pct(pre, 99)], detection_ms=[pct(det, 50), pct(det, 99)], release_ms=[pct(rel, 50), pct(rel, 99)])
+            signals = {}
+            for e in ev:
+                if e["event"] == "preempt":
+                    signals[e["signal"]] = signals.get(e["signal"], 0) + 1
+            acts = {}
+            for e in ev:
+                if e["event"] == "preempt" and e.get("actuator"):
+                    acts[e["actuator"]] = acts.get(e["actuator"], 0) + 1
+            r.update(preemptions=len(det), preemption_ms=[pct(pre, 50), pct(pre, 99)], detection_ms=[pct(det, 50), pct(det, 99)], release_ms=[pct(rel, 50), pct(rel, 99)],
+                     signals=signals, actuators=acts)
             r["agent_metrics_preemption_count"] = sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith("coloc_preemption_latency_seconds_count"))
         print(f"done: {name}: {json.dumps(r)}", flush=True)
         return r
@@ -167,6 +217,14 @@ class Harness:
         finally:
             os.kill(p.pid, signal.SIGCONT); p.send_signal(signal.SIGTERM); p.wait()
         return json.loads(out)
+
+    def wake_floor(self):
+        out = subprocess.run([os.path.join(self.bin, "coloc-bench"), "--wake-floor", "--samples", str(self.a.wake_floor_samples), "--hogs", "0,2h", "--gap-ms", "5-50",
+                              "--json", os.path.join(self.tmp, "wake-floor.json")], env=self.env, capture_output=True, text=True, check=True)
+        print(out.stdout, flush=True)
+        r = json.load(open(os.path.join(self.tmp, "wake-floor.json")))
+        r["table"] = out.stdout
+        return r
 
     def close(self):
         if self.gpu_daemon:
@@ -205,23 +263,43 @@ def main():
     ap.add_argument("--poll-interval", default="1ms")
     ap.add_argument("--probe-seconds", type=float, default=6.0)
     ap.add_argument("--sim-work-ms", type=float, default=10.0)
-    ap.add_argument("--sim-sample-period-ms", type=float, default=1.0)
+    ap.add_argument("--sim-sample-period-ms", type=float, default=100.0, help="the simulated driver's sample period (a real driver's is 100 ms to 1 s)")
     ap.add_argument("--only", help="comma-separated scenario names")
+    ap.add_argument("--shim", help="libcoloc_cuda.so (default: in --bin)")
+    ap.add_argument("--gate-inflight", type=int, default=4, help="K for the gate scenario (COLOC_SHIM_INFLIGHT)")
+    ap.add_argument("--wake-floor-samples", type=int, default=300, help="coloc-bench --wake-floor samples per cell (0: skip)")
     a = ap.parse_args()
     h = Harness(a)
     plan = [("online alone", True, False, None), ("offline alone", False, True, None), ("both, no agent", True, True, None),
-            ("both, agent dry-run", True, True, ("signal", True)), ("both, agent signal", True, True, ("signal", False)),
-            ("both, agent freezer", True, True, ("freezer", False))]
+            ("both, agent dry-run", True, True, ("signal", True, None)), ("both, agent signal", True, True, ("signal", False, None)),
+            ("both, agent freezer", True, True, ("freezer", False, None)),
+            ("both, agent doorbell", True, True, ("signal", False, "doorbell")),
+            ("both, agent doorbell + gate", True, True, ("signal", False, "gate"))]
     if a.only:
         keep = set(a.only.split(","))
         plan = [p for p in plan if p[0] in keep or p[0] in ("online alone", "offline alone")]
     try:
         rows = [h.scenario(n, on, off, ag) for n, on, off, ag in plan]
         probe = h.probe()
+        floor = h.wake_floor() if a.wake_floor_samples > 0 else None
+        shim_check = None
+        if not a.sim:
+            # PyTorch under the shim (forward/backward, CUDA graphs, cuBLAS), its doorbell
+            # page, and the shim's cost per real launch: see shim_check.py.
+            sc = os.path.join(a.out, "shim-check.json")
+            subprocess.run([sys.executable, os.path.join(HERE, "shim_check.py"), "--shim", h.shim, "--inflight", str(a.gate_inflight), "--out", sc])
+            shim_check = json.load(open(sc)) if os.path.exists(sc) else {"error": "shim_check.py wrote nothing"}
     finally:
         h.close()
     doc = table(rows, probe, a)
-    meta = {"sim": a.sim, "duration_s": a.duration, "rate": a.rate, "idle_window": a.idle_window, "poll_interval": a.poll_interval, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {"sim": a.sim, "duration_s": a.duration, "rate": a.rate, "idle_window": a.idle_window, "poll_interval": a.poll_interval, "gate_inflight": a.gate_inflight,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        meta["commit"] = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        pass
+    if floor:
+        doc += "\n\n" + floor["table"]
     if not a.sim:
         try:
             import torch
@@ -234,7 +312,10 @@ def main():
             pass
     open(os.path.join(a.out, "results.md"), "w").write(f"{json.dumps(meta)}\n\n{doc}")
     clean = lambda v: None if isinstance(v, float) and math.isnan(v) else ([clean(x) for x in v] if isinstance(v, list) else ({k: clean(x) for k, x in v.items()} if isinstance(v, dict) else v))
-    json.dump(clean({"meta": meta, "scenarios": rows, "nvml_probe": probe}), open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    if shim_check:
+        doc += "\n\nShim on real CUDA: " + ("all checks hold" if shim_check.get("ok") else "FAILED: " + ", ".join(k for k, v in shim_check.get("checks", {}).items() if not v)) + \
+            f"; µs per launch {json.dumps(shim_check.get('us_per_launch'))}"
+    json.dump(clean({"meta": meta, "scenarios": rows, "nvml_probe": probe, "wake_floor": floor, "shim_check": shim_check}), open(os.path.join(a.out, "results.json"), "w"), indent=1)
     print(doc)
 
 

@@ -883,6 +883,8 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "1.5",
                 "--rate",
                 "5",
+                "--wake-floor-samples",
+                "5",
             ])
             .arg("--bin")
             .arg(&bindir)
@@ -899,7 +901,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     let res: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
     let rows = res["scenarios"].as_array().unwrap();
-    assert_eq!(rows.len(), 6);
+    assert_eq!(rows.len(), 8);
     let get = |name: &str| rows.iter().find(|r| r["scenario"] == name).unwrap().clone();
     assert!(get("online alone")["online_p99_ms"].as_f64().unwrap() > 0.0);
     assert!(
@@ -913,6 +915,27 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     assert!(
         get("both, agent dry-run")["preemption_ms"][0].is_null(),
         "dry run never acts"
+    );
+    // The launch rows: online under the shim rings, and with the gate offline is held at
+    // its gate (confirmed by its acknowledgement), not stopped.
+    let bell = get("both, agent doorbell");
+    assert!(
+        bell["signals"]["doorbell"].as_u64().unwrap_or(0) >= 1,
+        "{bell}"
+    );
+    let gate = get("both, agent doorbell + gate");
+    assert!(
+        gate["signals"]["doorbell"].as_u64().unwrap_or(0) >= 1,
+        "{gate}"
+    );
+    assert!(
+        gate["actuators"]["gate"].as_u64().unwrap_or(0) >= 1,
+        "{gate}"
+    );
+    assert!(
+        res["wake_floor"]["rows"].as_array().unwrap().len() >= 2,
+        "{}",
+        res["wake_floor"]
     );
     assert!(
         res["nvml_probe"]["sample_interval_ms"]["p50"]

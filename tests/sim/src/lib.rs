@@ -101,7 +101,8 @@ pub struct Slot {
     submitted_ns: AtomicU64,
     /// Work completed (written by the daemon).
     completed_ns: AtomicU64,
-    /// Wake the owner when `completed_ns` reaches this (0: no waiter).
+    /// Wake the slot's waiters when `completed_ns` reaches this, the smallest target any
+    /// of them waits for (0: no waiter).
     wake_at: AtomicU64,
     /// Wall time with outstanding work (written by the daemon).
     active_ns_total: AtomicU64,
@@ -422,7 +423,13 @@ impl SlotHandle<'_> {
             if s.completed_ns.load(Acquire) >= target {
                 return;
             }
-            s.wake_at.store(target, Release);
+            // Several threads may wait on one slot (the application and the shim's
+            // watcher): the word holds the smallest target, the daemon wakes them all,
+            // and each one short of its own target registers it again.
+            let _ = s.wake_at.fetch_update(AcqRel, Acquire, |cur| match cur {
+                0 => Some(target),
+                c => Some(c.min(target)),
+            });
             if s.completed_ns.load(Acquire) >= target {
                 return;
             }
