@@ -394,26 +394,22 @@ fn main() {
         }
         return;
     }
-    if args.iter().any(|a| a == "--gate") {
-        let r = gate::run(&args);
+    // Modes that print a table and write their figures to `--json FILE` when asked.
+    let json_out = |r: &serde_json::Value| {
         if let Some(p) = args
             .iter()
             .position(|a| a == "--json")
             .and_then(|i| args.get(i + 1))
         {
-            std::fs::write(p, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+            std::fs::write(p, serde_json::to_vec_pretty(r).unwrap()).unwrap();
         }
+    };
+    if args.iter().any(|a| a == "--gate") {
+        json_out(&gate::run(&args));
         return;
     }
     if args.iter().any(|a| a == "--wake-floor") {
-        let r = wake::run(&args);
-        if let Some(p) = args
-            .iter()
-            .position(|a| a == "--json")
-            .and_then(|i| args.get(i + 1))
-        {
-            std::fs::write(p, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
-        }
+        json_out(&wake::run(&args));
         return;
     }
     if args.iter().any(|a| a == "--nvml-probe") {
