@@ -261,6 +261,16 @@ impl RunArgs {
         if self.idle_window.is_zero() {
             bail!("--idle-window must be positive");
         }
+        for (flag, d) in [
+            ("--nvml-interval", self.nvml_interval),
+            ("--process-interval", self.process_interval),
+            ("--recheck-interval", self.recheck_interval),
+            ("--idle-poll-interval", self.idle_poll_interval),
+        ] {
+            if d < Duration::from_micros(100) {
+                bail!("{flag} {d:?}: must be at least 100us (below it the loop would spin)");
+            }
+        }
         if self.nvml_interval > Duration::from_secs(10) {
             bail!(
                 "--nvml-interval {:?}: allowed up to 10s",
@@ -424,6 +434,15 @@ mod tests {
             })
         };
         assert!(parse(&["--http-max-connections", "0"]).is_err());
+        for flag in [
+            "--nvml-interval",
+            "--process-interval",
+            "--recheck-interval",
+            "--idle-poll-interval",
+        ] {
+            let r = parse(&[flag, "0"]).unwrap().loop_config();
+            assert!(r.is_err(), "{flag} 0 accepted: the loop would spin");
+        }
         for (slice, ok) in [
             ("50us", false),
             ("101ms", false),

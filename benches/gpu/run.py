@@ -220,8 +220,11 @@ class Harness:
 
     def wake_floor(self):
         out = subprocess.run([os.path.join(self.bin, "coloc-bench"), "--wake-floor", "--samples", str(self.a.wake_floor_samples), "--hogs", "0,2h", "--gap-ms", "5-50",
-                              "--json", os.path.join(self.tmp, "wake-floor.json")], env=self.env, capture_output=True, text=True, check=True)
+                              "--json", os.path.join(self.tmp, "wake-floor.json")], env=self.env, capture_output=True, text=True)
         print(out.stdout, flush=True)
+        if out.returncode != 0:
+            # The scenarios' figures are worth more than this one: keep them.
+            return {"error": f"coloc-bench --wake-floor exited {out.returncode}: {out.stderr[-500:]}", "table": "wake-up floor: failed (see results.json)"}
         r = json.load(open(os.path.join(self.tmp, "wake-floor.json")))
         r["table"] = out.stdout
         return r
@@ -310,11 +313,11 @@ def main():
             meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
         except OSError:
             pass
-    open(os.path.join(a.out, "results.md"), "w").write(f"{json.dumps(meta)}\n\n{doc}")
-    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else ([clean(x) for x in v] if isinstance(v, list) else ({k: clean(x) for k, x in v.items()} if isinstance(v, dict) else v))
     if shim_check:
         doc += "\n\nShim on real CUDA: " + ("all checks hold" if shim_check.get("ok") else "FAILED: " + ", ".join(k for k, v in shim_check.get("checks", {}).items() if not v)) + \
             f"; µs per launch {json.dumps(shim_check.get('us_per_launch'))}"
+    open(os.path.join(a.out, "results.md"), "w").write(f"{json.dumps(meta)}\n\n{doc}")
+    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else ([clean(x) for x in v] if isinstance(v, list) else ({k: clean(x) for k, x in v.items()} if isinstance(v, dict) else v))
     json.dump(clean({"meta": meta, "scenarios": rows, "nvml_probe": probe, "wake_floor": floor, "shim_check": shim_check}), open(os.path.join(a.out, "results.json"), "w"), indent=1)
     print(doc)
 

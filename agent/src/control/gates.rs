@@ -11,7 +11,9 @@
 //!   process's UID; Kubernetes, the offline pages under its pod's directory whose writer
 //!   gives the process's PID in its own namespace (`NSpid`; all of them must acknowledge;
 //!   without `NSpid`, every offline page of the pod). A page that a killed process left
-//!   behind names a PID that no live process of the pod has, and is not waited for.
+//!   behind names a PID that no live process of the pod has, and is not waited for. Two
+//!   live processes of one pod with the same PID (in two containers' namespaces) are
+//!   stopped, never gated: a page could not tell whose it is.
 //!
 //! Otherwise, and when the gate is not acknowledged within `--gate-timeout`, the process
 //! is stopped as without `--gate`. Acknowledgements are the tenant's word: a shim that
@@ -100,6 +102,16 @@ impl Loop {
         };
         if e.gpus.len() != 1 || !e.gpus.contains(&gpu) {
             return plan;
+        }
+        // Containers of a pod have PID namespaces of their own: two live processes of the
+        // pod can give the same PID, and a page could not tell whose it is. Stop both.
+        if let (Some(pod), Some(ns_pid)) = (&e.pod_uid, e.ns_pid) {
+            let twin = self.table.entries().any(|o| {
+                o.key != e.key && o.pod_uid.as_ref() == Some(pod) && o.ns_pid == Some(ns_pid)
+            });
+            if twin {
+                return plan;
+            }
         }
         let Some(uuid) = self.bells.uuid_of(gpu) else {
             return plan;

@@ -314,8 +314,14 @@ impl Loop {
         if self.refresh_asked == Some("doorbell") {
             // A launch of a process that the driver's lists did not hold yet (it has just
             // started): read the lists now and attribute the launch in this tick, not
-            // one `--poll-interval` later.
-            observed |= self.observe_and_judge(now);
+            // one `--poll-interval` later. Not judged: the health policy counts one
+            // judgement per tick, and a persistent failure shows at the next regular read.
+            self.watchdog.enter(self.clock.now_ns());
+            observed |= self.observe(now).is_some();
+            if self.watchdog.leave(&self.holds) {
+                self.after_watchdog(now);
+                self.decide_next = true;
+            }
             self.ring_bells(now);
         }
         self.follow_gates(now);
@@ -433,15 +439,17 @@ fn raise_priority(nice: i32, rt: i32, slice: Duration) {
                 );
                 return;
             }
-            Err(error) => match crate::sched::set_slice(0, slice.as_nanos() as u64) {
-                Ok(()) => {
-                    warn!(nice, %error, slice_us, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); it runs at nice 0 with a short scheduler slice");
-                    return;
+            Err(error) => {
+                match crate::sched::set_slice(crate::sched::own_nice(), slice.as_nanos() as u64) {
+                    Ok(()) => {
+                        warn!(nice, %error, slice_us, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); it keeps its nice value, with a short scheduler slice");
+                        return;
+                    }
+                    Err(error) => {
+                        warn!(slice_us, %error, "Cannot set the control loop's scheduler slice (sched_setattr); using --loop-nice alone")
+                    }
                 }
-                Err(error) => {
-                    warn!(slice_us, %error, "Cannot set the control loop's scheduler slice (sched_setattr); using --loop-nice alone")
-                }
-            },
+            }
         }
     }
     if nice == 0 {

@@ -31,6 +31,20 @@ impl Holds {
             "Launch gate did not hold the process: stopping it with its fallback");
         let records: Vec<_> = members.iter().map(Target::record).collect();
         if let Err(err) = self.record.add(&records) {
+            if p.members.is_empty() {
+                // Nothing else holds it (the gate never closed): fail open.
+                error!(error = %format!("{err:#}"), "Cannot record the fallback suspension: not suspending (fail open)");
+                let hold = self.held.remove(&p.key)?;
+                let kind = hold.kind;
+                self.fail_suspension(&p.key, hold, "record", &[], now);
+                return Some(Completion {
+                    key: p.key,
+                    op: Op::Suspend,
+                    outcome: Outcome::Failed("record"),
+                    kind,
+                    at_ns: now,
+                });
+            }
             error!(error = %format!("{err:#}"), "Cannot record the fallback suspension: waiting for the gate alone");
             self.pending.push(p);
             return None;

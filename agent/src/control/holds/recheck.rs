@@ -70,7 +70,12 @@ impl Holds {
                 .members
                 .iter()
                 .zip(&state)
-                .filter(|(_, p)| matches!(p, Progress::Pending))
+                // A gate is held by its acknowledgement, not re-checkable: a process
+                // stopped by the gate's fallback cannot acknowledge, and a gate that never
+                // closed never will; neither means something resumed it.
+                .filter(|(t, p)| {
+                    matches!(p, Progress::Pending) && !matches!(t, Target::Gate { .. })
+                })
                 .map(|(t, _)| t.clone())
                 .collect();
             if running.is_empty() {

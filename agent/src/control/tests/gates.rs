@@ -127,6 +127,15 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
         closed(&path, 0).is_some(),
         "the gate stays closed beside it"
     );
+    for _ in 0..30 {
+        h.active(0, 20);
+        h.tick();
+    }
+    let now = h.now();
+    assert!(
+        h.lp.holds().recheck(now + 1_000 * MS).is_empty(),
+        "the unacknowledged gate of a stopped process counted as a broken hold"
+    );
     // Release: both undone.
     h.ticks(110);
     assert!(!h.suspended(10));
@@ -207,10 +216,54 @@ fn a_gate_that_cannot_close_falls_back_at_once() {
     h.ticks(2);
     let p = preempt_event(&h).expect("confirmed by the fallback");
     assert_eq!(p.actuator, Some(Kind::Signal));
+    for _ in 0..30 {
+        h.active(0, 20);
+        h.tick();
+    }
+    let now = h.now();
+    assert!(
+        h.lp.holds().recheck(now + 1_000 * MS).is_empty(),
+        "the gate that never closed counted as a broken hold"
+    );
     h.ticks(110);
     assert!(!h.suspended(10));
     assert_eq!(h.suspends_of(10), 1, "a retry stopped it again");
     assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
+}
+
+/// The gate cannot close and the fallback cannot be recorded: nothing is suspended (fail
+/// open), nothing is left in the record, and a later try suspends it.
+#[test]
+fn a_gate_that_cannot_close_and_an_unrecordable_fallback_fail_open() {
+    let (mut h, path) = setup("full-record");
+    let other = crate::edges::gate::GateFile::attach(&path)
+        .unwrap()
+        .expect("the agent's gate file");
+    for i in 0..coloc_doorbell::MAX_GPUS {
+        other
+            .close(&[0xee, i as u8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+            .unwrap();
+    }
+    // The gate's entry is recorded; the fallback's is not.
+    *h.rec.adds_left.lock().unwrap() = Some(1);
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(h.suspends_of(10), 0, "stopped without a record");
+    assert!(
+        !h.lp.holds().holds(&h.key(10)),
+        "held with nothing holding it"
+    );
+    assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
+    // The record works again: the retry stops it through the fallback.
+    *h.rec.adds_left.lock().unwrap() = None;
+    for _ in 0..1100 {
+        h.active(0, 20);
+        h.tick();
+        if h.suspends_of(10) > 0 {
+            break;
+        }
+    }
+    assert_eq!(h.suspends_of(10), 1, "the retry did not stop it");
 }
 
 /// Kubernetes: the pod's directory still holds the page of an offline process that was
@@ -261,4 +314,41 @@ fn a_dead_processs_page_in_the_pod_is_not_waited_for() {
         0,
         "escalated: the dead process's page was waited for"
     );
+}
+
+/// Two containers of one pod, each with its own PID namespace: their offline processes
+/// can have the same PID there. A page cannot tell whose it is, so neither is gated (one
+/// could be confirmed by the other's acknowledgement): both are stopped.
+#[test]
+fn two_processes_of_a_pod_with_the_same_pid_are_stopped_not_gated() {
+    let dir = std::env::temp_dir().join(format!("coloc-gate-twins-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("gates");
+    let mut h = harness_edges(1, default_config(), Some(path.clone()));
+    let uid = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    for (pid, container) in [(10, "abc"), (11, "def")] {
+        h.procs.add(
+            pid,
+            100 + pid as u64,
+            "train",
+            &format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{container}.scope", uid.replace('-', "_")),
+        );
+        h.procs.procs.lock().unwrap().get_mut(&pid).unwrap().ns_pid = Some(7);
+        h.gpu.add(0, pid);
+        h.source.set(pid, class(Class::Offline, None));
+    }
+    h.spawn(0, 20, class(Class::Online, None));
+    h.bells.offline_page(1, Owner::Pod(uid.into()), 0);
+    h.bells.set_pid(1, 7);
+    h.bells.ack(1, 0, 0);
+    h.ticks(3);
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(
+        closed(&path, 0),
+        None,
+        "a gate closed for a process its page cannot name"
+    );
+    assert_eq!(h.suspends_of(10), 1);
+    assert_eq!(h.suspends_of(11), 1);
 }

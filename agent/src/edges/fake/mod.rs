@@ -287,6 +287,8 @@ pub struct FakeRecord {
     pub disk: Arc<Mutex<BTreeSet<RecordEntry>>>,
     /// While set, writes fail.
     pub broken: Arc<AtomicBool>,
+    /// When set, this many more `add`s succeed, and the ones after fail.
+    pub adds_left: Arc<Mutex<Option<usize>>>,
     mem: BTreeSet<RecordEntry>,
 }
 
@@ -294,6 +296,12 @@ impl RecordStore for FakeRecord {
     fn add(&mut self, es: &[RecordEntry]) -> anyhow::Result<()> {
         if self.broken.load(Ordering::SeqCst) {
             anyhow::bail!("state directory not writable (fake)");
+        }
+        if let Some(n) = self.adds_left.lock().unwrap().as_mut() {
+            if *n == 0 {
+                anyhow::bail!("state directory full (fake)");
+            }
+            *n -= 1;
         }
         self.mem.extend(es.iter().cloned());
         *self.disk.lock().unwrap() = self.mem.clone();
