@@ -81,6 +81,10 @@ fn describe() {
         "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu; invalidated: a mapped page that stopped being valid, e.g. its file was truncated); counted once per page and reason."
     );
     describe_counter!(
+        "coloc_doorbell_pod_dirs_removed_total",
+        "Doorbell directories of pods that are gone (deleted from the API server, nothing changed in them for 5 minutes) removed by the agent."
+    );
+    describe_counter!(
         "coloc_nvml_rounds_yielded_total",
         "Rounds of NVML sample reads interrupted by a doorbell (the loop decided first and read the remaining GPUs at the next tick)."
     );

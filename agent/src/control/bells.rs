@@ -37,8 +37,16 @@ pub(super) struct Bells {
     /// Readings older than this are history (the agent's start).
     started_ns: u64,
     next_scan_ns: u64,
+    /// When the directories of pods that are gone are next looked for.
+    next_sweep_ns: u64,
     window_ns: u64,
 }
+
+/// How often the directories of pods that are gone are looked for.
+const SWEEP_EVERY_NS: u64 = 60_000_000_000;
+/// A pod's directory is removed only when nothing changed in it for this long (and the
+/// pod source says the pod is gone).
+const POD_DIR_IDLE: std::time::Duration = std::time::Duration::from_secs(300);
 
 struct PageState {
     info: PageInfo,
@@ -90,6 +98,7 @@ impl Bells {
             buf: Vec::new(),
             started_ns: now,
             next_scan_ns: 0,
+            next_sweep_ns: now + SWEEP_EVERY_NS,
             window_ns,
         }
     }
@@ -127,7 +136,17 @@ impl Loop {
     /// Reads every doorbell page and notes the launches of online processes.
     pub(super) fn ring_bells(&mut self, now: u64) {
         let found_ns = now;
+        let source = self.classifier.source.clone();
         let b = &mut self.bells;
+        if now >= b.next_sweep_ns {
+            // Kubernetes: the directories of deleted pods (the kubelet leaves host paths).
+            b.next_sweep_ns = now + SWEEP_EVERY_NS;
+            let removed = b.edge.sweep_pods(&|uid| source.pod_gone(uid), POD_DIR_IDLE);
+            if !removed.is_empty() {
+                metrics::counter!("coloc_doorbell_pod_dirs_removed_total")
+                    .increment(removed.len() as u64);
+            }
+        }
         let force = now >= b.next_scan_ns;
         if force {
             b.next_scan_ns = now + 1_000_000_000;

@@ -42,12 +42,17 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     })
     .await;
     assert!(!src.ready(), "ready before the first list was answered");
+    assert!(
+        !src.pod_gone(UA),
+        "a pod called gone before the first list (its doorbell directory would go)"
+    );
     assert_eq!(class(&src, UA), None, "pods known before the first list");
     api.hold_lists(false);
     until("first list", Duration::from_secs(10), || src.ready()).await;
     assert_eq!(class(&src, UA), Some(Class::Offline));
     assert_eq!(class(&src, UB), Some(Class::Online));
     assert_eq!(class(&src, UC), None, "pods of other nodes are not listed");
+    assert!(!src.pod_gone(UA) && src.pod_gone(UC));
     until("watch open", Duration::from_secs(5), || {
         api.watches_open() > 0
     })
@@ -86,6 +91,7 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     // Delete.
     api.delete(UA, false);
     until("DELETED", Duration::from_secs(5), || src.get(UA).is_none()).await;
+    assert!(src.pod_gone(UA), "a deleted pod is not gone");
 
     // 410 Gone: the watcher relists and sees what changed while it was not watching.
     let lists = api.lists();

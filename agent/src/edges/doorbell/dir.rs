@@ -350,6 +350,57 @@ impl Doorbells for DirBells {
         }
     }
 
+    fn sweep_pods(&mut self, gone: &dyn Fn(&str) -> bool, idle: Duration) -> Vec<String> {
+        let pods = self.dir.join("pods");
+        let Ok(rd) = std::fs::read_dir(&pods) else {
+            return Vec::new();
+        };
+        let mut removed = Vec::new();
+        for e in rd.flatten() {
+            let Some(uid) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let path = e.path();
+            // A real directory (not a link), named like a pod UID, of a pod that is gone,
+            // untouched for `idle`.
+            let Ok(md) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            let quiet = md
+                .modified()
+                .ok()
+                .and_then(|m| m.elapsed().ok())
+                .is_some_and(|age| age >= idle);
+            if !md.is_dir() || !is_pod_uid(&uid) || !quiet || !gone(&uid) {
+                continue;
+            }
+            // Its pages are stale: unmap them first.
+            self.pages.retain(|p, _| !p.starts_with(&path));
+            self.rejected.retain(|p, _| !p.starts_with(&path));
+            if let Ok(files) = std::fs::read_dir(&path) {
+                for f in files.flatten() {
+                    let is_dir = f.file_type().map(|t| t.is_dir()).unwrap_or(true);
+                    if !is_dir {
+                        let _ = std::fs::remove_file(f.path());
+                    }
+                }
+            }
+            match std::fs::remove_dir(&path) {
+                Ok(()) => {
+                    info!(pod_uid = %uid, dir = %path.display(), "Removed the doorbell directory of a pod that is gone");
+                    removed.push(uid);
+                }
+                Err(err) => {
+                    warn!(pod_uid = %uid, dir = %path.display(), %err, "Cannot remove the doorbell directory of a pod that is gone")
+                }
+            }
+        }
+        if !removed.is_empty() {
+            metrics::gauge!("coloc_doorbell_pages").set(self.pages.len() as f64);
+        }
+        removed
+    }
+
     fn rang(&self) -> bool {
         self.waker.0.load(Acquire) != self.waker_seen
             || self.dirty.load(Acquire) != 0

@@ -90,6 +90,12 @@ pub trait Doorbells: Send {
     fn rang(&self) -> bool;
     /// Appends the launch-gate fields of page `page`'s entries (nothing if not mapped).
     fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>);
+    /// Removes the directories `pods/<uid>` whose pod is gone (`gone(uid)`) and that
+    /// nothing changed for `idle`: their files (never following a link) and the
+    /// directory. Returns the UIDs removed.
+    fn sweep_pods(&mut self, _gone: &dyn Fn(&str) -> bool, _idle: Duration) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// Wakes a waiting loop from another thread.

@@ -204,3 +204,69 @@ fn a_page_truncated_under_the_agent_is_dropped_not_fatal() {
     drop(writer);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Kubernetes: the directory of a pod that is gone, untouched for the idle time, is
+/// removed with its pages; a live pod's, a recent one's, a link and a non-UID name stay.
+#[test]
+fn directories_of_pods_that_are_gone_are_swept() {
+    let dir = tmpdir("sweep");
+    let pods = dir.join("pods");
+    let gone = "11111111-2222-3333-4444-555555555555";
+    let live = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    let fresh = "aaaaaaaa-2222-3333-4444-555555555555";
+    for uid in [gone, live, fresh] {
+        std::fs::create_dir_all(pods.join(uid)).unwrap();
+    }
+    std::fs::create_dir_all(pods.join("not-a-uid")).unwrap();
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::write(elsewhere.join("keep"), b"x").unwrap();
+    let link = "bbbbbbbb-2222-3333-4444-555555555555";
+    std::os::unix::fs::symlink(&elsewhere, pods.join(link)).unwrap();
+    let page = write_page(&pods.join(gone).join("7-1.bell"), [3; 16], 5);
+    // A tenant's link inside its own directory: removed, never followed.
+    std::os::unix::fs::symlink(elsewhere.join("keep"), pods.join(gone).join("x.bell")).unwrap();
+    let mut b = DirBells::new(&dir).unwrap();
+    b.rescan(true);
+    assert_eq!(b.pages().len(), 1);
+    // Everything but `fresh` last changed ten minutes ago.
+    let old = std::time::SystemTime::now() - Duration::from_secs(600);
+    for d in [gone, live, "not-a-uid"] {
+        std::fs::File::open(pods.join(d))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+    }
+    // The link itself too (not its target).
+    let ago = libc::timespec {
+        tv_sec: (std::time::SystemTime::now() - Duration::from_secs(600))
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as libc::time_t,
+        tv_nsec: 0,
+    };
+    let c = std::ffi::CString::new(pods.join(link).as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid C path and two valid timespecs.
+    let r = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            [ago, ago].as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    assert_eq!(r, 0);
+    let is_gone = |uid: &str| uid != live;
+    let removed = b.sweep_pods(&is_gone, Duration::from_secs(300));
+    assert_eq!(removed, vec![gone.to_string()]);
+    assert!(!pods.join(gone).exists(), "the gone pod's directory stayed");
+    assert!(pods.join(live).exists() && pods.join(fresh).exists());
+    assert!(pods.join("not-a-uid").exists() && pods.join(link).exists());
+    assert!(elsewhere.join("keep").exists(), "a link was followed");
+    assert!(
+        b.pages().is_empty(),
+        "the removed pod's page is still mapped"
+    );
+    drop(page);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -266,6 +266,16 @@ impl PodSource for KubeSource {
         self.inner.ready.load(Ordering::SeqCst)
     }
 
+    fn pod_gone(&self, uid: &str) -> bool {
+        self.ready()
+            && self
+                .inner
+                .index
+                .read()
+                .map(|i| !i.contains_key(uid))
+                .unwrap_or(false)
+    }
+
     fn generation(&self) -> u64 {
         self.inner.generation.load(Ordering::SeqCst)
     }

@@ -59,6 +59,11 @@ pub trait PodSource: Send + Sync {
     fn whole_cgroups(&self) -> bool {
         false
     }
+    /// Whether the pod with this UID is known to be gone from this node: `false` when it
+    /// exists or when the source cannot tell (not Kubernetes, or not synced yet).
+    fn pod_gone(&self, _uid: &str) -> bool {
+        false
+    }
 }
 
 /// Errors in a rules file; each names the file, the rule and the bad value.
