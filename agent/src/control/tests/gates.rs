@@ -190,14 +190,9 @@ fn a_gate_is_never_closed_before_it_is_recorded() {
     assert!(!h.lp.holds().holds(&h.key(10)));
 }
 
-/// A gate file holds at most `MAX_GPUS` gates: when every slot is another GPU's, the
-/// suspension goes to the fallback in the same tick (recorded first), not through a
-/// failure and a retry.
-#[test]
-fn a_gate_that_cannot_close_falls_back_at_once() {
-    let (mut h, path) = setup("full");
-    // Another holder of the file takes every slot (other GPUs' gates, closed).
-    let other = crate::edges::gate::GateFile::attach(&path)
+/// Another holder of the gate file at `path` takes every slot (other GPUs' gates, closed).
+fn fill_gate_slots(path: &std::path::Path) {
+    let other = crate::edges::gate::GateFile::attach(path)
         .unwrap()
         .expect("the agent's gate file");
     for i in 0..coloc_doorbell::MAX_GPUS {
@@ -205,6 +200,15 @@ fn a_gate_that_cannot_close_falls_back_at_once() {
             .close(&[0xee, i as u8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
             .unwrap();
     }
+}
+
+/// A gate file holds at most `MAX_GPUS` gates: when every slot is another GPU's, the
+/// suspension goes to the fallback in the same tick (recorded first), not through a
+/// failure and a retry.
+#[test]
+fn a_gate_that_cannot_close_falls_back_at_once() {
+    let (mut h, path) = setup("full");
+    fill_gate_slots(&path);
     h.active(0, 20);
     h.tick();
     assert_eq!(closed(&path, 0), None, "GPU 0's gate found a slot");
@@ -236,14 +240,7 @@ fn a_gate_that_cannot_close_falls_back_at_once() {
 #[test]
 fn a_gate_that_cannot_close_and_an_unrecordable_fallback_fail_open() {
     let (mut h, path) = setup("full-record");
-    let other = crate::edges::gate::GateFile::attach(&path)
-        .unwrap()
-        .expect("the agent's gate file");
-    for i in 0..coloc_doorbell::MAX_GPUS {
-        other
-            .close(&[0xee, i as u8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
-            .unwrap();
-    }
+    fill_gate_slots(&path);
     // The gate's entry is recorded; the fallback's is not.
     *h.rec.adds_left.lock().unwrap() = Some(1);
     h.active(0, 20);
