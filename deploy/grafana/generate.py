@@ -50,6 +50,11 @@ PANELS = [
         q(f'sum by (reason) (increase(coloc_fail_open_total{{{SEL}}}[{R}])) or vector(0)', "fail-open {{reason}}"),
         q(f'sum by (actuator, op, reason) (increase(coloc_actuation_errors_total{{{SEL}}}[{R}])) or vector(0)', "error {{actuator}} {{op}} {{reason}}"),
     ], "Fail-open: the agent resumed all offline work (NVML failure, record write failure, failed actuation). Any non-zero value deserves a look."),
+    ("Launch doorbells and gates", "short", 12, 8, [
+        q(f'sum by (node) (coloc_doorbell_pages{{{SEL}}}) or vector(0)', "doorbell pages {{node}}"),
+        q(f'sum by (node) (increase(coloc_gate_escalations_total{{{SEL}}}[{R}])) or vector(0)', "gate escalations {{node}}"),
+        q(f'sum by (node, reason) (increase(coloc_doorbell_rejected_total{{{SEL}}}[{R}])) or vector(0)', "doorbell pages rejected {{reason}}"),
+    ], "Doorbell pages mapped (processes under the CUDA shim); launch gates not acknowledged within --gate-timeout, whose processes were stopped by the fallback instead (a few are normal, many mean drains longer than the timeout); pages whose launches count for nothing (misconfiguration or forgery; see the agent's log)."),
     ("Agent health", "s", 12, 8, [
         q(f'max by (node) (rate(coloc_loop_lag_seconds_sum{{{SEL}}}[{R}]) / rate(coloc_loop_lag_seconds_count{{{SEL}}}[{R}]))', "loop lag {{node}}"),
         q(f'histogram_quantile(0.99, sum by (le, function) (rate(coloc_nvml_call_duration_seconds_bucket{{{SEL}}}[{R}])))', "NVML p99 {{function}}"),
