@@ -9,9 +9,9 @@
 //! counters, in the workload's summary. Every wait is bounded: a test fails, never hangs.
 
 use coloc_agent::edges::gate::GateFile;
-use coloc_doorbell::{GateReading, Page, CLASS_OFFLINE, PAGE};
+use coloc_doorbell::CLASS_OFFLINE;
 use coloc_e2e::*;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -204,59 +204,6 @@ impl Job {
     }
     fn stderr(&self) -> String {
         std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-}
-
-/// A doorbell page mapped read-only, as the agent maps it.
-struct MappedPage(*mut libc::c_void);
-
-impl MappedPage {
-    fn open(path: &Path) -> MappedPage {
-        use std::os::fd::AsRawFd;
-        // The shim creates the file, then sizes it: mapping it before would fault.
-        wait_for("the page sized", Duration::from_secs(5), || {
-            std::fs::metadata(path).is_ok_and(|m| m.len() >= PAGE as u64)
-        })
-        .unwrap();
-        let f = std::fs::File::open(path).unwrap();
-        // SAFETY: a read-only shared mapping of a page-long regular file.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
-        let m = MappedPage(base);
-        wait_for("the page initialised", Duration::from_secs(5), || {
-            m.page().valid()
-        })
-        .unwrap();
-        m
-    }
-    fn page(&self) -> Page<'_> {
-        // SAFETY: a live read-only mapping; only reader-side methods are called.
-        unsafe { Page::from_raw(self.0.cast()) }
-    }
-    /// The gate fields of the (one) GPU the process submits to.
-    fn gate(&self) -> Option<GateReading> {
-        let mut v = Vec::new();
-        self.page().read_gate(&mut v);
-        v.first().copied()
-    }
-    fn ack(&self) -> u32 {
-        self.gate().map_or(0, |r| r.gate_ack)
-    }
-}
-
-impl Drop for MappedPage {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping.
-        unsafe { libc::munmap(self.0, PAGE) };
     }
 }
 

@@ -15,7 +15,7 @@
 //! what SIGSTOP or the freezer leave running: everything queued).
 
 use coloc_agent::edges::gate::GateFile;
-use coloc_doorbell::{Page, PAGE};
+use coloc_doorbell::PAGE;
 use coloc_e2e::*;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -156,27 +156,8 @@ fn one(step_ms: f64, k: Option<u32>, closes: usize) -> serde_json::Value {
     let (mut ack_ms, mut after_ms) = (Vec::new(), Vec::new());
     if k.is_some() {
         let path = page_of(&bells, pid).expect("the workload's page");
-        let f = std::fs::File::open(&path).unwrap();
-        use std::os::fd::AsRawFd;
-        // SAFETY: a read-only shared mapping of a page-long file; unmapped below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
-        // SAFETY: the live mapping; reader-side methods only.
-        let page = unsafe { Page::from_raw(base.cast()) };
-        let ack = || {
-            let mut v = Vec::new();
-            page.read_gate(&mut v);
-            v.first().map_or(0, |r| r.gate_ack)
-        };
+        let page = MappedPage::open(&path);
+        let ack = || page.ack();
         for _ in 0..closes {
             let (_, at_close) = progress();
             let t = Instant::now();
@@ -192,8 +173,6 @@ fn one(step_ms: f64, k: Option<u32>, closes: usize) -> serde_json::Value {
             gate.open(&uuid);
             std::thread::sleep(Duration::from_millis(60));
         }
-        // SAFETY: our mapping, unmapped once.
-        unsafe { libc::munmap(base, PAGE) };
     } else {
         // Without the shim: what runs on after the process stops submitting is whatever
         // it had queued, measured at a SIGSTOP.
