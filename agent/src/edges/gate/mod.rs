@@ -93,6 +93,24 @@ fn check_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Maps `GATE_FILE_SIZE` bytes of `fd` read-write and shared; `MAP_FAILED` on failure.
+///
+/// # Safety
+/// `fd` must be an open descriptor of a regular file at least `GATE_FILE_SIZE` long.
+unsafe fn map_rw(fd: libc::c_int) -> *mut libc::c_void {
+    // SAFETY: the caller's promise; a fresh mapping at an address the kernel picks.
+    unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            GATE_FILE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    }
+}
+
 impl GateFile {
     /// Creates (or replaces) the gate file at `path`, every gate open, heartbeat now.
     pub fn create(path: &Path) -> Result<GateFile> {
@@ -129,18 +147,7 @@ impl GateFile {
         let base = unsafe {
             let ok = libc::fchmod(fd, 0o644) == 0
                 && libc::ftruncate(fd, GATE_FILE_SIZE as libc::off_t) == 0;
-            let base = if ok {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    GATE_FILE_SIZE,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    fd,
-                    0,
-                )
-            } else {
-                libc::MAP_FAILED
-            };
+            let base = if ok { map_rw(fd) } else { libc::MAP_FAILED };
             let err = std::io::Error::last_os_error();
             libc::close(fd);
             if base == libc::MAP_FAILED {
@@ -190,18 +197,7 @@ impl GateFile {
             let ok = libc::fstat(fd, &mut st) == 0
                 && (st.st_mode & libc::S_IFMT) == libc::S_IFREG
                 && st.st_size as usize >= GATE_FILE_SIZE;
-            let base = if ok {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    GATE_FILE_SIZE,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    fd,
-                    0,
-                )
-            } else {
-                libc::MAP_FAILED
-            };
+            let base = if ok { map_rw(fd) } else { libc::MAP_FAILED };
             libc::close(fd);
             if !ok {
                 bail!(
