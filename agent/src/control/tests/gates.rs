@@ -127,14 +127,9 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
         closed(&path, 0).is_some(),
         "the gate stays closed beside it"
     );
-    for _ in 0..30 {
-        h.active(0, 20);
-        h.tick();
-    }
-    let now = h.now();
-    assert!(
-        h.lp.holds().recheck(now + 1_000 * MS).is_empty(),
-        "the unacknowledged gate of a stopped process counted as a broken hold"
+    no_broken_hold_while_busy(
+        &mut h,
+        "the unacknowledged gate of a stopped process counted as a broken hold",
     );
     // Release: both undone.
     h.ticks(110);
@@ -190,6 +185,16 @@ fn a_gate_is_never_closed_before_it_is_recorded() {
     assert!(!h.lp.holds().holds(&h.key(10)));
 }
 
+/// 30 ms of online work later, a re-check finds nothing broken (`why` otherwise).
+fn no_broken_hold_while_busy(h: &mut H, why: &str) {
+    for _ in 0..30 {
+        h.active(0, 20);
+        h.tick();
+    }
+    let now = h.now();
+    assert!(h.lp.holds().recheck(now + 1_000 * MS).is_empty(), "{why}");
+}
+
 /// Another holder of the gate file at `path` takes every slot (other GPUs' gates, closed).
 fn fill_gate_slots(path: &std::path::Path) {
     let other = crate::edges::gate::GateFile::attach(path)
@@ -220,14 +225,9 @@ fn a_gate_that_cannot_close_falls_back_at_once() {
     h.ticks(2);
     let p = preempt_event(&h).expect("confirmed by the fallback");
     assert_eq!(p.actuator, Some(Kind::Signal));
-    for _ in 0..30 {
-        h.active(0, 20);
-        h.tick();
-    }
-    let now = h.now();
-    assert!(
-        h.lp.holds().recheck(now + 1_000 * MS).is_empty(),
-        "the gate that never closed counted as a broken hold"
+    no_broken_hold_while_busy(
+        &mut h,
+        "the gate that never closed counted as a broken hold",
     );
     h.ticks(110);
     assert!(!h.suspended(10));
