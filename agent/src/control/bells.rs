@@ -136,17 +136,20 @@ impl Loop {
     /// Reads every doorbell page and notes the launches of online processes.
     pub(super) fn ring_bells(&mut self, now: u64) {
         let found_ns = now;
-        let source = self.classifier.source.clone();
-        let b = &mut self.bells;
-        if now >= b.next_sweep_ns {
+        if now >= self.bells.next_sweep_ns {
             // Kubernetes: the directories of deleted pods (the kubelet leaves host paths).
-            b.next_sweep_ns = now + SWEEP_EVERY_NS;
-            let removed = b.edge.sweep_pods(&|uid| source.pod_gone(uid), POD_DIR_IDLE);
+            self.bells.next_sweep_ns = now + SWEEP_EVERY_NS;
+            let source = &self.classifier.source;
+            let removed = self
+                .bells
+                .edge
+                .sweep_pods(&|uid| source.pod_gone(uid), POD_DIR_IDLE);
             if !removed.is_empty() {
                 metrics::counter!("coloc_doorbell_pod_dirs_removed_total")
                     .increment(removed.len() as u64);
             }
         }
+        let b = &mut self.bells;
         let force = now >= b.next_scan_ns;
         if force {
             b.next_scan_ns = now + 1_000_000_000;
