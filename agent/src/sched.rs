@@ -1,5 +1,8 @@
 //! Scheduling of the control-loop thread.
 
+use std::time::Duration;
+use tracing::{info, warn};
+
 /// `struct sched_attr` (`SCHED_ATTR_SIZE_VER1`, 56 bytes).
 #[repr(C)]
 #[derive(Default)]
@@ -43,6 +46,60 @@ pub fn own_nice() -> i32 {
     // SAFETY: getpriority reads the calling thread's (who 0) nice value; -1 is also a
     // valid answer, and any other failure cannot happen for the calling thread.
     unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
+}
+
+/// Gives the control-loop thread a higher CPU priority (a negative nice value), so that
+/// offline processes competing for CPU (those just resumed, above all) do not delay
+/// decisions and confirmations, and a short scheduler slice, so that a doorbell's wake-up
+/// preempts the thread running on the CPU instead of waiting for its slice to end. Or,
+/// with `rt` > 0, SCHED_FIFO. Priorities need CAP_SYS_NICE (root has it); without it the
+/// loop runs at normal priority and says so. These calls act on the calling thread only.
+pub(crate) fn raise_priority(nice: i32, rt: i32, slice: Duration) {
+    if rt > 0 {
+        let param = libc::sched_param { sched_priority: rt };
+        // SAFETY: a valid sched_param; tid 0 is the calling thread.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } == 0 {
+            info!(
+                priority = rt,
+                "Control loop runs at real-time priority (SCHED_FIFO)"
+            );
+            return;
+        }
+        let error = std::io::Error::last_os_error();
+        warn!(priority = rt, %error, "Cannot give the control loop real-time priority (needs CAP_SYS_NICE); using --loop-nice");
+    }
+    if !slice.is_zero() {
+        let slice_us = slice.as_micros() as u64;
+        match set_slice(nice, slice.as_nanos() as u64) {
+            Ok(()) => {
+                info!(
+                    nice,
+                    slice_us,
+                    "Control loop runs at raised CPU priority with a short scheduler slice"
+                );
+                return;
+            }
+            Err(error) => match set_slice(own_nice(), slice.as_nanos() as u64) {
+                Ok(()) => {
+                    warn!(nice, %error, slice_us, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); it keeps its nice value, with a short scheduler slice");
+                    return;
+                }
+                Err(error) => {
+                    warn!(slice_us, %error, "Cannot set the control loop's scheduler slice (sched_setattr); using --loop-nice alone")
+                }
+            },
+        }
+    }
+    if nice == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    match rustix::process::setpriority_process(Some(tid), nice) {
+        Ok(()) => info!(nice, "Control loop runs at raised CPU priority"),
+        Err(error) => {
+            warn!(nice, %error, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); running at normal priority")
+        }
+    }
 }
 
 #[cfg(test)]

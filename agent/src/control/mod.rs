@@ -266,7 +266,7 @@ impl Loop {
 
     /// Runs until `shared.stop` is set, then resumes everything. Starts the watchdog.
     pub fn run(mut self) {
-        raise_priority(
+        crate::sched::raise_priority(
             self.cfg.loop_nice,
             self.cfg.loop_rt_priority,
             self.cfg.loop_slice,
@@ -404,62 +404,6 @@ impl Drop for Loop {
         if !self.holds().is_empty() {
             error!("Control loop ending with offline work suspended: resuming it");
             self.release_everything("panic");
-        }
-    }
-}
-
-/// Gives the control-loop thread a higher CPU priority (a negative nice value), so that
-/// offline processes competing for CPU (those just resumed, above all) do not delay
-/// decisions and confirmations, and a short scheduler slice, so that a doorbell's wake-up
-/// preempts the thread running on the CPU instead of waiting for its slice to end. Or,
-/// with `rt` > 0, SCHED_FIFO. Priorities need CAP_SYS_NICE (root has it); without it the
-/// loop runs at normal priority and says so. These calls act on the calling thread only.
-fn raise_priority(nice: i32, rt: i32, slice: Duration) {
-    if rt > 0 {
-        let param = libc::sched_param { sched_priority: rt };
-        // SAFETY: a valid sched_param; tid 0 is the calling thread.
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } == 0 {
-            info!(
-                priority = rt,
-                "Control loop runs at real-time priority (SCHED_FIFO)"
-            );
-            return;
-        }
-        let error = std::io::Error::last_os_error();
-        warn!(priority = rt, %error, "Cannot give the control loop real-time priority (needs CAP_SYS_NICE); using --loop-nice");
-    }
-    if !slice.is_zero() {
-        let slice_us = slice.as_micros() as u64;
-        match crate::sched::set_slice(nice, slice.as_nanos() as u64) {
-            Ok(()) => {
-                info!(
-                    nice,
-                    slice_us,
-                    "Control loop runs at raised CPU priority with a short scheduler slice"
-                );
-                return;
-            }
-            Err(error) => {
-                match crate::sched::set_slice(crate::sched::own_nice(), slice.as_nanos() as u64) {
-                    Ok(()) => {
-                        warn!(nice, %error, slice_us, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); it keeps its nice value, with a short scheduler slice");
-                        return;
-                    }
-                    Err(error) => {
-                        warn!(slice_us, %error, "Cannot set the control loop's scheduler slice (sched_setattr); using --loop-nice alone")
-                    }
-                }
-            }
-        }
-    }
-    if nice == 0 {
-        return;
-    }
-    let tid = rustix::thread::gettid();
-    match rustix::process::setpriority_process(Some(tid), nice) {
-        Ok(()) => info!(nice, "Control loop runs at raised CPU priority"),
-        Err(error) => {
-            warn!(nice, %error, "Cannot raise the control loop's CPU priority (needs CAP_SYS_NICE); running at normal priority")
         }
     }
 }
