@@ -194,12 +194,18 @@ fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let pid = std::process::id();
     let nonce = coloc_doorbell::now_ns() ^ ((&MODE as *const _ as u64) << 16);
-    let path = dir.join(format!("{pid}-{nonce:016x}{}", coloc_doorbell::SUFFIX));
+    let name = format!("{pid}-{nonce:016x}{}", coloc_doorbell::SUFFIX);
+    let path = dir.join(&name);
     let cpath = CString::new(path.as_os_str().as_bytes())?;
+    // Written under a name the agent ignores, then renamed: the page appears complete,
+    // and the rename is the event that tells the agent (a close does not: the mapping
+    // keeps the file open, so inotify's IN_CLOSE_WRITE comes only when the process exits).
+    let tpath = dir.join(format!("{name}{}", coloc_doorbell::TEMP_SUFFIX));
+    let ctpath = CString::new(tpath.as_os_str().as_bytes())?;
     // SAFETY: a valid C path; the flags never follow a symlink and never reuse a file.
     let fd = unsafe {
         libc::open(
-            cpath.as_ptr(),
+            ctpath.as_ptr(),
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             0o644,
         )
@@ -226,7 +232,7 @@ fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
         if base == libc::MAP_FAILED {
             let err = std::io::Error::last_os_error();
             libc::close(fd);
-            libc::unlink(cpath.as_ptr());
+            libc::unlink(ctpath.as_ptr());
             return Err(err);
         }
         base
@@ -234,10 +240,16 @@ fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
     // SAFETY: a fresh page-sized shared mapping that is never unmapped.
     let page = unsafe { Page::from_raw(base.cast()) };
     page.init_class(pid, class, GAP_NS.load(Relaxed), coloc_doorbell::now_ns());
-    // Closed only now: the agent's watcher maps the page when it sees the close, and the
-    // page is complete by then.
-    // SAFETY: our own fd, closed once.
+    // SAFETY: our own fd, closed once (the mapping stays).
     unsafe { libc::close(fd) };
+    if let Err(e) = publish(&ctpath, &cpath) {
+        // SAFETY: the mapping made above, never handed out; the temporary file, ours.
+        unsafe {
+            libc::munmap(base, PAGE);
+            libc::unlink(ctpath.as_ptr());
+        }
+        return Err(e);
+    }
     BASE.store(base as usize, Release);
     let _ = PATH.set(cpath);
     // SAFETY: registering plain extern "C" functions.
@@ -245,6 +257,36 @@ fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
         libc::atexit(remove_page);
         libc::pthread_atfork(None, None, Some(after_fork_child));
     }
+    Ok(())
+}
+
+/// Gives the complete page its name, never replacing a file that has it:
+/// `renameat2(RENAME_NOREPLACE)`, or `link` + `unlink` where the filesystem refuses the
+/// flag.
+fn publish(from: &CStr, to: &CStr) -> std::io::Result<()> {
+    // SAFETY: valid C paths; renameat2 with AT_FDCWD and a flag.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if !matches!(err.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+        return Err(err);
+    }
+    // SAFETY: valid C paths.
+    if unsafe { libc::link(from.as_ptr(), to.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a valid C path.
+    unsafe { libc::unlink(from.as_ptr()) };
     Ok(())
 }
 

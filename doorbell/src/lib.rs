@@ -62,6 +62,9 @@ pub const MAX_GPUS: usize = 16;
 pub const PAGE: usize = 4096;
 /// File name suffix of a doorbell page.
 pub const SUFFIX: &str = ".bell";
+/// Suffix of a page while its writer prepares it (`<name>.bell.new`): readers ignore it;
+/// the writer renames it to its `.bell` name once the page is complete.
+pub const TEMP_SUFFIX: &str = ".new";
 /// Default wake gap: a launch this long after the previous one on the same GPU starts a
 /// new run and wakes the agent (the agent's default idle window).
 pub const DEFAULT_WAKE_GAP_NS: u64 = 100_000_000;

@@ -283,3 +283,84 @@ fn with_no_agent_the_shim_passes_through() {
     assert!(r.status.success());
     assert!(!String::from_utf8_lossy(&r.stderr).contains("libcoloc_cuda"));
 }
+
+/// The shim's page appears in the directory complete: written as `….bell.new`, then
+/// renamed. (Created under its final name, the agent would see an empty file at the
+/// creation and no event after it — the close that follows does not count for inotify
+/// while the process keeps the file mapped — and would map the page only at its next
+/// look, up to a millisecond after the first launch.)
+#[test]
+fn the_shim_publishes_its_page_complete_by_rename() {
+    let sim = Sim::start(1, &[]);
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-publish"));
+    std::fs::create_dir_all(&dir).unwrap();
+    // SAFETY: plain inotify calls on a fresh descriptor and a valid C path.
+    let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+    assert!(fd >= 0);
+    let cdir = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    let mask = libc::IN_CREATE | libc::IN_MOVED_TO | libc::IN_CLOSE_WRITE;
+    assert!(unsafe { libc::inotify_add_watch(fd, cdir.as_ptr(), mask) } >= 0);
+    let out_s = result_file();
+    let r = output_within(
+        workload(
+            &sim,
+            &[
+                "online",
+                "--gpu",
+                "0",
+                "--rate",
+                "50",
+                "--work-ms",
+                "2",
+                "--duration-s",
+                "0.5",
+                "--out",
+                &out_s,
+            ],
+            Some(("online", &dir)),
+        )
+        .stdout(Stdio::null()),
+        Duration::from_secs(20),
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    // (mask, name) of every event.
+    let mut events: Vec<(u32, String)> = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        // SAFETY: reading into a buffer we own.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n <= 0 {
+            break;
+        }
+        let mut off = 0usize;
+        while off + 16 <= n as usize {
+            let word = |i: usize| u32::from_ne_bytes(buf[off + i..off + i + 4].try_into().unwrap());
+            let (ev_mask, len) = (word(4), word(12) as usize);
+            let name = String::from_utf8_lossy(&buf[off + 16..off + 16 + len])
+                .trim_end_matches('\0')
+                .to_string();
+            events.push((ev_mask, name));
+            off += 16 + len;
+        }
+    }
+    // SAFETY: our descriptor, closed once.
+    unsafe { libc::close(fd) };
+    std::fs::remove_dir_all(&dir).ok();
+    let named = |m: u32, suffix: &str| {
+        events
+            .iter()
+            .filter(|(em, n)| em & m != 0 && n.ends_with(suffix))
+            .count()
+    };
+    assert_eq!(
+        named(libc::IN_MOVED_TO, ".bell"),
+        1,
+        "the page was renamed into place once: {events:?}"
+    );
+    assert_eq!(
+        named(libc::IN_CREATE, ".bell"),
+        0,
+        "a page was created under its final name (seen before it was complete): {events:?}"
+    );
+    assert_eq!(named(libc::IN_CREATE, ".bell.new"), 1, "{events:?}");
+}

@@ -4,7 +4,7 @@
 use super::guard;
 use super::wait::{waitv, Watcher, MAX_WAITERS};
 use super::{BellReading, Doorbells, Owner, PageInfo, Waker};
-use coloc_doorbell::{Page, PAGE, SUFFIX};
+use coloc_doorbell::{Page, PAGE, SUFFIX, TEMP_SUFFIX};
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
@@ -122,15 +122,33 @@ impl DirBells {
                 })
                 .unwrap_or_default()
         };
-        for p in bells(&self.dir) {
-            let pid = p
-                .file_name()
+        let pid_of = |p: &Path| {
+            p.file_name()
                 .and_then(|n| n.to_str())
                 .and_then(|n| n.split(['-', '.']).next())
-                .and_then(|n| n.parse::<u32>().ok());
-            if let Some(pid) = pid {
+                .and_then(|n| n.parse::<u32>().ok())
+        };
+        let exited = |pid: u32| !Path::new(&format!("/proc/{pid}")).exists();
+        let unfinished = format!("{SUFFIX}{TEMP_SUFFIX}");
+        let listed: Vec<PathBuf> = std::fs::read_dir(&self.dir)
+            .map(|rd| rd.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        for p in listed {
+            let Some(name) = p.to_str() else { continue };
+            // A page being written (`.bell.new`) is never read; one left by a process
+            // killed before it renamed it is removed here.
+            if name.ends_with(&unfinished) {
+                if pid_of(&p).is_some_and(exited) && std::fs::remove_file(&p).is_ok() {
+                    debug!(page = %p.display(), "Removed an unfinished doorbell page of an exited process");
+                }
+                continue;
+            }
+            if !name.ends_with(SUFFIX) {
+                continue;
+            }
+            if let Some(pid) = pid_of(&p) {
                 // A process killed before it could remove its page: remove it for it.
-                if !Path::new(&format!("/proc/{pid}")).exists() {
+                if exited(pid) {
                     if std::fs::remove_file(&p).is_ok() {
                         debug!(page = %p.display(), pid, "Removed the doorbell page of an exited process");
                     }
@@ -139,6 +157,7 @@ impl DirBells {
                 out.push((p, Owner::Pid(pid)));
             }
         }
+
         if let Ok(rd) = std::fs::read_dir(self.dir.join("pods")) {
             for pod in rd.flatten() {
                 let Some(uid) = pod.file_name().to_str().map(str::to_string) else {

@@ -4,7 +4,7 @@
 //! ```text
 //!  <dir>/<pid>-<nonce>.bell              standalone: a page of process <pid>
 //!  <dir>/pods/<pod-uid>/<pid>-<nonce>.bell  Kubernetes: a page of pod <pod-uid>
-//!     │ inotify (new, closed, gone) ─► rescan ─► map read-only, check the layout
+//!     │ inotify (renamed into place, gone) ─► rescan ─► map read-only, check the layout
 //!     │ futex_waitv on every page's wake word (+ our own word for inotify and stop)
 //!     ▼
 //!  read(): (page, GPU UUID, last launch, run start) for the loop to attribute

@@ -173,6 +173,57 @@ fn a_new_page_wakes_the_wait_through_inotify() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The shim writes a page under `….bell.new` and renames it once complete: the rename
+/// wakes the wait, and the rescan of that one wake-up maps the page (no "not a page yet,
+/// look again in a millisecond"). Unfinished files are never mapped; those of exited
+/// processes are removed.
+#[test]
+fn a_page_published_by_rename_is_mapped_at_the_first_wake() {
+    let dir = tmpdir("rename");
+    let mut b = DirBells::new(&dir).unwrap();
+    b.rescan(true);
+    let me = std::process::id();
+    let tmp = dir.join(format!("{me}-9.bell.new"));
+    let fin = dir.join(format!("{me}-9.bell"));
+    let page = write_page(&tmp, [4; 16], 5);
+    assert!(
+        b.wait(Duration::from_secs(5)),
+        "the new file wakes the wait"
+    );
+    b.rescan(false);
+    assert!(b.pages().is_empty(), "an unfinished page is not mapped");
+    b.read(&mut Vec::new());
+    std::fs::rename(&tmp, &fin).unwrap();
+    assert!(b.wait(Duration::from_secs(5)), "the rename wakes the wait");
+    assert!(
+        b.rescan(false),
+        "the rescan of that wake-up changes the set"
+    );
+    assert_eq!(b.pages().len(), 1, "mapped at the first rescan");
+    let mut r = Vec::new();
+    b.read(&mut r);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].reading.uuid, [4; 16]);
+    drop(page);
+    // Leftovers: a live process's unfinished page stays (it may be renaming it now); an
+    // exited one's goes.
+    let live = dir.join(format!("{me}-10.bell.new"));
+    let dead = dir.join(format!("{}-3.bell.new", u32::MAX - 1));
+    std::fs::write(&live, b"").unwrap();
+    std::fs::write(&dead, b"").unwrap();
+    b.rescan(true);
+    assert!(
+        live.exists(),
+        "a live process's unfinished page was removed"
+    );
+    assert!(
+        !dead.exists(),
+        "an exited process's unfinished page was left"
+    );
+    assert_eq!(b.pages().len(), 1);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A tenant truncates its page file while the agent has it mapped: the agent's next read
 /// would die of SIGBUS without the guard; with it the read sees an invalid page, and the
 /// rescan drops it.
