@@ -16,7 +16,7 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   shim too, K = --gate-inflight): each --duration seconds, one GPU
   wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision)
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
-        part2 = preflight probe warmup signal freezer doorbell gate wake-floor; all.
+        part2 = preflight probe signal freezer doorbell gate wake-floor; all.
 Two calls (part1, part2) of about 4-5 minutes each; `--merge DIR DIR --out DIR` joins
 their results here (no GPU needed).
 
@@ -58,7 +58,7 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
 ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
-    "part2": ["preflight", "probe", "warmup", "signal", "freezer", "doorbell", "gate", "wake-floor"],
+    "part2": ["preflight", "probe", "signal", "freezer", "doorbell", "gate", "wake-floor"],
     "rows": [r[0] for r in ROWS],
     "all": ORDER,
 }
@@ -601,6 +601,8 @@ class Harness:
 
     def preflight(self, deadline):
         pf = self.results["preflight"] = {}
+        if str(self.results["meta"].get("agent_version", "")).startswith("("):
+            raise RuntimeError(f"coloc-agent does not run here: {self.results['meta']['agent_version']}")
         if self.sim:
             pf["simulated_gpu"] = self.gpu_daemon is not None and self.gpu_daemon.poll() is None
             missing = [b for b, v in self.results["meta"]["binaries"].items() if "error" in v]
@@ -610,6 +612,10 @@ class Harness:
         q = "name,driver_version,compute_mode,persistence_mode,mig.mode.current,clocks.sm,clocks.max.sm,temperature.gpu,memory.used,memory.total"
         raw = cmd_out(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], 10)
         pf["nvidia_smi"] = dict(zip(q.split(","), [x.strip() for x in raw.split(",")])) if not raw.startswith("(") else raw
+        smi = pf["nvidia_smi"] if isinstance(pf["nvidia_smi"], dict) else {}
+        pf["warnings"] = [w for w in (
+            f"compute mode {smi.get('compute_mode')}: two processes may not share the GPU" if smi and smi.get("compute_mode") != "Default" else None,
+            f"MIG mode {smi.get('mig.mode.current')}" if smi.get("mig.mode.current") not in (None, "Disabled", "[N/A]", "N/A") else None) if w]
         pf["nvidia_smi_apps"] = cmd_out(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"], 10)
         cg = cgroup_dir(f"coloc-gpu-preflight-{os.getpid()}")
         pf["cgroup_v2_freezer"] = cg is not None
@@ -929,6 +935,10 @@ def render(r, parts=None):
                f"torch {torch_r.get('torch')} (CUDA {torch_r.get('cuda')}), python {m.get('python')}")
     if isinstance(pf.get("nvidia_smi"), dict):
         out.append(f"- nvidia-smi: {json.dumps(pf['nvidia_smi'])}")
+    if pf.get("warnings"):
+        out.append(f"- preflight warnings: {'; '.join(pf['warnings'])}")
+    if pf.get("shim_problems") or pf.get("shim_warnings"):
+        out.append(f"- shim in PyTorch (preflight): broke it: {pf.get('shim_problems')}; differences: {pf.get('shim_warnings')}")
     out.append(f"- duration {m.get('duration_s')} s per row, {m.get('rate')} requests/s, idle window {m.get('idle_window')}, poll {m.get('poll_interval')}, "
                f"gate K {m.get('gate_inflight')}, NVML sample period given to the agents: {json.dumps(m.get('nvml_sample_period'))}")
     out.append("- binaries: " + ", ".join(f"{k} {v.get('sha256', v.get('error', ''))[:16]}" for k, v in (m.get("binaries") or {}).items()))
