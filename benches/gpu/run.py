@@ -28,7 +28,7 @@ is a deadline for the whole run: a step that would not fit is skipped and record
 Output (top level of --out): results.json, results.md, progress.log, artifacts.tar.gz,
 and shim-check.json when the shim step ran.
 
-  PYTHONUNBUFFERED=1 python3 benches/gpu/run.py --bin .gpubin --out $OUT/p1 --only part1 --budget 420 --commit SHA
+  PYTHONUNBUFFERED=1 python3 benches/gpu/run.py --bin .gpubin --out $OUT/p1 --only part1 --budget 480 --commit SHA
   python3 benches/gpu/run.py --sim --bin target/debug --duration 5 --out /tmp/r        # no GPU
   python3 benches/gpu/run.py --merge /tmp/p1 /tmp/p2 --out /tmp/gpu                       # join parts
 
