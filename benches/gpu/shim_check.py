@@ -33,7 +33,7 @@ the resolution below which a difference says nothing.
 The JSON is rewritten after every child (nothing is lost to a timeout). Exit status 0
 when every check holds, 1 otherwise; the JSON says which.
 """
-import argparse, json, os, signal, socket, statistics, subprocess, sys, tempfile, time, traceback
+import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time, traceback
 
 # Reads the calling process's own doorbell pages (layout: doorbell/src/lib.rs: a 64-byte
 # header `<8sIIII`, then 16 entries of 128 bytes; entry fields `<IIQQQQQIIIIQQ`: state,
@@ -356,6 +356,7 @@ def main():
         summary = summarise(runs, cfgs, gated_name, a, agent_err, skipped)
         summary["gate"].update(agent_exit=rc, agent_log_tail=tail(agent_log) if agent_log else None)
         write(a.out, summary)
+        shutil.rmtree(tmp, ignore_errors=True)
     for k, v in summary["checks"].items():
         print(("ok   " if v else "FAIL ") + k, flush=True)
     print("µs per launch:", json.dumps(summary["us_per_launch"]), flush=True)
