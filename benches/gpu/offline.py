@@ -1,34 +1,79 @@
 #!/usr/bin/env python3
 """Offline job on a real GPU: training steps of a model large enough to keep the GPU busy,
-until SIGTERM or --duration; writes steps/s as JSON. Needs PyTorch with CUDA."""
-import argparse, json, signal, time
+until SIGTERM or --duration. Writes JSON (always: in a `finally`, with "error" if it
+failed): steps, steps/s over its whole loop, and a timeline of (CLOCK_MONOTONIC seconds,
+steps done) at every synchronisation, so a harness can take its throughput over another
+process's window. --ready FILE is created once the warm-up steps have finished on the GPU.
+Needs PyTorch with CUDA."""
+import argparse, json, os, signal, sys, time, traceback
+
+# Signal handlers before `import torch`: a SIGTERM during the import (seconds) must still
+# end with the JSON written.
+stop = False
+
+
+def _stop(*_):
+    global stop
+    stop = True
+
+
+for _s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(_s, _stop)
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--duration", type=float, default=0.0, help="seconds (0: until SIGTERM)")
 ap.add_argument("--batch", type=int, default=64)
 ap.add_argument("--width", type=int, default=8192)
 ap.add_argument("--layers", type=int, default=8)
+ap.add_argument("--ready", help="file to create once warm-up is done on the GPU")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
-import torch  # noqa: E402
+res = {"steps": 0, "elapsed_s": 0.0, "steps_per_s": None, "phase": "import", "clock": "monotonic", "timeline": []}
+t_launch = time.monotonic()
+try:
+    import torch
 
-stop = False
-signal.signal(signal.SIGTERM, lambda *_: globals().__setitem__("stop", True))
-dev = torch.device("cuda")
-model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.GELU()) for _ in range(a.layers)]).to(dev)
-opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-x = torch.randn(a.batch, a.width, device=dev)
-for _ in range(3):  # warm-up
-    model(x).square().mean().backward(); opt.step(); opt.zero_grad()
-torch.cuda.synchronize()
-start = time.time(); steps = 0
-while not stop and (a.duration <= 0 or time.time() - start < a.duration):
-    model(x).square().mean().backward()
-    opt.step(); opt.zero_grad()
-    steps += 1
-    if steps % 4 == 0:
-        torch.cuda.synchronize()  # bound the queued work, as a real training loop's logging does
-torch.cuda.synchronize()
-el = time.time() - start
-json.dump({"steps": steps, "elapsed_s": el, "steps_per_s": steps / el}, open(a.out, "w"))
+    res["phase"] = "init"
+    if not stop:
+        dev = torch.device("cuda")
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.GELU()) for _ in range(a.layers)]).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x = torch.randn(a.batch, a.width, device=dev)
+        for _ in range(3):  # warm-up
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        res["startup_s"] = time.monotonic() - t_launch
+        if a.ready:
+            with open(a.ready, "w") as f:
+                f.write(f"{time.monotonic()}\n")
+        res["phase"] = "run"
+        start = time.monotonic()
+        steps = 0
+        timeline = res["timeline"]
+        timeline.append([start, 0])
+        while not stop and (a.duration <= 0 or time.monotonic() - start < a.duration):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            if steps % 4 == 0:
+                torch.cuda.synchronize()  # bound the queued work, as a real training loop's logging does
+                timeline.append([time.monotonic(), steps])
+        torch.cuda.synchronize()
+        end = time.monotonic()
+        timeline.append([end, steps])
+        res.update(steps=steps, elapsed_s=end - start, steps_per_s=steps / max(end - start, 1e-9), phase="done")
+    else:
+        res["phase"] = "stopped before start"
+except BaseException:
+    res["error"] = traceback.format_exc()[-3000:]
+    raise
+finally:
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, a.out)
+sys.exit(0)

@@ -1,30 +1,127 @@
 #!/usr/bin/env python3
-"""Real-GPU co-location scenarios, and the same harness on the simulated GPU (--sim).
+"""Real-GPU co-location harness, and the same harness on the simulated GPU (--sim).
 
-Scenarios, each --duration seconds, one GPU:
-  online alone | offline alone | both, no agent | both, agent --dry-run (cost of observing)
-  | both, agent signal (NVML only) | both, agent freezer (skipped where no cgroup freezer
-  is usable) | both, agent doorbell (online under libcoloc_cuda.so) | both, agent doorbell
-  + gate (offline under the shim too, the agent's --gate, K = --gate-inflight)
-then an NVML probe (sample period, freshness, call cost, drain after SIGSTOP), the
-machine's wake-up floor (coloc-bench --wake-floor: the floor under launch -> decision),
-and, on a real GPU, shim_check.py (PyTorch unchanged under the shim, its doorbell page,
-the shim's cost per launch).
-Writes results.md and results.json to --out. Uses only the Python standard library and,
-without --sim, PyTorch with CUDA; binaries come from --bin (build them elsewhere and carry
-them: the device machine has no registries).
+Steps, in this order (most important facts first; --only/--skip pick steps or groups):
+  preflight      binaries (sha256, version), nvidia-smi, PyTorch sees the GPU, the shim
+                 loads into a PyTorch process without breaking it (online and offline class)
+  probe          coloc-bench --nvml-probe beside a training loop: NVML call cost, sample
+                 period (passed to every agent below as --nvml-sample-period), freshness,
+                 drain after SIGSTOP
+  shim           shim_check.py: PyTorch unchanged under the shim (online; offline under a
+                 real gate), its pages, its cost per launch
+  warmup         one short online run, thrown away (cold GPU, cold page cache)
+  online-alone | offline-alone | no-agent (both, no agent) | dry-run (agent --dry-run)
+  | signal (NVML only) | freezer (NVML only; skipped without a cgroup v2 freezer)
+  | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
+  shim too, K = --gate-inflight): each --duration seconds, one GPU
+  wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision)
+Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
+        part2 = preflight probe signal freezer doorbell gate wake-floor; all.
+Two calls (part1, part2) of about 4-5 minutes each; `--merge DIR DIR --out DIR` joins
+their results here (no GPU needed).
 
-  python3 benches/gpu/run.py --bin target/release --out /tmp/gpu-results          # real GPU
-  python3 benches/gpu/run.py --sim --bin target/release --duration 5 --out /tmp/r  # no GPU
+Every step runs in its own try/except; results.json and results.md are rewritten
+atomically after every step, and artifacts.tar.gz (agent logs, event logs, /state,
+per-process JSON and logs) is repacked; a step that fails is recorded and the run goes
+on; SIGTERM ends the step in hand (teardown), records it and writes everything. --budget
+is a deadline for the whole run: a step that would not fit is skipped and recorded.
+Output (top level of --out): results.json, results.md, progress.log, artifacts.tar.gz,
+and shim-check.json when the shim step ran.
+
+  PYTHONUNBUFFERED=1 python3 benches/gpu/run.py --bin .gpubin --out $OUT/p1 --only part1 --budget 480 --commit SHA
+  python3 benches/gpu/run.py --sim --bin target/debug --duration 5 --out /tmp/r        # no GPU
+  python3 benches/gpu/run.py --merge /tmp/p1 /tmp/p2 --out /tmp/gpu                       # join parts
+
+Uses only the Python standard library and, without --sim, PyTorch with CUDA in child
+processes (the harness itself never touches the GPU); binaries come from --bin (built and
+stripped elsewhere, carried: the device machine has no registries).
 """
-import argparse, json, math, os, shutil, signal, socket, subprocess, sys, tempfile, time
+import argparse, bisect, hashlib, io, json, math, os, platform, re, shutil, signal, socket, subprocess, sys, tarfile, tempfile, time, traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import shim_check  # noqa: E402  (standard library only: its child-process helpers)
+
+T0 = time.monotonic()
+PROGRESS = []  # the progress.log file, once --out exists
+
+ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, launch)
+    ("online-alone", "online alone", True, False, None),
+    ("offline-alone", "offline alone", False, True, None),
+    ("no-agent", "both, no agent", True, True, None),
+    ("dry-run", "both, agent dry-run", True, True, ("signal", True, None)),
+    ("signal", "both, agent signal", True, True, ("signal", False, None)),
+    ("freezer", "both, agent freezer", True, True, ("freezer", False, None)),
+    ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
+    ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
+]
+ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor"]
+GROUPS = {
+    "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
+    "part2": ["preflight", "probe", "signal", "freezer", "doorbell", "gate", "wake-floor"],
+    "rows": [r[0] for r in ROWS],
+    "all": ORDER,
+}
+# Used for NVML-only rows when neither --nvml-sample-period nor a probe gives one: the
+# agent's own default.
+FALLBACK_SAMPLE_PERIOD = "100ms"
+BINARIES = ("coloc-agent", "coloc-bench", "libcoloc_cuda.so")
+
+# A PyTorch process that checks the GPU: versions, a GEMM and an fp16 linear, checksums,
+# and (under the shim) its own doorbell pages.
+TORCH_PROBE = shim_check.PAGES_CODE + r'''
+import json, time, traceback
+out = {}
+t0 = time.monotonic()
+try:
+    import torch
+    out.update(torch=torch.__version__, cuda=torch.version.cuda, import_s=time.monotonic() - t0)
+    out["available"] = torch.cuda.is_available()
+    if out["available"]:
+        t1 = time.monotonic()
+        out.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                   count=torch.cuda.device_count(), cudnn=torch.backends.cudnn.version())
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(1024, 1024, generator=g).cuda()
+        b = a @ a
+        lin = torch.nn.Linear(512, 512).cuda().half()
+        y = lin(torch.ones(8, 512, device="cuda", dtype=torch.half))
+        torch.cuda.synchronize()
+        out.update(gemm_sum=b.double().sum().item(), linear_sum=y.double().sum().item(), cuda_init_s=time.monotonic() - t1)
+    out["pages"] = read_pages()
+except Exception:
+    out["error"] = traceback.format_exc()[-2000:]
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def log(msg):
+    line = f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:6.1f}s] {msg}"
+    try:
+        print(line, flush=True)
+    except (OSError, RuntimeError, ValueError):  # a reentrant call from a signal handler, a closed pipe
+        pass
+    for f in PROGRESS:
+        try:
+            f.write(line + "\n")
+            f.flush()
+        except (OSError, ValueError):
+            pass
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT/SIGHUP to the harness: not an `Exception`, so no step swallows it."""
+
+
+def on_signal(sig, _frame):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, lambda sg, _f: log(f"signal {sg} again: finishing the teardown and the results"))
+    raise Interrupted(sig)
 
 
 def pct(v, q):
-    v = sorted(v)
-    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
+    v = sorted(x for x in v if x is not None)
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else None
 
 
 def duration_ms(s):
@@ -35,19 +132,49 @@ def duration_ms(s):
     raise SystemExit(f"{s!r}: a duration needs a unit (ms, us, s)")
 
 
+def sanitize(name):
+    """A file name the device tool brings back: letters, digits, '.', '_' and '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "x"
+
+
+def clean(v):
+    """NaN and infinities -> None (JSON has neither)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list) or isinstance(v, tuple):
+        return [clean(x) for x in v]
+    if isinstance(v, dict):
+        return {k: clean(x) for k, x in v.items()}
+    return v
+
+
+def write_atomic(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def tail(path, n=1500):
+    return shim_check.tail(path, n)
+
+
 def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    return shim_check.free_port()
 
 
-def get(port, path):
-    s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-    data = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            break
-        data += b
+def get(port, path, timeout=2.0):
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            data += b
+    finally:
+        s.close()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body.decode(errors="replace")
 
@@ -60,59 +187,406 @@ def cgroup_dir(name):
                 os.makedirs(d, exist_ok=True)
             except OSError:
                 return None
-            return d if os.path.exists(os.path.join(d, "cgroup.freeze")) else None
+            if os.path.exists(os.path.join(d, "cgroup.freeze")):
+                return d
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+            return None
     return None
+
+
+def cg_root(d):
+    return "/sys/fs/cgroup/unified" if d.startswith("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def cmd_out(cmd, timeout=10.0):
+    """stdout of a short command; never raises (the error as text)."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return p.stdout.strip() if p.returncode == 0 else f"(exit {p.returncode}: {p.stderr.strip()[-300:]})"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"({type(e).__name__}: {e})"
+
+
+def steps_at(timeline, t):
+    """Steps done at monotonic time t, interpolated linearly on the (t, steps) timeline."""
+    ts = [p[0] for p in timeline]
+    i = bisect.bisect_left(ts, t)
+    if i <= 0:
+        return timeline[0][1]
+    if i >= len(ts):
+        return timeline[-1][1]
+    (t0, s0), (t1, s1) = timeline[i - 1], timeline[i]
+    return s0 + (s1 - s0) * (t - t0) / (t1 - t0) if t1 > t0 else s1
 
 
 class Harness:
     def __init__(self, a):
-        self.a, self.bin = a, os.path.abspath(a.bin)
+        self.a, self.sim = a, a.sim
+        self.bin = os.path.abspath(a.bin)
         self.out = os.path.abspath(a.out)
         os.makedirs(self.out, exist_ok=True)
+        PROGRESS.append(open(os.path.join(self.out, "progress.log"), "a", encoding="utf-8"))
         self.tmp = tempfile.mkdtemp(prefix="coloc-gpu-")
-        self.env = dict(os.environ)
+        self.art = os.path.join(self.tmp, "artifacts")
+        os.makedirs(self.art)
+        self.deadline = T0 + a.budget
+        self.live = []  # [kind, name, Popen]: every process we started and have not ended
+        self.cgroups = []
+        self.hurry = False
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.gpu_daemon = None
         self.shim = os.path.abspath(a.shim or os.path.join(self.bin, "libcoloc_cuda.so"))
         self.bells = os.path.join(self.tmp, "bells")
         self.gate_file = os.path.join(self.tmp, "gate", "gates")
         os.makedirs(self.bells)
         os.makedirs(os.path.dirname(self.gate_file))
-        if a.sim:
-            self.env["COLOC_SIM_STATE"] = os.path.join("/dev/shm", f"coloc-gpu-bench-{os.getpid()}")
-            self.gpu_daemon = subprocess.Popen([os.path.join(self.bin, "coloc-sim"), "gpu", "--gpus", "1", "--sample-period-ms", str(a.sim_sample_period_ms)], env=self.env, stderr=subprocess.DEVNULL)
-            while not os.path.exists(self.env["COLOC_SIM_STATE"]):
-                time.sleep(0.01)
-            time.sleep(0.1)
-            self.nvml = os.path.join(self.bin, "libfake_nvml.so")
-            # The simulated libcuda.so.1: every simulated workload submits through it (as
-            # PyTorch does through the real one), so the shim sees its launches.
-            cuda = os.path.join(self.tmp, "fake-cuda")
-            os.makedirs(cuda)
-            os.symlink(os.path.join(self.bin, "libfake_cuda.so"), os.path.join(cuda, "libcuda.so.1"))
-            self.env["LD_LIBRARY_PATH"] = cuda
+        os.chmod(os.path.dirname(self.gate_file), 0o755)  # the agent refuses a group/other-writable one
+        self.nvml = a.nvml_lib
+        self.torch_ok = None  # None: not checked in this run
+        self.shim_ok, self.shim_why = None, None
+        self.period, self.period_source = None, None
+        self.results = {"complete": False, "meta": {}, "steps": [], "preflight": None, "nvml_probe": None, "shim_check": None,
+                        "warmup": None, "scenarios": [], "wake_floor": None}
+        self.set_period()
+
+    # ---- setup and bookkeeping ----------------------------------------------------------
+
+    def start_sim(self):
+        a = self.a
+        self.env["COLOC_SIM_STATE"] = os.path.join("/dev/shm", f"coloc-gpu-bench-{os.getpid()}")
+        self.gpu_daemon = subprocess.Popen([os.path.join(self.bin, "coloc-sim"), "gpu", "--gpus", "1", "--sample-period-ms", str(a.sim_sample_period_ms)],
+                                           env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.art, "sim-gpu.log"), "w"))
+        until = time.monotonic() + 10
+        while not os.path.exists(self.env["COLOC_SIM_STATE"]):
+            if self.gpu_daemon.poll() is not None or time.monotonic() > until:
+                raise RuntimeError(f"the simulated GPU did not start: {tail(os.path.join(self.art, 'sim-gpu.log'))}")
+            time.sleep(0.01)
+        time.sleep(0.1)
+        self.nvml = os.path.join(self.bin, "libfake_nvml.so")
+        # The simulated libcuda.so.1: every simulated workload submits through it (as
+        # PyTorch does through the real one), so the shim sees its launches.
+        cuda = os.path.join(self.tmp, "fake-cuda")
+        os.makedirs(cuda)
+        os.symlink(os.path.join(self.bin, "libfake_cuda.so"), os.path.join(cuda, "libcuda.so.1"))
+        self.env["LD_LIBRARY_PATH"] = cuda
+
+    def meta(self):
+        a = self.a
+        m = {"sim": a.sim, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "steps_selected": self.selected, "budget_s": a.budget,
+             "duration_s": a.duration, "rate": a.rate, "idle_window": a.idle_window, "poll_interval": a.poll_interval,
+             "gate_inflight": a.gate_inflight, "probe_seconds": a.probe_seconds, "python": sys.version.split()[0],
+             "host": " ".join(platform.uname()), "argv": sys.argv[1:]}
+        if a.commit:
+            m.update(commit=a.commit, commit_source="--commit")
         else:
-            self.nvml = a.nvml_lib
+            c = cmd_out(["git", "-C", HERE, "rev-parse", "HEAD"], 5)
+            ok = bool(re.fullmatch(r"[0-9a-f]{40}", c))
+            m.update(commit=c if ok else None, commit_source="git" if ok else f"unknown (no --commit; git: {c})")
+            if ok:
+                m["dirty"] = cmd_out(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"], 5) != ""
+        bins = {}
+        for b in BINARIES + (("coloc-sim", "libfake_nvml.so", "libfake_cuda.so") if a.sim else ()):
+            p = self.shim if b == "libcoloc_cuda.so" else os.path.join(self.bin, b)
+            try:
+                bins[b] = {"sha256": sha256(p), "bytes": os.path.getsize(p)}
+            except OSError as e:
+                bins[b] = {"error": str(e)}
+        m["binaries"] = bins
+        m["agent_version"] = cmd_out([os.path.join(self.bin, "coloc-agent"), "--version"], 10)
+        self.results["meta"] = m
 
-    def online_cmd(self, out):
-        if self.a.sim:
-            return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(self.a.rate), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(self.a.duration), "--cuda", "--out", out]
-        return [sys.executable, os.path.join(HERE, "online.py"), "--rate", str(self.a.rate), "--duration", str(self.a.duration), "--out", out]
+    def set_period(self, probe=None):
+        a = self.a
+        if a.sim:
+            self.period, self.period_source = f"{a.sim_sample_period_ms:g}ms", "the simulated driver's (--sim-sample-period-ms)"
+        elif a.nvml_sample_period:
+            self.period, self.period_source = a.nvml_sample_period, "--nvml-sample-period"
+        elif probe is not None:
+            p50 = ((probe.get("sample_interval_ms") or {}).get("p50"))
+            if isinstance(p50, (int, float)) and math.isfinite(p50) and 5 <= p50 <= 10000 and (probe.get("samples") or 0) >= 5:
+                self.period, self.period_source = f"{round(p50)}ms", "measured by the probe (sample interval p50)"
+            else:
+                self.period, self.period_source = FALLBACK_SAMPLE_PERIOD, f"fallback, the agent's default: the probe gave no usable period ({p50!r})"
+        elif self.period is None:
+            self.period, self.period_source = FALLBACK_SAMPLE_PERIOD, "fallback, the agent's default: no probe in this run"
+        self.results["meta"]["nvml_sample_period"] = {"value": self.period, "source": self.period_source}
 
-    def offline_cmd(self, out):
-        if self.a.sim:
-            return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", "2", "--cuda", "--out", out]
-        return [sys.executable, os.path.join(HERE, "offline.py"), "--out", out]
+    def save(self):
+        """results.json, results.md (atomic rewrites) and artifacts.tar.gz; never raises."""
+        try:
+            r = clean(self.results)
+            write_atomic(os.path.join(self.out, "results.json"), json.dumps(r, indent=1))
+            write_atomic(os.path.join(self.out, "results.md"), render(r))
+        except Exception as e:  # noqa: BLE001
+            log(f"cannot write the results: {e!r}")
+        self.pack()
 
-    def rules(self, cgroup):
-        off = f'cgroup = "/{os.path.relpath(cgroup, self.cg_root(cgroup))}"' if cgroup else ('cmdline = "*coloc-sim offline*"' if self.a.sim else 'cmdline = "*benches/gpu/offline.py*"')
-        on = 'cmdline = "*coloc-sim online*"' if self.a.sim else 'cmdline = "*benches/gpu/online.py*"'
-        p = os.path.join(self.tmp, "rules.toml")
-        open(p, "w").write(f'[[rule]]\nname = "offline"\nclass = "reclaimed_cores"\n{off}\n[[rule]]\nname = "online"\nclass = "shared_cores"\n{on}\n')
+    def pack(self, cap=4 << 20):
+        """Every artifact into one artifacts.tar.gz (a file over `cap` keeps its head and tail)."""
+        dst = os.path.join(self.out, "artifacts.tar.gz")
+        tmp = f"{dst}.tmp{os.getpid()}"
+        try:
+            with tarfile.open(tmp, "w:gz") as t:
+                for name in sorted(os.listdir(self.art)):
+                    p = os.path.join(self.art, name)
+                    if not os.path.isfile(p):
+                        continue
+                    size = os.path.getsize(p)
+                    if size <= cap:
+                        t.add(p, arcname=name)
+                        continue
+                    with open(p, "rb") as f:
+                        head = f.read(cap // 8)
+                        f.seek(size - (cap - cap // 8))
+                        data = head + f"\n[... {size - cap} bytes left out ...]\n".encode() + f.read()
+                    ti = tarfile.TarInfo(name)
+                    ti.size, ti.mtime = len(data), int(time.time())
+                    t.addfile(ti, io.BytesIO(data))
+            os.replace(tmp, dst)
+        except Exception as e:  # noqa: BLE001
+            log(f"cannot pack the artifacts: {e!r}")
+
+    def remaining(self):
+        return self.deadline - time.monotonic()
+
+    def need(self, step):
+        """About how long a step takes (s): one that needs more than the budget left is skipped."""
+        a, start = self.a, (2.0 if self.sim else 25.0)  # a workload's start-up: torch import, CUDA, model
+        return {"preflight": 5.0 if self.sim else 50.0,
+                "probe": a.probe_seconds + start + 10,
+                "shim": 130.0,
+                "warmup": a.warmup_run + start + 5,
+                "wake-floor": 2 * 4 * a.wake_floor_samples * 0.0275 + 10}.get(step, a.duration + start + 10)
+
+    def blocked(self, step):
+        """Why a step cannot run (an earlier result says so), or None."""
+        if self.sim or step in ("preflight", "wake-floor"):
+            return None
+        if self.torch_ok is False:
+            return "preflight: PyTorch cannot use the GPU"
+        if step in ("doorbell", "gate") and self.shim_ok is False:
+            return f"the shim broke PyTorch ({self.shim_why})"
+        return None
+
+    def run_step(self, name, fn, row=None):
+        rec = {"step": name, "status": "running", "at_s": round(time.monotonic() - T0, 1)}
+        self.results["steps"].append(rec)
+        if row is not None:
+            self.results["scenarios"].append(row)
+        need, left = self.need(name), self.remaining()
+        why = self.blocked(name) or (f"budget: {left:.0f} s left, the step needs about {need:.0f} s" if left < need else None)
+        if why:
+            rec.update(status="skipped", reason=why)
+            if row is not None:
+                row["skipped"] = why
+            log(f"step {name}: skipped: {why}")
+            self.save()
+            return
+        deadline = time.monotonic() + min(left - 3, max(2 * need, need + 60))
+        log(f"step {name}: start (about {need:.0f} s; {left:.0f} s of the budget left)")
+        t = time.monotonic()
+        try:
+            if self.a.fail_step == name and row is None:
+                raise RuntimeError("failure injected with --fail-step")
+            fn(deadline)
+            rec["status"] = "ok"
+            if row is not None and "error" in row:
+                rec.update(status="error", error=row["error"])
+            elif row is not None and "skipped" in row:
+                rec.update(status="skipped", reason=row["skipped"])
+        except Exception as e:  # noqa: BLE001
+            rec.update(status="error", error=traceback.format_exc()[-3000:])
+            if row is not None:
+                row.setdefault("error", f"{type(e).__name__}: {e}")
+            log(f"step {name}: ERROR {type(e).__name__}: {str(e)[:1000]}")
+        except BaseException as e:
+            rec.update(status="interrupted", error=repr(e))
+            if row is not None:
+                row.setdefault("error", "interrupted (the harness got a signal)")
+            raise
+        finally:
+            rec["elapsed_s"] = round(time.monotonic() - t, 1)
+            if rec["status"] in ("ok", "skipped"):
+                log(f"step {name}: {rec['status']} in {rec['elapsed_s']} s" + (f" ({rec['reason']})" if rec.get("reason") else ""))
+            elif rec["status"] == "error" and row is not None and "error" in row and "Traceback" not in rec["error"]:
+                log(f"step {name}: ERROR {rec['error'][:1000]}")
+            self.save()
+
+    # ---- processes ------------------------------------------------------------------------
+
+    def spawn(self, kind, name, cmd, env, logname=None):
+        f = open(os.path.join(self.art, logname), "wb") if logname else subprocess.DEVNULL
+        p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT if logname else subprocess.DEVNULL)
+        if logname:
+            f.close()
+        self.live.append([kind, name, p])
         return p
 
+    def end(self, p, name, wait_s, cont=True):
+        """Ends p: SIGCONT (a stopped process cannot take SIGTERM), SIGTERM, a bounded wait,
+        then SIGKILL. Never raises, never waits longer than wait_s + 5 s. Its exit code."""
+        if p is None:
+            return None
+        if self.hurry:
+            wait_s = min(wait_s, 3)
+        try:
+            if p.poll() is None:
+                if cont:
+                    os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                try:
+                    p.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    log(f"{name}: still running {wait_s:g} s after SIGTERM: SIGKILL")
+                    p.kill()
+                    p.wait(5)
+        except Exception as e:  # noqa: BLE001
+            log(f"{name}: teardown: {e!r}")
+        self.live = [x for x in self.live if x[2] is not p]
+        return p.returncode
+
     @staticmethod
-    def cg_root(d):
-        return "/sys/fs/cgroup/unified" if d.startswith("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
+    def thaw(cg):
+        try:
+            with open(os.path.join(cg, "cgroup.freeze"), "w") as f:
+                f.write("0")
+        except OSError as e:
+            log(f"cannot thaw {cg}: {e}")
+
+    def drop_cgroup(self, cg):
+        for _ in range(20):
+            try:
+                os.rmdir(cg)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            log(f"cannot remove {cg} (a process still in it?)")
+        if cg in self.cgroups:
+            self.cgroups.remove(cg)
+
+    def teardown(self, agent, works, cg):
+        """Agent first (SIGTERM: it resumes every offline process it holds before it exits,
+        and stops re-stopping them), then the freezer thawed explicitly, then the workloads
+        (SIGCONT, SIGTERM, bounded waits, SIGKILL). Exit codes by name."""
+        rc = {}
+        if agent is not None:
+            rc["agent"] = self.end(agent, "agent", 10, cont=False)
+        if cg:
+            self.thaw(cg)
+        for name, p in works:
+            if p is not None:
+                rc[name] = self.end(p, name, 30)
+        if cg:
+            self.drop_cgroup(cg)
+        return rc
+
+    def cleanup_all(self):
+        """Whatever is still running (an interrupted step): agents, thaw, the rest."""
+        self.hurry = True
+        for kind, name, p in [x for x in self.live if x[0] == "agent"]:
+            self.end(p, name, 5, cont=False)
+        for cg in list(self.cgroups):
+            self.thaw(cg)
+        for kind, name, p in list(self.live):
+            self.end(p, name, 5)
+        for cg in list(self.cgroups):
+            self.drop_cgroup(cg)
+        if self.gpu_daemon:
+            self.end(self.gpu_daemon, "simulated GPU", 5, cont=False)
+            self.gpu_daemon = None
+
+    def close(self):
+        self.cleanup_all()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # ---- workloads --------------------------------------------------------------------------
+
+    def online_cmd(self, out, duration=None, ready=None):
+        d = self.a.duration if duration is None else duration
+        if self.sim:
+            return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(self.a.rate), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(d), "--cuda", "--out", out]
+        return [sys.executable, os.path.join(HERE, "online.py"), "--rate", str(self.a.rate), "--duration", str(d), "--out", out] + (["--ready", ready] if ready else [])
+
+    def offline_cmd(self, out, ready):
+        if self.sim:
+            return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", "2", "--cuda", "--out", out]
+        return [sys.executable, os.path.join(HERE, "offline.py"), "--out", out, "--ready", ready]
+
+    def wait_ready(self, p, ready, name, logname, deadline):
+        """Until the workload says it runs on the GPU (its --ready file, written after its
+        first CUDA synchronisation); the simulated workloads start at once (--warmup)."""
+        t = time.monotonic()
+        limit = min(deadline, t + self.a.ready_timeout)
+        if self.sim:
+            time.sleep(self.a.warmup)
+        while not self.sim and not os.path.exists(ready):
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with {p.returncode} before it was ready: {tail(os.path.join(self.art, logname), 800)}")
+            if time.monotonic() > limit:
+                raise RuntimeError(f"{name} was not ready after {time.monotonic() - t:.0f} s: {tail(os.path.join(self.art, logname), 800)}")
+            time.sleep(0.1)
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode}: {tail(os.path.join(self.art, logname), 800)}")
+        log(f"  {name} ready after {time.monotonic() - t:.1f} s")
+
+    def wait_exit(self, p, name, deadline):
+        try:
+            return p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{name} still running at the step's deadline") from None
+
+    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline):
+        port = free_port()
+        events = os.path.join(self.art, f"{tag}-events.jsonl")
+        cmd = [os.path.join(self.bin, "coloc-agent"), "run", "--rules", rules, "--nvml-lib", self.nvml,
+               "--actuator", actuator, "--listen", f"127.0.0.1:{port}", "--state-dir", os.path.join(self.tmp, tag + "-state"),
+               "--event-log", events, "--idle-window", self.a.idle_window, "--poll-interval", self.a.poll_interval,
+               "--doorbell-dir", self.bells, "--nvml-sample-period", self.period]
+        if dry_run:
+            cmd.append("--dry-run")
+        if gate:
+            cmd += ["--gate", "--gate-file", self.gate_file]
+        logname = f"{tag}-agent.log"
+        ag = self.spawn("agent", f"{tag} agent", cmd, self.env, logname)
+        limit, last = min(deadline, time.monotonic() + 15), ""
+        while True:
+            if ag.poll() is not None:
+                raise RuntimeError(f"the agent exited with {ag.returncode} before it was ready: {tail(os.path.join(self.art, logname))}")
+            try:
+                code, body = get(port, "/readyz", 1.0)
+                if code == 200:
+                    return ag, port, events
+                last = f"/readyz {code}: {body.strip()}"
+            except OSError as e:
+                last = repr(e)
+            if time.monotonic() > limit:
+                raise RuntimeError(f"the agent was not ready after 15 s ({last}): {tail(os.path.join(self.art, logname))}")
+            time.sleep(0.05)
+
+    def rules(self, tag, cgroup):
+        if cgroup:
+            off = f'cgroup = "/{os.path.relpath(cgroup, cg_root(cgroup))}"'
+        else:
+            off = 'cmdline = "*coloc-sim offline*"' if self.sim else 'cmdline = "*benches/gpu/offline.py*"'
+        on = 'cmdline = "*coloc-sim online*"' if self.sim else 'cmdline = "*benches/gpu/online.py*"'
+        p = os.path.join(self.art, f"{tag}-rules.toml")
+        with open(p, "w") as f:
+            f.write(f'[[rule]]\nname = "offline"\nclass = "reclaimed_cores"\n{off}\n[[rule]]\nname = "online"\nclass = "shared_cores"\n{on}\n')
+        return p
 
     def shim_env(self, cls):
         """The environment of a workload under the shim (what `coloc-agent exec` sets)."""
@@ -123,203 +597,514 @@ class Harness:
             env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(self.a.gate_inflight))
         return env
 
-    def scenario(self, name, online=True, offline=True, agent=None):
-        """agent: None, or (actuator, dry_run, launch) with launch None (NVML only),
-        "doorbell" (online under the shim) or "gate" (offline under it too, --gate)."""
-        tag = name.replace(" ", "-").replace(",", "")
-        on_out, off_out = os.path.join(self.tmp, tag + "-online.json"), os.path.join(self.tmp, tag + "-offline.json")
-        procs, ag, port, events, cg = [], None, None, None, None
+    # ---- steps ------------------------------------------------------------------------------
+
+    def preflight(self, deadline):
+        pf = self.results["preflight"] = {}
+        if str(self.results["meta"].get("agent_version", "")).startswith("("):
+            raise RuntimeError(f"coloc-agent does not run here: {self.results['meta']['agent_version']}")
+        if self.sim:
+            pf["simulated_gpu"] = self.gpu_daemon is not None and self.gpu_daemon.poll() is None
+            missing = [b for b, v in self.results["meta"]["binaries"].items() if "error" in v]
+            if missing or not pf["simulated_gpu"]:
+                raise RuntimeError(f"missing binaries {missing} or no simulated GPU")
+            return
+        q = "name,driver_version,compute_mode,persistence_mode,mig.mode.current,clocks.sm,clocks.max.sm,temperature.gpu,memory.used,memory.total"
+        raw = cmd_out(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], 10)
+        pf["nvidia_smi"] = dict(zip(q.split(","), [x.strip() for x in raw.split(",")])) if not raw.startswith("(") else raw
+        smi = pf["nvidia_smi"] if isinstance(pf["nvidia_smi"], dict) else {}
+        pf["warnings"] = [w for w in (
+            f"compute mode {smi.get('compute_mode')}: two processes may not share the GPU" if smi and smi.get("compute_mode") != "Default" else None,
+            f"MIG mode {smi.get('mig.mode.current')}" if smi.get("mig.mode.current") not in (None, "Disabled", "[N/A]", "N/A") else None) if w]
+        pf["nvidia_smi_apps"] = cmd_out(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"], 10)
+        cg = cgroup_dir(f"coloc-gpu-preflight-{os.getpid()}")
+        pf["cgroup_v2_freezer"] = cg is not None
+        if cg:
+            self.drop_cgroup(cg)
+        missing = [b for b, v in self.results["meta"]["binaries"].items() if "error" in v]
+        pf["binaries_missing"] = missing
+        self.save()
+        left = lambda: max(1.0, min(90.0, deadline - time.monotonic()))
+        r = shim_check.run_child(TORCH_PROBE, dict(self.env), left())
+        pf["torch"] = r
+        res = r["result"] or {}
+        self.torch_ok = bool(res.get("available")) and "error" not in res and r["rc"] == 0
+        log(f"  torch: rc {r['rc']}, {res.get('torch')} (CUDA {res.get('cuda')}), {res.get('device')}, available {res.get('available')}, {r['wall_s']} s")
+        self.save()
+        if not self.torch_ok:
+            raise RuntimeError(f"PyTorch cannot use the GPU: rc {r['rc']}, {res.get('error') or r['stderr_tail'][-800:]}")
+        # The shim in a PyTorch process: online (rings its doorbell) and offline (no gate
+        # file: its pass-through with the watcher thread); same checksums, pages there.
+        why, warn = [], []
+        for cls in ("online", "offline"):
+            bells = os.path.join(self.tmp, f"preflight-bells-{cls}")
+            os.makedirs(bells, exist_ok=True)
+            env = dict(self.env, LD_PRELOAD=self.shim, COLOC_SHIM_CLASS=cls, COLOC_DOORBELL_DIR=bells,
+                       COLOC_GATE_FILE=os.path.join(self.tmp, "preflight-no-gate-file"))
+            s = shim_check.run_child(TORCH_PROBE, env, left())
+            pf[f"shim_{cls}"] = s
+            sr = s["result"] or {}
+            pages = sr.get("pages") or []
+            if s["rc"] != 0 or "error" in sr or not s["result"]:
+                why.append(f"{cls}: rc {s['rc']}: {sr.get('error') or s['stderr_tail'][-600:]}")
+            else:
+                for k in ("gemm_sum", "linear_sum"):
+                    if not shim_check.close(res.get(k), sr.get(k)):
+                        warn.append(f"{cls}: {k} {sr.get(k)} != {res.get(k)} without the shim")
+                if len(pages) != 1:
+                    warn.append(f"{cls}: {len(pages)} doorbell pages, expected 1")
+                if s["shim_stderr"]:
+                    warn.append(f"{cls}: the shim printed {s['shim_stderr'][:3]}")
+            log(f"  shim ({cls}): rc {s['rc']}, {len(pages)} page(s), {s['wall_s']} s")
+        self.shim_ok, self.shim_why = not why, "; ".join(why) or None
+        # Only a crash blocks the shim's rows; a difference is reported and the rows run.
+        pf["shim_ok"], pf["shim_problems"], pf["shim_warnings"] = self.shim_ok, self.shim_why, warn
+        if missing or not self.shim_ok or warn:
+            raise RuntimeError(f"missing binaries {missing}; shim broke PyTorch: {self.shim_why}; shim differences: {warn}")
+
+    def probe(self, deadline):
+        tag = "probe"
+        out, ready = os.path.join(self.art, f"{tag}-offline.json"), os.path.join(self.tmp, f"{tag}-ready")
+        off = self.spawn("work", "probe offline", self.offline_cmd(out, ready), self.env, f"{tag}-offline.log")
+        cb = None
+        try:
+            self.wait_ready(off, ready, "probe offline", f"{tag}-offline.log", deadline)
+            cmd = [os.path.join(self.bin, "coloc-bench"), "--nvml-probe", "--nvml-lib", self.nvml, "--seconds", str(self.a.probe_seconds), "--stop-pid", str(off.pid)]
+            with open(os.path.join(self.art, "probe.json"), "wb") as so:
+                cb = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=so, stderr=open(os.path.join(self.art, "probe.log"), "wb"))
+            self.live.append(["tool", "coloc-bench --nvml-probe", cb])
+            rc = self.wait_exit(cb, "coloc-bench --nvml-probe", min(deadline, time.monotonic() + self.a.probe_seconds + 30))
+        finally:
+            # coloc-bench SIGSTOPs and SIGCONTs the training loop: end it first, then the
+            # loop with a SIGCONT (it may have been left stopped).
+            self.end(cb, "coloc-bench --nvml-probe", 5, cont=False)
+            self.teardown(None, [("probe offline", off)], None)
+        if rc != 0:
+            raise RuntimeError(f"coloc-bench --nvml-probe exited {rc}: {tail(os.path.join(self.art, 'probe.log'))}")
+        with open(os.path.join(self.art, "probe.json")) as f:
+            p = json.load(f)
+        notes = []
+        if not p.get("processes_seen"):
+            notes.append("no process seen in NVML's samples: sample interval and drain not measured")
+        if p.get("drain_after_sigstop_ms") in (0, 0.0, None):
+            notes.append("drain after SIGSTOP not measured (0 or none: no sample of the stopped process after the stop; "
+                         "resolution is one sample period anyway)")
+        p["notes"] = notes
+        if isinstance(self.results.get("nvml_probe"), dict):
+            p["earlier"] = self.results["nvml_probe"]
+        self.results["nvml_probe"] = p
+        self.set_period(p)
+        log(f"  probe: sample interval {p.get('sample_interval_ms')}, freshness {p.get('freshness_ms')}, drain {p.get('drain_after_sigstop_ms')} ms; "
+            f"agents get --nvml-sample-period {self.period} ({self.period_source})")
+
+    def shim_step(self, deadline):
+        sc = os.path.join(self.out, "shim-check.json")
+        budget = max(10.0, deadline - time.monotonic() - 15)
+        cmd = [sys.executable, os.path.join(HERE, "shim_check.py"), "--shim", self.shim, "--agent", os.path.join(self.bin, "coloc-agent"),
+               "--nvml-lib", self.nvml, "--inflight", str(self.a.gate_inflight), "--launches", str(self.a.shim_launches),
+               "--repeats", str(self.a.shim_repeats), "--rounds", str(self.a.shim_rounds), "--budget", str(budget),
+               "--log-dir", self.art, "--out", sc]
+        p = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL)
+        self.live.append(["tool", "shim_check.py", p])
+        try:
+            rc = self.wait_exit(p, "shim_check.py", deadline)
+        finally:
+            self.end(p, "shim_check.py", 15, cont=False)
+        doc = None
+        if os.path.exists(sc):
+            with open(sc) as f:
+                doc = json.load(f)
+        self.results["shim_check"] = {k: v for k, v in (doc or {}).items() if k != "runs"} if doc else {"error": f"shim_check.py exited {rc} and wrote nothing"}
+        if doc:
+            self.results["shim_check"]["file"] = "shim-check.json (per-run details)"
+            ran = [v for k, v in doc["checks"].items() if k.endswith(": ran")]
+            if ran and not all(ran):
+                self.shim_ok, self.shim_why = False, "shim_check: " + ", ".join(k for k, v in doc["checks"].items() if k.endswith(": ran") and not v)
+        if rc != 0:
+            failed = [k for k, v in ((doc or {}).get("checks") or {}).items() if not v]
+            raise RuntimeError(f"shim_check.py exited {rc}; failed checks: {failed}")
+
+    def warmup(self, deadline):
+        out = os.path.join(self.art, "warmup-online.json")
+        d = min(self.a.warmup_run, self.a.duration)
+        o = self.spawn("work", "warm-up online", self.online_cmd(out, duration=d), self.env, "warmup-online.log")
+        try:
+            rc = self.wait_exit(o, "warm-up online", deadline)
+        finally:
+            self.teardown(None, [("online", o)], None)
+        with open(out) as f:
+            j = json.load(f)
+        self.results["warmup"] = {"rc": rc, "requests": j.get("requests"), "p50_ms": j.get("p50_ms"), "p99_ms": j.get("p99_ms"), "startup_s": j.get("startup_s")}
+
+    def scenario(self, row, step, online, offline, agent, deadline):
+        name = row["scenario"]
+        tag = sanitize(step)
+        on_out, off_out = os.path.join(self.art, f"{tag}-online.json"), os.path.join(self.art, f"{tag}-offline.json")
+        ready = os.path.join(self.tmp, f"{tag}-offline-ready")
+        cg = None
         if agent and agent[0] == "freezer":
             cg = cgroup_dir(f"coloc-gpu-bench-{os.getpid()}")
             if not cg:
-                return {"scenario": name, "skipped": "no cgroup v2 freezer usable here"}
+                row["skipped"] = "no cgroup v2 freezer usable here"
+                return
+            self.cgroups.append(cg)
+        ag = off = on = None
+        port = events = None
+        metrics, state = "", None
         try:
             if agent:
-                port = free_port()
-                events = os.path.join(self.tmp, tag + "-events.jsonl")
-                cmd = [os.path.join(self.bin, "coloc-agent"), "run", "--rules", self.rules(cg), "--nvml-lib", self.nvml,
-                       "--actuator", agent[0], "--listen", f"127.0.0.1:{port}", "--state-dir", os.path.join(self.tmp, tag + "-state"),
-                       "--event-log", events, "--idle-window", self.a.idle_window, "--poll-interval", self.a.poll_interval,
-                       "--doorbell-dir", self.bells]
-                if self.a.sim:
-                    cmd += ["--nvml-sample-period", f"{self.a.sim_sample_period_ms}ms"]
-                if agent[1]:
-                    cmd.append("--dry-run")
-                if agent[2] == "gate":
-                    cmd += ["--gate", "--gate-file", self.gate_file]
-                ag = subprocess.Popen(cmd, env=self.env, stderr=open(os.path.join(self.out, tag + "-agent.log"), "w"))
-                for _ in range(200):
-                    try:
-                        if get(port, "/readyz")[0] == 200:
-                            break
-                    except OSError:
-                        pass
-                    time.sleep(0.05)
-                else:
-                    raise SystemExit(f"{name}: agent not ready; see {tag}-agent.log")
+                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] == "gate", deadline)
             if offline:
-                cmd = self.offline_cmd(off_out)
+                cmd = self.offline_cmd(off_out, ready)
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
                 gated = agent is not None and agent[2] == "gate"
-                procs.append(subprocess.Popen(cmd, env=self.shim_env("offline") if gated else self.env))
-                time.sleep(self.a.warmup)
+                off = self.spawn("work", f"{tag} offline", cmd, self.shim_env("offline") if gated else self.env, f"{tag}-offline.log")
+                self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline)
+            if self.a.fail_step == step:
+                raise RuntimeError("failure injected with --fail-step (workloads running)")
             if online:
                 rung = agent is not None and agent[2] in ("doorbell", "gate")
-                o = subprocess.Popen(self.online_cmd(on_out), env=self.shim_env("online") if rung else self.env)
-                o.wait()
+                on = self.spawn("work", f"{tag} online", self.online_cmd(on_out), self.shim_env("online") if rung else self.env, f"{tag}-online.log")
+                self.wait_exit(on, "online", deadline)
             else:
-                time.sleep(self.a.duration)
-            metrics = get(port, "/metrics")[1] if port else ""
-        finally:
-            for p in procs:
-                os.kill(p.pid, signal.SIGCONT); p.send_signal(signal.SIGTERM)
-            for p in procs:
-                p.wait()
-            if ag:
-                ag.send_signal(signal.SIGTERM); ag.wait()
-            if cg:
+                until = time.monotonic() + self.a.duration
+                while time.monotonic() < until:
+                    if off.poll() is not None:
+                        raise RuntimeError(f"offline exited with {off.returncode} during the run: {tail(os.path.join(self.art, tag + '-offline.log'), 800)}")
+                    time.sleep(0.1)
+            if port:
                 try:
-                    os.rmdir(cg)
-                except OSError:
-                    pass
-        r = {"scenario": name}
-        if online:
-            j = json.load(open(on_out)); r.update(online_p50_ms=j["p50_ms"], online_p99_ms=j["p99_ms"], requests=j["requests"])
-        if offline:
-            r["offline_steps_per_s"] = json.load(open(off_out))["steps_per_s"]
-        if events and os.path.exists(events):
-            ev = [json.loads(l) for l in open(events) if l.strip()]
-            pre = [e["preemption_s"] * 1e3 for e in ev if "preemption_s" in e]
-            det = [e["detection_s"] * 1e3 for e in ev if e["event"] == "preempt"]
-            rel = [e["release_s"] * 1e3 for e in ev if "release_s" in e]
-            signals = {}
-            for e in ev:
-                if e["event"] == "preempt":
-                    signals[e["signal"]] = signals.get(e["signal"], 0) + 1
-            acts = {}
-            for e in ev:
-                if e["event"] == "preempt" and e.get("actuator"):
-                    acts[e["actuator"]] = acts.get(e["actuator"], 0) + 1
-            r.update(preemptions=len(det), preemption_ms=[pct(pre, 50), pct(pre, 99)], detection_ms=[pct(det, 50), pct(det, 99)], release_ms=[pct(rel, 50), pct(rel, 99)],
-                     signals=signals, actuators=acts)
-            r["agent_metrics_preemption_count"] = sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith("coloc_preemption_latency_seconds_count"))
-        print(f"done: {name}: {json.dumps(r)}", flush=True)
-        return r
-
-    def probe(self):
-        off_out = os.path.join(self.tmp, "probe-offline.json")
-        p = subprocess.Popen(self.offline_cmd(off_out), env=self.env)
-        time.sleep(self.a.warmup)
-        try:
-            out = subprocess.run([os.path.join(self.bin, "coloc-bench"), "--nvml-probe", "--nvml-lib", self.nvml, "--seconds", str(self.a.probe_seconds), "--stop-pid", str(p.pid)],
-                                 env=self.env, capture_output=True, text=True, check=True).stdout
+                    metrics = get(port, "/metrics")[1]
+                    state = json.loads(get(port, "/state")[1])
+                    write_atomic(os.path.join(self.art, f"{tag}-state.json"), json.dumps(state, indent=1))
+                except (OSError, ValueError) as e:
+                    row.setdefault("warnings", []).append(f"cannot read the agent's /metrics or /state: {e!r}")
         finally:
-            os.kill(p.pid, signal.SIGCONT); p.send_signal(signal.SIGTERM); p.wait()
-        return json.loads(out)
+            row["exit"] = self.teardown(ag, [("offline", off), ("online", on)], cg)
+        self.parse(row, tag, online, offline, agent, on_out, off_out, events, metrics, state, off)
 
-    def wake_floor(self):
-        out = subprocess.run([os.path.join(self.bin, "coloc-bench"), "--wake-floor", "--samples", str(self.a.wake_floor_samples), "--hogs", "0,2h", "--gap-ms", "5-50",
-                              "--json", os.path.join(self.tmp, "wake-floor.json")], env=self.env, capture_output=True, text=True)
-        print(out.stdout, flush=True)
-        if out.returncode != 0:
-            # The scenarios' figures are worth more than this one: keep them.
-            return {"error": f"coloc-bench --wake-floor exited {out.returncode}: {out.stderr[-500:]}", "table": "wake-up floor: failed (see results.json)"}
-        r = json.load(open(os.path.join(self.tmp, "wake-floor.json")))
-        r["table"] = out.stdout
-        return r
+    def parse(self, row, tag, online, offline, agent, on_out, off_out, events, metrics, state, off):
+        problems, warn = [], row.setdefault("warnings", [])
+        on_j = off_j = None
+        for what, want, path in (("online", online, on_out), ("offline", offline, off_out)):
+            if not want:
+                continue
+            try:
+                with open(path) as f:
+                    j = json.load(f)
+            except (OSError, ValueError) as e:
+                problems.append(f"{what} wrote no result ({e.__class__.__name__}); its log: {tail(os.path.join(self.art, f'{tag}-{what}.log'), 600)}")
+                continue
+            if j.get("error"):
+                problems.append(f"{what} failed: {j['error'][-600:]}")
+            if what == "online":
+                on_j = j
+            else:
+                off_j = j
+        if on_j:
+            row.update(online_p50_ms=on_j.get("p50_ms"), online_p99_ms=on_j.get("p99_ms"), online_max_ms=on_j.get("max_ms"), requests=on_j.get("requests"))
+            if not on_j.get("requests"):
+                problems.append("online served no request")
+        if off_j:
+            row["offline_steps_per_s"] = off_j.get("steps_per_s")
+            tl, win = off_j.get("timeline") or [], (on_j or {}).get("window_mono_s")
+            if tl and win and win[1] > win[0] and len(tl) >= 2:
+                row["offline_steps_per_s_online_window"] = (steps_at(tl, win[1]) - steps_at(tl, win[0])) / (win[1] - win[0])
+                row["offline_basis"] = "online window"
+            else:
+                row["offline_basis"] = "whole run"
+        if events and os.path.exists(events):
+            ev = []
+            with open(events) as f:
+                for line in f:
+                    try:
+                        ev.append(json.loads(line))
+                    except ValueError:
+                        pass
+            pre = [e["preemption_s"] * 1e3 for e in ev if e.get("preemption_s") is not None]
+            det = [e["detection_s"] * 1e3 for e in ev if e.get("event") == "preempt" and e.get("detection_s") is not None]
+            rel = [e["release_s"] * 1e3 for e in ev if e.get("release_s") is not None]
+            signals, acts = {}, {}
+            for e in ev:
+                if e.get("event") == "preempt":
+                    signals[e.get("signal")] = signals.get(e.get("signal"), 0) + 1
+                    if e.get("actuator"):
+                        acts[e["actuator"]] = acts.get(e["actuator"], 0) + 1
+            fail_open = sum(1 for e in ev if e.get("event") == "fail_open")
+            row.update(preemptions=sum(1 for e in ev if e.get("event") == "preempt"), preemption_ms=[pct(pre, 50), pct(pre, 99)], preemption_n=len(pre),
+                       detection_ms=[pct(det, 50), pct(det, 99)], detection_n=len(det), release_ms=[pct(rel, 50), pct(rel, 99)], release_n=len(rel),
+                       signals=signals, actuators=acts, fail_open=fail_open)
+            row["agent_metrics_preemption_count"] = sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith("coloc_preemption_latency_seconds_count"))
+            # Did the agent see and act on the processes (else the row only looks plausible)?
+            if fail_open:
+                warn.append(f"{fail_open} fail-open event(s)")
+            if not agent[1]:
+                if not row["preemptions"]:
+                    warn.append("no preemption: the agent never acted")
+                elif not acts:
+                    warn.append("preemptions without an actuator")
+                if agent[2] == "gate" and not acts.get("gate"):
+                    warn.append("no suspension at the gate")
+                if agent[2] in ("doorbell", "gate") and not signals.get("doorbell"):
+                    warn.append("no preemption signalled by the doorbell")
+            if row.get("exit", {}).get("agent") not in (0, None):
+                warn.append(f"the agent exited {row['exit']['agent']}")
+        if state is not None:
+            procs = [dict(p, gpu=g.get("index")) for g in state.get("gpus", []) for p in g.get("processes", [])]
+            row["agent_state"] = {"degraded": state.get("degraded"), "degraded_reason": state.get("degraded_reason"),
+                                  "gpus_degraded": [g.get("index") for g in state.get("gpus", []) if g.get("degraded")],
+                                  "processes": [{k: p.get(k) for k in ("gpu", "pid", "class", "suspended", "actuator")} for p in procs]}
+            if state.get("degraded"):
+                warn.append(f"agent degraded: {state.get('degraded_reason')}")
+            if off is not None:
+                mine = [p for p in procs if p.get("pid") == off.pid]
+                if not mine:
+                    warn.append("the offline process is not in the agent's /state (not seen on the GPU)")
+                elif any(p.get("class") != "offline" for p in mine):
+                    warn.append(f"the offline process is classified {[p.get('class') for p in mine]}")
+        elif agent:
+            warn.append("no /state from the agent")
+        if not warn:
+            del row["warnings"]
+        if problems:
+            row["error"] = "; ".join(problems)
+        log(f"  {row['scenario']}: " + json.dumps({k: v for k, v in row.items() if k not in ("agent_state",)})[:1500])
 
-    def close(self):
-        if self.gpu_daemon:
-            self.gpu_daemon.send_signal(signal.SIGTERM); self.gpu_daemon.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    def wake_floor(self, deadline):
+        out = os.path.join(self.art, "wake-floor.json")
+        cmd = [os.path.join(self.bin, "coloc-bench"), "--wake-floor", "--samples", str(self.a.wake_floor_samples), "--hogs", "0,2h", "--gap-ms", "5-50", "--json", out]
+        p = self.spawn("tool", "coloc-bench --wake-floor", cmd, self.env, "wake-floor.log")
+        try:
+            rc = self.wait_exit(p, "coloc-bench --wake-floor", deadline)
+        finally:
+            self.end(p, "coloc-bench --wake-floor", 5, cont=False)
+        text = tail(os.path.join(self.art, "wake-floor.log"), 6000)
+        if rc != 0:
+            self.results["wake_floor"] = {"error": f"exit {rc}", "table": text[-1500:]}
+            raise RuntimeError(f"coloc-bench --wake-floor exited {rc}: {text[-500:]}")
+        with open(out) as f:
+            r = json.load(f)
+        r["table"] = text
+        self.results["wake_floor"] = r
 
 
-def table(rows, probe, a):
-    alone = next((r for r in rows if r["scenario"] == "online alone"), {})
-    off_alone = next((r for r in rows if r["scenario"] == "offline alone"), {})
-    f = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else (f"{v:.2f}" if isinstance(v, float) else str(v))
-    lines = ["| scenario | online p50 (ms) | online p99 (ms) | p99 / alone | offline steps/s | offline share of alone | preemption p50/p99 (ms) | detection p50/p99 | release p50/p99 (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+# ---- report -------------------------------------------------------------------------------
+
+def fmt(v):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def scenario_table(rows):
+    alone = next((r for r in rows if r["scenario"] == "online alone" and r.get("online_p99_ms")), {})
+    off_alone = next((r for r in rows if r["scenario"] == "offline alone" and r.get("offline_steps_per_s")), {})
+    lines = ["| scenario | online p50 (ms) | online p99 (ms) | p99 / alone | requests | offline steps/s (basis) | offline share of alone | preemption p50/p99 ms (n) | detection p50/p99 ms (n) | release p50/p99 ms (n) | checks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['scenario']} | skipped: {r['skipped']} |||||||| ")
+            lines.append(f"| {r['scenario']} | skipped: {r['skipped']} |||||||||| ")
             continue
-        ratio = r["online_p99_ms"] / alone["online_p99_ms"] if "online_p99_ms" in r and alone.get("online_p99_ms") else None
-        share = r["offline_steps_per_s"] / off_alone["offline_steps_per_s"] if "offline_steps_per_s" in r and off_alone.get("offline_steps_per_s") else None
-        pair = lambda k: "/".join(f(x) for x in r[k]) if k in r else "-"
-        lines.append(f"| {r['scenario']} | {f(r.get('online_p50_ms'))} | {f(r.get('online_p99_ms'))} | {f(ratio)} | {f(r.get('offline_steps_per_s'))} | {f(share)} | {pair('preemption_ms')} | {pair('detection_ms')} | {pair('release_ms')} |")
-    lines += ["", "NVML probe: " + json.dumps({k: probe[k] for k in ("call_cost", "sample_interval_ms", "freshness_ms", "drain_after_sigstop_ms", "samples")})]
-    return "\n".join(lines) + "\n"
+        err = f"ERROR: {str(r['error'])[:160]}".replace("|", "/").replace("\n", " ") if r.get("error") else ""
+        ratio = r["online_p99_ms"] / alone["online_p99_ms"] if r.get("online_p99_ms") and alone.get("online_p99_ms") else None
+        off_v = r.get("offline_steps_per_s_online_window", r.get("offline_steps_per_s"))
+        share = off_v / off_alone["offline_steps_per_s"] if off_v is not None and off_alone.get("offline_steps_per_s") else None
+        basis = f" ({r.get('offline_basis')})" if off_v is not None and r.get("offline_basis") else ""
+
+        def trio(k):
+            if k + "_ms" not in r:
+                return "-"
+            return "/".join(fmt(x) for x in r[k + "_ms"]) + f" ({r.get(k + '_n', '-')})"
+        checks = "; ".join(r.get("warnings", [])) or ("ok" if "preemptions" in r else "-")
+        checks = (err + " " + checks).strip() if err else checks
+        lines.append(f"| {r['scenario']} | {fmt(r.get('online_p50_ms'))} | {fmt(r.get('online_p99_ms'))} | {fmt(ratio)} | {fmt(r.get('requests'))} | {fmt(off_v)}{basis} | {fmt(share)} | "
+                     f"{trio('preemption')} | {trio('detection')} | {trio('release')} | {checks} |")
+    return "\n".join(lines)
+
+
+def render(r, parts=None):
+    m = r.get("meta") or {}
+    pf = r.get("preflight") or {}
+    torch_r = ((pf.get("torch") or {}).get("result")) or {}
+    out = ["# gpu-coloc: real-GPU harness results" + (" (SIMULATED GPU)" if m.get("sim") else ""), ""]
+    out.append(f"- complete: {r.get('complete')}" + (f" — interrupted: {r['interrupted']}" if r.get("interrupted") else ""))
+    out.append(f"- date {m.get('date')}, commit {m.get('commit')} ({m.get('commit_source')}), agent {m.get('agent_version')}")
+    smi = pf.get("nvidia_smi") if isinstance(pf.get("nvidia_smi"), dict) else {}
+    out.append(f"- device {torch_r.get('device') or smi.get('name')}, driver {smi.get('driver_version')}, "
+               f"torch {torch_r.get('torch')} (CUDA {torch_r.get('cuda')}), python {m.get('python')}")
+    if isinstance(pf.get("nvidia_smi"), dict):
+        out.append(f"- nvidia-smi: {json.dumps(pf['nvidia_smi'])}")
+    if pf.get("warnings"):
+        out.append(f"- preflight warnings: {'; '.join(pf['warnings'])}")
+    if pf.get("shim_problems") or pf.get("shim_warnings"):
+        out.append(f"- shim in PyTorch (preflight): broke it: {pf.get('shim_problems')}; differences: {pf.get('shim_warnings')}")
+    out.append(f"- duration {m.get('duration_s')} s per row, {m.get('rate')} requests/s, idle window {m.get('idle_window')}, poll {m.get('poll_interval')}, "
+               f"gate K {m.get('gate_inflight')}, NVML sample period given to the agents: {json.dumps(m.get('nvml_sample_period'))}")
+    out.append("- binaries: " + ", ".join(f"{k} {v.get('sha256', v.get('error', ''))[:16]}" for k, v in (m.get("binaries") or {}).items()))
+    if parts:
+        out.append(f"- merged from: {', '.join(parts)}")
+    out += ["", "## Steps", "", "| step | status | s | note |", "|---|---|---|---|"]
+    for s in r.get("steps") or []:
+        note = s.get("reason") or (s.get("error") or "").strip().splitlines()[-1:] or [""]
+        note = note if isinstance(note, str) else note[0]
+        out.append(f"| {s.get('part', '') + ' ' if s.get('part') else ''}{s['step']} | {s['status']} | {fmt(s.get('elapsed_s'))} | {note[:200].replace('|', '/')} |")
+    out += ["", "## Scenarios", "", "Offline steps/s is taken over the online process's active window where both ran (basis \"online window\"); the share compares it with offline alone.", "",
+            scenario_table(r.get("scenarios") or [])]
+    probes = r.get("nvml_probe")
+    probes = probes if isinstance(probes, list) else [probes]
+    for i, p in enumerate(x for x in probes if x):
+        out += ["", "## NVML probe" + (f" ({i + 1})" if len(probes) > 1 else ""), ""]
+        out.append(json.dumps({k: p.get(k) for k in ("call_cost", "sample_interval_ms", "freshness_ms", "drain_after_sigstop_ms", "samples", "processes_seen", "notes")}))
+    sc = r.get("shim_check")
+    if sc:
+        out += ["", "## Shim on real CUDA", ""]
+        if sc.get("error"):
+            out.append(f"ERROR: {sc['error']}")
+        else:
+            out.append("all checks hold" if sc.get("ok") else "FAILED: " + ", ".join(k for k, v in (sc.get("checks") or {}).items() if not v))
+            out.append(f"\ngate: {json.dumps(sc.get('gate', {}).get('config'))} {('(' + str(sc['gate']['agent_error']) + ')') if (sc.get('gate') or {}).get('agent_error') else ''}")
+            out.append(f"\nµs per launch: {json.dumps(sc.get('us_per_launch'))}\n\nshim cost: {json.dumps(sc.get('shim_cost_ns_per_launch'))}")
+            if sc.get("skipped"):
+                out.append(f"\nskipped runs: {sc['skipped']}")
+    if r.get("warmup"):
+        out += ["", f"Warm-up run (thrown away): {json.dumps(r['warmup'])}"]
+    wf = r.get("wake_floor")
+    if wf:
+        out += ["", "## Wake-up floor (CPU only)", "", wf.get("error", ""), "```", (wf.get("table") or "").strip()[-3000:], "```"]
+    return "\n".join(out) + "\n"
+
+
+def merge(dirs, out):
+    """Joins the results.json of several parts (part1, part2) into one results.json/md."""
+    docs = []
+    for d in dirs:
+        with open(os.path.join(d, "results.json"), encoding="utf-8") as f:
+            docs.append((os.path.basename(os.path.normpath(d)), json.load(f)))
+    m = {"complete": all(r.get("complete") for _, r in docs), "meta": dict(docs[0][1].get("meta") or {}), "parts": {},
+         "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None}
+    by_name = {}
+    for part, r in docs:
+        m["parts"][part] = {"meta": r.get("meta"), "complete": r.get("complete"), "interrupted": r.get("interrupted")}
+        m["steps"] += [dict(s, part=part) for s in r.get("steps") or []]
+        m["preflight"] = m["preflight"] or r.get("preflight")
+        p = r.get("nvml_probe")
+        m["nvml_probe"] += [dict(p, part=part)] if isinstance(p, dict) else []
+        m["shim_check"] = m["shim_check"] or r.get("shim_check")
+        m["warmup"] += [dict(r["warmup"], part=part)] if r.get("warmup") else []
+        m["wake_floor"] = m["wake_floor"] or r.get("wake_floor")
+        for row in r.get("scenarios") or []:
+            old = by_name.get(row["scenario"])
+            if old is None or ("error" in old or "skipped" in old) and not ("error" in row or "skipped" in row):
+                by_name[row["scenario"]] = dict(row, part=part)
+    order = [s for _, s, *_ in ROWS]
+    m["scenarios"] = sorted(by_name.values(), key=lambda x: order.index(x["scenario"]) if x["scenario"] in order else 99)
+    m["meta"]["nvml_sample_period"] = {p: (r.get("meta") or {}).get("nvml_sample_period") for p, r in docs}
+    os.makedirs(out, exist_ok=True)
+    m = clean(m)
+    write_atomic(os.path.join(out, "results.json"), json.dumps(m, indent=1))
+    write_atomic(os.path.join(out, "results.md"), render(m, parts=list(m["parts"])))
+    print(render(m, parts=list(m["parts"])))
+
+
+def expand(spec):
+    names = []
+    for s in (spec or "").split(","):
+        s = s.strip()
+        if not s:
+            continue
+        if s in GROUPS:
+            names += GROUPS[s]
+        elif s in ORDER:
+            names.append(s)
+        else:
+            raise SystemExit(f"unknown step or group {s!r}: steps {', '.join(ORDER)}; groups {', '.join(GROUPS)}")
+    return set(names)
 
 
 def main():
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sim", action="store_true", help="simulated GPU (coloc-sim + fake NVML): checks the harness without a GPU")
-    ap.add_argument("--bin", default="target/release", help="directory with coloc-agent, coloc-bench (and coloc-sim, libfake_nvml.so for --sim)")
+    ap.add_argument("--bin", default="target/release", help="directory with coloc-agent, coloc-bench, libcoloc_cuda.so (and coloc-sim, libfake_nvml.so, libfake_cuda.so for --sim)")
     ap.add_argument("--nvml-lib", default="libnvidia-ml.so.1")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", help="only join the results of these runs' --out directories into --out")
+    ap.add_argument("--only", help="comma-separated steps or groups to run (default all): " + ", ".join(ORDER) + "; groups " + ", ".join(GROUPS))
+    ap.add_argument("--skip", help="comma-separated steps or groups not to run")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run: a step that would not fit is skipped (recorded)")
+    ap.add_argument("--commit", help="the commit the binaries were built from (the device's copy has no .git); default: git, if there")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds per scenario row")
     ap.add_argument("--rate", type=float, default=30.0, help="online requests per second")
-    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=0.5, help="--sim only: seconds the simulated offline gets before online starts (the real one says when it is ready)")
+    ap.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a real workload may take to start (import, CUDA init, warm-up)")
+    ap.add_argument("--warmup-run", type=float, default=5.0, help="seconds of the thrown-away online run (step warmup)")
     ap.add_argument("--idle-window", default="100ms")
     ap.add_argument("--poll-interval", default="1ms")
-    ap.add_argument("--probe-seconds", type=float, default=6.0)
+    ap.add_argument("--nvml-sample-period", help=f"give the agents this sample period instead of the probe's (fallback {FALLBACK_SAMPLE_PERIOD})")
+    ap.add_argument("--probe-seconds", type=float, default=12.0, help="coloc-bench --nvml-probe --seconds (SIGSTOP at 1/3, SIGCONT at 2/3)")
     ap.add_argument("--sim-work-ms", type=float, default=10.0)
     ap.add_argument("--sim-sample-period-ms", type=float, default=100.0, help="the simulated driver's sample period (a real driver's is 100 ms to 1 s)")
-    ap.add_argument("--only", help="comma-separated scenario names")
     ap.add_argument("--shim", help="libcoloc_cuda.so (default: in --bin)")
     ap.add_argument("--gate-inflight", type=int, default=4, help="K for the gate scenario (COLOC_SHIM_INFLIGHT)")
-    ap.add_argument("--wake-floor-samples", type=int, default=300, help="coloc-bench --wake-floor samples per cell (0: skip)")
+    ap.add_argument("--shim-launches", type=int, default=100000, help="shim_check.py --launches")
+    ap.add_argument("--shim-repeats", type=int, default=5, help="shim_check.py --repeats")
+    ap.add_argument("--shim-rounds", type=int, default=2, help="shim_check.py --rounds")
+    ap.add_argument("--wake-floor-samples", type=int, default=150, help="coloc-bench --wake-floor samples per cell (0: skip)")
+    ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
+    if a.merge:
+        merge(a.merge, a.out)
+        return
+    selected = expand(a.only) if a.only else set(ORDER)
+    selected -= expand(a.skip)
+    if a.sim:
+        selected.discard("shim")  # needs PyTorch and a GPU
+    if a.wake_floor_samples <= 0:
+        selected.discard("wake-floor")
     h = Harness(a)
-    plan = [("online alone", True, False, None), ("offline alone", False, True, None), ("both, no agent", True, True, None),
-            ("both, agent dry-run", True, True, ("signal", True, None)), ("both, agent signal", True, True, ("signal", False, None)),
-            ("both, agent freezer", True, True, ("freezer", False, None)),
-            ("both, agent doorbell", True, True, ("signal", False, "doorbell")),
-            ("both, agent doorbell + gate", True, True, ("signal", False, "gate"))]
-    if a.only:
-        keep = set(a.only.split(","))
-        plan = [p for p in plan if p[0] in keep or p[0] in ("online alone", "offline alone")]
+    h.selected = [s for s in ORDER if s in selected]
+    log(f"gpu-coloc harness: steps {' '.join(h.selected)}; budget {a.budget:g} s; out {h.out}")
+    code = 0
     try:
-        rows = [h.scenario(n, on, off, ag) for n, on, off, ag in plan]
-        probe = h.probe()
-        floor = h.wake_floor() if a.wake_floor_samples > 0 else None
-        shim_check = None
-        if not a.sim:
-            # PyTorch under the shim (forward/backward, CUDA graphs, cuBLAS), its doorbell
-            # page, and the shim's cost per real launch: see shim_check.py.
-            sc = os.path.join(a.out, "shim-check.json")
-            subprocess.run([sys.executable, os.path.join(HERE, "shim_check.py"), "--shim", h.shim, "--inflight", str(a.gate_inflight), "--out", sc])
-            shim_check = json.load(open(sc)) if os.path.exists(sc) else {"error": "shim_check.py wrote nothing"}
+        h.meta()
+        h.set_period()
+        h.save()
+        if a.sim:
+            h.start_sim()
+        rows = {r[0]: r for r in ROWS}
+        for step in h.selected:
+            if step in rows:
+                _, name, on, off, ag = rows[step]
+                row = {"scenario": name}
+                h.run_step(step, lambda dl, row=row, step=step, on=on, off=off, ag=ag: h.scenario(row, step, on, off, ag, dl), row=row)
+            else:
+                fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor}[step]
+                h.run_step(step, fn)
+        h.results["complete"] = True
+    except Interrupted as e:
+        h.results["interrupted"] = f"signal {e.args[0] if e.args else '?'} at +{time.monotonic() - T0:.0f} s"
+        log(f"interrupted ({h.results['interrupted']}): tearing down, writing what there is")
+        code = 143
+    except Exception:  # noqa: BLE001  (setup: the simulated GPU, meta)
+        h.results["error"] = traceback.format_exc()[-3000:]
+        log(f"ERROR outside the steps: {h.results['error']}")
+        code = 1
     finally:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # from here on a signal only logs
+            signal.signal(s, lambda sg, _f: log(f"signal {sg}: finishing the teardown and the results"))
+        h.cleanup_all()
+        h.results["elapsed_s"] = round(time.monotonic() - T0, 1)
+        h.save()
         h.close()
-    doc = table(rows, probe, a)
-    meta = {"sim": a.sim, "duration_s": a.duration, "rate": a.rate, "idle_window": a.idle_window, "poll_interval": a.poll_interval, "gate_inflight": a.gate_inflight,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        meta["commit"] = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        pass
-    if floor:
-        doc += "\n\n" + floor["table"]
-    if not a.sim:
-        try:
-            import torch
-            meta.update(torch=torch.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(0))
-        except Exception as e:  # noqa: BLE001
-            meta["torch_error"] = str(e)
-        try:
-            meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
-    if shim_check:
-        doc += "\n\nShim on real CUDA: " + ("all checks hold" if shim_check.get("ok") else "FAILED: " + ", ".join(k for k, v in shim_check.get("checks", {}).items() if not v)) + \
-            f"; µs per launch {json.dumps(shim_check.get('us_per_launch'))}"
-    open(os.path.join(a.out, "results.md"), "w").write(f"{json.dumps(meta)}\n\n{doc}")
-    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else ([clean(x) for x in v] if isinstance(v, list) else ({k: clean(x) for k, x in v.items()} if isinstance(v, dict) else v))
-    json.dump(clean({"meta": meta, "scenarios": rows, "nvml_probe": probe, "wake_floor": floor, "shim_check": shim_check}), open(os.path.join(a.out, "results.json"), "w"), indent=1)
-    print(doc)
+    r = clean(h.results)
+    st = {}
+    for s in r["steps"]:
+        st[s["status"]] = st.get(s["status"], 0) + 1
+    log(f"done in {r['elapsed_s']} s: steps {json.dumps(st)}; results in {h.out}: {' '.join(sorted(os.listdir(h.out)))}")
+    print(render(r), flush=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

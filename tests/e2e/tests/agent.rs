@@ -866,7 +866,8 @@ fn status_shows_state_and_plots_a_timeline() {
 #[test]
 fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     // benches/gpu/run.py is what runs on a real GPU; --sim swaps PyTorch and the driver for
-    // coloc-sim and the fake NVML, so the whole harness is exercised here.
+    // coloc-sim and the fake NVML, so the whole harness is exercised here. One step is made
+    // to fail (with its workloads running): it must be recorded, torn down, and the run go on.
     let out = std::env::temp_dir().join(unique("coloc-e2e-gpu-harness"));
     let bindir = bin("coloc-agent").parent().unwrap().to_path_buf();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/run.py");
@@ -879,12 +880,18 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "2",
                 "--warmup",
                 "0.5",
+                "--warmup-run",
+                "0.5",
                 "--probe-seconds",
                 "1.5",
                 "--rate",
                 "5",
                 "--wake-floor-samples",
                 "5",
+                "--commit",
+                "0123456789abcdef0123456789abcdef01234567",
+                "--fail-step",
+                "no-agent",
             ])
             .arg("--bin")
             .arg(&bindir)
@@ -892,17 +899,83 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             .arg(&out),
         Duration::from_secs(300),
     );
-    assert!(
-        r.status.success(),
+    let log = format!(
         "{}\n{}",
         String::from_utf8_lossy(&r.stdout),
         String::from_utf8_lossy(&r.stderr)
     );
+    assert!(r.status.success(), "{log}");
+    // What the device tool brings back: a few plain files, names it accepts.
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "artifacts.tar.gz",
+            "progress.log",
+            "results.json",
+            "results.md"
+        ],
+        "{log}"
+    );
     let res: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(res["complete"], true, "{res}");
+    assert_eq!(
+        res["meta"]["commit"],
+        "0123456789abcdef0123456789abcdef01234567"
+    );
+    assert_eq!(
+        res["meta"]["binaries"]["coloc-agent"]["sha256"]
+            .as_str()
+            .unwrap()
+            .len(),
+        64
+    );
+    assert_eq!(res["meta"]["nvml_sample_period"]["value"], "100ms");
+    // Every step recorded; the injected failure as an error, every other step ok.
+    let steps = res["steps"].as_array().unwrap();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "preflight",
+            "probe",
+            "warmup",
+            "online-alone",
+            "offline-alone",
+            "no-agent",
+            "dry-run",
+            "signal",
+            "freezer",
+            "doorbell",
+            "gate",
+            "wake-floor"
+        ]
+    );
+    for s in steps {
+        let want = if s["step"] == "no-agent" {
+            "error"
+        } else {
+            "ok"
+        };
+        assert_eq!(s["status"], want, "{s}");
+    }
     let rows = res["scenarios"].as_array().unwrap();
     assert_eq!(rows.len(), 8);
     let get = |name: &str| rows.iter().find(|r| r["scenario"] == name).unwrap().clone();
+    let failed = get("both, no agent");
+    assert!(
+        failed["error"].as_str().unwrap().contains("--fail-step"),
+        "{failed}"
+    );
+    assert!(
+        failed["exit"]["offline"].is_i64(),
+        "the failed step's offline process was ended: {failed}"
+    );
     assert!(get("online alone")["online_p99_ms"].as_f64().unwrap() > 0.0);
     assert!(
         get("offline alone")["offline_steps_per_s"]
@@ -912,6 +985,8 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     );
     let sig = get("both, agent signal");
     assert!(sig["preemptions"].as_u64().unwrap() >= 1, "{sig}");
+    assert!(sig.get("warnings").is_none(), "{sig}");
+    assert_eq!(sig["exit"]["agent"], 0, "{sig}");
     assert!(
         get("both, agent dry-run")["preemption_ms"][0].is_null(),
         "dry run never acts"
@@ -932,6 +1007,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         gate["actuators"]["gate"].as_u64().unwrap_or(0) >= 1,
         "{gate}"
     );
+    assert!(gate.get("warnings").is_none(), "{gate}");
     assert!(
         res["wake_floor"]["rows"].as_array().unwrap().len() >= 2,
         "{}",
@@ -943,9 +1019,27 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             .unwrap()
             > 0.0
     );
-    assert!(std::fs::read_to_string(out.join("results.md"))
-        .unwrap()
-        .contains("| both, agent signal |"));
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| both, agent signal |"), "{md}");
+    assert!(md.contains("| no-agent | error |"), "{md}");
+    // The artifacts: agent and event logs, the agent's /state, per-process results.
+    let tar = std::process::Command::new("tar")
+        .arg("tzf")
+        .arg(out.join("artifacts.tar.gz"))
+        .output()
+        .unwrap();
+    assert!(tar.status.success());
+    let listing = String::from_utf8_lossy(&tar.stdout);
+    for f in [
+        "signal-agent.log",
+        "signal-events.jsonl",
+        "signal-state.json",
+        "gate-offline.json",
+        "probe.json",
+    ] {
+        assert!(listing.lines().any(|l| l == f), "{f} missing:\n{listing}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// Every catchable signal that would end the agent resumes offline work first.
