@@ -172,7 +172,7 @@ fn run(args: RunArgs) -> Result<()> {
     let agent = Loop::new(cfg.clone(), edges, shared.clone())?;
 
     let listener = rt
-        .block_on(tokio::net::TcpListener::bind(args.listen))
+        .block_on(async { listen(args.listen) })
         .with_context(|| format!("binding --listen {}", args.listen))?;
     let addr = listener.local_addr()?;
     // Histograms are drained only on a scrape or an upkeep: without a scraper (standalone
@@ -271,4 +271,22 @@ fn resume_leftovers(
             error!(error = %err, "Failed to update the suspension record");
         }
     }
+}
+
+/// Connections the kernel queues for the HTTP server before it accepts them. Under a flood
+/// of connections (the HTTP tests open 1,000 at once) tokio's default of 1,024 overflowed
+/// now and then: the kernel dropped a SYN, and the client that sent it, a kubelet probe
+/// as likely as any other, waited a second for its retransmission. The kernel caps this at
+/// `net.core.somaxconn` (4,096 by default since Linux 5.4).
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    sock.set_reuseaddr(true)?;
+    sock.bind(addr)?;
+    sock.listen(LISTEN_BACKLOG)
 }

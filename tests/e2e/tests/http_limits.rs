@@ -78,6 +78,22 @@ fn late_ticks(metrics: &str, le: &str) -> (f64, f64) {
     (all - within, all)
 }
 
+/// The kernel's count of connections dropped because a listen queue was full (TcpExt
+/// ListenOverflows, all sockets of this network namespace).
+fn listen_overflows() -> u64 {
+    let t = std::fs::read_to_string("/proc/net/netstat").unwrap_or_default();
+    let mut lines = t.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
+        return 0;
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(n, _)| *n == "ListenOverflows")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0)
+}
+
 struct Hostile {
     stream: TcpStream,
     opened: Instant,
@@ -103,6 +119,7 @@ fn slow_and_half_sent_connections_are_shed_while_probes_and_the_loop_keep_time()
     let m0 = agent.metrics();
     let (late0, ticks0) = late_ticks(&m0, "0.1");
 
+    let overflows0 = listen_overflows();
     // 1,000 hostile connections: 60 % send half a request head, 20 % send nothing, 20 %
     // trickle a header byte every 500 ms (slowloris).
     let start = Instant::now();
@@ -251,6 +268,13 @@ fn slow_and_half_sent_connections_are_shed_while_probes_and_the_loop_keep_time()
     assert!(
         rss_max <= rss_before + RSS_GROWTH_BOUND_KB,
         "RSS grew from {rss_before} kB to {rss_max} kB under the attack"
+    );
+    // A full listen queue drops SYNs; the client then waits a second for the retransmit
+    // (with tokio's default backlog of 1,024 this happened in about one run of three).
+    let overflows = listen_overflows() - overflows0;
+    assert_eq!(
+        overflows, 0,
+        "the agent's listen queue overflowed {overflows} times during the attack"
     );
     assert!(
         worst_probe < Duration::from_secs(1),
