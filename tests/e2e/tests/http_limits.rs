@@ -6,6 +6,7 @@
 use coloc_e2e::*;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// The agent's defaults (`--http-header-timeout 5s`, `--http-max-connections 64`).
@@ -119,6 +120,31 @@ fn slow_and_half_sent_connections_are_shed_while_probes_and_the_loop_keep_time()
     let m0 = agent.metrics();
     let (late0, ticks0) = late_ticks(&m0, "0.1");
 
+    // The listen queue is deep enough for the flood: `ss` shows a listening socket's
+    // backlog as its Send-Q (the agent asks for 4,096; the kernel caps it at somaxconn).
+    let somaxconn: u64 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(4096);
+    match Command::new("ss")
+        .args(["-Hltn", &format!("sport = :{}", agent.port)])
+        .output()
+    {
+        Ok(o) if o.status.success() => {
+            let text = String::from_utf8_lossy(&o.stdout).to_string();
+            let backlog: u64 = text
+                .split_whitespace()
+                .nth(2)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("ss printed {text:?}"));
+            assert_eq!(
+                backlog,
+                somaxconn.min(4096),
+                "the agent's listen backlog ({text:?})"
+            );
+        }
+        other => eprintln!("NOT CHECKED: the listen backlog (ss did not run: {other:?})"),
+    }
     let overflows0 = listen_overflows();
     // 1,000 hostile connections: 60 % send half a request head, 20 % send nothing, 20 %
     // trickle a header byte every 500 ms (slowloris).
