@@ -95,8 +95,16 @@ pub fn kind_of(name: &str, ptds: bool) -> u32 {
     pos | KIND_SET | if ptds { KIND_PTDS } else { 0 }
 }
 
-/// `cuGetProcAddress` flag `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`.
+/// `cuGetProcAddress` flags `CU_GET_PROC_ADDRESS_LEGACY_STREAM` and
+/// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`.
+const LEGACY_STREAM: u64 = 1;
 const PER_THREAD_DEFAULT_STREAM: u64 = 2;
+
+/// The getter was asked for per-thread default stream semantics (a bit test: other flag
+/// bits may come).
+fn per_thread(flags: u64) -> bool {
+    flags & PER_THREAD_DEFAULT_STREAM != 0 && flags & LEGACY_STREAM == 0
+}
 
 /// Calls a driver entry point with twelve machine words (see the module doc).
 ///
@@ -193,7 +201,9 @@ type Fwd = unsafe extern "C" fn(
 type Getter =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
 
-const NSLOTS: usize = 64;
+/// Distinct driver pointers that can be wrapped: 22 bases × (legacy, `_ptsz`) and older
+/// ABIs of some come to about 60, so twice that leaves room.
+const NSLOTS: usize = 128;
 const NGETTERS: usize = 8;
 static SLOT_REAL: [AtomicUsize; NSLOTS] = [const { AtomicUsize::new(0) }; NSLOTS];
 /// Slot N's kind ([`kind_of`]), set when it is handed out (the first request wins).
@@ -250,14 +260,14 @@ unsafe extern "C" fn getter<const N: usize>(
     let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
     if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
         // SAFETY: the driver succeeded, so `sym` is a C string and `pfn` a valid slot.
-        unsafe { after_get(sym, pfn, flags) };
+        unsafe { after_get(sym, pfn, ver, flags) };
     }
     r
 }
 
 /// Replaces the driver's answer for a wrapped name with our wrapper (`flags`: the
 /// getter's, which say whether stream 0 is the per-thread default stream).
-unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void, flags: u64) {
+unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags: u64) {
     // SAFETY: caller's contract.
     let (name, real) = unsafe { (CStr::from_ptr(sym), *pfn) };
     if real.is_null() {
@@ -265,20 +275,29 @@ unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void, flags: u64) {
     }
     let name = name.to_bytes();
     let ours = std::panic::catch_unwind(|| {
-        if is_getter(name) {
-            getter_for(real as usize)
-        } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
-            slot_for(
-                real as usize,
-                kind_of(n, flags == PER_THREAD_DEFAULT_STREAM),
-            )
-        } else {
-            None
+        let w = wrap_for(name, real as usize, flags);
+        if crate::trace::on() {
+            // The answer may be ours already (a driver whose table resolves through the
+            // dynamic linker finds our exported wrappers first).
+            let wrapped = w.is_some() || is_ours(real as usize);
+            crate::trace::request("cuGetProcAddress", name, ver, flags, wrapped);
         }
+        w
     });
     if let Ok(Some(w)) = ours {
         // SAFETY: `pfn` is the caller's out-pointer.
         unsafe { *pfn = w as *mut c_void };
+    }
+}
+
+/// Our wrapper for a getter's answer `real` to `name` (`None`: not one we wrap).
+fn wrap_for(name: &[u8], real: usize, flags: u64) -> Option<usize> {
+    if is_getter(name) {
+        getter_for(real)
+    } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
+        slot_for(real, kind_of(n, per_thread(flags)))
+    } else {
+        None
     }
 }
 
@@ -287,8 +306,11 @@ macro_rules! table {
 }
 
 static SLOT_FNS: [Fwd; NSLOTS] = table!(slot, Fwd,
-    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
-    32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63);
+    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32
+    33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61
+    62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90
+    91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114
+    115 116 117 118 119 120 121 122 123 124 125 126 127);
 static GETTER_FNS: [Getter; NGETTERS] = table!(getter, Getter, 0 1 2 3 4 5 6 7);
 
 /// Finds or takes a slot for `real` in `reals`; `None` when all are taken.
@@ -363,6 +385,7 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
     let getter = is_getter(bytes);
     let launch = !getter && std::str::from_utf8(bytes).is_ok_and(is_launch);
     if !getter && !launch {
+        crate::trace::request("dlsym", bytes, 0, 0, false);
         return std::ptr::null_mut();
     }
     let real = crate::dl::real_dlsym(handle, name);
@@ -378,6 +401,7 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
             kind_of(&String::from_utf8_lossy(bytes), false),
         )
     };
+    crate::trace::request("dlsym", bytes, 0, 0, ours.is_some());
     ours.map_or(std::ptr::null_mut(), |w| w as *mut c_void)
 }
 
@@ -464,7 +488,7 @@ macro_rules! exported_getter {
             let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
             if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
                 // SAFETY: as in `getter`.
-                unsafe { after_get(sym, pfn, flags) };
+                unsafe { after_get(sym, pfn, ver, flags) };
             }
             r
         }

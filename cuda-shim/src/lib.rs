@@ -85,7 +85,7 @@
 //! (online: a launch this long after the previous one on the same GPU wakes the agent;
 //! default 100), `COLOC_GATE_FILE`, `COLOC_SHIM_INFLIGHT`, `COLOC_GATE_STALE_MS` (offline:
 //! the gate file, K, and the heartbeat bound; defaults `/run/gpu-coloc/gate/gates`, 4,
-//! 1000).
+//! 1000), `COLOC_SHIM_TRACE` (`1`: one stderr line per distinct lookup, see [`trace`]).
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -93,6 +93,7 @@ mod bell;
 mod dl;
 mod gate;
 mod hooks;
+pub mod trace;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 

@@ -364,3 +364,68 @@ fn the_shim_publishes_its_page_complete_by_rename() {
     );
     assert_eq!(named(libc::IN_CREATE, ".bell.new"), 1, "{events:?}");
 }
+
+/// `COLOC_SHIM_TRACE=1` lists, once each, the entry points the process looks up and
+/// whether the shim wrapped them: the runtime's `dlsym` of the getter, and the getter's
+/// requests with their CUDA version and flags.
+#[test]
+fn the_shim_traces_what_the_process_looks_up() {
+    let sim = Sim::start(1, &[]);
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-trace"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out_s = result_file();
+    let run = |trace: &str| {
+        let r = output_within(
+            workload(
+                &sim,
+                &[
+                    "online",
+                    "--gpu",
+                    "0",
+                    "--rate",
+                    "50",
+                    "--work-ms",
+                    "2",
+                    "--duration-s",
+                    "0.3",
+                    "--out",
+                    &out_s,
+                ],
+                Some(("online", &dir)),
+            )
+            .env("COLOC_SHIM_TRACE", trace)
+            .stdout(Stdio::null()),
+            Duration::from_secs(20),
+        );
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        String::from_utf8_lossy(&r.stderr).to_string()
+    };
+    let err = run("1");
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("libcoloc_cuda: trace: "))
+        .collect();
+    let has = |needle: &str| lines.iter().any(|l| l.contains(needle));
+    assert!(
+        has("trace: dlsym cuGetProcAddress_v2 ver=0 flags=0x0 wrapped"),
+        "{err}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("cuGetProcAddress cuLaunchKernel ver=") && l.ends_with(" wrapped")),
+        "{err}"
+    );
+    assert!(
+        lines.iter().any(|l| l.ends_with(" passed")),
+        "names the shim does not wrap are listed too: {err}"
+    );
+    // Once each: no line twice.
+    let mut sorted = lines.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), lines.len(), "{err}");
+    // Off by default (and with 0).
+    assert!(!run("0").contains("trace:"));
+    std::fs::remove_dir_all(&dir).ok();
+}
