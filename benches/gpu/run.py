@@ -639,10 +639,14 @@ class Harness:
         for cls in ("online", "offline"):
             bells = os.path.join(self.tmp, f"preflight-bells-{cls}")
             os.makedirs(bells, exist_ok=True)
+            # COLOC_SHIM_TRACE: what the CUDA stack looks up on this driver (kept in
+            # results.json: a submission entry point the shim does not wrap shows here).
             env = dict(self.env, LD_PRELOAD=self.shim, COLOC_SHIM_CLASS=cls, COLOC_DOORBELL_DIR=bells,
-                       COLOC_GATE_FILE=os.path.join(self.tmp, "preflight-no-gate-file"))
+                       COLOC_GATE_FILE=os.path.join(self.tmp, "preflight-no-gate-file"), COLOC_SHIM_TRACE="1")
             s = shim_check.run_child(TORCH_PROBE, env, left())
             pf[f"shim_{cls}"] = s
+            log(f"  shim ({cls}) lookups: {len(s.get('shim_trace') or [])}, wrapped "
+                f"{sum(1 for l in s.get('shim_trace') or [] if l.endswith(' wrapped'))}")
             sr = s["result"] or {}
             pages = sr.get("pages") or []
             if s["rc"] != 0 or "error" in sr or not s["result"]:

@@ -148,8 +148,13 @@ def run_child(code, env, timeout):
     except ValueError:
         result = None
     return {"rc": rc, "wall_s": round(time.monotonic() - t, 2), "result": result,
-            "shim_stderr": [l for l in se.splitlines() if "coloc" in l.lower()][:20],
+            "shim_stderr": [l for l in se.splitlines() if "coloc" in l.lower() and not l.startswith(TRACE)][:20],
+            # COLOC_SHIM_TRACE=1: every distinct entry point looked up, wrapped or passed.
+            "shim_trace": [l[len(TRACE):] for l in se.splitlines() if l.startswith(TRACE)][:4000],
             "stderr_tail": se[-2000:] if (rc != 0 or result is None) else ""}
+
+
+TRACE = "libcoloc_cuda: trace: "
 
 
 def close(a, b, rel=1e-6):
