@@ -42,6 +42,8 @@ pub const LAUNCH_BASES: &[&str] = &[
     "cuMemsetD2D8Async",
     "cuMemsetD2D16Async",
     "cuMemsetD2D32Async",
+    "cuMemcpyBatchAsync",
+    "cuMemcpy3DBatchAsync",
 ];
 
 /// Where a submission entry point takes its stream: argument `i` (0-based), as in
@@ -71,6 +73,20 @@ const STREAM_ARG: &[(&str, u32)] = &[
     ("cuMemsetD2D8Async", 5),
     ("cuMemsetD2D16Async", 5),
     ("cuMemsetD2D32Async", 5),
+    // CUDA 12.8 ABI; the 13.0 ABI (`_v2`) drops `failIdx`: see [`NEW_ABI`].
+    ("cuMemcpyBatchAsync", 8),
+    ("cuMemcpy3DBatchAsync", 4),
+];
+
+/// Entry points whose stream moved in a newer ABI: (base name, CUDA version of the new
+/// ABI, stream argument in it). A getter request at that version or later gets the new
+/// ABI (as does the exported `…_v2` name); earlier requests the old one. The batched
+/// copies lost their `failIdx` argument in CUDA 13.0:
+/// `cuMemcpyBatchAsync_v2(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)`,
+/// `cuMemcpy3DBatchAsync_v2(numOps, opList, flags, stream)`.
+const NEW_ABI: &[(&str, i32, u32)] = &[
+    ("cuMemcpyBatchAsync", 13000, 7),
+    ("cuMemcpy3DBatchAsync", 13000, 3),
 ];
 
 /// Kind: the stream is `CUlaunchConfig::hStream` (first argument).
@@ -83,15 +99,26 @@ pub const KIND_PTDS: u32 = 0x100;
 /// Kind flag: set once the kind is known (0: not known, treated as [`STREAM_NONE`]).
 pub const KIND_SET: u32 = 0x200;
 
-/// The kind of submission entry point `name` (any of its names), asked for per-thread
-/// default stream semantics or not.
+/// The kind of submission entry point `name` (any of its exported names), asked for
+/// per-thread default stream semantics or not.
 pub fn kind_of(name: &str, ptds: bool) -> u32 {
+    // An exported `…_v2` of an entry point in [`NEW_ABI`] is its new ABI.
+    let new = name.contains("_v2") && NEW_ABI.iter().any(|(n, _, _)| *n == base_name(name));
+    kind_at(name, if new { i32::MAX } else { 0 }, ptds)
+}
+
+/// The kind of submission entry point `name` as a getter hands it out for CUDA version
+/// `ver` ([`NEW_ABI`]).
+pub fn kind_at(name: &str, ver: i32, ptds: bool) -> u32 {
     let ptds = ptds || name.ends_with("_ptsz") || name.ends_with("_ptds");
     let base = base_name(name);
-    let pos = STREAM_ARG
-        .iter()
-        .find(|(n, _)| *n == base)
-        .map_or(STREAM_NONE, |(_, p)| *p);
+    let pos = match NEW_ABI.iter().find(|(n, _, _)| *n == base) {
+        Some((_, since, p)) if ver >= *since => *p,
+        _ => STREAM_ARG
+            .iter()
+            .find(|(n, _)| *n == base)
+            .map_or(STREAM_NONE, |(_, p)| *p),
+    };
     pos | KIND_SET | if ptds { KIND_PTDS } else { 0 }
 }
 
@@ -275,7 +302,7 @@ unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags
     }
     let name = name.to_bytes();
     let ours = std::panic::catch_unwind(|| {
-        let w = wrap_for(name, real as usize, flags);
+        let w = wrap_for(name, real as usize, ver, flags);
         if crate::trace::on() {
             // The answer may be ours already (a driver whose table resolves through the
             // dynamic linker finds our exported wrappers first).
@@ -291,11 +318,11 @@ unsafe fn after_get(sym: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags
 }
 
 /// Our wrapper for a getter's answer `real` to `name` (`None`: not one we wrap).
-fn wrap_for(name: &[u8], real: usize, flags: u64) -> Option<usize> {
+fn wrap_for(name: &[u8], real: usize, ver: c_int, flags: u64) -> Option<usize> {
     if is_getter(name) {
         getter_for(real)
     } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
-        slot_for(real, kind_of(n, per_thread(flags)))
+        slot_for(real, kind_at(n, ver, per_thread(flags)))
     } else {
         None
     }
@@ -541,6 +568,41 @@ mod tests {
                 "{b} has a stream position"
             );
         }
+    }
+
+    #[test]
+    fn batched_copies_take_the_stream_of_the_abi_asked_for() {
+        // CUDA 12.8: (…, numAttrs, failIdx, stream); 13.0: (…, numAttrs, stream).
+        assert_eq!(kind_at("cuMemcpyBatchAsync", 12080, false), 8 | KIND_SET);
+        assert_eq!(kind_at("cuMemcpyBatchAsync", 13000, false), 7 | KIND_SET);
+        assert_eq!(
+            kind_at("cuMemcpyBatchAsync", 13000, true),
+            7 | KIND_SET | KIND_PTDS
+        );
+        assert_eq!(kind_at("cuMemcpy3DBatchAsync", 12090, false), 4 | KIND_SET);
+        assert_eq!(kind_at("cuMemcpy3DBatchAsync", 13000, false), 3 | KIND_SET);
+        // Exported names: the plain one is the old ABI, `_v2` the new.
+        assert_eq!(kind_of("cuMemcpyBatchAsync", false), 8 | KIND_SET);
+        assert_eq!(kind_of("cuMemcpyBatchAsync_v2", false), 7 | KIND_SET);
+        assert_eq!(
+            kind_of("cuMemcpyBatchAsync_v2_ptsz", false),
+            7 | KIND_SET | KIND_PTDS
+        );
+        // Entry points whose ABI did not move ignore the version.
+        assert_eq!(kind_at("cuLaunchKernel", 13000, false), 8 | KIND_SET);
+        assert_eq!(kind_of("cuMemcpyHtoDAsync_v2", false), 3 | KIND_SET);
+        assert!(is_launch("cuMemcpyBatchAsync_v2"));
+    }
+
+    #[test]
+    fn per_thread_is_a_bit() {
+        assert!(per_thread(PER_THREAD_DEFAULT_STREAM));
+        assert!(!per_thread(0));
+        assert!(!per_thread(LEGACY_STREAM));
+        assert!(
+            per_thread(PER_THREAD_DEFAULT_STREAM | 0x10),
+            "another flag bit"
+        );
     }
 
     #[test]
