@@ -164,9 +164,9 @@ impl Node {
             || {
                 found = std::fs::read_dir(&self.bells).ok().and_then(|d| {
                     d.flatten().map(|e| e.path()).find(|p| {
-                        p.file_name()
-                            .and_then(|n| n.to_str())
-                            .is_some_and(|n| n.starts_with(&format!("{pid}-")))
+                        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                            n.starts_with(&format!("{pid}-")) && n.ends_with(coloc_doorbell::SUFFIX)
+                        })
                     })
                 });
                 found.is_some()
