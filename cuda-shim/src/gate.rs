@@ -29,6 +29,18 @@
 //!   own functions, flags `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`), at most
 //!   [`MAX_POOLS`] rings at once (the least recently assigned idle ring is drained and
 //!   reused beyond that).
+//! - **CUDA graph capture**: a submission to a stream in capture (`cuStreamIsCapturing`;
+//!   `CU_STREAM_PER_THREAD` for stream 0 of a `_ptsz` entry point; never asked of the
+//!   legacy stream, which cannot be captured) runs nothing on the GPU: it adds a node to the
+//!   application's graph, whose later `cuGraphLaunch` is the submission that is gated. So
+//!   it is forwarded untouched: no wait at the gate, no ring, no event (recorded there, our
+//!   event would become a node of the graph, and waiting for it is illegal), not counted.
+//!   Every event query or wait of the shim's own ([`relaxed`]: the bound, the watcher,
+//!   ring reclaim) runs with the thread's capture mode exchanged to RELAXED and restored:
+//!   while another thread captures in mode GLOBAL (PyTorch's default), the driver refuses
+//!   such a call from a thread in another mode (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`)
+//!   and invalidates that capture. Both entry points are optional (a driver older than
+//!   CUDA 10.1: nothing is capturing, no mode to exchange).
 //! - Any internal failure: [`crate::bell::disable`] (pass-through for good, one line).
 
 use crate::bell::{self, GATED, OFF, OPEN};
@@ -61,6 +73,10 @@ const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_NOT_READY: c_int = 600;
 const CU_STREAM_LEGACY: usize = 1;
 const CU_STREAM_PER_THREAD: usize = 2;
+/// `CU_STREAM_CAPTURE_STATUS_NONE`.
+const CAPTURE_STATUS_NONE: c_int = 0;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: c_int = 2;
 /// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`.
 const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 
@@ -86,6 +102,10 @@ struct Fns {
     event_query: Fn1,
     event_sync: Fn1,
     event_destroy: Fn1,
+    /// `cuStreamIsCapturing` (CUDA 10.0; `None`: an older driver, nothing is captured).
+    stream_is_capturing: Option<Fn2>,
+    /// `cuThreadExchangeStreamCaptureMode` (CUDA 10.1; `None`: no capture modes).
+    exchange_capture_mode: Option<Fn1>,
 }
 
 static FNS: OnceLock<Fns> = OnceLock::new();
@@ -165,6 +185,15 @@ pub fn configure() -> Result<(), String> {
                 c"cuEventDestroy",
                 c"cuEventDestroy_v2",
             )?),
+            stream_is_capturing: get(c"cuStreamIsCapturing", c"cuStreamIsCapturing")
+                .ok()
+                .map(|p| std::mem::transmute::<usize, Fn2>(p)),
+            exchange_capture_mode: get(
+                c"cuThreadExchangeStreamCaptureMode",
+                c"cuThreadExchangeStreamCaptureMode",
+            )
+            .ok()
+            .map(|p| std::mem::transmute::<usize, Fn1>(p)),
         }
     };
     let _ = FNS.set(f);
@@ -542,15 +571,58 @@ fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
     None
 }
 
+/// Runs `f` (the shim's own event query or wait) with the calling thread's stream-capture
+/// mode RELAXED, then restores the thread's mode, as PyTorch's
+/// `CUDAStreamCaptureModeGuard` does: while another thread captures a stream in mode
+/// GLOBAL (PyTorch's default), a query or wait from a thread in another mode fails with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates that capture. Our events are
+/// never recorded on a capturing stream ([`capturing`]), so the wait itself is legal.
+fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let Some(exchange) = fns().exchange_capture_mode else {
+        return f();
+    };
+    let mut mode = CAPTURE_MODE_RELAXED;
+    // SAFETY: the driver's cuThreadExchangeStreamCaptureMode with a valid in/out pointer.
+    let swapped = unsafe { exchange(&mut mode as *mut c_int as usize) } == CUDA_SUCCESS;
+    let r = f();
+    if swapped {
+        // SAFETY: as above; puts back the mode the thread had.
+        unsafe { exchange(&mut mode as *mut c_int as usize) };
+    }
+    r
+}
+
 /// Waits for event `e` (an error, e.g. a destroyed context, counts as complete).
 fn sync_event(e: usize) {
     // SAFETY: the driver's cuEventSynchronize on an event of ours.
-    unsafe { (fns().event_sync)(e) };
+    relaxed(|| unsafe { (fns().event_sync)(e) });
 }
 
 fn event_done(e: usize) -> bool {
     // SAFETY: the driver's cuEventQuery on an event of ours.
-    unsafe { (fns().event_query)(e) != CUDA_ERROR_NOT_READY }
+    relaxed(|| unsafe { (fns().event_query)(e) }) != CUDA_ERROR_NOT_READY
+}
+
+/// Whether stream `h`, as a submission of `kind` names it, is being captured into a CUDA
+/// graph (an invalidated capture too). Such a submission runs nothing: it adds a node to
+/// the graph, which runs later through `cuGraphLaunch`, itself a gated submission. So it
+/// is neither held at the gate nor tracked: an event of ours recorded there would become
+/// a node of the application's graph, and waiting for it is illegal. The legacy default
+/// stream cannot be captured (not asked); a failed query counts as not capturing.
+fn capturing(h: usize, kind: u32) -> bool {
+    let Some(is_capturing) = fns().stream_is_capturing else {
+        return false;
+    };
+    let h = match h {
+        0 if kind & KIND_PTDS != 0 => CU_STREAM_PER_THREAD,
+        0 | CU_STREAM_LEGACY => return false,
+        h => h,
+    };
+    let mut status = CAPTURE_STATUS_NONE;
+    // SAFETY: the driver's cuStreamIsCapturing with the caller's stream and a valid
+    // out-pointer.
+    let r = unsafe { is_capturing(h, &mut status as *mut c_int as usize) };
+    r == CUDA_SUCCESS && status != CAPTURE_STATUS_NONE
 }
 
 fn create_event(ctx: usize) -> Option<usize> {
@@ -657,6 +729,9 @@ pub fn submit(kind: u32, real: usize, a: [usize; 12]) -> c_int {
 
 fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
     let stream = stream_of(kind, a);
+    if stream.is_some_and(|h| capturing(h, kind)) {
+        return None;
+    }
     let ctx = match stream {
         Some(h) if h > CU_STREAM_PER_THREAD => 0,
         _ => match bell::current_ctx() {

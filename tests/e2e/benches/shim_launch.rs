@@ -11,6 +11,9 @@
 //! - `launch/shim-gated-open`: class offline with a gate file whose gate is open and whose
 //!   heartbeat the parent keeps fresh: every launch goes through the gate check, the
 //!   in-flight bound (`COLOC_SHIM_INFLIGHT` at its default) and an event record.
+//! - `launch/shim-gated-open-stream`: the same on a created stream, which also asks the
+//!   driver whether the stream is being captured into a CUDA graph (`cuStreamIsCapturing`;
+//!   the default stream above cannot be, and is not asked).
 //!
 //! The shim's cost is the difference to `no-shim`. The parent re-runs this binary once
 //! per mode with the environment set (the preload must be there from the start).
@@ -23,7 +26,13 @@ fn bench(c: &mut Criterion) {
     let mode = std::env::var("COLOC_BENCH_MODE").unwrap_or_default();
     let d = coloc_e2e::cuda::Driver::open(0);
     // Zero-length kernels: the cost measured is the call path, not simulated GPU time.
-    c.bench_function(&format!("launch/{mode}"), |b| b.iter(|| d.launch(0)));
+    if mode.ends_with("-stream") {
+        c.bench_function(&format!("launch/{mode}"), |b| {
+            b.iter(|| d.launch_on_stream(0))
+        });
+    } else {
+        c.bench_function(&format!("launch/{mode}"), |b| b.iter(|| d.launch(0)));
+    }
 }
 
 criterion_group!(benches, bench);
@@ -62,6 +71,7 @@ fn main() {
         "shim-doorbell",
         "shim-offline-no-gate",
         "shim-gated-open",
+        "shim-gated-open-stream",
     ] {
         let mut c = std::process::Command::new(std::env::current_exe().unwrap());
         c.args(std::env::args_os().skip(1))
@@ -80,7 +90,7 @@ fn main() {
                 .env("COLOC_DOORBELL_DIR", &bells)
                 .env("COLOC_GATE_FILE", bells.join("no-such-gate-file"));
         }
-        if mode == "shim-gated-open" {
+        if mode.starts_with("shim-gated-open") {
             c.env("COLOC_SHIM_CLASS", "offline")
                 .env("COLOC_DOORBELL_DIR", &bells)
                 .env("COLOC_GATE_FILE", &gate_path);

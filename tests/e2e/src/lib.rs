@@ -820,6 +820,7 @@ pub mod cuda {
         launch: Launch,
         sync: Sync,
         func: *mut c_void,
+        stream: *mut c_void,
     }
 
     fn get(getter: Getter, name: &CStr) -> *mut c_void {
@@ -871,7 +872,14 @@ pub mod cuda {
                 >(get(getter, c"cuModuleGetFunction"));
                 let mut func = std::ptr::null_mut();
                 assert_eq!(getf(&mut func, module, c"work".as_ptr()), 0);
+                let create = std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int,
+                >(get(getter, c"cuStreamCreate"));
+                let mut stream = std::ptr::null_mut();
+                assert_eq!(create(&mut stream, 1), 0, "cuStreamCreate");
                 Driver {
+                    stream,
                     launch: std::mem::transmute::<*mut c_void, Launch>(get(
                         getter,
                         c"cuLaunchKernel",
@@ -887,9 +895,18 @@ pub mod cuda {
 
         /// Launches a kernel busy for `ns` on the default stream.
         pub fn launch(&self, ns: u64) {
+            self.launch_on(ns, std::ptr::null_mut());
+        }
+
+        /// Launches a kernel busy for `ns` on a created stream (non-blocking).
+        pub fn launch_on_stream(&self, ns: u64) {
+            self.launch_on(ns, self.stream);
+        }
+
+        fn launch_on(&self, ns: u64, stream: *mut c_void) {
             let mut arg = ns;
             let mut params = [&mut arg as *mut u64 as *mut c_void];
-            // SAFETY: our context's function on the default stream; params outlive the call.
+            // SAFETY: our context's function on a stream of it; params outlive the call.
             let r = unsafe {
                 (self.launch)(
                     self.func,
@@ -900,7 +917,7 @@ pub mod cuda {
                     1,
                     1,
                     0,
-                    std::ptr::null_mut(),
+                    stream,
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),
                 )

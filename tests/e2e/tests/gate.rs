@@ -1,6 +1,7 @@
 //! The launch gate end to end, through the real dynamic linker: `coloc-sim offline --cuda`
-//! (and `online --cuda` as an idle process) `dlopen("libcuda.so.1")` (the fake driver)
-//! with `libcoloc_cuda.so` preloaded and `COLOC_SHIM_CLASS=offline`. No agent: the test
+//! (and `online --cuda` as an idle process; `coloc-capture` for CUDA graph capture)
+//! `dlopen("libcuda.so.1")` (the fake driver) with `libcoloc_cuda.so` preloaded and
+//! `COLOC_SHIM_CLASS=offline`. No agent: the test
 //! plays it, with the agent's own `GateFile` on a gate file in a temporary directory, and
 //! reads the processes' doorbell pages with `coloc-doorbell`, as the agent will.
 //!
@@ -163,9 +164,9 @@ impl Node {
             || {
                 found = std::fs::read_dir(&self.bells).ok().and_then(|d| {
                     d.flatten().map(|e| e.path()).find(|p| {
-                        p.file_name()
-                            .and_then(|n| n.to_str())
-                            .is_some_and(|n| n.starts_with(&format!("{pid}-")))
+                        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                            n.starts_with(&format!("{pid}-")) && n.ends_with(coloc_doorbell::SUFFIX)
+                        })
                     })
                 });
                 found.is_some()
@@ -460,4 +461,114 @@ fn a_gate_file_that_appears_later_or_is_replaced_is_picked_up() {
         n.progress(pid).0 == at_ack2
     })
     .unwrap();
+}
+
+/// CUDA graph stream capture (research G6): a thread captures a stream in mode GLOBAL
+/// (PyTorch's default) while another thread keeps submitting with the in-flight bound at 1
+/// (so the shim waits for its own events during the capture) and while the gate closes
+/// (so the watcher waits for them too). The capture must survive: the shim makes its own
+/// event waits in mode RELAXED, and leaves submissions to the capturing stream alone (not
+/// held at the closed gate, not counted); the graph's launch is then gated like any
+/// submission. The fake driver enforces the real driver's rule (900, then 901).
+#[test]
+fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
+    use std::io::{BufRead, Write};
+    let n = Node::new(true);
+    let err = n.root.join("capture.err");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_coloc-capture"));
+    c.env("COLOC_SIM_STATE", &n.sim.state)
+        .env("LD_LIBRARY_PATH", fake_cuda())
+        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+        .env("COLOC_SHIM_CLASS", "offline")
+        .env("COLOC_DOORBELL_DIR", &n.bells)
+        .env("COLOC_GATE_FILE", &n.gate_path)
+        .env("COLOC_SHIM_INFLIGHT", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&err).unwrap());
+    let mut p = Proc(c.spawn().unwrap());
+    let pid = p.pid();
+    let mut stdin = p.0.stdin.take().unwrap();
+    let stdout = p.0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(stdout).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr = || std::fs::read_to_string(&err).unwrap_or_default();
+    let next = |what: &str, limit: Duration| -> String {
+        rx.recv_timeout(limit)
+            .unwrap_or_else(|e| panic!("no {what:?} line within {limit:?} ({e}): {}", stderr()))
+    };
+    let mut send = |s: &str| writeln!(stdin, "{s}").and_then(|_| stdin.flush()).unwrap();
+    let page = n.page(pid);
+
+    assert_eq!(next("capturing", Duration::from_secs(10)), "capturing");
+    // The gate closes during the capture: the watcher waits for the other stream's events.
+    let epoch = n.gate().close(&gpu0()).unwrap();
+    wait_ack(&n, &page, pid, epoch, Duration::from_secs(2));
+    // Submissions to the capturing stream are not held at the closed gate.
+    send("go");
+    let more = next("more", Duration::from_secs(5));
+    let ms: f64 = more.strip_prefix("more ").unwrap().parse().unwrap();
+    assert!(ms < 100.0, "captured launches waited at the gate: {more}");
+    assert!(n.gate().open(&gpu0()));
+    std::thread::sleep(Duration::from_millis(50));
+    send("end");
+    let line = next("captured", Duration::from_secs(5));
+    let v: serde_json::Value =
+        serde_json::from_str(line.strip_prefix("captured ").unwrap()).unwrap();
+    assert_eq!(v["begin"], 0, "{v}");
+    assert!(v["codes"].as_array().unwrap().iter().all(|c| c == 0), "{v}");
+    assert_eq!(v["end"], 0, "the capture was invalidated: {v}");
+    assert_eq!(v["instantiate"], 0, "{v}");
+    assert_eq!(v["other_failed"], 0, "{v}");
+    let other = v["other_launches"].as_u64().unwrap();
+    assert!(
+        other >= v["other_at_begin"].as_u64().unwrap() + 5,
+        "the other thread kept submitting during the capture: {v}"
+    );
+    // Only the other thread's submissions went through the gate.
+    let g = page.gate().unwrap();
+    assert_eq!(
+        g.submitted, other,
+        "captured launches not counted: {g:?} {v}"
+    );
+    assert!(g.inflight <= 1, "K = 1: {g:?}");
+
+    // The graph's launch waits at a closed gate like any submission.
+    let e2 = n.gate().close(&gpu0()).unwrap();
+    wait_ack(&n, &page, pid, e2, Duration::from_secs(2));
+    let before = n.progress(pid).0;
+    send("launch");
+    holds_for(
+        "the graph launch held at the closed gate",
+        Duration::from_millis(300),
+        || n.progress(pid).0 == before && page.gate().unwrap().submitted == other,
+    )
+    .unwrap();
+    assert!(
+        rx.try_recv().is_err(),
+        "the graph launch returned while closed"
+    );
+    assert!(n.gate().open(&gpu0()));
+    let line = next("launched", Duration::from_secs(5));
+    let l: serde_json::Value =
+        serde_json::from_str(line.strip_prefix("launched ").unwrap()).unwrap();
+    assert_eq!(l, serde_json::json!({"launch": 0, "sync": 0}));
+    let graph_ns = v["graph_ns"].as_u64().unwrap();
+    assert_eq!(
+        n.progress(pid).0,
+        before + graph_ns,
+        "one graph of 8 kernels ran"
+    );
+    assert_eq!(page.gate().unwrap().submitted, other + 1);
+    send("exit");
+    let st = p.wait_within("capture workload", Duration::from_secs(10));
+    assert!(st.success(), "{st}: {}", stderr());
+    assert!(stderr().is_empty(), "silent: {}", stderr());
 }

@@ -19,6 +19,21 @@
 //! - **Graphs**: `coloc_fake_graph(ns)` (an extra export, not in `cuda.h`) returns a
 //!   `CUgraphExec` whose `cuGraphLaunch` is busy for `ns`; `cuGraphExecDestroy` frees it.
 //!   Other handle values are `CUDA_ERROR_INVALID_HANDLE`.
+//! - **Stream capture** (`cuStreamBeginCapture[_v2]`, `cuStreamEndCapture`,
+//!   `cuStreamIsCapturing`, `cuThreadExchangeStreamCaptureMode`, then
+//!   `cuGraphInstantiateWithFlags`, `cuGraphDestroy`): created streams only (a default
+//!   stream: `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`). A submission to a stream in capture
+//!   runs nothing and is not counted: it adds its duration to the capture (a host function
+//!   is never called); an event recorded there is a captured event (query or wait:
+//!   `CUDA_ERROR_CAPTURED_EVENT`, 907). The executable graph's `cuGraphLaunch` is one
+//!   submission busy for the captured durations' sum. The rule of the real driver for
+//!   *potentially unsafe* calls (here `cuEventQuery`, `cuEventSynchronize`,
+//!   `cuStreamQuery`, `cuStreamSynchronize`, `cuCtxSynchronize`): on the capturing stream
+//!   itself, or from a thread whose exchanged mode is not RELAXED while any capture is in
+//!   mode GLOBAL, the call answers `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900) and
+//!   invalidates the capture(s): `cuStreamEndCapture` then answers
+//!   `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` (901). (THREAD_LOCAL captures are not
+//!   checked against other calls of their own thread: simplification.)
 //! - **Copies and memsets** (`cuMemcpy{HtoD,DtoH,DtoD}Async_v2`, `cuMemsetD{8,32}Async`):
 //!   10 GB/s, i.e. 0.1 ns per byte, at least 1 µs. No data moves (device memory does not
 //!   exist); device ranges must lie inside one `cuMemAlloc` allocation
@@ -103,6 +118,8 @@ pub type CUmodule = *mut c_void;
 pub type CUfunction = *mut c_void;
 /// `CUgraphExec`.
 pub type CUgraphExec = *mut c_void;
+/// `CUgraph`.
+pub type CUgraph = *mut c_void;
 /// `CUhostFn`.
 pub type CUhostFn = Option<unsafe extern "C" fn(*mut c_void)>;
 
@@ -139,15 +156,27 @@ pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
 pub const CUDA_ERROR_INVALID_IMAGE: CUresult = 200;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
+pub const CUDA_ERROR_ILLEGAL_STATE: CUresult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
+pub const CUDA_ERROR_CAPTURED_EVENT: CUresult = 907;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// `CUdriverProcAddressQueryResult` values.
 pub const CU_GET_PROC_ADDRESS_SUCCESS: c_int = 0;
 pub const CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: c_int = 1;
 pub const CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT: c_int = 2;
+/// `CUstreamCaptureMode` values.
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: c_int = 0;
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
+/// `CUstreamCaptureStatus` values.
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
+pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: c_int = 1;
+pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: c_int = 2;
 /// `cuGetProcAddress` flags.
 pub const CU_GET_PROC_ADDRESS_DEFAULT: u64 = 0;
 pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1;
@@ -219,6 +248,17 @@ struct Stream {
 struct Event {
     ctx: usize,
     recorded: Option<(Slot, u64)>,
+    /// Last recorded on a stream in capture: a node of that graph, not GPU work.
+    captured: bool,
+}
+
+/// A stream capture in progress.
+struct Capture {
+    mode: c_int,
+    invalidated: bool,
+    /// Work submissions captured, and their GPU time.
+    nodes: u64,
+    ns: u64,
 }
 
 struct Alloc {
@@ -240,6 +280,10 @@ struct State {
     funcs: HashMap<usize, usize>,
     /// Graph exec → ns.
     graphs: HashMap<usize, u64>,
+    /// Created stream → its capture in progress.
+    captures: HashMap<usize, Capture>,
+    /// Graph (from `cuStreamEndCapture`) → (nodes, ns).
+    captured_graphs: HashMap<usize, (u64, u64)>,
     allocs: BTreeMap<u64, Alloc>,
     stats: FakeStats,
 }
@@ -528,13 +572,19 @@ fn dev_index(d: &Driver, dev: CUdevice) -> Result<usize, CUresult> {
 // ---------------------------------------------------------------------------------------
 
 /// Queues `ns` on the stream's GPU slot, blocking while `MAX_OUTSTANDING` submissions are
-/// outstanding; returns the slot and the completion target.
-fn submit(s: CUstream, ns: u64) -> Result<(Slot, u64), CUresult> {
+/// outstanding; returns the slot and the completion target. On a stream in capture: adds
+/// a node to the capture instead (nothing runs) and returns `None`.
+fn submit(s: CUstream, ns: u64) -> Result<Option<(Slot, u64)>, CUresult> {
     let d = drv()?;
     loop {
         let (slot, oldest) = {
             let mut st = d.lock();
             let (ctx, stream) = st.stream(s)?;
+            if let Some(c) = stream.and_then(|x| st.captures.get_mut(&x)) {
+                c.nodes += 1;
+                c.ns += ns;
+                return Ok(None);
+            }
             let dev = st.ctxs[&ctx].dev;
             let g = &mut st.gpus[dev];
             let slot = g.slot.clone().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
@@ -566,7 +616,7 @@ fn submit(s: CUstream, ns: u64) -> Result<(Slot, u64), CUresult> {
                 s.submissions += 1;
                 s.max_outstanding_stream = s.max_outstanding_stream.max(on_stream);
                 s.max_outstanding_gpu = s.max_outstanding_gpu.max(on_gpu);
-                return Ok((slot, t));
+                return Ok(Some((slot, t)));
             }
             let oldest = g.queue.front().copied().unwrap_or(0);
             (slot, oldest)
@@ -698,14 +748,22 @@ fn copy(s: CUstream, dev_ranges: &[(CUdeviceptr, u64)], host: Option<*const c_vo
 }
 
 fn stream_sync(s: CUstream) -> R {
-    let (slot, t) = drv()?.lock().stream_target(s)?;
+    let (slot, t) = {
+        let mut st = drv()?.lock();
+        st.unsafe_call(Some(s))?;
+        st.stream_target(s)?
+    };
     slot.wait_completed(t);
     wait_host_callbacks();
     Ok(())
 }
 
 fn stream_query(s: CUstream) -> R {
-    let (slot, t) = drv()?.lock().stream_target(s)?;
+    let (slot, t) = {
+        let mut st = drv()?.lock();
+        st.unsafe_call(Some(s))?;
+        st.stream_target(s)?
+    };
     if slot.completed() >= t {
         Ok(())
     } else {
@@ -725,9 +783,18 @@ fn event_record(e: CUevent, s: CUstream) -> R {
     if ctx != ev_ctx {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
+    if st.captures.contains_key(&(s as usize)) {
+        // A node of the graph being captured.
+        if let Some(ev) = st.events.get_mut(&(e as usize)) {
+            ev.recorded = None;
+            ev.captured = true;
+        }
+        return Ok(());
+    }
     let rec = st.stream_target(s)?;
     if let Some(ev) = st.events.get_mut(&(e as usize)) {
         ev.recorded = Some(rec);
+        ev.captured = false;
     }
     Ok(())
 }
@@ -988,7 +1055,8 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     ffi(|| {
         let slot = {
-            let st = drv()?.lock();
+            let mut st = drv()?.lock();
+            st.unsafe_call(None)?;
             st.slot_of(st.current()?)?
         };
         slot.wait_completed(slot.submitted());
@@ -1026,9 +1094,9 @@ pub unsafe extern "C" fn cuStreamCreate(ps: *mut CUstream, flags: c_uint) -> CUr
 #[no_mangle]
 pub extern "C" fn cuStreamDestroy_v2(s: CUstream) -> CUresult {
     ffi(|| {
-        drv()?
-            .lock()
-            .streams
+        let mut st = drv()?.lock();
+        st.captures.remove(&(s as usize));
+        st.streams
             .remove(&(s as usize))
             .map(|_| ())
             .ok_or(CUDA_ERROR_INVALID_HANDLE)
@@ -1089,6 +1157,7 @@ pub unsafe extern "C" fn cuEventCreate(pe: *mut CUevent, _flags: c_uint) -> CUre
             Event {
                 ctx,
                 recorded: None,
+                captured: false,
             },
         );
         put(pe, h as CUevent)
@@ -1105,12 +1174,18 @@ pub extern "C" fn cuEventRecord_ptsz(e: CUevent, s: CUstream) -> CUresult {
     ffi(|| event_record(e, s))
 }
 
+/// What a query of or wait for event `e` looks at (a potentially unsafe call during a
+/// capture; a captured event: `CUDA_ERROR_CAPTURED_EVENT`).
 fn event_target(e: CUevent) -> Result<Option<(Slot, u64)>, CUresult> {
-    let st = drv()?.lock();
-    let ev = st
-        .events
-        .get(&(e as usize))
-        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    let mut st = drv()?.lock();
+    if !st.events.contains_key(&(e as usize)) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    st.unsafe_call(None)?;
+    let ev = &st.events[&(e as usize)];
+    if ev.captured {
+        return Err(CUDA_ERROR_CAPTURED_EVENT);
+    }
     Ok(ev.recorded.clone())
 }
 
@@ -1331,7 +1406,10 @@ launch_coop!(cuLaunchCooperativeKernel_ptsz);
 
 fn host_func(s: CUstream, f: CUhostFn, data: *mut c_void) -> R {
     let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let (slot, target) = submit(s, 0)?;
+    // Captured: a host node of the graph, never called (simplification).
+    let Some((slot, target)) = submit(s, 0)? else {
+        return Ok(());
+    };
     HOST.0.lock().unwrap_or_else(|e| e.into_inner()).0 += 1;
     let job = HostJob {
         slot,
@@ -1372,6 +1450,188 @@ fn graph_launch(g: CUgraphExec, s: CUstream) -> R {
         .get(&(g as usize))
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     submit(s, ns).map(|_| ())
+}
+
+// ---------------------------------------------------------------------------------------
+// Stream capture
+// ---------------------------------------------------------------------------------------
+
+thread_local! {
+    /// This thread's `CUstreamCaptureMode` (`cuThreadExchangeStreamCaptureMode`).
+    static CAPTURE_MODE: std::cell::Cell<c_int> =
+        const { std::cell::Cell::new(CU_STREAM_CAPTURE_MODE_GLOBAL) };
+}
+
+impl State {
+    /// The rule for a potentially unsafe call (an event or stream query or wait, on
+    /// stream `s` if it names one): refused with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`,
+    /// invalidating the captures concerned, when `s` itself is capturing, or when any
+    /// capture is in mode GLOBAL and the calling thread's mode is not RELAXED.
+    fn unsafe_call(&mut self, s: Option<CUstream>) -> R {
+        if self.captures.is_empty() {
+            return Ok(());
+        }
+        if let Some(c) = s.and_then(|s| self.captures.get_mut(&(s as usize))) {
+            c.invalidated = true;
+            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let relaxed = CAPTURE_MODE
+            .try_with(|m| m.get() == CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap_or(false);
+        let mut refused = false;
+        for c in self.captures.values_mut() {
+            if c.mode == CU_STREAM_CAPTURE_MODE_GLOBAL && !relaxed {
+                c.invalidated = true;
+                refused = true;
+            }
+        }
+        if refused {
+            Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+fn begin_capture(s: CUstream, mode: c_int) -> R {
+    if !(CU_STREAM_CAPTURE_MODE_GLOBAL..=CU_STREAM_CAPTURE_MODE_RELAXED).contains(&mode) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut st = drv()?.lock();
+    match st.stream(s)? {
+        (_, Some(h)) if !st.captures.contains_key(&h) => {
+            st.captures.insert(
+                h,
+                Capture {
+                    mode,
+                    invalidated: false,
+                    nodes: 0,
+                    ns: 0,
+                },
+            );
+            Ok(())
+        }
+        (_, Some(_)) => Err(CUDA_ERROR_ILLEGAL_STATE),
+        // The default streams are not captured here (simplification).
+        (_, None) => Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED),
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamBeginCapture(s: CUstream) -> CUresult {
+    ffi(|| begin_capture(s, CU_STREAM_CAPTURE_MODE_GLOBAL))
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamBeginCapture_v2(s: CUstream, mode: c_int) -> CUresult {
+    ffi(|| begin_capture(s, mode))
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamBeginCapture_v2_ptsz(s: CUstream, mode: c_int) -> CUresult {
+    ffi(|| begin_capture(s, mode))
+}
+
+fn end_capture(s: CUstream, out: *mut CUgraph) -> R {
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut st = drv()?.lock();
+    let (_, h) = st.stream(s)?;
+    let c = h
+        .and_then(|h| st.captures.remove(&h))
+        .ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+    if c.invalidated {
+        put(out, std::ptr::null_mut())?;
+        return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    let g = st.handle();
+    st.captured_graphs.insert(g, (c.nodes, c.ns));
+    put(out, g as CUgraph)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamEndCapture(s: CUstream, out: *mut CUgraph) -> CUresult {
+    ffi(|| end_capture(s, out))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamEndCapture_ptsz(s: CUstream, out: *mut CUgraph) -> CUresult {
+    ffi(|| end_capture(s, out))
+}
+
+fn is_capturing(s: CUstream, out: *mut c_int) -> R {
+    let st = drv()?.lock();
+    let (_, h) = st.stream(s)?;
+    let status = match h.and_then(|h| st.captures.get(&h)) {
+        None => CU_STREAM_CAPTURE_STATUS_NONE,
+        Some(c) if c.invalidated => CU_STREAM_CAPTURE_STATUS_INVALIDATED,
+        Some(_) => CU_STREAM_CAPTURE_STATUS_ACTIVE,
+    };
+    put(out, status)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing(s: CUstream, out: *mut c_int) -> CUresult {
+    ffi(|| is_capturing(s, out))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(s: CUstream, out: *mut c_int) -> CUresult {
+    ffi(|| is_capturing(s, out))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) -> CUresult {
+    ffi(|| {
+        if mode.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: a non-null in/out pointer from the caller.
+        let new = unsafe { *mode };
+        if !(CU_STREAM_CAPTURE_MODE_GLOBAL..=CU_STREAM_CAPTURE_MODE_RELAXED).contains(&new) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let old = CAPTURE_MODE
+            .try_with(|m| m.replace(new))
+            .map_err(|_| CUDA_ERROR_UNKNOWN)?;
+        put(mode, old)
+    })
+}
+
+/// `cuGraphInstantiateWithFlags`: an executable graph whose `cuGraphLaunch` is one
+/// submission busy for the captured work's total GPU time.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    out: *mut CUgraphExec,
+    g: CUgraph,
+    _flags: u64,
+) -> CUresult {
+    ffi(|| {
+        if out.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut st = drv()?.lock();
+        let &(_, ns) = st
+            .captured_graphs
+            .get(&(g as usize))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let h = st.handle();
+        st.graphs.insert(h, ns);
+        put(out, h as CUgraphExec)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuGraphDestroy(g: CUgraph) -> CUresult {
+    ffi(|| {
+        drv()?
+            .lock()
+            .captured_graphs
+            .remove(&(g as usize))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    })
 }
 
 #[no_mangle]
@@ -1542,6 +1802,26 @@ const ERRORS: &[(CUresult, &CStr, &CStr)] = &[
         c"CUDA_ERROR_NOT_SUPPORTED",
         c"operation not supported",
     ),
+    (
+        CUDA_ERROR_ILLEGAL_STATE,
+        c"CUDA_ERROR_ILLEGAL_STATE",
+        c"the operation cannot be performed in the present state",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        c"operation not permitted when stream is capturing",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        c"operation failed due to a previous error during capture",
+    ),
+    (
+        CUDA_ERROR_CAPTURED_EVENT,
+        c"CUDA_ERROR_CAPTURED_EVENT",
+        c"operation not permitted on an event last recorded in a capturing stream",
+    ),
     (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 
@@ -1672,6 +1952,36 @@ fn table() -> &'static [Entry] {
             ),
             e!("cuGraphLaunch", 10000, cuGraphLaunch, cuGraphLaunch_ptsz),
             e!("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
+            e!(
+                "cuGraphInstantiateWithFlags",
+                11040,
+                cuGraphInstantiateWithFlags
+            ),
+            e!("cuGraphDestroy", 10000, cuGraphDestroy),
+            e!("cuStreamBeginCapture", 10000, cuStreamBeginCapture),
+            e!(
+                "cuStreamBeginCapture",
+                10010,
+                cuStreamBeginCapture_v2,
+                cuStreamBeginCapture_v2_ptsz
+            ),
+            e!(
+                "cuStreamEndCapture",
+                10000,
+                cuStreamEndCapture,
+                cuStreamEndCapture_ptsz
+            ),
+            e!(
+                "cuStreamIsCapturing",
+                10000,
+                cuStreamIsCapturing,
+                cuStreamIsCapturing_ptsz
+            ),
+            e!(
+                "cuThreadExchangeStreamCaptureMode",
+                10010,
+                cuThreadExchangeStreamCaptureMode
+            ),
             e!(
                 "cuMemcpyHtoDAsync",
                 3020,

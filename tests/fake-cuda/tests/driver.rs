@@ -510,3 +510,95 @@ fn events_wait_across_threads_and_outstanding_work_is_counted() {
     // SAFETY: handles from setup.
     unsafe { assert_eq!((c.ctx_destroy)(s.ctx), OK) };
 }
+
+#[test]
+fn stream_capture_records_work_and_enforces_the_global_mode_rule() {
+    const UNSUPPORTED: c_int = 900;
+    const INVALIDATED: c_int = 901;
+    const CAPTURED_EVENT: c_int = 907;
+    const GLOBAL: c_int = 0;
+    const RELAXED: c_int = 2;
+    let _g = start();
+    let s = setup(0);
+    let c = cu();
+    // SAFETY: exported names with their cuda.h signatures; handles from setup; valid
+    // out-pointers.
+    unsafe {
+        let begin: unsafe extern "C" fn(H, c_int) -> c_int = f(c"cuStreamBeginCapture_v2");
+        let end: unsafe extern "C" fn(H, *mut H) -> c_int = f(c"cuStreamEndCapture");
+        let is_capturing: unsafe extern "C" fn(H, *mut c_int) -> c_int = f(c"cuStreamIsCapturing");
+        let exchange: FnPI = f(c"cuThreadExchangeStreamCaptureMode");
+        let instantiate: unsafe extern "C" fn(*mut H, H, u64) -> c_int =
+            f(c"cuGraphInstantiateWithFlags");
+        for name in [
+            c"cuStreamBeginCapture",
+            c"cuStreamEndCapture",
+            c"cuStreamIsCapturing",
+            c"cuThreadExchangeStreamCaptureMode",
+            c"cuGraphInstantiateWithFlags",
+        ] {
+            assert_eq!(get(name, 12040, 0).0, OK, "{name:?} through the getter");
+        }
+        let mut other = null_mut();
+        assert_eq!((c.stream_create)(&mut other, 0), OK);
+        let mut ev = null_mut();
+        assert_eq!((c.event_create)(&mut ev, 0), OK);
+        assert_eq!((c.event_record)(ev, other), OK);
+        let mut st = -1;
+        assert_eq!(is_capturing(s.stream, &mut st), OK);
+        assert_eq!(st, 0);
+        assert_eq!(begin(null_mut(), GLOBAL), UNSUPPORTED, "default stream");
+
+        // A clean capture: launches run nothing, the graph runs them as one submission.
+        let (sub0, _) = counters(0);
+        assert_eq!(begin(s.stream, GLOBAL), OK);
+        assert_eq!(is_capturing(s.stream, &mut st), OK);
+        assert_eq!(st, 1);
+        assert_eq!(s.launch(3_000_000), OK);
+        assert_eq!(s.launch(2_000_000), OK);
+        assert_eq!(counters(0).0, sub0, "captured work does not run");
+        // A RELAXED thread may wait for an event of another stream.
+        let mut mode = RELAXED;
+        assert_eq!(exchange(&mut mode), OK);
+        assert_eq!(mode, GLOBAL, "the previous mode");
+        assert_eq!((c.event_sync)(ev), OK);
+        assert_eq!((c.event_query)(ev), OK);
+        assert_eq!(exchange(&mut mode), OK);
+        assert_eq!(mode, RELAXED);
+        // An event recorded in the capture is a captured event.
+        let mut cev = null_mut();
+        assert_eq!((c.event_create)(&mut cev, 0), OK);
+        assert_eq!((c.event_record)(cev, s.stream), OK);
+        let mut graph = null_mut();
+        assert_eq!(end(s.stream, &mut graph), OK);
+        assert!(!graph.is_null());
+        assert_eq!(is_capturing(s.stream, &mut st), OK);
+        assert_eq!(st, 0);
+        assert_eq!((c.event_query)(cev), CAPTURED_EVENT);
+        let mut exec = null_mut();
+        assert_eq!(instantiate(&mut exec, graph, 0), OK);
+        assert_eq!((c.graph_launch)(exec, s.stream), OK);
+        assert_eq!(counters(0).0, sub0 + 5_000_000, "the graph runs both");
+
+        // From another thread in mode GLOBAL (a thread's default): refused, and the
+        // capture is invalidated.
+        assert_eq!(begin(s.stream, GLOBAL), OK);
+        let evu = ev as usize;
+        let r = std::thread::spawn(move || (cu().event_sync)(evu as H))
+            .join()
+            .unwrap();
+        assert_eq!(r, UNSUPPORTED);
+        assert_eq!(is_capturing(s.stream, &mut st), OK);
+        assert_eq!(st, 2, "invalidated");
+        assert_eq!(end(s.stream, &mut graph), INVALIDATED);
+        assert!(graph.is_null());
+        // A RELAXED capture does not restrict other threads; a wait on the capturing
+        // stream itself is refused anyway.
+        assert_eq!(begin(s.stream, RELAXED), OK);
+        assert_eq!((c.event_query)(ev), OK);
+        assert_eq!((c.stream_sync)(s.stream), UNSUPPORTED);
+        assert_eq!(end(s.stream, &mut graph), INVALIDATED);
+        assert_eq!(end(s.stream, &mut graph), 401, "no capture");
+        assert_eq!((c.ctx_destroy)(s.ctx), OK);
+    }
+}

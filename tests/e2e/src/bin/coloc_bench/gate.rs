@@ -92,10 +92,9 @@ fn page_of(dir: &Path, pid: u32) -> Option<PathBuf> {
         .flatten()
         .map(|e| e.path())
         .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&format!("{pid}-")))
-                && std::fs::metadata(p).is_ok_and(|m| m.len() >= PAGE as u64)
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with(&format!("{pid}-")) && n.ends_with(coloc_doorbell::SUFFIX)
+            }) && std::fs::metadata(p).is_ok_and(|m| m.len() >= PAGE as u64)
         })
 }
 
