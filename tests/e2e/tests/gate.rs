@@ -572,3 +572,55 @@ fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
     assert!(st.success(), "{st}: {}", stderr());
     assert!(stderr().is_empty(), "silent: {}", stderr());
 }
+
+/// Batched copies (`cuMemcpyBatchAsync`) are gated submissions in both ABIs: asked for at
+/// CUDA 12.8 the stream follows `failIdx`, at 13.0 (`_v2`) there is no `failIdx`. The shim
+/// must take the stream from the right argument: with the wrong one it would record its
+/// event on a pointer that is not a stream, fail, and pass everything through from then
+/// on (one stderr line, nothing counted).
+#[test]
+fn batched_copies_are_gated_in_both_abis() {
+    let n = Node::new(true);
+    let err = n.root.join("batch.err");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_coloc-batch"));
+    c.env("COLOC_SIM_STATE", &n.sim.state)
+        .env("LD_LIBRARY_PATH", fake_cuda())
+        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+        .env("COLOC_SHIM_CLASS", "offline")
+        .env("COLOC_DOORBELL_DIR", &n.bells)
+        .env("COLOC_GATE_FILE", &n.gate_path)
+        .env("COLOC_SHIM_INFLIGHT", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&err).unwrap());
+    let mut p = Proc(c.spawn().unwrap());
+    let pid = p.pid();
+    let stdin = p.0.stdin.take().unwrap();
+    let mut out = std::io::BufReader::new(p.0.stdout.take().unwrap());
+    let mut line = String::new();
+    use std::io::BufRead;
+    out.read_line(&mut line).unwrap();
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}; stderr: {stderr}"));
+    let all_ok = |k: &str| v[k].as_array().unwrap().iter().all(|c| c == 0);
+    assert!(all_ok("v1") && all_ok("v2"), "{v}");
+    assert_eq!(v["sync"], 0, "{v}");
+    assert_eq!(v["fail_idx"], -1, "the 12.8 ABI's failIdx was written: {v}");
+    let page = n.page(pid);
+    let g = page.gate().expect("the process's GPU entry");
+    assert_eq!(
+        g.submitted, 40,
+        "every batched copy counted as a gated submission; stderr: {stderr}"
+    );
+    assert!(g.inflight <= 1, "K = 1 held: {g:?}");
+    drop(stdin);
+    assert!(p
+        .wait_within("coloc-batch", Duration::from_secs(10))
+        .success());
+    assert_eq!(
+        std::fs::read_to_string(&err).unwrap(),
+        "",
+        "the shim passed through (an internal failure)"
+    );
+}

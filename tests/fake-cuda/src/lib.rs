@@ -1695,6 +1695,70 @@ macro_rules! memcpy_htod {
 memcpy_htod!(cuMemcpyHtoDAsync_v2);
 memcpy_htod!(cuMemcpyHtoDAsync_v2_ptsz);
 
+/// Total bytes of a batched copy's `count` sizes (`cuMemcpyBatchAsync`).
+fn batch_bytes(sizes: *const usize, count: usize) -> Result<u64, CUresult> {
+    if count == 0 || sizes.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the caller's array of `count` sizes.
+    Ok(unsafe { std::slice::from_raw_parts(sizes, count) }
+        .iter()
+        .map(|&n| n as u64)
+        .sum())
+}
+
+macro_rules! memcpy_batch_v1 {
+    ($name:ident) => {
+        /// CUDA 12.8's ABI: `failIdx` before the stream. One copy of the total size (the
+        /// fake does not look at the addresses).
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            _dsts: *const CUdeviceptr,
+            _srcs: *const CUdeviceptr,
+            sizes: *const usize,
+            count: usize,
+            _attrs: *const c_void,
+            _attrs_idxs: *const usize,
+            _num_attrs: usize,
+            fail_idx: *mut usize,
+            s: CUstream,
+        ) -> CUresult {
+            ffi(|| {
+                let n = batch_bytes(sizes, count)?;
+                copy(s, &[], None, n)?;
+                if !fail_idx.is_null() {
+                    // SAFETY: the caller's out-pointer.
+                    unsafe { *fail_idx = usize::MAX };
+                }
+                Ok(())
+            })
+        }
+    };
+}
+memcpy_batch_v1!(cuMemcpyBatchAsync);
+memcpy_batch_v1!(cuMemcpyBatchAsync_ptsz);
+
+macro_rules! memcpy_batch_v2 {
+    ($name:ident) => {
+        /// CUDA 13.0's ABI (`_v2`): no `failIdx`.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            _dsts: *const CUdeviceptr,
+            _srcs: *const CUdeviceptr,
+            sizes: *const usize,
+            count: usize,
+            _attrs: *const c_void,
+            _attrs_idxs: *const usize,
+            _num_attrs: usize,
+            s: CUstream,
+        ) -> CUresult {
+            ffi(|| copy(s, &[], None, batch_bytes(sizes, count)?))
+        }
+    };
+}
+memcpy_batch_v2!(cuMemcpyBatchAsync_v2);
+memcpy_batch_v2!(cuMemcpyBatchAsync_v2_ptsz);
+
 macro_rules! memcpy_dtoh {
     ($name:ident) => {
         #[no_mangle]
@@ -2011,6 +2075,18 @@ fn table() -> &'static [Entry] {
                 3020,
                 cuMemsetD32Async,
                 cuMemsetD32Async_ptsz
+            ),
+            e!(
+                "cuMemcpyBatchAsync",
+                12080,
+                cuMemcpyBatchAsync,
+                cuMemcpyBatchAsync_ptsz
+            ),
+            e!(
+                "cuMemcpyBatchAsync",
+                13000,
+                cuMemcpyBatchAsync_v2,
+                cuMemcpyBatchAsync_v2_ptsz
             ),
             e!("cuGetErrorName", 6000, cuGetErrorName),
             e!("cuGetErrorString", 6000, cuGetErrorString),
