@@ -84,6 +84,32 @@ fn node_with_offline() -> (Sim, Agent, PathBuf, Proc) {
     (sim, a, log, off)
 }
 
+/// A short online workload: 50 requests/s of 2 ms for `secs`, its summary to `out`.
+fn short_online(
+    sim: &Sim,
+    secs: &str,
+    out: &str,
+    shim: Option<(&str, &std::path::Path)>,
+) -> Command {
+    workload(
+        sim,
+        &[
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            "50",
+            "--work-ms",
+            "2",
+            "--duration-s",
+            secs,
+            "--out",
+            out,
+        ],
+        shim,
+    )
+}
+
 /// A fresh path for an online workload's JSON summary.
 fn result_file() -> String {
     std::env::temp_dir()
@@ -225,24 +251,7 @@ fn with_no_agent_the_shim_passes_through() {
     // No doorbell directory at all (no agent on this host).
     let missing = std::env::temp_dir().join(unique("coloc-e2e-no-agent"));
     let r = output_within(
-        workload(
-            &sim,
-            &[
-                "online",
-                "--gpu",
-                "0",
-                "--rate",
-                "50",
-                "--work-ms",
-                "2",
-                "--duration-s",
-                "1",
-                "--out",
-                &out_s,
-            ],
-            Some(("online", &missing)),
-        )
-        .stdout(Stdio::null()),
+        short_online(&sim, "1", &out_s, Some(("online", &missing))).stdout(Stdio::null()),
         Duration::from_secs(20),
     );
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
@@ -302,24 +311,7 @@ fn the_shim_publishes_its_page_complete_by_rename() {
     assert!(unsafe { libc::inotify_add_watch(fd, cdir.as_ptr(), mask) } >= 0);
     let out_s = result_file();
     let r = output_within(
-        workload(
-            &sim,
-            &[
-                "online",
-                "--gpu",
-                "0",
-                "--rate",
-                "50",
-                "--work-ms",
-                "2",
-                "--duration-s",
-                "0.5",
-                "--out",
-                &out_s,
-            ],
-            Some(("online", &dir)),
-        )
-        .stdout(Stdio::null()),
+        short_online(&sim, "0.5", &out_s, Some(("online", &dir))).stdout(Stdio::null()),
         Duration::from_secs(20),
     );
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
@@ -376,25 +368,9 @@ fn the_shim_traces_what_the_process_looks_up() {
     let out_s = result_file();
     let run = |trace: &str| {
         let r = output_within(
-            workload(
-                &sim,
-                &[
-                    "online",
-                    "--gpu",
-                    "0",
-                    "--rate",
-                    "50",
-                    "--work-ms",
-                    "2",
-                    "--duration-s",
-                    "0.3",
-                    "--out",
-                    &out_s,
-                ],
-                Some(("online", &dir)),
-            )
-            .env("COLOC_SHIM_TRACE", trace)
-            .stdout(Stdio::null()),
+            short_online(&sim, "0.3", &out_s, Some(("online", &dir)))
+                .env("COLOC_SHIM_TRACE", trace)
+                .stdout(Stdio::null()),
             Duration::from_secs(20),
         );
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));

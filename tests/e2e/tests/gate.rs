@@ -100,6 +100,20 @@ impl Node {
         c
     }
 
+    /// A test program that drives the (fake) driver itself, under the shim, class
+    /// offline, with this node's gate and in-flight bound `k`.
+    fn driver_user(&self, program: &str, k: u32) -> Command {
+        let mut c = Command::new(program);
+        c.env("COLOC_SIM_STATE", &self.sim.state)
+            .env("LD_LIBRARY_PATH", fake_cuda())
+            .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+            .env("COLOC_SHIM_CLASS", "offline")
+            .env("COLOC_DOORBELL_DIR", &self.bells)
+            .env("COLOC_GATE_FILE", &self.gate_path)
+            .env("COLOC_SHIM_INFLIGHT", k.to_string());
+        c
+    }
+
     /// `offline --cuda` with 2 ms kernels, the application keeping `depth` in flight, for
     /// `secs` seconds (0: until killed), stderr to a file.
     fn offline(&self, depth: u32, secs: f64, env: &[(&str, &str)], extra: &[&str]) -> Job {
@@ -475,15 +489,8 @@ fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
     use std::io::{BufRead, Write};
     let n = Node::new(true);
     let err = n.root.join("capture.err");
-    let mut c = Command::new(env!("CARGO_BIN_EXE_coloc-capture"));
-    c.env("COLOC_SIM_STATE", &n.sim.state)
-        .env("LD_LIBRARY_PATH", fake_cuda())
-        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
-        .env("COLOC_SHIM_CLASS", "offline")
-        .env("COLOC_DOORBELL_DIR", &n.bells)
-        .env("COLOC_GATE_FILE", &n.gate_path)
-        .env("COLOC_SHIM_INFLIGHT", "1")
-        .stdin(Stdio::piped())
+    let mut c = n.driver_user(env!("CARGO_BIN_EXE_coloc-capture"), 1);
+    c.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&err).unwrap());
     let mut p = Proc(c.spawn().unwrap());
@@ -582,15 +589,8 @@ fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
 fn batched_copies_are_gated_in_both_abis() {
     let n = Node::new(true);
     let err = n.root.join("batch.err");
-    let mut c = Command::new(env!("CARGO_BIN_EXE_coloc-batch"));
-    c.env("COLOC_SIM_STATE", &n.sim.state)
-        .env("LD_LIBRARY_PATH", fake_cuda())
-        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
-        .env("COLOC_SHIM_CLASS", "offline")
-        .env("COLOC_DOORBELL_DIR", &n.bells)
-        .env("COLOC_GATE_FILE", &n.gate_path)
-        .env("COLOC_SHIM_INFLIGHT", "1")
-        .stdin(Stdio::piped())
+    let mut c = n.driver_user(env!("CARGO_BIN_EXE_coloc-batch"), 1);
+    c.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&err).unwrap());
     let mut p = Proc(c.spawn().unwrap());
