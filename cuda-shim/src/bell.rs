@@ -9,7 +9,7 @@
 use coloc_doorbell::{Entry, Page, CLASS_OFFLINE, CLASS_ONLINE, DEFAULT_WAKE_GAP_NS, PAGE};
 use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr, CString};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
 use std::sync::{Once, OnceLock};
 
 const UNSET: u8 = 0;
@@ -27,6 +27,8 @@ static INIT: Once = Once::new();
 static BASE: AtomicUsize = AtomicUsize::new(0);
 static GAP_NS: AtomicU64 = AtomicU64::new(DEFAULT_WAKE_GAP_NS);
 static PATH: OnceLock<CString> = OnceLock::new();
+/// The process that created the page (the only one that removes it at exit).
+static CREATOR: AtomicU32 = AtomicU32::new(0);
 static FAILED: AtomicBool = AtomicBool::new(false);
 
 type CtxGetCurrent = unsafe extern "C" fn(*mut usize) -> c_int;
@@ -251,6 +253,7 @@ fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
         return Err(e);
     }
     BASE.store(base as usize, Release);
+    CREATOR.store(pid, Relaxed);
     let _ = PATH.set(cpath);
     // SAFETY: registering plain extern "C" functions.
     unsafe {
@@ -261,8 +264,8 @@ fn create_page(dir: &std::path::Path, class: u32) -> std::io::Result<()> {
 }
 
 /// Gives the complete page its name, never replacing a file that has it:
-/// `renameat2(RENAME_NOREPLACE)`, or `link` + `unlink` where the filesystem refuses the
-/// flag.
+/// `renameat2(RENAME_NOREPLACE)`, or `link` + `unlink` where that is refused for any
+/// reason but the name being taken.
 fn publish(from: &CStr, to: &CStr) -> std::io::Result<()> {
     // SAFETY: valid C paths; renameat2 with AT_FDCWD and a flag.
     let r = unsafe {
@@ -278,7 +281,9 @@ fn publish(from: &CStr, to: &CStr) -> std::io::Result<()> {
         return Ok(());
     }
     let err = std::io::Error::last_os_error();
-    if !matches!(err.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+    // The name is taken: never replace a file. Any other refusal (a filesystem without
+    // the flag, a seccomp profile without renameat2): try a link.
+    if err.raw_os_error() == Some(libc::EEXIST) {
         return Err(err);
     }
     // SAFETY: valid C paths.
@@ -291,6 +296,10 @@ fn publish(from: &CStr, to: &CStr) -> std::io::Result<()> {
 }
 
 extern "C" fn remove_page() {
+    // A forked child inherits this handler: the page is its parent's, which lives on.
+    if CREATOR.load(Relaxed) != std::process::id() {
+        return;
+    }
     if let Some(p) = PATH.get() {
         // SAFETY: a valid C path.
         unsafe { libc::unlink(p.as_ptr()) };

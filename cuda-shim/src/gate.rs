@@ -71,6 +71,9 @@ const FILE_RECHECK_NS: u64 = 1_000_000_000;
 
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_NOT_READY: c_int = 600;
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900) to `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`
+/// (908): an operation refused because of a stream capture.
+const CAPTURE_ERRORS: std::ops::RangeInclusive<c_int> = 900..=908;
 const CU_STREAM_LEGACY: usize = 1;
 const CU_STREAM_PER_THREAD: usize = 2;
 /// `CU_STREAM_CAPTURE_STATUS_NONE`.
@@ -667,9 +670,17 @@ fn record(r: &mut Ring, entry: &Entry) -> Result<(), String> {
             None => create_event(r.ctx).ok_or("cuEventCreate failed")?,
         };
         // SAFETY: the driver's cuEventRecord with our event and the ring's stream.
-        if unsafe { (fns().event_record)(e, r.record_on) } == CUDA_SUCCESS {
+        let res = unsafe { (fns().event_record)(e, r.record_on) };
+        if res == CUDA_SUCCESS {
             r.events.push_back(e);
             entry.inflight.fetch_add(1, Relaxed);
+            return Ok(());
+        }
+        // A stream capture began meanwhile (on this stream after the check in `enter`, or
+        // on a blocking stream while this is the legacy one): this one submission goes
+        // untracked; the ring and the gate stay as they are.
+        if CAPTURE_ERRORS.contains(&res) {
+            r.free.push(e);
             return Ok(());
         }
         // The ring's events may be gone with a destroyed context, or a stream handle

@@ -228,8 +228,9 @@ type Fwd = unsafe extern "C" fn(
 type Getter =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
 
-/// Distinct driver pointers that can be wrapped: 22 bases × (legacy, `_ptsz`) and older
-/// ABIs of some come to about 60, so twice that leaves room.
+/// Distinct driver pointers that can be wrapped: 24 bases × (legacy, `_ptsz`), the new
+/// ABIs of the batched copies and older ABIs of some come to about 65; twice that leaves
+/// room.
 const NSLOTS: usize = 128;
 const NGETTERS: usize = 8;
 static SLOT_REAL: [AtomicUsize; NSLOTS] = [const { AtomicUsize::new(0) }; NSLOTS];
@@ -428,7 +429,11 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
             kind_of(&String::from_utf8_lossy(bytes), false),
         )
     };
-    crate::trace::request("dlsym", bytes, 0, 0, ours.is_some());
+    if crate::trace::on() {
+        // `real` may be ours already (RTLD_DEFAULT finds our exported wrappers first).
+        let wrapped = ours.is_some() || is_ours(real as usize);
+        crate::trace::request("dlsym", bytes, 0, 0, wrapped);
+    }
     ours.map_or(std::ptr::null_mut(), |w| w as *mut c_void)
 }
 

@@ -28,17 +28,20 @@ pub fn request(via: &str, name: &[u8], ver: c_int, flags: u64, wrapped: bool) {
         return;
     }
     static SEEN: Mutex<Option<HashSet<Request>>> = Mutex::new(None);
-    let Ok(mut seen) = SEEN.lock() else {
-        return;
+    // try_lock: a fork child whose parent had the lock held by another thread would wait
+    // for ever; without the lock a line may come twice.
+    let count = match SEEN.try_lock() {
+        Ok(mut seen) => {
+            let seen = seen.get_or_insert_with(HashSet::new);
+            if seen.len() > MAX || !seen.insert((via.to_string(), name.to_vec(), ver, flags)) {
+                return;
+            }
+            seen.len()
+        }
+        Err(_) => 0,
     };
-    let seen = seen.get_or_insert_with(HashSet::new);
-    if seen.len() > MAX {
-        return;
-    }
-    if !seen.insert((via.to_string(), name.to_vec(), ver, flags)) {
-        return;
-    }
-    let line = if seen.len() > MAX {
+    // Written with the lock released: a slow stderr holds up only this thread.
+    let line = if count > MAX {
         format!("libcoloc_cuda: trace: more than {MAX} distinct requests; no more logged\n")
     } else {
         format!(

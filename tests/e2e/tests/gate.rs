@@ -580,7 +580,8 @@ fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
     assert!(stderr().is_empty(), "silent: {}", stderr());
 }
 
-/// Batched copies (`cuMemcpyBatchAsync`) are gated submissions in both ABIs: asked for at
+/// Batched copies (`cuMemcpyBatchAsync`) are gated submissions in both ABIs (and a forked
+/// child's exit leaves the parent's page in place): asked for at
 /// CUDA 12.8 the stream follows `failIdx`, at 13.0 (`_v2`) there is no `failIdx`. The shim
 /// must take the stream from the right argument: with the wrong one it would record its
 /// event on a pointer that is not a stream, fail, and pass everything through from then
@@ -607,6 +608,12 @@ fn batched_copies_are_gated_in_both_abis() {
     assert!(all_ok("v1") && all_ok("v2"), "{v}");
     assert_eq!(v["sync"], 0, "{v}");
     assert_eq!(v["fail_idx"], -1, "the 12.8 ABI's failIdx was written: {v}");
+    // The forked child's exit left the page alone.
+    let ours = std::fs::read_dir(&n.bells).unwrap().flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().to_string();
+        name.starts_with(&format!("{pid}-")) && name.ends_with(coloc_doorbell::SUFFIX)
+    });
+    assert!(ours, "the page was removed by a forked child's exit");
     let page = n.page(pid);
     let g = page.gate().expect("the process's GPU entry");
     assert_eq!(

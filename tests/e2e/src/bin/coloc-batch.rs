@@ -2,7 +2,8 @@
 //! both of their ABIs, found as the CUDA runtime finds entry points (`dlopen`,
 //! `cuGetProcAddress_v2`): asked for at CUDA 12.8 the getter gives the ABI with `failIdx`
 //! before the stream, at 13.0 the one without. Each is called `N` times on a created
-//! stream, then the stream is synchronised. Prints one JSON line (the result codes and
+//! stream, then the stream is synchronised; then a child is forked that exits at once.
+//! Prints one JSON line (the result codes and
 //! what `failIdx` came back as), then waits for stdin to close before exiting (so that a
 //! test can read the shim's page). In tests the driver is the fake one (`tests/fake-cuda`).
 
@@ -116,6 +117,14 @@ fn main() {
             ));
         }
         let synced = sync(s);
+        // A child that exits at once (its atexit handlers run, the shim's among them): the
+        // page is the parent's and must stay.
+        let child = libc::fork();
+        if child == 0 {
+            libc::exit(0);
+        }
+        let mut status = 0;
+        libc::waitpid(child, &mut status, 0);
         println!(
             "{{\"v1\":{codes1:?},\"v2\":{codes2:?},\"fail_idx\":{},\"sync\":{synced}}}",
             if fail_idx == usize::MAX {
