@@ -36,7 +36,7 @@ Uses only the Python standard library and, without --sim, PyTorch with CUDA in c
 processes (the harness itself never touches the GPU); binaries come from --bin (built and
 stripped elsewhere, carried: the device machine has no registries).
 """
-import argparse, bisect, hashlib, io, json, math, os, platform, re, shutil, signal, socket, subprocess, sys, tarfile, tempfile, time, traceback
+import argparse, bisect, hashlib, io, json, math, os, platform, re, shutil, signal, subprocess, sys, tarfile, tempfile, time, traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -163,20 +163,7 @@ def free_port():
     return shim_check.free_port()
 
 
-def get(port, path, timeout=2.0):
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    try:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while True:
-            b = s.recv(65536)
-            if not b:
-                break
-            data += b
-    finally:
-        s.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode(errors="replace")
+get = shim_check.http_get
 
 
 def cgroup_dir(name):

@@ -169,10 +169,11 @@ def free_port():
     return p
 
 
-def readyz(port):
-    s = socket.create_connection(("127.0.0.1", port), timeout=1)
+def http_get(port, path, timeout=2.0):
+    """GET http://127.0.0.1:port/path: (status, body)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     try:
-        s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
         data = b""
         while True:
             b = s.recv(65536)
@@ -182,7 +183,12 @@ def readyz(port):
     finally:
         s.close()
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode(errors="replace").strip()
+    return int(head.split()[1]), body.decode(errors="replace")
+
+
+def readyz(port):
+    code, body = http_get(port, "/readyz", timeout=1)
+    return code, body.strip()
 
 
 def start_gate_agent(a, tmp, bells, gate_file):
