@@ -323,10 +323,51 @@ fn wrap_for(name: &[u8], real: usize, ver: c_int, flags: u64) -> Option<usize> {
     if is_getter(name) {
         getter_for(real)
     } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
+        let ver = abi_version(n, real, ver, driver_symbol);
         slot_for(real, kind_at(n, ver, per_thread(flags)))
     } else {
         None
     }
+}
+
+/// The version whose ABI `real` has, for an entry point in [`NEW_ABI`]: decided by the
+/// driver's own exported names where `real` is one of them (`…_v2[_ptsz]`: the new ABI;
+/// the plain name or `_ptsz`: the old), else by the version asked for (`ver`). A driver
+/// older than the version asked for may answer with its older ABI. `lookup` finds an
+/// exported name in the driver (0: none).
+fn abi_version(name: &str, real: usize, ver: c_int, lookup: impl Fn(&str) -> usize) -> c_int {
+    let base = base_name(name);
+    if !NEW_ABI.iter().any(|(n, _, _)| *n == base) {
+        return ver;
+    }
+    let is = |suffixes: &[&str]| {
+        suffixes
+            .iter()
+            .any(|s| lookup(&format!("{base}{s}")) == real)
+    };
+    if is(&["_v2", "_v2_ptsz"]) {
+        c_int::MAX
+    } else if is(&["", "_ptsz"]) {
+        0
+    } else {
+        ver
+    }
+}
+
+/// `name` as the loaded `libcuda.so.1` exports it (0: not loaded, or no such name).
+fn driver_symbol(name: &str) -> usize {
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return 0;
+    };
+    // SAFETY: dlopen with RTLD_NOLOAD only returns a handle to an already loaded library.
+    let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if h.is_null() {
+        return 0;
+    }
+    let p = crate::dl::real_dlsym(h, &c) as usize;
+    // SAFETY: balances the dlopen above (the library stays loaded: RTLD_NOLOAD).
+    unsafe { libc::dlclose(h) };
+    p
 }
 
 macro_rules! table {
@@ -597,6 +638,36 @@ mod tests {
         assert_eq!(kind_at("cuLaunchKernel", 13000, false), 8 | KIND_SET);
         assert_eq!(kind_of("cuMemcpyHtoDAsync_v2", false), 3 | KIND_SET);
         assert!(is_launch("cuMemcpyBatchAsync_v2"));
+    }
+
+    #[test]
+    fn the_abi_of_a_batched_copy_is_told_by_the_pointer_where_it_can_be() {
+        let exported = |n: &str| match n {
+            "cuMemcpyBatchAsync" => 0x10,
+            "cuMemcpyBatchAsync_ptsz" => 0x11,
+            "cuMemcpyBatchAsync_v2" => 0x20,
+            "cuMemcpyBatchAsync_v2_ptsz" => 0x21,
+            _ => 0,
+        };
+        // Asked for 13.0, answered with the 12.8 function (an older driver): old ABI.
+        let v = abi_version("cuMemcpyBatchAsync", 0x10, 13000, exported);
+        assert_eq!(kind_at("cuMemcpyBatchAsync", v, false), 8 | KIND_SET);
+        let v = abi_version("cuMemcpyBatchAsync", 0x21, 12080, exported);
+        assert_eq!(
+            kind_at("cuMemcpyBatchAsync", v, true),
+            7 | KIND_SET | KIND_PTDS
+        );
+        // A pointer the driver does not export by name: the version asked for decides.
+        assert_eq!(
+            abi_version("cuMemcpyBatchAsync", 0x99, 13000, exported),
+            13000
+        );
+        assert_eq!(
+            abi_version("cuMemcpyBatchAsync", 0x99, 12080, exported),
+            12080
+        );
+        // Other entry points: untouched.
+        assert_eq!(abi_version("cuLaunchKernel", 0x10, 12000, exported), 12000);
     }
 
     #[test]
