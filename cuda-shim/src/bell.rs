@@ -27,6 +27,8 @@ static INIT: Once = Once::new();
 static BASE: AtomicUsize = AtomicUsize::new(0);
 static GAP_NS: AtomicU64 = AtomicU64::new(DEFAULT_WAKE_GAP_NS);
 static PATH: OnceLock<CString> = OnceLock::new();
+/// The driver's `cuStreamIsCapturing` (0: none).
+pub(crate) static STREAM_IS_CAPTURING: AtomicUsize = AtomicUsize::new(0);
 /// The process that created the page (the only one that removes it at exit).
 static CREATOR: AtomicU32 = AtomicU32::new(0);
 static FAILED: AtomicBool = AtomicBool::new(false);
@@ -186,6 +188,11 @@ fn resolve_helpers() -> bool {
     if uuid == 0 {
         uuid = lookup(c"cuDeviceGetUuid", c"cuDeviceGetUuid");
     }
+    // Optional (CUDA 10.0): without it nothing counts as captured.
+    STREAM_IS_CAPTURING.store(
+        lookup(c"cuStreamIsCapturing", c"cuStreamIsCapturing"),
+        Relaxed,
+    );
     CTX_GET_CURRENT.store(cur, Relaxed);
     CTX_GET_DEVICE.store(dev, Relaxed);
     DEVICE_GET_UUID.store(uuid, Relaxed);
@@ -311,9 +318,11 @@ extern "C" fn after_fork_child() {
     MODE.store(OFF, Relaxed);
 }
 
-/// Stamps the launch (online: called when the mode is [`ON`]).
+/// Stamps the launch (online: called when the mode is [`ON`]). `captured()` is asked only
+/// of a launch that would start a run: a launch captured into a CUDA graph runs nothing
+/// now (its graph's launch rings when it runs), so it starts no run.
 #[inline]
-pub fn ring() {
+pub fn ring(captured: impl FnOnce() -> bool) {
     let cur = CTX_GET_CURRENT.load(Relaxed);
     let mut ctx = 0usize;
     // SAFETY: the driver's cuCtxGetCurrent with a valid out-pointer.
@@ -334,7 +343,7 @@ pub fn ring() {
     // SAFETY: BASE is the live page (set before MODE became ON); `entry` points into it.
     let page = unsafe { Page::from_raw(BASE.load(Relaxed) as *mut u8) };
     let e = unsafe { &*(entry as *const Entry) };
-    if page.ring(e, coloc_doorbell::now_ns(), GAP_NS.load(Relaxed)) {
+    if page.ring_unless(e, coloc_doorbell::now_ns(), GAP_NS.load(Relaxed), captured) {
         page.wake();
     }
 }

@@ -105,8 +105,6 @@ struct Fns {
     event_query: Fn1,
     event_sync: Fn1,
     event_destroy: Fn1,
-    /// `cuStreamIsCapturing` (CUDA 10.0; `None`: an older driver, nothing is captured).
-    stream_is_capturing: Option<Fn2>,
     /// `cuThreadExchangeStreamCaptureMode` (CUDA 10.1; `None`: no capture modes).
     exchange_capture_mode: Option<Fn1>,
 }
@@ -188,9 +186,6 @@ pub fn configure() -> Result<(), String> {
                 c"cuEventDestroy",
                 c"cuEventDestroy_v2",
             )?),
-            stream_is_capturing: get(c"cuStreamIsCapturing", c"cuStreamIsCapturing")
-                .ok()
-                .map(|p| std::mem::transmute::<usize, Fn2>(p)),
             exchange_capture_mode: get(
                 c"cuThreadExchangeStreamCaptureMode",
                 c"cuThreadExchangeStreamCaptureMode",
@@ -606,6 +601,12 @@ fn event_done(e: usize) -> bool {
     relaxed(|| unsafe { (fns().event_query)(e) }) != CUDA_ERROR_NOT_READY
 }
 
+/// Whether a submission of `kind` with arguments `a` goes to a stream being captured into
+/// a CUDA graph (the doorbell asks this of a launch that would start a run).
+pub fn captured(kind: u32, a: &[usize; 12]) -> bool {
+    stream_of(kind, a).is_some_and(|h| capturing(h, kind))
+}
+
 /// Whether stream `h`, as a submission of `kind` names it, is being captured into a CUDA
 /// graph (an invalidated capture too). Such a submission runs nothing: it adds a node to
 /// the graph, which runs later through `cuGraphLaunch`, itself a gated submission. So it
@@ -613,9 +614,12 @@ fn event_done(e: usize) -> bool {
 /// a node of the application's graph, and waiting for it is illegal. The legacy default
 /// stream cannot be captured (not asked); a failed query counts as not capturing.
 fn capturing(h: usize, kind: u32) -> bool {
-    let Some(is_capturing) = fns().stream_is_capturing else {
+    let f = bell::STREAM_IS_CAPTURING.load(Relaxed);
+    if f == 0 {
         return false;
-    };
+    }
+    // SAFETY: a non-zero value is the driver's cuStreamIsCapturing.
+    let is_capturing = unsafe { std::mem::transmute::<usize, Fn2>(f) };
     let h = match h {
         0 if kind & KIND_PTDS != 0 => CU_STREAM_PER_THREAD,
         0 | CU_STREAM_LEGACY => return false,

@@ -152,7 +152,7 @@ pub unsafe fn call(f: usize, a: [usize; 12]) -> c_int {
 macro_rules! dispatch {
     ($f:expr, $kind:expr, $($a:ident),*) => {{
         match bell::mode() {
-            bell::ON => bell::ring(),
+            bell::ON => bell::ring(|| crate::gate::captured($kind.load(Relaxed), &[$($a),*])),
             bell::GATED => return gated($kind.load(Relaxed), $f, $($a),*),
             _ => {}
         }

@@ -262,8 +262,24 @@ impl<'a> Page<'a> {
     /// ([`Page::wake`]).
     #[inline]
     pub fn ring(&self, e: &Entry, now_ns: u64, wake_gap_ns: u64) -> bool {
+        self.ring_unless(e, now_ns, wake_gap_ns, || false)
+    }
+
+    /// [`Page::ring`], except that a submission that would start a run is not recorded
+    /// at all when `skip()` says so (asked only then: at most once per wake gap).
+    #[inline]
+    pub fn ring_unless(
+        &self,
+        e: &Entry,
+        now_ns: u64,
+        wake_gap_ns: u64,
+        skip: impl FnOnce() -> bool,
+    ) -> bool {
         let prev = e.last_launch_ns.load(Relaxed);
         let edge = now_ns.saturating_sub(prev) >= wake_gap_ns;
+        if edge && skip() {
+            return false;
+        }
         if edge {
             e.busy_since_ns.store(now_ns, Relaxed);
         }

@@ -405,3 +405,77 @@ fn the_shim_traces_what_the_process_looks_up() {
     assert!(!run("0").contains("trace:"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// An online process capturing a CUDA graph starts no run: a captured launch runs nothing
+/// (no wake-up, no stamp); the graph's launch, when it runs, does.
+#[test]
+fn captured_launches_do_not_ring_the_graph_launch_does() {
+    use std::io::{BufRead, Write};
+    let sim = Sim::start(1, &[]);
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-capture-bell"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_coloc-capture"));
+    c.env("COLOC_SIM_STATE", &sim.state)
+        .env("LD_LIBRARY_PATH", fake_cuda())
+        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+        .env("COLOC_SHIM_CLASS", "online")
+        .env("COLOC_DOORBELL_DIR", &dir)
+        .env("COLOC_CAPTURE_ALONE", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut p = Proc(c.spawn().unwrap());
+    let mut stdin = p.0.stdin.take().unwrap();
+    let mut out = std::io::BufReader::new(p.0.stdout.take().unwrap());
+    let mut next = || {
+        let mut l = String::new();
+        out.read_line(&mut l).unwrap();
+        l.trim().to_string()
+    };
+    let mut send = |s: &str| writeln!(stdin, "{s}").and_then(|_| stdin.flush()).unwrap();
+    // (page wake word, runs started on the GPU's entry): what the agent would see.
+    let runs = || {
+        let path = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.to_string_lossy().ends_with(coloc_doorbell::SUFFIX))
+            .expect("the process's page");
+        let m = MappedPage::open(&path);
+        let mut r = Vec::new();
+        m.page().read(&mut r);
+        let wakes: u64 = r.iter().map(|x| m.page().wakes(x.index)).sum();
+        let stamped = r.iter().filter(|x| x.last_launch_ns != 0).count();
+        (
+            m.page()
+                .header()
+                .wake
+                .load(std::sync::atomic::Ordering::SeqCst),
+            wakes,
+            stamped,
+        )
+    };
+    assert_eq!(next(), "capturing");
+    send("go");
+    assert!(next().starts_with("more "));
+    assert_eq!(runs(), (0, 0, 0), "captured launches started a run");
+    send("end");
+    let captured = next();
+    assert!(captured.contains("\"end\":0"), "{captured}");
+    send("replay");
+    let launched = next();
+    assert!(launched.contains("\"launch\":0"), "{launched}");
+    let (word, wakes, stamped) = runs();
+    assert_eq!(
+        (wakes, stamped),
+        (1, 1),
+        "the graph's launch started one run"
+    );
+    assert!(word >= 1);
+    send("exit");
+    drop(stdin);
+    assert!(p
+        .wait_within("coloc-capture", Duration::from_secs(10))
+        .success());
+    std::fs::remove_dir_all(&dir).ok();
+}

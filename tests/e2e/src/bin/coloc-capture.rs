@@ -7,7 +7,8 @@
 //! Steps, driven by the test through stdin (one line each) and stdout (one line each):
 //!
 //! 1. A second thread launches 1 ms kernels on stream `normal` until told to stop (the
-//!    shim's in-flight bound makes it wait for its own events meanwhile).
+//!    shim's in-flight bound makes it wait for its own events meanwhile); with
+//!    `COLOC_CAPTURE_ALONE=1`, no second thread.
 //! 2. The main thread begins a capture of stream `captured` (mode GLOBAL), launches 4 kernels
 //!    of 2 ms into it, prints `capturing`, waits for a line.
 //! 3. Launches 4 more into the capture, prints `more <ms>` (how long those took), waits for a
@@ -166,7 +167,8 @@ fn main() {
         (api, a, b as usize)
     };
 
-    // 1. The other thread.
+    // 1. The other thread (none with COLOC_CAPTURE_ALONE=1).
+    let alone = std::env::var("COLOC_CAPTURE_ALONE").is_ok_and(|v| v == "1");
     let stop = Arc::new(AtomicBool::new(false));
     let launched = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
@@ -175,7 +177,7 @@ fn main() {
         std::thread::spawn(move || {
             // SAFETY: the process's context.
             assert_eq!(unsafe { (api.ctx_set_current)(api.ctx as H) }, 0);
-            while !stop.load(SeqCst) {
+            while !alone && !stop.load(SeqCst) {
                 match api.launch(normal as H, NORMAL_NS) {
                     0 => launched.fetch_add(1, SeqCst),
                     _ => failed.fetch_add(1, SeqCst),
@@ -183,7 +185,7 @@ fn main() {
             }
         })
     };
-    while launched.load(SeqCst) < 5 {
+    while !alone && launched.load(SeqCst) < 5 {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 
