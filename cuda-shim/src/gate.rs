@@ -458,7 +458,7 @@ fn stream_of(kind: u32, a: &[usize; 12]) -> Option<usize> {
             }
             // SAFETY: cuLaunchKernelEx's first argument is a `const CUlaunchConfig *`:
             // seven `unsigned int`s, then `CUstream hStream` at byte 32 (cuda.h).
-            Some(unsafe { *((a[0] + 32) as *const usize) })
+            Some(unsafe { std::ptr::read_unaligned((a[0] + 32) as *const usize) })
         }
         i if (i as usize) < a.len() => Some(a[i as usize]),
         _ => None,

@@ -323,7 +323,7 @@ fn wrap_for(name: &[u8], real: usize, ver: c_int, flags: u64) -> Option<usize> {
     if is_getter(name) {
         getter_for(real)
     } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
-        let ver = abi_version(n, real, ver, driver_symbol);
+        let ver = abi_version(n, real, ver, driver_version, driver_symbol);
         slot_for(real, kind_at(n, ver, per_thread(flags)))
     } else {
         None
@@ -332,10 +332,16 @@ fn wrap_for(name: &[u8], real: usize, ver: c_int, flags: u64) -> Option<usize> {
 
 /// The version whose ABI `real` has, for an entry point in [`NEW_ABI`]: decided by the
 /// driver's own exported names where `real` is one of them (`…_v2[_ptsz]`: the new ABI;
-/// the plain name or `_ptsz`: the old), else by the version asked for (`ver`). A driver
-/// older than the version asked for may answer with its older ABI. `lookup` finds an
-/// exported name in the driver (0: none).
-fn abi_version(name: &str, real: usize, ver: c_int, lookup: impl Fn(&str) -> usize) -> c_int {
+/// the plain name or `_ptsz`: the old), else by the version asked for, capped at the
+/// driver's (`driver()`, 0: unknown): a driver older than the version asked for answers
+/// with its older ABI. `lookup` finds an exported name in the driver (0: none).
+fn abi_version(
+    name: &str,
+    real: usize,
+    ver: c_int,
+    driver: impl Fn() -> c_int,
+    lookup: impl Fn(&str) -> usize,
+) -> c_int {
     let base = base_name(name);
     if !NEW_ABI.iter().any(|(n, _, _)| *n == base) {
         return ver;
@@ -350,8 +356,33 @@ fn abi_version(name: &str, real: usize, ver: c_int, lookup: impl Fn(&str) -> usi
     } else if is(&["", "_ptsz"]) {
         0
     } else {
-        ver
+        match driver() {
+            0 => ver,
+            d => ver.min(d),
+        }
     }
+}
+
+/// The driver's CUDA version (`cuDriverGetVersion`; 0: unknown), asked once.
+fn driver_version() -> c_int {
+    static V: std::sync::OnceLock<c_int> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        let f = crate::bell::lookup(c"cuDriverGetVersion", c"cuDriverGetVersion");
+        if f == 0 {
+            return 0;
+        }
+        let mut v: c_int = 0;
+        // SAFETY: the driver's cuDriverGetVersion with a valid out-pointer (no cuInit
+        // needed).
+        let r = unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_int) -> c_int>(f)(&mut v)
+        };
+        if r == CUDA_SUCCESS {
+            v
+        } else {
+            0
+        }
+    })
 }
 
 /// `name` as the loaded `libcuda.so.1` exports it (0: not loaded, or no such name).
@@ -510,7 +541,8 @@ macro_rules! exported_launch {
         ) -> c_int {
             static REAL: AtomicUsize = AtomicUsize::new(0);
             static KIND: AtomicU32 = AtomicU32::new(0);
-            let mut f = REAL.load(Relaxed);
+            // Acquire: a thread that sees the pointer sees its kind.
+            let mut f = REAL.load(Acquire);
             if f == 0 {
                 let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
                 f = cname.map_or(0, resolve_next);
@@ -518,7 +550,7 @@ macro_rules! exported_launch {
                     return CUDA_ERROR_NOT_FOUND;
                 }
                 KIND.store(kind_of(stringify!($name), false), Relaxed);
-                REAL.store(f, Relaxed);
+                REAL.store(f, Release);
             }
             // The driver's own entry point of the same name, same arguments.
             dispatch!(f, KIND, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
@@ -649,25 +681,36 @@ mod tests {
             "cuMemcpyBatchAsync_v2_ptsz" => 0x21,
             _ => 0,
         };
+        let d13 = || 13000;
         // Asked for 13.0, answered with the 12.8 function (an older driver): old ABI.
-        let v = abi_version("cuMemcpyBatchAsync", 0x10, 13000, exported);
+        let v = abi_version("cuMemcpyBatchAsync", 0x10, 13000, d13, exported);
         assert_eq!(kind_at("cuMemcpyBatchAsync", v, false), 8 | KIND_SET);
-        let v = abi_version("cuMemcpyBatchAsync", 0x21, 12080, exported);
+        let v = abi_version("cuMemcpyBatchAsync", 0x21, 12080, d13, exported);
         assert_eq!(
             kind_at("cuMemcpyBatchAsync", v, true),
             7 | KIND_SET | KIND_PTDS
         );
-        // A pointer the driver does not export by name: the version asked for decides.
+        // A pointer the driver does not export by name (another interposer): the version
+        // asked for decides, capped at the driver's.
         assert_eq!(
-            abi_version("cuMemcpyBatchAsync", 0x99, 13000, exported),
+            abi_version("cuMemcpyBatchAsync", 0x99, 13000, d13, exported),
             13000
         );
         assert_eq!(
-            abi_version("cuMemcpyBatchAsync", 0x99, 12080, exported),
+            abi_version("cuMemcpyBatchAsync", 0x99, 12080, d13, exported),
             12080
         );
+        let v = abi_version("cuMemcpyBatchAsync", 0x99, 13000, || 12090, exported);
+        assert_eq!(kind_at("cuMemcpyBatchAsync", v, false), 8 | KIND_SET);
+        assert_eq!(
+            abi_version("cuMemcpyBatchAsync", 0x99, 13000, || 0, exported),
+            13000
+        );
         // Other entry points: untouched.
-        assert_eq!(abi_version("cuLaunchKernel", 0x10, 12000, exported), 12000);
+        assert_eq!(
+            abi_version("cuLaunchKernel", 0x10, 12000, || 12090, exported),
+            12000
+        );
     }
 
     #[test]

@@ -266,7 +266,9 @@ impl<'a> Page<'a> {
     }
 
     /// [`Page::ring`], except that a submission that would start a run is not recorded
-    /// at all when `skip()` says so (asked only then: at most once per wake gap).
+    /// at all when `skip()` says so. `skip` is asked only of such a submission: once per
+    /// run start, and of every submission it skips while the GPU stays idle for this
+    /// page (a skipped one stamps nothing).
     #[inline]
     pub fn ring_unless(
         &self,
@@ -508,6 +510,35 @@ mod tests {
     fn page(buf: &mut Buf) -> Page<'_> {
         // SAFETY: a page-aligned, page-sized buffer that outlives the view.
         unsafe { Page::from_raw(buf.0.as_mut_ptr()) }
+    }
+
+    #[test]
+    fn a_skipped_run_start_stamps_nothing_and_skip_is_asked_only_at_a_start() {
+        let mut b = Buf([0; PAGE]);
+        let p = page(&mut b);
+        p.init(42, 100, 1);
+        let e = p.entry_for(&[3u8; 16]).unwrap();
+        let asked = std::cell::Cell::new(0);
+        let skip = |yes: bool| {
+            let asked = &asked;
+            move || {
+                asked.set(asked.get() + 1);
+                yes
+            }
+        };
+        // A captured launch that would start a run: nothing recorded.
+        assert!(!p.ring_unless(e, 1_000, 100, skip(true)));
+        assert_eq!(e.last_launch_ns.load(Relaxed), 0);
+        assert_eq!(p.header().wake.load(Relaxed), 0);
+        // The next, not captured: it starts the run.
+        assert!(p.ring_unless(e, 1_010, 100, skip(false)));
+        assert_eq!(e.busy_since_ns.load(Relaxed), 1_010);
+        assert_eq!(asked.get(), 2);
+        // Inside the run: never asked.
+        assert!(!p.ring_unless(e, 1_020, 100, skip(true)));
+        assert_eq!(asked.get(), 2);
+        assert_eq!(e.last_launch_ns.load(Relaxed), 1_020);
+        assert_eq!(p.header().wake.load(Relaxed), 1);
     }
 
     #[test]
