@@ -112,6 +112,9 @@ pub struct Nvml {
     buf: Vec<RawSample>,
     hist_samples: metrics::Histogram,
     hist_procs: metrics::Histogram,
+    /// `INSUFFICIENT_SIZE` answers retried at once, both calls (also in the metric; kept
+    /// here for `coloc-bench --nvml-probe`, which runs without a metrics recorder).
+    transient: u64,
 }
 
 /// `nvmlProcessUtilizationSample_t`, laid out as the C struct.
@@ -191,25 +194,38 @@ impl Nvml {
             buf: vec![RawSample::default(); 256],
             hist_samples: call_histogram("nvmlDeviceGetProcessUtilization"),
             hist_procs: call_histogram("nvmlDeviceGetComputeRunningProcesses"),
+            transient: 0,
         })
     }
 
-    fn device(&self, gpu: u32) -> Result<&nvml_wrapper::Device<'static>, GpuError> {
-        self.devices
-            .iter()
-            .find(|d| d.0 == gpu)
-            .map(|d| &d.2)
-            .ok_or(GpuError::NoSuchGpu {
-                gpu,
-                count: self.devices.len() as u32,
-            })
+    /// How many `INSUFFICIENT_SIZE` answers this sampler has retried since it opened.
+    pub fn transient_answers(&self) -> u64 {
+        self.transient
     }
+
+    fn device(&self, gpu: u32) -> Result<&nvml_wrapper::Device<'static>, GpuError> {
+        device_in(&self.devices, gpu)
+    }
+}
+
+type Devices = [(u32, String, nvml_wrapper::Device<'static>)];
+
+fn device_in(devices: &Devices, gpu: u32) -> Result<&nvml_wrapper::Device<'static>, GpuError> {
+    devices
+        .iter()
+        .find(|d| d.0 == gpu)
+        .map(|d| &d.2)
+        .ok_or(GpuError::NoSuchGpu {
+            gpu,
+            count: devices.len() as u32,
+        })
 }
 
 /// Repeats `call` while it answers `INSUFFICIENT_SIZE` (the count grew between NVML's two
 /// steps), up to [`TRANSIENT_RETRIES`] times.
 fn retry_transient<T>(
     function: &'static str,
+    retried: &mut u64,
     mut call: impl FnMut() -> Result<T, nvml_wrapper::error::NvmlError>,
 ) -> Result<T, nvml_wrapper::error::NvmlError> {
     let mut r = call();
@@ -219,6 +235,7 @@ fn retry_transient<T>(
         }
         metrics::counter!("coloc_nvml_transient_answers_total", "function" => function)
             .increment(1);
+        *retried += 1;
         r = call();
     }
     r
@@ -238,11 +255,14 @@ impl GpuSampler for Nvml {
     }
 
     fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError> {
-        let dev = self.device(gpu)?;
+        // The device through its field alone: `self.transient` is borrowed beside it.
+        let dev = device_in(&self.devices, gpu)?;
         let t = Instant::now();
-        let r = retry_transient("nvmlDeviceGetComputeRunningProcesses", || {
-            dev.running_compute_processes()
-        });
+        let r = retry_transient(
+            "nvmlDeviceGetComputeRunningProcesses",
+            &mut self.transient,
+            || dev.running_compute_processes(),
+        );
         self.hist_procs.record(t.elapsed().as_secs_f64());
         let procs = r.map_err(|source| GpuError::Call {
             function: "nvmlDeviceGetComputeRunningProcesses",
@@ -294,6 +314,7 @@ impl GpuSampler for Nvml {
                     if attempt < TRANSIENT_RETRIES {
                         metrics::counter!("coloc_nvml_transient_answers_total", "function" => F)
                             .increment(1);
+                        self.transient += 1;
                     }
                 }
                 _ => break,

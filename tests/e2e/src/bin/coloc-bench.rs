@@ -12,6 +12,8 @@
 mod gate;
 #[path = "coloc_bench/multi_gpu.rs"]
 mod multi_gpu;
+#[path = "coloc_bench/nvml.rs"]
+mod nvml;
 #[path = "coloc_bench/wake.rs"]
 mod wake;
 
@@ -256,111 +258,6 @@ fn kube_bench() {
     drop(agent);
 }
 
-/// NVML facts on whatever driver `--nvml-lib` loads: per-call cost, per-process sample
-/// period and freshness, and (with `--stop-pid`) how long a stopped process's queued GPU
-/// work keeps showing activity (its drain). JSON to stdout.
-fn nvml_probe(args: &[String]) {
-    use coloc_agent::edges::gpu::{GpuSampler, Nvml};
-    let opt = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let lib = opt("--nvml-lib").unwrap_or_else(|| "libnvidia-ml.so.1".into());
-    let gpu: u32 = opt("--gpu").and_then(|v| v.parse().ok()).unwrap_or(0);
-    let secs: f64 = opt("--seconds").and_then(|v| v.parse().ok()).unwrap_or(5.0);
-    let stop_pid: Option<i32> = opt("--stop-pid").and_then(|v| v.parse().ok());
-    let mut nvml = Nvml::open(&lib, &[gpu]).unwrap_or_else(|e| panic!("{e}"));
-    let now_us = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros() as u64
-    };
-    // Per-call cost.
-    let mut cost = serde_json::Map::new();
-    for name in ["running_processes", "process_utilization"] {
-        let mut t = Vec::new();
-        for _ in 0..1000 {
-            let s = Instant::now();
-            if name == "running_processes" {
-                let _ = nvml.processes(gpu);
-            } else {
-                let _ = nvml.samples(gpu, now_us().saturating_sub(1_000_000), &mut Vec::new());
-            }
-            t.push(s.elapsed().as_secs_f64() * 1e6);
-        }
-        cost.insert(
-            name.into(),
-            serde_json::json!({"p50_us": pct(&t, 50.0), "p99_us": pct(&t, 99.0)}),
-        );
-    }
-    // Sample period and freshness: poll every 1 ms.
-    let mut last_seen = now_us();
-    let mut per_pid: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
-    let mut freshness = Vec::new();
-    let (t0, mut stopped_at, mut resumed) = (Instant::now(), None::<u64>, false);
-    let mut resumed_at = u64::MAX;
-    while t0.elapsed().as_secs_f64() < secs {
-        if let (Some(pid), None) = (stop_pid, stopped_at) {
-            if t0.elapsed().as_secs_f64() > secs / 3.0 {
-                // SAFETY: kill(2) on a PID given on the command line.
-                unsafe { libc::kill(pid, libc::SIGSTOP) };
-                stopped_at = Some(now_us() * 1000);
-            }
-        }
-        if let (Some(pid), false) = (stop_pid, resumed) {
-            if t0.elapsed().as_secs_f64() > 2.0 * secs / 3.0 {
-                // SAFETY: as above.
-                unsafe { libc::kill(pid, libc::SIGCONT) };
-                resumed = true;
-                resumed_at = now_us() * 1000;
-            }
-        }
-        let poll = now_us() * 1000;
-        let mut samples = Vec::new();
-        if nvml.samples(gpu, last_seen, &mut samples).is_ok() {
-            for a in samples {
-                last_seen = last_seen.max(a.at_ns / 1000);
-                per_pid.entry(a.pid).or_default().push(a.at_ns);
-                freshness.push(poll.saturating_sub(a.at_ns) as f64 / 1e6);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    if let (Some(pid), false) = (stop_pid, resumed) {
-        // SAFETY: as above.
-        unsafe { libc::kill(pid, libc::SIGCONT) };
-    }
-    let mut periods = Vec::new();
-    for ts in per_pid.values_mut() {
-        ts.sort_unstable();
-        ts.dedup();
-        periods.extend(ts.windows(2).map(|w| (w[1] - w[0]) as f64 / 1e6));
-    }
-    let drain_ms = match (stop_pid, stopped_at) {
-        (Some(pid), Some(t)) => per_pid
-            .get(&(pid as u32))
-            .and_then(|ts| {
-                ts.iter()
-                    .filter(|x| **x >= t && **x < resumed_at)
-                    .max()
-                    .map(|x| (x - t) as f64 / 1e6)
-            })
-            .or(Some(0.0)),
-        _ => None,
-    };
-    let out = serde_json::json!({
-        "nvml_lib": lib, "gpu": gpu, "seconds": secs, "call_cost": cost,
-        "sample_interval_ms": {"min": pct(&periods, 0.0), "p50": pct(&periods, 50.0), "p99": pct(&periods, 99.0)},
-        "freshness_ms": {"p50": pct(&freshness, 50.0), "p99": pct(&freshness, 99.0)},
-        "samples": freshness.len(), "processes_seen": per_pid.len(),
-        "drain_after_sigstop_ms": drain_ms,
-    });
-    println!("{}", serde_json::to_string_pretty(&out).unwrap());
-}
-
 const HELP: &str = "\
 coloc-bench: end-to-end benchmarks of the agent on the simulated GPU (release build;
 run as root for the freezer rows). Modes:
@@ -371,14 +268,18 @@ coloc-bench [--cycles 40] [--cost-only] [--json FILE]
     offline processes). --cost-only: only the CPU/RSS part.
 coloc-bench --kube
     Pod event -> classification latency and agent CPU under pod churn (fake API server).
-coloc-bench --nvml-probe [--nvml-lib LIB] [--gpu 0] [--seconds 5] [--stop-pid PID]
-    NVML facts on whatever driver LIB loads (JSON to stdout).
 ";
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{HELP}{}{}{}", multi_gpu::USAGE, gate::USAGE, wake::USAGE);
+        println!(
+            "{HELP}{}{}{}{}",
+            nvml::USAGE,
+            multi_gpu::USAGE,
+            gate::USAGE,
+            wake::USAGE
+        );
         return;
     }
     if args.iter().any(|a| a == "--online-worker") {
@@ -413,7 +314,11 @@ fn main() {
         return;
     }
     if args.iter().any(|a| a == "--nvml-probe") {
-        nvml_probe(&args);
+        nvml::probe(&args);
+        return;
+    }
+    if args.iter().any(|a| a == "--nvml-poll") {
+        nvml::poll(&args);
         return;
     }
     if args.iter().any(|a| a == "--kube") {
