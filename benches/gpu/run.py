@@ -15,10 +15,20 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
   shim too, K = --gate-inflight): each --duration seconds, one GPU
   wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision)
+  nvml-load      online alone while coloc-bench --nvml-poll polls NVML as the agent does,
+                 every 1 / 10 / 100 ms (--nvml-load-intervals): does the driver's lock slow
+                 online work?
+  drain          burst.py (an online probe: bursts of tiny kernels, each waited for) beside
+                 a training loop, per --drain-configs: alone; sharing, no agent; SIGSTOP and
+                 freezer (two model sizes); the gate at several K. Per config: how long the
+                 offline's queued work delays online after online starts (the drain, as
+                 online sees it), online kernel latency meanwhile, the agent's preemption
+                 latency, and offline throughput with the gate open (the price of K)
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
-        part2 = preflight probe signal freezer doorbell gate wake-floor; all.
-Two calls (part1, part2) of about 4-5 minutes each; `--merge DIR DIR --out DIR` joins
-their results here (no GPU needed).
+        part2 = preflight probe signal freezer doorbell gate wake-floor;
+        part3 = preflight nvml-load drain; all.
+Three calls (part1, part2, part3) of about 4-6 minutes each; `--merge DIR DIR DIR --out
+DIR` joins their results here (no GPU needed).
 
 Every step runs in its own try/except; results.json and results.md are rewritten
 atomically after every step, and artifacts.tar.gz (agent logs, event logs, /state,
@@ -55,10 +65,11 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
 ]
-ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor"]
+ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "nvml-load", "drain"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
     "part2": ["preflight", "probe", "signal", "freezer", "doorbell", "gate", "wake-floor"],
+    "part3": ["preflight", "nvml-load", "drain"],
     "rows": [r[0] for r in ROWS],
     "all": ORDER,
 }
@@ -66,6 +77,13 @@ GROUPS = {
 # agent's own default.
 FALLBACK_SAMPLE_PERIOD = "100ms"
 BINARIES = ("coloc-agent", "coloc-bench", "libcoloc_cuda.so")
+# The drain step's training loops: offline.py's arguments on a real GPU (fp32: "large" is
+# about 1 ms per GEMM on an H100, "small" tens of microseconds), the simulated kernel per
+# step with --sim. The simulated GPU shares the GPU evenly, where a real one gives time
+# slices, so --sim checks the harness, not the figures.
+MODELS = {"small": (["--batch", "64", "--width", "4096", "--layers", "4"], "0.5"),
+          "large": (["--batch", "512", "--width", "8192", "--layers", "8"], "2")}
+DRAIN_CONFIGS = "alone,share:large,signal:small,signal:large,freezer:large,gate1:large,gate4:large,gate0:large,gate4:small"
 
 # A PyTorch process that checks the GPU: versions, a GEMM and an fp16 linear, checksums,
 # and (under the shim) its own doorbell pages.
@@ -217,6 +235,94 @@ def steps_at(timeline, t):
     return s0 + (s1 - s0) * (t - t0) / (t1 - t0) if t1 > t0 else s1
 
 
+def event_stats(path):
+    """The agent's event log: preemption, detection and release latencies (p50, p99 in
+    ms, and how many), preemptions by signal and by actuator, fail-open events."""
+    ev = []
+    with open(path) as f:
+        for line in f:
+            try:
+                ev.append(json.loads(line))
+            except ValueError:
+                pass
+    pre = [e["preemption_s"] * 1e3 for e in ev if e.get("preemption_s") is not None]
+    det = [e["detection_s"] * 1e3 for e in ev if e.get("event") == "preempt" and e.get("detection_s") is not None]
+    rel = [e["release_s"] * 1e3 for e in ev if e.get("release_s") is not None]
+    signals, acts = {}, {}
+    for e in ev:
+        if e.get("event") == "preempt":
+            signals[e.get("signal")] = signals.get(e.get("signal"), 0) + 1
+            if e.get("actuator"):
+                acts[e["actuator"]] = acts.get(e["actuator"], 0) + 1
+    return dict(preemptions=sum(1 for e in ev if e.get("event") == "preempt"), preemption_ms=[pct(pre, 50), pct(pre, 99)], preemption_n=len(pre),
+                detection_ms=[pct(det, 50), pct(det, 99)], detection_n=len(det), release_ms=[pct(rel, 50), pct(rel, 99)], release_n=len(rel),
+                signals=signals, actuators=acts, fail_open=sum(1 for e in ev if e.get("event") == "fail_open"))
+
+
+def parse_intervals(spec):
+    """--nvml-load-intervals: "none" (no polling) or a poll interval in ms, comma-separated."""
+    out = []
+    for x in (spec or "").split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if x != "none":
+            try:
+                if not float(x) > 0:
+                    raise ValueError
+            except ValueError:
+                raise SystemExit(f"--nvml-load-intervals: {x!r} is neither 'none' nor a positive number of ms") from None
+        out.append(x)
+    return out
+
+
+def parse_drain(spec):
+    """--drain-configs: alone | share:MODEL | signal:MODEL | freezer:MODEL | gateK:MODEL."""
+    out = []
+    for x in (spec or "").split(","):
+        x = x.strip()
+        if not x:
+            continue
+        kind, _, model = x.partition(":")
+        m = re.fullmatch(r"gate(\d+)", kind)
+        ok = (kind == "alone" and not model) or (model in MODELS and (kind in ("share", "signal", "freezer") or m))
+        if not ok:
+            raise SystemExit(f"--drain-configs: {x!r}: want alone, share:M, signal:M, freezer:M or gateK:M with M in {', '.join(MODELS)} and K a whole number (0: unbounded)")
+        out.append({"name": x, "model": model or None, "actuator": None if kind in ("alone", "share") else ("signal" if m else kind),
+                    "gate": bool(m), "inflight": int(m.group(1)) if m else None})
+    return out
+
+
+def burst_stats(kernels, spans, base):
+    """One probe run against the baseline (p50, p99 of kernel latency alone, ms): per burst,
+    the drain as online sees it (from the burst's start to the first of three kernels in a
+    row back at the baseline: latency <= p50 + max(p50 / 2, 2 (p99 - p50))), the first
+    kernel's latency, and the delay (the latency above p50 of the kernels above that
+    threshold, summed: what the burst lost to other work, without the noise of the rest)."""
+    lat = [k[1] for k in kernels]
+    out = {"kernels": len(lat), "bursts": len(spans), "latency_ms": [pct(lat, 50), pct(lat, 99), max(lat) if lat else None]}
+    if not base:
+        out["note"] = "no baseline (the 'alone' configuration did not run): drain not computed"
+        return out
+    b50, b99 = base
+    thr = b50 + max(b50 / 2, 2 * (b99 - b50))
+    drains, firsts, delays, open_ended = [], [], [], 0
+    for s0, s1 in spans:
+        ks = [k for k in kernels if s0 <= k[0] <= s1]
+        if not ks:
+            continue
+        firsts.append(ks[0][1])
+        delays.append(sum(k[1] - b50 for k in ks if k[1] > thr))
+        end = next((i for i in range(len(ks)) if all(k[1] <= thr for k in ks[i:i + 3]) and len(ks[i:i + 3]) == 3), None)
+        if end is None:
+            open_ended += 1
+        else:
+            drains.append((ks[end][0] - s0) * 1e3)
+    out.update(threshold_ms=thr, drain_ms=[pct(drains, 50), max(drains) if drains else None], drain_n=len(drains), drain_not_ended=open_ended,
+               first_kernel_ms=[pct(firsts, 50), max(firsts) if firsts else None], delay_ms=[pct(delays, 50), max(delays) if delays else None])
+    return out
+
+
 class Harness:
     def __init__(self, a):
         self.a, self.sim = a, a.sim
@@ -244,7 +350,7 @@ class Harness:
         self.shim_ok, self.shim_why = None, None
         self.period, self.period_source = None, None
         self.results = {"complete": False, "meta": {}, "steps": [], "preflight": None, "nvml_probe": None, "shim_check": None,
-                        "warmup": None, "scenarios": [], "wake_floor": None}
+                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None}
         self.set_period()
 
     # ---- setup and bookkeeping ----------------------------------------------------------
@@ -272,7 +378,7 @@ class Harness:
         a = self.a
         m = {"sim": a.sim, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "steps_selected": self.selected, "budget_s": a.budget,
              "duration_s": a.duration, "rate": a.rate, "idle_window": a.idle_window, "poll_interval": a.poll_interval,
-             "gate_inflight": a.gate_inflight, "probe_seconds": a.probe_seconds, "python": sys.version.split()[0],
+             "gate_inflight": a.gate_inflight, "probe_seconds": a.probe_seconds, "drain_configs": a.drain_configs, "python": sys.version.split()[0],
              "host": " ".join(platform.uname()), "argv": sys.argv[1:]}
         if a.commit:
             m.update(commit=a.commit, commit_source="--commit")
@@ -354,7 +460,14 @@ class Harness:
                 "probe": a.probe_seconds + start + 10,
                 "shim": 130.0,
                 "warmup": a.warmup_run + start + 5,
-                "wake-floor": 2 * 4 * a.wake_floor_samples * 0.0275 + 10}.get(step, a.duration + start + 10)
+                "wake-floor": 2 * 4 * a.wake_floor_samples * 0.0275 + 10,
+                "nvml-load": len(parse_intervals(a.nvml_load_intervals)) * (a.nvml_load_duration + start + 5),
+                "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)),
+                }.get(step, a.duration + start + 10)
+
+    def drain_need(self, c):
+        a, start = self.a, (1.0 if self.sim else 12.0)
+        return (a.drain_open + start if c["model"] else 0) + start + a.drain_bursts * (a.drain_burst_ms + a.drain_gap_ms) / 1e3 + 4
 
     def blocked(self, step):
         """Why a step cannot run (an earlier result says so), or None."""
@@ -362,7 +475,7 @@ class Harness:
             return None
         if self.torch_ok is False:
             return "preflight: PyTorch cannot use the GPU"
-        if step in ("doorbell", "gate") and self.shim_ok is False:
+        if step in ("doorbell", "gate", "drain") and self.shim_ok is False:
             return f"the shim broke PyTorch ({self.shim_why})"
         return None
 
@@ -508,10 +621,19 @@ class Harness:
             return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(self.a.rate), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(d), "--cuda", "--out", out]
         return [sys.executable, os.path.join(HERE, "online.py"), "--rate", str(self.a.rate), "--duration", str(d), "--out", out] + (["--ready", ready] if ready else [])
 
-    def offline_cmd(self, out, ready):
+    def offline_cmd(self, out, ready, model=None):
         if self.sim:
-            return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", "2", "--cuda", "--out", out]
-        return [sys.executable, os.path.join(HERE, "offline.py"), "--out", out, "--ready", ready]
+            step = MODELS[model][1] if model else "2"
+            return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", step, "--cuda", "--out", out] + (["--depth", "16"] if model else [])
+        return [sys.executable, os.path.join(HERE, "offline.py"), "--out", out, "--ready", ready] + (MODELS[model][0] if model else [])
+
+    def burst_cmd(self, out):
+        a = self.a
+        args = ["--bursts", str(a.drain_bursts), "--burst-ms", str(a.drain_burst_ms), "--gap-ms", str(a.drain_gap_ms), "--out", out]
+        if self.sim:
+            # A 1 ms kernel: the simulated daemon completes work on a 100 µs tick.
+            return [os.path.join(self.bin, "coloc-sim"), "burst", "--kernel-us", "1000"] + args
+        return [sys.executable, os.path.join(HERE, "burst.py")] + args
 
     def wait_ready(self, p, ready, name, logname, deadline):
         """Until the workload says it runs on the GPU (its --ready file, written after its
@@ -564,24 +686,25 @@ class Harness:
                 raise RuntimeError(f"the agent was not ready after 15 s ({last}): {tail(os.path.join(self.art, logname))}")
             time.sleep(0.05)
 
-    def rules(self, tag, cgroup):
+    def rules(self, tag, cgroup, online="online"):
         if cgroup:
             off = f'cgroup = "/{os.path.relpath(cgroup, cg_root(cgroup))}"'
         else:
             off = 'cmdline = "*coloc-sim offline*"' if self.sim else 'cmdline = "*benches/gpu/offline.py*"'
-        on = 'cmdline = "*coloc-sim online*"' if self.sim else 'cmdline = "*benches/gpu/online.py*"'
+        on = f'cmdline = "*coloc-sim {online}*"' if self.sim else f'cmdline = "*benches/gpu/{online}.py*"'
         p = os.path.join(self.art, f"{tag}-rules.toml")
         with open(p, "w") as f:
             f.write(f'[[rule]]\nname = "offline"\nclass = "reclaimed_cores"\n{off}\n[[rule]]\nname = "online"\nclass = "shared_cores"\n{on}\n')
         return p
 
-    def shim_env(self, cls):
+    def shim_env(self, cls, inflight=None):
         """The environment of a workload under the shim (what `coloc-agent exec` sets)."""
         env = dict(self.env, LD_PRELOAD=self.shim, COLOC_SHIM_CLASS=cls, COLOC_DOORBELL_DIR=self.bells)
         if cls == "online":
             env["COLOC_SHIM_WAKE_GAP_MS"] = str(duration_ms(self.a.idle_window))
         else:
-            env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(self.a.gate_inflight))
+            k = self.a.gate_inflight if inflight is None else inflight
+            env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(k))
         return env
 
     # ---- steps ------------------------------------------------------------------------------
@@ -806,26 +929,8 @@ class Harness:
             else:
                 row["offline_basis"] = "whole run"
         if events and os.path.exists(events):
-            ev = []
-            with open(events) as f:
-                for line in f:
-                    try:
-                        ev.append(json.loads(line))
-                    except ValueError:
-                        pass
-            pre = [e["preemption_s"] * 1e3 for e in ev if e.get("preemption_s") is not None]
-            det = [e["detection_s"] * 1e3 for e in ev if e.get("event") == "preempt" and e.get("detection_s") is not None]
-            rel = [e["release_s"] * 1e3 for e in ev if e.get("release_s") is not None]
-            signals, acts = {}, {}
-            for e in ev:
-                if e.get("event") == "preempt":
-                    signals[e.get("signal")] = signals.get(e.get("signal"), 0) + 1
-                    if e.get("actuator"):
-                        acts[e["actuator"]] = acts.get(e["actuator"], 0) + 1
-            fail_open = sum(1 for e in ev if e.get("event") == "fail_open")
-            row.update(preemptions=sum(1 for e in ev if e.get("event") == "preempt"), preemption_ms=[pct(pre, 50), pct(pre, 99)], preemption_n=len(pre),
-                       detection_ms=[pct(det, 50), pct(det, 99)], detection_n=len(det), release_ms=[pct(rel, 50), pct(rel, 99)], release_n=len(rel),
-                       signals=signals, actuators=acts, fail_open=fail_open)
+            row.update(event_stats(events))
+            fail_open, acts, signals = row["fail_open"], row["actuators"], row["signals"]
             row["agent_metrics_preemption_count"] = sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith("coloc_preemption_latency_seconds_count"))
             # Did the agent see and act on the processes (else the row only looks plausible)?
             if fail_open:
@@ -878,6 +983,136 @@ class Harness:
             r = json.load(f)
         r["table"] = text
         self.results["wake_floor"] = r
+
+
+    def nvml_load(self, deadline):
+        """Online alone while NVML is polled at each interval ("none": not polled)."""
+        rows = self.results["nvml_load"] = []
+        for i, iv in enumerate(parse_intervals(self.a.nvml_load_intervals)):
+            row = {"interval_ms": iv}
+            rows.append(row)
+            tag = f"nvml-load-{i}-{iv}"
+            out = os.path.join(self.art, f"{tag}-online.json")
+            poller = on = None
+            try:
+                if iv != "none":
+                    cmd = [os.path.join(self.bin, "coloc-bench"), "--nvml-poll", iv, "--nvml-lib", self.nvml]
+                    with open(os.path.join(self.art, f"{tag}-poll.json"), "wb") as so:
+                        poller = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=so, stderr=open(os.path.join(self.art, f"{tag}-poll.log"), "wb"))
+                    self.live.append(["tool", "coloc-bench --nvml-poll", poller])
+                on = self.spawn("work", f"{tag} online", self.online_cmd(out, duration=self.a.nvml_load_duration), self.env, f"{tag}-online.log")
+                self.wait_exit(on, "online", deadline)
+            finally:
+                row["poller_exit"] = self.end(poller, "coloc-bench --nvml-poll", 5, cont=False)
+                self.teardown(None, [("online", on)], None)
+            try:
+                with open(out) as f:
+                    j = json.load(f)
+                row.update(online_p50_ms=j.get("p50_ms"), online_p99_ms=j.get("p99_ms"), requests=j.get("requests"))
+                if j.get("error"):
+                    row["error"] = j["error"][-600:]
+            except (OSError, ValueError) as e:
+                row["error"] = f"online wrote no result ({e!r}): {tail(os.path.join(self.art, tag + '-online.log'), 600)}"
+            if poller is not None:
+                try:
+                    with open(os.path.join(self.art, f"{tag}-poll.json")) as f:
+                        pj = json.load(f)
+                    row.update(polls_per_s=pj.get("polls_per_s"), cost_us=pj.get("cost_us"), answers=pj.get("answers"))
+                except (OSError, ValueError) as e:
+                    row["error"] = (row.get("error", "") + f" the poller wrote no result ({e!r}): {tail(os.path.join(self.art, tag + '-poll.log'), 600)}").strip()
+            log(f"  nvml-load {iv}: " + json.dumps({k: v for k, v in row.items() if k != "answers"})[:600])
+            self.save()
+        bad = [r["interval_ms"] for r in rows if r.get("error")]
+        if bad:
+            raise RuntimeError(f"nvml-load: no result for {bad}")
+
+    def drain(self, deadline):
+        """The drain as online sees it, per --drain-configs (see burst_stats)."""
+        d = self.results["drain"] = {"configs": [], "baseline_ms": None, "bursts": self.a.drain_bursts, "burst_ms": self.a.drain_burst_ms,
+                                     "gap_ms": self.a.drain_gap_ms, "open_s": self.a.drain_open}
+        errors = []
+        for c in parse_drain(self.a.drain_configs):
+            row = dict(c)
+            d["configs"].append(row)
+            if time.monotonic() + self.drain_need(c) > deadline:
+                row["skipped"] = "the step's deadline"
+                continue
+            try:
+                self.drain_config(row, d, deadline)
+            except Exception as e:  # noqa: BLE001  (one configuration: recorded, the others run)
+                row["error"] = f"{type(e).__name__}: {e}"[:1500]
+                errors.append(c["name"])
+                log(f"  drain {c['name']}: ERROR {row['error'][:600]}")
+            self.save()
+        if errors:
+            raise RuntimeError(f"drain: configurations failed: {errors}")
+
+    def drain_config(self, row, d, deadline):
+        a, name = self.a, row["name"]
+        tag = "drain-" + sanitize(name)
+        off_out, probe_out = os.path.join(self.art, f"{tag}-offline.json"), os.path.join(self.art, f"{tag}-probe.json")
+        ready = os.path.join(self.tmp, f"{tag}-offline-ready")
+        cg = None
+        if row["actuator"] == "freezer":
+            cg = cgroup_dir(f"coloc-gpu-drain-{os.getpid()}")
+            if not cg:
+                row["skipped"] = "no cgroup v2 freezer usable here"
+                return
+            self.cgroups.append(cg)
+        ag = off = pr = None
+        events, window = None, None
+        try:
+            if row["actuator"]:
+                ag, _, events = self.start_agent(tag, self.rules(tag, cg, online="burst"), row["actuator"], False, row["gate"], deadline)
+            if row["model"]:
+                cmd = self.offline_cmd(off_out, ready, row["model"])
+                if cg:
+                    cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
+                env = self.shim_env("offline", row["inflight"]) if row["gate"] else self.env
+                off = self.spawn("work", f"{tag} offline", cmd, env, f"{tag}-offline.log")
+                self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline)
+                t0 = time.monotonic() + 0.5
+                time.sleep(0.5 + a.drain_open)
+                window = [t0, time.monotonic()]
+                if off.poll() is not None:
+                    raise RuntimeError(f"offline exited with {off.returncode}: {tail(os.path.join(self.art, tag + '-offline.log'), 800)}")
+            env = self.shim_env("online") if row["actuator"] else self.env
+            pr = self.spawn("work", f"{tag} probe", self.burst_cmd(probe_out), env, f"{tag}-probe.log")
+            self.wait_exit(pr, "probe", deadline)
+        finally:
+            row["exit"] = self.teardown(ag, [("offline", off), ("probe", pr)], cg)
+        with open(probe_out) as f:
+            pj = json.load(f)
+        if pj.get("error"):
+            raise RuntimeError(f"the probe failed: {pj['error'][-800:]}")
+        kernels, spans = pj.get("kernels") or [], pj.get("bursts") or []
+        if not kernels:
+            raise RuntimeError(f"the probe ran no kernel: {tail(os.path.join(self.art, tag + '-probe.log'), 600)}")
+        if name == "alone":
+            lat = [k[1] for k in kernels]
+            d["baseline_ms"] = [pct(lat, 50), pct(lat, 99)]
+        row.update(burst_stats(kernels, spans, d["baseline_ms"]))
+        if off is not None:
+            try:
+                with open(off_out) as f:
+                    oj = json.load(f)
+                tl = oj.get("timeline") or []
+                if window and len(tl) >= 2:
+                    row["offline_open_steps_per_s"] = (steps_at(tl, window[1]) - steps_at(tl, window[0])) / (window[1] - window[0])
+                    row["offline_basis"] = "gate open, no online"
+                else:
+                    row["offline_open_steps_per_s"] = oj.get("steps_per_s")
+                    row["offline_basis"] = "whole run (no timeline)"
+            except (OSError, ValueError) as e:
+                row.setdefault("warnings", []).append(f"offline wrote no result ({e!r})")
+        if events and os.path.exists(events):
+            st = event_stats(events)
+            row.update({k: st[k] for k in ("preemptions", "preemption_ms", "preemption_n", "detection_ms", "actuators", "signals", "fail_open")})
+            if not st["preemptions"] and row["model"]:
+                row.setdefault("warnings", []).append("no preemption: the agent never acted")
+            if row["gate"] and not st["actuators"].get("gate"):
+                row.setdefault("warnings", []).append("no suspension at the gate")
+        log(f"  drain {name}: " + json.dumps({k: v for k, v in row.items() if k not in ("exit",)})[:900])
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -958,6 +1193,43 @@ def render(r, parts=None):
             out.append(f"\nµs per launch: {json.dumps(sc.get('us_per_launch'))}\n\nshim cost: {json.dumps(sc.get('shim_cost_ns_per_launch'))}")
             if sc.get("skipped"):
                 out.append(f"\nskipped runs: {sc['skipped']}")
+    nl = r.get("nvml_load")
+    if nl:
+        base = [x["online_p99_ms"] for x in nl if x.get("interval_ms") == "none" and x.get("online_p99_ms")]
+        out += ["", "## Does polling NVML slow online work? (online alone, NVML polled beside it)", "",
+                "| poll interval (ms) | online p50 (ms) | online p99 (ms) | p99 / unpolled | requests | polls/s | processes call p50/p99 µs | samples call p50/p99 µs |",
+                "|---|---|---|---|---|---|---|---|"]
+        for x in nl:
+            c = x.get("cost_us") or {}
+            cp, cs = c.get("running_processes") or {}, c.get("process_utilization") or {}
+            ratio = x["online_p99_ms"] / (sum(base) / len(base)) if base and x.get("online_p99_ms") else None
+            out.append(f"| {x.get('interval_ms')} | {fmt(x.get('online_p50_ms'))} | {fmt(x.get('online_p99_ms'))} | {fmt(ratio)} | {fmt(x.get('requests'))} | "
+                       f"{fmt(x.get('polls_per_s'))} | {fmt(cp.get('p50'))}/{fmt(cp.get('p99'))} | {fmt(cs.get('p50'))}/{fmt(cs.get('p99'))} |"
+                       + (f" ERROR {str(x['error'])[:150]}" if x.get("error") else ""))
+    dr = r.get("drain")
+    if dr:
+        out += ["", "## The drain as online sees it", "",
+                f"burst.py beside each training loop: {dr.get('bursts')} bursts of {dr.get('burst_ms')} ms of tiny kernels, {dr.get('gap_ms')} ms apart; "
+                f"kernel latency alone p50/p99 {json.dumps(dr.get('baseline_ms'))} ms. Drain: from a burst's start until three kernels in a row are back at "
+                "the baseline (n: bursts where that happened; 'not ended': bursts it never did). Delay: per burst, the latency above the baseline p50 of the kernels over the threshold, summed. "
+                f"Offline steps/s with the gate open: over {dr.get('open_s')} s with no online work.", "",
+                "| config | drain p50/max ms (n, not ended) | first kernel p50/max ms | delay per burst p50/max ms | kernel latency p50/p99/max ms | preemption p50/p99 ms (n) | actuators | offline steps/s, online idle (share of no shim) | checks |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        ref = {}
+        for x in dr.get("configs") or []:
+            if x.get("model") and not x.get("gate") and x.get("offline_open_steps_per_s"):
+                ref.setdefault(x["model"], x["offline_open_steps_per_s"])
+        for x in dr.get("configs") or []:
+            if x.get("skipped"):
+                out.append(f"| {x['name']} | skipped: {x['skipped']} ||||||||")
+                continue
+            pair = lambda k: "/".join(fmt(v) for v in (x.get(k) or [])) or "-"
+            sp = x.get("offline_open_steps_per_s")
+            share = sp / ref[x["model"]] if sp and x.get("model") in ref else None
+            checks = "; ".join(([f"ERROR {x['error'][:150]}"] if x.get("error") else []) + x.get("warnings", []) + ([x["note"]] if x.get("note") else [])) or "ok"
+            out.append(f"| {x['name']} | {pair('drain_ms')} ({fmt(x.get('drain_n'))}, {fmt(x.get('drain_not_ended'))}) | {pair('first_kernel_ms')} | {pair('delay_ms')} | "
+                       f"{pair('latency_ms')} | {pair('preemption_ms')} ({fmt(x.get('preemption_n'))}) | {json.dumps(x.get('actuators')) if x.get('actuators') else '-'} | "
+                       f"{fmt(sp)} ({fmt(share)}) | {checks.replace('|', '/')} |")
     if r.get("warmup"):
         out += ["", f"Warm-up run (thrown away): {json.dumps(r['warmup'])}"]
     wf = r.get("wake_floor")
@@ -973,7 +1245,8 @@ def merge(dirs, out):
         with open(os.path.join(d, "results.json"), encoding="utf-8") as f:
             docs.append((os.path.basename(os.path.normpath(d)), json.load(f)))
     m = {"complete": all(r.get("complete") for _, r in docs), "meta": dict(docs[0][1].get("meta") or {}), "parts": {},
-         "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None}
+         "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None,
+         "nvml_load": None, "drain": None}
     by_name = {}
     for part, r in docs:
         m["parts"][part] = {"meta": r.get("meta"), "complete": r.get("complete"), "interrupted": r.get("interrupted")}
@@ -984,6 +1257,8 @@ def merge(dirs, out):
         m["shim_check"] = m["shim_check"] or r.get("shim_check")
         m["warmup"] += [dict(r["warmup"], part=part)] if r.get("warmup") else []
         m["wake_floor"] = m["wake_floor"] or r.get("wake_floor")
+        m["nvml_load"] = m["nvml_load"] or r.get("nvml_load")
+        m["drain"] = m["drain"] or r.get("drain")
         for row in r.get("scenarios") or []:
             old = by_name.get(row["scenario"])
             if old is None or ("error" in old or "skipped" in old) and not ("error" in row or "skipped" in row):
@@ -1043,11 +1318,20 @@ def main():
     ap.add_argument("--shim-repeats", type=int, default=5, help="shim_check.py --repeats")
     ap.add_argument("--shim-rounds", type=int, default=2, help="shim_check.py --rounds")
     ap.add_argument("--wake-floor-samples", type=int, default=150, help="coloc-bench --wake-floor samples per cell (0: skip)")
+    ap.add_argument("--nvml-load-intervals", default="none,1,10,100,none", help="nvml-load: poll intervals in ms, 'none' for a run without polling")
+    ap.add_argument("--nvml-load-duration", type=float, default=10.0, help="nvml-load: seconds of online work per interval")
+    ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded); M: " + ", ".join(MODELS))
+    ap.add_argument("--drain-bursts", type=int, default=5, help="drain: bursts per configuration")
+    ap.add_argument("--drain-burst-ms", type=float, default=300.0, help="drain: length of a burst")
+    ap.add_argument("--drain-gap-ms", type=float, default=700.0, help="drain: idle time before each burst (longer than --idle-window)")
+    ap.add_argument("--drain-open", type=float, default=4.0, help="drain: seconds of offline work with no online before the probe (throughput with the gate open)")
     ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
     if a.merge:
         merge(a.merge, a.out)
         return
+    parse_intervals(a.nvml_load_intervals)  # refuse a bad list before anything starts
+    parse_drain(a.drain_configs)
     selected = expand(a.only) if a.only else set(ORDER)
     selected -= expand(a.skip)
     if a.sim:
@@ -1071,7 +1355,8 @@ def main():
                 row = {"scenario": name}
                 h.run_step(step, lambda dl, row=row, step=step, on=on, off=off, ag=ag: h.scenario(row, step, on, off, ag, dl), row=row)
             else:
-                fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor}[step]
+                fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor,
+                      "nvml-load": h.nvml_load, "drain": h.drain}[step]
                 h.run_step(step, fn)
         h.results["complete"] = True
     except Interrupted as e:

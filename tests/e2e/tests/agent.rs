@@ -888,6 +888,20 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "5",
                 "--wake-floor-samples",
                 "5",
+                "--nvml-load-duration",
+                "1",
+                "--nvml-load-intervals",
+                "none,1",
+                "--drain-configs",
+                "alone,signal:large,gate2:large",
+                "--drain-bursts",
+                "2",
+                "--drain-burst-ms",
+                "150",
+                "--drain-gap-ms",
+                "250",
+                "--drain-open",
+                "0.5",
                 "--commit",
                 "0123456789abcdef0123456789abcdef01234567",
                 "--fail-step",
@@ -953,7 +967,9 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             "freezer",
             "doorbell",
             "gate",
-            "wake-floor"
+            "wake-floor",
+            "nvml-load",
+            "drain"
         ]
     );
     for s in steps {
@@ -1019,7 +1035,53 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             .unwrap()
             > 0.0
     );
+    // NVML polled beside online work: the unpolled run and the 1 ms one.
+    let load = res["nvml_load"].as_array().unwrap();
+    assert_eq!(load.len(), 2, "{load:?}");
+    assert_eq!(load[0]["interval_ms"], "none");
+    assert!(load[0]["online_p50_ms"].as_f64().unwrap() > 0.0, "{load:?}");
+    assert!(load[1]["polls_per_s"].as_f64().unwrap() > 100.0, "{load:?}");
+    // The drain as online sees it: the probe's bursts against its baseline. SIGSTOP
+    // leaves offline's 16 queued kernels to run beside online; the gate at K = 2 leaves
+    // two, so online is delayed for less time (the measure tells them apart).
+    let drain = &res["drain"];
+    assert!(drain["baseline_ms"][0].as_f64().unwrap() > 0.0, "{drain}");
+    let cfg = |name: &str| {
+        drain["configs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    let (sig, gate) = (cfg("signal:large"), cfg("gate2:large"));
+    for c in [&sig, &gate] {
+        assert!(
+            c.get("error").is_none() && c.get("warnings").is_none(),
+            "{c}"
+        );
+        assert!(c["drain_n"].as_u64().unwrap() >= 1, "{c}");
+        assert!(c["offline_open_steps_per_s"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    assert!(
+        sig["actuators"]["signal"].as_u64().unwrap_or(0) >= 1,
+        "{sig}"
+    );
+    assert!(
+        gate["actuators"]["gate"].as_u64().unwrap_or(0) >= 1,
+        "{gate}"
+    );
+    assert!(
+        sig["drain_ms"][0].as_f64().unwrap() > 2.0 * gate["drain_ms"][0].as_f64().unwrap(),
+        "SIGSTOP's drain is the whole queue, the gate's two kernels: {sig}\n{gate}"
+    );
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| gate2:large |"), "{md}");
+    assert!(
+        md.contains("## Does polling NVML slow online work?"),
+        "{md}"
+    );
     assert!(md.contains("| both, agent signal |"), "{md}");
     assert!(md.contains("| no-agent | error |"), "{md}");
     // The artifacts: agent and event logs, the agent's /state, per-process results.
@@ -1036,6 +1098,8 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "signal-state.json",
         "gate-offline.json",
         "probe.json",
+        "drain-signal-large-probe.json",
+        "nvml-load-1-1-poll.json",
     ] {
         assert!(listing.lines().any(|l| l == f), "{f} missing:\n{listing}");
     }

@@ -4,6 +4,7 @@
 //! coloc-sim gpu     --state /dev/shm/x --gpus 2 --sample-period-ms 1
 //! coloc-sim online  --state /dev/shm/x --gpu 0 --rate 20 --work-ms 5 --duration-s 10 --out online.json
 //! coloc-sim offline --state /dev/shm/x --gpu 0 --step-ms 5 --queue-depth 2 --out offline.json
+//! coloc-sim burst   --state /dev/shm/x --kernel-us 50 --bursts 5 --burst-ms 300 --gap-ms 700 --out burst.json
 //! coloc-sim nvml    --state /dev/shm/x inject utilization --code INSUFFICIENT_SIZE --data-call --count 1
 //! ```
 //!
@@ -26,8 +27,8 @@ mod cuda;
     version,
     about = "Simulated GPU and workloads for gpu-coloc tests and demos",
     long_about = "Simulated GPU and workloads for gpu-coloc tests and demos.\n\n\
-                  `gpu` runs the simulated GPUs; `online`, `offline` and `busy` are workloads on \
-                  them; `nvml` injects faults into the fake NVML library the agent loads."
+                  `gpu` runs the simulated GPUs; `online`, `offline`, `burst` and `busy` are \
+                  workloads on them; `nvml` injects faults into the fake NVML library the agent loads."
 )]
 struct Cli {
     /// Shared state file of the simulated GPUs.
@@ -130,6 +131,32 @@ enum Cmd {
         /// kept, nothing submitted) until the end; 0: never idle.
         #[arg(long, default_value_t = 0, requires = "cuda")]
         idle_after_steps: u64,
+    },
+    /// An online probe: bursts of tiny kernels, each launched and waited for alone
+    /// (through the CUDA driver API), with idle gaps between bursts. Each kernel's
+    /// latency shows whether another process's work shares the GPU at that moment, so a
+    /// burst shows how long an offline process's queued work (its drain) delays online
+    /// work after online starts. The simulated twin of `benches/gpu/burst.py` (same
+    /// JSON: `kernels` [[CLOCK_MONOTONIC s, latency ms]], `bursts` [[start s, end s]]).
+    Burst {
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        gpu: u32,
+        /// GPU time per kernel, µs (at full speed).
+        #[arg(long, default_value_t = 50.0)]
+        kernel_us: f64,
+        /// Number of bursts.
+        #[arg(long, default_value_t = 5)]
+        bursts: u32,
+        /// Length of a burst, ms.
+        #[arg(long, default_value_t = 300.0)]
+        burst_ms: f64,
+        /// Idle time before each burst, ms (longer than the agent's idle window, so that
+        /// offline work resumes and queues up again between bursts).
+        #[arg(long, default_value_t = 700.0)]
+        gap_ms: f64,
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Busy on the GPU once for a fixed time (after an optional delay), then exit.
     Busy {
@@ -407,6 +434,22 @@ fn main() -> Result<()> {
                     out,
                 )
             }
+        }
+        Cmd::Burst {
+            gpu,
+            kernel_us,
+            bursts,
+            burst_ms,
+            gap_ms,
+            out,
+        } => {
+            anyhow::ensure!(
+                kernel_us > 0.0 && burst_ms > 0.0 && gap_ms >= 0.0,
+                "--kernel-us and --burst-ms must be positive, --gap-ms not negative"
+            );
+            std::env::set_var(STATE_ENV, &state);
+            let g = cuda::CudaGpu::open(gpu, false, false, 1 << 28)?;
+            run_burst(&g, kernel_us, bursts, burst_ms, gap_ms, out)
         }
         Cmd::Busy {
             gpu,
@@ -690,6 +733,55 @@ fn run_offline_cuda(
         "max_outstanding_stream": stats.map(|s| s.max_outstanding_stream),
         "max_outstanding_gpu": stats.map(|s| s.max_outstanding_gpu),
         "driver_submissions": stats.map(|s| s.submissions),
+    });
+    write_out(out, &summary)
+}
+
+fn mono_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime with a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// `burst`: see [`Cmd::Burst`].
+fn run_burst(
+    g: &cuda::CudaGpu,
+    kernel_us: f64,
+    bursts: u32,
+    burst_ms: f64,
+    gap_ms: f64,
+    out: Option<PathBuf>,
+) -> Result<()> {
+    let ns = ((kernel_us * 1e3) as u64).max(1);
+    let (mut kernels, mut spans) = (Vec::new(), Vec::new());
+    for _ in 0..bursts {
+        let wake = mono_s() + gap_ms / 1e3;
+        while mono_s() < wake && !STOP.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_secs_f64((wake - mono_s()).clamp(0.0, 0.05)));
+        }
+        if STOP.load(Ordering::Relaxed) {
+            break;
+        }
+        let start = mono_s();
+        while mono_s() - start < burst_ms / 1e3 && !STOP.load(Ordering::Relaxed) {
+            let t = mono_s();
+            g.launch(ns)?;
+            g.synchronize()?;
+            kernels.push([t, (mono_s() - t) * 1e3]);
+        }
+        spans.push([start, mono_s()]);
+    }
+    let summary = serde_json::json!({
+        "clock": "monotonic",
+        "kernel_us": kernel_us,
+        "burst_ms": burst_ms,
+        "gap_ms": gap_ms,
+        "bursts": spans,
+        "kernels": kernels,
     });
     write_out(out, &summary)
 }
