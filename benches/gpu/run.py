@@ -224,6 +224,16 @@ def cmd_out(cmd, timeout=10.0):
         return f"({type(e).__name__}: {e})"
 
 
+def proc_cpu_s(pid):
+    """CPU seconds (user + system) a live process has used, from /proc; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def steps_at(timeline, t):
     """Steps done at monotonic time t, interpolated linearly on the (t, steps) timeline."""
     ts = [p[0] for p in timeline]
@@ -872,6 +882,7 @@ class Harness:
         metrics, state = "", None
         try:
             if agent:
+                t_agent = time.monotonic()
                 ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] == "gate", deadline)
             if offline:
                 cmd = self.offline_cmd(off_out, ready)
@@ -892,6 +903,11 @@ class Harness:
                     if off.poll() is not None:
                         raise RuntimeError(f"offline exited with {off.returncode} during the run: {tail(os.path.join(self.art, tag + '-offline.log'), 800)}")
                     time.sleep(0.1)
+            if ag is not None:
+                # The agent's CPU over its life (start-up included), % of one core.
+                cpu = proc_cpu_s(ag.pid)
+                if cpu is not None:
+                    row["agent_cpu_pct"] = 100.0 * cpu / max(1e-3, time.monotonic() - t_agent)
             if port:
                 try:
                     metrics = get(port, "/metrics")[1]
@@ -1137,11 +1153,11 @@ def fmt(v):
 def scenario_table(rows):
     alone = next((r for r in rows if r["scenario"] == "online alone" and r.get("online_p99_ms")), {})
     off_alone = next((r for r in rows if r["scenario"] == "offline alone" and r.get("offline_steps_per_s")), {})
-    lines = ["| scenario | online p50 (ms) | online p99 (ms) | p99 / alone | requests | offline steps/s (basis) | offline share of alone | preemption p50/p99 ms (n) | detection p50/p99 ms (n) | release p50/p99 ms (n) | checks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| scenario | online p50 (ms) | online p99 (ms) | p99 / alone | requests | offline steps/s (basis) | offline share of alone | preemption p50/p99 ms (n) | detection p50/p99 ms (n) | release p50/p99 ms (n) | agent CPU % of a core | checks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['scenario']} | skipped: {r['skipped']} |||||||||| ")
+            lines.append(f"| {r['scenario']} | skipped: {r['skipped']} ||||||||||| ")
             continue
         err = f"ERROR: {str(r['error'])[:160]}".replace("|", "/").replace("\n", " ") if r.get("error") else ""
         ratio = r["online_p99_ms"] / alone["online_p99_ms"] if r.get("online_p99_ms") and alone.get("online_p99_ms") else None
@@ -1156,7 +1172,7 @@ def scenario_table(rows):
         checks = "; ".join(r.get("warnings", [])) or ("ok" if "preemptions" in r else "-")
         checks = (err + " " + checks).strip() if err else checks
         lines.append(f"| {r['scenario']} | {fmt(r.get('online_p50_ms'))} | {fmt(r.get('online_p99_ms'))} | {fmt(ratio)} | {fmt(r.get('requests'))} | {fmt(off_v)}{basis} | {fmt(share)} | "
-                     f"{trio('preemption')} | {trio('detection')} | {trio('release')} | {checks} |")
+                     f"{trio('preemption')} | {trio('detection')} | {trio('release')} | {fmt(r.get('agent_cpu_pct'))} | {checks} |")
     return "\n".join(lines)
 
 

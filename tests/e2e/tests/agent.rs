@@ -1003,6 +1003,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     assert!(sig["preemptions"].as_u64().unwrap() >= 1, "{sig}");
     assert!(sig.get("warnings").is_none(), "{sig}");
     assert_eq!(sig["exit"]["agent"], 0, "{sig}");
+    assert!(sig["agent_cpu_pct"].as_f64().unwrap() >= 0.0, "{sig}");
     assert!(
         get("both, agent dry-run")["preemption_ms"][0].is_null(),
         "dry run never acts"
@@ -1083,6 +1084,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "{md}"
     );
     assert!(md.contains("| both, agent signal |"), "{md}");
+    assert!(md.contains("| agent CPU % of a core |"), "{md}");
     assert!(md.contains("| no-agent | error |"), "{md}");
     // The artifacts: agent and event logs, the agent's /state, per-process results.
     let tar = std::process::Command::new("tar")
