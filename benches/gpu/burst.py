@@ -9,7 +9,8 @@ offline resumes and queues work again between bursts.
 
 Writes JSON (always: in a `finally`, with "error" if it failed), the same as
 `coloc-sim burst`: "kernels" [[CLOCK_MONOTONIC s, latency ms]], "bursts" [[start s, end
-s]]. --ready FILE is created after the warm-up. Needs PyTorch with CUDA."""
+s]], and "bursts_wall_s" (each burst's start, CLOCK_REALTIME s, to match the agent's
+event log). --ready FILE is created after the warm-up. Needs PyTorch with CUDA."""
 import argparse, json, os, signal, sys, time, traceback
 
 stop = False
@@ -32,7 +33,7 @@ ap.add_argument("--ready", help="file to create after the warm-up")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
-res = {"clock": "monotonic", "burst_ms": a.burst_ms, "gap_ms": a.gap_ms, "phase": "import", "bursts": [], "kernels": []}
+res = {"clock": "monotonic", "burst_ms": a.burst_ms, "gap_ms": a.gap_ms, "phase": "import", "bursts": [], "bursts_wall_s": [], "kernels": []}
 t_launch = time.monotonic()
 try:
     import torch
@@ -56,6 +57,7 @@ try:
             if stop:
                 break
             start = time.monotonic()
+            res["bursts_wall_s"].append(time.time())
             while not stop and time.monotonic() - start < a.burst_ms / 1e3:
                 t = time.monotonic()
                 x.add_(1.0)

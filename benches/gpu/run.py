@@ -15,8 +15,9 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
   shim too, K = --gate-inflight): each --duration seconds, one GPU
   wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision)
-  nvml-load      online alone while coloc-bench --nvml-poll polls NVML as the agent does,
-                 every 1 / 10 / 100 ms (--nvml-load-intervals): does the driver's lock slow
+  nvml-load      burst.py alone (tiny kernels, each waited for) while coloc-bench
+                 --nvml-poll calls what the agent's loop calls (process list, samples) every
+                 1 / 10 / 100 ms (--nvml-load-intervals): does the driver's lock slow
                  online work?
   drain          burst.py (an online probe: bursts of tiny kernels, each waited for) beside
                  a training loop, per --drain-configs: alone; sharing, no agent; SIGSTOP at
@@ -27,8 +28,8 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
                  (with the gate open: the price of K)
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate wake-floor;
-        part3 = preflight nvml-load drain; all.
-Three calls (part1, part2, part3) of about 4-6 minutes each; `--merge DIR DIR DIR --out
+        part3 = preflight drain nvml-load; all.
+Three calls (part1, part2, part3) of about 5-7 minutes each; `--merge DIR DIR DIR --out
 DIR` joins their results here (no GPU needed).
 
 Every step runs in its own try/except; results.json and results.md are rewritten
@@ -66,11 +67,11 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
 ]
-ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "nvml-load", "drain"]
+ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
     "part2": ["preflight", "probe", "signal", "freezer", "doorbell", "gate", "wake-floor"],
-    "part3": ["preflight", "nvml-load", "drain"],
+    "part3": ["preflight", "drain", "nvml-load"],
     "rows": [r[0] for r in ROWS],
     "all": ORDER,
 }
@@ -246,16 +247,20 @@ def steps_at(timeline, t):
     return s0 + (s1 - s0) * (t - t0) / (t1 - t0) if t1 > t0 else s1
 
 
-def event_stats(path):
+def event_stats(path, since_ns=None):
     """The agent's event log: preemption, detection and release latencies (p50, p99 in
-    ms, and how many), preemptions by signal and by actuator, fail-open events."""
+    ms, and how many), preemptions by signal and by actuator, fail-open events; with
+    `since_ns` (CLOCK_REALTIME), only the events from then on."""
     ev = []
     with open(path) as f:
         for line in f:
             try:
-                ev.append(json.loads(line))
+                e = json.loads(line)
             except ValueError:
-                pass
+                continue
+            t = e.get("onset_ns") or e.get("window_end_ns") or e.get("decided_ns")
+            if since_ns is None or t is None or t >= since_ns:
+                ev.append(e)
     pre = [e["preemption_s"] * 1e3 for e in ev if e.get("preemption_s") is not None]
     det = [e["detection_s"] * 1e3 for e in ev if e.get("event") == "preempt" and e.get("detection_s") is not None]
     rel = [e["release_s"] * 1e3 for e in ev if e.get("release_s") is not None]
@@ -304,13 +309,39 @@ def parse_drain(spec):
     return out
 
 
+# A drain has ended when the probe's kernels are back at the baseline for this long (and
+# at least three of them): longer than a GPU time slice, so that a kernel that slipped in
+# between two slices of the other process does not end it.
+CLEAN_MS = 2.0
+
+
+def drain_end(ks, thr, clean_ms=CLEAN_MS):
+    """Index of the first kernel of the first run of kernels at or under `thr` that spans
+    `clean_ms` and three kernels (or reaches the burst's end with three); None if none."""
+    i, n = 0, len(ks)
+    while i < n:
+        if ks[i][1] > thr:
+            i += 1
+            continue
+        j = i
+        while j < n and ks[j][1] <= thr:
+            if j - i >= 2 and (ks[j][0] - ks[i][0]) * 1e3 >= clean_ms:
+                return i
+            j += 1
+        if j == n and j - i >= 3:
+            return i
+        i = j + 1
+    return None
+
+
 def burst_stats(kernels, spans, base):
     """One probe run against the baseline (p50, p90, p99 of kernel latency alone, ms): per
-    burst, the drain as online sees it (from the burst's start to the first of three kernels
-    in a row back at the baseline: latency <= p50 + max(p50 / 2, 2 (p90 - p50)); p90, not
-    p99, so that a few slow kernels of the baseline run do not hide a drain), the first
-    kernel's latency, and the delay (the latency above p50 of the kernels above that
-    threshold, summed: what the burst lost to other work, without the noise of the rest)."""
+    burst, the drain as online sees it (from the burst's start to the first run of kernels
+    back at the baseline, see drain_end: latency <= p50 + max(p50 / 2, 2 (p90 - p50)); p90,
+    not p99, so that a few slow kernels of the baseline run do not hide a drain), the first
+    kernel's latency, and the delay until the drain ended (the latency above p50 of the
+    kernels over that threshold, summed: what online lost to the drain, without the noise
+    of the rest of the burst)."""
     lat = [k[1] for k in kernels]
     out = {"kernels": len(lat), "bursts": len(spans), "latency_ms": [pct(lat, 50), pct(lat, 99), max(lat) if lat else None]}
     if not base:
@@ -324,8 +355,8 @@ def burst_stats(kernels, spans, base):
         if not ks:
             continue
         firsts.append(ks[0][1])
-        delays.append(sum(k[1] - b50 for k in ks if k[1] > thr))
-        end = next((i for i in range(len(ks)) if all(k[1] <= thr for k in ks[i:i + 3]) and len(ks[i:i + 3]) == 3), None)
+        end = drain_end(ks, thr)
+        delays.append(sum(k[1] - b50 for k in ks[:len(ks) if end is None else end] if k[1] > thr))
         if end is None:
             open_ended += 1
         else:
@@ -474,7 +505,9 @@ class Harness:
                 "warmup": a.warmup_run + start + 5,
                 "wake-floor": 2 * 4 * a.wake_floor_samples * 0.0275 + 10,
                 "nvml-load": len(parse_intervals(a.nvml_load_intervals)) * (a.nvml_load_duration + start + 5),
-                "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)),
+                # The first two configurations (the baseline and one more): the step skips
+                # those that would not fit its own deadline, one by one.
+                "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)[:2]),
                 }.get(step, a.duration + start + 10)
 
     def drain_need(self, c):
@@ -639,9 +672,10 @@ class Harness:
             return [os.path.join(self.bin, "coloc-sim"), "offline", "--step-ms", step, "--cuda", "--out", out] + (["--depth", "16"] if model else [])
         return [sys.executable, os.path.join(HERE, "offline.py"), "--out", out, "--ready", ready] + (MODELS[model][0] if model else [])
 
-    def burst_cmd(self, out):
+    def burst_cmd(self, out, bursts=None, burst_ms=None, gap_ms=None):
         a = self.a
-        args = ["--bursts", str(a.drain_bursts), "--burst-ms", str(a.drain_burst_ms), "--gap-ms", str(a.drain_gap_ms), "--out", out]
+        args = ["--bursts", str(bursts or a.drain_bursts), "--burst-ms", str(burst_ms or a.drain_burst_ms),
+                "--gap-ms", str(a.drain_gap_ms if gap_ms is None else gap_ms), "--out", out]
         if self.sim:
             # A 5 ms kernel: the simulated GPU shares itself evenly (a kernel beside another
             # process's work takes twice as long, where a real GPU's time slice makes it
@@ -650,11 +684,11 @@ class Harness:
             return [os.path.join(self.bin, "coloc-sim"), "burst", "--kernel-us", "5000"] + args
         return [sys.executable, os.path.join(HERE, "burst.py")] + args
 
-    def wait_ready(self, p, ready, name, logname, deadline):
+    def wait_ready(self, p, ready, name, logname, deadline, timeout=None):
         """Until the workload says it runs on the GPU (its --ready file, written after its
         first CUDA synchronisation); the simulated workloads start at once (--warmup)."""
         t = time.monotonic()
-        limit = min(deadline, t + self.a.ready_timeout)
+        limit = min(deadline, t + (self.a.ready_timeout if timeout is None else timeout))
         if self.sim:
             time.sleep(self.a.warmup)
         while not self.sim and not os.path.exists(ready):
@@ -1007,33 +1041,40 @@ class Harness:
 
 
     def nvml_load(self, deadline):
-        """Online alone while NVML is polled at each interval ("none": not polled)."""
+        """The online probe (burst.py: tiny kernels, each waited for; the path a driver lock
+        would slow) alone while NVML is polled at each interval ("none": not polled)."""
         rows = self.results["nvml_load"] = []
         for i, iv in enumerate(parse_intervals(self.a.nvml_load_intervals)):
             row = {"interval_ms": iv}
             rows.append(row)
             tag = f"nvml-load-{i}-{iv}"
-            out = os.path.join(self.art, f"{tag}-online.json")
-            poller = on = None
+            out = os.path.join(self.art, f"{tag}-probe.json")
+            poller = pr = None
             try:
                 if iv != "none":
                     cmd = [os.path.join(self.bin, "coloc-bench"), "--nvml-poll", iv, "--nvml-lib", self.nvml]
                     with open(os.path.join(self.art, f"{tag}-poll.json"), "wb") as so:
                         poller = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=so, stderr=open(os.path.join(self.art, f"{tag}-poll.log"), "wb"))
                     self.live.append(["tool", "coloc-bench --nvml-poll", poller])
-                on = self.spawn("work", f"{tag} online", self.online_cmd(out, duration=self.a.nvml_load_duration), self.env, f"{tag}-online.log")
-                self.wait_exit(on, "online", deadline)
+                # Four bursts of a quarter of the duration, 100 ms apart.
+                cmd = self.burst_cmd(out, bursts=4, burst_ms=self.a.nvml_load_duration * 1e3 / 4, gap_ms=100)
+                pr = self.spawn("work", f"{tag} probe", cmd, self.env, f"{tag}-probe.log")
+                self.wait_exit(pr, "probe", min(deadline, time.monotonic() + self.a.nvml_load_duration + 90))
             finally:
                 row["poller_exit"] = self.end(poller, "coloc-bench --nvml-poll", 5, cont=False)
-                self.teardown(None, [("online", on)], None)
+                self.teardown(None, [("probe", pr)], None)
             try:
                 with open(out) as f:
                     j = json.load(f)
-                row.update(online_p50_ms=j.get("p50_ms"), online_p99_ms=j.get("p99_ms"), requests=j.get("requests"))
-                if j.get("error"):
-                    row["error"] = j["error"][-600:]
+                lat = [k[1] for k in j.get("kernels") or []]
+                row.update(kernels=len(lat), latency_ms=[pct(lat, 50), pct(lat, 90), pct(lat, 99)], mean_ms=sum(lat) / len(lat) if lat else None)
+                if j.get("error") or not lat:
+                    row["error"] = (j.get("error") or "no kernel ran")[-600:]
+                # The artifact keeps every 100th kernel (the figures are above).
+                j["kernels"] = lat[::100]
+                write_atomic(out, json.dumps(j))
             except (OSError, ValueError) as e:
-                row["error"] = f"online wrote no result ({e!r}): {tail(os.path.join(self.art, tag + '-online.log'), 600)}"
+                row["error"] = f"the probe wrote no result ({e!r}): {tail(os.path.join(self.art, tag + '-probe.log'), 600)}"
             if poller is not None:
                 try:
                     with open(os.path.join(self.art, f"{tag}-poll.json")) as f:
@@ -1059,7 +1100,8 @@ class Harness:
                 row["skipped"] = "the step's deadline"
                 continue
             try:
-                self.drain_config(row, d, deadline)
+                # Each configuration gets twice its estimate (a stuck one cannot eat the rest).
+                self.drain_config(row, d, min(deadline, time.monotonic() + 2 * self.drain_need(c) + 20))
             except Exception as e:  # noqa: BLE001  (one configuration: recorded, the others run)
                 row["error"] = f"{type(e).__name__}: {e}"[:1500]
                 errors.append(c["name"])
@@ -1091,7 +1133,7 @@ class Harness:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
                 env = self.shim_env("offline", row["inflight"]) if row["gate"] else self.env
                 off = self.spawn("work", f"{tag} offline", cmd, env, f"{tag}-offline.log")
-                self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline)
+                self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline, timeout=60)
                 t0 = time.monotonic() + 0.5
                 time.sleep(0.5 + a.drain_open)
                 window = [t0, time.monotonic()]
@@ -1132,8 +1174,13 @@ class Harness:
                     row["offline_basis"] = "whole run (no timeline)"
             except (OSError, ValueError) as e:
                 row.setdefault("warnings", []).append(f"offline wrote no result ({e!r})")
+        if row["model"] and not row["actuator"] and row.get("drain_n"):
+            row.setdefault("warnings", []).append(f"{row['drain_n']} burst(s) look drained with nothing to stop the offline: "
+                                                  "the drain metric cannot tell sharing from the baseline here")
         if events and os.path.exists(events):
-            st = event_stats(events)
+            # From the first burst on: burst.py's warm-up rings the doorbell too.
+            walls = pj.get("bursts_wall_s") or []
+            st = event_stats(events, since_ns=int((walls[0] - 0.005) * 1e9) if walls else None)
             row.update({k: st[k] for k in ("preemptions", "preemption_ms", "preemption_n", "detection_ms", "actuators", "signals", "fail_open")})
             if not st["preemptions"] and row["model"]:
                 row.setdefault("warnings", []).append("no preemption: the agent never acted")
@@ -1222,25 +1269,29 @@ def render(r, parts=None):
                 out.append(f"\nskipped runs: {sc['skipped']}")
     nl = r.get("nvml_load")
     if nl:
-        base = [x["online_p99_ms"] for x in nl if x.get("interval_ms") == "none" and x.get("online_p99_ms")]
-        out += ["", "## Does polling NVML slow online work? (online alone, NVML polled beside it)", "",
-                "| poll interval (ms) | online p50 (ms) | online p99 (ms) | p99 / unpolled | requests | polls/s | processes call p50/p99 µs | samples call p50/p99 µs |",
+        base = [x["latency_ms"] for x in nl if x.get("interval_ms") == "none" and x.get("latency_ms")]
+        b50 = sum(b[0] for b in base) / len(base) if base else None
+        out += ["", "## Does polling NVML slow online work? (burst.py alone, NVML polled beside it)", "",
+                "Both calls the agent's loop makes (process list, samples) at every interval; the agent's own defaults are "
+                "the process list every 50 ms (--process-interval) and samples every 100 ms (--nvml-interval).", "",
+                "| poll interval (ms) | kernel latency p50/p90/p99 (ms) | mean (ms) | p50 / unpolled | kernels | polls/s | processes call p50/p99 µs | samples call p50/p99 µs |",
                 "|---|---|---|---|---|---|---|---|"]
         for x in nl:
             c = x.get("cost_us") or {}
             cp, cs = c.get("running_processes") or {}, c.get("process_utilization") or {}
-            ratio = x["online_p99_ms"] / (sum(base) / len(base)) if base and x.get("online_p99_ms") else None
-            out.append(f"| {x.get('interval_ms')} | {fmt(x.get('online_p50_ms'))} | {fmt(x.get('online_p99_ms'))} | {fmt(ratio)} | {fmt(x.get('requests'))} | "
+            lat = x.get("latency_ms") or []
+            ratio = lat[0] / b50 if b50 and lat else None
+            out.append(f"| {x.get('interval_ms')} | {'/'.join(fmt(v) for v in lat) or '-'} | {fmt(x.get('mean_ms'))} | {fmt(ratio)} | {fmt(x.get('kernels'))} | "
                        f"{fmt(x.get('polls_per_s'))} | {fmt(cp.get('p50'))}/{fmt(cp.get('p99'))} | {fmt(cs.get('p50'))}/{fmt(cs.get('p99'))} |"
                        + (f" ERROR {str(x['error'])[:150]}" if x.get("error") else ""))
     dr = r.get("drain")
     if dr:
         out += ["", "## The drain as online sees it", "",
                 f"burst.py beside each training loop: {dr.get('bursts')} bursts of {dr.get('burst_ms')} ms of tiny kernels, {dr.get('gap_ms')} ms apart; "
-                f"kernel latency alone p50/p90/p99 {json.dumps(dr.get('baseline_ms'))} ms. Drain: from a burst's start until three kernels in a row are back at "
-                "the baseline (n: bursts where that happened; 'not ended': bursts it never did). Delay: per burst, the latency above the baseline p50 of the kernels over the threshold, summed. "
+                f"kernel latency alone p50/p90/p99 {json.dumps(dr.get('baseline_ms'))} ms. Drain: from a burst's start until the kernels are back at "
+                f"the baseline for {CLEAN_MS:g} ms and three kernels (n: bursts where that happened; 'not ended': bursts it never did). Delay: per burst, until the drain ended, the latency above the baseline p50 of the kernels over the threshold, summed. "
                 f"Offline steps/s with the gate open: over {dr.get('open_s')} s with no online work.", "",
-                "| config | drain p50/max ms (n, not ended) | first kernel p50/max ms | delay per burst p50/max ms | kernel latency p50/p99/max ms | preemption p50/p99 ms (n) | actuators | offline steps/s, online idle (share of no shim) | checks |",
+                "| config | drain p50/max ms (n, not ended) | first kernel p50/max ms | delay until drained p50/max ms | kernel latency p50/p99/max ms | preemption p50/p99 ms (n) | actuators | offline steps/s, online idle (share of the same model without the gate) | checks |",
                 "|---|---|---|---|---|---|---|---|---|"]
         ref = {}
         for x in dr.get("configs") or []:
@@ -1345,8 +1396,8 @@ def main():
     ap.add_argument("--shim-repeats", type=int, default=5, help="shim_check.py --repeats")
     ap.add_argument("--shim-rounds", type=int, default=2, help="shim_check.py --rounds")
     ap.add_argument("--wake-floor-samples", type=int, default=150, help="coloc-bench --wake-floor samples per cell (0: skip)")
-    ap.add_argument("--nvml-load-intervals", default="none,1,10,100", help="nvml-load: poll intervals in ms, 'none' for a run without polling")
-    ap.add_argument("--nvml-load-duration", type=float, default=10.0, help="nvml-load: seconds of online work per interval")
+    ap.add_argument("--nvml-load-intervals", default="none,1,10,100,none", help="nvml-load: poll intervals in ms, 'none' for a run without polling")
+    ap.add_argument("--nvml-load-duration", type=float, default=6.0, help="nvml-load: seconds of the probe's bursts per interval")
     ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded); M: " + ", ".join(MODELS))
     ap.add_argument("--drain-bursts", type=int, default=5, help="drain: bursts per configuration")
     ap.add_argument("--drain-burst-ms", type=float, default=300.0, help="drain: length of a burst")

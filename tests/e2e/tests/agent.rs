@@ -897,7 +897,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "--drain-bursts",
                 "2",
                 "--drain-burst-ms",
-                "150",
+                "300",
                 "--drain-gap-ms",
                 "250",
                 "--drain-open",
@@ -968,8 +968,8 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             "doorbell",
             "gate",
             "wake-floor",
-            "nvml-load",
-            "drain"
+            "drain",
+            "nvml-load"
         ]
     );
     for s in steps {
@@ -1040,7 +1040,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     let load = res["nvml_load"].as_array().unwrap();
     assert_eq!(load.len(), 2, "{load:?}");
     assert_eq!(load[0]["interval_ms"], "none");
-    assert!(load[0]["online_p50_ms"].as_f64().unwrap() > 0.0, "{load:?}");
+    assert!(load[0]["latency_ms"][0].as_f64().unwrap() > 0.0, "{load:?}");
     assert!(load[1]["polls_per_s"].as_f64().unwrap() > 100.0, "{load:?}");
     // The drain as online sees it: the probe's bursts against its baseline. SIGSTOP
     // leaves offline's 16 queued kernels to run beside online; the gate at K = 2 leaves
@@ -1102,6 +1102,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "probe.json",
         "drain-signal-large-probe.json",
         "nvml-load-1-1-poll.json",
+        "nvml-load-1-1-probe.json",
     ] {
         assert!(listing.lines().any(|l| l == f), "{f} missing:\n{listing}");
     }

@@ -137,7 +137,8 @@ enum Cmd {
     /// latency shows whether another process's work shares the GPU at that moment, so a
     /// burst shows how long an offline process's queued work (its drain) delays online
     /// work after online starts. The simulated twin of `benches/gpu/burst.py` (same
-    /// JSON: `kernels` [[CLOCK_MONOTONIC s, latency ms]], `bursts` [[start s, end s]]).
+    /// JSON: `kernels` [[CLOCK_MONOTONIC s, latency ms]], `bursts` [[start s, end s]],
+    /// `bursts_wall_s` [each burst's start, CLOCK_REALTIME s]).
     Burst {
         /// CUDA device ordinal.
         #[arg(long, default_value_t = 0)]
@@ -757,7 +758,7 @@ fn run_burst(
     out: Option<PathBuf>,
 ) -> Result<()> {
     let ns = ((kernel_us * 1e3) as u64).max(1);
-    let (mut kernels, mut spans) = (Vec::new(), Vec::new());
+    let (mut kernels, mut spans, mut walls) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..bursts {
         let wake = mono_s() + gap_ms / 1e3;
         while mono_s() < wake && !STOP.load(Ordering::Relaxed) {
@@ -767,6 +768,7 @@ fn run_burst(
             break;
         }
         let start = mono_s();
+        walls.push(now_ns() as f64 / 1e9);
         while mono_s() - start < burst_ms / 1e3 && !STOP.load(Ordering::Relaxed) {
             let t = mono_s();
             g.launch(ns)?;
@@ -781,6 +783,7 @@ fn run_burst(
         "burst_ms": burst_ms,
         "gap_ms": gap_ms,
         "bursts": spans,
+        "bursts_wall_s": walls,
         "kernels": kernels,
     });
     write_out(out, &summary)

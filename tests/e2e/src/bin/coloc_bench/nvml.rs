@@ -5,13 +5,16 @@
 //!   performance monitoring: whether it is supported and which sampling intervals give
 //!   a metric); then `--seconds` of polling per-process samples every 1 ms: the sample
 //!   period per process, their freshness (poll time − sample timestamp), how the calls
-//!   answered (new samples, nothing new — NVML's `NOT_FOUND` —, errors by reason,
+//!   answered (new samples; nothing new: NVML's `NOT_FOUND`, or only samples of 0 %,
+//!   which the agent's sampler drops; errors by reason;
 //!   `INSUFFICIENT_SIZE` retried), and with `--stop-pid` the drain NVML shows after a
 //!   SIGSTOP (at 1/3 of the run; SIGCONT at 2/3).
-//! - **poll**: polls as the agent's loop does (process list, then samples newer than the
-//!   last one seen) every `INTERVAL` until `--seconds` or SIGTERM, then prints what it
-//!   did and what each call cost. The real-GPU harness runs an online PyTorch workload
-//!   beside it at 1, 10 and 100 ms to see whether the driver's lock slows the workload.
+//! - **poll**: makes the two calls of the agent's loop (process list, then samples newer
+//!   than the last one seen) together every `INTERVAL` — the agent itself spaces them by
+//!   `--process-interval` (50 ms) and `--nvml-interval` (100 ms) — until `--seconds` or
+//!   SIGTERM, then prints what it did and what each call cost. The real-GPU harness runs
+//!   an online PyTorch probe beside it at 1, 10 and 100 ms to see whether the driver's
+//!   lock slows online work.
 
 use coloc_agent::edges::gpu::{Activity, GpuError, GpuSampler, Nvml};
 use std::collections::BTreeMap;
@@ -29,7 +32,7 @@ pub const USAGE: &str = "
         new, errors by reason, INSUFFICIENT_SIZE retried), and with --stop-pid the drain
         NVML shows after a SIGSTOP of that process (sent at 1/3 of the run, SIGCONT at 2/3)
   --nvml-poll INTERVAL_MS [--nvml-lib LIB] [--gpu 0] [--seconds 0]
-        poll NVML as the agent's loop does (process list + samples) every INTERVAL_MS
+        make the agent loop's two NVML calls (process list, samples) every INTERVAL_MS
         until --seconds (0: until SIGTERM); prints polls, each call's cost and the answers
         (JSON to stdout)
 ";
