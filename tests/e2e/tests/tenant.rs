@@ -226,10 +226,13 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
         std::thread::sleep(Duration::from_millis(2));
     }
     drop(attacker);
+    // (Seen once in CI, not reproduced in eight runs beside CPU hogs: /state says what the
+    // agent believed at the end.)
     assert!(
         yes * 100 >= n * 95,
-        "suspended in only {yes} of {n} samples while online was busy\n{}",
-        agent.log_text()
+        "suspended in only {yes} of {n} samples while online was busy\n{}\n/state: {}",
+        agent.log_text(),
+        agent.state()
     );
     assert!(
         frozen(),
