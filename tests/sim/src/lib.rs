@@ -488,6 +488,37 @@ impl<'a> Daemon<'a> {
         }
     }
 
+    /// When the model next has something to do on its own, if nothing is submitted
+    /// meanwhile: the earliest time at which a waiter's target is reached, or a slot runs
+    /// out of work (the others' shares then grow); None when no GPU has work. A daemon
+    /// that sleeps until then (or its tick, whichever is first) completes work when it
+    /// is done, as a GPU's completion interrupt does, instead of at the next tick.
+    pub fn next_event_ns(&self) -> Option<u64> {
+        let slots = self.sim.slots();
+        let mut best: Option<u64> = None;
+        for gpu in 0..self.sim.n_gpus() {
+            let active: Vec<(&Slot, u64)> = slots
+                .iter()
+                .filter(|s| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+                .filter_map(|s| {
+                    let rem = s
+                        .submitted_ns
+                        .load(Acquire)
+                        .saturating_sub(s.completed_ns.load(Acquire));
+                    (rem > 0).then_some((s, rem))
+                })
+                .collect();
+            let n = active.len() as u64;
+            for (s, rem) in active {
+                let (w, done) = (s.wake_at.load(Acquire), s.completed_ns.load(Acquire));
+                let need = if w > done { rem.min(w - done) } else { rem };
+                let t = self.last_ns.saturating_add(need.saturating_mul(n));
+                best = Some(best.map_or(t, |b| b.min(t)));
+            }
+        }
+        best
+    }
+
     fn run_until(&mut self, t: u64) {
         let dt = t.saturating_sub(self.last_ns);
         self.last_ns = self.last_ns.max(t);

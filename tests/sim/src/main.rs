@@ -50,7 +50,8 @@ enum Cmd {
         /// by GSP firmware (H100); 100 ms until the real-GPU harness measures it.
         #[arg(long, default_value_t = 100.0)]
         sample_period_ms: f64,
-        /// Model tick, µs.
+        /// Model tick, µs: the longest the daemon sleeps, so the latest it sees new work.
+        /// A completion someone waits for is made when it is due, not at the next tick.
         #[arg(long, default_value_t = 100)]
         tick_us: u64,
         /// Keep the slots of dead processes listed (to test stale PIDs).
@@ -498,10 +499,19 @@ fn run_gpu(state: PathBuf, gpus: u32, period_ms: f64, tick_us: u64, keep_dead: b
         "coloc-sim gpu: {gpus} simulated GPU(s), sample period {period_ms} ms, state {}",
         state.display()
     );
-    let tick = Duration::from_micros(tick_us.max(10));
+    let tick = tick_us.max(10) * 1000;
+    // Wake-ups to the microsecond (the default slack is 50 µs).
+    // SAFETY: prctl(PR_SET_TIMERSLACK) on this thread; no pointers.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
     while !STOP.load(Ordering::Relaxed) {
-        d.advance(now_ns());
-        std::thread::sleep(tick);
+        let now = now_ns();
+        d.advance(now);
+        // Until the next completion a waiter is owed (or a share changes), at most a tick:
+        // new submissions are seen within a tick, completions when they happen.
+        let until = d
+            .next_event_ns()
+            .map_or(now + tick, |t| t.clamp(now + 2_000, now + tick));
+        std::thread::sleep(Duration::from_nanos(until.saturating_sub(now_ns())));
     }
     std::fs::remove_file(&state).ok();
     Ok(())
