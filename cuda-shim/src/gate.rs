@@ -4,7 +4,8 @@
 //!  submission (any wrapped entry point), mode gated:
 //!    stream → pool (ring of events) and GPU (page entry, gate slot)
 //!    in_submit += 1; closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
-//!    K events outstanding on this stream? wait for the oldest (cuEventSynchronize), recycle it
+//!    the bound reached on this stream (K events, or fewer: the budget)? wait for the oldest
+//!      (cuEventSynchronize; with a budget, time it), recycle it
 //!    the driver's submission; cuEventRecord after it; inflight += 1; in_submit -= 1
 //!  watcher thread (FUTEX_WAIT on the gate file's generation, 100 ms):
 //!    a GPU of ours closed with an epoch not yet acknowledged (in this file):
@@ -57,6 +58,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 /// Default in-flight bound per stream (`COLOC_SHIM_INFLIGHT`). See the crate docs for the
 /// measurement behind it.
 pub const DEFAULT_INFLIGHT: u32 = 4;
+/// Default in-flight budget per stream, ms of estimated GPU time (`COLOC_SHIM_INFLIGHT_MS`;
+/// see the crate docs).
+pub const DEFAULT_INFLIGHT_MS: u64 = 3;
 /// Stream rings at once.
 pub const MAX_POOLS: usize = 256;
 /// With `COLOC_SHIM_INFLIGHT=0` (unbounded), a ring still holds at most this many events
@@ -88,6 +92,8 @@ const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 // ---------------------------------------------------------------------------------------
 
 static INFLIGHT: AtomicU32 = AtomicU32::new(DEFAULT_INFLIGHT);
+/// In-flight budget per stream, ns of estimated GPU time (`COLOC_SHIM_INFLIGHT_MS`; 0: off).
+static BUDGET_NS: AtomicU64 = AtomicU64::new(DEFAULT_INFLIGHT_MS * 1_000_000);
 static STALE_NS: AtomicU64 = AtomicU64::new(DEFAULT_STALE_NS);
 static GATE_PATH: OnceLock<CString> = OnceLock::new();
 static STALE_WARNED: AtomicBool = AtomicBool::new(false);
@@ -125,6 +131,16 @@ pub fn configure() -> Result<(), String> {
             Err(_) => {
                 return Err(format!(
                     "COLOC_SHIM_INFLIGHT={v:?} is not a whole number of submissions (0: unbounded)"
+                ))
+            }
+        }
+    }
+    if let Ok(v) = std::env::var("COLOC_SHIM_INFLIGHT_MS") {
+        match v.trim().parse::<f64>() {
+            Ok(ms) if ms.is_finite() && ms >= 0.0 => BUDGET_NS.store((ms * 1e6) as u64, Relaxed),
+            _ => {
+                return Err(format!(
+                    "COLOC_SHIM_INFLIGHT_MS={v:?} is not a number of milliseconds (0: no budget)"
                 ))
             }
         }
@@ -416,6 +432,21 @@ struct Ring {
     /// Recorded after a submission, not yet known complete; oldest first.
     events: VecDeque<usize>,
     free: Vec<usize>,
+    /// With a budget: the estimated GPU time of one submission on this stream (ns; 0:
+    /// none yet), when the last submission was made, and when the last wait for the
+    /// oldest event returned while the stream stayed backlogged (0: the run broke).
+    est_ns: u64,
+    last_sub_ns: u64,
+    prev_done_ns: u64,
+}
+
+impl Ring {
+    /// Forgets the timing (a new stream, a drained ring).
+    fn reset_timing(&mut self) {
+        self.est_ns = 0;
+        self.last_sub_ns = 0;
+        self.prev_done_ns = 0;
+    }
 }
 
 struct Pool {
@@ -433,6 +464,9 @@ static POOLS: [Pool; MAX_POOLS] = [const {
             record_on: 0,
             events: VecDeque::new(),
             free: Vec::new(),
+            est_ns: 0,
+            last_sub_ns: 0,
+            prev_done_ns: 0,
         }),
     }
 }; MAX_POOLS];
@@ -530,6 +564,7 @@ fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
     r.key = Some(key);
     r.ctx = ctx;
     r.record_on = record_on;
+    r.reset_timing();
     POOLS[idx].gpu.store(gpu, Release);
     dir.push((key, idx as u16, gpu as u16));
     Some((idx, gpu))
@@ -641,12 +676,39 @@ fn create_event(ctx: usize) -> Option<usize> {
     (r == CUDA_SUCCESS && e != 0).then_some(e)
 }
 
-/// Keeps the ring within the in-flight bound before a submission: waits for the oldest
-/// event while K are outstanding (K = 0: only recycles those already complete).
-fn bound(r: &mut Ring, entry: &Entry) {
+/// CLOCK_MONOTONIC, ns (the budget's timing: no jumps).
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The ring's bound now: K (`UNBOUNDED_CAP` for 0), and with a budget B the number of
+/// submissions whose estimated GPU time fits in B, at least 1 and at most that (1 until a
+/// first estimate).
+fn limit(r: &Ring) -> usize {
     let k = INFLIGHT.load(Relaxed) as usize;
-    let limit = if k == 0 { UNBOUNDED_CAP } else { k };
-    if k == 0 {
+    let cap = if k == 0 { UNBOUNDED_CAP } else { k };
+    match BUDGET_NS.load(Relaxed) {
+        0 => cap,
+        _ if r.est_ns == 0 => 1,
+        b => ((b / r.est_ns) as usize).clamp(1, cap),
+    }
+}
+
+/// Keeps the ring within the in-flight bound before a submission: waits for the oldest
+/// event while the bound is reached (K = 0 without a budget: only recycles those already
+/// complete). With a budget, each wait also times the submission it waited for: from its
+/// start (its submission when it was alone in flight, else the previous wait's return,
+/// the stream having stayed backlogged since) to the wait's return. An upper bound of its
+/// GPU time (the return comes a wake-up after the completion), so the budget errs short.
+fn bound(r: &mut Ring, entry: &Entry) {
+    let budget = BUDGET_NS.load(Relaxed) != 0;
+    if INFLIGHT.load(Relaxed) == 0 && !budget {
         while let Some(&e) = r.events.front() {
             if !event_done(e) {
                 break;
@@ -656,13 +718,39 @@ fn bound(r: &mut Ring, entry: &Entry) {
             entry.inflight.fetch_sub(1, Relaxed);
         }
     }
+    let limit = limit(r);
+    if r.events.len() < limit {
+        // Not backlogged at the bound: the next wait has no previous one to start from.
+        r.prev_done_ns = 0;
+        return;
+    }
     while r.events.len() >= limit {
+        let start = if r.events.len() == 1 {
+            r.last_sub_ns.max(r.prev_done_ns)
+        } else {
+            r.prev_done_ns
+        };
         let Some(e) = r.events.pop_front() else {
             break;
         };
         sync_event(e);
         r.free.push(e);
         entry.inflight.fetch_sub(1, Relaxed);
+        if budget {
+            let done = mono_ns();
+            if start != 0 && done > start {
+                let t = done - start;
+                // Up at once by half the difference, down slowly: a longer kernel is
+                // believed sooner than a shorter one.
+                r.est_ns = match r.est_ns {
+                    0 => t,
+                    e if t > e => e + (t - e) / 2,
+                    e => e - (e - t) / 8,
+                }
+                .max(1);
+            }
+            r.prev_done_ns = done;
+        }
     }
 }
 
@@ -677,6 +765,9 @@ fn record(r: &mut Ring, entry: &Entry) -> Result<(), String> {
         let res = unsafe { (fns().event_record)(e, r.record_on) };
         if res == CUDA_SUCCESS {
             r.events.push_back(e);
+            if BUDGET_NS.load(Relaxed) != 0 {
+                r.last_sub_ns = mono_ns();
+            }
             entry.inflight.fetch_add(1, Relaxed);
             return Ok(());
         }
@@ -690,6 +781,7 @@ fn record(r: &mut Ring, entry: &Entry) -> Result<(), String> {
         // The ring's events may be gone with a destroyed context, or a stream handle
         // reused in another: start the ring afresh once.
         if attempt == 0 {
+            r.reset_timing();
             entry.inflight.fetch_sub(r.events.len() as u32, Relaxed);
             let dead: Vec<usize> = std::iter::once(e)
                 .chain(r.free.drain(..))
@@ -979,6 +1071,8 @@ fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
         }
         let n = r.events.len();
         let done: Vec<usize> = r.events.drain(..).collect();
+        // Held at the gate: the stream's run is broken (its estimate stays).
+        r.prev_done_ns = 0;
         r.free.extend(done);
         entry.inflight.fetch_sub(n as u32, Relaxed);
     }

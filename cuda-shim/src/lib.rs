@@ -60,7 +60,8 @@
 //!   word; closed: `in_submit -= 1`, note `blocked_ns`, `FUTEX_WAIT` on the word (50 ms at
 //!   a time, re-checking), and go on when it opens — or when the agent's heartbeat is
 //!   older than `COLOC_GATE_STALE_MS` (fail-open, one stderr line). Only the calling thread
-//!   waits. Then, with K events outstanding on the stream, wait for the oldest
+//!   waits. Then, with the bound reached on the stream (K events, or fewer under the
+//!   budget), wait for the oldest
 //!   (`cuEventSynchronize`) and recycle it, go back to the gate if it closed meanwhile;
 //!   the driver's submission; `cuEventRecord` after it; `inflight += 1`, `in_submit -= 1`.
 //! - The watcher thread (started at the first submission, never in a constructor or a
@@ -75,6 +76,18 @@
 //!   under 1 % of throughput with 2 ms kernels, 4 % with 0.2 ms, 15 % with 0.05 ms; K = 2
 //!   halves the drain but costs 13 % at 0.2 ms (`coloc-bench --gate`, figures in
 //!   `benches/RESULTS.md`; simulated, real CUDA unchecked).
+//! - **The budget** (`COLOC_SHIM_INFLIGHT_MS`, default 3; 0 = none): K counts submissions,
+//!   whatever they last; the budget bounds them in time. Each wait for the oldest event
+//!   times the submission it waited for (from its submission when it was alone in
+//!   flight, else from the previous wait's return, the stream having stayed backlogged),
+//!   an estimate that rises fast and falls slowly; the bound is then the number of
+//!   submissions that fit in the budget, at least 1 and at most K (1 until a first
+//!   estimate). Kernels under budget / K keep K; longer ones get fewer in flight, so what
+//!   runs on after a close is about max(budget, one kernel) instead of K kernels. On the
+//!   simulated GPU with 2 ms kernels (the demo's gate row), K = 4 with the budget gives
+//!   online p99 1.02× alone and offline 83 % of the idle time, where K = 4 alone gives
+//!   1.19× and 87 %; with the gate open it costs 2-3 % at 2 ms kernels and nothing
+//!   measurable under K = 4 alone with short ones (simulated; real CUDA unchecked).
 //! - **Not gated**: the synchronous copies and memsets, `cuStreamWaitEvent`, and work
 //!   that `cuLaunchCooperativeKernelMultiDevice` queues (gated on the current GPU, its
 //!   work not tracked). A submission already past the mode check when the gate file first
@@ -83,9 +96,9 @@
 //! Environment: `COLOC_SHIM_CLASS` (`online`, `offline`; anything else: pass-through),
 //! `COLOC_DOORBELL_DIR` (where to create `<pid>-<nonce>.bell`), `COLOC_SHIM_WAKE_GAP_MS`
 //! (online: a launch this long after the previous one on the same GPU wakes the agent;
-//! default 100), `COLOC_GATE_FILE`, `COLOC_SHIM_INFLIGHT`, `COLOC_GATE_STALE_MS` (offline:
-//! the gate file, K, and the heartbeat bound; defaults `/run/gpu-coloc/gate/gates`, 4,
-//! 1000), `COLOC_SHIM_TRACE` (`1`: one stderr line per distinct lookup, see [`trace`]).
+//! default 100), `COLOC_GATE_FILE`, `COLOC_SHIM_INFLIGHT`, `COLOC_SHIM_INFLIGHT_MS`,
+//! `COLOC_GATE_STALE_MS` (offline: the gate file, K, the budget and the heartbeat bound;
+//! defaults `/run/gpu-coloc/gate/gates`, 4, 3, 1000), `COLOC_SHIM_TRACE` (`1`: one stderr line per distinct lookup, see [`trace`]).
 
 #![allow(clippy::missing_safety_doc)]
 

@@ -7,6 +7,7 @@
 //!  COLOC_DOORBELL_DIR   = --doorbell-dir   (the agent's, where the page goes)
 //!  COLOC_GATE_FILE      = --gate-file      (offline: the gate the agent closes)
 //!  COLOC_SHIM_INFLIGHT  = --inflight       (offline, when given: K)
+//!  COLOC_SHIM_INFLIGHT_MS = --inflight-ms  (offline, when given: the budget)
 //!  then execvp(CMD): the command replaces this process (same PID, same cgroup)
 //! ```
 //!
@@ -57,9 +58,22 @@ pub struct ExecArgs {
     /// Unset: the shim's default (4).
     #[arg(long)]
     pub inflight: Option<u32>,
+    /// Offline: at most this much estimated GPU time in flight per stream, ms (the budget;
+    /// at least one submission, at most K; 0 = none). Unset: the shim's default (3).
+    #[arg(long, value_parser = parse_ms)]
+    pub inflight_ms: Option<f64>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<std::ffi::OsString>,
+}
+
+fn parse_ms(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(ms) if ms.is_finite() && ms >= 0.0 => Ok(ms),
+        _ => Err(format!(
+            "{v:?} is not a number of milliseconds (0: no budget)"
+        )),
+    }
 }
 
 /// Help text after the options.
@@ -96,6 +110,9 @@ pub fn environment(
         env.push(("COLOC_GATE_FILE", args.gate_file.clone().into()));
         if let Some(k) = args.inflight {
             env.push(("COLOC_SHIM_INFLIGHT", k.to_string().into()));
+        }
+        if let Some(ms) = args.inflight_ms {
+            env.push(("COLOC_SHIM_INFLIGHT_MS", ms.to_string().into()));
         }
     }
     env
@@ -141,6 +158,8 @@ mod tests {
             "/s.so",
             "--inflight",
             "2",
+            "--inflight-ms",
+            "1.5",
             "--",
             "python",
             "-u",
@@ -152,6 +171,7 @@ mod tests {
         assert_eq!(get("LD_PRELOAD").unwrap(), "/other.so:/s.so");
         assert_eq!(get("COLOC_SHIM_CLASS").unwrap(), "offline");
         assert_eq!(get("COLOC_SHIM_INFLIGHT").unwrap(), "2");
+        assert_eq!(get("COLOC_SHIM_INFLIGHT_MS").unwrap(), "1.5");
         assert!(get("COLOC_GATE_FILE").is_some());
     }
 
@@ -175,6 +195,21 @@ mod tests {
         assert!(Cli::try_parse_from(["coloc-agent", "exec", "--class", "online"]).is_err());
         assert!(
             Cli::try_parse_from(["coloc-agent", "exec", "--class", "bulk", "--", "x"]).is_err()
+        );
+        let bad = [
+            "coloc-agent",
+            "exec",
+            "--class",
+            "offline",
+            "--inflight-ms",
+            "-1",
+            "--",
+            "x",
+        ];
+        let e = Cli::try_parse_from(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("--inflight-ms") && e.contains("milliseconds"),
+            "{e}"
         );
     }
 

@@ -93,7 +93,9 @@ impl Node {
             .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
             .env("COLOC_SHIM_CLASS", "offline")
             .env("COLOC_DOORBELL_DIR", &self.bells)
-            .env("COLOC_GATE_FILE", &self.gate_path);
+            .env("COLOC_GATE_FILE", &self.gate_path)
+            // K alone unless a test asks for the budget (it would bound 2 ms kernels to 1).
+            .env("COLOC_SHIM_INFLIGHT_MS", "0");
         for (k, v) in env {
             c.env(k, v);
         }
@@ -110,20 +112,21 @@ impl Node {
             .env("COLOC_SHIM_CLASS", "offline")
             .env("COLOC_DOORBELL_DIR", &self.bells)
             .env("COLOC_GATE_FILE", &self.gate_path)
-            .env("COLOC_SHIM_INFLIGHT", k.to_string());
+            .env("COLOC_SHIM_INFLIGHT", k.to_string())
+            .env("COLOC_SHIM_INFLIGHT_MS", "0");
         c
     }
 
     /// `offline --cuda` with 2 ms kernels, the application keeping `depth` in flight, for
     /// `secs` seconds (0: until killed), stderr to a file.
     fn offline(&self, depth: u32, secs: f64, env: &[(&str, &str)], extra: &[&str]) -> Job {
-        self.offline_step(STEP_MS, depth, secs, env, extra)
+        self.offline_step(STEP_MS as f64, depth, secs, env, extra)
     }
 
     /// The same with kernels of `step_ms`.
     fn offline_step(
         &self,
-        step_ms: u64,
+        step_ms: f64,
         depth: u32,
         secs: f64,
         env: &[(&str, &str)],
@@ -310,7 +313,7 @@ fn a_closed_gate_lets_no_submission_through_and_opening_it_lets_them_through() {
 fn the_close_is_acknowledged_only_once_in_flight_work_is_complete() {
     let n = Node::new(true);
     // 5 ms kernels, the application keeps 8 in flight, the shim bounds them to 4.
-    let job = n.offline_step(5, 8, 0.0, &[("COLOC_SHIM_INFLIGHT", "4")], &[]);
+    let job = n.offline_step(5.0, 8, 0.0, &[("COLOC_SHIM_INFLIGHT", "4")], &[]);
     let pid = job.pid();
     let page = n.page(pid);
     wait_progress(&n, pid, 0, 20 * 5_000_000, Duration::from_secs(10));
@@ -417,6 +420,30 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
         .offline(8, 1.0, &[("COLOC_SHIM_INFLIGHT", "0")], &[])
         .summary();
     assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
+}
+
+/// The budget bounds work in flight by its estimated GPU time: kernels of 2 ms under a
+/// 3 ms budget run one at a time, 0.2 ms ones about five at a time under 1 ms, whatever
+/// K allows (here unbounded) and the application queues (16).
+#[test]
+fn the_budget_caps_work_in_flight_by_time() {
+    let n = Node::new(true);
+    let budget = |ms| [("COLOC_SHIM_INFLIGHT", "0"), ("COLOC_SHIM_INFLIGHT_MS", ms)];
+    let v = n.offline(16, 1.0, &budget("3"), &[]).summary();
+    assert!(v["launches"].as_u64().unwrap() > 100, "{v}");
+    assert!(
+        v["max_outstanding_stream"].as_u64().unwrap() <= 2,
+        "2 ms kernels, 3 ms budget: {v}"
+    );
+    let v = n.offline_step(0.2, 16, 1.0, &budget("1"), &[]).summary();
+    let most = v["max_outstanding_stream"].as_u64().unwrap();
+    assert!(
+        (2..=8).contains(&most),
+        "0.2 ms kernels, 1 ms budget: about 5 in flight, not 1 nor 16: {v}"
+    );
+    // No budget: K alone (unbounded), the application's depth is reached.
+    let v = n.offline(16, 1.0, &budget("0"), &[]).summary();
+    assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 15, "{v}");
 }
 
 #[test]
