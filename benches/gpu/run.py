@@ -21,7 +21,8 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
                  online work?
   drain          burst.py (an online probe: bursts of tiny kernels, each waited for) beside
                  a training loop, per --drain-configs: alone; sharing, no agent; SIGSTOP at
-                 two model sizes (freezer:M on request); the gate at K = 1, 2, 4. Per
+                 two model sizes (freezer:M on request); the gate at K = 1 and 4 with the
+                 default budget, K = 4 without it. Per
                  config: how long offline's queued work delays online after online starts
                  (the drain, as online sees it), online kernel latency meanwhile, the
                  agent's preemption latency, and offline throughput with no online work
@@ -85,7 +86,7 @@ BINARIES = ("coloc-agent", "coloc-bench", "libcoloc_cuda.so")
 # slices, so --sim checks the harness, not the figures.
 MODELS = {"small": (["--batch", "64", "--width", "4096", "--layers", "4"], "0.5"),
           "large": (["--batch", "512", "--width", "8192", "--layers", "8"], "2")}
-DRAIN_CONFIGS = "alone,share:large,signal:small,signal:large,gate1:large,gate2:large,gate4:large,gate4:small"
+DRAIN_CONFIGS = "alone,share:large,signal:small,signal:large,gate1:large,gate4:large,gate4+0ms:large,gate4:small"
 
 # A PyTorch process that checks the GPU: versions, a GEMM and an fp16 linear, checksums,
 # and (under the shim) its own doorbell pages.
@@ -293,19 +294,21 @@ def parse_intervals(spec):
 
 
 def parse_drain(spec):
-    """--drain-configs: alone | share:MODEL | signal:MODEL | freezer:MODEL | gateK:MODEL."""
+    """--drain-configs: alone | share:MODEL | signal:MODEL | freezer:MODEL | gateK[+Bms]:MODEL
+    (K: COLOC_SHIM_INFLIGHT; B: COLOC_SHIM_INFLIGHT_MS, the shim's default when not given)."""
     out = []
     for x in (spec or "").split(","):
         x = x.strip()
         if not x:
             continue
         kind, _, model = x.partition(":")
-        m = re.fullmatch(r"gate(\d+)", kind)
+        m = re.fullmatch(r"gate(\d+)(?:\+(\d+(?:\.\d+)?)ms)?", kind)
         ok = (kind == "alone" and not model) or (model in MODELS and (kind in ("share", "signal", "freezer") or m))
         if not ok:
-            raise SystemExit(f"--drain-configs: {x!r}: want alone, share:M, signal:M, freezer:M or gateK:M with M in {', '.join(MODELS)} and K a whole number (0: unbounded)")
+            raise SystemExit(f"--drain-configs: {x!r}: want alone, share:M, signal:M, freezer:M or gateK[+Bms]:M with M in {', '.join(MODELS)}, "
+                             "K a whole number (0: unbounded) and B a number of ms (0: no budget)")
         out.append({"name": x, "model": model or None, "actuator": None if kind in ("alone", "share") else ("signal" if m else kind),
-                    "gate": bool(m), "inflight": int(m.group(1)) if m else None})
+                    "gate": bool(m), "inflight": int(m.group(1)) if m else None, "inflight_ms": m.group(2) if m else None})
     return out
 
 
@@ -746,7 +749,7 @@ class Harness:
             f.write(f'[[rule]]\nname = "offline"\nclass = "reclaimed_cores"\n{off}\n[[rule]]\nname = "online"\nclass = "shared_cores"\n{on}\n')
         return p
 
-    def shim_env(self, cls, inflight=None):
+    def shim_env(self, cls, inflight=None, inflight_ms=None):
         """The environment of a workload under the shim (what `coloc-agent exec` sets)."""
         env = dict(self.env, LD_PRELOAD=self.shim, COLOC_SHIM_CLASS=cls, COLOC_DOORBELL_DIR=self.bells)
         if cls == "online":
@@ -754,6 +757,8 @@ class Harness:
         else:
             k = self.a.gate_inflight if inflight is None else inflight
             env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(k))
+            if inflight_ms is not None:
+                env["COLOC_SHIM_INFLIGHT_MS"] = str(inflight_ms)
         return env
 
     # ---- steps ------------------------------------------------------------------------------
@@ -1131,7 +1136,7 @@ class Harness:
                 cmd = self.offline_cmd(off_out, ready, row["model"])
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
-                env = self.shim_env("offline", row["inflight"]) if row["gate"] else self.env
+                env = self.shim_env("offline", row["inflight"], row["inflight_ms"]) if row["gate"] else self.env
                 off = self.spawn("work", f"{tag} offline", cmd, env, f"{tag}-offline.log")
                 self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline, timeout=60)
                 t0 = time.monotonic() + 0.5
@@ -1398,7 +1403,7 @@ def main():
     ap.add_argument("--wake-floor-samples", type=int, default=150, help="coloc-bench --wake-floor samples per cell (0: skip)")
     ap.add_argument("--nvml-load-intervals", default="none,1,10,100,none", help="nvml-load: poll intervals in ms, 'none' for a run without polling")
     ap.add_argument("--nvml-load-duration", type=float, default=6.0, help="nvml-load: seconds of the probe's bursts per interval")
-    ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded); M: " + ", ".join(MODELS))
+    ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK[+Bms]:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded; B: COLOC_SHIM_INFLIGHT_MS, the shim's default 3 when not given, 0 none); M: " + ", ".join(MODELS))
     ap.add_argument("--drain-bursts", type=int, default=5, help="drain: bursts per configuration")
     ap.add_argument("--drain-burst-ms", type=float, default=300.0, help="drain: length of a burst")
     ap.add_argument("--drain-gap-ms", type=float, default=700.0, help="drain: idle time before each burst (longer than --idle-window)")

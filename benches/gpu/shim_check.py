@@ -128,7 +128,7 @@ part("pages", lambda: out.__setitem__("pages", read_pages()))
 print("RESULT " + json.dumps(out), flush=True)
 '''
 
-BASE_ENV_DROP = ("LD_PRELOAD", "COLOC_SHIM_CLASS", "COLOC_DOORBELL_DIR", "COLOC_GATE_FILE", "COLOC_SHIM_INFLIGHT", "COLOC_SHIM_WAKE_GAP_MS")
+BASE_ENV_DROP = ("LD_PRELOAD", "COLOC_SHIM_CLASS", "COLOC_DOORBELL_DIR", "COLOC_GATE_FILE", "COLOC_SHIM_INFLIGHT", "COLOC_SHIM_INFLIGHT_MS", "COLOC_SHIM_WAKE_GAP_MS")
 
 
 def run_child(code, env, timeout):

@@ -893,7 +893,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "--nvml-load-intervals",
                 "none,1",
                 "--drain-configs",
-                "alone,signal:large,gate2:large",
+                "alone,signal:large,gate2+0ms:large",
                 "--drain-bursts",
                 "2",
                 "--drain-burst-ms",
@@ -1056,7 +1056,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             .unwrap()
             .clone()
     };
-    let (sig, gate) = (cfg("signal:large"), cfg("gate2:large"));
+    let (sig, gate) = (cfg("signal:large"), cfg("gate2+0ms:large"));
     for c in [&sig, &gate] {
         assert!(
             c.get("error").is_none() && c.get("warnings").is_none(),
@@ -1078,7 +1078,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "SIGSTOP's drain is the whole queue, the gate's two kernels: {sig}\n{gate}"
     );
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
-    assert!(md.contains("| gate2:large |"), "{md}");
+    assert!(md.contains("| gate2+0ms:large |"), "{md}");
     assert!(
         md.contains("## Does polling NVML slow online work?"),
         "{md}"
@@ -1101,6 +1101,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "gate-offline.json",
         "probe.json",
         "drain-signal-large-probe.json",
+        "drain-gate2-0ms-large-offline.log",
         "nvml-load-1-1-poll.json",
         "nvml-load-1-1-probe.json",
     ] {
