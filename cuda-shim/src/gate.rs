@@ -740,12 +740,20 @@ fn bound(r: &mut Ring, entry: &Entry) {
             let done = mono_ns();
             if start != 0 && done > start {
                 let t = done - start;
-                // Up at once by half the difference, down slowly: a longer kernel is
-                // believed sooner than a shorter one.
+                // A quarter of the way to each sample, a sample counting at most 8 times
+                // the estimate: the thread's own stalls (a wake-up late, a preemption)
+                // make samples too long now and then, and must not throttle short
+                // kernels; a real change of kernel length is followed within a few.
                 r.est_ns = match r.est_ns {
                     0 => t,
-                    e if t > e => e + (t - e) / 2,
-                    e => e - (e - t) / 8,
+                    e => {
+                        let t = t.min(e.saturating_mul(8));
+                        if t > e {
+                            e + (t - e) / 4
+                        } else {
+                            e - (e - t) / 4
+                        }
+                    }
                 }
                 .max(1);
             }

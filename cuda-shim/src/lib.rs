@@ -80,7 +80,9 @@
 //!   whatever they last; the budget bounds them in time. Each wait for the oldest event
 //!   times the submission it waited for (from its submission when it was alone in
 //!   flight, else from the previous wait's return, the stream having stayed backlogged),
-//!   an estimate that rises fast and falls slowly; the bound is then the number of
+//!   an estimate that moves a quarter of the way to each sample (a sample counting at
+//!   most 8 times the estimate, so that stalls of the thread itself do not throttle
+//!   short kernels); the bound is then the number of
 //!   submissions that fit in the budget, at least 1 and at most K (1 until a first
 //!   estimate). Kernels under budget / K keep K; longer ones get fewer in flight, so what
 //!   runs on after a close is about max(budget, one kernel) instead of K kernels. On the

@@ -25,10 +25,11 @@ use std::time::{Duration, Instant};
 
 /// Usage, appended to `--help`.
 pub const USAGE: &str = "
-  --gate [--gate-step-ms 2,0.2] [--gate-k 1,2,4,8,0] [--gate-closes 10]
-        the launch gate on the simulated GPU: throughput with the gate open and drain
-        after a close, per kernel length and in-flight bound K (0: unbounded); a row
-        without the shim for comparison";
+  --gate [--gate-step-ms 2,0.2] [--gate-k 1,2,4,8,0] [--gate-closes 10] [--gate-seconds 1]
+        the launch gate on the simulated GPU: throughput with the gate open (over
+        --gate-seconds) and drain after a close, per kernel length and in-flight bound K
+        (0: unbounded; the budget, COLOC_SHIM_INFLIGHT_MS, from the environment, the
+        shim's default when unset); a row without the shim for comparison";
 
 fn list<T: std::str::FromStr>(args: &[String], flag: &str, default: &str) -> Vec<T> {
     let v = args
@@ -47,6 +48,10 @@ pub fn run(args: &[String]) -> serde_json::Value {
         .first()
         .copied()
         .unwrap_or(10);
+    let secs: f64 = list(args, "--gate-seconds", "1")
+        .first()
+        .copied()
+        .unwrap_or(1.0);
     println!("| kernel | K | throughput (gate open) | drain: close → ack p50 / p99 / max (ms) | kernel time run after the close p50 / p99 / max (ms) |");
     println!("|---|---|---|---|---|");
     let mut rows = Vec::new();
@@ -54,7 +59,7 @@ pub fn run(args: &[String]) -> serde_json::Value {
         let mut cases: Vec<Option<u32>> = vec![None];
         cases.extend(ks.iter().map(|&k| Some(k)));
         for k in cases {
-            let r = one(step, k, closes);
+            let r = one(step, k, closes, secs);
             let f = |p: &str| r.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
             let kname = match k {
                 None => "no shim".to_string(),
@@ -98,7 +103,7 @@ fn page_of(dir: &Path, pid: u32) -> Option<PathBuf> {
         })
 }
 
-fn one(step_ms: f64, k: Option<u32>, closes: usize) -> serde_json::Value {
+fn one(step_ms: f64, k: Option<u32>, closes: usize, secs: f64) -> serde_json::Value {
     let sim = Sim::start(1, &[]);
     let root = std::env::temp_dir().join(unique("coloc-bench-gate"));
     let bells = root.join("bells");
@@ -148,7 +153,7 @@ fn one(step_ms: f64, k: Option<u32>, closes: usize) -> serde_json::Value {
     std::thread::sleep(Duration::from_millis(200));
     // Throughput with the gate open.
     let (t0, (_, c0)) = (Instant::now(), progress());
-    std::thread::sleep(Duration::from_secs(1));
+    std::thread::sleep(Duration::from_secs_f64(secs));
     let (_, c1) = progress();
     let throughput = (c1 - c0) as f64 / t0.elapsed().as_nanos() as f64;
     let uuid = coloc_sim::gpu_uuid(0);
