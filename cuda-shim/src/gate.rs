@@ -702,10 +702,12 @@ fn limit(r: &Ring) -> usize {
 
 /// Keeps the ring within the in-flight bound before a submission: waits for the oldest
 /// event while the bound is reached (K = 0 without a budget: only recycles those already
-/// complete). With a budget, each wait also times the submission it waited for: from its
-/// start (its submission when it was alone in flight, else the previous wait's return,
-/// the stream having stayed backlogged since) to the wait's return. An upper bound of its
-/// GPU time (the return comes a wake-up after the completion), so the budget errs short.
+/// complete). With a budget, each wait that blocks also times the submission it waited
+/// for: from its start (its submission when it was alone in flight, else the previous
+/// wait's return, the stream having stayed backlogged since) to the wait's return. An
+/// upper bound of its GPU time (the return comes a wake-up after the completion), so the
+/// budget errs short. (When the bound is never reached, nothing is timed and the estimate
+/// stays: the application itself keeps fewer in flight than the budget allows.)
 fn bound(r: &mut Ring, entry: &Entry) {
     let budget = BUDGET_NS.load(Relaxed) != 0;
     if INFLIGHT.load(Relaxed) == 0 && !budget {
@@ -733,10 +735,15 @@ fn bound(r: &mut Ring, entry: &Entry) {
         let Some(e) = r.events.pop_front() else {
             break;
         };
+        // Only a wait that blocks times anything: an event already complete finished at
+        // some unknown time before (and breaks the run for the next one).
+        let timed = budget && !event_done(e);
         sync_event(e);
         r.free.push(e);
         entry.inflight.fetch_sub(1, Relaxed);
-        if budget {
+        if budget && !timed {
+            r.prev_done_ns = 0;
+        } else if budget {
             let done = mono_ns();
             if start != 0 && done > start {
                 let t = done - start;

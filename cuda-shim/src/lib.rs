@@ -78,7 +78,7 @@
 //!   `benches/RESULTS.md`; simulated, real CUDA unchecked).
 //! - **The budget** (`COLOC_SHIM_INFLIGHT_MS`, default 3; 0 = none): K counts submissions,
 //!   whatever they last; the budget bounds them in time. Each wait for the oldest event
-//!   times the submission it waited for (from its submission when it was alone in
+//!   that blocks times the submission it waited for (from its submission when it was alone in
 //!   flight, else from the previous wait's return, the stream having stayed backlogged),
 //!   an estimate that moves a quarter of the way to each sample (a sample counting at
 //!   most 8 times the estimate, so that stalls of the thread itself do not throttle
