@@ -16,7 +16,8 @@
 //!
 //! Offline keeps `--offline-queue-depth` kernels queued (16 by default: training
 //! frameworks run far ahead of the GPU), so what runs after a stop is up to that many
-//! kernels; the gate bounds it to K (`--gate-inflight`).
+//! kernels; the gate bounds it to K (`--gate-inflight`) and the shim's in-flight budget
+//! (`COLOC_SHIM_INFLIGHT_MS` in the environment, 3 ms by default).
 //!
 //! Every workload submits through the CUDA driver API (`coloc-sim … --cuda`: `dlopen` of
 //! the simulated `libcuda.so.1`, entry points through `cuGetProcAddress_v2`), offline work
@@ -66,7 +67,9 @@ pub struct DemoArgs {
     /// SIGSTOP or a freeze; the gate lets at most K run).
     #[arg(long, default_value_t = 16)]
     pub offline_queue_depth: u32,
-    /// K for the `gate` scenario: submissions in flight per stream (0 = unbounded).
+    /// K for the `gate` scenario: submissions in flight per stream (0 = unbounded). The
+    /// shim's time budget also applies (`COLOC_SHIM_INFLIGHT_MS` in the environment, 3 ms
+    /// unless set; 0: K alone).
     #[arg(long, default_value_t = 4)]
     pub gate_inflight: u32,
     /// Simulated driver sample period, ms (also the agent's --nvml-sample-period).
