@@ -92,6 +92,7 @@ def helm_checks():
         "agent.runtimeClassName=,agent.hostNvml=null": "hostNvml",
         "shim.library=/opt/coloc/libfoo.so": "library",
         "shim.inflight=-1": "inflight",
+        "shim.inflightMs=-0.5": "inflightMs",
         "shim.doorbellDir=run/doorbells": "doorbellDir",
         "shim.enable=true": "enable",
         "shim.gate=yes": "gate",
@@ -105,7 +106,7 @@ def helm_checks():
         except h.HelmError as e:
             check(needle in str(e), f"{s}: refused without naming {needle}: {e}")
     for good in ("agent.idleWindow=250ms", "agent.pollInterval=500us", "webhook.replicas=3", "agent.settings.COLOC_CONFIRM_TIMEOUT=2s",
-                 "shim.inflight=0", "shim.enabled=false", "agent.runtimeClassName=,agent.hostNvml.arm64=null",
+                 "shim.inflight=0", "shim.inflightMs=1.5", "shim.enabled=false", "agent.runtimeClassName=,agent.hostNvml.arm64=null",
                  "shim.gate=false", "shim.gateTimeout=200ms"):
         try:
             render(good)

@@ -13,7 +13,7 @@
 //! | `COLOC_DOORBELL_DIR`, and there the host's `<doorbell dir>/pods/<pod UID>` (`subPathExpr: $(COLOC_POD_UID)`), read-write | yes | yes |
 //! | the shim's host directory, read-only, at the same path | yes | yes |
 //! | the gate directory, read-only, and `COLOC_GATE_FILE` | | yes |
-//! | `COLOC_SHIM_INFLIGHT` (when configured; a value the container sets is kept) | | yes |
+//! | `COLOC_SHIM_INFLIGHT`, `COLOC_SHIM_INFLIGHT_MS` (each when configured; a value the container sets is kept) | | yes |
 //!
 //! and the pod gets the three `hostPath` volumes (`DirectoryOrCreate`: a node without the
 //! agent never keeps the pod from starting) and the annotation [`INJECTED_ANNOTATION`]
@@ -55,7 +55,7 @@ pub const GATE_FILE: &str = "gates";
 
 /// Where the shim and its directories are on the nodes (`[shim]` in the settings file).
 /// Each host directory is mounted at the same path in the container.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShimSettings {
     /// The shim on the host; its directory is mounted read-only.
@@ -72,6 +72,10 @@ pub struct ShimSettings {
     /// unset: the shim's default.
     #[serde(default)]
     pub inflight: Option<u32>,
+    /// `COLOC_SHIM_INFLIGHT_MS` for offline containers (the in-flight budget, ms of
+    /// estimated GPU time per stream; 0: K alone); unset: the shim's default.
+    #[serde(default)]
+    pub inflight_ms: Option<f64>,
 }
 
 fn default_library() -> String {
@@ -91,6 +95,7 @@ impl Default for ShimSettings {
             doorbell_dir: default_doorbell_dir(),
             gate_dir: default_gate_dir(),
             inflight: None,
+            inflight_ms: None,
         }
     }
 }
@@ -113,6 +118,13 @@ impl ShimSettings {
                 });
             if !clean {
                 return Err(format!("[shim] {key} = {v:?}: an absolute path without '..', '//', ':', '$' or spaces, not ending in '/'"));
+            }
+        }
+        if let Some(ms) = self.inflight_ms {
+            if !ms.is_finite() || ms < 0.0 {
+                return Err(format!(
+                    "[shim] inflight_ms = {ms}: a number of milliseconds, 0 or more"
+                ));
             }
         }
         if self.library_dir() == "/" {
@@ -297,6 +309,11 @@ fn container_ops(ops: &mut Vec<Value>, path: &str, c: &Value, class: PodClass, s
         if let Some(k) = s.inflight {
             if env_named(c, "COLOC_SHIM_INFLIGHT").is_empty() {
                 add.push(json!({"name": "COLOC_SHIM_INFLIGHT", "value": k.to_string()}));
+            }
+        }
+        if let Some(ms) = s.inflight_ms {
+            if env_named(c, "COLOC_SHIM_INFLIGHT_MS").is_empty() {
+                add.push(json!({"name": "COLOC_SHIM_INFLIGHT_MS", "value": ms.to_string()}));
             }
         }
     }

@@ -90,7 +90,8 @@ Example config (TOML):
   library = \"/var/lib/gpu-coloc/lib/libcoloc_cuda.so\"
   doorbell_dir = \"/run/gpu-coloc/doorbells\"
   gate_dir = \"/run/gpu-coloc/gate\"
-  inflight = 2                                # optional: COLOC_SHIM_INFLIGHT of offline pods"
+  inflight = 2                                # optional: COLOC_SHIM_INFLIGHT of offline pods
+  inflight_ms = 3                             # optional: COLOC_SHIM_INFLIGHT_MS of offline pods"
 )]
 struct Args {
     #[command(subcommand)]

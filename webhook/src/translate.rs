@@ -137,7 +137,7 @@ impl fmt::Display for Backend {
 }
 
 /// Translation settings.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     /// Backend for namespaces that do not choose one.

@@ -43,6 +43,7 @@ fn app(s: Settings) -> axum::Router {
 fn shim() -> Option<ShimSettings> {
     Some(ShimSettings {
         inflight: Some(2),
+        inflight_ms: Some(1.5),
         ..ShimSettings::default()
     })
 }
@@ -255,6 +256,7 @@ fn assert_injected(pod: &Value, name: &str, class: &str) {
             "/run/gpu-coloc/gate/gates"
         );
         assert_eq!(env(c, "COLOC_SHIM_INFLIGHT").unwrap()["value"], "2");
+        assert_eq!(env(c, "COLOC_SHIM_INFLIGHT_MS").unwrap()["value"], "1.5");
     } else {
         assert!(
             gate.is_none() && env(c, "COLOC_GATE_FILE").is_none(),
@@ -639,13 +641,25 @@ fn shim_settings_are_checked_at_start() {
         };
         assert!(s.check().is_err(), "{bad} accepted");
     }
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let s = Settings {
+            shim: Some(ShimSettings {
+                inflight_ms: Some(bad),
+                ..ShimSettings::default()
+            }),
+            ..Settings::new(Backend::Vke)
+        };
+        let e = s.check().unwrap_err();
+        assert!(e.contains("inflight_ms"), "{bad}: {e}");
+    }
     let toml_text =
-        "backend = \"vke\"\n[shim]\nlibrary = \"/opt/gpu/libcoloc_cuda.so\"\ninflight = 4\n";
+        "backend = \"vke\"\n[shim]\nlibrary = \"/opt/gpu/libcoloc_cuda.so\"\ninflight = 4\ninflight_ms = 0\n";
     let s: Settings = toml::from_str(toml_text).unwrap();
     s.check().unwrap();
     let shim = s.shim.unwrap();
     assert_eq!(shim.doorbell_dir, "/run/gpu-coloc/doorbells");
     assert_eq!(shim.inflight, Some(4));
+    assert_eq!(shim.inflight_ms, Some(0.0));
     assert!(
         toml::from_str::<Settings>("backend = \"vke\"\n[shim]\nlibary = \"/x/y.so\"\n").is_err()
     );

@@ -116,5 +116,8 @@ gate_dir = {{ .Values.shim.gateDir | quote }}
 {{- if not (kindIs "invalid" .Values.shim.inflight) }}
 inflight = {{ int .Values.shim.inflight }}
 {{- end }}
+{{- if not (kindIs "invalid" .Values.shim.inflightMs) }}
+inflight_ms = {{ float64 .Values.shim.inflightMs }}
+{{- end }}
 {{- end }}
 {{- end }}
