@@ -757,6 +757,8 @@ class Harness:
         else:
             k = self.a.gate_inflight if inflight is None else inflight
             env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(k))
+            # The shim's default unless a configuration names one (not the caller's).
+            env.pop("COLOC_SHIM_INFLIGHT_MS", None)
             if inflight_ms is not None:
                 env["COLOC_SHIM_INFLIGHT_MS"] = str(inflight_ms)
         return env

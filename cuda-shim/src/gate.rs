@@ -137,7 +137,10 @@ pub fn configure() -> Result<(), String> {
     }
     if let Ok(v) = std::env::var("COLOC_SHIM_INFLIGHT_MS") {
         match v.trim().parse::<f64>() {
-            Ok(ms) if ms.is_finite() && ms >= 0.0 => BUDGET_NS.store((ms * 1e6) as u64, Relaxed),
+            // Any positive budget is at least 1 ns (0 alone means none).
+            Ok(ms) if ms.is_finite() && ms >= 0.0 => {
+                BUDGET_NS.store(((ms * 1e6) as u64).max(u64::from(ms > 0.0)), Relaxed)
+            }
             _ => {
                 return Err(format!(
                     "COLOC_SHIM_INFLIGHT_MS={v:?} is not a number of milliseconds (0: no budget)"
@@ -704,10 +707,11 @@ fn limit(r: &Ring) -> usize {
 /// event while the bound is reached (K = 0 without a budget: only recycles those already
 /// complete). With a budget, each wait that blocks also times the submission it waited
 /// for: from its start (its submission when it was alone in flight, else the previous
-/// wait's return, the stream having stayed backlogged since) to the wait's return. An
-/// upper bound of its GPU time (the return comes a wake-up after the completion), so the
-/// budget errs short. (When the bound is never reached, nothing is timed and the estimate
-/// stays: the application itself keeps fewer in flight than the budget allows.)
+/// wait's return, the stream having stayed backlogged since) to the wait's return. That is
+/// the wall-clock time the stream took for it, wake-ups and other contexts' time slices
+/// included, not its GPU time alone. (When the bound is never reached, nothing is timed
+/// and the estimate stays: the application itself keeps fewer in flight than the budget
+/// allows. Time held at the gate breaks the run.)
 fn bound(r: &mut Ring, entry: &Entry) {
     let budget = BUDGET_NS.load(Relaxed) != 0;
     if INFLIGHT.load(Relaxed) == 0 && !budget {
@@ -737,8 +741,11 @@ fn bound(r: &mut Ring, entry: &Entry) {
         };
         // Only a wait that blocks times anything: an event already complete finished at
         // some unknown time before (and breaks the run for the next one).
-        let timed = budget && !event_done(e);
-        sync_event(e);
+        let done_already = budget && event_done(e);
+        if !done_already {
+            sync_event(e);
+        }
+        let timed = budget && !done_already;
         r.free.push(e);
         entry.inflight.fetch_sub(1, Relaxed);
         if budget && !timed {
@@ -779,10 +786,11 @@ fn record(r: &mut Ring, entry: &Entry) -> Result<(), String> {
         // SAFETY: the driver's cuEventRecord with our event and the ring's stream.
         let res = unsafe { (fns().event_record)(e, r.record_on) };
         if res == CUDA_SUCCESS {
-            r.events.push_back(e);
-            if BUDGET_NS.load(Relaxed) != 0 {
+            // The start of a submission alone in flight (what `bound` times from then).
+            if r.events.is_empty() && BUDGET_NS.load(Relaxed) != 0 {
                 r.last_sub_ns = mono_ns();
             }
+            r.events.push_back(e);
             entry.inflight.fetch_add(1, Relaxed);
             return Ok(());
         }
@@ -880,10 +888,14 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
     let entry = g.entry()?;
     entry.in_submit.fetch_add(1, SeqCst);
     loop {
-        wait_at_gate(g, entry);
-        let ring = match (pool, key) {
+        let held = wait_at_gate(g, entry);
+        let mut ring = match (pool, key) {
             (Some(p), Some(k)) => match ring_for(p, k, ctx) {
                 Some(mut r) => {
+                    if held {
+                        // The time held at the gate is no submission's GPU time.
+                        r.prev_done_ns = 0;
+                    }
                     bound(&mut r, entry);
                     Some(r)
                 }
@@ -897,7 +909,8 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
         };
         // Closed while this thread waited for its oldest event: back to the gate (a
         // submission now would only lengthen the drain).
-        if ring.is_some() && closed_now(g) {
+        if let Some(r) = ring.as_mut().filter(|_| closed_now(g)) {
+            r.prev_done_ns = 0;
             continue;
         }
         return Some(Ticket {
@@ -934,8 +947,9 @@ fn closed_now(g: &Gpu) -> bool {
             .is_some_and(|(m, s)| s.closed.load(SeqCst) != 0 && !stale(m))
 }
 
-/// Blocks the calling thread while its GPU's gate is closed (and the agent alive).
-fn wait_at_gate(g: &Gpu, entry: &Entry) {
+/// Blocks the calling thread while its GPU's gate is closed (and the agent alive); true
+/// if it blocked.
+fn wait_at_gate(g: &Gpu, entry: &Entry) -> bool {
     let mut stamp = 0;
     while let Some((m, slot)) = g.gate() {
         let c = slot.closed.load(SeqCst);
@@ -965,6 +979,7 @@ fn wait_at_gate(g: &Gpu, entry: &Entry) {
     if stamp != 0 {
         let _ = entry.blocked_ns.compare_exchange(stamp, 0, AcqRel, Acquire);
     }
+    stamp != 0
 }
 
 fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
