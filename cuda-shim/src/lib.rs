@@ -73,23 +73,28 @@
 //! - **K** (`COLOC_SHIM_INFLIGHT`, default 4; 0 = unbounded): on the simulated GPU with
 //!   an application keeping 16 kernels queued, K = 4 keeps what runs after a close to
 //!   about 4 kernels (8 ms with 2 ms kernels, under 1 ms with 0.2 ms ones) and costs
-//!   under 1 % of throughput with 2 ms kernels, 4 % with 0.2 ms, 15 % with 0.05 ms; K = 2
-//!   halves the drain but costs 13 % at 0.2 ms (`coloc-bench --gate`, figures in
-//!   `benches/RESULTS.md`; simulated, real CUDA unchecked).
+//!   0–1 % of throughput with 2 ms and 0.2 ms kernels; K = 1 costs 2 % at 2 ms, 16 % at
+//!   0.2 ms and half at 0.05 ms (`coloc-bench --gate`, figures in `benches/RESULTS.md`;
+//!   simulated, real CUDA unchecked).
 //! - **The budget** (`COLOC_SHIM_INFLIGHT_MS`, default 3; 0 = none): K counts submissions,
 //!   whatever they last; the budget bounds them in time. Each wait for the oldest event
-//!   that blocks times the submission it waited for (from its submission when it was alone in
-//!   flight, else from the previous wait's return, the stream having stayed backlogged),
-//!   an estimate that moves a quarter of the way to each sample (a sample counting at
-//!   most 8 times the estimate, so that stalls of the thread itself do not throttle
-//!   short kernels); the bound is then the number of
-//!   submissions that fit in the budget, at least 1 and at most K (1 until a first
-//!   estimate). Kernels under budget / K keep K; longer ones get fewer in flight, so what
-//!   runs on after a close is about max(budget, one kernel) instead of K kernels. On the
-//!   simulated GPU with 2 ms kernels (the demo's gate row), K = 4 with the budget gives
-//!   online p99 1.02× alone and offline 83 % of the idle time, where K = 4 alone gives
-//!   1.19× and 87 %; with the gate open it costs 2-3 % at 2 ms kernels and nothing
-//!   measurable under K = 4 alone with short ones (simulated; real CUDA unchecked).
+//!   that blocks times the submission it waited for (from its submission when it was
+//!   alone in flight, else from the previous wait's return, the stream having stayed
+//!   backlogged): the wall-clock time the stream took for it, wake-ups and other
+//!   contexts' time slices included. The estimate moves a quarter of the way to each
+//!   sample (a sample counting at most 8 times the estimate, so that stalls of the thread
+//!   itself do not throttle short kernels); the bound is the number of submissions that
+//!   fit in the budget, at least 1 and at most K (1 until a first estimate). It is never
+//!   looser than K alone. For kernels of similar length, those under budget / K keep K
+//!   and longer ones get fewer in flight, so what runs on after a close is about
+//!   max(budget, one kernel) instead of K kernels; a stream that mixes short kernels with
+//!   a few long ones keeps an estimate near the short ones' and K of the long ones can
+//!   still be in flight. On the simulated GPU with 2 ms kernels (the demo's gate row,
+//!   three runs), K = 4 with the budget gives online p99 1.01–1.03× alone and offline
+//!   77–84 % of the idle time, where K = 4 alone gives 1.19× and 87 %; with the gate open
+//!   it costs 2 % at 2 ms kernels and nothing measurable with short ones (simulated; the
+//!   simulator hides a host's resubmission gap shorter than its 100 µs tick, so one
+//!   kernel in flight costs at least that much more on a real GPU; real CUDA unchecked).
 //! - **Not gated**: the synchronous copies and memsets, `cuStreamWaitEvent`, and work
 //!   that `cuLaunchCooperativeKernelMultiDevice` queues (gated on the current GPU, its
 //!   work not tracked). A submission already past the mode check when the gate file first
