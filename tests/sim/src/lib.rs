@@ -497,19 +497,10 @@ impl<'a> Daemon<'a> {
         let slots = self.sim.slots();
         let mut best: Option<u64> = None;
         for gpu in 0..self.sim.n_gpus() {
-            let active: Vec<(&Slot, u64)> = slots
-                .iter()
-                .filter(|s| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
-                .filter_map(|s| {
-                    let rem = s
-                        .submitted_ns
-                        .load(Acquire)
-                        .saturating_sub(s.completed_ns.load(Acquire));
-                    (rem > 0).then_some((s, rem))
-                })
-                .collect();
+            let active = self.active(gpu);
             let n = active.len() as u64;
-            for (s, rem) in active {
+            for (i, rem) in active {
+                let s = &slots[i];
                 let (w, done) = (s.wake_at.load(Acquire), s.completed_ns.load(Acquire));
                 let need = if w > done { rem.min(w - done) } else { rem };
                 let t = self.last_ns.saturating_add(need.saturating_mul(n));
@@ -517,6 +508,23 @@ impl<'a> Daemon<'a> {
             }
         }
         best
+    }
+
+    /// The live slots of `gpu` with outstanding work: (slot index, ns of work left).
+    fn active(&self, gpu: u32) -> Vec<(usize, u64)> {
+        self.sim
+            .slots()
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+            .filter_map(|(i, s)| {
+                let rem = s
+                    .submitted_ns
+                    .load(Acquire)
+                    .saturating_sub(s.completed_ns.load(Acquire));
+                (rem > 0).then_some((i, rem))
+            })
+            .collect()
     }
 
     fn run_until(&mut self, t: u64) {
@@ -528,18 +536,7 @@ impl<'a> Daemon<'a> {
         let slots = self.sim.slots();
         for gpu in 0..self.sim.n_gpus() {
             // Processor sharing: every slot with outstanding work advances at 1/n.
-            let mut active: Vec<(usize, u64)> = slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
-                .filter_map(|(i, s)| {
-                    let rem = s
-                        .submitted_ns
-                        .load(Acquire)
-                        .saturating_sub(s.completed_ns.load(Relaxed));
-                    (rem > 0).then_some((i, rem))
-                })
-                .collect();
+            let mut active = self.active(gpu);
             let mut left = dt;
             while left > 0 && !active.is_empty() {
                 let n = active.len() as u64;
@@ -730,6 +727,27 @@ mod tests {
         assert_eq!(sim.samples(0, (t0 + 4_000_000) / 1000).len(), 1);
         drop((a, b));
         assert!(sim.processes(0).is_empty());
+        std::fs::remove_file(path).ok();
+    }
+
+    /// The daemon sleeps until a waiter's target is due under the current sharing, or
+    /// a slot runs dry; with no work, until its tick (None).
+    #[test]
+    fn the_next_event_is_the_earliest_completion_owed() {
+        let path = tmp("next");
+        let sim = SimGpu::create(&path, 1, 1_000_000).unwrap();
+        let t0 = 1_000_000_000_000u64;
+        let d = Daemon::new(&sim, t0);
+        assert_eq!(d.next_event_ns(), None, "no work");
+        let (a, b) = (sim.register(0, 0).unwrap(), sim.register(0, 0).unwrap());
+        a.submit(4_000_000);
+        b.submit(3_000_000);
+        // Two slots at half speed: b runs dry after 6 ms.
+        assert_eq!(d.next_event_ns(), Some(t0 + 6_000_000));
+        // A waiter on a (1 ms of its work) is owed sooner: 2 ms at half speed.
+        a.slot().wake_at.store(1_000_000, Release);
+        assert_eq!(d.next_event_ns(), Some(t0 + 2_000_000));
+        drop((a, b));
         std::fs::remove_file(path).ok();
     }
 
