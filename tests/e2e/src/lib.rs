@@ -797,7 +797,8 @@ pub fn render_svg(svg: &Path) -> Result<usize> {
 pub mod cuda {
     use std::ffi::{c_char, c_int, c_void, CStr};
 
-    type Getter =
+    /// `cuGetProcAddress_v2`.
+    pub type Getter =
         unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
     type Launch = unsafe extern "C" fn(
         *mut c_void,
@@ -823,12 +824,35 @@ pub mod cuda {
         stream: *mut c_void,
     }
 
-    fn get(getter: Getter, name: &CStr) -> *mut c_void {
+    /// The driver's getter, found as the CUDA runtime finds it: `dlopen("libcuda.so.1")`
+    /// (never closed), then `dlsym(h, "cuGetProcAddress_v2")`. Panics if either fails.
+    pub fn getter() -> Getter {
+        // SAFETY: plain dlopen/dlsym; the symbol is the driver's cuGetProcAddress_v2,
+        // whose C type `Getter` is.
+        unsafe {
+            let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
+            assert!(!h.is_null(), "dlopen libcuda.so.1 (LD_LIBRARY_PATH)");
+            let g = libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr());
+            assert!(!g.is_null(), "no cuGetProcAddress_v2");
+            std::mem::transmute::<*mut c_void, Getter>(g)
+        }
+    }
+
+    /// Entry point `name` as the getter gives it for CUDA version `ver`; panics if none.
+    pub fn get_at(getter: Getter, name: &CStr, ver: c_int) -> *mut c_void {
         let mut p = std::ptr::null_mut();
         // SAFETY: the driver's getter with valid pointers.
-        let r = unsafe { getter(name.as_ptr(), &mut p, 12040, 0, std::ptr::null_mut()) };
-        assert!(r == 0 && !p.is_null(), "cuGetProcAddress({name:?}): {r}");
+        let r = unsafe { getter(name.as_ptr(), &mut p, ver, 0, std::ptr::null_mut()) };
+        assert!(
+            r == 0 && !p.is_null(),
+            "cuGetProcAddress({name:?}, {ver}): {r}"
+        );
         p
+    }
+
+    /// Entry point `name` at CUDA 12.4.
+    pub fn get(getter: Getter, name: &CStr) -> *mut c_void {
+        get_at(getter, name, 12040)
     }
 
     impl Driver {
@@ -839,11 +863,7 @@ pub mod cuda {
             // and every object live until the process exits; every transmute names the
             // entry point's C type.
             unsafe {
-                let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
-                assert!(!h.is_null(), "dlopen libcuda.so.1 (LD_LIBRARY_PATH)");
-                let g = libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr());
-                assert!(!g.is_null(), "no cuGetProcAddress_v2");
-                let getter = std::mem::transmute::<*mut c_void, Getter>(g);
+                let getter = getter();
                 let init = std::mem::transmute::<*mut c_void, unsafe extern "C" fn(u32) -> c_int>(
                     get(getter, c"cuInit"),
                 );

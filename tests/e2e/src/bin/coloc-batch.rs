@@ -7,10 +7,10 @@
 //! what `failIdx` came back as), then waits for stdin to close before exiting (so that a
 //! test can read the shim's page). In tests the driver is the fake one (`tests/fake-cuda`).
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use coloc_e2e::cuda::{get_at, getter};
+use std::ffi::{c_int, c_void};
 
 type H = *mut c_void;
-type Getter = unsafe extern "C" fn(*const c_char, *mut H, c_int, u64, *mut c_int) -> c_int;
 type BatchV1 = unsafe extern "C" fn(
     *const u64,
     *const u64,
@@ -36,29 +36,14 @@ type BatchV2 = unsafe extern "C" fn(
 /// Calls of each ABI.
 const N: usize = 20;
 
-fn get(getter: Getter, name: &CStr, ver: c_int) -> H {
-    let mut p = std::ptr::null_mut();
-    // SAFETY: the driver's getter with valid pointers.
-    let r = unsafe { getter(name.as_ptr(), &mut p, ver, 0, std::ptr::null_mut()) };
-    assert!(
-        r == 0 && !p.is_null(),
-        "cuGetProcAddress({name:?}, {ver}): {r}"
-    );
-    p
-}
-
 fn main() {
     // SAFETY: FFI to the driver as the CUDA runtime calls it; every transmute names the
     // entry point's C type (cuda.h); the handle and objects live until exit.
     unsafe {
-        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
-        assert!(!h.is_null(), "dlopen libcuda.so.1 (LD_LIBRARY_PATH)");
-        let g = libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr());
-        assert!(!g.is_null(), "no cuGetProcAddress_v2");
-        let getter = std::mem::transmute::<H, Getter>(g);
+        let getter = getter();
         macro_rules! f {
             ($name:literal, $ver:expr, $t:ty) => {
-                std::mem::transmute::<H, $t>(get(getter, $name, $ver))
+                std::mem::transmute::<H, $t>(get_at(getter, $name, $ver))
             };
         }
         let init = f!(c"cuInit", 12040, unsafe extern "C" fn(u32) -> c_int);

@@ -21,14 +21,14 @@
 //! A driver error never stops it early: codes are reported in the JSON for the test to
 //! judge (0: success; 900: capture unsupported; 901: capture invalidated).
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use coloc_e2e::cuda::{get, getter};
+use std::ffi::{c_char, c_int, c_void};
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Instant;
 
 type H = *mut c_void;
-type Getter = unsafe extern "C" fn(*const c_char, *mut H, c_int, u64, *mut c_int) -> c_int;
 type Launch =
     unsafe extern "C" fn(H, u32, u32, u32, u32, u32, u32, u32, H, *mut H, *mut H) -> c_int;
 
@@ -76,14 +76,6 @@ impl Api {
     }
 }
 
-fn get(getter: Getter, name: &CStr) -> H {
-    let mut p = std::ptr::null_mut();
-    // SAFETY: the driver's getter with valid pointers.
-    let r = unsafe { getter(name.as_ptr(), &mut p, 12040, 0, std::ptr::null_mut()) };
-    assert!(r == 0 && !p.is_null(), "cuGetProcAddress({name:?}): {r}");
-    p
-}
-
 fn line() {
     let mut s = String::new();
     std::io::stdin().lock().read_line(&mut s).expect("stdin");
@@ -99,11 +91,7 @@ fn main() {
     // SAFETY: FFI to the driver as the CUDA runtime calls it; every transmute names the
     // entry point's C type (cuda.h); the handle and objects live until exit.
     let (api, captured, normal) = unsafe {
-        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
-        assert!(!h.is_null(), "dlopen libcuda.so.1 (LD_LIBRARY_PATH)");
-        let g = libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr());
-        assert!(!g.is_null(), "no cuGetProcAddress_v2");
-        let getter = std::mem::transmute::<H, Getter>(g);
+        let getter = getter();
         macro_rules! f {
             ($name:literal, $t:ty) => {
                 std::mem::transmute::<H, $t>(get(getter, $name))
