@@ -435,9 +435,10 @@ struct Ring {
     /// Recorded after a submission, not yet known complete; oldest first.
     events: VecDeque<usize>,
     free: Vec<usize>,
-    /// With a budget: the estimated GPU time of one submission on this stream (ns; 0:
-    /// none yet), when the last submission was made, and when the last wait for the
-    /// oldest event returned while the stream stayed backlogged (0: the run broke).
+    /// With a budget: the estimated wall-clock time of one submission on this stream (ns;
+    /// 0: none yet), when the last submission alone in flight was made, and when the last
+    /// timed wait for the oldest event returned while the stream stayed backlogged (0:
+    /// the run broke).
     est_ns: u64,
     last_sub_ns: u64,
     prev_done_ns: u64,
@@ -745,35 +746,37 @@ fn bound(r: &mut Ring, entry: &Entry) {
         if !done_already {
             sync_event(e);
         }
-        let timed = budget && !done_already;
         r.free.push(e);
         entry.inflight.fetch_sub(1, Relaxed);
-        if budget && !timed {
+        if done_already {
             r.prev_done_ns = 0;
         } else if budget {
             let done = mono_ns();
             if start != 0 && done > start {
-                let t = done - start;
-                // A quarter of the way to each sample, a sample counting at most 8 times
-                // the estimate: the thread's own stalls (a wake-up late, a preemption)
-                // make samples too long now and then, and must not throttle short
-                // kernels; a real change of kernel length is followed within a few.
-                r.est_ns = match r.est_ns {
-                    0 => t,
-                    e => {
-                        let t = t.min(e.saturating_mul(8));
-                        if t > e {
-                            e + (t - e) / 4
-                        } else {
-                            e - (e - t) / 4
-                        }
-                    }
-                }
-                .max(1);
+                r.est_ns = estimate(r.est_ns, done - start);
             }
             r.prev_done_ns = done;
         }
     }
+}
+
+/// The estimate after sample `t` (ns; `est` 0: none yet): a quarter of the way to the
+/// sample, a sample counting at most 8 times the estimate. The thread's own stalls (a
+/// wake-up late, a preemption) make samples too long now and then and must not throttle
+/// short kernels; a real change of kernel length is followed within a few samples.
+fn estimate(est: u64, t: u64) -> u64 {
+    let next = match est {
+        0 => t,
+        e => {
+            let t = t.min(e.saturating_mul(8));
+            if t > e {
+                e + (t - e) / 4
+            } else {
+                e - (e - t) / 4
+            }
+        }
+    };
+    next.max(1)
 }
 
 /// Records an event after a submission on the ring's stream.
@@ -1111,4 +1114,29 @@ fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
         p.bump_and_wake();
     }
     Some((m.epoch, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::estimate;
+
+    #[test]
+    fn the_estimate_follows_samples_a_quarter_at_a_time_and_caps_a_stall() {
+        assert_eq!(
+            estimate(0, 2_000),
+            2_000,
+            "the first sample is the estimate"
+        );
+        assert_eq!(estimate(1_000, 2_000), 1_250);
+        assert_eq!(estimate(2_000, 1_000), 1_750);
+        // A stall of 100 times the estimate counts as 8 times it.
+        assert_eq!(estimate(1_000, 100_000), 1_000 + 7_000 / 4);
+        // Kernels that became 10 times longer are followed within a few samples.
+        let mut e = 1_000;
+        for _ in 0..6 {
+            e = estimate(e, 10_000);
+        }
+        assert!(e > 8_000, "{e}");
+        assert_eq!(estimate(1, 0), 1, "never 0 (0 means none)");
+    }
 }
