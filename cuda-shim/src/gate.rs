@@ -442,6 +442,8 @@ struct Ring {
     est_ns: u64,
     last_sub_ns: u64,
     prev_done_ns: u64,
+    /// Samples in `est_ns` so far (up to [`FIRST_SAMPLES`]).
+    samples: u32,
 }
 
 impl Ring {
@@ -450,6 +452,7 @@ impl Ring {
         self.est_ns = 0;
         self.last_sub_ns = 0;
         self.prev_done_ns = 0;
+        self.samples = 0;
     }
 }
 
@@ -471,6 +474,7 @@ static POOLS: [Pool; MAX_POOLS] = [const {
             est_ns: 0,
             last_sub_ns: 0,
             prev_done_ns: 0,
+            samples: 0,
         }),
     }
 }; MAX_POOLS];
@@ -691,15 +695,20 @@ fn mono_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Samples a stream's estimate takes before the budget lets more than one submission in
+/// flight: one odd first sample (a submission stamped late, a wake-up early) does not set
+/// the bound.
+const FIRST_SAMPLES: u32 = 4;
+
 /// The ring's bound now: K (`UNBOUNDED_CAP` for 0), and with a budget B the number of
-/// submissions whose estimated GPU time fits in B, at least 1 and at most that (1 until a
-/// first estimate).
+/// submissions whose estimated time fits in B, at least 1 and at most that (1 until
+/// [`FIRST_SAMPLES`] samples).
 fn limit(r: &Ring) -> usize {
     let k = INFLIGHT.load(Relaxed) as usize;
     let cap = if k == 0 { UNBOUNDED_CAP } else { k };
     match BUDGET_NS.load(Relaxed) {
         0 => cap,
-        _ if r.est_ns == 0 => 1,
+        _ if r.samples < FIRST_SAMPLES => 1,
         b => ((b / r.est_ns) as usize).clamp(1, cap),
     }
 }
@@ -754,6 +763,7 @@ fn bound(r: &mut Ring, entry: &Entry) {
             let done = mono_ns();
             if start != 0 && done > start {
                 r.est_ns = estimate(r.est_ns, done - start);
+                r.samples = (r.samples + 1).min(FIRST_SAMPLES);
             }
             r.prev_done_ns = done;
         }

@@ -86,7 +86,7 @@
 //!   both ways; leaning long keeps the bound near the budget on a loaded host), a sample
 //!   counting at most 8 times the estimate (so that a stall of the thread itself does not
 //!   throttle short kernels); the bound is the number of submissions that
-//!   fit in the budget, at least 1 and at most K (1 until a first estimate). It is never
+//!   fit in the budget, at least 1 and at most K (1 until four samples). It is never
 //!   looser than K alone. For kernels of similar length, those under budget / K keep K
 //!   and longer ones get fewer in flight, so what runs on after a close is about
 //!   max(budget, one kernel) instead of K kernels; a stream that mixes short kernels with
