@@ -81,7 +81,7 @@
 //!   that blocks times the submission it waited for (from its submission when it was
 //!   alone in flight, else from the previous wait's return, the stream having stayed
 //!   backlogged): the wall-clock time the stream took for it, wake-ups and other
-//!   contexts' time slices included. The estimate moves half of the way up to a
+//!   contexts' time slices included. The estimate moves a quarter of the way up to a
 //!   longer sample and an eighth of the way down to a shorter one (samples are noisy
 //!   both ways; leaning long keeps the bound near the budget on a loaded host), a sample
 //!   counting at most 8 times the estimate (so that a stall of the thread itself does not
