@@ -864,6 +864,54 @@ fn status_shows_state_and_plots_a_timeline() {
 }
 
 #[test]
+fn gpu_harness_drain_threshold_survives_a_noisy_baseline() {
+    // The harness's drain measure on made-up kernels (start s, latency ms), no GPU: a
+    // baseline of 5 ms with p90 at 8.6 ms (what a loaded CI machine gave the simulated
+    // GPU) must still see kernels slowed twofold, the simulated GPU's even share, as the
+    // drain: six of them, then clean kernels. Without the cap on the threshold, the
+    // threshold was 12.1 ms and the drain measured 0 ms.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu");
+    let code = r#"
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import run
+ks = [(i * 0.0101, 10.1) for i in range(6)] + [(0.0606 + i * 0.0051, 5.1) for i in range(40)]
+print(json.dumps(run.burst_stats(ks, [(0.0, 0.3)], [5.1, 8.6, 11.0])))
+"#;
+    let r = output_within(
+        std::process::Command::new("python3")
+            .args(["-c", code])
+            .arg(&dir),
+        CMD_LIMIT,
+    );
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect(&log);
+    let thr = v["threshold_ms"].as_f64().unwrap();
+    assert!(thr < 10.0, "the threshold is under a twofold step: {v}");
+    let drain = v["drain_ms"][0].as_f64().unwrap();
+    assert!((60.0..61.0).contains(&drain), "six slowed kernels: {v}");
+    assert_eq!(v["drain_n"], 1, "{v}");
+    // A quiet baseline keeps the p50 / 2 floor.
+    let code = code.replace("[5.1, 8.6, 11.0]", "[5.1, 5.2, 5.4]");
+    let r = output_within(
+        std::process::Command::new("python3")
+            .args(["-c", &code])
+            .arg(&dir),
+        CMD_LIMIT,
+    );
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert!(
+        (v["threshold_ms"].as_f64().unwrap() - 7.65).abs() < 1e-9,
+        "{v}"
+    );
+}
+
+#[test]
 fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     // benches/gpu/run.py is what runs on a real GPU; --sim swaps PyTorch and the driver for
     // coloc-sim and the fake NVML, so the whole harness is exercised here. One step is made
