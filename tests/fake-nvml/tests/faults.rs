@@ -37,8 +37,8 @@ fn sim() -> &'static SimGpu {
         let b = sim.register(1, 1 << 20).unwrap();
         let t0 = 1_000_000_000_000u64; // a period boundary, long ago
         let mut d = Daemon::new(sim, t0);
-        a.submit(3_000_000);
-        b.submit(2_000_000);
+        a.submit_at(3_000_000, t0);
+        b.submit_at(2_000_000, t0);
         d.advance(t0 + 5_000_000);
         assert_eq!(nvmlInit_v2(), OK);
         std::fs::remove_file(std::env::var_os(coloc_sim::STATE_ENV).unwrap()).ok();

@@ -46,7 +46,7 @@ pub use nvml::{NvmlCall, NvmlFunc, NvmlStatus};
 /// Environment variable naming the state file.
 pub const STATE_ENV: &str = "COLOC_SIM_STATE";
 /// Identifies a state file of this layout.
-pub const MAGIC: u64 = 0x434f_4c4f_4353_4d33; // "COLOCSM3" (3: NVML fault table)
+pub const MAGIC: u64 = 0x434f_4c4f_4353_4d34; // "COLOCSM4" (4: work admitted at submission)
 /// Most processes on all simulated GPUs together.
 pub const MAX_SLOTS: usize = 512;
 /// Most simulated GPUs.
@@ -80,7 +80,12 @@ pub struct Header {
     pub nvml_calls: AtomicU64,
     /// One past the highest slot index ever claimed: readers scan only that far.
     slots_hwm: AtomicU64,
-    _reserved: [u64; 7],
+    /// Bumped and woken by a submission to a slot with nothing outstanding: the daemon
+    /// sleeps on it, so that a short kernel on an idle GPU completes when it is due, not
+    /// at the daemon's next tick.
+    daemon_wake: AtomicU32,
+    _pad: u32,
+    _reserved: [u64; 6],
     /// NVML fault switches and per-function counters (see [`nvml`]).
     nvml: nvml::NvmlState,
 }
@@ -104,6 +109,18 @@ pub struct Slot {
     /// Wake the slot's waiters when `completed_ns` reaches this, the smallest target any
     /// of them waits for (0: no waiter).
     wake_at: AtomicU64,
+    /// When the oldest submission the daemon has not seen yet was made (0: none). Set by
+    /// submitters (first one wins), taken by the daemon.
+    pending_since_ns: AtomicU64,
+    /// Work the model has admitted (written by the daemon): `completed_ns <= admitted_ns
+    /// <= submitted_ns`.
+    admitted_ns: AtomicU64,
+    /// When the work submitted beyond `admitted_ns` may start (written by the daemon; 0:
+    /// at once).
+    admit_at_ns: AtomicU64,
+    /// How late the daemon woke this slot's waiters last time, after their work was done
+    /// (written by the daemon; taken off the time of the next submission).
+    late_ns: AtomicU64,
     /// Wall time with outstanding work (written by the daemon).
     active_ns_total: AtomicU64,
     /// Samples ever written (written by the daemon).
@@ -229,6 +246,11 @@ impl SimGpu {
         }
     }
 
+    /// The word the daemon sleeps on: a submission to an idle slot bumps and wakes it.
+    pub fn daemon_wake(&self) -> &AtomicU32 {
+        &self.header().daemon_wake
+    }
+
     /// Number of simulated GPUs.
     pub fn n_gpus(&self) -> u32 {
         self.header().n_gpus.load(Relaxed)
@@ -304,6 +326,10 @@ impl SimGpu {
                 s.submitted_ns.store(0, Relaxed);
                 s.completed_ns.store(0, Relaxed);
                 s.wake_at.store(0, Relaxed);
+                s.pending_since_ns.store(0, Relaxed);
+                s.admitted_ns.store(0, Relaxed);
+                s.admit_at_ns.store(0, Relaxed);
+                s.late_ns.store(0, Relaxed);
                 s.active_ns_total.store(0, Relaxed);
                 s.ring_count.store(0, Relaxed);
                 for w in &s.ring {
@@ -380,9 +406,29 @@ impl SlotHandle<'_> {
         &self.sim.slots()[self.index]
     }
 
-    /// Queues `ns` of exclusive GPU time; returns the completion target.
+    /// Queues `ns` of exclusive GPU time now; returns the completion target.
     pub fn submit(&self, ns: u64) -> u64 {
-        self.slot().submitted_ns.fetch_add(ns, AcqRel) + ns
+        self.submit_at(ns, now_ns())
+    }
+
+    /// Queues `ns` of exclusive GPU time submitted at `now` (the model's clock: tests that
+    /// drive the daemon by hand pass their own). The work cannot start before `now`: a
+    /// slot that ran dry stays idle until its next submission, however late the daemon
+    /// learns of it.
+    pub fn submit_at(&self, ns: u64, now: u64) -> u64 {
+        let s = self.slot();
+        let empty = s.completed_ns.load(Acquire) >= s.submitted_ns.load(Acquire);
+        let first = s
+            .pending_since_ns
+            .compare_exchange(0, now.max(1), AcqRel, Acquire)
+            .is_ok();
+        let target = s.submitted_ns.fetch_add(ns, AcqRel) + ns;
+        if empty && first {
+            let h = self.sim.header();
+            h.daemon_wake.fetch_add(1, AcqRel);
+            futex_wake(&h.daemon_wake);
+        }
+        target
     }
 
     /// The simulated GPU of this slot.
@@ -454,6 +500,10 @@ pub struct Daemon<'a> {
     next_boundary: u64,
     period_active: Vec<u64>,
     last_reap: u64,
+    /// The time `advance` was called for: when the waiters it wakes are woken.
+    now: u64,
+    /// Per GPU: since when no slot has had work (0: busy).
+    idle_since: Vec<u64>,
 }
 
 impl<'a> Daemon<'a> {
@@ -467,6 +517,8 @@ impl<'a> Daemon<'a> {
             next_boundary: (now / p + 1) * p,
             period_active: vec![0; MAX_SLOTS],
             last_reap: now,
+            now,
+            idle_since: vec![0; MAX_GPUS as usize],
         }
     }
 
@@ -474,6 +526,12 @@ impl<'a> Daemon<'a> {
     /// records samples at period boundaries, wakes waiters, and reaps dead processes.
     pub fn advance(&mut self, now: u64) {
         let period = self.sim.sample_period_ns();
+        self.now = now;
+        for gpu in 0..self.sim.n_gpus() {
+            for (_, s) in self.live(gpu) {
+                self.take_submissions(s, self.last_ns);
+            }
+        }
         while self.next_boundary <= now {
             let b = self.next_boundary;
             self.run_until(b);
@@ -510,16 +568,13 @@ impl<'a> Daemon<'a> {
         best
     }
 
-    /// The live slots of `gpu` with outstanding work: (slot index, ns of work left).
+    /// The live slots of `gpu` with admitted work outstanding: (slot index, ns of work
+    /// left).
     fn active(&self, gpu: u32) -> Vec<(usize, u64)> {
-        self.sim
-            .slots()
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+        self.live(gpu)
             .filter_map(|(i, s)| {
                 let rem = s
-                    .submitted_ns
+                    .admitted_ns
                     .load(Acquire)
                     .saturating_sub(s.completed_ns.load(Acquire));
                 (rem > 0).then_some((i, rem))
@@ -527,41 +582,137 @@ impl<'a> Daemon<'a> {
             .collect()
     }
 
-    fn run_until(&mut self, t: u64) {
-        let dt = t.saturating_sub(self.last_ns);
-        self.last_ns = self.last_ns.max(t);
-        if dt == 0 {
+    fn live(&self, gpu: u32) -> impl Iterator<Item = (usize, &Slot)> {
+        self.sim
+            .slots()
+            .iter()
+            .enumerate()
+            .filter(move |(_, s)| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+    }
+
+    /// Work submitted since the last look, and when it may start: the time of its first
+    /// submission, or `from` when that is unknown (a submission made while the daemon
+    /// read the slot, so at about `from`). The daemon's own lateness in waking the
+    /// slot's waiters is taken off: a waiter that submits again when it wakes is charged
+    /// its own wake-up, not the daemon's (a GPU signals a completion when it happens).
+    fn take_submissions(&self, s: &Slot, from: u64) {
+        let submitted = s.submitted_ns.load(Acquire);
+        let late = s.late_ns.swap(0, AcqRel);
+        let since = match s.pending_since_ns.swap(0, AcqRel) {
+            0 => 0,
+            v => v.saturating_sub(late).max(1),
+        };
+        if submitted <= s.admitted_ns.load(Acquire) {
             return;
         }
+        let at = s.admit_at_ns.load(Acquire);
+        if at == 0 || (since != 0 && since < at) {
+            s.admit_at_ns
+                .store(if since == 0 { from } else { since }, Release);
+        }
+    }
+
+    fn run_until(&mut self, t: u64) {
+        let from = self.last_ns;
+        let t = t.max(from);
+        self.last_ns = t;
         let slots = self.sim.slots();
         for gpu in 0..self.sim.n_gpus() {
-            // Processor sharing: every slot with outstanding work advances at 1/n.
+            // New work joins when it was submitted: (slot, when). A slot whose queue ran
+            // dry idles until then, as a GPU does between a completion and the host's
+            // next launch.
+            // Work that may start before `from` (a waiter the daemon woke late, see
+            // take_submissions) starts then only if the GPU was idle since: the time was
+            // free, and no other slot was given it.
             let mut active = self.active(gpu);
-            let mut left = dt;
-            while left > 0 && !active.is_empty() {
-                let n = active.len() as u64;
-                let min_rem = active.iter().map(|a| a.1).min().unwrap_or(0);
-                let (work, wall) = if min_rem.saturating_mul(n) <= left {
-                    (min_rem, min_rem * n)
-                } else {
-                    (left / n, left)
-                };
-                for (i, rem) in active.iter_mut() {
-                    *rem -= work.min(*rem);
-                    let s = &slots[*i];
-                    s.completed_ns.fetch_add(work, AcqRel);
-                    s.active_ns_total.fetch_add(wall, Relaxed);
-                    self.period_active[*i] += wall;
+            let g = gpu as usize;
+            if !active.is_empty() {
+                self.idle_since[g] = 0;
+            } else if self.idle_since[g] == 0 {
+                self.idle_since[g] = from;
+            }
+            let idle_since = self.idle_since[g];
+            let mut joins: Vec<(usize, u64)> = Vec::new();
+            for (i, s) in self.live(gpu) {
+                if s.submitted_ns.load(Acquire) > s.admitted_ns.load(Acquire) {
+                    let at = s.admit_at_ns.load(Acquire);
+                    let at = if idle_since != 0 && at >= idle_since {
+                        at
+                    } else {
+                        at.max(from)
+                    };
+                    if at <= t {
+                        joins.push((i, at));
+                    }
                 }
-                left -= wall;
-                if work == 0 {
+            }
+            joins.sort_by_key(|j| j.1);
+            // Processor sharing: every slot with outstanding work advances at 1/n.
+            let mut due: Vec<(usize, u64)> = Vec::new();
+            let mut cursor = joins.first().map_or(from, |j| j.1.min(from));
+            let mut next = 0;
+            loop {
+                while next < joins.len() && joins[next].1 <= cursor {
+                    let i = joins[next].0;
+                    let s = &slots[i];
+                    let add = s.submitted_ns.load(Acquire) - s.admitted_ns.load(Acquire);
+                    s.admitted_ns.fetch_add(add, AcqRel);
+                    s.admit_at_ns.store(0, Release);
+                    match active.iter_mut().find(|a| a.0 == i) {
+                        Some(a) => a.1 += add,
+                        None => active.push((i, add)),
+                    }
+                    next += 1;
+                }
+                let horizon = joins.get(next).map_or(t, |j| j.1);
+                let mut left = horizon - cursor;
+                let mut clock = cursor;
+                while left > 0 && !active.is_empty() {
+                    let n = active.len() as u64;
+                    let min_rem = active.iter().map(|a| a.1).min().unwrap_or(0);
+                    let (work, wall) = if min_rem.saturating_mul(n) <= left {
+                        (min_rem, min_rem * n)
+                    } else {
+                        (left / n, left)
+                    };
+                    for (i, rem) in active.iter_mut() {
+                        *rem -= work.min(*rem);
+                        let s = &slots[*i];
+                        // When a waiter's target is reached: how late its wake-up is.
+                        let (w, x) = (s.wake_at.load(Acquire), s.completed_ns.load(Acquire));
+                        if w > x && w <= x + work && !due.iter().any(|d| d.0 == *i) {
+                            due.push((*i, clock + (w - x) * n));
+                        }
+                        s.completed_ns.fetch_add(work, AcqRel);
+                        s.active_ns_total.fetch_add(wall, Relaxed);
+                        self.period_active[*i] += wall;
+                    }
+                    left -= wall;
+                    clock += wall;
+                    if work == 0 {
+                        break;
+                    }
+                    active.retain(|a| a.1 > 0);
+                }
+                cursor = horizon;
+                if active.is_empty() && self.idle_since[g] == 0 {
+                    self.idle_since[g] = clock;
+                } else if !active.is_empty() {
+                    self.idle_since[g] = 0;
+                }
+                if next == joins.len() {
                     break;
                 }
-                active.retain(|a| a.1 > 0);
             }
-            for s in slots.iter().filter(|s| s.gpu.load(Relaxed) == gpu) {
+            for (i, s) in slots
+                .iter()
+                .enumerate()
+                .filter(|s| s.1.gpu.load(Relaxed) == gpu)
+            {
                 let w = s.wake_at.load(Acquire);
                 if w != 0 && s.completed_ns.load(Acquire) >= w {
+                    let at = due.iter().find(|d| d.0 == i).map_or(t, |d| d.1);
+                    s.late_ns.store(self.now.max(t).saturating_sub(at), Release);
                     s.wake_at.store(0, Release);
                     s.wake_seq.fetch_add(1, AcqRel);
                     futex_wake(&s.wake_seq);
@@ -708,12 +859,12 @@ mod tests {
         let a = sim.register(0, 0).unwrap();
         let t0 = 1_000_000_000_000u64; // a period boundary
         let mut d = Daemon::new(&sim, t0);
-        a.submit(4_000_000);
+        a.submit_at(4_000_000, t0);
         d.advance(t0 + 2_000_000);
         assert_eq!(a.completed(), 2_000_000, "alone: full speed");
         // A second slot (pretend another process) shares the GPU.
         let b = sim.register(0, 0).unwrap();
-        b.submit(1_000_000);
+        b.submit_at(1_000_000, t0 + 2_000_000);
         d.advance(t0 + 4_000_000);
         assert_eq!(b.completed(), 1_000_000, "half speed for 2 ms");
         assert_eq!(a.completed(), 3_000_000);
@@ -730,6 +881,70 @@ mod tests {
         std::fs::remove_file(path).ok();
     }
 
+    /// Work starts when it was submitted, however late the daemon wakes: a slot that ran
+    /// dry idles until its next submission (the host's gap between a completion and the
+    /// next launch costs GPU time), and a submission to an idle slot wakes the daemon.
+    #[test]
+    fn work_starts_when_it_is_submitted() {
+        let path = tmp("admit");
+        let sim = SimGpu::create(&path, 1, 1_000_000).unwrap();
+        let (a, b) = (sim.register(0, 0).unwrap(), sim.register(0, 0).unwrap());
+        let t0 = 1_000_000_000_000u64;
+        let mut d = Daemon::new(&sim, t0);
+        let w0 = sim.daemon_wake().load(SeqCst);
+        a.submit_at(1_000_000, t0);
+        assert_eq!(sim.daemon_wake().load(SeqCst), w0 + 1, "idle slot: wakes");
+        d.advance(t0 + 1_000_000);
+        assert_eq!(a.completed(), 1_000_000);
+        // Resubmitted 0.5 ms after it ran dry; the daemon learns of it 1 ms after that.
+        a.submit_at(1_000_000, t0 + 1_500_000);
+        a.submit_at(1_000_000, t0 + 1_600_000);
+        assert_eq!(sim.daemon_wake().load(SeqCst), w0 + 2, "busy slot: no wake");
+        d.advance(t0 + 2_500_000);
+        assert_eq!(
+            a.completed(),
+            2_000_000,
+            "1 ms since it was submitted, not 1.5"
+        );
+        // a's second kernel (submitted at 1.6 ms, seen with the first, runs after it):
+        // alone until b joins at 3 ms (0.5 ms), half speed after (0.5 ms in 1 ms).
+        b.submit_at(1_000_000, t0 + 3_000_000);
+        d.advance(t0 + 4_000_000);
+        assert_eq!(a.completed(), 3_000_000);
+        assert_eq!(b.completed(), 500_000);
+        drop((a, b));
+        std::fs::remove_file(path).ok();
+    }
+
+    /// A waiter woken late by the daemon is charged its own wake-up, not the daemon's:
+    /// its next submission counts from when it would have woken had the daemon been on
+    /// time.
+    #[test]
+    fn the_daemons_lateness_is_not_charged_to_the_waiter() {
+        let path = tmp("late");
+        let sim = SimGpu::create(&path, 1, 1_000_000).unwrap();
+        let a = sim.register(0, 0).unwrap();
+        let t0 = 1_000_000_000_000u64;
+        let mut d = Daemon::new(&sim, t0);
+        a.submit_at(1_000_000, t0);
+        a.slot().wake_at.store(1_000_000, Release);
+        // Due at 1 ms; the daemon wakes at 1.3 ms; the waiter submits 50 µs later.
+        d.advance(t0 + 1_300_000);
+        assert_eq!(a.slot().late_ns.load(SeqCst), 300_000);
+        a.submit_at(1_000_000, t0 + 1_350_000);
+        d.advance(t0 + 1_400_000);
+        // It started at 1.05 ms: 0.35 ms done by 1.4 ms.
+        assert_eq!(a.completed(), 1_350_000);
+        // The lateness is used once: a later submission counts from when it was made.
+        d.advance(t0 + 2_050_000);
+        assert_eq!(a.completed(), 2_000_000);
+        a.submit_at(1_000_000, t0 + 2_100_000);
+        d.advance(t0 + 2_200_000);
+        assert_eq!(a.completed(), 2_100_000);
+        drop(a);
+        std::fs::remove_file(path).ok();
+    }
+
     /// The daemon sleeps until a waiter's target is due under the current sharing, or
     /// a slot runs dry; with no work, until its tick (None).
     #[test]
@@ -737,11 +952,12 @@ mod tests {
         let path = tmp("next");
         let sim = SimGpu::create(&path, 1, 1_000_000).unwrap();
         let t0 = 1_000_000_000_000u64;
-        let d = Daemon::new(&sim, t0);
+        let mut d = Daemon::new(&sim, t0);
         assert_eq!(d.next_event_ns(), None, "no work");
         let (a, b) = (sim.register(0, 0).unwrap(), sim.register(0, 0).unwrap());
-        a.submit(4_000_000);
-        b.submit(3_000_000);
+        a.submit_at(4_000_000, t0);
+        b.submit_at(3_000_000, t0);
+        d.advance(t0);
         // Two slots at half speed: b runs dry after 6 ms.
         assert_eq!(d.next_event_ns(), Some(t0 + 6_000_000));
         // A waiter on a (1 ms of its work) is owed sooner: 2 ms at half speed.

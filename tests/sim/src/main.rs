@@ -504,14 +504,18 @@ fn run_gpu(state: PathBuf, gpus: u32, period_ms: f64, tick_us: u64, keep_dead: b
     // SAFETY: prctl(PR_SET_TIMERSLACK) on this thread; no pointers.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
     while !STOP.load(Ordering::Relaxed) {
+        let seq = sim.daemon_wake().load(Ordering::Acquire);
         let now = now_ns();
         d.advance(now);
-        // Until the next completion a waiter is owed (or a share changes), at most a tick:
-        // new submissions are seen within a tick, completions when they happen.
+        // Until the next completion a waiter is owed (or a share changes), at most a tick,
+        // or a submission to an idle slot (it wakes us): completions when they happen.
         let until = d
             .next_event_ns()
             .map_or(now + tick, |t| t.clamp(now + 2_000, now + tick));
-        std::thread::sleep(Duration::from_nanos(until.saturating_sub(now_ns())));
+        let left = until.saturating_sub(now_ns());
+        if left > 0 {
+            coloc_doorbell::futex_wait(sim.daemon_wake(), seq, left);
+        }
     }
     std::fs::remove_file(&state).ok();
     Ok(())
