@@ -92,11 +92,11 @@
 //!   max(budget, one kernel) instead of K kernels; a stream that mixes short kernels with
 //!   a few long ones keeps an estimate near the short ones' and K of the long ones can
 //!   still be in flight. On the simulated GPU with 2 ms kernels (the demo's gate row,
-//!   three runs), K = 4 with the budget gives online p99 1.01–1.03× alone and offline
-//!   77–84 % of the idle time, where K = 4 alone gives 1.19× and 87 %; with the gate open
-//!   it costs 2 % at 2 ms kernels and nothing measurable with short ones (simulated; the
-//!   simulator hides a host's resubmission gap shorter than its 100 µs tick, so one
-//!   kernel in flight costs at least that much more on a real GPU; real CUDA unchecked).
+//!   three runs), K = 4 with the budget gives online p99 1.02–1.10× alone and offline
+//!   76–80 % of the idle time, where K = 4 alone gives 1.17× and 87 %; with the gate open
+//!   it costs 2 % at 2 ms kernels and under 1 % at 0.2 ms (simulated, the host's gap
+//!   between a completion and the next launch charged: one kernel in flight pays it per
+//!   kernel; real CUDA unchecked).
 //! - **Not gated**: the synchronous copies and memsets, `cuStreamWaitEvent`, and work
 //!   that `cuLaunchCooperativeKernelMultiDevice` queues (gated on the current GPU, its
 //!   work not tracked). A submission already past the mode check when the gate file first

@@ -17,7 +17,13 @@
 //!   with a single writer per field.
 //! - The daemon shares each GPU equally among the slots with outstanding work (two busy
 //!   processes each run at half speed) and keeps running work a stopped process queued
-//!   before it stopped (its *drain*), as a real GPU does.
+//!   before it stopped (its *drain*), as a real GPU does. Work starts when it is
+//!   submitted: a slot whose queue ran dry leaves its share idle until the next
+//!   submission, however late the daemon learns of it, so the host's gap between a
+//!   completion and its next launch costs GPU time here as on a GPU. A submission to an
+//!   idle slot wakes the daemon; otherwise it sleeps until the next completion a waiter
+//!   is owed (at most its tick). A waiter the daemon woke late is not charged that
+//!   lateness: its next submission is dated back by it, while the GPU was otherwise idle.
 //! - Every `sample_period` the daemon records, for each process that was active in that
 //!   period, a sample `(timestamp µs, sm %)`, as the NVIDIA driver does; the fake NVML
 //!   library serves them through `nvmlDeviceGetProcessUtilization`.
