@@ -5,7 +5,10 @@
 //!    stream → pool (ring of events) and GPU (page entry, gate slot)
 //!    in_submit += 1; closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
 //!    the bound reached on this stream (K events, or fewer: the budget)? wait for the oldest
-//!      (cuEventSynchronize; with a budget, time it), recycle it
+//!      (cuEventSynchronize; with a budget, time it), recycle it; where the budget has room
+//!      for part of one more (the lead), wait instead until the oldest is due to have
+//!      that part left (FUTEX_WAIT on the gate word, so a close wakes it) and let one
+//!      more in
 //!    the driver's submission; cuEventRecord after it; inflight += 1; in_submit -= 1
 //!  watcher thread (FUTEX_WAIT on the gate file's generation, 100 ms):
 //!    a GPU of ours closed with an epoch not yet acknowledged (in this file):
@@ -722,7 +725,7 @@ fn limit(r: &Ring) -> usize {
 /// included, not its GPU time alone. (When the bound is never reached, nothing is timed
 /// and the estimate stays: the application itself keeps fewer in flight than the budget
 /// allows. Time held at the gate breaks the run.)
-fn bound(r: &mut Ring, entry: &Entry) {
+fn bound(r: &mut Ring, entry: &Entry, closed: Option<&AtomicU32>) {
     let budget = BUDGET_NS.load(Relaxed) != 0;
     if INFLIGHT.load(Relaxed) == 0 && !budget {
         while let Some(&e) = r.events.front() {
@@ -740,33 +743,122 @@ fn bound(r: &mut Ring, entry: &Entry) {
         r.prev_done_ns = 0;
         return;
     }
-    while r.events.len() >= limit {
-        let start = if r.events.len() == 1 {
-            r.last_sub_ns.max(r.prev_done_ns)
-        } else {
-            r.prev_done_ns
-        };
-        let Some(e) = r.events.pop_front() else {
-            break;
-        };
-        // Only a wait that blocks times anything: an event already complete finished at
-        // some unknown time before (and breaks the run for the next one).
-        let done_already = budget && event_done(e);
-        if !done_already {
-            sync_event(e);
+    let lead = lead_ns(r, limit);
+    let keep = if lead > 0 { limit + 1 } else { limit };
+    while r.events.len() >= keep {
+        wait_oldest(r, entry, budget);
+    }
+    if lead > 0 && r.events.len() == limit && !submit_ahead(r, lead, closed) {
+        wait_oldest(r, entry, budget);
+    }
+}
+
+/// Waits for the oldest submission in flight and recycles its event; with a budget, a
+/// wait that blocks times it (see [`bound`]).
+fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
+    let start = if r.events.len() == 1 {
+        r.last_sub_ns.max(r.prev_done_ns)
+    } else {
+        r.prev_done_ns
+    };
+    let Some(e) = r.events.pop_front() else {
+        return;
+    };
+    // Only a wait that blocks times anything: an event already complete finished at
+    // some unknown time before (and breaks the run for the next one).
+    let done_already = budget && event_done(e);
+    if !done_already {
+        sync_event(e);
+    }
+    r.free.push(e);
+    entry.inflight.fetch_sub(1, Relaxed);
+    if done_already {
+        // It ended before now: an upper bound of its time, where a lead's sleep timed on
+        // too long an estimate would otherwise never be corrected (no wait, no sample).
+        if start != 0 {
+            shorten(r, mono_ns().saturating_sub(start));
         }
-        r.free.push(e);
-        entry.inflight.fetch_sub(1, Relaxed);
-        if done_already {
-            r.prev_done_ns = 0;
-        } else if budget {
-            let done = mono_ns();
-            if start != 0 && done > start {
-                r.est_ns = estimate(r.est_ns, done - start);
-                r.samples = (r.samples + 1).min(FIRST_SAMPLES);
+        r.prev_done_ns = 0;
+    } else if budget {
+        let done = mono_ns();
+        if start != 0 && done > start {
+            r.est_ns = estimate(r.est_ns, done - start);
+            r.samples = (r.samples + 1).min(FIRST_SAMPLES);
+        }
+        r.prev_done_ns = done;
+    }
+}
+
+/// Where the budget holds a stream to one submission in flight and has room for part of
+/// one more (3 ms, kernels of 2 ms: 1 ms), that part (ns, at most [`LEAD_MAX_NS`]), else
+/// 0: the next submission may go in when the one in flight has about that much left, so
+/// the GPU has it queued when the first ends instead of waiting for this thread to wake
+/// and submit it. Work in flight by the estimate stays within the budget. Only at a
+/// bound of one (with two or more in flight, one is always queued behind the running
+/// one), under a budget (not K = 1), once the estimate is settled.
+fn lead_ns(r: &Ring, limit: usize) -> u64 {
+    let (b, k) = (BUDGET_NS.load(Relaxed), INFLIGHT.load(Relaxed) as usize);
+    let cap = if k == 0 { UNBOUNDED_CAP } else { k };
+    if b == 0 || r.samples < FIRST_SAMPLES || limit != 1 || limit >= cap || r.est_ns == 0 {
+        return 0;
+    }
+    b.saturating_sub(r.est_ns.saturating_mul(limit as u64))
+        .min(r.est_ns)
+        .min(LEAD_MAX_NS)
+}
+
+/// The most a lead may be: enough to cover the submitting thread's wake-up on a loaded
+/// host (100–200 µs on a busy 2-core machine) with room to spare, and no more, since
+/// every microsecond of lead is work in flight that online waits for after a close.
+const LEAD_MAX_NS: u64 = 500_000;
+
+/// At the bound with a lead: waits until the oldest submission in flight is expected to
+/// have `lead` left (its start, the previous wait's return or its submission when it was
+/// alone, plus the estimate), or the gate closes, then lets the next one in (true).
+/// Without a start (the run broke), false: the caller waits for the oldest as without a
+/// lead.
+fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) -> bool {
+    let start = if r.events.len() == 1 {
+        r.last_sub_ns.max(r.prev_done_ns)
+    } else {
+        r.prev_done_ns
+    };
+    let now = mono_ns();
+    if start == 0 {
+        return false;
+    }
+    let due = start.saturating_add(r.est_ns);
+    let wake = due.saturating_sub(lead);
+    if wake > now {
+        match closed {
+            // Woken at once by a close (the caller then goes back to the gate).
+            Some(w) => {
+                let c = w.load(SeqCst);
+                if c == 0 {
+                    futex_wait(w, 0, wake - now);
+                }
             }
-            r.prev_done_ns = done;
+            None => std::thread::sleep(std::time::Duration::from_nanos(wake - now)),
         }
+    }
+    // Overslept: the oldest ended before its due time minus the lead, so the estimate
+    // is too long by at least that (it leans long, and a stall can lift it): what has
+    // elapsed since its start is an upper bound of its time.
+    if r.events.front().is_some_and(|&e| event_done(e)) {
+        shorten(r, mono_ns().saturating_sub(start));
+    }
+    true
+}
+
+/// The submission in flight ended within `t` (ns) of the previous wait's return: the
+/// estimate comes down an eighth of itself towards `t` if over. Not to `t` at once: the
+/// previous wait returned a wake-up after the true end, so `t` may be short by that much;
+/// and never so far that the bound grows (only the timed waits may do that).
+fn shorten(r: &mut Ring, t: u64) {
+    let floor = BUDGET_NS.load(Relaxed) / (limit(r) as u64 + 1) + 1;
+    let next = t.max(r.est_ns - r.est_ns / 8).max(floor);
+    if next < r.est_ns {
+        r.est_ns = next;
     }
 }
 
@@ -911,7 +1003,7 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
                         // The time held at the gate is no submission's GPU time.
                         r.prev_done_ns = 0;
                     }
-                    bound(&mut r, entry);
+                    bound(&mut r, entry, g.gate().map(|(_, s)| &s.closed));
                     Some(r)
                 }
                 // Lost the ring twice: this one submission goes untracked.
@@ -1130,7 +1222,66 @@ fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
 
 #[cfg(test)]
 mod tests {
-    use super::estimate;
+    use super::*;
+
+    fn ring(est_ns: u64, samples: u32) -> Ring {
+        Ring {
+            key: None,
+            ctx: 0,
+            record_on: 0,
+            events: VecDeque::new(),
+            free: Vec::new(),
+            est_ns,
+            last_sub_ns: 0,
+            prev_done_ns: 0,
+            samples,
+        }
+    }
+
+    /// The lead is what the budget leaves beyond the one submission it allows, at most
+    /// `LEAD_MAX_NS`, and none where K sets the bound, two or more fit, or the estimate
+    /// is not settled;
+    /// an overshot sleep brings the estimate down an eighth, never so far that the
+    /// bound grows. (The only test here that sets the budget and K.)
+    #[test]
+    fn the_lead_and_its_correction() {
+        BUDGET_NS.store(3_000_000, Relaxed);
+        INFLIGHT.store(4, Relaxed);
+        let r = ring(2_000_000, FIRST_SAMPLES);
+        assert_eq!(limit(&r), 1);
+        assert_eq!(lead_ns(&r, 1), LEAD_MAX_NS, "1 ms left over, capped");
+        let r = ring(2_800_000, FIRST_SAMPLES);
+        assert_eq!(lead_ns(&r, 1), 200_000, "what is left when under the cap");
+        assert_eq!(lead_ns(&ring(2_000_000, 1), 1), 0, "not settled");
+        let r = ring(500_000, FIRST_SAMPLES);
+        assert_eq!(limit(&r), 4);
+        assert_eq!(lead_ns(&r, 4), 0, "K sets the bound");
+        let r = ring(1_200_000, FIRST_SAMPLES);
+        assert_eq!(limit(&r), 2);
+        assert_eq!(lead_ns(&r, 2), 0, "two in flight: one is always queued");
+        INFLIGHT.store(1, Relaxed);
+        assert_eq!(
+            lead_ns(&ring(2_000_000, FIRST_SAMPLES), 1),
+            0,
+            "K = 1 sets it"
+        );
+        INFLIGHT.store(4, Relaxed);
+        BUDGET_NS.store(0, Relaxed);
+        assert_eq!(lead_ns(&ring(2_000_000, FIRST_SAMPLES), 1), 0, "no budget");
+        BUDGET_NS.store(3_000_000, Relaxed);
+        let mut r = ring(2_000_000, FIRST_SAMPLES);
+        shorten(&mut r, 100_000);
+        assert_eq!(r.est_ns, 1_750_000, "an eighth at a time");
+        for _ in 0..20 {
+            shorten(&mut r, 100_000);
+        }
+        assert_eq!(r.est_ns, 1_500_001, "never to where two fit the budget");
+        assert_eq!(limit(&r), 1);
+        shorten(&mut r, 1_600_000);
+        assert_eq!(r.est_ns, 1_500_001, "never up");
+        BUDGET_NS.store(DEFAULT_INFLIGHT_MS * 1_000_000, Relaxed);
+        INFLIGHT.store(DEFAULT_INFLIGHT, Relaxed);
+    }
 
     #[test]
     fn the_estimate_leans_long_and_caps_a_stall() {

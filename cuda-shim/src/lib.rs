@@ -87,7 +87,12 @@
 //!   counting at most 8 times the estimate (so that a stall of the thread itself does not
 //!   throttle short kernels); the bound is the number of submissions that
 //!   fit in the budget, at least 1 and at most K (1 until four samples). It is never
-//!   looser than K alone. For kernels of similar length, those under budget / K keep K
+//!   looser than K alone. What the budget leaves beyond those whole submissions (3 ms,
+//!   kernels of 2 ms: 1 ms) is a lead: at the bound, the next submission goes in when
+//!   the oldest is due (by the estimate) to have that much left, instead of after it
+//!   ends, so the GPU does not wait for the thread's wake-up between two kernels; the
+//!   work in flight stays within the budget by the estimate. A sleep that overshot (the
+//!   oldest was done already) brings the estimate down. For kernels of similar length, those under budget / K keep K
 //!   and longer ones get fewer in flight, so what runs on after a close is about
 //!   max(budget, one kernel) instead of K kernels; a stream that mixes short kernels with
 //!   a few long ones keeps an estimate near the short ones' and K of the long ones can

@@ -432,10 +432,41 @@ fn the_budget_caps_work_in_flight_by_time() {
     let n = Node::new(true);
     let budget = |ms| [("COLOC_SHIM_INFLIGHT", "0"), ("COLOC_SHIM_INFLIGHT_MS", ms)];
     let v = n.offline(16, 1.0, &budget("3"), &[]).summary();
-    assert!(v["launches"].as_u64().unwrap() > 100, "{v}");
+    let launches = v["launches"].as_u64().unwrap();
+    assert!(launches > 100, "{v}");
     assert!(
         v["max_outstanding_stream"].as_u64().unwrap() <= 2,
         "2 ms kernels, 3 ms budget: {v}"
+    );
+    // What the budget leaves over (1 ms, capped at 0.5) is a lead: the next kernel goes
+    // in when the one in flight has about that much left, so the GPU waits for the host
+    // less often than with one kernel in flight and no lead (K = 1, no budget: nearly
+    // every submission finds the stream idle; with the lead, under 10 % on a quiet
+    // machine, under half beside two CPU hogs on 2 cores).
+    let idle = v["idle_stream_submissions"].as_u64().unwrap();
+    let k1 = n
+        .offline(
+            16,
+            1.0,
+            &[
+                ("COLOC_SHIM_INFLIGHT", "1"),
+                ("COLOC_SHIM_INFLIGHT_MS", "0"),
+            ],
+            &[],
+        )
+        .summary();
+    let (k1_idle, k1_launches) = (
+        k1["idle_stream_submissions"].as_u64().unwrap(),
+        k1["launches"].as_u64().unwrap(),
+    );
+    assert!(
+        k1_idle * 10 > k1_launches * 9,
+        "K = 1 without a lead waits for the host at every submission: {k1}"
+    );
+    assert!(
+        (idle as f64 / launches as f64) < 0.75 * (k1_idle as f64 / k1_launches as f64),
+        "2 ms kernels, 3 ms budget: the GPU waited for {idle} of {launches} submissions \
+         (K = 1: {k1_idle} of {k1_launches}): {v}"
     );
     let v = n.offline_step(0.5, 16, 1.0, &budget("2"), &[]).summary();
     let most = v["max_outstanding_stream"].as_u64().unwrap();

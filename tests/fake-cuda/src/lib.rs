@@ -300,6 +300,9 @@ pub struct FakeStats {
     pub max_outstanding_stream: u64,
     /// Most submissions of the process outstanding on one GPU at once.
     pub max_outstanding_gpu: u64,
+    /// Submissions that found their stream with nothing outstanding: the GPU had run dry
+    /// for that stream and waited for this one.
+    pub idle_stream_submissions: u64,
 }
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
@@ -608,6 +611,7 @@ fn submit(s: CUstream, ns: u64) -> Result<Option<(Slot, u64)>, CUresult> {
                 while q.front().is_some_and(|&x| x <= done) {
                     q.pop_front();
                 }
+                let idle = q.is_empty();
                 if t > done {
                     q.push_back(t);
                 }
@@ -616,6 +620,7 @@ fn submit(s: CUstream, ns: u64) -> Result<Option<(Slot, u64)>, CUresult> {
                 s.submissions += 1;
                 s.max_outstanding_stream = s.max_outstanding_stream.max(on_stream);
                 s.max_outstanding_gpu = s.max_outstanding_gpu.max(on_gpu);
+                s.idle_stream_submissions += u64::from(idle);
                 return Ok(Some((slot, t)));
             }
             let oldest = g.queue.front().copied().unwrap_or(0);

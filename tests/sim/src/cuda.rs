@@ -95,6 +95,8 @@ pub struct FakeStats {
     pub max_outstanding_stream: u64,
     /// Most submissions outstanding on the GPU at once.
     pub max_outstanding_gpu: u64,
+    /// Submissions that found their stream with nothing outstanding.
+    pub idle_stream_submissions: u64,
 }
 
 /// A recorded event.

@@ -673,7 +673,8 @@ fn run_offline(
 /// process's `submitted_ns` in the simulated GPU's state (`SimGpu::slot_info`), live; the
 /// summary gives `launches`, the first and last launch times, and the fake driver's
 /// counters (`max_outstanding_stream`: the most kernels ever in flight on the stream,
-/// which an in-flight bound in a shim caps).
+/// which an in-flight bound in a shim caps; `idle_stream_submissions`: those that found the
+/// stream with nothing in flight, the GPU waiting for the host).
 fn run_offline_cuda(
     g: &cuda::CudaGpu,
     step_ms: f64,
@@ -746,6 +747,7 @@ fn run_offline_cuda(
         "first_launch_ns": first_launch_ns,
         "last_launch_ns": last_launch_ns,
         "max_outstanding_stream": stats.map(|s| s.max_outstanding_stream),
+        "idle_stream_submissions": stats.map(|s| s.idle_stream_submissions),
         "max_outstanding_gpu": stats.map(|s| s.max_outstanding_gpu),
         "driver_submissions": stats.map(|s| s.submissions),
     });
