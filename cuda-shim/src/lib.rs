@@ -88,7 +88,8 @@
 //!   throttle short kernels); the bound is the number of submissions that
 //!   fit in the budget, at least 1 and at most K (1 until four samples). It is never
 //!   looser than K alone. What the budget leaves beyond those whole submissions (3 ms,
-//!   kernels of 2 ms: 1 ms) is a lead: at the bound, the next submission goes in when
+//!   kernels of 2 ms: 1 ms; at most 0.5 ms, and only where one submission is the bound)
+//!   is a lead: at the bound, the next submission goes in when
 //!   the oldest is due (by the estimate) to have that much left, instead of after it
 //!   ends, so the GPU does not wait for the thread's wake-up between two kernels; the
 //!   work in flight stays within the budget by the estimate. A sleep that overshot (the
@@ -97,11 +98,11 @@
 //!   max(budget, one kernel) instead of K kernels; a stream that mixes short kernels with
 //!   a few long ones keeps an estimate near the short ones' and K of the long ones can
 //!   still be in flight. On the simulated GPU with 2 ms kernels (the demo's gate row,
-//!   three runs), K = 4 with the budget gives online p99 1.02–1.10× alone and offline
-//!   76–80 % of the idle time, where K = 4 alone gives 1.17× and 87 %; with the gate open
-//!   it costs 2 % at 2 ms kernels and under 1 % at 0.2 ms (simulated, the host's gap
-//!   between a completion and the next launch charged: one kernel in flight pays it per
-//!   kernel; real CUDA unchecked).
+//!   three runs), K = 4 with the budget and its lead gives online p99 1.01–1.05× alone
+//!   and offline 84–85 % of the idle time, where K = 4 alone gives 1.17× and 87 %; with
+//!   the gate open it costs 0.3–1.4 % at 2 ms kernels and under 1 % at 0.2 ms
+//!   (simulated, the host's gap between a completion and the next launch charged;
+//!   real CUDA unchecked).
 //! - **Not gated**: the synchronous copies and memsets, `cuStreamWaitEvent`, and work
 //!   that `cuLaunchCooperativeKernelMultiDevice` queues (gated on the current GPU, its
 //!   work not tracked). A submission already past the mode check when the gate file first
