@@ -773,11 +773,6 @@ fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
     r.free.push(e);
     entry.inflight.fetch_sub(1, Relaxed);
     if done_already {
-        // It ended before now: an upper bound of its time, where a lead's sleep timed on
-        // too long an estimate would otherwise never be corrected (no wait, no sample).
-        if start != 0 {
-            shorten(r, mono_ns().saturating_sub(start));
-        }
         r.prev_done_ns = 0;
     } else if budget {
         let done = mono_ns();
@@ -799,7 +794,7 @@ fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
 fn lead_ns(r: &Ring, limit: usize) -> u64 {
     let (b, k) = (BUDGET_NS.load(Relaxed), INFLIGHT.load(Relaxed) as usize);
     let cap = if k == 0 { UNBOUNDED_CAP } else { k };
-    if b == 0 || r.samples < FIRST_SAMPLES || limit != 1 || limit >= cap || r.est_ns == 0 {
+    if b == 0 || r.samples < FIRST_SAMPLES || limit != 1 || cap == 1 || r.est_ns == 0 {
         return 0;
     }
     b.saturating_sub(r.est_ns.saturating_mul(limit as u64))
@@ -842,8 +837,9 @@ fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) -> bool {
         }
     }
     // Overslept: the oldest ended before its due time minus the lead, so the estimate
-    // is too long by at least that (it leans long, and a stall can lift it): what has
-    // elapsed since its start is an upper bound of its time.
+    // is too long (it leans long, and a stall can lift it). The one place it comes down
+    // outside the timed waits: the wait for this event will find it complete and time
+    // nothing, so without this a long estimate would never be corrected.
     if r.events.front().is_some_and(|&e| event_done(e)) {
         shorten(r, mono_ns().saturating_sub(start));
     }

@@ -533,10 +533,8 @@ impl<'a> Daemon<'a> {
     pub fn advance(&mut self, now: u64) {
         let period = self.sim.sample_period_ns();
         self.now = now;
-        for gpu in 0..self.sim.n_gpus() {
-            for (_, s) in self.live(gpu) {
-                self.take_submissions(s, self.last_ns);
-            }
+        for (_, s) in self.live(None) {
+            self.take_submissions(s, self.last_ns);
         }
         while self.next_boundary <= now {
             let b = self.next_boundary;
@@ -577,7 +575,7 @@ impl<'a> Daemon<'a> {
     /// The live slots of `gpu` with admitted work outstanding: (slot index, ns of work
     /// left).
     fn active(&self, gpu: u32) -> Vec<(usize, u64)> {
-        self.live(gpu)
+        self.live(Some(gpu))
             .filter_map(|(i, s)| {
                 let rem = s
                     .admitted_ns
@@ -588,12 +586,15 @@ impl<'a> Daemon<'a> {
             .collect()
     }
 
-    fn live(&self, gpu: u32) -> impl Iterator<Item = (usize, &Slot)> {
-        self.sim
-            .slots()
+    /// The live slots of `gpu` (`None`: of every GPU), up to the high-water mark.
+    fn live(&self, gpu: Option<u32>) -> impl Iterator<Item = (usize, &Slot)> {
+        let hwm = (self.sim.header().slots_hwm.load(Acquire) as usize).min(MAX_SLOTS);
+        self.sim.slots()[..hwm]
             .iter()
             .enumerate()
-            .filter(move |(_, s)| s.state.load(Acquire) == SLOT_LIVE && s.gpu.load(Relaxed) == gpu)
+            .filter(move |(_, s)| {
+                s.state.load(Acquire) == SLOT_LIVE && gpu.is_none_or(|g| s.gpu.load(Relaxed) == g)
+            })
     }
 
     /// Work submitted since the last look, and when it may start: the time of its first
@@ -639,7 +640,7 @@ impl<'a> Daemon<'a> {
             }
             let idle_since = self.idle_since[g];
             let mut joins: Vec<(usize, u64)> = Vec::new();
-            for (i, s) in self.live(gpu) {
+            for (i, s) in self.live(Some(gpu)) {
                 if s.submitted_ns.load(Acquire) > s.admitted_ns.load(Acquire) {
                     let at = s.admit_at_ns.load(Acquire);
                     let at = if idle_since != 0 && at >= idle_since {
