@@ -276,13 +276,15 @@ def event_stats(path, since_ns=None):
                 signals=signals, actuators=acts, fail_open=sum(1 for e in ev if e.get("event") == "fail_open"))
 
 
+def items(spec):
+    """A comma-separated option's items, stripped, empty ones dropped."""
+    return [x.strip() for x in (spec or "").split(",") if x.strip()]
+
+
 def parse_intervals(spec):
     """--nvml-load-intervals: "none" (no polling) or a poll interval in ms, comma-separated."""
     out = []
-    for x in (spec or "").split(","):
-        x = x.strip()
-        if not x:
-            continue
+    for x in items(spec):
         if x != "none":
             try:
                 if not float(x) > 0:
@@ -297,10 +299,7 @@ def parse_drain(spec):
     """--drain-configs: alone | share:MODEL | signal:MODEL | freezer:MODEL | gateK[+Bms]:MODEL
     (K: COLOC_SHIM_INFLIGHT; B: COLOC_SHIM_INFLIGHT_MS, the shim's default when not given)."""
     out = []
-    for x in (spec or "").split(","):
-        x = x.strip()
-        if not x:
-            continue
+    for x in items(spec):
         kind, _, model = x.partition(":")
         m = re.fullmatch(r"gate(\d+)(?:\+(\d+(?:\.\d+)?)ms)?", kind)
         ok = (kind == "alone" and not model) or (model in MODELS and (kind in ("share", "signal", "freezer") or m))
@@ -1367,10 +1366,7 @@ def merge(dirs, out):
 
 def expand(spec):
     names = []
-    for s in (spec or "").split(","):
-        s = s.strip()
-        if not s:
-            continue
+    for s in items(spec):
         if s in GROUPS:
             names += GROUPS[s]
         elif s in ORDER:
