@@ -202,6 +202,18 @@ pub struct RunArgs {
     /// Not used with --loop-rt-priority.
     #[arg(long, env = "COLOC_LOOP_SLICE", default_value = "100us", value_parser = parse_duration)]
     pub loop_slice: Duration,
+    /// Ask the kernel to keep idle CPUs able to wake within this long (a PM QoS request on
+    /// /dev/cpu_dma_latency, held while the agent runs; the kernel withdraws it when the
+    /// agent exits, a crash included). A doorbell that rings while the loop's CPU is idle
+    /// then runs the loop at once, not when that CPU leaves a deep idle state (bare-metal
+    /// package C-states: tens to hundreds of µs; a VM's halted vCPU: when the host runs it
+    /// again, up to milliseconds). It applies to every CPU of the node: 0 makes idle CPUs
+    /// poll instead of halting (the fastest wake-up, paid in power, and in a VM in the
+    /// host's CPU time); a few µs keeps the shallow states (C1) and only the deep ones out.
+    /// Unset: no request. Needs write access to /dev/cpu_dma_latency (root; in a container,
+    /// that device node); without it the agent logs an error and runs on.
+    #[arg(long, env = "COLOC_CPU_WAKE_LATENCY", value_parser = parse_duration)]
+    pub cpu_wake_latency: Option<Duration>,
     /// Append every preemption and release, with its latencies, to this JSON-lines file.
     #[arg(long, env = "COLOC_EVENT_LOG")]
     pub event_log: Option<PathBuf>,
@@ -307,6 +319,11 @@ impl RunArgs {
                 "--loop-slice {:?}: must be 0 (the kernel's default) or from 100us to 100ms (the kernel's bounds)",
                 self.loop_slice
             );
+        }
+        if let Some(l) = self.cpu_wake_latency {
+            if l > Duration::from_secs(1) {
+                bail!("--cpu-wake-latency {l:?}: at most 1s (no idle state takes that long to leave; leave the flag out to make no request)");
+            }
         }
         if self.duty_period < Duration::from_millis(10) {
             bail!(

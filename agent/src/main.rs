@@ -11,7 +11,7 @@ use coloc_agent::edges::gate::{GateFile, Gated};
 use coloc_agent::edges::record::{FileRecord, MemRecord, RecordStore};
 use coloc_agent::edges::source::{kube::KubeSource, PodSource, Rules};
 use coloc_agent::edges::{clock::SystemClock, gpu, procfs::HostProc};
-use coloc_agent::{http, telemetry};
+use coloc_agent::{http, sched, telemetry};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tracing::{error, info, warn};
@@ -94,6 +94,7 @@ fn run(args: RunArgs) -> Result<()> {
         Box::new(record)
     };
     let cfg = args.loop_config()?;
+    let _cpu_latency = args.cpu_wake_latency.and_then(hold_cpu_wake_latency);
     let http_limits = args.http_limits()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -232,6 +233,32 @@ fn run(args: RunArgs) -> Result<()> {
             Ok(())
         }
         Err(_) => anyhow::bail!("control loop panicked (offline work was resumed on the way out)"),
+    }
+}
+
+/// Holds `--cpu-wake-latency` until the agent exits; a request that cannot be made is
+/// logged, and the agent runs on without it.
+fn hold_cpu_wake_latency(latency: std::time::Duration) -> Option<sched::CpuWakeLatency> {
+    let device = std::path::Path::new(sched::CPU_LATENCY_DEVICE);
+    match sched::CpuWakeLatency::hold(device, latency) {
+        Ok(held) => {
+            let in_force_us = sched::cpu_latency_in_force(device).ok();
+            info!(
+                requested_us = held.micros(),
+                ?in_force_us,
+                device = %device.display(),
+                "Holding a CPU wake-up latency request: idle CPUs stay in states they leave within it, so a doorbell wakes the loop at once"
+            );
+            Some(held)
+        }
+        Err(error) => {
+            error!(
+                device = %device.display(),
+                %error,
+                "Cannot hold the CPU wake-up latency request (--cpu-wake-latency; needs write access to the device): running on without it, so a doorbell that rings while the loop's CPU sleeps deeply is seen later"
+            );
+            None
+        }
     }
 }
 

@@ -102,6 +102,50 @@ pub(crate) fn raise_priority(nice: i32, rt: i32, slice: Duration) {
     }
 }
 
+/// The kernel's CPU latency request device (PM QoS): while a file description on it holds
+/// a value, the cpuidle governor keeps every CPU out of idle states that take longer than
+/// that to leave. Closing it (the agent's exit, a crash included) withdraws the request.
+pub const CPU_LATENCY_DEVICE: &str = "/dev/cpu_dma_latency";
+
+/// A CPU wake-up latency request, held until dropped.
+#[derive(Debug)]
+pub struct CpuWakeLatency {
+    _file: std::fs::File,
+    us: i32,
+}
+
+impl CpuWakeLatency {
+    /// Asks that idle CPUs wake within `latency` (whole microseconds, rounded down), by
+    /// writing it as a native-endian `s32` to `device` (the kernel also takes a hex
+    /// string; the binary form is what tuned and `cyclictest` write). Needs write access
+    /// to the device (root, and in a container the device node itself).
+    pub fn hold(device: &std::path::Path, latency: Duration) -> std::io::Result<Self> {
+        use std::io::Write;
+        let us = i32::try_from(latency.as_micros()).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{latency:?} is beyond the kernel's range"),
+            )
+        })?;
+        let mut file = std::fs::OpenOptions::new().write(true).open(device)?;
+        file.write_all(&us.to_ne_bytes())?;
+        Ok(Self { _file: file, us })
+    }
+
+    /// The value held, µs.
+    pub fn micros(&self) -> i32 {
+        self.us
+    }
+}
+
+/// The request in force now (the lowest one held by anyone), µs, read from `device`.
+pub fn cpu_latency_in_force(device: &std::path::Path) -> std::io::Result<i32> {
+    use std::io::Read;
+    let mut b = [0u8; 4];
+    std::fs::File::open(device)?.read_exact(&mut b)?;
+    Ok(i32::from_ne_bytes(b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,6 +161,72 @@ mod tests {
             .trim()
             .parse()
             .ok()
+    }
+
+    #[test]
+    fn a_cpu_latency_request_is_written_as_the_kernel_reads_it() {
+        let dir = std::env::temp_dir().join(format!("coloc-cpu-latency-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("device");
+        for (latency, want) in [
+            (Duration::from_micros(37), 37),
+            (Duration::from_nanos(1_500), 1),
+            (Duration::ZERO, 0),
+        ] {
+            std::fs::write(&path, b"").unwrap();
+            let held = CpuWakeLatency::hold(&path, latency).unwrap();
+            assert_eq!(held.micros(), want);
+            assert_eq!(std::fs::read(&path).unwrap(), want.to_ne_bytes());
+            assert_eq!(cpu_latency_in_force(&path).unwrap(), want);
+        }
+        let err = CpuWakeLatency::hold(&path, Duration::from_secs(3000)).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+        let err = CpuWakeLatency::hold(&dir.join("missing"), Duration::ZERO).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// On the real device: the request is in force while held and gone when dropped.
+    #[test]
+    fn the_kernel_keeps_the_request_while_it_is_held() {
+        let dev = std::path::Path::new(CPU_LATENCY_DEVICE);
+        let before = match cpu_latency_in_force(dev) {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("NOTE: {CPU_LATENCY_DEVICE} cannot be read here ({e}): checked that holding a request fails with an error");
+                assert!(CpuWakeLatency::hold(dev, Duration::from_micros(3)).is_err());
+                return;
+            }
+        };
+        let held = match CpuWakeLatency::hold(dev, Duration::from_micros(3)) {
+            Ok(h) => h,
+            Err(e) => {
+                assert!(
+                    matches!(
+                        e.kind(),
+                        std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound
+                    ),
+                    "{e}"
+                );
+                eprintln!("NOTE: {CPU_LATENCY_DEVICE} is not writable here ({e}): only the error path was checked");
+                return;
+            }
+        };
+        let during = cpu_latency_in_force(dev).unwrap();
+        assert!(
+            during <= 3,
+            "request of 3 µs held, the kernel enforces {during} µs"
+        );
+        drop(held);
+        let after = cpu_latency_in_force(dev).unwrap();
+        if before <= 3 {
+            eprintln!("NOTE: another request of {before} µs was in force: the withdrawal could not be seen");
+        } else {
+            assert!(
+                after > 3,
+                "the request outlived its holder: {after} µs in force after the drop"
+            );
+        }
     }
 
     #[test]
