@@ -78,6 +78,14 @@ pub struct DemoArgs {
     /// Agent idle window.
     #[arg(long, default_value = "100ms", value_parser = coloc_agent::cli::parse_duration)]
     pub idle_window: Duration,
+    /// The agent's --cpu-wake-latency while the demo runs: idle CPUs are kept in states
+    /// they leave within this long (a PM QoS request on /dev/cpu_dma_latency, for the
+    /// whole machine, withdrawn when the agent exits; 0: idle CPUs poll instead of
+    /// halting). `off`: no request, as the agent does unless asked. On a VM whose idle
+    /// vCPUs halt, most of the doorbell's tail is the host running the halted vCPU again
+    /// (benches/RESULTS.md); needs root, else the agent logs an error and runs without it.
+    #[arg(long, default_value = "0", value_parser = parse_wake)]
+    pub cpu_wake_latency: WakeRequest,
     /// Directory for the workloads' results, the agent's log and event log (default: a
     /// new directory under /tmp).
     #[arg(long)]
@@ -85,6 +93,29 @@ pub struct DemoArgs {
     /// Write the summary as JSON to this file as well.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// `--cpu-wake-latency`: a duration, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum WakeRequest {
+    Off,
+    Within(Duration),
+}
+
+/// The kernel's CPU latency limit as read, or "none" for its default (2000 s, no request).
+fn in_force_text(v: Option<i32>) -> String {
+    match v {
+        None => "unreadable".into(),
+        Some(v) if v >= 2_000_000_000 => "none".into(),
+        Some(v) => format!("{v} µs"),
+    }
+}
+
+fn parse_wake(s: &str) -> Result<WakeRequest> {
+    if s.trim() == "off" {
+        return Ok(WakeRequest::Off);
+    }
+    Ok(WakeRequest::Within(coloc_agent::cli::parse_duration(s)?))
 }
 
 /// The scenarios, in GPU order (`offline` has one GPU, the others `--replicas`).
@@ -278,6 +309,15 @@ fn run(a: DemoArgs) -> Result<()> {
         .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
         .arg("--idle-window")
         .arg(format!("{}us", a.idle_window.as_micros()))
+        .args(match a.cpu_wake_latency {
+            WakeRequest::Off => vec![],
+            WakeRequest::Within(d) => {
+                vec![
+                    "--cpu-wake-latency".to_string(),
+                    format!("{}us", d.as_micros()),
+                ]
+            }
+        })
         .env("COLOC_SIM_STATE", &state)
         .stderr(agent_log)
         .spawn()
@@ -289,6 +329,28 @@ fn run(a: DemoArgs) -> Result<()> {
             "agent exited at start ({st}); see {}",
             out.join("agent.log").display()
         );
+    }
+
+    // What the kernel enforces with the agent running (the lowest request of any holder).
+    let in_force =
+        coloc_agent::sched::cpu_latency_in_force(Path::new(coloc_agent::sched::CPU_LATENCY_DEVICE))
+            .ok();
+    match (a.cpu_wake_latency, in_force) {
+        (WakeRequest::Off, v) => println!(
+            "CPU wake-up latency: no request from the agent (in force: {})",
+            in_force_text(v)
+        ),
+        (WakeRequest::Within(d), Some(v)) if i64::from(v) <= d.as_micros() as i64 => println!(
+            "CPU wake-up latency: the agent holds {} µs (in force: {v} µs{}; `--cpu-wake-latency off` runs without)",
+            d.as_micros(),
+            if v == 0 { ", idle CPUs poll" } else { "" }
+        ),
+        (WakeRequest::Within(d), v) => println!(
+            "CPU wake-up latency: the agent asked for {} µs but {} is in force (no root? see {})",
+            d.as_micros(),
+            in_force_text(v),
+            out.join("agent.log").display()
+        ),
     }
 
     let dur = a.duration_s.to_string();
@@ -417,6 +479,12 @@ fn run(a: DemoArgs) -> Result<()> {
     let svg = out.join("timeline.svg");
     write_timeline(&out, &events, &lay, &svg)?;
     summary["timeline"] = serde_json::json!(svg.display().to_string());
+    summary["cpu_wake_latency_us"] = match a.cpu_wake_latency {
+        WakeRequest::Off => Value::Null,
+        WakeRequest::Within(d) => serde_json::json!(d.as_micros() as u64),
+    };
+    summary["cpu_wake_latency_in_force_us"] = serde_json::json!(in_force);
+
     print_table(&summary);
     println!(
         "timeline (online busy, offline suspended, request latency): {}",

@@ -712,6 +712,60 @@ fn http_endpoints() {
     }
 }
 
+/// `--cpu-wake-latency` is in force while the agent runs and withdrawn by the kernel when
+/// it dies, `kill -9` included (nothing to clean up, nothing left behind).
+#[test]
+fn the_cpu_wake_latency_request_lives_and_dies_with_the_agent() {
+    use coloc_agent::sched::{cpu_latency_in_force, CPU_LATENCY_DEVICE};
+    let dev = std::path::Path::new(CPU_LATENCY_DEVICE);
+    let writable = std::fs::OpenOptions::new().write(true).open(dev).is_ok();
+    let before = cpu_latency_in_force(dev).ok();
+    let sim = Sim::start(1, &[]);
+    let mut agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--cpu-wake-latency".into(), "7us".into()],
+            ..Default::default()
+        },
+    );
+    if !writable {
+        eprintln!("NOTE: {CPU_LATENCY_DEVICE} is not writable here: checked that the agent says so and runs on");
+        assert!(
+            agent
+                .log_text()
+                .contains("Cannot hold the CPU wake-up latency request"),
+            "{}",
+            agent.log_text()
+        );
+        return;
+    }
+    assert!(
+        agent
+            .log_text()
+            .contains("Holding a CPU wake-up latency request")
+            && agent.log_text().contains("requested_us=7"),
+        "{}",
+        agent.log_text()
+    );
+    let during = cpu_latency_in_force(dev).unwrap();
+    assert!(
+        during <= 7,
+        "the agent holds 7 µs, the kernel enforces {during} µs"
+    );
+    agent.signal(libc::SIGKILL);
+    agent.wait();
+    let after = cpu_latency_in_force(dev).unwrap();
+    match before {
+        Some(b) if b > 7 => assert!(
+            after > 7,
+            "the request outlived the killed agent: {after} µs in force (before it: {b} µs)"
+        ),
+        _ => eprintln!(
+            "NOTE: another request of {before:?} µs was in force: the withdrawal could not be seen"
+        ),
+    }
+}
+
 #[test]
 fn demo_shows_the_difference() {
     let dir = std::env::temp_dir().join(unique("coloc-e2e-demo"));
@@ -773,6 +827,12 @@ fn demo_shows_the_difference() {
         "{s}"
     );
     assert_eq!(s["fail_opens"], 0, "{s}");
+    // The demo asks the agent for idle CPUs that poll (root: in force while it ran).
+    assert_eq!(s["cpu_wake_latency_us"], 0, "{s}");
+    assert!(
+        stdout.contains("CPU wake-up latency: the agent holds 0 µs"),
+        "{stdout}"
+    );
     let svg = std::path::PathBuf::from(s["timeline"].as_str().unwrap());
     assert!(render_svg(&svg).unwrap() > 5, "the demo's timeline renders");
     assert!(
