@@ -14,7 +14,8 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   | signal (NVML only) | freezer (NVML only; skipped without a cgroup v2 freezer)
   | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
   shim too, K = --gate-inflight): each --duration seconds, one GPU
-  wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision)
+  wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision),
+                 with and without a CPU wake-up latency request (--cpu-wake-latency 0)
   nvml-load      burst.py alone (tiny kernels, each waited for) while coloc-bench
                  --nvml-poll calls what the agent's loop calls (process list, samples) every
                  1 / 10 / 100 ms (--nvml-load-intervals): does the driver's lock slow
@@ -512,7 +513,8 @@ class Harness:
                 "probe": a.probe_seconds + start + 10,
                 "shim": 130.0,
                 "warmup": a.warmup_run + start + 5,
-                "wake-floor": 2 * 4 * a.wake_floor_samples * 0.0275 + 10,
+                # Two loads x four waiters, with and without a CPU wake-up latency request.
+                "wake-floor": 2 * 2 * 4 * a.wake_floor_samples * 0.0275 + 10,
                 "nvml-load": len(parse_intervals(a.nvml_load_intervals)) * (a.nvml_load_duration + start + 5),
                 # The first two configurations (the baseline and one more): the step skips
                 # those that would not fit its own deadline, one by one.
@@ -1037,7 +1039,8 @@ class Harness:
 
     def wake_floor(self, deadline):
         out = os.path.join(self.art, "wake-floor.json")
-        cmd = [os.path.join(self.bin, "coloc-bench"), "--wake-floor", "--samples", str(self.a.wake_floor_samples), "--hogs", "0,2h", "--gap-ms", "5-50", "--json", out]
+        cmd = [os.path.join(self.bin, "coloc-bench"), "--wake-floor", "--samples", str(self.a.wake_floor_samples), "--hogs", "0,2h", "--gap-ms", "5-50",
+               "--cpu-wake-latency", "off,0", "--json", out]
         p = self.spawn("tool", "coloc-bench --wake-floor", cmd, self.env, "wake-floor.log")
         try:
             rc = self.wait_exit(p, "coloc-bench --wake-floor", deadline)

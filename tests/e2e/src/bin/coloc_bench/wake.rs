@@ -22,11 +22,13 @@ use std::time::{Duration, Instant};
 
 /// Usage, appended to `--help`.
 pub const USAGE: &str = "
-  --wake-floor [--samples 2000] [--hogs 0,2h,2] [--gap-ms 1-5]
+  --wake-floor [--samples 2000] [--hogs 0,2h,2] [--gap-ms 1-5] [--cpu-wake-latency off,0]
         the machine's own wake-up latency (no agent): FUTEX_WAKE in one thread to the
         sleeping waiter running, and a 200 µs timer's lateness, with the waiter at nice 0,
         nice -10 and SCHED_FIFO 10; per load: N hogs spinning (`N`) or spinning half the
-        time (`Nh`); rings GAP-MS apart (uniform). The floor under launch -> decision";
+        time (`Nh`); rings GAP-MS apart (uniform); per CPU wake-up latency request (as the
+        agent's --cpu-wake-latency holds it; `off`: none, the default). The floor under
+        launch -> decision";
 
 fn now_ns() -> u64 {
     coloc_doorbell::now_ns()
@@ -251,16 +253,45 @@ pub fn run(args: &[String]) -> serde_json::Value {
             std::process::exit(2);
         }
     };
+    let requests: Vec<Option<Duration>> = args
+        .iter()
+        .position(|a| a == "--cpu-wake-latency")
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| "off".into())
+        .split(',')
+        .map(|v| match v.trim() {
+            "off" => None,
+            v => Some(coloc_agent::cli::parse_duration(v).unwrap_or_else(|e| {
+                eprintln!("--cpu-wake-latency takes `off` or durations, comma-separated: {e:#}");
+                std::process::exit(2);
+            })),
+        })
+        .collect();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "Wake-up floor on {cpus} CPUs, {samples} samples per cell, rings {}-{} ms apart (µs, nearest rank)\n",
         gap_us.0 as f64 / 1e3,
         gap_us.1 as f64 / 1e3
     );
-    println!("| load | waiter | path | p50 | p90 | p99 | p99.9 | max | over 200 µs |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| CPU wake request | load | waiter | path | p50 | p90 | p99 | p99.9 | max | over 200 µs |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
-    for load in &loads {
+    for (request, load) in requests
+        .iter()
+        .flat_map(|r| loads.iter().map(move |l| (*r, l)))
+    {
+        let device = std::path::Path::new(coloc_agent::sched::CPU_LATENCY_DEVICE);
+        let _held = match request {
+            None => None,
+            Some(d) => match coloc_agent::sched::CpuWakeLatency::hold(device, d) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    println!("| {} µs | refused ({e}) | | | | | | | | |", d.as_micros());
+                    continue;
+                }
+            },
+        };
+        let req = request.map_or("off".to_string(), |d| format!("{} µs", d.as_micros()));
         let _hogs = Hogs::start(load);
         std::thread::sleep(Duration::from_millis(200));
         for prio in [
@@ -275,7 +306,7 @@ pub fn run(args: &[String]) -> serde_json::Value {
             ] {
                 let Some(v) = v else {
                     println!(
-                        "| {} | {} | {path} | refused (needs root) | | | | | |",
+                        "| {req} | {} | {} | {path} | refused (needs root) | | | | | |",
                         Hogs::describe(load),
                         prio.name()
                     );
@@ -284,7 +315,7 @@ pub fn run(args: &[String]) -> serde_json::Value {
                 let p = pcts(&v);
                 let f = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
                 println!(
-                    "| {} | {} | {path} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} of {} |",
+                    "| {req} | {} | {} | {path} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} of {} |",
                     Hogs::describe(load),
                     prio.name(),
                     f("p50_us"),
@@ -296,6 +327,7 @@ pub fn run(args: &[String]) -> serde_json::Value {
                     p["n"]
                 );
                 rows.push(serde_json::json!({
+                    "cpu_wake_latency_us": request.map(|d| d.as_micros() as u64),
                     "load": load, "waiter": prio.name(), "path": path, "latency": p,
                 }));
             }
