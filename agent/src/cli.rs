@@ -210,8 +210,9 @@ pub struct RunArgs {
     /// again, up to milliseconds). It applies to every CPU of the node: 0 makes idle CPUs
     /// poll instead of halting (the fastest wake-up, paid in power, and in a VM in the
     /// host's CPU time); a few µs keeps the shallow states (C1) and only the deep ones out.
-    /// Unset: no request. Needs write access to /dev/cpu_dma_latency (root; in a container,
-    /// that device node); without it the agent logs an error and runs on.
+    /// Whole microseconds (rounded down), at most 1s. Unset: no request. Needs write access
+    /// to /dev/cpu_dma_latency (root; in a container, that device node); without it the
+    /// agent logs an error and runs on.
     #[arg(long, env = "COLOC_CPU_WAKE_LATENCY", value_parser = parse_duration)]
     pub cpu_wake_latency: Option<Duration>,
     /// Append every preemption and release, with its latencies, to this JSON-lines file.

@@ -7,6 +7,15 @@ use coloc_e2e::*;
 use std::time::{Duration, Instant};
 
 const SOON: Duration = Duration::from_secs(2);
+
+/// The CPU wake-up latency request is the whole machine's: the tests that hold one (the
+/// demo's agent, the GPU harness's wake-floor step) or read the one in force run one at a
+/// time.
+static CPU_LATENCY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn cpu_latency_lock() -> std::sync::MutexGuard<'static, ()> {
+    CPU_LATENCY.lock().unwrap_or_else(|e| e.into_inner())
+}
 /// Longest a one-shot `coloc-agent` command (check-rules, status, a run that must fail at
 /// start) may take before the test fails instead of hanging.
 const CMD_LIMIT: Duration = Duration::from_secs(30);
@@ -716,6 +725,7 @@ fn http_endpoints() {
 /// it dies, `kill -9` included (nothing to clean up, nothing left behind).
 #[test]
 fn the_cpu_wake_latency_request_lives_and_dies_with_the_agent() {
+    let _cpu_latency = cpu_latency_lock();
     use coloc_agent::sched::{cpu_latency_in_force, CPU_LATENCY_DEVICE};
     let dev = std::path::Path::new(CPU_LATENCY_DEVICE);
     let writable = std::fs::OpenOptions::new().write(true).open(dev).is_ok();
@@ -768,6 +778,7 @@ fn the_cpu_wake_latency_request_lives_and_dies_with_the_agent() {
 
 #[test]
 fn demo_shows_the_difference() {
+    let _cpu_latency = cpu_latency_lock();
     let dir = std::env::temp_dir().join(unique("coloc-e2e-demo"));
     let json = dir.join("summary.json");
     // One GPU per scenario, 10 requests/s for 6 s: about 60 online requests each, so the
@@ -973,6 +984,7 @@ print(json.dumps(run.burst_stats(ks, [(0.0, 0.3)], [5.1, 8.6, 11.0])))
 
 #[test]
 fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
+    let _cpu_latency = cpu_latency_lock();
     // benches/gpu/run.py is what runs on a real GPU; --sim swaps PyTorch and the driver for
     // coloc-sim and the fake NVML, so the whole harness is exercised here. One step is made
     // to fail (with its workloads running): it must be recorded, torn down, and the run go on.

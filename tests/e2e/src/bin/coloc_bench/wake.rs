@@ -273,7 +273,9 @@ pub fn run(args: &[String]) -> serde_json::Value {
         gap_us.0 as f64 / 1e3,
         gap_us.1 as f64 / 1e3
     );
-    println!("| CPU wake request | load | waiter | path | p50 | p90 | p99 | p99.9 | max | over 200 µs |");
+    println!(
+        "| CPU wake request | load | waiter | path | p50 | p90 | p99 | p99.9 | max | over 200 µs |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for (request, load) in requests
