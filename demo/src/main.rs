@@ -335,7 +335,15 @@ fn run(a: DemoArgs) -> Result<()> {
     let in_force =
         coloc_agent::sched::cpu_latency_in_force(Path::new(coloc_agent::sched::CPU_LATENCY_DEVICE))
             .ok();
+    let refused = std::fs::read_to_string(out.join("agent.log"))
+        .is_ok_and(|l| l.contains("Cannot hold the CPU wake-up latency request"));
     match (a.cpu_wake_latency, in_force) {
+        (WakeRequest::Within(d), v) if refused => println!(
+            "CPU wake-up latency: the agent could not hold {} µs (in force: {}; see {})",
+            d.as_micros(),
+            in_force_text(v),
+            out.join("agent.log").display()
+        ),
         (WakeRequest::Off, v) => println!(
             "CPU wake-up latency: no request from the agent (in force: {})",
             in_force_text(v)
