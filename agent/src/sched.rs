@@ -107,6 +107,9 @@ pub(crate) fn raise_priority(nice: i32, rt: i32, slice: Duration) {
 /// that to leave. Closing it (the agent's exit, a crash included) withdraws the request.
 pub const CPU_LATENCY_DEVICE: &str = "/dev/cpu_dma_latency";
 
+/// What the device reads when nobody holds a request (the kernel's default, 2000 s).
+pub const NO_CPU_LATENCY_REQUEST_US: i32 = 2_000_000_000;
+
 /// A CPU wake-up latency request, held until dropped.
 #[derive(Debug)]
 pub struct CpuWakeLatency {

@@ -106,7 +106,7 @@ pub enum WakeRequest {
 fn in_force_text(v: Option<i32>) -> String {
     match v {
         None => "unreadable".into(),
-        Some(v) if v >= 2_000_000_000 => "none".into(),
+        Some(v) if v >= coloc_agent::sched::NO_CPU_LATENCY_REQUEST_US => "none".into(),
         Some(v) => format!("{v} µs"),
     }
 }
