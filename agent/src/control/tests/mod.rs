@@ -6,6 +6,7 @@ mod bells;
 mod failures;
 mod gates;
 mod holds;
+mod props;
 
 use super::events::Event;
 use super::state::Shared;
