@@ -46,25 +46,22 @@ impl Loop {
             reqs.push((*key, plan));
             reasons.push((*key, *reason));
         }
-        let (started, resumed, mut done) = {
-            let mut holds = self.holds();
-            let started = if reqs.is_empty() {
-                Default::default()
-            } else {
-                holds.suspend(&reqs, now)
-            };
-            let (resumed, rdone) = if d.resume.is_empty() {
-                Default::default()
-            } else {
-                holds.resume(&d.resume, now)
-            };
-            (started, resumed, rdone)
+        let started = if reqs.is_empty() {
+            Default::default()
+        } else {
+            self.book.suspend(&reqs, now)
         };
+        let resumed = if d.resume.is_empty() {
+            Vec::new()
+        } else {
+            self.book.resume(&d.resume, now)
+        };
+        self.drain();
+        let done = self.book.take_done();
         if !resumed.is_empty() {
             let pids: Vec<u32> = d.resume.iter().map(|k| k.pid).collect();
             tracing::info!(?pids, targets = resumed.len(), "Resuming offline work");
         }
-        done.extend(started.done);
 
         self.open_events(&d.transitions, &started.started, &resumed, &reasons);
         for ev in self.tracker.complete(&done) {

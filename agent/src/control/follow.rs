@@ -10,17 +10,27 @@ impl Loop {
     /// After the decision: confirmations that came, holds found broken, suspensions that
     /// failed (retried later), and the table purged of processes nothing refers to.
     pub(super) fn follow_holds(&mut self, now: u64) {
-        let done = self.holds().poll(now);
+        self.book.poll(now);
+        self.drain();
+        let done = self.book.take_done();
         if !done.is_empty() {
             for ev in self.tracker.complete(&done) {
                 self.telemetry.emit(ev);
             }
         }
-        let broken = self.holds().recheck(now);
-        for b in broken {
+        self.book.recheck(now);
+        self.drain();
+        for b in self.book.take_broken() {
             self.report_broken(b);
         }
-        let failed = self.holds().take_failed();
+        // Completions that came of the re-check (an escalation's freeze).
+        let done = self.book.take_done();
+        if !done.is_empty() {
+            for ev in self.tracker.complete(&done) {
+                self.telemetry.emit(ev);
+            }
+        }
+        let failed = self.book.take_failed();
         for key in failed {
             let due = self.retries.failed(key, now);
             warn!(
@@ -29,14 +39,12 @@ impl Loop {
                 "Suspension failed and was undone; retrying while online stays busy"
             );
         }
-        let holds = self.holds.clone();
+        let book = &self.book;
         let machine = &self.machine;
         let table = &self.table;
         self.retries.retain(|k| table.entry(k).is_some());
-        self.table.purge(|k| {
-            machine.suspended().contains_key(k)
-                || holds.lock().unwrap_or_else(|e| e.into_inner()).holds(k)
-        });
+        self.table
+            .purge(|k| machine.suspended().contains_key(k) || book.holds(k));
     }
 
     /// Something resumed held offline work: say who, count it.

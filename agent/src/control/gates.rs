@@ -87,7 +87,7 @@ impl Loop {
         }
         if now.saturating_sub(self.last_beat_ns) >= BEAT_NS {
             self.last_beat_ns = now;
-            self.holds().keepalive();
+            self.hands().keepalive();
         }
     }
 

@@ -15,7 +15,7 @@
 //! is stuck in the driver), counts `coloc_fail_open_total{reason="nvml_hung"}` and makes
 //! `/readyz` answer 503 until the call returns.
 
-use crate::control::holds::Holds;
+use crate::control::hands::Hands;
 use crate::control::state::Shared;
 use crate::edges::clock::Clock;
 use std::collections::BTreeMap;
@@ -134,9 +134,9 @@ impl Watchdog {
 
     /// The loop's NVML calls returned. Returns whether the watchdog failed open meanwhile
     /// (the loop must then forget its decisions and old samples).
-    pub fn leave(&self, holds: &Mutex<Holds>) -> bool {
-        // Under the holds lock, so that the watchdog never acts on a call that has ended.
-        let _g = holds.lock().unwrap_or_else(|e| e.into_inner());
+    pub fn leave(&self, hands: &Mutex<Hands>) -> bool {
+        // Under the hands' lock, so that the watchdog never acts on a call that has ended.
+        let _g = hands.lock().unwrap_or_else(|e| e.into_inner());
         self.call_since_ns.store(0, Ordering::SeqCst);
         self.tripped.swap(false, Ordering::SeqCst)
     }
@@ -147,10 +147,11 @@ impl Watchdog {
         &self,
         now: u64,
         timeout: Duration,
-        holds: &Mutex<Holds>,
+        hands: &Mutex<Hands>,
+        budget: Duration,
         shared: &Shared,
     ) -> bool {
-        let mut h = holds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = hands.lock().unwrap_or_else(|e| e.into_inner());
         let since = self.call_since_ns.load(Ordering::SeqCst);
         if since == 0 || self.tripped.load(Ordering::SeqCst) {
             return false;
@@ -167,7 +168,7 @@ impl Watchdog {
         error!(reason = %why, "NVML call hung: failing open, resuming all offline work");
         metrics::counter!("coloc_fail_open_total", "reason" => "nvml_hung").increment(1);
         shared.set_degraded(Some(format!("{why}: offline work was resumed (fail-open)")));
-        let n = h.release_all("nvml_hung", now);
+        let n = h.resume_everything(budget);
         info!(resumed = n, "Watchdog resumed offline work");
         true
     }
@@ -176,7 +177,8 @@ impl Watchdog {
     pub fn spawn(
         self: &Arc<Self>,
         timeout: Duration,
-        holds: Arc<Mutex<Holds>>,
+        hands: Arc<Mutex<Hands>>,
+        budget: Duration,
         shared: Arc<Shared>,
         clock: Arc<dyn Clock>,
     ) -> std::io::Result<std::thread::JoinHandle<()>> {
@@ -187,7 +189,7 @@ impl Watchdog {
             .spawn(move || {
                 while !shared.stop.load(Ordering::Relaxed) {
                     std::thread::sleep(every);
-                    me.check(clock.now_ns(), timeout, &holds, &shared);
+                    me.check(clock.now_ns(), timeout, &hands, budget, &shared);
                 }
             })
     }

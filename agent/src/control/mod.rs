@@ -28,6 +28,7 @@ pub mod events;
 mod execute;
 mod follow;
 pub mod gates;
+pub mod hands;
 pub mod health;
 pub mod holds;
 mod observe;
@@ -51,8 +52,9 @@ use crate::edges::record::RecordStore;
 use crate::edges::source::PodSource;
 use crate::telemetry::Telemetry;
 use events::{Event, FailOpen, Tracker};
+use hands::Hands;
 use health::{Health, Watchdog};
-use holds::Holds;
+use holds::HoldBook;
 use qos_core::Machine;
 use state::Shared;
 use std::collections::BTreeMap;
@@ -143,7 +145,10 @@ pub struct Loop {
     classifier: Classifier,
     table: Table,
     machine: Machine<ProcKey>,
-    holds: Arc<Mutex<Holds>>,
+    /// The hold book (no I/O: it asks the hands).
+    book: HoldBook,
+    /// The edges that act, shared with the watchdog.
+    hands: Arc<Mutex<Hands>>,
     health: Health,
     watchdog: Arc<Watchdog>,
     tracker: Tracker,
@@ -212,15 +217,15 @@ impl Loop {
             mounts: cfg.cgroups.clone(),
             own: edges.procfs.self_cgroups(),
         };
-        let mut holds = Holds::new(
+        let hands = Hands::new(
             edges.actuator,
             edges.record,
             edges.procfs.clone(),
             edges.clock.clone(),
-            cfg.confirm_timeout,
         );
-        holds.recheck_ns = cfg.recheck.as_nanos() as u64;
-        holds.gate_timeout = cfg.gate_timeout;
+        let mut book = HoldBook::new(cfg.confirm_timeout);
+        book.recheck_ns = cfg.recheck.as_nanos() as u64;
+        book.gate_timeout = cfg.gate_timeout;
         Ok(Loop {
             machine: Machine::new(cfg.machine),
             health: Health::new(cfg.nvml_grace),
@@ -234,7 +239,8 @@ impl Loop {
             gpus,
             clock: edges.clock,
             table: Table::default(),
-            holds: Arc::new(Mutex::new(holds)),
+            book,
+            hands: Arc::new(Mutex::new(hands)),
             watchdog: Arc::new(Watchdog::default()),
             tracker: Tracker::default(),
             retries: retry::Retries::default(),
@@ -260,8 +266,31 @@ impl Loop {
         })
     }
 
-    fn holds(&self) -> MutexGuard<'_, Holds> {
-        self.holds.lock().unwrap_or_else(|e| e.into_inner())
+    fn hands(&self) -> MutexGuard<'_, Hands> {
+        self.hands.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The hold book.
+    pub fn holds(&self) -> &HoldBook {
+        &self.book
+    }
+
+    /// The shell's part of the hold book's conversation: performs what the book asks, in
+    /// order, and tells it what came of it, until it asks for nothing more.
+    fn drain(&mut self) {
+        loop {
+            let cmds = self.book.take_commands();
+            if cmds.is_empty() {
+                debug_assert!(
+                    !self.book.waiting(),
+                    "the book waits for an answer it never asked for"
+                );
+                return;
+            }
+            let obs = self.hands().perform(cmds);
+            let now = self.clock.now_ns();
+            self.book.observe(obs, now);
+        }
     }
 
     /// Runs until `shared.stop` is set, then resumes everything. Starts the watchdog.
@@ -273,7 +302,8 @@ impl Loop {
         );
         let wd = self.watchdog.spawn(
             self.cfg.nvml_hang_timeout,
-            self.holds.clone(),
+            self.hands.clone(),
+            self.cfg.confirm_timeout,
             self.shared.clone(),
             self.clock.clone(),
         );
@@ -318,7 +348,7 @@ impl Loop {
             // judgement per tick, and a persistent failure shows at the next regular read.
             self.watchdog.enter(self.clock.now_ns());
             observed |= self.observe(now).is_some();
-            if self.watchdog.leave(&self.holds) {
+            if self.watchdog.leave(&self.hands) {
                 self.after_watchdog(now);
                 self.decide_next = true;
             }
@@ -364,7 +394,7 @@ impl Loop {
     fn observe_and_judge(&mut self, now: u64) -> bool {
         self.watchdog.enter(now);
         let failed = self.observe(now);
-        if self.watchdog.leave(&self.holds) {
+        if self.watchdog.leave(&self.hands) {
             self.after_watchdog(now);
             self.decide_next = true;
         }
@@ -380,7 +410,8 @@ impl Loop {
         self.machine.release_all();
         self.decide_next = true;
         let now = self.clock.now_ns();
-        let n = self.holds().release_all(reason, now);
+        let n = self.book.release_all(reason);
+        self.drain();
         if n > 0 && reason != "shutdown" {
             metrics::counter!("coloc_fail_open_total", "reason" => reason).increment(1);
             self.telemetry.emit(Event::FailOpen(FailOpen {
@@ -401,7 +432,7 @@ impl Loop {
 impl Drop for Loop {
     fn drop(&mut self) {
         // Reached on normal exit (already empty) and on a panic unwinding the loop.
-        if !self.holds().is_empty() {
+        if !self.book.is_empty() {
             error!("Control loop ending with offline work suspended: resuming it");
             self.release_everything("panic");
         }

@@ -191,6 +191,8 @@ impl Loop {
     /// decisions and the samples from before, and report when the call came back.
     pub(super) fn after_watchdog(&mut self, now: u64) {
         self.machine.release_all();
+        // The watchdog resumed every hold through the hands and cleared the record.
+        self.book.forget_all();
         self.table.clear_activity(None);
         for g in &self.gpus {
             self.blind_until.insert(*g, now);

@@ -11,10 +11,8 @@ impl Loop {
     /// and at most `--idle-poll-interval`. A doorbell ends the sleep early.
     pub(crate) fn next_wait(&self, now: u64) -> Duration {
         let poll = self.cfg.poll;
-        let (next_check, recheck, gated) = {
-            let h = self.holds();
-            (h.next_check_ns(), h.next_recheck_ns(), h.gates_closed())
-        };
+        let (next_check, recheck) = (self.book.next_check_ns(), self.book.next_recheck_ns());
+        let gated = self.hands().gates_closed();
         let held = recheck.is_some();
         if (next_check.is_none() && !self.tracker.is_empty())
             || !self.retries.is_empty()

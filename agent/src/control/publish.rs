@@ -106,7 +106,7 @@ impl Loop {
             idle_window_ms: self.cfg.machine.idle_window as f64 / 1e6,
             degraded: degraded_reason.is_some(),
             degraded_reason,
-            suspended_targets: self.holds().len(),
+            suspended_targets: self.book.len(),
             updated_ns: now,
             gpus,
             recent_events: self.telemetry.recent.iter().cloned().collect(),

@@ -2,24 +2,23 @@
 //! that leave the record, and the resume of everything (fail-open, shutdown).
 
 use super::{
-    members_progress, pending_members, Completion, Hold, HoldKey, Holds, Outcome, Pending,
-    INLINE_BUDGET,
+    members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
+    Outcome, Pending, Progress, Then, INLINE_BUDGET,
 };
-use crate::edges::actuator::{Kind, Op, Progress, RecordEntry, Target};
+use crate::edges::actuator::{Kind, Op, RecordEntry, Target};
+use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
-use std::time::Duration;
 use tracing::{debug, error, info};
 
-impl Holds {
+impl HoldBook {
     /// A suspension failed: undo it (resume its members), drop the hold, and keep the
     /// record entries only if the undo could not be confirmed.
     pub(super) fn fail_suspension(
         &mut self,
         key: &HoldKey,
         hold: Hold,
-        reason: &'static str,
+        reason: Failure,
         p: &[Progress],
-        now: u64,
     ) {
         self.failed.extend(hold.holders.iter().copied());
         for (t, pr) in hold.members.iter().zip(p) {
@@ -28,48 +27,73 @@ impl Holds {
                 error!(target = %t, %err, "Suspension failed: undoing it (fail open)");
             }
         }
-        if reason == "timeout" {
+        if reason == Failure::Timeout {
             metrics::counter!("coloc_actuation_errors_total", "actuator" => hold.kind.as_str(), "op" => "suspend", "reason" => "timeout").increment(1);
             error!(hold = ?key, timeout = ?self.confirm_timeout, "Suspension not confirmed in time: undoing it (fail open)");
         }
         metrics::counter!("coloc_fail_open_total", "reason" => "actuation").increment(1);
         self.pending.retain(|p| p.key != *key);
-        self.start_resume(key.clone(), hold.kind, hold.members, now);
+        self.start_resume(key.clone(), hold.kind, hold.members, false);
     }
 
-    /// Starts resuming `members`; a confirmed or gone resume leaves the record at once, a
+    /// Asks to resume `members`; a confirmed or gone resume leaves the record at once, a
     /// pending one when it is confirmed, a failed one stays for the next start.
     pub(super) fn start_resume(
         &mut self,
         key: HoldKey,
         kind: Kind,
         members: Vec<Target>,
+        report: bool,
+    ) {
+        let targets = members.clone();
+        self.ask(
+            Then::StartedResume {
+                key,
+                kind,
+                members,
+                report,
+            },
+            |req| HoldCmd::Start {
+                req,
+                op: Op::Resume,
+                targets,
+                budget: INLINE_BUDGET,
+            },
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn started_resume(
+        &mut self,
+        key: HoldKey,
+        kind: Kind,
+        members: Vec<Target>,
+        report: bool,
+        p: Vec<Progress>,
         now: u64,
-    ) -> Option<Completion> {
-        let p = self.actuator.start(&members, Op::Resume, INLINE_BUDGET);
-        let at = self.clock.now_ns();
+        at: u64,
+    ) {
         match members_progress(&p) {
-            None => {
-                self.pending.push(Pending::new(
-                    key,
-                    Op::Resume,
-                    kind,
-                    pending_members(&members, &p),
-                    members.clone(),
-                    now,
-                    self.confirm_timeout,
-                ));
-                None
-            }
+            None => self.pending.push(Pending::new(
+                key,
+                Op::Resume,
+                kind,
+                pending_members(&members, &p),
+                members.clone(),
+                now,
+                self.confirm_timeout,
+            )),
             Some(outcome) => {
                 self.resumed(&key, &members, &p, &outcome);
-                Some(Completion {
-                    key,
-                    op: Op::Resume,
-                    outcome,
-                    kind,
-                    at_ns: at,
-                })
+                if report {
+                    self.done.push(Completion {
+                        key,
+                        op: Op::Resume,
+                        outcome,
+                        kind,
+                        at_ns: at,
+                    });
+                }
             }
         }
     }
@@ -94,15 +118,15 @@ impl Holds {
         self.forget(members);
     }
 
-    /// Marks `members` resumed: they leave the record at the next [`Holds::flush_forgotten`]
-    /// (at the end of the call that resumed them), all of them in one write.
+    /// Marks `members` resumed: they leave the record at the next
+    /// [`HoldBook::flush_forgotten`], all of them in one write.
     pub(super) fn forget(&mut self, members: &[Target]) {
         self.forgotten.extend(members.iter().map(Target::record));
     }
 
-    /// Removes what was resumed from the record, except what a current hold still covers:
-    /// one write however many holds a release resumed (one per hold would be 8 writes for
-    /// a GPU with 8 offline processes).
+    /// Asks to remove what was resumed from the record, except what a current hold still
+    /// covers: one write however many holds a release resumed (one per hold would be 8
+    /// writes for a GPU with 8 offline processes).
     pub(super) fn flush_forgotten(&mut self) {
         if self.forgotten.is_empty() {
             return;
@@ -110,26 +134,67 @@ impl Holds {
         let still: BTreeSet<RecordEntry> = self
             .held
             .values()
+            .chain(self.staged.values())
             .flat_map(|h| h.members.iter().map(Target::record))
             .collect();
         let gone: Vec<RecordEntry> = std::mem::take(&mut self.forgotten)
             .into_iter()
             .filter(|e| !still.contains(e))
             .collect();
-        if let Err(err) = self.record.remove(&gone) {
-            error!(error = %format!("{err:#}"), "Failed to update the suspension record");
+        if !gone.is_empty() {
+            self.out.push(HoldCmd::RecordRemove { entries: gone });
         }
     }
 
-    /// Checks pending operations without waiting; ends those past their deadline.
-    pub fn poll(&mut self, now: u64) -> Vec<Completion> {
-        if self.pending.is_empty() {
-            return Vec::new();
+    /// Releases `holders`; holds left without holders are resumed. Returns the holds whose
+    /// resume starts, by holder.
+    pub fn resume(&mut self, holders: &[ProcKey], now: u64) -> Vec<(ProcKey, HoldKey)> {
+        let mut started = Vec::new();
+        let mut released = Vec::new();
+        for holder in holders {
+            for (key, h) in self.held.iter_mut() {
+                if h.holders.remove(holder) && h.holders.is_empty() {
+                    started.push((*holder, key.clone()));
+                    released.push(key.clone());
+                }
+            }
         }
-        let mut done = Vec::new();
-        for mut p in std::mem::take(&mut self.pending) {
+        for key in released {
+            self.release(key, now);
+        }
+        self.flush_forgotten();
+        started
+    }
+
+    fn release(&mut self, key: HoldKey, now: u64) {
+        let Some(hold) = self.held.remove(&key) else {
+            return;
+        };
+        // A suspension still being confirmed is overtaken by the resume.
+        if self
+            .pending
+            .iter()
+            .any(|p| p.key == key && p.op == Op::Suspend)
+        {
+            self.pending
+                .retain(|p| !(p.key == key && p.op == Op::Suspend));
+            self.done.push(Completion {
+                key: key.clone(),
+                op: Op::Suspend,
+                outcome: Outcome::Skipped,
+                kind: hold.kind,
+                at_ns: now,
+            });
+        }
+        self.start_resume(key, hold.kind, hold.members, true);
+    }
+
+    /// Looks at the pending operations that are due, without waiting; ends those past
+    /// their deadline; escalates gate holds whose acknowledgement did not come in time.
+    pub fn poll(&mut self, now: u64) {
+        for p in std::mem::take(&mut self.pending) {
             if p.escalate_ns.is_some_and(|e| now >= e) {
-                done.extend(self.escalate_gate(p, now, "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)"));
+                self.escalate_gate(p, "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)");
                 continue;
             }
             // A gate is acknowledged through a page, which wakes the loop: look at every
@@ -138,77 +203,85 @@ impl Holds {
                 self.pending.push(p);
                 continue;
             }
-            let progress = self.actuator.check(&p.members, p.op, Duration::ZERO);
-            let outcome = match members_progress(&progress) {
-                None if now >= p.deadline_ns => Some(Outcome::Failed("timeout")),
-                None => {
-                    p.members = pending_members(&p.members, &progress);
-                    p.gap_ns = (p.gap_ns * 2).min(super::CHECK_MAX_NS);
-                    p.next_check_ns = now + p.gap_ns;
-                    self.pending.push(p);
-                    continue;
-                }
-                o => o,
-            };
-            let outcome = outcome.unwrap_or(Outcome::Done);
-            match (p.op, &outcome) {
-                (Op::Suspend, Outcome::Failed(reason)) => {
-                    if let Some(hold) = self.held.remove(&p.key) {
-                        self.fail_suspension(&p.key, hold, reason, &progress, now);
-                    }
-                }
-                (Op::Resume, Outcome::Failed(_)) => {
-                    metrics::counter!("coloc_actuation_errors_total", "actuator" => p.kind.as_str(), "op" => "resume", "reason" => "timeout").increment(1);
-                    error!(hold = ?p.key, "Resume not confirmed in time; left in the record for the next start");
-                }
-                (Op::Resume, _) => self.forget(&p.all),
-                (Op::Suspend, _) => {}
-            }
-            done.push(Completion {
-                key: p.key,
-                op: p.op,
-                outcome,
-                kind: p.kind,
-                at_ns: now,
-            });
+            let (op, targets) = (p.op, p.members.clone());
+            self.ask(Then::Checked(p), |req| HoldCmd::Check { req, op, targets });
         }
-        self.flush_forgotten();
-        done
     }
 
-    /// Resumes every hold (fail-open, shutdown), waiting up to `--confirm-timeout` for the
-    /// confirmations. Returns how many holds were resumed.
-    pub fn release_all(&mut self, reason: &str, now: u64) -> usize {
-        let keys: Vec<HoldKey> = self.held.keys().cloned().collect();
-        if keys.is_empty() {
+    /// A pending operation was looked at.
+    pub(super) fn checked(&mut self, mut p: Pending, progress: Vec<Progress>, now: u64) {
+        let outcome = match members_progress(&progress) {
+            None if now >= p.deadline_ns => Some(Outcome::Failed(Failure::Timeout)),
+            None => {
+                p.members = pending_members(&p.members, &progress);
+                p.gap_ns = (p.gap_ns * 2).min(super::CHECK_MAX_NS);
+                p.next_check_ns = now + p.gap_ns;
+                self.pending.push(p);
+                return;
+            }
+            o => o,
+        };
+        let outcome = outcome.unwrap_or(Outcome::Done);
+        match (p.op, &outcome) {
+            (Op::Suspend, Outcome::Failed(reason)) => {
+                if let Some(hold) = self.held.remove(&p.key) {
+                    self.fail_suspension(&p.key, hold, *reason, &progress);
+                }
+            }
+            (Op::Resume, Outcome::Failed(_)) => {
+                metrics::counter!("coloc_actuation_errors_total", "actuator" => p.kind.as_str(), "op" => "resume", "reason" => "timeout").increment(1);
+                error!(hold = ?p.key, "Resume not confirmed in time; left in the record for the next start");
+            }
+            (Op::Resume, _) => self.forget(&p.all),
+            (Op::Suspend, _) => {}
+        }
+        self.done.push(Completion {
+            key: p.key,
+            op: p.op,
+            outcome,
+            kind: p.kind,
+            at_ns: now,
+        });
+    }
+
+    /// Resumes every hold (fail-open, shutdown), the shell waiting up to
+    /// `--confirm-timeout` for the confirmations. Returns how many holds are resumed.
+    pub fn release_all(&mut self, reason: &str) -> usize {
+        if self.held.is_empty() {
             return 0;
         }
         info!(
             reason,
-            count = keys.len(),
+            count = self.held.len(),
             "Resuming all suspended offline work"
         );
-        let holds: Vec<(HoldKey, Hold)> = keys
+        let holds: Vec<(HoldKey, Vec<Target>)> = std::mem::take(&mut self.held)
             .into_iter()
-            .filter_map(|k| self.held.remove(&k).map(|h| (k, h)))
+            .map(|(k, h)| (k, h.members))
             .collect();
         self.pending.retain(|p| p.op == Op::Resume);
         let n = holds.len();
-        let targets: Vec<Target> = holds
-            .iter()
-            .flat_map(|(_, h)| h.members.iter().cloned())
-            .collect();
-        let mut progress = self
-            .actuator
-            .start(&targets, Op::Resume, self.confirm_timeout)
-            .into_iter();
-        for (key, hold) in holds {
-            let p: Vec<Progress> = progress.by_ref().take(hold.members.len()).collect();
-            let outcome = members_progress(&p).unwrap_or(Outcome::Failed("timeout"));
-            self.resumed(&key, &hold.members, &p, &outcome);
-        }
-        self.flush_forgotten();
-        let _ = now;
+        let targets: Vec<Target> = holds.iter().flat_map(|(_, m)| m.iter().cloned()).collect();
+        let budget = self.confirm_timeout;
+        self.ask(Then::ReleasedAll(holds), |req| HoldCmd::Start {
+            req,
+            op: Op::Resume,
+            targets,
+            budget,
+        });
         n
+    }
+
+    pub(super) fn released_all(
+        &mut self,
+        holds: Vec<(HoldKey, Vec<Target>)>,
+        progress: Vec<Progress>,
+    ) {
+        let mut progress = progress.into_iter();
+        for (key, members) in holds {
+            let p: Vec<Progress> = progress.by_ref().take(members.len()).collect();
+            let outcome = members_progress(&p).unwrap_or(Outcome::Failed(Failure::Timeout));
+            self.resumed(&key, &members, &p, &outcome);
+        }
     }
 }

@@ -1,17 +1,25 @@
-//! Suspension holds: what is suspended, on whose behalf, and the promise that nothing is
+//! The hold book: what is suspended, on whose behalf, and the promise that nothing is
 //! suspended before the record holds it on disk.
 //!
+//! The book does no I/O. It asks for what it needs as commands ([`HoldCmd`]) and is told
+//! what came of them ([`HoldObs`]); the loop's shell ([`crate::control::hands`]) performs
+//! the commands in order and feeds the results back until the book asks for nothing more.
+//! Record before act is the order of the conversation: a suspension's `Start` is only asked
+//! for after the `Recorded` answer to its `RecordAdd` said the record holds it.
+//!
 //! ```text
-//!  suspend(plans) ─► materialise members ─► record.add ──ok──► actuator.start(budget)
-//!                   (cgroup.procs for a         │ err: nothing is suspended,
-//!                    signalled cgroup)          ▼      fail_open{reason="record"}
-//!                                          completions now, or pending ─► poll() each tick
+//!  suspend(plans) ─► [Members: a signalled cgroup's processes] ─► RecordAdd
+//!                        ──Recorded ok──► Start(Suspend) ─► Progress: done | pending | failed
+//!                        ──Recorded err─► nothing suspended, Failed(Record)      │
+//!  pending ─► Check each tick (50 µs after the start, the gap doubling to 1 ms) ◄─┘
+//!  failed  ─► Start(Resume) (undone), the holders retried by the loop
+//!  resume(holders) ─► Start(Resume) ─► confirmed ─► RecordRemove (one batch)
 //! ```
 //!
-//! A hold is released when its last holder (an offline GPU process) is resumed. Actuation
-//! is confirmed within a small budget inline; what is not confirmed yet is checked again
-//! every tick without waiting, until `--confirm-timeout`: a stuck cgroup never stalls the
-//! loop, and so never the other GPUs. A suspension that fails or times out is undone.
+//! A hold is released when its last holder (an offline GPU process) is resumed. What is not
+//! confirmed yet is checked again every tick without waiting, until `--confirm-timeout`: a
+//! stuck cgroup never stalls the loop, and so never the other GPUs. A suspension that fails
+//! or times out is undone.
 
 mod finish;
 mod gate;
@@ -22,12 +30,10 @@ pub use recheck::Broken;
 
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
-use crate::edges::actuator::{Actuator, Kind, Op, Progress, RecordEntry, Target};
-use crate::edges::clock::Clock;
-use crate::edges::procfs::{ProcFs, ProcKey};
-use crate::edges::record::RecordStore;
+use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry, Target};
+use crate::edges::procfs::ProcKey;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// How long an actuation is waited for inline: none. The actuator issues the operation
@@ -47,6 +53,44 @@ pub const CHECK_MAX_NS: u64 = 1_000_000;
 /// K = 4 and 2 ms kernels on the simulated GPU (7.6 ms). Real drains are unmeasured.
 pub const DEFAULT_GATE_TIMEOUT: Duration = Duration::from_millis(50);
 
+/// Why an operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The record could not be written: nothing was suspended.
+    Record,
+    /// Not confirmed within `--confirm-timeout`.
+    Timeout,
+    /// A cgroup control file could not be written.
+    CgroupWrite,
+    /// A signal could not be sent.
+    Signal,
+    /// The launch gate could not close (no slot for the GPU, or not this agent's file).
+    NoGate,
+}
+
+impl Failure {
+    /// Metric and log label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Record => "record",
+            Failure::Timeout => "timeout",
+            Failure::CgroupWrite => "cgroup_write",
+            Failure::Signal => "signal",
+            Failure::NoGate => "no_gate",
+        }
+    }
+
+    /// The failure an actuator's error means.
+    pub fn of(e: &ActError) -> Failure {
+        match e {
+            ActError::Write { .. } => Failure::CgroupWrite,
+            ActError::Signal { .. } => Failure::Signal,
+            ActError::Timeout { .. } => Failure::Timeout,
+            ActError::NoGate(_) => Failure::NoGate,
+        }
+    }
+}
+
 /// How a hold's operation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -56,8 +100,8 @@ pub enum Outcome {
     Gone,
     /// Not acted on (dry run), or abandoned (a resume overtook a pending suspension).
     Skipped,
-    /// Failed, with a bounded reason.
-    Failed(&'static str),
+    /// Failed.
+    Failed(Failure),
 }
 
 /// A hold finished an operation.
@@ -73,6 +117,87 @@ pub struct Completion {
     pub kind: Kind,
     /// When it was confirmed (or ended), ns.
     pub at_ns: u64,
+}
+
+/// Names a command whose answer the book waits for.
+pub type Req = u64;
+
+/// What the book asks the shell to do, in this order.
+#[derive(Debug, Clone)]
+pub enum HoldCmd {
+    /// List the processes of signalled cgroup `dir` now, `leader` first, each pinned by a
+    /// pidfd, the agent excluded. Answered by [`HoldObs::Members`].
+    Members {
+        /// The request.
+        req: Req,
+        /// The cgroup directory.
+        dir: PathBuf,
+        /// The GPU process itself.
+        leader: Target,
+    },
+    /// Add entries to the fail-open record (on disk before the answer). Answered by
+    /// [`HoldObs::Recorded`].
+    RecordAdd {
+        /// The request.
+        req: Req,
+        /// What to add.
+        entries: Vec<RecordEntry>,
+    },
+    /// Remove entries from the record (no answer: a failure is logged, and the entries
+    /// are resumed again at the next start).
+    RecordRemove {
+        /// What to remove.
+        entries: Vec<RecordEntry>,
+    },
+    /// Start `op` on targets, waiting up to `budget`. Answered by [`HoldObs::Progress`].
+    Start {
+        /// The request.
+        req: Req,
+        /// Suspend or resume.
+        op: Op,
+        /// The targets.
+        targets: Vec<Target>,
+        /// How long to wait for confirmations.
+        budget: Duration,
+    },
+    /// Look once whether targets are in the state of `op`. Answered by
+    /// [`HoldObs::Progress`].
+    Check {
+        /// The request.
+        req: Req,
+        /// The state looked for.
+        op: Op,
+        /// The targets.
+        targets: Vec<Target>,
+    },
+}
+
+/// What came of a command.
+#[derive(Debug)]
+pub enum HoldObs {
+    /// A cgroup's processes (the leader first).
+    Members {
+        /// The request.
+        req: Req,
+        /// The processes.
+        members: Vec<Target>,
+    },
+    /// Whether the record holds the entries now.
+    Recorded {
+        /// The request.
+        req: Req,
+        /// It does.
+        ok: bool,
+    },
+    /// Where each target stands, in the command's order.
+    Progress {
+        /// The request.
+        req: Req,
+        /// Per target.
+        progress: Vec<Progress>,
+        /// When the shell looked, ns.
+        at_ns: u64,
+    },
 }
 
 struct Hold {
@@ -129,27 +254,66 @@ impl Pending {
     }
 }
 
-/// Result of [`Holds::suspend`].
+/// What the book does with the answer to a request.
+enum Then {
+    /// A fresh hold's cgroup members.
+    Materialised(HoldKey),
+    /// Fresh holds recorded: start suspending them.
+    RecordedFresh(Vec<HoldKey>),
+    /// Fresh holds' suspension started: (hold, member count), in the command's order.
+    StartedFresh(Vec<(HoldKey, usize)>),
+    /// A resume started (a release, or the undo of a failed suspension).
+    StartedResume {
+        key: HoldKey,
+        kind: Kind,
+        members: Vec<Target>,
+        /// Report its completion (a release does; an undo does not).
+        report: bool,
+    },
+    /// A pending operation looked at.
+    Checked(Pending),
+    /// A held hold looked at.
+    Rechecked(HoldKey),
+    /// Members found running stopped again: nothing to do with the answer.
+    Restopped,
+    /// A freezer escalation recorded: freeze it.
+    RecordedEscalation(HoldKey, Target, Broken),
+    /// A freezer escalation started.
+    StartedEscalation(HoldKey, Target, Broken),
+    /// A gate hold's fallback members listed.
+    FallbackMembers(Pending, Plan),
+    /// A gate hold's fallback recorded: start it.
+    RecordedFallback(Pending, Plan, Vec<Target>),
+    /// A gate hold's fallback started.
+    StartedFallback(Pending, Plan, Vec<Target>),
+    /// Everything resumed at once (fail-open, shutdown).
+    ReleasedAll(Vec<(HoldKey, Vec<Target>)>),
+}
+
+/// Result of [`HoldBook::suspend`].
 #[derive(Debug, Default)]
 pub struct Started {
     /// Holds whose suspension started now: (holder, hold).
     pub started: Vec<(ProcKey, HoldKey)>,
-    /// Operations that ended now.
-    pub done: Vec<Completion>,
 }
 
-/// The suspension holds, the actuator and the record.
-pub struct Holds {
-    actuator: Box<dyn Actuator>,
-    record: Box<dyn RecordStore>,
-    procfs: Arc<dyn ProcFs>,
-    clock: Arc<dyn Clock>,
+/// The suspension holds.
+pub struct HoldBook {
     held: BTreeMap<HoldKey, Hold>,
+    /// Fresh holds on their way to the record and the actuator.
+    staged: BTreeMap<HoldKey, Hold>,
+    /// Fresh holds whose members are known, recorded together at the end of the step.
+    to_record: Vec<HoldKey>,
     pending: Vec<Pending>,
-    /// Holders whose suspension failed and was undone (the loop retries them).
+    /// Holders whose suspension failed (it was undone, or never started because the
+    /// record could not be written): the loop retries them.
     failed: Vec<ProcKey>,
-    /// Resumed targets still in the record (see [`Holds::flush_forgotten`]).
+    /// Resumed targets still in the record (see [`HoldBook::flush_forgotten`]).
     forgotten: Vec<RecordEntry>,
+    /// Operations that ended, for the loop's events.
+    done: Vec<Completion>,
+    /// Holds found running while held, for the loop's reports.
+    broken: Vec<Broken>,
     /// How often a held target is checked again (`--recheck-interval`), ns.
     pub(crate) recheck_ns: u64,
     /// Where the round-robin re-check goes on next tick.
@@ -159,20 +323,25 @@ pub struct Holds {
     confirm_timeout: Duration,
     /// How long a launch gate's acknowledgement is waited for (`--gate-timeout`).
     pub(crate) gate_timeout: Duration,
+    next_req: Req,
+    waiting: BTreeMap<Req, Then>,
+    out: Vec<HoldCmd>,
 }
 
-impl std::fmt::Debug for Holds {
+impl std::fmt::Debug for HoldBook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Holds")
+        f.debug_struct("HoldBook")
             .field("held", &self.held.len())
             .field("pending", &self.pending.len())
+            .field("waiting", &self.waiting.len())
             .finish()
     }
 }
 
+/// How a batch of targets ended, if it did (`None`: some are still pending).
 pub(super) fn members_progress(p: &[Progress]) -> Option<Outcome> {
     if let Some(Progress::Failed(e)) = p.iter().find(|p| matches!(p, Progress::Failed(_))) {
-        return Some(Outcome::Failed(e.reason()));
+        return Some(Outcome::Failed(Failure::of(e)));
     }
     if p.iter().any(|p| matches!(p, Progress::Pending)) {
         return None;
@@ -186,35 +355,80 @@ pub(super) fn members_progress(p: &[Progress]) -> Option<Outcome> {
     })
 }
 
-impl Holds {
-    /// Holds over `actuator` and `record`.
-    pub fn new(
-        actuator: Box<dyn Actuator>,
-        record: Box<dyn RecordStore>,
-        procfs: Arc<dyn ProcFs>,
-        clock: Arc<dyn Clock>,
-        confirm_timeout: Duration,
-    ) -> Holds {
-        Holds {
-            actuator,
-            record,
-            procfs,
-            clock,
+pub(super) fn pending_members(members: &[Target], p: &[Progress]) -> Vec<Target> {
+    members
+        .iter()
+        .zip(p)
+        .filter(|(_, p)| matches!(p, Progress::Pending))
+        .map(|(t, _)| t.clone())
+        .collect()
+}
+
+impl HoldBook {
+    /// An empty book.
+    pub fn new(confirm_timeout: Duration) -> HoldBook {
+        HoldBook {
             held: BTreeMap::new(),
+            staged: BTreeMap::new(),
+            to_record: Vec::new(),
             pending: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
+            done: Vec::new(),
+            broken: Vec::new(),
             recheck_ns: recheck::RECHECK_NS,
             recheck_cursor: None,
             next_recheck_ns: 0,
             confirm_timeout,
             gate_timeout: DEFAULT_GATE_TIMEOUT,
+            next_req: 1,
+            waiting: BTreeMap::new(),
+            out: Vec::new(),
         }
+    }
+
+    /// Asks for something whose answer comes back as an observation.
+    fn ask(&mut self, then: Then, cmd: impl FnOnce(Req) -> HoldCmd) {
+        let req = self.next_req;
+        self.next_req += 1;
+        self.waiting.insert(req, then);
+        self.out.push(cmd(req));
+    }
+
+    /// The commands asked for since the last call, in order.
+    pub fn take_commands(&mut self) -> Vec<HoldCmd> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// Some answer is still awaited.
+    pub fn waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Operations that ended since the last call.
+    pub fn take_done(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.done)
+    }
+
+    /// Holds found running while held since the last call.
+    pub fn take_broken(&mut self) -> Vec<Broken> {
+        std::mem::take(&mut self.broken)
+    }
+
+    /// Holders whose suspension failed since the last call (it was undone, or never
+    /// started because the record could not be written).
+    pub fn take_failed(&mut self) -> Vec<ProcKey> {
+        std::mem::take(&mut self.failed)
     }
 
     /// Number of holds (suspended or being suspended).
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.held.len() + self.staged.len()
+    }
+
+    /// Nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty() && self.staged.is_empty()
     }
 
     /// Some suspension or resumption waits for confirmation.
@@ -225,16 +439,6 @@ impl Holds {
     /// When the held targets are next re-checked, ns (`None`: nothing is held).
     pub fn next_recheck_ns(&self) -> Option<u64> {
         (!self.held.is_empty()).then_some(self.next_recheck_ns)
-    }
-
-    /// The gate's heartbeat (see [`Actuator::keepalive`]).
-    pub fn keepalive(&mut self) {
-        self.actuator.keepalive();
-    }
-
-    /// Whether a launch gate is closed.
-    pub fn gates_closed(&self) -> bool {
-        self.actuator.gates_closed()
     }
 
     /// When the next pending operation is due to be checked, ns.
@@ -249,78 +453,102 @@ impl Holds {
             .min()
     }
 
-    /// Nothing is held.
-    pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
-    }
-
     /// Whether `holder` holds some suspension.
     pub fn holds(&self, holder: &ProcKey) -> bool {
-        self.held.values().any(|h| h.holders.contains(holder))
+        self.held
+            .values()
+            .chain(self.staged.values())
+            .any(|h| h.holders.contains(holder))
     }
 
-    /// Holders whose suspension failed since the last call (it was undone, or never
-    /// started because the record could not be written).
-    pub fn take_failed(&mut self) -> Vec<ProcKey> {
-        std::mem::take(&mut self.failed)
+    /// Forgets every hold without acting: something else (the NVML watchdog) resumed
+    /// them all and cleared the record.
+    pub fn forget_all(&mut self) {
+        self.held.clear();
+        self.staged.clear();
+        self.to_record.clear();
+        self.pending.clear();
+        self.forgotten.clear();
+        self.waiting.clear();
+        self.out.clear();
     }
 
-    /// Releases `holders`; holds left without holders are resumed. Returns the holds whose
-    /// resume started, by holder, and the operations that ended now.
-    pub fn resume(
-        &mut self,
-        holders: &[ProcKey],
-        now: u64,
-    ) -> (Vec<(ProcKey, HoldKey)>, Vec<Completion>) {
-        let mut started = Vec::new();
-        let mut released = Vec::new();
-        for holder in holders {
-            for (key, h) in self.held.iter_mut() {
-                if h.holders.remove(holder) && h.holders.is_empty() {
-                    started.push((*holder, key.clone()));
-                    released.push(key.clone());
+    /// Takes in what came of the commands; asks for the next ones.
+    pub fn observe(&mut self, obs: Vec<HoldObs>, now: u64) {
+        for o in obs {
+            let req = match &o {
+                HoldObs::Members { req, .. }
+                | HoldObs::Recorded { req, .. }
+                | HoldObs::Progress { req, .. } => *req,
+            };
+            let Some(then) = self.waiting.remove(&req) else {
+                debug_assert!(false, "an answer to no request: {o:?}");
+                continue;
+            };
+            match (then, o) {
+                (Then::Materialised(key), HoldObs::Members { members, .. }) => {
+                    if let Some(h) = self.staged.get_mut(&key) {
+                        h.members = members;
+                        self.to_record.push(key);
+                    }
+                }
+                (Then::RecordedFresh(keys), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_fresh(keys, ok, now)
+                }
+                (
+                    Then::StartedFresh(keys),
+                    HoldObs::Progress {
+                        progress, at_ns, ..
+                    },
+                ) => self.started_fresh(keys, progress, now, at_ns),
+                (
+                    Then::StartedResume {
+                        key,
+                        kind,
+                        members,
+                        report,
+                    },
+                    HoldObs::Progress {
+                        progress, at_ns, ..
+                    },
+                ) => self.started_resume(key, kind, members, report, progress, now, at_ns),
+                (Then::Checked(p), HoldObs::Progress { progress, .. }) => {
+                    self.checked(p, progress, now)
+                }
+                (Then::Rechecked(key), HoldObs::Progress { progress, .. }) => {
+                    self.rechecked(key, progress)
+                }
+                (Then::Restopped, HoldObs::Progress { .. }) => {}
+                (Then::RecordedEscalation(key, cg, b), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_escalation(key, cg, b, ok)
+                }
+                (Then::StartedEscalation(key, cg, b), HoldObs::Progress { progress, .. }) => {
+                    self.started_escalation(key, cg, b, progress)
+                }
+                (Then::FallbackMembers(p, plan), HoldObs::Members { members, .. }) => {
+                    self.record_fallback(p, plan, members)
+                }
+                (Then::RecordedFallback(p, plan, members), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_fallback(p, plan, members, ok, now)
+                }
+                (
+                    Then::StartedFallback(p, plan, members),
+                    HoldObs::Progress {
+                        progress, at_ns, ..
+                    },
+                ) => self.started_fallback(p, plan, members, progress, now, at_ns),
+                (Then::ReleasedAll(holds), HoldObs::Progress { progress, .. }) => {
+                    self.released_all(holds, progress)
+                }
+                (_, o) => {
+                    debug_assert!(false, "an answer of the wrong kind: {o:?}");
                 }
             }
         }
-        let mut done = Vec::new();
-        for key in released {
-            if let Some(c) = self.release(key, now) {
-                done.push(c);
-            }
-        }
+        self.record_staged();
         self.flush_forgotten();
-        (started, done)
-    }
-
-    fn release(&mut self, key: HoldKey, now: u64) -> Option<Completion> {
-        let hold = self.held.remove(&key)?;
-        let mut out = None;
-        // A suspension still being confirmed is overtaken by the resume.
-        if self
-            .pending
-            .iter()
-            .any(|p| p.key == key && p.op == Op::Suspend)
-        {
-            self.pending
-                .retain(|p| !(p.key == key && p.op == Op::Suspend));
-            out = Some(Completion {
-                key: key.clone(),
-                op: Op::Suspend,
-                outcome: Outcome::Skipped,
-                kind: hold.kind,
-                at_ns: now,
-            });
-        }
-        let c = self.start_resume(key, hold.kind, hold.members, now);
-        c.or(out)
     }
 }
 
-pub(super) fn pending_members(members: &[Target], p: &[Progress]) -> Vec<Target> {
-    members
-        .iter()
-        .zip(p)
-        .filter(|(_, p)| matches!(p, Progress::Pending))
-        .map(|(t, _)| t.clone())
-        .collect()
-}
+#[cfg(test)]
+mod tests;

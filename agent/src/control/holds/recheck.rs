@@ -15,10 +15,9 @@
 //! benchmark, about 0.9 points of a core), and a cgroup that keeps resuming itself is
 //! still frozen within a few intervals.
 
-use super::{Holds, INLINE_BUDGET};
-use crate::edges::actuator::{Kind, Op, Progress, Target};
+use super::{HoldBook, HoldCmd, HoldKey, Progress, Then, INLINE_BUDGET};
+use crate::edges::actuator::{Kind, Op, Target};
 use crate::edges::procfs::ProcKey;
-use std::time::Duration;
 use tracing::error;
 
 /// How often a hold that never broke is checked, by default.
@@ -47,76 +46,133 @@ pub struct Broken {
     pub kind: Kind,
 }
 
-impl Holds {
-    /// Checks the holds that are due, stops again what runs, escalates repeat offenders.
-    pub fn recheck(&mut self, now: u64) -> Vec<Broken> {
+impl HoldBook {
+    /// Looks at the holds that are due; what runs is stopped again when the answer comes,
+    /// and repeat offenders escalated.
+    pub fn recheck(&mut self, now: u64) {
         // A loop awake anyway in the last quarter of the interval re-checks now: one
         // wake-up instead of two close together.
         if self.held.is_empty() || now + self.recheck_ns / 4 < self.next_recheck_ns {
-            return Vec::new();
+            return;
         }
         self.next_recheck_ns = now + self.recheck_ns;
-        let due = self.due_for_recheck(now);
-        let mut out = Vec::new();
-        for key in due {
+        for key in self.due_for_recheck(now) {
             let Some(hold) = self.held.get_mut(&key) else {
                 continue;
             };
             hold.checked_ns = now;
-            let state = self
-                .actuator
-                .check(&hold.members, Op::Suspend, Duration::ZERO);
-            let running: Vec<Target> = hold
-                .members
-                .iter()
-                .zip(&state)
-                // A gate is held by its acknowledgement, not re-checkable: a process
-                // stopped by the gate's fallback cannot acknowledge, and a gate that never
-                // closed never will; neither means something resumed it.
-                .filter(|(t, p)| {
-                    matches!(p, Progress::Pending) && !matches!(t, Target::Gate { .. })
-                })
-                .map(|(t, _)| t.clone())
-                .collect();
-            if running.is_empty() {
-                continue;
-            }
-            let hold = self.held.get_mut(&key).expect("held");
-            hold.breaks += 1;
-            let (breaks, kind, holders) = (
-                hold.breaks,
-                hold.kind,
-                hold.holders.iter().copied().collect(),
-            );
-            let escalate = (breaks >= ESCALATE_AFTER)
-                .then(|| hold.escalate.take())
-                .flatten();
-            self.actuator.start(&running, Op::Suspend, Duration::ZERO);
-            let mut escalated = false;
-            if let Some(cg) = escalate {
-                escalated = self.escalate(&key, cg);
-            }
-            out.push(Broken {
-                holders,
-                resumed: running.len(),
-                breaks,
-                escalated,
-                kind,
+            let targets = hold.members.clone();
+            self.ask(Then::Rechecked(key), |req| HoldCmd::Check {
+                req,
+                op: Op::Suspend,
+                targets,
             });
         }
-        out
+    }
+
+    /// A held hold was looked at: stop again what runs; freeze a signalled cgroup that
+    /// keeps resuming itself.
+    pub(super) fn rechecked(&mut self, key: HoldKey, state: Vec<Progress>) {
+        let Some(hold) = self.held.get_mut(&key) else {
+            return;
+        };
+        let running: Vec<Target> = hold
+            .members
+            .iter()
+            .zip(&state)
+            // A gate is held by its acknowledgement, not re-checkable: a process
+            // stopped by the gate's fallback cannot acknowledge, and a gate that never
+            // closed never will; neither means something resumed it.
+            .filter(|(t, p)| matches!(p, Progress::Pending) && !matches!(t, Target::Gate { .. }))
+            .map(|(t, _)| t.clone())
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        hold.breaks += 1;
+        let broken = Broken {
+            holders: hold.holders.iter().copied().collect(),
+            resumed: running.len(),
+            breaks: hold.breaks,
+            escalated: false,
+            kind: hold.kind,
+        };
+        let escalate = (hold.breaks >= ESCALATE_AFTER)
+            .then(|| hold.escalate.take())
+            .flatten();
+        self.ask(Then::Restopped, |req| HoldCmd::Start {
+            req,
+            op: Op::Suspend,
+            targets: running,
+            budget: std::time::Duration::ZERO,
+        });
+        match escalate {
+            // Frozen as well, recorded first like any suspension.
+            Some(cg) => {
+                let entries = vec![cg.record()];
+                self.ask(Then::RecordedEscalation(key, cg, broken), |req| {
+                    HoldCmd::RecordAdd { req, entries }
+                });
+            }
+            None => self.broken.push(broken),
+        }
+    }
+
+    pub(super) fn recorded_escalation(&mut self, key: HoldKey, cg: Target, b: Broken, ok: bool) {
+        if !ok {
+            error!("Cannot record the freezer escalation: not escalating");
+            self.broken.push(b);
+            return;
+        }
+        let targets = vec![cg.clone()];
+        self.ask(Then::StartedEscalation(key, cg, b), |req| HoldCmd::Start {
+            req,
+            op: Op::Suspend,
+            targets,
+            budget: INLINE_BUDGET,
+        });
+    }
+
+    pub(super) fn started_escalation(
+        &mut self,
+        key: HoldKey,
+        cg: Target,
+        mut b: Broken,
+        p: Vec<Progress>,
+    ) {
+        match p.first() {
+            Some(Progress::Done | Progress::Pending | Progress::Skipped) => {
+                if let Some(h) = self.held.get_mut(&key) {
+                    h.members.push(cg);
+                    b.escalated = true;
+                } else {
+                    // Released meanwhile: thaw it again.
+                    self.forget(std::slice::from_ref(&cg));
+                    self.ask(Then::Restopped, |req| HoldCmd::Start {
+                        req,
+                        op: Op::Resume,
+                        targets: vec![cg],
+                        budget: INLINE_BUDGET,
+                    });
+                }
+            }
+            _ => self.out.push(HoldCmd::RecordRemove {
+                entries: vec![cg.record()],
+            }),
+        }
+        self.broken.push(b);
     }
 
     /// The holds to re-check now: round robin from a cursor, at most
     /// RECHECK_TARGETS_PER_TICK targets and only those not checked for an interval, then
     /// every hold found broken before.
-    fn due_for_recheck(&mut self, now: u64) -> Vec<super::HoldKey> {
+    fn due_for_recheck(&mut self, now: u64) -> Vec<HoldKey> {
         // Broken holds at every re-check; the others round-robin from a cursor, at most
         // RECHECK_TARGETS_PER_TICK targets a re-check and only when due (so the cost does
         // not grow with the number of held processes, nor with how often the loop wakes:
         // with many holds, each is checked less often), looking at no more than
         // RECHECK_SCAN holds.
-        let mut due: Vec<super::HoldKey> = Vec::new();
+        let mut due: Vec<HoldKey> = Vec::new();
         let mut budget = RECHECK_TARGETS_PER_TICK;
         let start = self.recheck_cursor.take();
         let after = start
@@ -150,28 +206,5 @@ impl Holds {
                 .map(|(k, _)| k.clone()),
         );
         due
-    }
-
-    /// Freezes a signalled cgroup as well (recorded first); returns whether it worked.
-    fn escalate(&mut self, key: &super::HoldKey, cg: Target) -> bool {
-        if let Err(err) = self.record.add(std::slice::from_ref(&cg.record())) {
-            error!(error = %format!("{err:#}"), "Cannot record the freezer escalation: not escalating");
-            return false;
-        }
-        let p = self
-            .actuator
-            .start(std::slice::from_ref(&cg), Op::Suspend, INLINE_BUDGET);
-        match p.first() {
-            Some(Progress::Done | Progress::Pending | Progress::Skipped) => {
-                if let Some(h) = self.held.get_mut(key) {
-                    h.members.push(cg);
-                }
-                true
-            }
-            _ => {
-                let _ = self.record.remove(std::slice::from_ref(&cg.record()));
-                false
-            }
-        }
     }
 }

@@ -178,7 +178,8 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     h.preempt(10, 20);
     assert!(h.suspended(10));
     h.gpu.set_hang(true);
-    let holds = h.lp.holds.clone();
+    let hands = h.lp.hands.clone();
+    let budget = h.lp.cfg.confirm_timeout;
     let shared = h.lp.shared.clone();
     let wd = h.lp.watchdog.clone();
     let clock = h.clock.clone();
@@ -198,13 +199,13 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     }
     let timeout = Duration::from_millis(250);
     assert!(
-        !wd.check(clock.now_ns() + 200 * MS, timeout, &holds, &shared),
+        !wd.check(clock.now_ns() + 200 * MS, timeout, &hands, budget, &shared),
         "tripped before the timeout"
     );
-    assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &holds, &shared));
+    assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &hands, budget, &shared));
     assert!(
-        holds.lock().unwrap().is_empty(),
-        "the watchdog did not resume"
+        h.rec.disk.lock().unwrap().is_empty(),
+        "the watchdog did not resume (the record still holds its targets)"
     );
     assert!(shared.degraded().unwrap().contains("NVML call"));
     assert!(h.act.calls().last().is_some_and(|c| c.op == Op::Resume));

@@ -1,0 +1,179 @@
+//! The shell's hands: the edges that the hold book's commands go through (the actuator,
+//! the record, `/proc` for a signalled cgroup's members), performed in the order asked.
+//!
+//! Shared with the NVML watchdog, which resumes everything through them while the loop is
+//! stuck in a driver call: the hands keep a ledger of every target they suspended that is
+//! still in the record, so that resuming needs nothing from the book.
+//!
+//! May touch: what the actuator and the record touch; reads `/proc` and `cgroup.procs`.
+
+use crate::control::holds::{HoldCmd, HoldObs};
+use crate::edges::actuator::{Actuator, Op, Progress, RecordEntry, Target};
+use crate::edges::clock::Clock;
+use crate::edges::procfs::{ProcFs, ProcKey};
+use crate::edges::record::RecordStore;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{error, warn};
+
+/// The edges that act.
+pub struct Hands {
+    actuator: Box<dyn Actuator>,
+    record: Box<dyn RecordStore>,
+    procfs: Arc<dyn ProcFs>,
+    clock: Arc<dyn Clock>,
+    /// Every target suspended through these hands and still in the record.
+    ledger: BTreeMap<RecordEntry, Target>,
+}
+
+impl std::fmt::Debug for Hands {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hands")
+            .field("ledger", &self.ledger.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Hands {
+    /// Hands over these edges.
+    pub fn new(
+        actuator: Box<dyn Actuator>,
+        record: Box<dyn RecordStore>,
+        procfs: Arc<dyn ProcFs>,
+        clock: Arc<dyn Clock>,
+    ) -> Hands {
+        Hands {
+            actuator,
+            record,
+            procfs,
+            clock,
+            ledger: BTreeMap::new(),
+        }
+    }
+
+    /// Performs `cmds` in order; returns the answers, in order.
+    pub fn perform(&mut self, cmds: Vec<HoldCmd>) -> Vec<HoldObs> {
+        let mut out = Vec::new();
+        for cmd in cmds {
+            match cmd {
+                HoldCmd::Members { req, dir, leader } => out.push(HoldObs::Members {
+                    req,
+                    members: self.members(&dir, leader),
+                }),
+                HoldCmd::RecordAdd { req, entries } => {
+                    let ok = match self.record.add(&entries) {
+                        Ok(()) => true,
+                        Err(err) => {
+                            error!(error = %format!("{err:#}"), entries = entries.len(), "Cannot write the suspension record");
+                            false
+                        }
+                    };
+                    out.push(HoldObs::Recorded { req, ok });
+                }
+                HoldCmd::RecordRemove { entries } => {
+                    if let Err(err) = self.record.remove(&entries) {
+                        error!(error = %format!("{err:#}"), "Failed to update the suspension record");
+                    } else {
+                        for e in &entries {
+                            self.ledger.remove(e);
+                        }
+                    }
+                }
+                HoldCmd::Start {
+                    req,
+                    op,
+                    targets,
+                    budget,
+                } => {
+                    if op == Op::Suspend {
+                        for t in &targets {
+                            self.ledger.insert(t.record(), t.clone());
+                        }
+                    }
+                    let progress = self.actuator.start(&targets, op, budget);
+                    out.push(HoldObs::Progress {
+                        req,
+                        progress,
+                        at_ns: self.clock.now_ns(),
+                    });
+                }
+                HoldCmd::Check { req, op, targets } => {
+                    let progress = self.actuator.check(&targets, op, Duration::ZERO);
+                    out.push(HoldObs::Progress {
+                        req,
+                        progress,
+                        at_ns: self.clock.now_ns(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// The processes of signalled cgroup `dir` now, `leader` first, each pinned by a
+    /// pidfd; the agent is never among them.
+    fn members(&self, dir: &std::path::Path, leader: Target) -> Vec<Target> {
+        let me = self.procfs.self_pid();
+        let lead = match &leader {
+            Target::Process { key, .. } => key.pid,
+            Target::Cgroup { .. } | Target::Gate { .. } => 0,
+        };
+        let mut out = vec![leader];
+        match self.procfs.cgroup_members(dir) {
+            Ok(pids) => {
+                for pid in pids.into_iter().filter(|p| *p != me && *p != lead) {
+                    let Ok(stat) = self.procfs.read_stat(pid) else {
+                        continue;
+                    };
+                    let key = ProcKey {
+                        pid,
+                        start: stat.start,
+                    };
+                    if let Ok(fd) = self.procfs.open_pidfd(key) {
+                        out.push(Target::Process {
+                            key,
+                            pidfd: Arc::new(fd),
+                        });
+                    }
+                }
+            }
+            Err(err) => {
+                warn!(dir = %dir.display(), %err, "Cannot list the offline cgroup: stopping only its GPU process")
+            }
+        }
+        out
+    }
+
+    /// Resumes every target suspended through these hands, waiting up to `budget`, and
+    /// removes the confirmed ones from the record (the NVML watchdog's fail-open, while
+    /// the loop is stuck). Returns how many targets it resumed.
+    pub fn resume_everything(&mut self, budget: Duration) -> usize {
+        let targets: Vec<Target> = self.ledger.values().cloned().collect();
+        if targets.is_empty() {
+            return 0;
+        }
+        let progress = self.actuator.start(&targets, Op::Resume, budget);
+        let resumed: Vec<RecordEntry> = targets
+            .iter()
+            .zip(&progress)
+            .filter(|(_, p)| matches!(p, Progress::Done | Progress::Gone | Progress::Skipped))
+            .map(|(t, _)| t.record())
+            .collect();
+        if let Err(err) = self.record.remove(&resumed) {
+            error!(error = %format!("{err:#}"), "Failed to update the suspension record");
+        }
+        self.ledger.clear();
+        targets.len()
+    }
+
+    /// The gate's heartbeat (see [`Actuator::keepalive`]).
+    pub fn keepalive(&mut self) {
+        self.actuator.keepalive();
+    }
+
+    /// Whether a launch gate is closed.
+    pub fn gates_closed(&self) -> bool {
+        self.actuator.gates_closed()
+    }
+}
