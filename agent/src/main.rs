@@ -2,12 +2,11 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use coloc_agent::cli::{Cli, Command, LogFormat, RunArgs};
-use coloc_agent::control::gates::GateLink;
 use coloc_agent::control::state::Shared;
 use coloc_agent::control::{Edges, Loop};
 use coloc_agent::edges::actuator::{self, dry_run::DryRun, Actuator, Host, Progress};
 use coloc_agent::edges::doorbell::{DirBells, Doorbells, NoBells};
-use coloc_agent::edges::gate::{GateFile, Gated};
+use coloc_agent::edges::gate::{GateFile, GateKeeper};
 use coloc_agent::edges::record::{FileRecord, MemRecord, RecordStore};
 use coloc_agent::edges::source::{kube::KubeSource, PodSource, Rules};
 use coloc_agent::edges::{clock::SystemClock, gpu, procfs::HostProc};
@@ -121,7 +120,7 @@ fn run(args: RunArgs) -> Result<()> {
     let stall_ns = (cfg.poll.as_nanos() as u64)
         .saturating_mul(1000)
         .max(5_000_000_000);
-    let mut actuator: Box<dyn Actuator> = if cfg.dry_run {
+    let actuator: Box<dyn Actuator> = if cfg.dry_run {
         Box::new(DryRun)
     } else {
         Box::new(Host::default())
@@ -132,13 +131,8 @@ fn run(args: RunArgs) -> Result<()> {
     } else if args.gate {
         let file = GateFile::create(&args.gate_file)
             .with_context(|| format!("--gate-file {}", args.gate_file.display()))?;
-        let gated = Gated::new(actuator, file);
-        info!(file = %args.gate_file.display(), timeout = ?args.gate_timeout, "Launch gates: offline processes with the shim are held at their gate");
-        gates = Some(GateLink {
-            board: gated.board(),
-            file: args.gate_file.clone(),
-        });
-        actuator = Box::new(gated);
+        info!(file = %args.gate_file.display(), timeout = ?args.gate_timeout, "Launch gates: offline processes with the shim drain at their gate before they are stopped");
+        gates = Some(GateKeeper::new(file));
     }
     let procfs = HostProc::new(&cfg.cgroups);
     if procfs.roots() != &Default::default() {

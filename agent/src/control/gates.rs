@@ -1,7 +1,7 @@
 //! The launch gate in the loop (`--gate`): which suspensions close a gate, and the
 //! acknowledgements the gate actuator waits for, read from the offline processes' pages.
 //!
-//! A suspension closes a gate instead of stopping the process when all of these hold:
+//! A suspension closes a gate before it stops the process when all of these hold:
 //! - it is for online work on GPU g (not a `fixed-share` duty cycle: a gate is per GPU,
 //!   and other offline work on g must keep running then);
 //! - the process uses g alone (closing g's gate would not stop its work on another GPU,
@@ -15,28 +15,17 @@
 //!   live processes of one pod with the same PID (in two containers' namespaces) are
 //!   stopped, never gated: a page could not tell whose it is.
 //!
-//! Otherwise, and when the gate is not acknowledged within `--gate-timeout`, the process
-//! is stopped as without `--gate`. Acknowledgements are the tenant's word: a shim that
-//! acknowledges without draining only hurts the online work beside it, which the tenant
-//! could do by unloading the shim; see SECURITY.md.
+//! Otherwise the process is stopped as without `--gate`. A closed gate only bounds the
+//! drain: the process is stopped by its fallback (freezer or signal) as soon as its pages
+//! acknowledge the close, or when `--gate-timeout` passes without that (`holds::gate`).
+//! Acknowledgements are the tenant's word, and all a forged one does is bring the stop
+//! sooner; see SECURITY.md.
 
 use super::Loop;
 use crate::control::target::Plan;
 use crate::edges::actuator::Target;
 use crate::edges::doorbell::Owner;
-use crate::edges::gate::AckBoard;
 use crate::edges::procfs::ProcKey;
-use std::path::PathBuf;
-use std::sync::Arc;
-
-/// What the loop needs of the gate actuator.
-#[derive(Debug, Clone)]
-pub struct GateLink {
-    /// The acknowledgements the actuator reads.
-    pub board: Arc<AckBoard>,
-    /// The gate file (for the targets and the record).
-    pub file: PathBuf,
-}
 
 /// How often the loop refreshes the gate file's heartbeat (the shims' bound is 1 s by
 /// default; the file promises at most `coloc_doorbell::gate::HEARTBEAT_NS`).
@@ -76,14 +65,22 @@ impl Loop {
         out
     }
 
-    /// Refreshes the acknowledgements the gate actuator waits on, and the heartbeat.
+    /// Tells the hold book what the pages of the gate holds waiting for their drain say,
+    /// and refreshes the heartbeat.
     pub(super) fn follow_gates(&mut self, now: u64) {
-        let Some(link) = &self.gates else {
+        if self.gate_file.is_none() {
             return;
-        };
-        let board = link.board.clone();
-        for (key, uuid) in board.wanted() {
-            board.set(key, uuid, self.gate_acks(&key, &uuid));
+        }
+        for (key, uuid) in self.book.wanted_acks() {
+            let acks = self.gate_acks(&key, &uuid);
+            self.book.gate_acks(key, &acks);
+        }
+        self.drain();
+        let done = self.book.take_done();
+        if !done.is_empty() {
+            for ev in self.tracker.complete(&done) {
+                self.telemetry.emit(ev);
+            }
         }
         if now.saturating_sub(self.last_beat_ns) >= BEAT_NS {
             self.last_beat_ns = now;
@@ -94,7 +91,7 @@ impl Loop {
     /// The plan for suspending `key` because online work is busy on `gpu`: a gate when it
     /// applies (see the module's rules), else `plan`.
     pub(super) fn gate_plan(&self, key: &ProcKey, gpu: u32, plan: Plan) -> Plan {
-        let Some(link) = &self.gates else {
+        let Some(file) = &self.gate_file else {
             return plan;
         };
         let Some(e) = self.table.entry(key) else {
@@ -120,12 +117,11 @@ impl Loop {
         if acks.is_empty() {
             return plan;
         }
-        link.board.set(*key, uuid, acks);
         Plan::Gate {
             gate: Target::Gate {
                 key: *key,
                 uuid,
-                file: link.file.clone(),
+                file: file.clone(),
             },
             fallback: Box::new(plan),
         }

@@ -1,5 +1,7 @@
 //! The shell's hands: the edges that the hold book's commands go through (the actuator,
-//! the record, `/proc` for a signalled cgroup's members), performed in the order asked.
+//! the record, the launch gates, `/proc` for a signalled cgroup's members), performed in
+//! the order asked. A resume of a gate hold resumes its fallback first and opens the gate
+//! last.
 //!
 //! Shared with the NVML watchdog, which resumes everything through them while the loop is
 //! stuck in a driver call: the hands keep a ledger of every target they suspended that is
@@ -8,8 +10,9 @@
 //! May touch: what the actuator and the record touch; reads `/proc` and `cgroup.procs`.
 
 use crate::control::holds::{HoldCmd, HoldObs};
-use crate::edges::actuator::{Actuator, Op, Progress, RecordEntry, Target};
+use crate::edges::actuator::{ActError, Actuator, Op, Progress, RecordEntry, Target};
 use crate::edges::clock::Clock;
+use crate::edges::gate::GateKeeper;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::record::RecordStore;
 use std::collections::BTreeMap;
@@ -23,6 +26,7 @@ pub struct Hands {
     record: Box<dyn RecordStore>,
     procfs: Arc<dyn ProcFs>,
     clock: Arc<dyn Clock>,
+    gates: Option<GateKeeper>,
     /// Every target suspended through these hands and still in the record.
     ledger: BTreeMap<RecordEntry, Target>,
 }
@@ -42,12 +46,14 @@ impl Hands {
         record: Box<dyn RecordStore>,
         procfs: Arc<dyn ProcFs>,
         clock: Arc<dyn Clock>,
+        gates: Option<GateKeeper>,
     ) -> Hands {
         Hands {
             actuator,
             record,
             procfs,
             clock,
+            gates,
             ledger: BTreeMap::new(),
         }
     }
@@ -80,6 +86,20 @@ impl Hands {
                         }
                     }
                 }
+                HoldCmd::CloseGate { req, gate } => {
+                    self.ledger.insert(gate.record(), gate.clone());
+                    let epoch = match (&gate, &mut self.gates) {
+                        (Target::Gate { key, uuid, file }, Some(g)) => g.close(*key, *uuid, file),
+                        _ => Err(ActError::NoGate(format!("{gate}: no launch gate here"))),
+                    };
+                    if let Err(err) = &epoch {
+                        warn!(%gate, %err, "Cannot close the launch gate");
+                    }
+                    out.push(HoldObs::GateClosed {
+                        req,
+                        epoch: epoch.ok(),
+                    });
+                }
                 HoldCmd::Start {
                     req,
                     op,
@@ -91,7 +111,7 @@ impl Hands {
                             self.ledger.insert(t.record(), t.clone());
                         }
                     }
-                    let progress = self.actuator.start(&targets, op, budget);
+                    let progress = self.act(&targets, op, budget, true);
                     out.push(HoldObs::Progress {
                         req,
                         progress,
@@ -99,7 +119,7 @@ impl Hands {
                     });
                 }
                 HoldCmd::Check { req, op, targets } => {
-                    let progress = self.actuator.check(&targets, op, Duration::ZERO);
+                    let progress = self.act(&targets, op, Duration::ZERO, false);
                     out.push(HoldObs::Progress {
                         req,
                         progress,
@@ -109,6 +129,47 @@ impl Hands {
             }
         }
         out
+    }
+
+    /// Starts (or checks) `op` on `targets`: the gates after everything else, so that a
+    /// release resumes a hold's fallback before it opens the gate. A gate is opened by a
+    /// resume and confirms nothing else (its drain is the book's to judge).
+    fn act(&mut self, targets: &[Target], op: Op, budget: Duration, start: bool) -> Vec<Progress> {
+        let (gates, others): (Vec<usize>, Vec<usize>) =
+            (0..targets.len()).partition(|i| matches!(targets[*i], Target::Gate { .. }));
+        let mut out: Vec<Option<Progress>> = targets.iter().map(|_| None).collect();
+        if !others.is_empty() {
+            let batch: Vec<Target> = others.iter().map(|i| targets[*i].clone()).collect();
+            let p = if start {
+                self.actuator.start(&batch, op, budget)
+            } else {
+                self.actuator.check(&batch, op, budget)
+            };
+            for (i, p) in others.into_iter().zip(p) {
+                out[i] = Some(p);
+            }
+        }
+        for i in gates {
+            let Target::Gate { key, uuid, .. } = &targets[i] else {
+                continue;
+            };
+            out[i] = Some(match (op, start, &mut self.gates) {
+                (Op::Resume, true, Some(g)) => {
+                    g.open(*key, *uuid);
+                    Progress::Done
+                }
+                (Op::Resume, _, _) => Progress::Done,
+                (Op::Suspend, true, _) => Progress::Failed(ActError::NoGate(format!(
+                    "{}: closed by CloseGate only",
+                    targets[i]
+                ))),
+                // A gate is never what holds a process: nothing runs behind it to find.
+                (Op::Suspend, false, _) => Progress::Done,
+            });
+        }
+        out.into_iter()
+            .map(|p| p.unwrap_or(Progress::Pending))
+            .collect()
     }
 
     /// The processes of signalled cgroup `dir` now, `leader` first, each pinned by a
@@ -153,7 +214,10 @@ impl Hands {
         if targets.is_empty() {
             return 0;
         }
-        let progress = self.actuator.start(&targets, Op::Resume, budget);
+        let progress = self.act(&targets, Op::Resume, budget, true);
+        if let Some(g) = &mut self.gates {
+            g.open_all();
+        }
         let resumed: Vec<RecordEntry> = targets
             .iter()
             .zip(&progress)
@@ -167,13 +231,15 @@ impl Hands {
         targets.len()
     }
 
-    /// The gate's heartbeat (see [`Actuator::keepalive`]).
+    /// The gate file's heartbeat.
     pub fn keepalive(&mut self) {
-        self.actuator.keepalive();
+        if let Some(g) = &self.gates {
+            g.beat();
+        }
     }
 
     /// Whether a launch gate is closed.
     pub fn gates_closed(&self) -> bool {
-        self.actuator.gates_closed()
+        self.gates.as_ref().is_some_and(GateKeeper::any_closed)
     }
 }

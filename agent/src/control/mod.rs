@@ -126,8 +126,8 @@ pub struct Edges {
     pub record: Box<dyn RecordStore>,
     /// Doorbell pages, and the loop's sleep.
     pub bells: Box<dyn Doorbells>,
-    /// The launch gate, when the actuator is a `Gated` one (`--gate`).
-    pub gates: Option<gates::GateLink>,
+    /// The launch gates (`--gate`).
+    pub gates: Option<crate::edges::gate::GateKeeper>,
 }
 
 impl std::fmt::Debug for Edges {
@@ -180,8 +180,8 @@ pub struct Loop {
     last_inputs: Vec<qos_core::GpuInput<ProcKey>>,
     /// Per-GPU summary of the latest decision (time accounting between decisions).
     summary: Vec<publish::GpuSummary>,
-    /// The launch gate (`--gate`).
-    gates: Option<gates::GateLink>,
+    /// The gate file (`--gate`).
+    gate_file: Option<PathBuf>,
     /// When the gate's heartbeat was last refreshed.
     last_beat_ns: u64,
     /// The loop's latest sleep: (went to sleep, woke), ns (`run` only).
@@ -217,11 +217,13 @@ impl Loop {
             mounts: cfg.cgroups.clone(),
             own: edges.procfs.self_cgroups(),
         };
+        let gate_file = edges.gates.as_ref().map(|g| g.path().to_path_buf());
         let hands = Hands::new(
             edges.actuator,
             edges.record,
             edges.procfs.clone(),
             edges.clock.clone(),
+            edges.gates,
         );
         let mut book = HoldBook::new(cfg.confirm_timeout);
         book.recheck_ns = cfg.recheck.as_nanos() as u64;
@@ -259,7 +261,7 @@ impl Loop {
             called: Vec::new(),
             last_inputs: Vec::new(),
             summary: Vec::new(),
-            gates: edges.gates,
+            gate_file,
             last_beat_ns: 0,
             slept: None,
             cfg,

@@ -186,9 +186,19 @@ impl Table {
                 // the entry loses nothing: the machine resumes the old key next tick.
                 let old = self.procs.remove(pid);
                 match self.classify(*pid, generation, now, c) {
-                    Some(entry) => {
-                        if old.is_some() && reused {
-                            info!(pid, "GPU process replaced by another with the same PID");
+                    Some(mut entry) => {
+                        match old {
+                            Some(_) if reused => {
+                                info!(pid, "GPU process replaced by another with the same PID")
+                            }
+                            // The same process classified again: what it was seen doing is
+                            // still true (a sample noted earlier in this tick included).
+                            Some(o) if o.key == entry.key => {
+                                entry.last_active = o.last_active;
+                                entry.onset = o.onset;
+                                entry.rung = o.rung;
+                            }
+                            _ => {}
                         }
                         self.procs.insert(*pid, entry);
                     }

@@ -30,8 +30,8 @@ pub enum Plan {
         /// The GPU process itself.
         leader: Target,
     },
-    /// Close the GPU's launch gate for the process (a [`Target::Gate`]), and use
-    /// `fallback` if it does not acknowledge within `--gate-timeout`.
+    /// Close the GPU's launch gate for the process (a [`Target::Gate`]), then hold it
+    /// with `fallback` once the gate has drained (acknowledged) or `--gate-timeout` passed.
     Gate {
         /// The gate target.
         gate: Target,

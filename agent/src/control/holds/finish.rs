@@ -194,12 +194,12 @@ impl HoldBook {
     pub fn poll(&mut self, now: u64) {
         for p in std::mem::take(&mut self.pending) {
             if p.escalate_ns.is_some_and(|e| now >= e) {
-                self.escalate_gate(p, "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)");
+                self.escalate_gate(p, super::Escalation::Timeout);
                 continue;
             }
-            // A gate is acknowledged through a page, which wakes the loop: look at every
-            // tick (a few loads), not only on the check schedule.
-            if now < p.next_check_ns.min(p.deadline_ns) && p.kind != Kind::Gate {
+            // A gate waits for its acknowledgement, which the loop reads from the pages
+            // (see [`HoldBook::gate_acks`]); nothing to look at here.
+            if p.escalate_ns.is_some() || now < p.next_check_ns.min(p.deadline_ns) {
                 self.pending.push(p);
                 continue;
             }

@@ -1,29 +1,76 @@
-//! Holds at a launch gate: a close that its process does not acknowledge within
-//! `--gate-timeout` escalates to the hold's fallback (freezer or signals, recorded first),
-//! and the gate stays closed beside it until the release. A gate that cannot close at
-//! all (no free slot in the gate file) escalates at once.
+//! Holds at a launch gate. The gate accelerates; it never decides: a closed gate bounds
+//! what the process has in flight, and the hold itself is its fallback (the freezer or a
+//! signal, recorded first), started as soon as the process acknowledges the close (its
+//! work drained), or when `--gate-timeout` passes without an acknowledgement, or at once
+//! when the gate cannot close (no free slot in the gate file). The gate stays closed beside
+//! the fallback until the release, which resumes the fallback first and opens the gate
+//! last. An acknowledgement is the tenant's word, so all it can do is bring the stop
+//! sooner: a forged one gets the process no GPU time.
 
 use super::{
-    members_progress, pending_members, Completion, Failure, HoldBook, HoldCmd, Outcome, Pending,
-    Progress, Then,
+    members_progress, pending_members, Completion, Escalation, Failure, HoldBook, HoldCmd, HoldKey,
+    Outcome, Pending, Progress, Then,
 };
 use crate::control::target::Plan;
-use crate::edges::actuator::{Op, Target};
-use tracing::{error, warn};
+use crate::edges::actuator::{Kind, Op, Target};
+use crate::edges::procfs::ProcKey;
+use tracing::{debug, error, warn};
 
 impl HoldBook {
-    /// Escalates pending gate suspension `p` to its fallback; when there is nothing to
-    /// escalate to, `p` waits for the acknowledgement until its deadline.
-    pub(super) fn escalate_gate(&mut self, mut p: Pending, why: &'static str) {
+    /// The gate holds waiting for their drain: (process, GPU UUID) whose pages' acknowledgements
+    /// the loop should read.
+    pub fn wanted_acks(&self) -> Vec<(ProcKey, [u8; 16])> {
+        self.pending
+            .iter()
+            .filter(|p| p.escalate_ns.is_some())
+            .filter_map(|p| match (&p.key, p.all.first()) {
+                (HoldKey::Gate(k), Some(Target::Gate { uuid, .. })) => Some((*k, *uuid)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What the pages of `key` say for `uuid` (every `gate_ack` of its offline pages with
+    /// an entry for the GPU): when every one equals the close's epoch, the work in flight
+    /// has drained and the fallback holds the process from now on.
+    pub fn gate_acks(&mut self, key: ProcKey, acks: &[u32]) {
+        let hold = HoldKey::Gate(key);
+        let Some(epoch) = self.held.get(&hold).and_then(|h| h.epoch) else {
+            return;
+        };
+        if acks.is_empty() || acks.iter().any(|a| *a != epoch) {
+            return;
+        }
+        let Some(i) = self
+            .pending
+            .iter()
+            .position(|p| p.key == hold && p.escalate_ns.is_some())
+        else {
+            return;
+        };
+        let p = self.pending.remove(i);
+        self.escalate_gate(p, Escalation::Drained);
+    }
+
+    /// Starts pending gate suspension `p`'s fallback, for `why`; when there is nothing to
+    /// escalate to, `p` waits until its deadline.
+    pub(super) fn escalate_gate(&mut self, mut p: Pending, why: Escalation) {
         p.escalate_ns = None;
+        p.drained = why == Escalation::Drained;
         let Some(fallback) = self.held.get_mut(&p.key).and_then(|h| h.fallback.take()) else {
             self.pending.push(p);
             return;
         };
-        let gates: Vec<String> = p.members.iter().map(Target::to_string).collect();
-        metrics::counter!("coloc_gate_escalations_total").increment(1);
-        warn!(?gates, fallback = fallback.kind().as_str(), timeout = ?self.gate_timeout, why,
-            "Launch gate did not hold the process: stopping it with its fallback");
+        // The gate is not waited for any more: only the fallback's members are.
+        p.members.clear();
+        if why == Escalation::Drained {
+            debug!(hold = ?p.key, fallback = fallback.kind().as_str(), "Launch gate drained: holding the process with its fallback");
+        } else {
+            let gates: Vec<String> = p.all.iter().map(Target::to_string).collect();
+            metrics::counter!("coloc_gate_escalations_total").increment(1);
+            warn!(?gates, fallback = fallback.kind().as_str(), timeout = ?self.gate_timeout, why = why.as_str(),
+                "Launch gate did not drain the process: stopping it with its fallback");
+        }
         match &fallback {
             Plan::SignalCgroup { dir, leader, .. } => {
                 let (dir, leader) = (dir.clone(), leader.clone());
@@ -48,8 +95,7 @@ impl HoldBook {
         });
     }
 
-    /// The record answered for a fallback: start it, or fail open when nothing else holds
-    /// the process.
+    /// The record answered for a fallback: start it, or fail open.
     pub(super) fn recorded_fallback(
         &mut self,
         p: Pending,
@@ -70,13 +116,10 @@ impl HoldBook {
             });
             return;
         }
-        if !p.members.is_empty() {
-            error!("Cannot record the fallback suspension: waiting for the gate alone");
-            self.pending.push(p);
-            return;
-        }
-        // Nothing else holds it (the gate never closed): fail open.
+        // A gate holds nothing by itself: without its fallback the process is not held.
+        // Fail open (the gate opens with the undo); the holder is retried.
         error!("Cannot record the fallback suspension: not suspending (fail open)");
+        metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
         let Some(hold) = self.held.remove(&p.key) else {
             return;
         };
@@ -99,9 +142,14 @@ impl HoldBook {
         members: Vec<Target>,
         progress: Vec<Progress>,
         now: u64,
-        _at: u64,
+        at: u64,
     ) {
-        let kind = fallback.kind();
+        // A drained gate keeps its label: the gate is what ended the work in flight.
+        let kind = if p.drained {
+            Kind::Gate
+        } else {
+            fallback.kind()
+        };
         if let Some(h) = self.held.get_mut(&p.key) {
             h.members.extend(members.iter().cloned());
             h.kind = kind;
@@ -116,7 +164,6 @@ impl HoldBook {
         p.all.extend(members.iter().cloned());
         match members_progress(&progress) {
             None => {
-                // The gate's acknowledgement is no longer waited for.
                 p.members = pending_members(&members, &progress);
                 p.gap_ns = super::CHECK_FIRST_NS;
                 p.next_check_ns = now + p.gap_ns;
@@ -131,7 +178,7 @@ impl HoldBook {
                     op: Op::Suspend,
                     outcome: Outcome::Failed(reason),
                     kind,
-                    at_ns: now,
+                    at_ns: at,
                 });
             }
             Some(outcome) => self.done.push(Completion {
@@ -139,7 +186,7 @@ impl HoldBook {
                 op: Op::Suspend,
                 outcome,
                 kind,
-                at_ns: now,
+                at_ns: at,
             }),
         }
     }

@@ -91,6 +91,28 @@ impl Failure {
     }
 }
 
+/// Why a gate hold goes to its fallback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Escalation {
+    /// The process acknowledged the close: its work in flight drained.
+    Drained,
+    /// No acknowledgement within `--gate-timeout`.
+    Timeout,
+    /// The gate could not close.
+    CannotClose,
+}
+
+impl Escalation {
+    /// Log label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Escalation::Drained => "drained",
+            Escalation::Timeout => "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)",
+            Escalation::CannotClose => "the gate cannot close",
+        }
+    }
+}
+
 /// How a hold's operation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -160,6 +182,14 @@ pub enum HoldCmd {
         /// How long to wait for confirmations.
         budget: Duration,
     },
+    /// Close a GPU's launch gate for a process (a [`Target::Gate`]). Answered by
+    /// [`HoldObs::GateClosed`].
+    CloseGate {
+        /// The request.
+        req: Req,
+        /// The gate.
+        gate: Target,
+    },
     /// Look once whether targets are in the state of `op`. Answered by
     /// [`HoldObs::Progress`].
     Check {
@@ -189,6 +219,13 @@ pub enum HoldObs {
         /// It does.
         ok: bool,
     },
+    /// The gate closed at this epoch (`None`: it could not close).
+    GateClosed {
+        /// The request.
+        req: Req,
+        /// The close's epoch, which the process's acknowledgement must equal.
+        epoch: Option<u32>,
+    },
     /// Where each target stands, in the command's order.
     Progress {
         /// The request.
@@ -208,6 +245,8 @@ struct Hold {
     escalate: Option<Target>,
     /// What suspends its holder when its launch gate is not acknowledged in time.
     fallback: Option<Plan>,
+    /// The epoch its launch gate was closed at.
+    epoch: Option<u32>,
     /// When its members were last checked, ns.
     checked_ns: u64,
     /// Times a member was found running while held.
@@ -226,8 +265,11 @@ struct Pending {
     /// When it is checked next, and the gap after that, ns.
     next_check_ns: u64,
     gap_ns: u64,
-    /// A gate close not acknowledged by then escalates to the hold's fallback, ns.
+    /// While set, a gate close waits for its acknowledgement (the drain), and escalates to
+    /// the hold's fallback when it comes or at this time, ns.
     escalate_ns: Option<u64>,
+    /// The gate drained before the fallback started (the completion says `gate`).
+    drained: bool,
 }
 
 impl Pending {
@@ -250,6 +292,7 @@ impl Pending {
             next_check_ns: now + CHECK_FIRST_NS,
             gap_ns: CHECK_FIRST_NS,
             escalate_ns: None,
+            drained: false,
         }
     }
 }
@@ -260,6 +303,8 @@ enum Then {
     Materialised(HoldKey),
     /// Fresh holds recorded: start suspending them.
     RecordedFresh(Vec<HoldKey>),
+    /// A fresh gate hold's gate closed (or not).
+    ClosedGate(HoldKey),
     /// Fresh holds' suspension started: (hold, member count), in the command's order.
     StartedFresh(Vec<(HoldKey, usize)>),
     /// A resume started (a release, or the undo of a failed suspension).
@@ -479,6 +524,7 @@ impl HoldBook {
             let req = match &o {
                 HoldObs::Members { req, .. }
                 | HoldObs::Recorded { req, .. }
+                | HoldObs::GateClosed { req, .. }
                 | HoldObs::Progress { req, .. } => *req,
             };
             let Some(then) = self.waiting.remove(&req) else {
@@ -494,6 +540,9 @@ impl HoldBook {
                 }
                 (Then::RecordedFresh(keys), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_fresh(keys, ok, now)
+                }
+                (Then::ClosedGate(key), HoldObs::GateClosed { epoch, .. }) => {
+                    self.closed_gate(key, epoch, now)
                 }
                 (
                     Then::StartedFresh(keys),

@@ -43,6 +43,7 @@ impl HoldBook {
                     Plan::Gate { fallback, .. } => Some((**fallback).clone()),
                     _ => None,
                 },
+                epoch: None,
                 checked_ns: now,
                 breaks: 0,
             };
@@ -109,10 +110,22 @@ impl HoldBook {
         let mut counts = Vec::new();
         let mut targets = Vec::new();
         for key in keys {
-            if let Some(h) = self.staged.get(&key) {
-                targets.extend(h.members.iter().cloned());
-                counts.push((key, h.members.len()));
+            let Some(h) = self.staged.get(&key) else {
+                continue;
+            };
+            if let [gate @ Target::Gate { .. }] = &h.members[..] {
+                let gate = gate.clone();
+                self.ask(Then::ClosedGate(key), |req| HoldCmd::CloseGate {
+                    req,
+                    gate,
+                });
+                continue;
             }
+            targets.extend(h.members.iter().cloned());
+            counts.push((key, h.members.len()));
+        }
+        if counts.is_empty() {
+            return;
         }
         self.ask(Then::StartedFresh(counts), |req| HoldCmd::Start {
             req,
@@ -167,7 +180,7 @@ impl HoldBook {
                         self.confirm_timeout,
                     );
                     self.held.insert(key, hold);
-                    self.escalate_gate(pending, "the gate cannot close");
+                    self.escalate_gate(pending, super::Escalation::CannotClose);
                 }
                 Some(Outcome::Failed(reason)) => {
                     let kind = hold.kind;
@@ -191,6 +204,37 @@ impl HoldBook {
                         at_ns: at,
                     });
                 }
+            }
+        }
+    }
+
+    /// A fresh gate hold's gate closed: wait for the drain (the acknowledgement) until
+    /// `--gate-timeout`; a gate that cannot close goes to its fallback at once.
+    pub(super) fn closed_gate(&mut self, key: HoldKey, epoch: Option<u32>, now: u64) {
+        let Some(mut hold) = self.staged.remove(&key) else {
+            return;
+        };
+        hold.epoch = epoch;
+        let mut pending = Pending::new(
+            key.clone(),
+            Op::Suspend,
+            hold.kind,
+            hold.members.clone(),
+            hold.members.clone(),
+            now,
+            self.confirm_timeout,
+        );
+        self.held.insert(key, hold);
+        match epoch {
+            Some(_) => {
+                pending.escalate_ns = Some(now + self.gate_timeout.as_nanos() as u64);
+                self.pending.push(pending);
+            }
+            // No free slot in the gate file (more GPUs than it holds): the fallback at
+            // once, not a failure and a retry.
+            None => {
+                pending.members.clear();
+                self.escalate_gate(pending, super::Escalation::CannotClose);
             }
         }
     }

@@ -25,6 +25,7 @@ fn req_of(c: &HoldCmd) -> Req {
         HoldCmd::Members { req, .. }
         | HoldCmd::RecordAdd { req, .. }
         | HoldCmd::Start { req, .. }
+        | HoldCmd::CloseGate { req, .. }
         | HoldCmd::Check { req, .. } => *req,
         HoldCmd::RecordRemove { .. } => panic!("no answer to a removal"),
     }

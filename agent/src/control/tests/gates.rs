@@ -1,7 +1,7 @@
-//! The launch gate in the loop: a process whose shim listens is held at its gate and
-//! confirmed by its acknowledgement, not stopped; one that does not acknowledge in time,
-//! or has no shim, is stopped as before; the gate is recorded before it closes and opens
-//! at the release.
+//! The launch gate in the loop: a process whose shim listens drains at its gate and is
+//! stopped by its fallback once it acknowledges (or the gate's bound passes); one without a
+//! shim is stopped as before; the gate is recorded before it closes and opens at the
+//! release, after the process resumes.
 
 use super::*;
 use crate::edges::doorbell::Owner;
@@ -51,14 +51,16 @@ fn preempt_event(h: &H) -> Option<crate::control::events::Preempt> {
     })
 }
 
+/// The gate accelerates; it never decides: the process drains at its gate, and its
+/// acknowledgement brings the stop that holds it.
 #[test]
-fn a_process_with_the_shim_is_held_at_its_gate_and_confirmed_by_its_ack() {
+fn a_process_with_the_shim_drains_at_its_gate_then_its_fallback_holds_it() {
     let (mut h, path) = setup("ack");
     h.active(0, 20);
     h.tick();
     let epoch = closed(&path, 0).expect("online busy on GPU 0: its gate is closed");
     assert!(h.suspended(10));
-    assert_eq!(h.suspends_of(10), 0, "held at the gate, not stopped");
+    assert_eq!(h.suspends_of(10), 0, "stopped before its work drained");
     let gate_rec = RecordEntry::Gate {
         file: path.clone(),
         uuid: coloc_doorbell::format_uuid(&fake_uuid(0)),
@@ -77,27 +79,36 @@ fn a_process_with_the_shim_is_held_at_its_gate_and_confirmed_by_its_ack() {
     let acked_at = h.now();
     h.bells.ack(1, 0, epoch);
     h.tick();
-    let p = preempt_event(&h).expect("confirmed by the ack");
-    assert_eq!(p.actuator, Some(Kind::Gate));
+    assert_eq!(
+        h.suspends_of(10),
+        1,
+        "drained: its fallback stops it at once"
+    );
+    let p = preempt_event(&h).expect("confirmed by the stop after the ack");
+    assert_eq!(p.actuator, Some(Kind::Gate), "the gate drained it");
     assert_eq!(
         p.confirmed_ns,
-        Some(acked_at),
-        "confirmed at the tick that read the ack"
+        Some(acked_at + MS / 2),
+        "confirmed when the stop after the ack was (the fake's 0.5 ms actuation)"
     );
-    // Past the gate timeout: no fallback once acknowledged.
+    // Past the gate timeout: one stop, no second one.
     for _ in 0..60 {
         h.active(0, 20);
         h.tick();
     }
-    assert_eq!(h.suspends_of(10), 0, "stopped although acknowledged");
+    assert_eq!(h.suspends_of(10), 1, "stopped again past the gate timeout");
     assert_eq!(
         closed(&path, 0),
         Some(epoch),
         "one close for the whole busy period"
     );
-    // Release: the gate opens and leaves the record.
+    // Release: the process resumes, the gate opens, and both leave the record.
     h.ticks(110);
     assert!(!h.suspended(10));
+    assert!(
+        h.act.calls().last().is_some_and(|c| c.op == Op::Resume),
+        "not resumed at the release"
+    );
     assert_eq!(closed(&path, 0), None, "the release opens the gate");
     assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
 }
@@ -302,17 +313,18 @@ fn a_dead_processs_page_in_the_pod_is_not_waited_for() {
     let epoch = closed(&path, 0).expect("held at the gate");
     h.bells.ack(2, 0, epoch);
     h.tick();
-    let p = preempt_event(&h).expect("confirmed by the live process's ack");
-    assert_eq!(p.actuator, Some(Kind::Gate));
+    let p = preempt_event(&h).expect("drained by the live process's ack");
+    assert_eq!(
+        p.actuator,
+        Some(Kind::Gate),
+        "stopped by the timeout: the dead process's page was waited for"
+    );
+    assert_eq!(h.suspends_of(10), 1, "drained, then stopped at once");
     for _ in 0..80 {
         h.active(0, 20);
         h.tick();
     }
-    assert_eq!(
-        h.suspends_of(10),
-        0,
-        "escalated: the dead process's page was waited for"
-    );
+    assert_eq!(h.suspends_of(10), 1, "stopped again past the gate timeout");
 }
 
 /// Two containers of one pod, each with its own PID namespace: their offline processes
@@ -350,4 +362,69 @@ fn two_processes_of_a_pod_with_the_same_pid_are_stopped_not_gated() {
     );
     assert_eq!(h.suspends_of(10), 1);
     assert_eq!(h.suspends_of(11), 1);
+}
+
+/// The targets the fake actuator holds stopped now (each one's latest operation).
+fn stopped(h: &H) -> std::collections::BTreeSet<RecordEntry> {
+    let mut out = std::collections::BTreeSet::new();
+    for c in h.act.calls() {
+        for t in c.targets {
+            match c.op {
+                Op::Suspend => out.insert(t),
+                Op::Resume => out.remove(&t),
+            };
+        }
+    }
+    out
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 48,
+        failure_persistence: None,
+        ..Default::default()
+    })]
+
+    /// Whatever the process's page says (nothing, the close's epoch at once — a forged
+    /// drain —, an old or a made-up epoch), a gate closed for longer than
+    /// `--gate-timeout` (and a tick) always has its process stopped beside it: the gate
+    /// bounds the drain, the stop holds the process.
+    #[test]
+    fn a_closed_gate_never_outlasts_its_bound_without_a_stop(
+        steps in proptest::collection::vec((0u8..5, 1u32..40), 1..30)
+    ) {
+        let (mut h, path) = setup("prop");
+        let proc10 = RecordEntry::Process { pid: 10, start: h.key(10).start };
+        let mut closed_since: Option<u64> = None;
+        for (what, ms) in steps {
+            let epoch = closed(&path, 0);
+            match (what, epoch) {
+                (2, Some(e)) => h.bells.ack(1, 0, e),
+                (3, Some(e)) => h.bells.ack(1, 0, e.wrapping_sub(1)),
+                (4, _) => h.bells.ack(1, 0, 0xdead),
+                _ => {}
+            }
+            for _ in 0..ms {
+                if what != 1 {
+                    h.active(0, 20);
+                }
+                h.tick();
+                let now = h.now();
+                closed_since = match (closed(&path, 0), closed_since) {
+                    (Some(_), None) => Some(now),
+                    (Some(_), s) => s,
+                    (None, _) => None,
+                };
+                if let Some(t) = closed_since {
+                    proptest::prop_assert!(
+                        now < t + 51 * MS || stopped(&h).contains(&proc10),
+                        "gate closed since {} ms, process not stopped at {} ms",
+                        (t - T0) / MS,
+                        (now - T0) / MS
+                    );
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
 }

@@ -84,17 +84,10 @@ fn harness_edges(gpus: u32, cfg: LoopConfig, gate: Option<PathBuf>) -> H {
         act_ns: MS / 2,
         ..Default::default()
     };
-    let mut actuator: Box<dyn crate::edges::actuator::Actuator> = Box::new(act.clone());
-    let mut gates = None;
-    if let Some(path) = gate {
-        let file = crate::edges::gate::GateFile::create(&path).unwrap();
-        let gated = crate::edges::gate::Gated::new(actuator, file);
-        gates = Some(super::gates::GateLink {
-            board: gated.board(),
-            file: path,
-        });
-        actuator = Box::new(gated);
-    }
+    let actuator: Box<dyn crate::edges::actuator::Actuator> = Box::new(act.clone());
+    let gates = gate.map(|path| {
+        crate::edges::gate::GateKeeper::new(crate::edges::gate::GateFile::create(&path).unwrap())
+    });
     let edges = Edges {
         gpu: Box::new(gpu.clone()),
         procfs: Arc::new(procs.clone()),

@@ -369,3 +369,34 @@ proptest! {
         play(&acts)?;
     }
 }
+
+/// A sequence the property found: a busy sample read in the tick whose process-list
+/// refresh classifies its process again (the pod source changed) was dropped with the old
+/// entry, and the offline work beside it ran on.
+#[test]
+fn a_sample_read_in_the_tick_that_reclassifies_its_process_still_counts() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 0,
+            gpu: 1,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 4,
+            gpu: 1,
+            online: false,
+        },
+        Act::Reuse {
+            slot: 4,
+            online: true,
+        },
+        Act::Run { ms: 60 },
+        Act::Spawn {
+            slot: 1,
+            gpu: 0,
+            online: false,
+        },
+        Act::Busy { slot: 4 },
+    ];
+    play(&acts).unwrap();
+}

@@ -71,7 +71,8 @@ pub enum Target {
         pidfd: Arc<OwnedFd>,
     },
     /// One process's submissions to one GPU, through the launch gate
-    /// ([`crate::edges::gate::Gated`]): confirmed when the process acknowledges the close.
+    /// ([`crate::edges::gate::GateKeeper`]). A closed gate bounds what the process has in
+    /// flight; it holds nothing by itself (the hold's fallback does).
     Gate {
         /// The process whose acknowledgement confirms the close.
         key: ProcKey,
@@ -239,12 +240,6 @@ pub trait Actuator: Send {
     fn start(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress>;
     /// Checks targets started earlier, waiting up to `budget` (zero: look once).
     fn check(&mut self, targets: &[Target], op: Op, budget: Duration) -> Vec<Progress>;
-    /// Called by the loop at least every 20 ms while it runs (the gate's heartbeat).
-    fn keepalive(&mut self) {}
-    /// Whether some launch gate is closed (the loop then wakes often enough to beat).
-    fn gates_closed(&self) -> bool {
-        false
-    }
 }
 
 /// The host's actuator: the freezer for cgroup targets, signals for process targets, in

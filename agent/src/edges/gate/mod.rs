@@ -21,7 +21,7 @@
 //! `gate_ack` equals the close's epoch (equal, not greater: a replaced file's epochs are
 //! seeded afresh).
 //!
-//! [`Gated`] (in `act`) is the actuator that closes these gates for the loop.
+//! [`GateKeeper`] (in `act`) closes and opens these gates for the loop's holds.
 
 use anyhow::{bail, Context, Result};
 use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
@@ -289,7 +289,7 @@ impl Drop for GateFile {
 }
 
 mod act;
-pub use act::{open_recorded, AckBoard, Gated};
+pub use act::{open_recorded, GateKeeper};
 
 #[cfg(test)]
 mod tests;
