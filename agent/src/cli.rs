@@ -2,7 +2,8 @@
 //! variables, validated once into the typed configuration of the control loop.
 
 use crate::control::LoopConfig;
-use crate::edges::actuator::{CgroupMounts, Kind};
+use crate::edges::actuator::Kind;
+use crate::edges::cgroupfs::CgroupMounts;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;

@@ -30,7 +30,8 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use coloc_agent::control::events::{parse_log, Event};
-use coloc_agent::edges::actuator::{CgroupMounts, Kind};
+use coloc_agent::edges::actuator::Kind;
+use coloc_agent::edges::cgroupfs::CgroupMounts;
 use coloc_sim::command_in_cgroup;
 use qos_core::stats::percentile;
 use serde_json::Value;

@@ -18,14 +18,41 @@ use qos_core::{Class, Signal};
 use std::collections::HashMap;
 use tracing::{info, warn};
 
-/// Why a reading was not attributed (metric label).
-const REASONS: [&str; 5] = [
-    "unknown_gpu",
-    "unknown_owner",
-    "not_online",
-    "uid_mismatch",
-    "not_on_gpu",
-];
+/// Why a reading was not attributed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reject {
+    /// The reading names a GPU this node does not have.
+    UnknownGpu,
+    /// No known process owns the page.
+    UnknownOwner,
+    /// Its owner is not online.
+    NotOnline,
+    /// The page's file owner is not the process's user.
+    UidMismatch,
+    /// Its owner does not use the GPU the reading names.
+    NotOnGpu,
+}
+
+impl Reject {
+    const ALL: [Reject; 5] = [
+        Reject::UnknownGpu,
+        Reject::UnknownOwner,
+        Reject::NotOnline,
+        Reject::UidMismatch,
+        Reject::NotOnGpu,
+    ];
+
+    /// Metric label.
+    fn as_str(self) -> &'static str {
+        match self {
+            Reject::UnknownGpu => "unknown_gpu",
+            Reject::UnknownOwner => "unknown_owner",
+            Reject::NotOnline => "not_online",
+            Reject::UidMismatch => "uid_mismatch",
+            Reject::NotOnGpu => "not_on_gpu",
+        }
+    }
+}
 
 /// The loop's doorbell state.
 pub(super) struct Bells {
@@ -51,7 +78,7 @@ const POD_DIR_IDLE: std::time::Duration = std::time::Duration::from_secs(300);
 struct PageState {
     info: PageInfo,
     /// The latest rejection logged for this page.
-    rejected: Option<&'static str>,
+    rejected: Option<Reject>,
     attributed: bool,
     refresh_asked_ns: u64,
     /// When the agent found the page.
@@ -76,8 +103,8 @@ impl Bells {
         now: u64,
         window_ns: u64,
     ) -> Bells {
-        for r in REASONS {
-            metrics::counter!("coloc_doorbell_rejected_total", "reason" => r).absolute(0);
+        for r in Reject::ALL {
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => r.as_str()).absolute(0);
         }
         metrics::counter!("coloc_doorbell_wakeups_total").absolute(0);
         let mut uuid_gpu = HashMap::new();
@@ -185,7 +212,7 @@ impl Loop {
     fn attribute(&mut self, r: &BellReading, now: u64) {
         let last = r.reading.last_launch_ns;
         let Some(gpu) = self.bells.uuid_gpu.get(&r.reading.uuid).copied() else {
-            self.reject(r.page, "unknown_gpu");
+            self.reject(r.page, Reject::UnknownGpu);
             return;
         };
         let blind = self
@@ -210,11 +237,11 @@ impl Loop {
             Err(why) => {
                 // A process that just started is listed by the driver before the next
                 // periodic read: read the lists now (at most once a second per page).
-                if matches!(why, "unknown_owner" | "not_on_gpu") {
+                if matches!(why, Reject::UnknownOwner | Reject::NotOnGpu) {
                     let p = self.bells.pages.get_mut(&r.page).expect("checked above");
                     if now.saturating_sub(p.refresh_asked_ns) >= 1_000_000_000 {
                         p.refresh_asked_ns = now;
-                        self.refresh_asked = Some("doorbell");
+                        self.refresh_asked = Some(super::observe::Refresh::Doorbell);
                         return;
                     }
                 }
@@ -244,17 +271,13 @@ impl Loop {
     }
 
     /// The online process a page's reading for `gpu` counts for, or why none does.
-    fn owner_of(
-        &self,
-        info: &PageInfo,
-        gpu: u32,
-    ) -> Result<crate::edges::procfs::ProcKey, &'static str> {
+    fn owner_of(&self, info: &PageInfo, gpu: u32) -> Result<crate::edges::procfs::ProcKey, Reject> {
         match &info.owner {
             Owner::Pid(pid) => match self.table.by_pid(*pid) {
-                None => Err("unknown_owner"),
-                Some(e) if e.cls.class != Class::Online => Err("not_online"),
-                Some(e) if e.uid != info.file_uid => Err("uid_mismatch"),
-                Some(e) if !e.gpus.contains(&gpu) => Err("not_on_gpu"),
+                None => Err(Reject::UnknownOwner),
+                Some(e) if e.cls.class != Class::Online => Err(Reject::NotOnline),
+                Some(e) if e.uid != info.file_uid => Err(Reject::UidMismatch),
+                Some(e) if !e.gpus.contains(&gpu) => Err(Reject::NotOnGpu),
                 Some(e) => Ok(e.key),
             },
             Owner::Pod(uid) => {
@@ -264,37 +287,38 @@ impl Loop {
                     .filter(|e| e.pod_uid.as_deref() == Some(uid.as_str()))
                     .peekable();
                 if of_pod.peek().is_none() {
-                    Err("unknown_owner")
+                    Err(Reject::UnknownOwner)
                 } else {
                     let mut online = of_pod.filter(|e| e.cls.class == Class::Online).peekable();
                     if online.peek().is_none() {
-                        Err("not_online")
+                        Err(Reject::NotOnline)
                     } else {
                         online
                             .find(|e| e.gpus.contains(&gpu))
                             .map(|e| e.key)
-                            .ok_or("not_on_gpu")
+                            .ok_or(Reject::NotOnGpu)
                     }
                 }
             }
         }
     }
 
-    fn reject(&mut self, page: u64, why: &'static str) {
+    fn reject(&mut self, page: u64, why: Reject) {
         let now = self.clock.now_ns();
         let Some(p) = self.bells.pages.get_mut(&page) else {
             return;
         };
         // A process that just started may not be listed by the driver yet: only an owner
         // still unknown a second after its page appeared is a rejection.
-        if why == "unknown_owner" && now.saturating_sub(p.found_ns) < 1_000_000_000 {
+        if why == Reject::UnknownOwner && now.saturating_sub(p.found_ns) < 1_000_000_000 {
             return;
         }
         if p.rejected != Some(why) {
             p.rejected = Some(why);
             p.attributed = false;
-            metrics::counter!("coloc_doorbell_rejected_total", "reason" => why).increment(1);
-            warn!(page = %p.info.path.display(), owner = ?p.info.owner, file_uid = p.info.file_uid, reason = why,
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => why.as_str())
+                .increment(1);
+            warn!(page = %p.info.path.display(), owner = ?p.info.owner, file_uid = p.info.file_uid, reason = why.as_str(),
                 "Doorbell page not attributed: its launches count for nothing");
         }
     }

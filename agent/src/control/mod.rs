@@ -43,7 +43,8 @@ mod text;
 #[cfg(test)]
 mod tests;
 
-use crate::edges::actuator::{Actuator, CgroupMounts, Kind};
+use crate::edges::actuator::{Actuator, Kind};
+use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::clock::Clock;
 use crate::edges::doorbell::Doorbells;
 use crate::edges::gpu::GpuSampler;
@@ -136,6 +137,25 @@ impl std::fmt::Debug for Edges {
     }
 }
 
+/// Why everything is resumed at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseAll {
+    /// The agent stops.
+    Shutdown,
+    /// The loop is unwinding from a panic.
+    Panic,
+}
+
+impl ReleaseAll {
+    /// Metric and event label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseAll::Shutdown => "shutdown",
+            ReleaseAll::Panic => "panic",
+        }
+    }
+}
+
 /// The control loop.
 pub struct Loop {
     cfg: LoopConfig,
@@ -165,7 +185,7 @@ pub struct Loop {
     /// When NVML's samples are next read.
     next_nvml_ns: u64,
     /// Something asked for the process lists to be read at the next tick (and why).
-    refresh_asked: Option<&'static str>,
+    refresh_asked: Option<observe::Refresh>,
     last_tick_ns: Option<u64>,
     last_publish_ns: u64,
     /// Doorbells: pages, their attribution, the UUID → GPU map.
@@ -325,7 +345,7 @@ impl Loop {
             self.slept = Some((slept_ns, self.clock.now_ns()));
         }
         info!("Stopping: resuming all offline work before exit");
-        self.release_everything("shutdown");
+        self.release_everything(ReleaseAll::Shutdown);
     }
 
     /// One iteration: sample, classify new processes, decide, act, publish.
@@ -343,7 +363,7 @@ impl Loop {
 
         let mut observed = self.observe_and_judge(now);
         self.ring_bells(now);
-        if self.refresh_asked == Some("doorbell") {
+        if self.refresh_asked == Some(observe::Refresh::Doorbell) {
             // A launch of a process that the driver's lists did not hold yet (it has just
             // started): read the lists now and attribute the launch in this tick, not
             // one `--poll-interval` later. Not judged: the health policy counts one
@@ -408,7 +428,8 @@ impl Loop {
     }
 
     /// Resumes every held target and forgets all suspensions (shutdown, panic).
-    pub fn release_everything(&mut self, reason: &'static str) {
+    pub fn release_everything(&mut self, reason: ReleaseAll) {
+        let reason = reason.as_str();
         self.machine.release_all();
         self.decide_next = true;
         let now = self.clock.now_ns();
@@ -436,7 +457,7 @@ impl Drop for Loop {
         // Reached on normal exit (already empty) and on a panic unwinding the loop.
         if !self.book.is_empty() {
             error!("Control loop ending with offline work suspended: resuming it");
-            self.release_everything("panic");
+            self.release_everything(ReleaseAll::Panic);
         }
     }
 }

@@ -12,6 +12,31 @@ const FULL_PERIOD_UTIL: u32 = 95;
 use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, info, warn};
 
+/// Why the process lists are read now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Refresh {
+    /// A sample named a PID the table does not know.
+    UnknownPid,
+    /// The pod source changed (a pod came, went or changed class).
+    PodSource,
+    /// A doorbell rang for a process the lists did not hold yet.
+    Doorbell,
+    /// `--process-interval` passed.
+    Interval,
+}
+
+impl Refresh {
+    /// Metric label.
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Refresh::UnknownPid => "unknown_pid",
+            Refresh::PodSource => "pod_source",
+            Refresh::Doorbell => "doorbell",
+            Refresh::Interval => "interval",
+        }
+    }
+}
+
 impl Loop {
     /// Reads, when due, the samples and the process lists of every GPU. Returns the GPUs
     /// whose calls failed this tick, with the reason; `None` when no NVML call was due.
@@ -31,13 +56,14 @@ impl Loop {
         self.scratch = samples;
         let generation = self.classifier.source.generation();
         let why = if !unknown.is_empty() {
-            Some("unknown_pid")
+            Some(Refresh::UnknownPid)
         } else {
             self.list_due(now)
         };
         if let Some(why) = why {
             self.refresh_asked = None;
-            metrics::counter!("coloc_process_list_refreshes_total", "why" => why).increment(1);
+            metrics::counter!("coloc_process_list_refreshes_total", "why" => why.as_str())
+                .increment(1);
             self.next_refresh_ns = now + self.cfg.process_interval.as_nanos() as u64;
             let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
             let mut list_failed = BTreeSet::new();
@@ -132,13 +158,13 @@ impl Loop {
     }
 
     /// Why the process lists must be read now, if they must.
-    fn list_due(&self, now: u64) -> Option<&'static str> {
+    fn list_due(&self, now: u64) -> Option<Refresh> {
         if self.table.stale(self.classifier.source.generation()) {
-            Some("pod_source")
+            Some(Refresh::PodSource)
         } else if let Some(why) = self.refresh_asked {
             Some(why)
         } else if now >= self.next_refresh_ns {
-            Some("interval")
+            Some(Refresh::Interval)
         } else {
             None
         }

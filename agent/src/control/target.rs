@@ -7,7 +7,8 @@
 //!   alone, with a signal through its pidfd.
 //! - A cgroup that contains the agent itself is never frozen or signalled as a whole.
 
-use crate::edges::actuator::{CgroupMounts, Kind, Target};
+use crate::edges::actuator::{Kind, Target};
+use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::procfs::{Cgroups, ProcInfo, ProcKey};
 use crate::edges::source::Classified;
 use std::os::fd::OwnedFd;

@@ -20,6 +20,56 @@ use std::fs::File;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
+/// The cgroup mounts of this host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CgroupMounts {
+    /// Mount point of the unified (v2) hierarchy, if any.
+    pub v2: Option<PathBuf>,
+    /// Mount point of the v1 freezer hierarchy, if any.
+    pub v1_freezer: Option<PathBuf>,
+}
+
+impl CgroupMounts {
+    /// Finds the hierarchies under `root` (usually `/sys/fs/cgroup`): pure v2 at the root,
+    /// hybrid v2 at `root/unified`, and the v1 freezer at `root/freezer`.
+    pub fn detect(root: &Path) -> CgroupMounts {
+        let v2 = [root.to_path_buf(), root.join("unified")]
+            .into_iter()
+            .find(|p| p.join("cgroup.controllers").exists());
+        let v1_freezer = Some(root.join("freezer"))
+            .filter(|p| p.join("freezer.state").exists() || p.join("tasks").exists());
+        CgroupMounts { v2, v1_freezer }
+    }
+
+    /// The directory of a cgroup given by its host path inside the v2 hierarchy or the v1
+    /// freezer hierarchy, with the file that must exist there (`cgroup.freeze` /
+    /// `freezer.state`). v2 is preferred. The root cgroup is never a target, and a path
+    /// that climbs out of its hierarchy (`..`) names nothing.
+    pub fn dir_for(
+        &self,
+        v2_path: Option<&str>,
+        v1_freezer_path: Option<&str>,
+    ) -> Option<(PathBuf, crate::edges::actuator::CgroupVersion)> {
+        let beneath = |mount: &Path, p: &str| -> Option<PathBuf> {
+            let norm = rebase("/", p).filter(|n| n != "/")?;
+            Some(mount.join(norm.trim_start_matches('/')))
+        };
+        if let (Some(mount), Some(p)) = (&self.v2, v2_path) {
+            let dir = beneath(mount, p)?;
+            if dir.join("cgroup.freeze").exists() {
+                return Some((dir, crate::edges::actuator::CgroupVersion::V2));
+            }
+        }
+        if let (Some(mount), Some(p)) = (&self.v1_freezer, v1_freezer_path) {
+            let dir = beneath(mount, p)?;
+            if dir.join("freezer.state").exists() {
+                return Some((dir, crate::edges::actuator::CgroupVersion::V1));
+            }
+        }
+        None
+    }
+}
+
 /// Joins a seen cgroup path onto `root` (a host path) and normalises it: `.` and empty
 /// segments vanish, `..` climbs. `None` when it would climb above the hierarchy's root or
 /// holds a NUL. The result is absolute (`/` for the root).

@@ -6,7 +6,7 @@
 //!
 //! May touch: `/proc` and `cgroup.procs` files (read only), pidfds.
 
-use crate::edges::actuator::CgroupMounts;
+use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::cgroupfs::NsRoots;
 use std::collections::BTreeMap;
 use std::io;

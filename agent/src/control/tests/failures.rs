@@ -263,7 +263,7 @@ fn fixed_share_caps_offline_to_its_share() {
 fn shutdown_resumes_everything() {
     let mut h = harness(1);
     h.preempt(10, 20);
-    h.lp.release_everything("shutdown");
+    h.lp.release_everything(super::super::ReleaseAll::Shutdown);
     assert!(h.lp.holds().is_empty());
     assert!(h.rec.disk.lock().unwrap().is_empty());
     assert_eq!(h.act.calls().last().unwrap().op, Op::Resume);

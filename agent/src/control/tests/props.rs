@@ -341,7 +341,8 @@ fn play(acts: &[Act]) -> Result<(), TestCaseError> {
     for a in acts {
         w.apply(a)?;
     }
-    w.h.lp.release_everything("shutdown");
+    w.h.lp
+        .release_everything(super::super::ReleaseAll::Shutdown);
     prop_assert!(
         w.stopped().is_empty(),
         "suspended after shutdown: {:?}",

@@ -19,7 +19,7 @@ pub mod dry_run;
 pub mod freezer;
 pub mod signal;
 
-pub use freezer::{CgroupMounts, CgroupVersion};
+pub use freezer::CgroupVersion;
 
 use crate::edges::procfs::ProcKey;
 use serde::{Deserialize, Serialize};
