@@ -201,17 +201,25 @@ fn run(args: RunArgs) -> Result<()> {
         state_cmdlines = args.state_cmdlines,
         "Agent started"
     );
+    // The terminating signals are caught before the loop can suspend anything: one that
+    // came between the two would end the agent by its default action, with offline work
+    // left stopped (until the resume guard or the next start resumed it).
+    let mut streams = {
+        use tokio::signal::unix::{signal, SignalKind};
+        let _rt = rt.enter();
+        let mut streams = Vec::new();
+        for (sig, name) in TERMINATING {
+            let s =
+                signal(SignalKind::from_raw(*sig)).with_context(|| format!("handling {name}"))?;
+            streams.push((s, *name));
+        }
+        streams
+    };
     let lp = std::thread::Builder::new()
         .name("coloc-loop".into())
         .spawn(move || agent.run())?;
 
     rt.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut streams = Vec::new();
-        for (sig, name) in TERMINATING {
-            let s = signal(SignalKind::from_raw(*sig)).with_context(|| format!("handling {name}"))?;
-            streams.push((s, *name));
-        }
         let any = futures_lite_select(&mut streams);
         tokio::select! {
             name = any => info!(signal = name, "Shutting down: resuming offline work first"),
