@@ -5,6 +5,7 @@
 //! target directory as the test executable, so run `cargo build --workspace` first (the
 //! README's test command does).
 
+pub mod agent_tests;
 pub mod fakeapi;
 
 use anyhow::{bail, Context, Result};
