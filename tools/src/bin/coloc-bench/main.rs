@@ -4,20 +4,15 @@
 //!
 //! Run with `benches/run.sh` (release build). Prints a Markdown table; `--json FILE`
 //! writes the raw figures. `--multi-gpu`: the agent's cost on a busy 8-GPU node (see
-//! `coloc_bench/multi_gpu.rs`). `--gate`: the launch gate's in-flight bound (see
-//! `coloc_bench/gate.rs`). `--help` lists the modes.
+//! `multi_gpu.rs`). `--gate`: the launch gate's in-flight bound (see
+//! `gate.rs`). `--help` lists the modes.
 
-// Not `src/bin/multi_gpu.rs`: cargo would take that for a second binary.
-#[path = "coloc_bench/gate.rs"]
 mod gate;
-#[path = "coloc_bench/multi_gpu.rs"]
 mod multi_gpu;
-#[path = "coloc_bench/nvml.rs"]
 mod nvml;
-#[path = "coloc_bench/wake.rs"]
 mod wake;
 
-use coloc_e2e::*;
+use coloc_tools::*;
 use std::time::{Duration, Instant};
 
 fn pct(v: &[f64], q: f64) -> f64 {
@@ -170,7 +165,7 @@ fn idle_cost(secs: u64, with_offline: usize) -> serde_json::Value {
 /// Pod event → classification latency (in-process source, real client over HTTP), and the
 /// agent's CPU with 250 pods on its node and 10 pod changes per second.
 fn kube_bench() {
-    use coloc_e2e::fakeapi::{pod, FakeApi};
+    use coloc_tools::fakeapi::{pod, FakeApi};
     let rt = tokio::runtime::Runtime::new().unwrap();
     let api = rt.block_on(FakeApi::start());
     let uid = |i: u32| format!("0f2c7a54-9a3b-4c1e-8d2f-{i:012}");

@@ -17,7 +17,7 @@
 //! process per GPU), so each GPU's online work is its own process, as in production.
 
 use super::{cpu_ns, pct, rss_kib};
-use coloc_e2e::*;
+use coloc_tools::*;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -133,7 +133,7 @@ pub fn online_worker(args: &[String]) {
     let sim = coloc_sim::SimGpu::open(&state).expect("open simulated GPU state");
     // Through the driver API (under the shim, in --doorbell runs), or the slot directly.
     let (slot, drv) = if o.doorbell {
-        (None, Some(coloc_e2e::cuda::Driver::open(gpu as i32)))
+        (None, Some(coloc_tools::cuda::Driver::open(gpu as i32)))
     } else {
         (
             Some(sim.register(gpu, 1 << 30).expect("register online slot")),

@@ -16,7 +16,7 @@
 
 use coloc_agent::edges::gate::GateFile;
 use coloc_doorbell::PAGE;
-use coloc_e2e::*;
+use coloc_tools::*;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
