@@ -24,6 +24,7 @@ mod paths;
 mod poll;
 mod procs;
 mod sim;
+mod stats;
 
 pub use agent::{test_agent_env, Agent, AgentOpts};
 pub use cgroups::{cgroup_v2_root, thaw_cgroups_of, TestCgroup};
@@ -34,3 +35,4 @@ pub use poll::{holds_for, wait_for};
 pub(crate) use procs::reap_within;
 pub use procs::{output_within, proc_state, Proc};
 pub use sim::Sim;
+pub use stats::percentile;
