@@ -28,6 +28,11 @@ pub struct Agent {
     pub doorbell_dir: PathBuf,
     /// Log file.
     pub log: PathBuf,
+    /// What was made for this agent alone (the directory of its log and rules file, its
+    /// state directory unless it was given one): removed on drop, or kept and named when
+    /// dropped by a failing test. An agent given another's state directory leaves it to
+    /// that one, which must then be dropped after it.
+    pub scratch: Vec<PathBuf>,
 }
 
 /// Options for [`Agent::start`].
@@ -105,8 +110,12 @@ impl Agent {
     ) -> Agent {
         let dir = std::env::temp_dir().join(unique("coloc-e2e-agent"));
         std::fs::create_dir_all(&dir).unwrap();
-        let state_dir =
-            state_dir.unwrap_or_else(|| PathBuf::from("/dev/shm").join(unique("coloc-e2e-state")));
+        let mut scratch = vec![dir.clone()];
+        let state_dir = state_dir.unwrap_or_else(|| {
+            let d = PathBuf::from("/dev/shm").join(unique("coloc-e2e-state"));
+            scratch.push(d.clone());
+            d
+        });
         let port = free_port();
         let log = dir.join("agent.log");
         let doorbell_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-bells"));
@@ -142,6 +151,7 @@ impl Agent {
             state_dir,
             doorbell_dir,
             log,
+            scratch,
         }
     }
 
@@ -164,7 +174,9 @@ impl Agent {
             .iter()
             .map(|(k, v)| (*k, std::ffi::OsStr::new(v.as_str())))
             .collect();
-        Agent::spawn_in(sim, &args, &env, o.state_dir)
+        let mut a = Agent::spawn_in(sim, &args, &env, o.state_dir);
+        a.scratch.push(dir);
+        a
     }
 
     /// Waits until `/state` lists at least `n` processes on GPU 0.
@@ -237,5 +249,12 @@ impl Drop for Agent {
             }
         }
         let _ = std::fs::remove_dir_all(&self.doorbell_dir);
+        if std::thread::panicking() {
+            eprintln!("NOTE: the agent's files are kept: {:?}", self.scratch);
+        } else {
+            for p in &self.scratch {
+                let _ = std::fs::remove_dir_all(p);
+            }
+        }
     }
 }
