@@ -12,7 +12,7 @@ pub const SOON: Duration = Duration::from_secs(2);
 /// time. The lock covers one test binary; `cargo test` runs the binaries one after another.
 static CPU_LATENCY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Takes the CPU wake-up latency lock (see [`CPU_LATENCY`]), even after a test that held it
+/// Takes the CPU wake-up latency lock (see `CPU_LATENCY`), even after a test that held it
 /// panicked.
 pub fn cpu_latency_lock() -> std::sync::MutexGuard<'static, ()> {
     CPU_LATENCY.lock().unwrap_or_else(|e| e.into_inner())
