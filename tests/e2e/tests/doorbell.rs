@@ -414,7 +414,7 @@ fn captured_launches_do_not_ring_the_graph_launch_does() {
     let sim = Sim::start(1, &[]);
     let dir = std::env::temp_dir().join(unique("coloc-e2e-capture-bell"));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_coloc-capture"));
+    let mut c = Command::new(bin("coloc-capture"));
     c.env("COLOC_SIM_STATE", &sim.state)
         .env("LD_LIBRARY_PATH", fake_cuda())
         .env("LD_PRELOAD", bin("libcoloc_cuda.so"))

@@ -104,7 +104,7 @@ impl Node {
 
     /// A test program that drives the (fake) driver itself, under the shim, class
     /// offline, with this node's gate and in-flight bound `k`.
-    fn driver_user(&self, program: &str, k: u32) -> Command {
+    fn driver_user(&self, program: &std::path::Path, k: u32) -> Command {
         let mut c = Command::new(program);
         c.env("COLOC_SIM_STATE", &self.sim.state)
             .env("LD_LIBRARY_PATH", fake_cuda())
@@ -562,7 +562,7 @@ fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
     use std::io::{BufRead, Write};
     let n = Node::new(true);
     let err = n.root.join("capture.err");
-    let mut c = n.driver_user(env!("CARGO_BIN_EXE_coloc-capture"), 1);
+    let mut c = n.driver_user(&bin("coloc-capture"), 1);
     c.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&err).unwrap());
@@ -663,7 +663,7 @@ fn a_stream_capture_survives_the_gate_and_its_graph_launch_is_gated() {
 fn batched_copies_are_gated_in_both_abis() {
     let n = Node::new(true);
     let err = n.root.join("batch.err");
-    let mut c = n.driver_user(env!("CARGO_BIN_EXE_coloc-batch"), 1);
+    let mut c = n.driver_user(&bin("coloc-batch"), 1);
     c.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&err).unwrap());

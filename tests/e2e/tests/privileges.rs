@@ -229,6 +229,7 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
     let agent = Agent {
         child: Some(child),
         port,
+        scratch: vec![dir, state_dir.clone()],
         state_dir,
         doorbell_dir,
         log,

@@ -21,7 +21,7 @@
 //! A driver error never stops it early: codes are reported in the JSON for the test to
 //! judge (0: success; 900: capture unsupported; 901: capture invalidated).
 
-use coloc_e2e::cuda::{get, getter};
+use coloc_tools::cuda::{get, getter};
 use std::ffi::{c_char, c_int, c_void};
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};

@@ -4,31 +4,16 @@
 //!
 //! Run with `benches/run.sh` (release build). Prints a Markdown table; `--json FILE`
 //! writes the raw figures. `--multi-gpu`: the agent's cost on a busy 8-GPU node (see
-//! `coloc_bench/multi_gpu.rs`). `--gate`: the launch gate's in-flight bound (see
-//! `coloc_bench/gate.rs`). `--help` lists the modes.
+//! `multi_gpu.rs`). `--gate`: the launch gate's in-flight bound (see
+//! `gate.rs`). `--help` lists the modes.
 
-// Not `src/bin/multi_gpu.rs`: cargo would take that for a second binary.
-#[path = "coloc_bench/gate.rs"]
 mod gate;
-#[path = "coloc_bench/multi_gpu.rs"]
 mod multi_gpu;
-#[path = "coloc_bench/nvml.rs"]
 mod nvml;
-#[path = "coloc_bench/wake.rs"]
 mod wake;
 
-use coloc_e2e::*;
+use coloc_tools::*;
 use std::time::{Duration, Instant};
-
-fn pct(v: &[f64], q: f64) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((q / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
-}
 
 /// CPU time of every thread of `pid`, ns (schedstat: exact, unlike tick-sampled utime).
 fn cpu_ns(pid: u32) -> u64 {
@@ -140,10 +125,10 @@ fn latency_run(actuator: &str, n: usize, cycles: u32) -> serde_json::Value {
     let _ = std::fs::remove_file(&events);
     serde_json::json!({
         "actuator": actuator, "offline": n, "cycles": pre.len(),
-        "preemption_ms": {"p50": pct(&pre, 50.0), "p99": pct(&pre, 99.0), "max": pct(&pre, 100.0)},
-        "detection_ms": {"p50": pct(&det, 50.0), "p99": pct(&det, 99.0)},
-        "actuation_ms": {"p50": pct(&act, 50.0), "p99": pct(&act, 99.0)},
-        "release_ms": {"p50": pct(&rel, 50.0), "p99": pct(&rel, 99.0), "max": pct(&rel, 100.0)},
+        "preemption_ms": {"p50": percentile(&pre, 50.0), "p99": percentile(&pre, 99.0), "max": percentile(&pre, 100.0)},
+        "detection_ms": {"p50": percentile(&det, 50.0), "p99": percentile(&det, 99.0)},
+        "actuation_ms": {"p50": percentile(&act, 50.0), "p99": percentile(&act, 99.0)},
+        "release_ms": {"p50": percentile(&rel, 50.0), "p99": percentile(&rel, 99.0), "max": percentile(&rel, 100.0)},
     })
 }
 
@@ -170,7 +155,7 @@ fn idle_cost(secs: u64, with_offline: usize) -> serde_json::Value {
 /// Pod event → classification latency (in-process source, real client over HTTP), and the
 /// agent's CPU with 250 pods on its node and 10 pod changes per second.
 fn kube_bench() {
-    use coloc_e2e::fakeapi::{pod, FakeApi};
+    use coloc_tools::fakeapi::{pod, FakeApi};
     let rt = tokio::runtime::Runtime::new().unwrap();
     let api = rt.block_on(FakeApi::start());
     let uid = |i: u32| format!("0f2c7a54-9a3b-4c1e-8d2f-{i:012}");
@@ -213,7 +198,7 @@ fn kube_bench() {
         lat
     });
     println!();
-    println!("| pod event → classification (500 events, release) | p50 {:.3} ms | p99 {:.3} ms | max {:.3} ms |", pct(&lat, 50.0), pct(&lat, 99.0), pct(&lat, 100.0));
+    println!("| pod event → classification (500 events, release) | p50 {:.3} ms | p99 {:.3} ms | max {:.3} ms |", percentile(&lat, 50.0), percentile(&lat, 99.0), percentile(&lat, 100.0));
     // CPU of the real agent binary under pod churn.
     let sim = Sim::start(1, &["--sample-period-ms", "1"]);
     let dir = std::env::temp_dir().join(unique("coloc-bench-kube"));

@@ -7,7 +7,7 @@
 //! what `failIdx` came back as), then waits for stdin to close before exiting (so that a
 //! test can read the shim's page). In tests the driver is the fake one (`tests/fake-cuda`).
 
-use coloc_e2e::cuda::{get_at, getter};
+use coloc_tools::cuda::{get_at, getter};
 use std::ffi::{c_int, c_void};
 
 type H = *mut c_void;

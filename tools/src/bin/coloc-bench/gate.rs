@@ -16,7 +16,7 @@
 
 use coloc_agent::edges::gate::GateFile;
 use coloc_doorbell::PAGE;
-use coloc_e2e::*;
+use coloc_tools::*;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,15 +80,6 @@ pub fn run(args: &[String]) -> serde_json::Value {
         }
     }
     serde_json::Value::Array(rows)
-}
-
-fn pct(v: &mut [f64], q: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((q / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
 }
 
 fn page_of(dir: &Path, pid: u32) -> Option<PathBuf> {
@@ -206,7 +197,7 @@ fn one(step_ms: f64, k: Option<u32>, closes: usize, secs: f64) -> serde_json::Va
         "step_ms": step_ms,
         "k": k,
         "throughput": throughput,
-        "ack_ms": {"p50": pct(&mut ack_ms.clone(), 50.0), "p99": pct(&mut ack_ms.clone(), 99.0), "max": pct(&mut ack_ms, 100.0)},
-        "after_ms": {"p50": pct(&mut after_ms.clone(), 50.0), "p99": pct(&mut after_ms.clone(), 99.0), "max": pct(&mut after_ms, 100.0)},
+        "ack_ms": {"p50": percentile(&ack_ms, 50.0), "p99": percentile(&ack_ms, 99.0), "max": percentile(&ack_ms, 100.0)},
+        "after_ms": {"p50": percentile(&after_ms, 50.0), "p99": percentile(&after_ms, 99.0), "max": percentile(&after_ms, 100.0)},
     })
 }

@@ -16,8 +16,8 @@
 //! The online workers are this binary re-executed (`coloc-bench --online-worker ...`, one
 //! process per GPU), so each GPU's online work is its own process, as in production.
 
-use super::{cpu_ns, pct, rss_kib};
-use coloc_e2e::*;
+use super::{cpu_ns, rss_kib};
+use coloc_tools::*;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -133,7 +133,7 @@ pub fn online_worker(args: &[String]) {
     let sim = coloc_sim::SimGpu::open(&state).expect("open simulated GPU state");
     // Through the driver API (under the shim, in --doorbell runs), or the slot directly.
     let (slot, drv) = if o.doorbell {
-        (None, Some(coloc_e2e::cuda::Driver::open(gpu as i32)))
+        (None, Some(coloc_tools::cuda::Driver::open(gpu as i32)))
     } else {
         (
             Some(sim.register(gpu, 1 << 30).expect("register online slot")),
@@ -169,7 +169,7 @@ pub fn online_worker(args: &[String]) {
     }
     let out = serde_json::json!({
         "gpu": gpu, "bursts": extra_ms.len(), "busy_ms": busy_ms,
-        "slowdown_ms": {"p50": pct(&extra_ms, 50.0), "p99": pct(&extra_ms, 99.0), "max": pct(&extra_ms, 100.0)},
+        "slowdown_ms": {"p50": percentile(&extra_ms, 50.0), "p99": percentile(&extra_ms, 99.0), "max": percentile(&extra_ms, 100.0)},
     });
     if let Some(p) = opt(args, "--out") {
         std::fs::write(p, out.to_string()).expect("write worker summary");
@@ -486,9 +486,9 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "preemptions": count("preempt"), "preemptions_measured": pre.len(),
         "preemptions_per_gpu": per_gpu,
         "releases": count("release"), "releases_measured": rel.len(),
-        "preemption_ms": {"p50": pct(&pre, 50.0), "p99": pct(&pre, 99.0), "max": pct(&pre, 100.0)},
-        "detection_ms": {"p50": pct(&det, 50.0), "p99": pct(&det, 99.0)},
-        "release_ms": {"p50": pct(&rel, 50.0), "p99": pct(&rel, 99.0), "max": pct(&rel, 100.0)},
+        "preemption_ms": {"p50": percentile(&pre, 50.0), "p99": percentile(&pre, 99.0), "max": percentile(&pre, 100.0)},
+        "detection_ms": {"p50": percentile(&det, 50.0), "p99": percentile(&det, 99.0)},
+        "release_ms": {"p50": percentile(&rel, 50.0), "p99": percentile(&rel, 99.0), "max": percentile(&rel, 100.0)},
         "fail_open_total": sum(&fail_open),
         // The exporter lists a counter only once it has been incremented.
         "fail_open_series_present": metrics.contains("coloc_fail_open_total"),

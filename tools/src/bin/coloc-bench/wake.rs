@@ -214,7 +214,7 @@ fn timer_lat(prio: Prio, samples: usize) -> Option<Vec<f64>> {
 }
 
 fn pcts(v: &[f64]) -> serde_json::Value {
-    let q = |p: f64| super::pct(v, p);
+    let q = |p: f64| coloc_tools::percentile(v, p);
     serde_json::json!({
         "n": v.len(), "p50_us": q(50.0), "p90_us": q(90.0), "p99_us": q(99.0),
         "p999_us": q(99.9), "max_us": q(100.0),

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::pct;
+use coloc_tools::percentile;
 
 /// Usage, appended to `--help`.
 pub const USAGE: &str = "
@@ -52,7 +52,7 @@ fn now_us() -> u64 {
 }
 
 fn summary(v: &[f64]) -> serde_json::Value {
-    serde_json::json!({"n": v.len(), "p50": pct(v, 50.0), "p99": pct(v, 99.0), "max": pct(v, 100.0)})
+    serde_json::json!({"n": v.len(), "p50": percentile(v, 50.0), "p99": percentile(v, 99.0), "max": percentile(v, 100.0)})
 }
 
 /// How a series of calls answered.
@@ -183,7 +183,7 @@ pub fn probe(args: &[String]) {
         }
         cost.insert(
             name.into(),
-            serde_json::json!({"p50_us": pct(&t, 50.0), "p99_us": pct(&t, 99.0), "max_us": pct(&t, 100.0)}),
+            serde_json::json!({"p50_us": percentile(&t, 50.0), "p99_us": percentile(&t, 99.0), "max_us": percentile(&t, 100.0)}),
         );
     }
     let gpm = gpm(&lib, gpu);
@@ -248,8 +248,8 @@ pub fn probe(args: &[String]) {
     };
     let out = serde_json::json!({
         "nvml_lib": lib, "gpu": gpu, "seconds": secs, "call_cost": cost,
-        "sample_interval_ms": {"min": pct(&periods, 0.0), "p50": pct(&periods, 50.0), "p99": pct(&periods, 99.0)},
-        "freshness_ms": {"p50": pct(&freshness, 50.0), "p99": pct(&freshness, 99.0)},
+        "sample_interval_ms": {"min": percentile(&periods, 0.0), "p50": percentile(&periods, 50.0), "p99": percentile(&periods, 99.0)},
+        "freshness_ms": {"p50": percentile(&freshness, 50.0), "p99": percentile(&freshness, 99.0)},
         "samples": freshness.len(), "processes_seen": per_pid.len(),
         "drain_after_sigstop_ms": drain_ms,
         "answers": {
