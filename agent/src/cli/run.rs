@@ -1,67 +1,14 @@
-//! Command line: clap derive, every flag also settable from `COLOC_…` environment
-//! variables, validated once into the typed configuration of the control loop.
+//! `coloc-agent run`: its flags, and their validation into the loop's configuration.
 
+use super::parse_duration;
 use crate::control::LoopConfig;
 use crate::edges::actuator::Kind;
 use crate::edges::cgroupfs::CgroupMounts;
-use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use anyhow::{bail, Result};
+use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-
-/// gpu-coloc node agent: offline GPU work uses every idle moment and gets out of the way
-/// the instant online work arrives.
-#[derive(Parser, Debug)]
-#[command(version, about, long_about = None, after_help = "\
-Examples:
-  coloc-agent check-rules rules.toml             validate a standalone rules file
-  coloc-agent run --rules rules.toml             standalone host: classify GPU processes by rules
-  coloc-agent run --rules rules.toml --dry-run   decide and report, never suspend anything
-  coloc-agent status --watch                     what a running agent sees and does
-  coloc-agent resume                             resume what a killed agent left suspended")]
-pub struct Cli {
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "COLOC_LOG_FORMAT", global = true)]
-    pub log_format: LogFormat,
-    /// Command.
-    #[command(subcommand)]
-    pub cmd: Command,
-}
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-/// Subcommands.
-#[derive(Subcommand, Debug)]
-#[allow(clippy::large_enum_variant)] // parsed once at start
-pub enum Command {
-    /// Run the agent.
-    Run(RunArgs),
-    /// Validate a standalone rules file and print what it says.
-    CheckRules {
-        /// The TOML rules file.
-        file: PathBuf,
-    },
-    /// Show a running agent's state: per GPU, its state, the online and offline
-    /// processes on it, time since the last preemption and latency percentiles.
-    Status(crate::cmd::status::StatusArgs),
-    /// Resume everything the fail-open record holds (thaw cgroups, continue processes), as
-    /// the agent does at start, when no agent is running with that state directory.
-    #[command(after_help = crate::cmd::resume::AFTER_HELP)]
-    Resume(crate::cmd::resume::ResumeArgs),
-    /// Run a command under the CUDA shim (a plain host; the webhook does it for pods):
-    /// online, its launches ring the agent's doorbell; offline, it submits through the
-    /// launch gate.
-    #[command(after_help = crate::cmd::exec::AFTER_HELP)]
-    Exec(crate::cmd::exec::ExecArgs),
-}
 
 /// `coloc-agent run`.
 #[derive(Args, Debug, Clone)]
@@ -374,120 +321,5 @@ impl RunArgs {
                 })
                 .unwrap_or_else(|| "unknown".into()),
         })
-    }
-}
-
-/// Parses `1ms`, `500us`, `0.5s`, `100ms`, `2m`, and `0` (any other number without a
-/// unit: error).
-pub fn parse_duration(s: &str) -> Result<Duration> {
-    let s = s.trim();
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .with_context(|| format!("{s:?}: missing unit (use ns, us, ms, s or m)"))?;
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .with_context(|| format!("{s:?}: {num:?} is not a number"))?;
-    let secs = match unit {
-        "ns" => n / 1e9,
-        "us" | "µs" => n / 1e6,
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" => n * 60.0,
-        _ => bail!("{s:?}: unknown unit {unit:?} (use ns, us, ms, s or m)"),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        bail!("{s:?}: not a valid duration");
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("1ms").unwrap(), Duration::from_millis(1));
-        assert_eq!(parse_duration("500us").unwrap(), Duration::from_micros(500));
-        assert_eq!(parse_duration("0.5s").unwrap(), Duration::from_millis(500));
-        assert!(parse_duration("100")
-            .unwrap_err()
-            .to_string()
-            .contains("unit"));
-        assert!(parse_duration("5h").is_err());
-    }
-
-    /// The defaults a user gets are the ones DESIGN names (idle window 100 ms).
-    #[test]
-    fn defaults() {
-        let cli = Cli::try_parse_from(["coloc-agent", "run", "--actuator", "signal"]).unwrap();
-        let Command::Run(args) = cli.cmd else {
-            panic!()
-        };
-        let cfg = args.loop_config().unwrap();
-        assert_eq!(cfg.machine.idle_window, 100_000_000);
-        assert_eq!(cfg.poll, Duration::from_millis(1));
-        assert_eq!(cfg.idle_poll, Duration::from_millis(100));
-        assert_eq!(cfg.nvml_interval, Duration::from_millis(100));
-        assert_eq!(cfg.nvml_grace, Duration::from_millis(50));
-        assert!(cfg.machine.unmanaged_is_online);
-        assert!(!args.state_cmdlines);
-        let http = args.http_limits().unwrap();
-        assert_eq!(http.header_timeout, Duration::from_secs(5));
-        assert_eq!(http.idle_timeout, Duration::from_secs(30));
-        assert_eq!(http.max_connections, 64);
-    }
-
-    #[test]
-    fn http_limits_are_validated() {
-        let parse = |extra: &[&str]| {
-            let mut argv = vec!["coloc-agent", "run", "--actuator", "signal"];
-            argv.extend_from_slice(extra);
-            Cli::try_parse_from(argv).map(|cli| match cli.cmd {
-                Command::Run(args) => args,
-                _ => panic!(),
-            })
-        };
-        assert!(parse(&["--http-max-connections", "0"]).is_err());
-        for flag in [
-            "--nvml-interval",
-            "--process-interval",
-            "--recheck-interval",
-            "--idle-poll-interval",
-        ] {
-            let r = parse(&[flag, "0"]).unwrap().loop_config();
-            assert!(r.is_err(), "{flag} 0 accepted: the loop would spin");
-        }
-        for (slice, ok) in [
-            ("50us", false),
-            ("101ms", false),
-            ("0", true),
-            ("1ms", true),
-        ] {
-            let r = parse(&["--loop-slice", slice]).unwrap().loop_config();
-            assert_eq!(r.is_ok(), ok, "--loop-slice {slice}: {:?}", r.err());
-        }
-        let a = parse(&["--http-header-timeout", "10ms"]).unwrap();
-        assert!(a
-            .http_limits()
-            .unwrap_err()
-            .to_string()
-            .contains("--http-header-timeout"));
-        let a = parse(&["--http-idle-timeout", "2s", "--state-cmdlines"]).unwrap();
-        assert_eq!(
-            a.http_limits().unwrap().idle_timeout,
-            Duration::from_secs(2)
-        );
-        assert!(a.state_cmdlines);
-    }
-
-    #[test]
-    fn help_is_valid() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }
