@@ -210,7 +210,9 @@ impl Loop {
     }
 
     fn attribute(&mut self, r: &BellReading, now: u64) {
-        let last = r.reading.last_launch_ns;
+        // A launch time is the tenant's word: one in the future would keep its idle window
+        // open (and offline work frozen) without any GPU work. Clamped to now.
+        let last = r.reading.last_launch_ns.min(now);
         let Some(gpu) = self.bells.uuid_gpu.get(&r.reading.uuid).copied() else {
             self.reject(r.page, Reject::UnknownGpu);
             return;
@@ -227,7 +229,12 @@ impl Loop {
         let Some(page) = self.bells.pages.get(&r.page) else {
             return;
         };
-        let reading = (r.reading.uuid, last, r.reading.busy_since_ns);
+        // The page's own words, so that a claim clamped to a later now is not new each tick.
+        let reading = (
+            r.reading.uuid,
+            r.reading.last_launch_ns,
+            r.reading.busy_since_ns,
+        );
         if page.attributed && page.noted.contains(&reading) {
             return;
         }
@@ -261,7 +268,7 @@ impl Loop {
             &key,
             gpu,
             Activity {
-                start: r.reading.busy_since_ns.max(blind),
+                start: r.reading.busy_since_ns.min(last).max(blind),
                 end: last,
                 through_end: false,
                 signal: Signal::Doorbell,

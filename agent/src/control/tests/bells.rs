@@ -176,3 +176,22 @@ fn a_new_processs_first_launch_preempts_in_the_same_tick() {
         "the first launch of a process not yet in the lists waited for another tick"
     );
 }
+
+/// A page that claims a launch an hour from now keeps the window open only as if the
+/// launch were now: launch times are clamped to the agent's clock.
+#[test]
+fn a_launch_time_in_the_future_counts_as_now() {
+    let mut h = setup();
+    h.bells.page(1, Owner::Pid(20), 0);
+    let now = h.now();
+    h.bells.ring(1, 0, now, now + 3_600_000 * MS);
+    h.lp.tick();
+    assert!(h.suspended(10), "a launch now preempts");
+    h.clock.set(now + 100 * MS);
+    h.tick();
+    h.tick();
+    assert!(
+        !h.suspended(10),
+        "still held a window after a launch claimed for an hour from now"
+    );
+}

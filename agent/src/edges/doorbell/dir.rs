@@ -370,41 +370,58 @@ impl Doorbells for DirBells {
     }
 
     fn sweep_pods(&mut self, gone: &dyn Fn(&str) -> bool, idle: Duration) -> Vec<String> {
+        use rustix::fs::{openat, unlinkat, AtFlags, Mode, OFlags, CWD};
+        // Every step is relative to a directory descriptor opened without following links:
+        // a tenant who can write to `pods/` and swaps its directory for a link while the
+        // sweep runs redirects nothing (the descriptor is the directory that was checked;
+        // names are removed inside it, and a link is removed, never followed).
+        let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let pods = self.dir.join("pods");
-        let Ok(rd) = std::fs::read_dir(&pods) else {
+        let Ok(pods_fd) = openat(CWD, &pods, dir_flags, Mode::empty()) else {
             return Vec::new();
         };
+        let Ok(names) = rustix::fs::Dir::read_from(&pods_fd) else {
+            return Vec::new();
+        };
+        let names: Vec<String> = names
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().ok().map(str::to_string))
+            .filter(|n| is_pod_uid(n))
+            .collect();
         let mut removed = Vec::new();
-        for e in rd.flatten() {
-            let Some(uid) = e.file_name().to_str().map(str::to_string) else {
+        for uid in names {
+            let path = pods.join(&uid);
+            // A real directory (a link fails to open), named like a pod UID, untouched for
+            // `idle`, of a pod that is gone.
+            let Ok(fd) = openat(&pods_fd, uid.as_str(), dir_flags, Mode::empty()) else {
                 continue;
             };
-            let path = e.path();
-            // A real directory (not a link), named like a pod UID, of a pod that is gone,
-            // untouched for `idle`.
-            let Ok(md) = std::fs::symlink_metadata(&path) else {
+            let Ok(st) = rustix::fs::fstat(&fd) else {
                 continue;
             };
-            let quiet = md
-                .modified()
-                .ok()
-                .and_then(|m| m.elapsed().ok())
-                .is_some_and(|age| age >= idle);
-            if !md.is_dir() || !is_pod_uid(&uid) || !quiet || !gone(&uid) {
+            let modified = std::time::UNIX_EPOCH
+                + Duration::new(st.st_mtime.max(0) as u64, st.st_mtime_nsec as u32);
+            let quiet = modified.elapsed().is_ok_and(|age| age >= idle);
+            if !quiet || !gone(&uid) {
                 continue;
             }
             // Its pages are stale: unmap them first.
             self.pages.retain(|p, _| !p.starts_with(&path));
             self.rejected.retain(|p, _| !p.starts_with(&path));
-            if let Ok(files) = std::fs::read_dir(&path) {
+            if let Ok(files) = rustix::fs::Dir::read_from(&fd) {
                 for f in files.flatten() {
-                    let is_dir = f.file_type().map(|t| t.is_dir()).unwrap_or(true);
-                    if !is_dir {
-                        let _ = std::fs::remove_file(f.path());
+                    let name = f.file_name();
+                    if name == c"." || name == c".." {
+                        continue;
+                    }
+                    // A subdirectory is left (removing the pod's directory then fails, and
+                    // says so); anything else, a link included, is unlinked by name.
+                    if f.file_type() != rustix::fs::FileType::Directory {
+                        let _ = unlinkat(&fd, name, AtFlags::empty());
                     }
                 }
             }
-            match std::fs::remove_dir(&path) {
+            match unlinkat(&pods_fd, uid.as_str(), AtFlags::REMOVEDIR) {
                 Ok(()) => {
                     info!(pod_uid = %uid, dir = %path.display(), "Removed the doorbell directory of a pod that is gone");
                     removed.push(uid);

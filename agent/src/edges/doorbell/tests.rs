@@ -321,3 +321,43 @@ fn directories_of_pods_that_are_gone_are_swept() {
     drop(page);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tenant who can write to `pods/` swaps a gone pod's directory for a link to another
+/// directory while the sweep runs (here: from inside the sweep's own "is the pod gone?"
+/// question, between its checks and its removals): nothing behind the link is removed.
+#[test]
+fn the_sweep_cannot_be_redirected_by_a_swapped_link() {
+    let dir = tmpdir("sweep-swap");
+    let pods = dir.join("pods");
+    let uid = "11111111-2222-3333-4444-555555555555";
+    std::fs::create_dir_all(pods.join(uid)).unwrap();
+    std::fs::write(pods.join(uid).join("old.bell"), b"x").unwrap();
+    let victim = dir.join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("gates"), b"the node's gate file").unwrap();
+    let old = std::time::SystemTime::now() - Duration::from_secs(600);
+    std::fs::File::open(pods.join(uid))
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let mut b = DirBells::new(&dir).unwrap();
+    let moved = dir.join("moved");
+    let swap = |u: &str| {
+        std::fs::rename(pods.join(u), &moved).unwrap();
+        std::os::unix::fs::symlink(&victim, pods.join(u)).unwrap();
+        true
+    };
+    let removed = b.sweep_pods(&swap, Duration::from_secs(300));
+    assert!(
+        victim.join("gates").exists(),
+        "the sweep followed the swapped link and removed another directory's file"
+    );
+    assert!(removed.is_empty(), "{removed:?}");
+    assert!(
+        std::fs::symlink_metadata(pods.join(uid))
+            .unwrap()
+            .is_symlink(),
+        "the link was followed and its target removed"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
