@@ -21,7 +21,11 @@ fn inputs(n_offline: u32, now: u64, busy: bool) -> Vec<GpuInput<u32>> {
                 signal: Signal::Nvml,
                 share: Share::Burst,
             }));
-            GpuInput { gpu: g, procs }
+            GpuInput {
+                gpu: g,
+                procs,
+                sampled_busy: false,
+            }
         })
         .collect()
 }

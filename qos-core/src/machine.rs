@@ -111,6 +111,12 @@ pub struct GpuInput<K> {
     pub gpu: u32,
     /// Processes present on it.
     pub procs: Vec<ProcessObs<K>>,
+    /// Online work here was busy in a sampled period whose successor has not been read
+    /// yet: it may still be busy, so the GPU counts as busy (its offline work is suspended,
+    /// or stays so past the idle window) until a read shows the next period. A sampled
+    /// signal is late by a period; without this, a release fell due exactly when the next
+    /// sample was written.
+    pub sampled_busy: bool,
 }
 
 /// The state of one GPU.
@@ -302,7 +308,8 @@ impl<K: Ord + Clone> Machine<K> {
                 (GpuState::OnlineBusy { last_online, .. }, None) => Some(last_online),
                 (GpuState::OfflineRunning, t) => t,
             };
-            let busy = last_online.is_some_and(|t| now.saturating_sub(t) < window);
+            let held = input.sampled_busy;
+            let busy = held || last_online.is_some_and(|t| now.saturating_sub(t) < window);
             let next = match (prev, busy) {
                 (GpuState::OnlineBusy { since, .. }, true) => GpuState::OnlineBusy {
                     since,
@@ -316,7 +323,7 @@ impl<K: Ord + Clone> Machine<K> {
                         .filter(|p| is_online(p))
                         .filter(|p| {
                             p.last_active
-                                .is_some_and(|t| now.saturating_sub(t) < window)
+                                .is_some_and(|t| held || now.saturating_sub(t) < window)
                         })
                         .map(|p| {
                             let end = p.last_active.unwrap_or(now);
@@ -414,10 +421,48 @@ mod tests {
     }
 
     fn gpu(g: u32, procs: Vec<ProcessObs<u32>>) -> GpuInput<u32> {
-        GpuInput { gpu: g, procs }
+        GpuInput {
+            gpu: g,
+            procs,
+            sampled_busy: false,
+        }
     }
 
     const T0: Nanos = 1_000_000 * MS;
+
+    /// A release the sampled signal cannot vouch for yet waits for the next read; the
+    /// window's end is still the release's reference. A sampled busy period not yet
+    /// followed preempts even when it ended a window ago.
+    #[test]
+    fn a_held_release_waits_for_the_next_read() {
+        let mut m = Machine::new(Config::default());
+        let procs = vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))];
+        m.tick(T0, &[gpu(0, procs.clone())]);
+        let mut held = gpu(0, procs.clone());
+        held.sampled_busy = true;
+        let d = m.tick(T0 + 150 * MS, &[held]);
+        assert!(d.resume.is_empty() && d.transitions.is_empty(), "{d:?}");
+        assert!(matches!(m.state(0), GpuState::OnlineBusy { .. }));
+        let d = m.tick(T0 + 160 * MS, &[gpu(0, procs)]);
+        assert!(matches!(
+            d.transitions[..],
+            [Transition::Release { window_end, .. }] if window_end == T0 + 100 * MS
+        ));
+        assert_eq!(d.resume, vec![1]);
+        let mut late = gpu(
+            0,
+            vec![p(1, Class::Offline, None), p(2, Class::Online, Some(T0))],
+        );
+        late.sampled_busy = true;
+        let d = m.tick(T0 + 300 * MS, &[late]);
+        assert!(
+            matches!(
+                d.transitions[..],
+                [Transition::Preempt { onset, .. }] if onset == T0
+            ),
+            "{d:?}"
+        );
+    }
 
     #[test]
     fn preemption_reports_the_earliest_onset_and_its_signal() {
@@ -778,7 +823,7 @@ mod tests {
                     }
                     inputs.get_mut(&g).unwrap().push(ProcessObs { key, class, last_active, onset: None, signal: Signal::Nvml, share: Share::Burst });
                 }
-                let inputs: Vec<_> = inputs.into_iter().map(|(gpu, procs)| GpuInput { gpu, procs }).collect();
+                let inputs: Vec<_> = inputs.into_iter().map(|(gpu, procs)| GpuInput { gpu, procs, sampled_busy: false }).collect();
                 let d = m.tick(now, &inputs);
                 for (k, _) in &d.suspend {
                     prop_assert_eq!(classes.get(k), Some(&Class::Offline));

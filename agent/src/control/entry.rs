@@ -22,6 +22,10 @@ pub struct Entry {
     pub gpus: BTreeSet<u32>,
     /// End of the latest activity per GPU (a launch, or the end of a sampled period), ns.
     pub last_active: BTreeMap<u32, u64>,
+    /// End of the latest sampled period (NVML) that counted as activity, per GPU: until a
+    /// read of the driver's samples has gone past the period after it, the process may
+    /// still be busy (see `Loop::inputs`).
+    pub last_sampled: BTreeMap<u32, u64>,
     /// Onset of the current run of activity per GPU, and the signal that gave it.
     pub onset: BTreeMap<u32, (u64, Signal)>,
     /// Real UID of the process.
@@ -87,6 +91,10 @@ impl Entry {
             run.0 = run.0.min(start);
         } else if a.signal == Signal::Doorbell {
             *run = (start, Signal::Doorbell);
+        }
+        if a.signal == Signal::Nvml {
+            let s = self.last_sampled.entry(gpu).or_insert(0);
+            *s = (*s).max(a.end);
         }
         let t = self.last_active.entry(gpu).or_insert(0);
         *t = (*t).max(a.end);

@@ -99,7 +99,34 @@ impl Loop {
         }
         by_gpu
             .into_iter()
-            .map(|(gpu, procs)| qos_core::GpuInput { gpu, procs })
+            .map(|(gpu, procs)| qos_core::GpuInput {
+                gpu,
+                sampled_busy: self.sampled_busy(gpu),
+                procs,
+            })
             .collect()
+    }
+
+    /// Whether online work on `gpu` seen only through NVML may still be busy: its latest
+    /// busy sample covers the period ending at `t`, and no read of the driver's samples has
+    /// happened since the next period was due (`t` + one sample period, and a quarter more
+    /// for the driver to write it). Until then it counts as busy: the sample that shows the
+    /// work still running may be written just after the read (at the shipped defaults, a
+    /// 100 ms window and a 100 ms driver period, the release fell due exactly when the next
+    /// sample was written, and a sample read just before its successor was already a window
+    /// old). Processes with a doorbell page are exempt: their launches are seen as they
+    /// happen.
+    fn sampled_busy(&self, gpu: u32) -> bool {
+        let period = self.cfg.nvml_sample_period.as_nanos() as u64;
+        let read = self.sampled_at.get(&gpu).copied().unwrap_or(0);
+        let unmanaged = self.cfg.machine.unmanaged_is_online;
+        self.table.entries().any(|e| {
+            e.gpus.contains(&gpu)
+                && !e.rung
+                && e.cls.class.is_online_demand(unmanaged)
+                && e.last_sampled
+                    .get(&gpu)
+                    .is_some_and(|t| read < t + period + period / 4)
+        })
     }
 }

@@ -177,6 +177,8 @@ pub struct Loop {
     shared: Arc<Shared>,
     /// Newest sample timestamp seen per GPU (µs, NVML's `lastSeenTimeStamp`).
     last_seen_us: BTreeMap<u32, u64>,
+    /// When the driver's samples were last read, per GPU (a successful read).
+    sampled_at: BTreeMap<u32, u64>,
     /// Samples at or before this time are ignored (after a fail-open), per GPU.
     blind_until: BTreeMap<u32, u64>,
     /// Reused sample buffer.
@@ -268,6 +270,7 @@ impl Loop {
             retries: retry::Retries::default(),
             shared,
             last_seen_us: BTreeMap::new(),
+            sampled_at: BTreeMap::new(),
             blind_until: BTreeMap::new(),
             scratch: Vec::new(),
             next_refresh_ns: 0,

@@ -120,6 +120,7 @@ impl Loop {
             samples.clear();
             match self.gpu.samples(gpu, since, samples) {
                 Ok(()) => {
+                    self.sampled_at.insert(gpu, now);
                     if self.health.degraded(gpu) {
                         // Answers again after failing open: what the driver buffered
                         // meanwhile is history, not the start of a busy period.

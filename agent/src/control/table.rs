@@ -195,6 +195,7 @@ impl Table {
                             // still true (a sample noted earlier in this tick included).
                             Some(o) if o.key == entry.key => {
                                 entry.last_active = o.last_active;
+                                entry.last_sampled = o.last_sampled;
                                 entry.onset = o.onset;
                                 entry.rung = o.rung;
                             }
@@ -361,6 +362,7 @@ impl Table {
             cmd: truncate(&info.cmdline, 200),
             gpus: BTreeSet::new(),
             last_active: BTreeMap::new(),
+            last_sampled: BTreeMap::new(),
             onset: BTreeMap::new(),
             uid: info.uid,
             pod_uid,

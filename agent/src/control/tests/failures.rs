@@ -296,3 +296,71 @@ fn a_failed_suspension_is_retried_while_online_stays_busy() {
     assert_eq!(h.suspends_of(10), 2, "not retried: {:?}", h.act.calls());
     assert!(h.suspended(10), "the retry did not suspend");
 }
+
+/// A driver that writes the sample of each `period` at its end (plus `write` ns), for
+/// online `pid` busy from `from` to `until`; the loop reads at the user's
+/// `--nvml-interval`. Returns the release events seen while online was busy, the ticks
+/// (after the first two periods) at which offline ran beside it, and when the release came
+/// after it stopped.
+fn nvml_only_busy(period: u64, write: u64, until_ms: u64) -> (usize, usize, Option<u64>) {
+    let mut cfg = user_config();
+    cfg.nvml_sample_period = Duration::from_nanos(period);
+    let mut h = harness_with(1, cfg);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    let start = h.now();
+    let until = start + until_ms * MS;
+    let mut next = start - start % period + period;
+    let mut releases_while_busy = 0;
+    let mut ran_beside = 0;
+    let mut released_at = None;
+    while h.now() < until + 3 * period + 500 * MS {
+        // The driver writes the period ending at `next` a little after it ends, as busy
+        // (the whole period) while online runs.
+        if h.now() >= next + write {
+            if next <= until {
+                h.active_at(0, 20, next);
+            }
+            next += period;
+        }
+        h.tick();
+        let released = h
+            .events()
+            .iter()
+            .filter(|e| matches!(e, Event::Release(_)))
+            .count();
+        if h.now() <= until && released > releases_while_busy {
+            releases_while_busy = released;
+        }
+        if h.now() > start + 2 * period + 10 * MS && h.now() <= until && !h.suspended(10) {
+            ran_beside += 1;
+        }
+        if h.now() > until && released_at.is_none() && !h.suspended(10) {
+            released_at = Some(h.now() - until);
+        }
+    }
+    (releases_while_busy, ran_beside, released_at)
+}
+
+/// Online work seen through NVML alone, busy without a pause, never releases offline work
+/// at the shipped defaults (a 100 ms window, a 100 ms driver period read every 100 ms: the
+/// release fell due exactly when the next sample was written), nor at a 1 s period; once it
+/// stops, the release comes within the window plus a period and a read.
+#[test]
+fn continuous_online_work_seen_through_nvml_alone_never_releases() {
+    for (period_ms, write_us) in [(100, 500), (100, 5_000), (1_000, 500)] {
+        let (releases, ran, after) = nvml_only_busy(period_ms * MS, write_us * 1_000, 3_000);
+        assert_eq!(
+            (releases, ran),
+            (0, 0),
+            "{period_ms} ms period, written {write_us} µs late: (releases, ticks offline ran) during continuous online work"
+        );
+        let after = after.expect("never released after online stopped");
+        assert!(
+            after <= (2 * period_ms + period_ms / 4 + 100 + 5) * MS,
+            "{period_ms} ms period: released {} ms after online stopped",
+            after / MS
+        );
+    }
+}

@@ -143,6 +143,10 @@ impl H {
     fn active(&self, gpu: u32, pid: u32) {
         self.gpu.sample(gpu, pid, self.now());
     }
+    /// A sample of online `pid` on `gpu` stamped `at` (the end of its period).
+    fn active_at(&self, gpu: u32, pid: u32, at: u64) {
+        self.gpu.sample(gpu, pid, at);
+    }
     /// Offline `off` and online `on` on GPU 0; one tick, then online is active: returns
     /// after the tick that preempts.
     fn preempt(&mut self, off: u32, on: u32) {
