@@ -63,13 +63,14 @@ pub struct RunArgs {
     /// after it starts).
     #[arg(long, env = "COLOC_NO_DOORBELLS")]
     pub no_doorbells: bool,
-    /// Suspend offline processes that run the CUDA shim at their launch gate: while online
-    /// work is busy on a GPU, the gate of that GPU is closed, the process's next
-    /// submission there blocks (its CPU side keeps running), and the suspension is
-    /// confirmed when its shim says its in-flight work has drained. Processes without
-    /// the shim, on more than one GPU, or under a fixed share are stopped with
-    /// --actuator as before, and so is one that does not acknowledge within
-    /// --gate-timeout. Needs the doorbells (the acknowledgements come in the pages).
+    /// Close the launch gate of offline processes that run the CUDA shim before stopping
+    /// them: while online work is busy on a GPU, the gate of that GPU is closed, the
+    /// process's next submission there blocks and at most K kernels per stream are left
+    /// in flight; once its shim says that work has drained (or --gate-timeout passes) the
+    /// process is stopped with --actuator as without the gate, so what it left queued is
+    /// short. The gate never replaces the stop: an acknowledgement only brings it sooner.
+    /// Processes without the shim, on more than one GPU, or under a fixed share are
+    /// stopped at once. Needs the doorbells (the acknowledgements come in the pages).
     #[arg(long, env = "COLOC_GATE")]
     pub gate: bool,
     /// The gate file the shims map (replaced at start, every gate open). Its directory is
@@ -77,8 +78,8 @@ pub struct RunArgs {
     #[arg(long, env = "COLOC_GATE_FILE", default_value = coloc_doorbell::gate::DEFAULT_GATE_FILE)]
     pub gate_file: PathBuf,
     /// How long a closed gate's acknowledgement is waited for before the process is
-    /// stopped with --actuator as well. The acknowledgement comes once the work the
-    /// process had in flight is done (at most K = COLOC_SHIM_INFLIGHT kernels per stream).
+    /// stopped all the same. The acknowledgement comes once the work the process had in
+    /// flight is done (at most K = COLOC_SHIM_INFLIGHT kernels per stream).
     #[arg(long, env = "COLOC_GATE_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
     pub gate_timeout: Duration,
     /// How often to re-read the running-process list (a PID seen in samples but not yet

@@ -166,6 +166,15 @@ impl Tracker {
         None
     }
 
+    /// Finishes every waiting event as it stands (the holds it waits for were resumed
+    /// behind the book's back: the NVML watchdog's fail-open).
+    pub fn abandon(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.waiting)
+            .into_iter()
+            .map(finish)
+            .collect()
+    }
+
     /// Applies completions; returns the events they finished.
     pub fn complete(&mut self, done: &[Completion]) -> Vec<Event> {
         for c in done {

@@ -208,7 +208,8 @@ impl Hands {
 
     /// Resumes every target suspended through these hands, waiting up to `budget`, and
     /// removes the confirmed ones from the record (the NVML watchdog's fail-open, while
-    /// the loop is stuck). Returns how many targets it resumed.
+    /// the loop is stuck; the loop's last word when it ends). Returns how many targets it
+    /// tried to resume.
     pub fn resume_everything(&mut self, budget: Duration) -> usize {
         let targets: Vec<Target> = self.ledger.values().cloned().collect();
         if targets.is_empty() {
@@ -227,7 +228,8 @@ impl Hands {
         if let Err(err) = self.record.remove(&resumed) {
             error!(error = %format!("{err:#}"), "Failed to update the suspension record");
         }
-        self.ledger.clear();
+        // What could not be resumed stays known (and recorded): the next call tries again.
+        self.ledger.retain(|e, _| !resumed.contains(e));
         targets.len()
     }
 

@@ -462,5 +462,15 @@ impl Drop for Loop {
             error!("Control loop ending with offline work suspended: resuming it");
             self.release_everything(ReleaseAll::Panic);
         }
+        // Whatever the book lost track of (a conversation a panic cut short, a resume that
+        // failed): the hands still know what they stopped and the record still holds it.
+        let budget = self.cfg.confirm_timeout;
+        let left = self.hands().resume_everything(budget);
+        if left > 0 {
+            error!(
+                targets = left,
+                "Resumed offline work the control loop had lost track of"
+            );
+        }
     }
 }

@@ -218,8 +218,12 @@ impl Loop {
     /// decisions and the samples from before, and report when the call came back.
     pub(super) fn after_watchdog(&mut self, now: u64) {
         self.machine.release_all();
-        // The watchdog resumed every hold through the hands and cleared the record.
+        // The watchdog resumed every hold through the hands and cleared the record: the
+        // events that waited for those holds end unconfirmed.
         self.book.forget_all();
+        for ev in self.tracker.abandon() {
+            self.telemetry.emit(ev);
+        }
         self.table.clear_activity(None);
         for g in &self.gpus {
             self.blind_until.insert(*g, now);

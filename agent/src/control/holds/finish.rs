@@ -45,6 +45,31 @@ impl HoldBook {
         members: Vec<Target>,
         report: bool,
     ) {
+        // A target another hold still covers stays suspended: two gate holds whose
+        // fallbacks freeze one cgroup (a job with a process per GPU) must not thaw it for
+        // each other. The last hold that covers it resumes it.
+        let still: BTreeSet<RecordEntry> = self
+            .held
+            .values()
+            .chain(self.staged.values())
+            .flat_map(|h| h.members.iter().map(Target::record))
+            .collect();
+        let members: Vec<Target> = members
+            .into_iter()
+            .filter(|t| !still.contains(&t.record()))
+            .collect();
+        if members.is_empty() {
+            if report {
+                self.done.push(Completion {
+                    key,
+                    op: Op::Resume,
+                    outcome: Outcome::Done,
+                    kind,
+                    at_ns: self.now_ns,
+                });
+            }
+            return;
+        }
         let targets = members.clone();
         self.ask(
             Then::StartedResume {
@@ -149,6 +174,7 @@ impl HoldBook {
     /// Releases `holders`; holds left without holders are resumed. Returns the holds whose
     /// resume starts, by holder.
     pub fn resume(&mut self, holders: &[ProcKey], now: u64) -> Vec<(ProcKey, HoldKey)> {
+        self.now_ns = now;
         let mut started = Vec::new();
         let mut released = Vec::new();
         for holder in holders {
@@ -192,6 +218,7 @@ impl HoldBook {
     /// Looks at the pending operations that are due, without waiting; ends those past
     /// their deadline; escalates gate holds whose acknowledgement did not come in time.
     pub fn poll(&mut self, now: u64) {
+        self.now_ns = now;
         for p in std::mem::take(&mut self.pending) {
             if p.escalate_ns.is_some_and(|e| now >= e) {
                 self.escalate_gate(p, super::Escalation::Timeout);
@@ -247,18 +274,23 @@ impl HoldBook {
     /// Resumes every hold (fail-open, shutdown), the shell waiting up to
     /// `--confirm-timeout` for the confirmations. Returns how many holds are resumed.
     pub fn release_all(&mut self, reason: &str) -> usize {
-        if self.held.is_empty() {
+        // A conversation cut short (a panic in the middle of one) is abandoned: what it
+        // started is resumed with the rest, staged holds included.
+        self.waiting.clear();
+        self.out.clear();
+        self.to_record.clear();
+        if self.held.is_empty() && self.staged.is_empty() {
             return 0;
         }
         info!(
             reason,
-            count = self.held.len(),
+            count = self.held.len() + self.staged.len(),
             "Resuming all suspended offline work"
         );
-        let holds: Vec<(HoldKey, Vec<Target>)> = std::mem::take(&mut self.held)
-            .into_iter()
-            .map(|(k, h)| (k, h.members))
-            .collect();
+        let mut all = std::mem::take(&mut self.held);
+        all.append(&mut self.staged);
+        let holds: Vec<(HoldKey, Vec<Target>)> =
+            all.into_iter().map(|(k, h)| (k, h.members)).collect();
         self.pending.retain(|p| p.op == Op::Resume);
         let n = holds.len();
         let targets: Vec<Target> = holds.iter().flat_map(|(_, m)| m.iter().cloned()).collect();

@@ -368,6 +368,8 @@ pub struct HoldBook {
     confirm_timeout: Duration,
     /// How long a launch gate's acknowledgement is waited for (`--gate-timeout`).
     pub(crate) gate_timeout: Duration,
+    /// The time of the latest call, ns.
+    now_ns: u64,
     next_req: Req,
     waiting: BTreeMap<Req, Then>,
     out: Vec<HoldCmd>,
@@ -426,6 +428,7 @@ impl HoldBook {
             next_recheck_ns: 0,
             confirm_timeout,
             gate_timeout: DEFAULT_GATE_TIMEOUT,
+            now_ns: 0,
             next_req: 1,
             waiting: BTreeMap::new(),
             out: Vec::new(),
@@ -490,10 +493,11 @@ impl HoldBook {
     pub fn next_check_ns(&self) -> Option<u64> {
         self.pending
             .iter()
-            .map(|p| {
-                p.next_check_ns
-                    .min(p.deadline_ns)
-                    .min(p.escalate_ns.unwrap_or(u64::MAX))
+            .map(|p| match p.escalate_ns {
+                // A gate waiting for its drain: the acknowledgement wakes the loop through
+                // the page; nothing is due before the bound.
+                Some(e) => e,
+                None => p.next_check_ns.min(p.deadline_ns),
             })
             .min()
     }
@@ -520,6 +524,7 @@ impl HoldBook {
 
     /// Takes in what came of the commands; asks for the next ones.
     pub fn observe(&mut self, obs: Vec<HoldObs>, now: u64) {
+        self.now_ns = now;
         for o in obs {
             let req = match &o {
                 HoldObs::Members { req, .. }

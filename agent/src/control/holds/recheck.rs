@@ -50,6 +50,7 @@ impl HoldBook {
     /// Looks at the holds that are due; what runs is stopped again when the answer comes,
     /// and repeat offenders escalated.
     pub fn recheck(&mut self, now: u64) {
+        self.now_ns = now;
         // A loop awake anyway in the last quarter of the interval re-checks now: one
         // wake-up instead of two close together.
         if self.held.is_empty() || now + self.recheck_ns / 4 < self.next_recheck_ns {
@@ -80,9 +81,8 @@ impl HoldBook {
             .members
             .iter()
             .zip(&state)
-            // A gate is held by its acknowledgement, not re-checkable: a process
-            // stopped by the gate's fallback cannot acknowledge, and a gate that never
-            // closed never will; neither means something resumed it.
+            // A gate holds nothing (its fallback does): there is nothing behind it to find
+            // running.
             .filter(|(t, p)| matches!(p, Progress::Pending) && !matches!(t, Target::Gate { .. }))
             .map(|(t, _)| t.clone())
             .collect();
@@ -156,9 +156,8 @@ impl HoldBook {
                     });
                 }
             }
-            _ => self.out.push(HoldCmd::RecordRemove {
-                entries: vec![cg.record()],
-            }),
+            // Out of the record again, unless another hold covers it (one that froze it).
+            _ => self.forget(std::slice::from_ref(&cg)),
         }
         self.broken.push(b);
     }

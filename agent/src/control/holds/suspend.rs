@@ -16,6 +16,7 @@ impl HoldBook {
     /// holds whose suspension starts now (a holder joining a hold already held is not
     /// among them).
     pub fn suspend(&mut self, reqs: &[(ProcKey, Plan)], now: u64) -> Started {
+        self.now_ns = now;
         let mut out = Started::default();
         for (holder, plan) in reqs {
             let key = plan.hold_key();

@@ -242,3 +242,264 @@ fn a_pending_suspension_is_checked_on_a_doubling_schedule_and_times_out() {
     );
     assert_eq!(b.take_failed(), vec![k]);
 }
+
+// Holds that overlap, a gate's wait, a conversation cut short.
+
+fn gate_plan(pid: u32) -> (ProcKey, Plan) {
+    let (k, t) = proc_target(pid);
+    let gate = Target::Gate {
+        key: k,
+        uuid: [7; 16],
+        file: "/tmp/coloc-book-gates".into(),
+    };
+    (
+        k,
+        Plan::Gate {
+            gate,
+            fallback: Box::new(Plan::Signal(t)),
+        },
+    )
+}
+
+/// Answers one command of the book with `obs(req)`; returns the command.
+fn answer(b: &mut HoldBook, now: u64, obs: impl FnOnce(Req) -> HoldObs) -> HoldCmd {
+    let c = b.take_commands();
+    assert_eq!(c.len(), 1, "{c:?}");
+    let cmd = c.into_iter().next().unwrap();
+    b.observe(vec![obs(req_of(&cmd))], now);
+    cmd
+}
+
+/// A gate's fallback is a suspension like any other: it gets `--confirm-timeout` from
+/// when it starts. The CLI accepts --gate-timeout = --confirm-timeout; then the fallback
+/// started at the gate timeout is already past its deadline and is undone at its first
+/// check (fail open, retried, closed again, undone again ...).
+#[test]
+fn a_gate_fallback_gets_its_own_confirm_timeout() {
+    let mut b = HoldBook::new(Duration::from_millis(50));
+    b.gate_timeout = Duration::from_millis(50);
+    let (k, plan) = gate_plan(10);
+    b.suspend(&[(k, plan)], 0);
+    answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    let c = answer(&mut b, 0, |req| HoldObs::GateClosed {
+        req,
+        epoch: Some(3),
+    });
+    assert!(matches!(c, HoldCmd::CloseGate { .. }), "{c:?}");
+    // No acknowledgement: the fallback at --gate-timeout.
+    b.poll(50 * MS);
+    let c = answer(&mut b, 50 * MS, |req| HoldObs::Recorded { req, ok: true });
+    assert!(matches!(c, HoldCmd::RecordAdd { .. }), "{c:?}");
+    let c = answer(&mut b, 50 * MS, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Pending],
+        at_ns: 50 * MS,
+    });
+    assert!(
+        matches!(
+            c,
+            HoldCmd::Start {
+                op: Op::Suspend,
+                ..
+            }
+        ),
+        "{c:?}"
+    );
+    // The SIGSTOP takes effect when the target next runs: 200 µs later it still shows
+    // as running.
+    b.poll(50 * MS + 200_000);
+    let c = answer(&mut b, 50 * MS + 200_000, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Pending],
+        at_ns: 50 * MS + 200_000,
+    });
+    assert!(matches!(c, HoldCmd::Check { .. }), "{c:?}");
+    let done = b.take_done();
+    assert!(
+        done.iter()
+            .all(|c| c.outcome != Outcome::Failed(Failure::Timeout)),
+        "the fallback was undone 0.2 ms after it started: {done:?}"
+    );
+    assert!(b.take_failed().is_empty());
+}
+
+/// While a gate waits for its acknowledgement (which wakes the loop through the page's
+/// wake word) nothing is due before the gate timeout; the book says a check is due at
+/// close + 50 µs for the whole wait, so the loop wakes every 50 µs (its minimum sleep)
+/// for up to --gate-timeout.
+#[test]
+fn a_gate_waiting_for_its_ack_is_not_due_in_the_past() {
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let (k, plan) = gate_plan(10);
+    b.suspend(&[(k, plan)], 0);
+    answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    answer(&mut b, 0, |req| HoldObs::GateClosed {
+        req,
+        epoch: Some(3),
+    });
+    for now in [MS, 5 * MS, 20 * MS] {
+        b.poll(now);
+        assert!(b.take_commands().is_empty());
+        let next = b.next_check_ns().unwrap();
+        assert!(
+            next > now,
+            "at {now} ns the book says a check is due at {next} ns (in the past): the loop sleeps 50 µs"
+        );
+    }
+}
+
+/// A panic between a command and its answer (in the hands, or in the book) leaves a hold
+/// staged whose Start(Suspend) or CloseGate may already have acted. Drop → release_all
+/// resumes `held` only.
+#[test]
+fn release_all_resumes_a_hold_whose_suspension_started_but_was_not_answered() {
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let (k, t) = proc_target(10);
+    b.suspend(&[(k, Plan::Signal(t))], 0);
+    answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    let c = b.take_commands();
+    assert!(matches!(
+        &c[..],
+        [HoldCmd::Start {
+            op: Op::Suspend,
+            ..
+        }]
+    ));
+    // The shell performed it (the process is stopped) and panicked before answering.
+    assert!(!b.is_empty(), "the Loop's Drop calls release_everything");
+    let n = b.release_all("panic");
+    let c = b.take_commands();
+    assert!(
+        n == 1
+            && matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }] if targets.len() == 1),
+        "release_all resumed {n} holds, asked {c:?}; still waiting: {}",
+        b.waiting()
+    );
+}
+
+/// Plays the shell: answers every command with `progress(op, target, start)`; records
+/// what the record holds. Returns the commands performed.
+fn shell(
+    b: &mut HoldBook,
+    now: u64,
+    record: &mut std::collections::BTreeSet<RecordEntry>,
+    members: &[Target],
+    progress: &mut dyn FnMut(Op, &Target, bool) -> Progress,
+) -> Vec<HoldCmd> {
+    let mut all = Vec::new();
+    loop {
+        let cmds = b.take_commands();
+        if cmds.is_empty() {
+            return all;
+        }
+        let mut obs = Vec::new();
+        for c in &cmds {
+            match c {
+                HoldCmd::Members { req, .. } => obs.push(HoldObs::Members {
+                    req: *req,
+                    members: members.to_vec(),
+                }),
+                HoldCmd::RecordAdd { req, entries } => {
+                    record.extend(entries.iter().cloned());
+                    obs.push(HoldObs::Recorded {
+                        req: *req,
+                        ok: true,
+                    })
+                }
+                HoldCmd::RecordRemove { entries } => {
+                    for e in entries {
+                        record.remove(e);
+                    }
+                }
+                HoldCmd::CloseGate { req, .. } => obs.push(HoldObs::GateClosed {
+                    req: *req,
+                    epoch: Some(1),
+                }),
+                HoldCmd::Start {
+                    req, op, targets, ..
+                } => obs.push(HoldObs::Progress {
+                    req: *req,
+                    progress: targets.iter().map(|t| progress(*op, t, true)).collect(),
+                    at_ns: now,
+                }),
+                HoldCmd::Check { req, op, targets } => obs.push(HoldObs::Progress {
+                    req: *req,
+                    progress: targets.iter().map(|t| progress(*op, t, false)).collect(),
+                    at_ns: now,
+                }),
+            }
+        }
+        all.extend(cmds);
+        b.observe(obs, now);
+    }
+}
+
+/// Two gate holds of one signalled cgroup D (one offline pod, one process per GPU, the
+/// signal fallback): both escalate to freezing D. When the second freeze fails, its
+/// RecordRemove(D) bypasses flush_forgotten's "still covered" filter: D, frozen by the
+/// first hold, leaves the record (and the hands' ledger), so a crash or the watchdog
+/// leaves it frozen.
+#[test]
+fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
+    use crate::edges::actuator::CgroupVersion;
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+    };
+    let (k1, t1) = proc_target(10);
+    let (k2, t2) = proc_target(11);
+    let plan = |k: ProcKey, t: &Target, uuid: u8| Plan::Gate {
+        gate: Target::Gate {
+            key: k,
+            uuid: [uuid; 16],
+            file: "/tmp/coloc-book-gates".into(),
+        },
+        fallback: Box::new(Plan::SignalCgroup {
+            dir: dir.clone(),
+            version: CgroupVersion::V2,
+            leader: t.clone(),
+        }),
+    };
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    b.recheck_ns = MS;
+    let mut rec = std::collections::BTreeSet::new();
+    let members = vec![t1.clone(), t2.clone()];
+    b.suspend(&[(k1, plan(k1, &t1, 1)), (k2, plan(k2, &t2, 2))], 0);
+    let mut done = |_: Op, _: &Target, _: bool| Progress::Done;
+    shell(&mut b, 0, &mut rec, &members, &mut done);
+    // No acknowledgement: both fallbacks (SIGSTOP of D's processes) at the gate timeout.
+    b.poll(60 * MS);
+    shell(&mut b, 60 * MS, &mut rec, &members, &mut done);
+    assert!(rec.contains(&t1.record()) && rec.contains(&t2.record()));
+    // A sibling keeps sending SIGCONT: every re-check finds them running, and each hold
+    // escalates to freezing D after two breaks. D's first freeze works; the second fails.
+    let mut freezes = 0;
+    let mut now = 60 * MS;
+    let mut tenant = |op: Op, t: &Target, start: bool| match (op, t, start) {
+        (Op::Suspend, Target::Process { .. }, false) => Progress::Pending, // running again
+        (Op::Suspend, Target::Cgroup { .. }, true) => {
+            freezes += 1;
+            if freezes == 1 {
+                Progress::Done
+            } else {
+                Progress::Failed(ActError::Write {
+                    file: "cgroup.freeze".into(),
+                    source: std::io::ErrorKind::Other.into(),
+                })
+            }
+        }
+        _ => Progress::Done,
+    };
+    for _ in 0..20 {
+        now += 2 * MS;
+        b.recheck(now);
+        shell(&mut b, now, &mut rec, &members, &mut tenant);
+    }
+    let _ = &tenant;
+    assert!(freezes >= 2, "both holds escalated ({freezes} freezes)");
+    assert!(
+        rec.contains(&cg.record()),
+        "D is frozen by the first hold but no longer in the fail-open record: {rec:?}"
+    );
+}

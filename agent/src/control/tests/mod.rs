@@ -7,6 +7,7 @@ mod failures;
 mod gates;
 mod holds;
 mod props;
+mod robustness;
 
 use super::events::Event;
 use super::state::Shared;

@@ -1,0 +1,379 @@
+//! The loop where holds overlap and where things fail mid-way: two gate holds over one
+//! cgroup, a watchdog trip during a gate's wait, a panic in the middle of a suspension, a
+//! resume that fails; each test failed before its fix.
+
+use super::*;
+use crate::edges::actuator::{Actuator, Progress, Target};
+use crate::edges::doorbell::Owner;
+
+fn gate_closed(path: &std::path::Path, gpu: u32) -> bool {
+    use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
+    let bytes = std::fs::read(path).unwrap();
+    let mut buf = vec![0u64; GATE_FILE_SIZE / 8];
+    for (i, w) in buf.iter_mut().enumerate() {
+        *w = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
+    }
+    // SAFETY: an 8-aligned private buffer of GATE_FILE_SIZE bytes, alive for the call.
+    let g = unsafe { Gates::from_raw(buf.as_ptr().cast()) };
+    g.read()
+        .into_iter()
+        .any(|(_, u, c, _)| u == fake_uuid(gpu) && c != 0)
+}
+
+fn gate_setup(name: &str, gpus: u32, mut cfg: LoopConfig) -> (H, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("coloc-robust-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("gates");
+    cfg.gate_timeout = Duration::from_millis(50);
+    let h = harness_edges(gpus, cfg, Some(path.clone()));
+    (h, path)
+}
+
+/// The NVML watchdog trips while a gate hold waits for its acknowledgement (or any
+/// suspension or resume is pending): `forget_all` drops the hold with no completion, and
+/// the Preempt event waits for it forever. The tracker never empties, so `next_wait`
+/// stays at --poll-interval for the rest of the agent's life, and the event is never
+/// emitted.
+#[test]
+fn a_watchdog_trip_leaves_no_event_waiting_forever() {
+    let (mut h, path) = gate_setup("wd", 1, default_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.bells.offline_page(1, Owner::Pid(10), 0);
+    h.bells.ack(1, 0, 0);
+    h.ticks(3);
+    h.active(0, 20);
+    h.tick();
+    assert!(gate_closed(&path, 0), "online busy: the gate closed");
+    assert!(
+        !h.lp.tracker.is_empty(),
+        "the preemption waits for its hold"
+    );
+    // What the watchdog does while the loop is stuck in NVML, then what the loop does
+    // when the call returns.
+    let budget = h.lp.cfg.confirm_timeout;
+    let n = h.lp.hands().resume_everything(budget);
+    assert_eq!(n, 1);
+    let now = h.now();
+    h.lp.after_watchdog(now);
+    assert!(!gate_closed(&path, 0), "the watchdog opened the gate");
+    // Online stays idle from now on: nothing more happens on this GPU.
+    h.ticks(500);
+    assert!(
+        h.lp.tracker.is_empty(),
+        "an event still waits for a hold the book forgot ({:?}); next_wait = {:?} forever",
+        h.lp.tracker,
+        h.lp.next_wait(h.now())
+    );
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}
+
+/// While a gate waits for its acknowledgement the loop sleeps its minimum (50 µs) every
+/// time, although the acknowledgement itself wakes it (the page's wake word).
+#[test]
+fn the_loop_does_not_spin_while_a_gate_waits_for_its_ack() {
+    let (mut h, path) = gate_setup("spin", 1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.bells.offline_page(1, Owner::Pid(10), 0);
+    h.bells.ack(1, 0, 0);
+    h.ticks(3);
+    let mut n = 0;
+    while !gate_closed(&path, 0) {
+        h.active(0, 20);
+        h.tick();
+        n += 1;
+        assert!(n < 200, "the gate never closed");
+    }
+    let mut waits = Vec::new();
+    for _ in 0..10 {
+        h.tick();
+        waits.push(h.lp.next_wait(h.now()));
+    }
+    let short = waits
+        .iter()
+        .filter(|w| **w <= Duration::from_micros(50))
+        .count();
+    assert!(
+        short == 0,
+        "the loop sleeps 50 µs at a time while it waits for the ack: {waits:?}"
+    );
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}
+
+/// A data-parallel offline job: one container (one cgroup), one process per GPU, each
+/// under the shim, so each gets a gate hold whose fallback freezes the same cgroup. The
+/// holds' keys differ (Gate(10), Gate(11)) where without the gate they share
+/// Cgroup(/batch): GPU 1 going idle releases 11's hold, which thaws the cgroup, and 10
+/// runs while online work on GPU 0 is still busy (until a re-check freezes it again and
+/// counts a "break" the tenant did not cause).
+#[test]
+fn two_gate_holds_sharing_a_cgroup_fallback_do_not_thaw_each_other() {
+    for gate in [false, true] {
+        let root =
+            std::env::temp_dir().join(format!("coloc-robust-ddp-{gate}-{}", std::process::id()));
+        let dir = root.join("batch");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+        let mut cfg = default_config();
+        cfg.cgroups.v2 = Some(root.clone());
+        cfg.actuator = Kind::Freezer;
+        let (mut h, path) = if gate {
+            gate_setup("ddp", 2, cfg)
+        } else {
+            (harness_with(2, cfg), PathBuf::new())
+        };
+        for (gpu, pid) in [(0, 10), (1, 11)] {
+            h.procs.add(pid, 100 + pid as u64, "train", "/batch");
+            h.gpu.add(gpu, pid);
+            h.source.set(pid, class(Class::Offline, Some("/batch")));
+            h.bells.offline_page(pid as u64, Owner::Pid(pid), 0);
+            h.bells.ack(pid as u64, gpu, 0);
+        }
+        h.procs
+            .members
+            .lock()
+            .unwrap()
+            .insert(dir.clone(), vec![10, 11]);
+        h.spawn(0, 20, class(Class::Online, None));
+        h.spawn(1, 21, class(Class::Online, None));
+        h.ticks(3);
+        // Online busy on both GPUs; both shims acknowledge their closes.
+        h.active(0, 20);
+        h.active(1, 21);
+        h.tick();
+        if gate {
+            let epoch = {
+                use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
+                let bytes = std::fs::read(&path).unwrap();
+                let mut buf = vec![0u64; GATE_FILE_SIZE / 8];
+                for (i, w) in buf.iter_mut().enumerate() {
+                    *w = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
+                }
+                // SAFETY: as above.
+                let g = unsafe { Gates::from_raw(buf.as_ptr().cast()) };
+                g.read()
+                    .into_iter()
+                    .map(|(_, u, c, _)| (u, c))
+                    .collect::<Vec<_>>()
+            };
+            for (gpu, pid) in [(0u32, 10u64), (1, 11)] {
+                let e = epoch.iter().find(|(u, _)| *u == fake_uuid(gpu)).unwrap().1;
+                assert_ne!(e, 0, "gate of GPU {gpu} not closed");
+                h.bells.ack(pid, gpu, e);
+            }
+        }
+        h.tick();
+        let cg = RecordEntry::Cgroup {
+            dir: dir.clone(),
+            version: crate::edges::actuator::CgroupVersion::V2,
+        };
+        let froze = h
+            .act
+            .calls()
+            .iter()
+            .any(|c| c.op == Op::Suspend && c.targets.contains(&cg));
+        assert!(
+            froze,
+            "gate={gate}: the cgroup was not frozen: {:?}",
+            h.act.calls()
+        );
+        // GPU 1 goes idle; GPU 0 stays busy for 200 ms more.
+        let before = h.act.calls().len();
+        for _ in 0..200 {
+            h.active(0, 20);
+            h.tick();
+        }
+        let thaws: Vec<_> = h.act.calls()[before..]
+            .iter()
+            .filter(|c| c.op == Op::Resume && c.targets.contains(&cg))
+            .cloned()
+            .collect();
+        assert!(
+            thaws.is_empty(),
+            "gate={gate}: the cgroup holding 10 was thawed while online on GPU 0 was busy: {thaws:?}"
+        );
+        std::fs::remove_dir_all(&root).ok();
+        if gate {
+            std::fs::remove_dir_all(path.parent().unwrap()).ok();
+        }
+    }
+}
+
+/// An actuator whose resumes fail (a thaw the kernel refuses, a SIGCONT that fails).
+#[derive(Clone)]
+struct NoResume(FakeActuator);
+
+impl Actuator for NoResume {
+    fn start(&mut self, t: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        let p = self.0.start(t, op, budget);
+        match op {
+            Op::Suspend => p,
+            Op::Resume => t
+                .iter()
+                .map(|_| {
+                    Progress::Failed(crate::edges::actuator::ActError::Signal {
+                        pid: 0,
+                        source: std::io::ErrorKind::PermissionDenied.into(),
+                    })
+                })
+                .collect(),
+        }
+    }
+    fn check(&mut self, t: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        self.0.check(t, op, budget)
+    }
+}
+
+/// The watchdog's `resume_everything` clears the hands' ledger whether or not each resume
+/// worked, and the loop then forgets every hold: a target whose resume failed stays
+/// stopped, in the record, and nothing in this agent tries it again (only a restart).
+#[test]
+fn a_failed_watchdog_resume_is_not_forgotten() {
+    use crate::control::hands::Hands;
+    use crate::control::holds::{HoldCmd, HoldObs};
+    let procs = FakeProc::default();
+    let key = procs.add(10, 110, "train", "/w");
+    let rec = FakeRecord::default();
+    let clock = FakeClock::default();
+    let act = FakeActuator {
+        disk: rec.disk.clone(),
+        ..Default::default()
+    };
+    let mut hands = Hands::new(
+        Box::new(NoResume(act)),
+        Box::new(rec.clone()),
+        Arc::new(procs.clone()),
+        Arc::new(clock),
+        None,
+    );
+    let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+    let t = Target::Process {
+        key,
+        pidfd: Arc::new(fd),
+    };
+    let obs = hands.perform(vec![
+        HoldCmd::RecordAdd {
+            req: 1,
+            entries: vec![t.record()],
+        },
+        HoldCmd::Start {
+            req: 2,
+            op: Op::Suspend,
+            targets: vec![t.clone()],
+            budget: Duration::ZERO,
+        },
+    ]);
+    assert!(matches!(obs[0], HoldObs::Recorded { ok: true, .. }));
+    // The watchdog trips: the resume fails.
+    assert_eq!(hands.resume_everything(Duration::from_millis(10)), 1);
+    assert!(
+        rec.disk.lock().unwrap().contains(&t.record()),
+        "still recorded"
+    );
+    // The watchdog trips again later (or shutdown): is the stopped target tried again?
+    let again = hands.resume_everything(Duration::from_millis(10));
+    assert_eq!(
+        again, 1,
+        "a target whose resume failed is no longer known to the hands (nor the book, after forget_all)"
+    );
+}
+
+/// An actuator that stops its targets, then panics (a bug anywhere in the hands).
+struct PanicAfterSuspend(FakeActuator);
+
+impl Actuator for PanicAfterSuspend {
+    fn start(&mut self, t: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        let p = self.0.start(t, op, budget);
+        if op == Op::Suspend {
+            panic!("a panic in the hands after the stop");
+        }
+        p
+    }
+    fn check(&mut self, t: &[Target], op: Op, budget: Duration) -> Vec<Progress> {
+        self.0.check(t, op, budget)
+    }
+}
+
+/// A panic in the hands mid-conversation: the Loop's Drop (release_everything) should
+/// resume what was stopped. In a debug build the drain's debug_assert fires inside Drop
+/// during the unwind (the book still waits for the lost answer): panic while panicking,
+/// the process aborts; in a release build release_all skips the staged hold.
+#[test]
+fn a_panic_in_the_hands_resumes_what_was_stopped() {
+    let clock = FakeClock::default();
+    clock.set(T0);
+    let gpu = FakeGpu::new(1);
+    let procs = FakeProc::default();
+    let source = FakeSource::default();
+    let rec = FakeRecord::default();
+    let bells = FakeBells::default();
+    let act = FakeActuator {
+        disk: rec.disk.clone(),
+        clock: Some(clock.clone()),
+        act_ns: MS / 2,
+        ..Default::default()
+    };
+    let edges = Edges {
+        gpu: Box::new(gpu.clone()),
+        procfs: Arc::new(procs.clone()),
+        source: Arc::new(source.clone()),
+        clock: Arc::new(clock.clone()),
+        actuator: Box::new(PanicAfterSuspend(act.clone())),
+        record: Box::new(rec.clone()),
+        bells: Box::new(bells.clone()),
+        gates: None,
+    };
+    let mut lp = Loop::new(default_config(), edges, Arc::new(Shared::default())).unwrap();
+    for (pid, c) in [(10, Class::Offline), (20, Class::Online)] {
+        procs.add(pid, 100 + pid as u64, "work", "/w");
+        gpu.add(0, pid);
+        source.set(pid, class(c, None));
+    }
+    lp.tick();
+    clock.advance(MS);
+    gpu.sample(0, 20, clock.0.load(Ordering::SeqCst));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let mut lp = lp;
+        lp.tick();
+    }));
+    assert!(r.is_err());
+    let calls = act.calls();
+    assert!(
+        calls.iter().any(|c| c.op == Op::Resume),
+        "stopped and never resumed: {calls:?}"
+    );
+}
+
+/// Table: an online process classified again as offline keeps its activity; the machine
+/// counts activity as online demand by class, so the kept activity must not keep the GPU
+/// busy past the idle window of its last online launch, nor re-preempt later.
+#[test]
+fn an_online_process_reclassified_offline_is_no_online_demand() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    for _ in 0..20 {
+        h.active(0, 20);
+        h.tick();
+    }
+    assert!(h.suspended(10));
+    let last = h.now() - MS;
+    // The pod source changes: 20 is offline from now on, and idle.
+    h.source.set(20, class(Class::Offline, None));
+    while h.now() < last + 99 * MS {
+        h.tick();
+    }
+    h.ticks(5);
+    assert!(
+        !h.suspended(10),
+        "10 still held past the window of 20's last online launch"
+    );
+    assert!(!h.suspended(20), "20 (offline now) held");
+    h.ticks(300);
+    assert!(
+        !h.suspended(10) && !h.suspended(20),
+        "re-preempted by kept activity"
+    );
+}
