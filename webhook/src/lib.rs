@@ -13,6 +13,7 @@
 
 pub mod bootstrap;
 pub mod inject;
+pub mod mounts;
 pub mod review;
 pub mod server;
 pub mod translate;

@@ -117,6 +117,7 @@ pub fn router(state: AppState) -> Router {
         .route("/validate", post(validate))
         .route("/unsupported-backend", post(unsupported))
         .route("/inject", post(inject))
+        .route("/validate-mounts", post(validate_mounts))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics))
@@ -157,6 +158,15 @@ async fn inject(
     body: Body,
 ) -> Response {
     handle(s, Mode::Inject, q, headers, body).await
+}
+
+async fn validate_mounts(
+    State(s): State<AppState>,
+    q: Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, Mode::Mounts, q, headers, body).await
 }
 
 enum BodyError {
@@ -334,6 +344,7 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
         Mode::Validate,
         Mode::Unsupported,
         Mode::Inject,
+        Mode::Mounts,
     ] {
         for result in ["allowed", "patched", "denied", "invalid"] {
             metrics::counter!("coloc_webhook_admissions_total", "endpoint" => mode.as_str(), "result" => result).increment(0);
