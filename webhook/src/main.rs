@@ -136,23 +136,31 @@ struct Args {
     #[arg(long, env = "COLOC_WEBHOOK_MAX_BODY", default_value_t = 3 * 1024 * 1024)]
     max_body_bytes: usize,
     /// Seconds allowed for the TLS handshake and for each request's headers (an HTTP/1.1
-    /// keep-alive connection waiting for its next request is closed after this too).
-    #[arg(long, env = "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS", default_value = "10", value_parser = parse_secs)]
+    /// keep-alive connection waiting for its next request is closed after this too). The
+    /// API server sends a review's headers and body at once, in-cluster.
+    #[arg(long, env = "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS", default_value = "3", value_parser = parse_secs)]
     header_read_timeout_secs: Duration,
     /// Seconds allowed for a review's body, from the end of its headers, however slowly
-    /// it trickles in (larger: HTTP 408). The API server waits at most 30 s for a webhook.
-    #[arg(long, env = "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS", default_value = "10", value_parser = parse_secs)]
+    /// it trickles in (larger: HTTP 408). The chart's API server timeout for the webhook
+    /// is 5 s (webhook.timeoutSeconds): a body later than that is answered to nobody.
+    #[arg(long, env = "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS", default_value = "3", value_parser = parse_secs)]
     body_read_timeout_secs: Duration,
     /// Seconds a connection may stay with no byte moving either way before it is closed;
     /// longer than the API server's own idle timeout for its connections (90 s), so that
-    /// it, not the webhook, closes idle connections.
+    /// it, not the webhook, closes idle connections (while connection slots are free).
     #[arg(long, env = "COLOC_WEBHOOK_IDLE_TIMEOUT_SECS", default_value = "120", value_parser = parse_secs)]
     idle_timeout_secs: Duration,
-    /// Connections open at once; more are closed as they are accepted.
+    /// Connections open at once; a new one past this evicts the connection on which bytes
+    /// moved least recently.
     #[arg(long, env = "COLOC_WEBHOOK_MAX_CONNECTIONS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
-    /// Reviews read and handled at once; others wait within their body read timeout
-    /// (then HTTP 503). Bodies held in memory: at most this times --max-body-bytes.
+    /// Connections open at once from one source address; more are closed as they are
+    /// accepted. The API server needs a few (HTTP/2: one per API server instance).
+    #[arg(long, env = "COLOC_WEBHOOK_MAX_CONNECTIONS_PER_SOURCE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections_per_source: u32,
+    /// Reviews handled at once, each taking its slot once its body has arrived; others
+    /// wait up to the body read timeout (then HTTP 503). Bodies being read hold at most
+    /// this times --max-body-bytes together (more: HTTP 503).
     #[arg(long, env = "COLOC_WEBHOOK_MAX_CONCURRENT_REVIEWS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     max_concurrent_reviews: u32,
     /// How often to check the certificate files for changes.
@@ -328,6 +336,7 @@ fn run(a: Args) -> Result<()> {
             body_read_timeout: a.body_read_timeout_secs,
             idle_timeout: a.idle_timeout_secs,
             max_connections: a.max_connections as usize,
+            max_connections_per_source: a.max_connections_per_source as usize,
             max_concurrent_reviews: a.max_concurrent_reviews as usize,
             max_body: a.max_body_bytes,
         };
