@@ -80,9 +80,10 @@ struct BootstrapArgs {
     about,
     after_help = "\
 Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], POST /inject,
-POST /unsupported-backend, GET /healthz /readyz /metrics.
+POST /validate-mounts, POST /unsupported-backend, GET /healthz /readyz /metrics.
 Example config (TOML):
   backend = \"hami\"                          # default backend
+  protected_host_paths = [\"/run/coloc-agent\"] # /validate-mounts: more host dirs pods may not mount writable
   offline_priority_class = \"gpu-coloc-offline\"
   offline_priority = -10                      # that PriorityClass's value
   offline_preemption_policy = \"Never\"        # and its preemptionPolicy
@@ -173,8 +174,9 @@ struct Args {
     #[arg(long, env = "COLOC_WEBHOOK_THREADS", default_value_t = 2)]
     threads: usize,
     /// Instead of serving: translate the Pod (JSON) in this file for the backend (after
-    /// injecting the CUDA shim when the settings have a [shim] table) and print the
-    /// result, or the denial (exit 1). `-` reads standard input.
+    /// injecting the CUDA shim when the settings have a [shim] table), check its mounts
+    /// (/validate-mounts) and print the result, or the denial (exit 1). `-` reads
+    /// standard input.
     #[arg(long, value_name = "POD_JSON")]
     translate: Option<PathBuf>,
 }
@@ -219,6 +221,13 @@ fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Resu
         Ok(ops) => {
             let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
             json_patch::patch(&mut pod, &patch).context("applying the patch")?;
+            // Then /validate-mounts, as the API server calls it last.
+            let shim = settings.shim.clone().unwrap_or_default();
+            if let Err(d) =
+                coloc_webhook::mounts::check_pod(&pod, &shim, &settings.protected_host_paths)
+            {
+                anyhow::bail!("denied: {}", d.message);
+            }
             println!("{}", serde_json::to_string_pretty(&pod)?);
             Ok(())
         }
