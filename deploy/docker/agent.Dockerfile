@@ -1,5 +1,7 @@
 # image: ghcr.io/gpu-coloc/coloc-agent
-# The node agent, with the CUDA shim its pods' init container installs on the node.
+# The node agent, with the CUDA shim its pods' init container installs on the node, and
+# the shim's SHA-256 digest taken here (libcoloc_cuda.so.sha256), which that init container
+# checks before installing it and again on the node after (coloc-node-setup --sha256).
 # Multi-stage; amd64 and arm64 (docker buildx build --platform linux/amd64,linux/arm64 -f
 # deploy/docker/agent.Dockerfile .): each image is built natively for its TARGETARCH
 # (under emulation when it is not the builder's).
@@ -22,7 +24,8 @@ RUN echo "building coloc-agent for ${TARGETARCH}" \
  && cargo build --release --locked -p coloc-cuda-shim --lib \
  && install -D target/release/coloc-agent /out/usr/local/bin/coloc-agent \
  && install -D target/release/coloc-node-setup /out/usr/local/bin/coloc-node-setup \
- && install -D -m 0644 target/release/libcoloc_cuda.so /out/opt/coloc/lib/libcoloc_cuda.so
+ && install -D -m 0444 target/release/libcoloc_cuda.so /out/opt/coloc/lib/libcoloc_cuda.so \
+ && cd /out/opt/coloc/lib && sha256sum libcoloc_cuda.so > libcoloc_cuda.so.sha256
 
 FROM ${BINARIES} AS binaries
 

@@ -2,11 +2,12 @@
 """The Helm chart rendered by the real Helm engine (Helm's Go SDK, embedded by PyPI's
 helm-python-sdk: no helm binary), as `helm template` would.
 
-    python3 deploy/scripts/chart.py [--name N] [--namespace NS] [--set k=v ...]
+    python3 deploy/scripts/chart.py [--name N] [--namespace NS] [--set k=v ...] [--hooks all|none|only]
 
-prints the manifests (hooks included, NOTES.txt left out), one document per object.
+prints the manifests (hooks included unless --hooks none; NOTES.txt left out), one
+document per object.
 """
-import argparse, os, sys
+import argparse, os, re, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHART = os.path.join(os.path.dirname(HERE), "helm", "gpu-coloc")
@@ -39,9 +40,25 @@ def merge(into, new):
     return into
 
 
-def render(vals=None, name="gpu-coloc", namespace="gpu-coloc", notes=False):
+HOOK_ANNOTATION = re.compile(r"^[ \t]+helm\.sh/hook[a-z-]*:.*\n", re.M)
+
+
+def is_hook(doc):
+    import yaml
+    obj = yaml.safe_load(doc) or {}
+    return "helm.sh/hook" in ((obj.get("metadata") or {}).get("annotations") or {})
+
+
+def plain(doc):
+    """A hook object as a plain one: its helm.sh/hook* annotations removed."""
+    doc = HOOK_ANNOTATION.sub("", doc + "\n")
+    return re.sub(r"^([ ]+)annotations:\n(?!\1[ ])", "", doc, flags=re.M).rstrip("\n")
+
+
+def render(vals=None, name="gpu-coloc", namespace="gpu-coloc", notes=False, hooks="all"):
     """Rendered manifests as one YAML stream, in template order; raises on a schema or
-    template error. With notes=True, returns (stream, NOTES.txt)."""
+    template error. With notes=True, returns (stream, NOTES.txt). hooks: "all", "none"
+    (the release's own objects), or "only" (the hook objects, as plain objects)."""
     h = helm()
     with h.Chart.load(CHART) as chart:
         out = chart.render(values=vals or {}, name=name, namespace=namespace, is_install=True)
@@ -50,6 +67,10 @@ def render(vals=None, name="gpu-coloc", namespace="gpu-coloc", notes=False):
         if path.endswith("NOTES.txt"):
             continue
         body = out[path].strip("\n")
+        if hooks != "all":
+            parts = [d.strip("\n") for d in re.split(r"^---\n", body, flags=re.M)]
+            keep = [d for d in parts if d.strip() and d.strip().startswith(("#", "apiVersion")) and is_hook(d) == (hooks == "only")]
+            body = "\n---\n".join(plain(d) if hooks == "only" else d for d in keep)
         if body.strip():
             docs.append(f"# Source: {path}\n{body}")
     stream = "---\n" + "\n---\n".join(docs) + "\n"
@@ -63,8 +84,10 @@ def main():
     ap.add_argument("--name", default="gpu-coloc")
     ap.add_argument("--namespace", default="gpu-coloc")
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--hooks", choices=("all", "none", "only"), default="all",
+                    help="all objects, the release's own (none), or the hook objects alone, as plain objects (only)")
     a = ap.parse_args()
-    sys.stdout.write(render(values(a.set), a.name, a.namespace))
+    sys.stdout.write(render(values(a.set), a.name, a.namespace, hooks=a.hooks))
 
 
 if __name__ == "__main__":

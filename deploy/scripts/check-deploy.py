@@ -98,6 +98,8 @@ def helm_checks():
         "shim.gate=yes": "gate",
         "shim.gateTimeout=50": "gateTimeout",
         "shim.gateTimeout=null": "gateTimeout",
+        "webhook.networkPolicy.apiServerCIDRs={10.0.0.1}": "apiServerCIDRs",
+        "webhook.networkPolicy.enable=true": "enable",
     }
     for s, needle in bad.items():
         try:
@@ -152,6 +154,10 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         for p in pcs.values():
             check(type(p["value"]) is int, f"{label}: PriorityClass {p['metadata']['name']} value {p['value']!r} is not an integer")
         check(pod.get("nodeSelector"), f"{label}: GPU node selection")
+    vcfgs = by_kind(docs, "ValidatingWebhookConfiguration")
+    check(not vcfgs or any(w["clientConfig"]["service"]["path"] == "/validate-mounts" for c in vcfgs for w in c["webhooks"]),
+          f"{label}: no /validate-mounts webhook (what pods mount of the node's gpu-coloc directories)")
+    token_checks(docs, label)
     role = one(docs, "ClusterRole", "-agent")
     check(role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}], f"{label}: RBAC limited to get/list/watch pods")
     svc = one(docs, "Service", "agent-metrics")
@@ -167,7 +173,9 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
                 check(ns["key"] == "kubernetes.io/metadata.name" and ns["operator"] == "NotIn" and {"kube-system", release_ns} <= set(ns["values"]),
                       f"{label}: {w['name']} excludes kube-system and the release namespace {release_ns} by name")
                 check("objectSelector" not in w, f"{label}: {w['name']} has an objectSelector (tenants can set pod labels)")
-                check(w.get("matchConditions"), f"{label}: {w['name']} reviews only mGPU pods (matchConditions)")
+                check(w.get("matchConditions"), f"{label}: {w['name']} reviews only the pods it acts on (matchConditions)")
+                if w["clientConfig"]["service"]["path"] == "/validate-mounts":
+                    mounts_webhook_checks(w, label)
                 if kind.startswith("Mutating"):
                     check(w.get("reinvocationPolicy") == "IfNeeded", f"{label}: reinvocationPolicy")
     dep = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("webhook")]
@@ -180,10 +188,69 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         check(wsc.get("runAsNonRoot") is True and wsc["capabilities"] == {"drop": ["ALL"]}, f"{label}: webhook non-root, no capabilities")
         check(by_kind(docs, "PodDisruptionBudget"), f"{label}: webhook PDB")
         cfg = tomllib.loads(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"])
+        agent_cm = one(docs, "ConfigMap", "-agent")["data"]
+        check(agent_cm["COLOC_STATE_DIR"] in cfg.get("protected_host_paths", []),
+              f"{label}: the webhook keeps pods off the agent's state directory {agent_cm['COLOC_STATE_DIR']}: {cfg.get('protected_host_paths')}")
+        webhook_network_policy_checks(docs, label)
         offline = one(docs, "PriorityClass", "-offline")
         check(cfg.get("offline_priority_class") == offline["metadata"]["name"] and cfg.get("offline_priority") == offline["value"]
               and cfg.get("offline_preemption_policy") == offline["preemptionPolicy"],
               f"{label}: the webhook writes the offline class's own name, value and preemption policy ({cfg} vs {offline})")
+
+
+MOUNTS_CEL = "has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath) || v.name.startsWith('gpu-coloc-'))"
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+HOOK_DELETE = "before-hook-creation,hook-succeeded,hook-failed"
+
+
+def mounts_webhook_checks(w, label):
+    """/validate-mounts sees every pod with a hostPath volume or a volume named like the
+    injected ones, at CREATE and when ephemeral containers are added."""
+    rules = {(r["resources"][0], tuple(r["operations"])) for r in w["rules"]}
+    check(rules == {("pods", ("CREATE",)), ("pods/ephemeralcontainers", ("UPDATE",))},
+          f"{label}: {w['name']} rules: pods at CREATE and pods/ephemeralcontainers at UPDATE: {rules}")
+    check([m["expression"] for m in w["matchConditions"]] == [MOUNTS_CEL], f"{label}: {w['name']} matchConditions {w['matchConditions']}")
+    keys = {e["key"] for e in w["namespaceSelector"]["matchExpressions"]}
+    check(keys == {"kubernetes.io/metadata.name", "gpu-coloc.dev/webhook"},
+          f"{label}: {w['name']} skips only the excluded namespaces (no shim, backend or Pod Security opt-out): {keys}")
+
+
+def token_checks(docs, label):
+    """No service-account token where nothing calls the API server: the webhook's pods
+    have none; in the agent's pods only the agent container has one (a projected token
+    like the kubelet's), not resume-guard nor install-shim; the certificate Jobs have
+    theirs (they call the API server)."""
+    for ds in by_kind(docs, "DaemonSet"):
+        pod = ds["spec"]["template"]["spec"]
+        check(pod.get("automountServiceAccountToken") is False, f"{label}: the agent's pods do not mount a token in every container")
+        vols = {v["name"]: v for v in pod.get("volumes", [])}
+        for ctr in pod["containers"] + pod.get("initContainers", []):
+            at = [m for m in ctr.get("volumeMounts", []) if m["mountPath"] == TOKEN_PATH]
+            if ctr is pod["containers"][0]:
+                ok = len(at) == 1 and at[0].get("readOnly") is True and any(
+                    "serviceAccountToken" in s for s in vols.get(at[0]["name"], {}).get("projected", {}).get("sources", []))
+                check(ok, f"{label}: the agent container gets the service-account token (projected, read-only): {at}")
+            else:
+                check(not at, f"{label}: {ctr['name']} gets a service-account token it does not use")
+    for d in by_kind(docs, "Deployment"):
+        check(d["spec"]["template"]["spec"].get("automountServiceAccountToken") is False, f"{label}: {d['metadata']['name']} mounts no token")
+    for j in by_kind(docs, "Job"):
+        check(j["spec"]["template"]["spec"].get("automountServiceAccountToken") is not False, f"{label}: {j['metadata']['name']} needs its token")
+
+
+def webhook_network_policy_checks(docs, label, cidrs=(), extra=()):
+    """The webhook's NetworkPolicy: its pods, its port, and (when given) only the API
+    server's CIDRs and the extra peers."""
+    pols = [p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"].endswith("-webhook")]
+    if not check(len(pols) == 1, f"{label}: one NetworkPolicy for the webhook ({len(pols)})"):
+        return
+    spec = pols[0]["spec"]
+    check(spec["podSelector"]["matchLabels"].get("app.kubernetes.io/name") == "gpu-coloc-webhook", f"{label}: the webhook's NetworkPolicy selects its pods")
+    check(spec["policyTypes"] == ["Ingress"] and len(spec["ingress"]) == 1, f"{label}: one ingress rule")
+    rule = spec["ingress"][0]
+    check(rule["ports"] == [{"port": "https", "protocol": "TCP"}], f"{label}: the webhook's port only: {rule['ports']}")
+    want = [{"ipBlock": {"cidr": c}} for c in cidrs] + list(extra)
+    check(rule.get("from", []) == want, f"{label}: webhook callers {rule.get('from')}, expected {want}")
 
 
 def resume_checks(pod, c, settings, label):
@@ -249,11 +316,13 @@ def shim_agent_checks(docs, pod, c, settings, label, gate="50ms"):
     check(i.get("command") == ["/usr/local/bin/coloc-node-setup"] and i["image"] == c["image"], f"{label}: install-shim runs the agent image's coloc-node-setup")
     args = dict(a.split("=", 1) for a in i["args"])
     check(args.get("--install") == "/opt/coloc/lib/libcoloc_cuda.so", f"{label}: install-shim installs the image's shim: {args}")
+    check(args.get("--sha256") == "/opt/coloc/lib/libcoloc_cuda.so.sha256", f"{label}: install-shim checks the shim against the image's digest: {args}")
     isc = i["securityContext"]
     check(isc.get("runAsUser") == 0 and isc["capabilities"] == {"drop": ["ALL"]} and not isc.get("privileged"), f"{label}: install-shim: root, no capability")
     mounts = {m["name"]: m for m in i["volumeMounts"]}
     for flag in ("--into", "--doorbell-dir", "--gate-dir"):
         m = [m for m in mounts.values() if m["mountPath"] == args.get(flag)]
+        check(m and m[0]["name"] != "api-token", f"{label}: {flag}")
         check(m and hp[m[0]["name"]]["path"] == args[flag] and not m[0].get("readOnly"),
               f"{label}: install-shim writes {flag}={args.get(flag)} on the host, at the same path")
     am = {m["mountPath"]: m for m in c["volumeMounts"]}
@@ -380,7 +449,8 @@ def routes(docs, ns_labels):
 
 def routing_checks(docs):
     name = lambda n: {"kubernetes.io/metadata.name": n}
-    inj = [("M", "/inject")]
+    inj = [("M", "/inject"), ("V", "/validate-mounts")]
+    mnt = [("V", "/validate-mounts")]
     cases = {
         "no label: the default backend": (name("ml"), inj + [("M", "/mutate"), ("V", "/validate")]),
         "backend=vke": ({**name("ml"), "gpu-coloc.dev/backend": "vke"}, inj + [("M", "/mutate?backend=vke"), ("V", "/validate?backend=vke")]),
@@ -392,9 +462,9 @@ def routing_checks(docs):
         "opted out, with a backend": ({**name("ml"), "gpu-coloc.dev/webhook": "disabled", "gpu-coloc.dev/backend": "hami"}, []),
         "kube-system": (name("kube-system"), []),
         "the release's namespace": (name("gpu-coloc"), []),
-        "shim opted out": ({**name("ml"), "gpu-coloc.dev/shim": "disabled"}, [("M", "/mutate"), ("V", "/validate")]),
-        "Pod Security baseline (no hostPath volumes)": ({**name("ml"), "pod-security.kubernetes.io/enforce": "baseline"}, [("M", "/mutate"), ("V", "/validate")]),
-        "Pod Security restricted": ({**name("ml"), "pod-security.kubernetes.io/enforce": "restricted"}, [("M", "/mutate"), ("V", "/validate")]),
+        "shim opted out": ({**name("ml"), "gpu-coloc.dev/shim": "disabled"}, mnt + [("M", "/mutate"), ("V", "/validate")]),
+        "Pod Security baseline (no hostPath volumes)": ({**name("ml"), "pod-security.kubernetes.io/enforce": "baseline"}, mnt + [("M", "/mutate"), ("V", "/validate")]),
+        "Pod Security restricted": ({**name("ml"), "pod-security.kubernetes.io/enforce": "restricted"}, mnt + [("M", "/mutate"), ("V", "/validate")]),
         "Pod Security privileged": ({**name("ml"), "pod-security.kubernetes.io/enforce": "privileged"}, inj + [("M", "/mutate"), ("V", "/validate")]),
     }
     for what, (labels, expected) in cases.items():
@@ -406,14 +476,36 @@ def routing_checks(docs):
     off = [x for x in yaml.safe_load_all(render("shim.enabled=false")) if x]
     check(not [w for w in one(off, "MutatingWebhookConfiguration")["webhooks"] if w["clientConfig"]["service"]["path"] == "/inject"],
           "shim.enabled=false: no /inject webhook")
+    check([w for w in one(off, "ValidatingWebhookConfiguration")["webhooks"] if w["clientConfig"]["service"]["path"] == "/validate-mounts"],
+          "shim.enabled=false: /validate-mounts still keeps pods off the node's directories (the agent's state)")
     print(f"ok  webhook routing by namespace label: {len(cases)} cases")
+
+
+def mounts_cel_checks(env):
+    """/validate-mounts' matchCondition, evaluated as the API server does (CEL): sent every
+    pod with a hostPath volume or a volume named gpu-coloc-*, mGPU or not; no other."""
+    import celpy
+    prg = env.program(env.compile(MOUNTS_CEL))
+    cases = [
+        ("no volumes", {"spec": {"containers": [{"name": "c"}]}}, False),
+        ("emptyDir and configMap", {"spec": {"volumes": [{"name": "a", "emptyDir": {}}, {"name": "b", "configMap": {"name": "x"}}]}}, False),
+        ("a hostPath", {"spec": {"volumes": [{"name": "a", "emptyDir": {}}, {"name": "h", "hostPath": {"path": "/run/gpu-coloc"}}]}}, True),
+        ("a volume named like ours", {"spec": {"volumes": [{"name": "gpu-coloc-shim", "emptyDir": {}}]}}, True),
+        ("the injected volumes (kubectl debug on an injected pod)",
+         {"spec": {"volumes": [{"name": "gpu-coloc-shim", "hostPath": {"path": "/var/lib/gpu-coloc/lib"}}], "ephemeralContainers": [{"name": "d"}]}}, True),
+    ]
+    for what, pod, expected in cases:
+        got = bool(prg.evaluate({"object": celpy.json_to_cel(pod)}))
+        check(got == expected, f"/validate-mounts matchConditions, {what}: {'sent' if got else 'not sent'}")
+    print(f"ok  /validate-mounts matchConditions (CEL): {len(cases)} cases")
 
 
 def match_condition_checks(docs):
     import celpy
     env = celpy.Environment()
     exprs = {w["matchConditions"][0]["expression"] for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
-             for c in by_kind(docs, k) for w in c["webhooks"]}
+             for c in by_kind(docs, k) for w in c["webhooks"] if w["clientConfig"]["service"]["path"] != "/validate-mounts"}
+    mounts_cel_checks(env)
     check(len(exprs) == 1, f"every webhook has the same matchCondition ({len(exprs)} differ)")
     prg = env.program(env.compile(exprs.pop()))
 
@@ -547,6 +639,12 @@ def cert_checks():
     check(not any(a.startswith(("--mutating-config", "--validating-config")) for a in pre_args) and "--patch-only" not in pre_args,
           f"the pre-install Job makes the Secret only: {pre_args}")
     check("--patch-only" in post_args, f"the post-install Job only patches: {post_args}")
+    hooks = [x for x in d if "helm.sh/hook" in (x["metadata"].get("annotations") or {})]
+    check(len(hooks) == 10, f"certificate hooks: {len(hooks)} objects")
+    for x in hooks:
+        check(x["metadata"]["annotations"].get("helm.sh/hook-delete-policy") == HOOK_DELETE,
+              f"hook {x['kind']} {x['metadata']['name']}: delete policy {x['metadata']['annotations'].get('helm.sh/hook-delete-policy')}, "
+              f"expected {HOOK_DELETE} (no certificate right outlives its step, failed or not)")
     cr = one(d, "ClusterRole", "-ca-bundle")
     check(cr["rules"][0]["resourceNames"] == [one(d, "MutatingWebhookConfiguration")["metadata"]["name"]] and cr["rules"][0]["verbs"] == ["get", "patch"],
           "the patch Job may only get/patch its own configurations")
@@ -714,9 +812,17 @@ def release_checks():
     _, notes = chart.render({}, notes=True)
     check("gpu-coloc-webhook-cert" in notes and "failurePolicy Ignore" in notes and "gpu-coloc.dev/backend" in notes, f"NOTES.txt: {notes}")
     net = [x for x in yaml.safe_load_all(render("networkPolicy.enabled=true")) if x]
-    pol = one(net, "NetworkPolicy")
+    pol = one(net, "NetworkPolicy", "-agent")
     check(pol["spec"]["ingress"][0]["ports"] == [{"port": "metrics", "protocol": "TCP"}], "NetworkPolicy: metrics port only")
     validate(render("networkPolicy.enabled=true"), "chart (NetworkPolicy)")
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    sets = ("webhook.networkPolicy.apiServerCIDRs={10.0.0.10/32,fd00::1/128}",)
+    np = validate(render(*sets), "chart (webhook NetworkPolicy, API server CIDRs)")
+    webhook_network_policy_checks(np, "chart (webhook NetworkPolicy, API server CIDRs)", cidrs=("10.0.0.10/32", "fd00::1/128"))
+    np = [x for x in yaml.safe_load_all(chart.render(chart.merge(chart.values(sets), {"webhook": {"networkPolicy": {"from": [peer]}}}))) if x]
+    webhook_network_policy_checks(np, "chart (webhook NetworkPolicy, CIDRs and a peer)", cidrs=("10.0.0.10/32", "fd00::1/128"), extra=(peer,))
+    off = [x for x in yaml.safe_load_all(render("webhook.networkPolicy.enabled=false")) if x]
+    check(not [p for p in by_kind(off, "NetworkPolicy") if p["metadata"]["name"].endswith("-webhook")], "webhook.networkPolicy.enabled=false: no policy")
     print("ok  two releases side by side, fullnameOverride, NOTES.txt, NetworkPolicy")
 
 
@@ -770,6 +876,9 @@ def image_checks():
             src = dict(a.split("=", 1) for a in inst["args"])["--install"]
             check("--bin coloc-node-setup" in text and f"/out{inst['command'][0]}" in text, "agent image: coloc-node-setup, the install-shim init container's command")
             check("-p coloc-cuda-shim" in text and f"/out{src}" in text, f"agent image: the CUDA shim at {src}, which the init container installs")
+            digest = dict(a.split("=", 1) for a in inst["args"])["--sha256"]
+            check(f"cd /out{os.path.dirname(digest)} && sha256sum {os.path.basename(src)} > {os.path.basename(digest)}" in text,
+                  f"agent image: the shim's digest written at build time at {digest}, which the init container checks")
     print("ok  Dockerfiles: static checks")
     image_builds(d)
 
@@ -826,6 +935,11 @@ def image_builds(d):
                            ("libcoloc_cuda.so", "opt/coloc/lib")):
             os.makedirs(os.path.join(stage, "out", dest), exist_ok=True)
             run("strip", "-o", os.path.join(stage, "out", dest, name), arts[name])
+            if name == "libcoloc_cuda.so":
+                # As the build stage does it.
+                libdir = os.path.join(stage, "out", dest)
+                with open(os.path.join(libdir, name + ".sha256"), "w") as f:
+                    f.write(run("sha256sum", name, cwd=libdir))
         ctr = run(*b, "from", "scratch").strip()
         run(*b, "copy", ctr, os.path.join(stage, "out"), "/out")
         run(*b, "commit", "-q", "--rm", ctr, "localhost/coloc-check-binaries")
@@ -863,7 +977,7 @@ def image_builds(d):
         check(rc == 0 and "nothing was suspended" in text, f"agent image: coloc-agent resume (the preStop and sidecar): {text}")
         args = [a if not a.startswith(("--into=", "--doorbell-dir=", "--gate-dir=")) else a.split("=", 1)[0] + "=/tmp/node" + a.split("=", 1)[1] for a in inst["args"]]
         rc, text = in_image(images["agent"], *inst["command"], *args)
-        check(rc == 0 and "installed" in text and "1777" in text, f"agent image: the install-shim init container's command: {text}")
+        check(rc == 0 and "installed" in text and "mode 0444" in text and "1777" in text, f"agent image: the install-shim init container's command: {text}")
         # The shim the image carries loads under the image's glibc (and passes through: no CUDA here).
         rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "--version", env=(f"LD_PRELOAD=/opt/coloc/lib/libcoloc_cuda.so",))
         check(rc == 0 and "coloc-agent" in text and "cannot be preloaded" not in text, f"agent image: libcoloc_cuda.so loads with LD_PRELOAD: {text}")
@@ -879,6 +993,34 @@ def image_builds(d):
         subprocess.run([*b, "rm", "--all"], capture_output=True)
         subprocess.run([*b, "rmi", "--all", "--force"], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def kustomize_rbac_checks(base_docs):
+    """The plain manifests ship no standing certificate rights: the base has the agent's
+    service account and read-only pod RBAC only; the certificate Jobs, their service
+    accounts and RBAC are a one-shot kustomization (deploy/kustomize/bootstrap-cert)
+    applied and then deleted, as its kustomization and the README say."""
+    rbac_kinds = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "Job")
+    standing = sorted((d["kind"], d["metadata"]["name"]) for d in base_docs if d["kind"] in rbac_kinds)
+    check(standing == [("ClusterRole", "gpu-coloc-agent"), ("ClusterRoleBinding", "gpu-coloc-agent"), ("ServiceAccount", "gpu-coloc-agent")],
+          f"kustomize base: standing service accounts, RBAC and Jobs other than the agent's: {standing}")
+    check(not [d for d in base_docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})], "kustomize base: no Helm hook objects")
+    text = run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "bootstrap-cert"))
+    boot = validate(text, "kustomize bootstrap-cert (one shot)")
+    kinds = sorted(d["kind"] for d in boot)
+    check(kinds == sorted(["ServiceAccount"] * 2 + ["Role"] * 2 + ["RoleBinding"] * 2 + ["ClusterRole", "ClusterRoleBinding"] + ["Job"] * 2),
+          f"bootstrap-cert: the certificate Jobs and their RBAC only: {kinds}")
+    check(not [d for d in boot if any(k.startswith("helm.sh/hook") for k in (d["metadata"].get("annotations") or {}))], "bootstrap-cert: plain objects, no hook annotations")
+    # Each Job can do its step with what the one-shot applies (base + bootstrap-cert).
+    helm_lifecycle(base_docs + [dict(d, metadata=dict(d["metadata"], annotations={"helm.sh/hook": "post-install", "helm.sh/hook-weight": "-10" if d["kind"] != "Job" else "0"}))
+                                for d in boot if "-ca-bundle" in d["metadata"]["name"]]
+                   + [dict(d, metadata=dict(d["metadata"], annotations={"helm.sh/hook": "pre-install", "helm.sh/hook-weight": "-10" if d["kind"] != "Job" else "0"}))
+                      for d in boot if "-ca-bundle" not in d["metadata"]["name"]],
+                   "kustomize base + bootstrap-cert", "install", set())
+    readme = open(os.path.join(ROOT, "README.md")).read() + open(os.path.join(DEPLOY, "kustomize", "bootstrap-cert", "kustomization.yaml")).read()
+    for needle in ("kubectl apply -k deploy/kustomize/bootstrap-cert", "kubectl delete -k deploy/kustomize/bootstrap-cert"):
+        check(needle in readme, f"the plain-manifest install does not say {needle!r}")
+    print("ok  kustomize: no standing certificate RBAC in the base; the one-shot bootstrap-cert has the Jobs and their RBAC")
 
 
 def main():
@@ -913,10 +1055,17 @@ def main():
     with open(os.path.join(DEPLOY, "kustomize", "base", "gpu-coloc.yaml")) as f:
         committed = f.read()
     fresh = ("# Generated by deploy/scripts/render-manifests.sh from deploy/helm/gpu-coloc (default values).\n"
-             "# Do not edit: change the chart and regenerate.\n" + render())
+             "# Do not edit: change the chart and regenerate.\n" + chart.render({}, hooks="none"))
     check(committed == fresh, "deploy/kustomize/base/gpu-coloc.yaml is stale: run deploy/scripts/render-manifests.sh")
+    with open(os.path.join(DEPLOY, "kustomize", "bootstrap-cert", "gpu-coloc-cert.yaml")) as f:
+        committed = f.read()
+    fresh = ("# Generated by deploy/scripts/render-manifests.sh from deploy/helm/gpu-coloc (default values):\n"
+             "# the chart's certificate hooks as plain objects. Do not edit: change the chart and regenerate.\n" + chart.render({}, hooks="only"))
+    check(committed == fresh, "deploy/kustomize/bootstrap-cert/gpu-coloc-cert.yaml is stale: run deploy/scripts/render-manifests.sh")
     base = run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "base"))
-    promises(validate(base, "kustomize base"), "kustomize base")
+    base_docs = validate(base, "kustomize base")
+    promises(base_docs, "kustomize base")
+    kustomize_rbac_checks(base_docs)
     over = validate(run("kubectl", "kustomize", os.path.join(DEPLOY, "kustomize", "overlays", "cert-manager")), "kustomize overlay cert-manager")
     for cfg in by_kind(over, "MutatingWebhookConfiguration") + by_kind(over, "ValidatingWebhookConfiguration"):
         check(cfg["metadata"]["annotations"].get("cert-manager.io/inject-ca-from") == "gpu-coloc/gpu-coloc-webhook", "overlay injects the CA")

@@ -29,7 +29,11 @@
 //!
 //! Opt-out: the pod annotation `gpu-coloc.dev/shim: disabled`, or the namespace label
 //! `gpu-coloc.dev/shim=disabled` (the chart's namespace selector for `/inject`).
-//! Idempotent: a container that already mounts [`SHIM_VOLUME`] is done, so a second
+//! Mounts of these volumes that the pod brought itself go (removed, with a warning), in
+//! every container, unless they are exactly the injected ones ([`crate::mounts`], which
+//! `/validate-mounts` enforces on every pod): a tenant's read-write mount of the shim or
+//! the gate, or of the whole doorbell directory, never survives the injection.
+//! Idempotent: a container that already mounts [`SHIM_VOLUME`] as injected is done, so a second
 //! review (reinvocation, or after the translation webhook changed the pod) adds nothing.
 //! The pod's containers are found by their `vke.volcengine.com/*` requests or, once
 //! translated for another backend, by the per-container record `gpu-coloc.dev/requests`.
@@ -136,7 +140,8 @@ impl ShimSettings {
         Ok(())
     }
 
-    fn library_dir(&self) -> &str {
+    /// The shim's directory (mounted read-only into pods).
+    pub fn library_dir(&self) -> &str {
         match self.library.rfind('/') {
             Some(0) => "/",
             Some(i) => &self.library[..i],
@@ -371,6 +376,65 @@ fn append(ops: &mut Vec<Value>, path: &str, exists: bool, items: Vec<Value>) {
     }
 }
 
+/// Removes from every container of `pod` the mounts of our volumes that are not exactly
+/// the injected ones (for a container about to be injected, as its environment will be:
+/// `COLOC_POD_UID` is the webhook's); returns each container (by path) as left.
+fn sanitise(
+    pod: &Value,
+    gpus: &[Gpu],
+    s: &ShimSettings,
+    ops: &mut Vec<Value>,
+    warnings: &mut Vec<String>,
+) -> Vec<(String, Value)> {
+    let uid_only = json!({"env": [{"name": "COLOC_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]});
+    let mut out = Vec::new();
+    for list in ["initContainers", "containers"] {
+        for (i, c) in pod["spec"][list]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let path = format!("/spec/{list}/{i}");
+            // A container the shim goes into now gets the webhook's COLOC_POD_UID; any
+            // other keeps its own, which must then be the downward API's.
+            let done = c["volumeMounts"].as_array().into_iter().flatten().any(|m| {
+                m["name"] == SHIM_VOLUME && crate::mounts::mount_problem(c, m, s).is_none()
+            });
+            let injected_now =
+                gpus.iter().any(|g| g.path == path) && !done && unsuitable(c, s).is_none();
+            let env_as = if injected_now { &uid_only } else { c };
+            let mut kept = c.clone();
+            let mut gone = Vec::new();
+            if let Some(mounts) = c["volumeMounts"].as_array() {
+                let mut left = Vec::new();
+                for (j, m) in mounts.iter().enumerate() {
+                    let ours = [SHIM_VOLUME, DOORBELL_VOLUME, GATE_VOLUME]
+                        .iter()
+                        .any(|v| m["name"] == *v);
+                    match ours
+                        .then(|| crate::mounts::mount_problem(env_as, m, s))
+                        .flatten()
+                    {
+                        Some(why) => gone.push((j, m["name"].clone(), why)),
+                        None => left.push(m.clone()),
+                    }
+                }
+                kept["volumeMounts"] = Value::Array(left);
+            }
+            for (j, name, why) in gone.iter().rev() {
+                ops.push(json!({"op": "remove", "path": format!("{path}/volumeMounts/{j}")}));
+                warnings.push(format!(
+                    "gpu-coloc: removed container {:?}'s mount of volume {name} ({why}); only the gpu-coloc webhook mounts it",
+                    c["name"].as_str().unwrap_or("?")
+                ));
+            }
+            out.push((path, kept));
+        }
+    }
+    out
+}
+
 /// The injection for `pod` at CREATE (see the module documentation).
 pub fn inject(pod: &Value, s: &ShimSettings) -> Injection {
     let annotations = pod["metadata"]["annotations"].as_object();
@@ -406,9 +470,15 @@ pub fn inject(pod: &Value, s: &ShimSettings) -> Injection {
         }
     }
     let mut ops = Vec::new();
+    // The pod's own mounts of our volumes go, unless they are exactly what the injection
+    // gives (crate::mounts): a tenant's read-write or whole-directory mount is never kept.
+    let containers = sanitise(pod, &gpus, s, &mut ops, &mut warnings);
     let (mut injected, mut skipped) = (Vec::new(), Vec::new());
     for g in &gpus {
-        let c = pod.pointer(&g.path).unwrap_or(&Value::Null);
+        let c = containers
+            .iter()
+            .find(|(p, _)| *p == g.path)
+            .map_or(&Value::Null, |(_, c)| c);
         let done = c["volumeMounts"]
             .as_array()
             .into_iter()
@@ -429,7 +499,7 @@ pub fn inject(pod: &Value, s: &ShimSettings) -> Injection {
         }
     }
     if injected.is_empty() && skipped.is_empty() {
-        return Injection::default();
+        return Injection { ops, warnings };
     }
     if !injected.is_empty() {
         let mut wanted: Vec<Value> = vec![

@@ -80,9 +80,10 @@ struct BootstrapArgs {
     about,
     after_help = "\
 Endpoints: POST /mutate[?backend=B], POST /validate[?backend=B], POST /inject,
-POST /unsupported-backend, GET /healthz /readyz /metrics.
+POST /validate-mounts, POST /unsupported-backend, GET /healthz /readyz /metrics.
 Example config (TOML):
   backend = \"hami\"                          # default backend
+  protected_host_paths = [\"/run/coloc-agent\"] # /validate-mounts: more host dirs pods may not mount writable
   offline_priority_class = \"gpu-coloc-offline\"
   offline_priority = -10                      # that PriorityClass's value
   offline_preemption_policy = \"Never\"        # and its preemptionPolicy
@@ -136,23 +137,31 @@ struct Args {
     #[arg(long, env = "COLOC_WEBHOOK_MAX_BODY", default_value_t = 3 * 1024 * 1024)]
     max_body_bytes: usize,
     /// Seconds allowed for the TLS handshake and for each request's headers (an HTTP/1.1
-    /// keep-alive connection waiting for its next request is closed after this too).
-    #[arg(long, env = "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS", default_value = "10", value_parser = parse_secs)]
+    /// keep-alive connection waiting for its next request is closed after this too). The
+    /// API server sends a review's headers and body at once, in-cluster.
+    #[arg(long, env = "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS", default_value = "3", value_parser = parse_secs)]
     header_read_timeout_secs: Duration,
     /// Seconds allowed for a review's body, from the end of its headers, however slowly
-    /// it trickles in (larger: HTTP 408). The API server waits at most 30 s for a webhook.
-    #[arg(long, env = "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS", default_value = "10", value_parser = parse_secs)]
+    /// it trickles in (larger: HTTP 408). The chart's API server timeout for the webhook
+    /// is 5 s (webhook.timeoutSeconds): a body later than that is answered to nobody.
+    #[arg(long, env = "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS", default_value = "3", value_parser = parse_secs)]
     body_read_timeout_secs: Duration,
     /// Seconds a connection may stay with no byte moving either way before it is closed;
     /// longer than the API server's own idle timeout for its connections (90 s), so that
-    /// it, not the webhook, closes idle connections.
+    /// it, not the webhook, closes idle connections (while connection slots are free).
     #[arg(long, env = "COLOC_WEBHOOK_IDLE_TIMEOUT_SECS", default_value = "120", value_parser = parse_secs)]
     idle_timeout_secs: Duration,
-    /// Connections open at once; more are closed as they are accepted.
+    /// Connections open at once; a new one past this evicts the connection on which bytes
+    /// moved least recently.
     #[arg(long, env = "COLOC_WEBHOOK_MAX_CONNECTIONS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
-    /// Reviews read and handled at once; others wait within their body read timeout
-    /// (then HTTP 503). Bodies held in memory: at most this times --max-body-bytes.
+    /// Connections open at once from one source address; more are closed as they are
+    /// accepted. The API server needs a few (HTTP/2: one per API server instance).
+    #[arg(long, env = "COLOC_WEBHOOK_MAX_CONNECTIONS_PER_SOURCE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections_per_source: u32,
+    /// Reviews handled at once, each taking its slot once its body has arrived; others
+    /// wait up to the body read timeout (then HTTP 503). Bodies being read hold at most
+    /// this times --max-body-bytes together (more: HTTP 503).
     #[arg(long, env = "COLOC_WEBHOOK_MAX_CONCURRENT_REVIEWS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     max_concurrent_reviews: u32,
     /// How often to check the certificate files for changes.
@@ -165,8 +174,9 @@ struct Args {
     #[arg(long, env = "COLOC_WEBHOOK_THREADS", default_value_t = 2)]
     threads: usize,
     /// Instead of serving: translate the Pod (JSON) in this file for the backend (after
-    /// injecting the CUDA shim when the settings have a [shim] table) and print the
-    /// result, or the denial (exit 1). `-` reads standard input.
+    /// injecting the CUDA shim when the settings have a [shim] table), check its mounts
+    /// (/validate-mounts) and print the result, or the denial (exit 1). `-` reads
+    /// standard input.
     #[arg(long, value_name = "POD_JSON")]
     translate: Option<PathBuf>,
 }
@@ -211,6 +221,13 @@ fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Resu
         Ok(ops) => {
             let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
             json_patch::patch(&mut pod, &patch).context("applying the patch")?;
+            // Then /validate-mounts, as the API server calls it last.
+            let shim = settings.shim.clone().unwrap_or_default();
+            if let Err(d) =
+                coloc_webhook::mounts::check_pod(&pod, &shim, &settings.protected_host_paths)
+            {
+                anyhow::bail!("denied: {}", d.message);
+            }
             println!("{}", serde_json::to_string_pretty(&pod)?);
             Ok(())
         }
@@ -328,6 +345,7 @@ fn run(a: Args) -> Result<()> {
             body_read_timeout: a.body_read_timeout_secs,
             idle_timeout: a.idle_timeout_secs,
             max_connections: a.max_connections as usize,
+            max_connections_per_source: a.max_connections_per_source as usize,
             max_concurrent_reviews: a.max_concurrent_reviews as usize,
             max_body: a.max_body_bytes,
         };

@@ -25,6 +25,10 @@ pub enum Mode {
     Unsupported,
     /// `/inject`: the CUDA shim into GPU pods at CREATE ([`crate::inject`]); never denies.
     Inject,
+    /// `/validate-mounts`: what a pod may mount of the node's gpu-coloc directories
+    /// ([`crate::mounts`]), at CREATE and when ephemeral containers are added; validates
+    /// only.
+    Mounts,
 }
 
 impl Mode {
@@ -35,6 +39,7 @@ impl Mode {
             Mode::Validate => "validate",
             Mode::Unsupported => "unsupported_backend",
             Mode::Inject => "inject",
+            Mode::Mounts => "validate_mounts",
         }
     }
 }
@@ -84,9 +89,36 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
         Err(e) => return bad_request(format!("AdmissionReview without a request: {e}")),
     };
     let resp = AdmissionResponse::from(&req);
-    let is_pod = req.kind.group.is_empty() && req.kind.kind == "Pod" && req.sub_resource.is_none();
+    let pod_kind = req.kind.group.is_empty() && req.kind.kind == "Pod";
+    let is_pod = pod_kind && req.sub_resource.is_none();
     let acts = matches!(req.operation, Operation::Create | Operation::Update);
+    // What the pod mounts of the node's gpu-coloc directories (`/validate-mounts`, and
+    // `/validate` at CREATE): denied before anything else.
+    let mounts = match (mode, &req.object) {
+        (Mode::Mounts | Mode::Validate, Some(_)) if pod_kind => {
+            let pod = &raw["request"]["object"];
+            let shim = settings.shim.clone().unwrap_or_default();
+            let extra = &settings.protected_host_paths;
+            match (&req.operation, req.sub_resource.as_deref()) {
+                (Operation::Create, None) => crate::mounts::check_pod(pod, &shim, extra),
+                (Operation::Update, Some("ephemeralcontainers")) if mode == Mode::Mounts => {
+                    crate::mounts::check_ephemeral(pod, &shim, extra)
+                }
+                _ => Ok(()),
+            }
+        }
+        _ => Ok(()),
+    };
     let (resp, result, reason) = match (&req.object, is_pod && acts) {
+        _ if mounts.is_err() || mode == Mode::Mounts => match mounts {
+            Err(d) => {
+                let mut r = resp.deny(&d.message);
+                r.result.code = 403;
+                r.result.reason = "Forbidden".into();
+                (r, "denied", Some(d.reason))
+            }
+            Ok(()) => (resp, "allowed", None),
+        },
         (Some(_), true) if mode == Mode::Inject => {
             let pod = &raw["request"]["object"];
             // Only at CREATE: a pod's containers, env and volumes cannot change later.

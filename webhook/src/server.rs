@@ -5,12 +5,18 @@
 //!
 //! ## Limits ([`Limits`], flags in `main.rs`)
 //!
-//! A client that connects and then sends slowly, or not at all, must not hold memory or
-//! connections for long:
+//! A client that connects and then sends slowly, or not at all, must not hold memory,
+//! connections or review slots for long, nor keep the API server's reviews out. Tenants'
+//! pods can usually reach the webhook's port (the chart's NetworkPolicy narrows that
+//! where the CNI enforces it), so these hold without it:
 //!
-//! - **connections**: at most `max_connections` open at once; more are closed as they are
-//!   accepted (before TLS). Accepted sockets get `TCP_NODELAY` (a review is one small
-//!   request and one small response: no reason to wait for Nagle).
+//! - **connections**: at most `max_connections` open at once, and at most
+//!   `max_connections_per_source` from one source address; a connection over the
+//!   per-source limit is closed as it is accepted (before TLS). When all
+//!   `max_connections` are open, a new connection **evicts** the one on which bytes moved
+//!   least recently (an idle keep-alive, a silent or stalled client) instead of being
+//!   refused: one source, or a few, cannot hold the listener. Accepted sockets get
+//!   `TCP_NODELAY` (a review is one small request and one small response).
 //! - **header read timeout**: the TLS handshake, and each request's headers (HTTP/1.1),
 //!   must arrive within it. Hyper starts that clock when it begins waiting for a request,
 //!   so an HTTP/1.1 keep-alive connection that sends nothing is closed after it too.
@@ -18,9 +24,13 @@
 //!   closed (HTTP/2 connections, a client that completes TLS and then sends nothing).
 //! - **body read timeout**: a review's body must arrive within it, counted from the end of
 //!   its headers, however slowly bytes trickle in; else HTTP 408.
-//! - **concurrent reviews**: at most `max_concurrent_reviews` bodies are read and reviewed
-//!   at once; the others wait (within their body read timeout), else HTTP 503. This
-//!   bounds the memory held by bodies to about `max_concurrent_reviews × max_body`.
+//! - **body memory**: bodies being read hold at most `max_concurrent_reviews × max_body`
+//!   bytes together; a chunk that would go past it is HTTP 503. A half-sent body holds
+//!   only what it has sent.
+//! - **concurrent reviews**: at most `max_concurrent_reviews` reviews are handled at once.
+//!   A review takes its slot only once its body has fully arrived, so bodies that never
+//!   finish hold no slot; a review that waits for one past its body read timeout is
+//!   HTTP 503.
 //! - **body size**: a review larger than `max_body` is HTTP 413 (from its Content-Length
 //!   before reading anything, or as soon as it is read past the limit).
 
@@ -36,10 +46,13 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
+use std::task::Waker;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -55,8 +68,10 @@ pub struct Limits {
     pub body_read_timeout: Duration,
     /// No byte moving either way on a connection.
     pub idle_timeout: Duration,
-    /// Connections open at once.
+    /// Connections open at once (more evict the least recently active).
     pub max_connections: usize,
+    /// Connections open at once from one source address (more are closed at once).
+    pub max_connections_per_source: usize,
     /// Reviews read and handled at once.
     pub max_concurrent_reviews: usize,
     /// Largest review body, bytes.
@@ -67,10 +82,11 @@ impl Default for Limits {
     /// The flags' defaults.
     fn default() -> Self {
         Limits {
-            header_read_timeout: Duration::from_secs(10),
-            body_read_timeout: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(3),
+            body_read_timeout: Duration::from_secs(3),
             idle_timeout: Duration::from_secs(120),
             max_connections: 256,
+            max_connections_per_source: 32,
             max_concurrent_reviews: 8,
             max_body: 3 * 1024 * 1024,
         }
@@ -87,6 +103,8 @@ pub struct AppState {
     /// Prometheus renderer (None: `/metrics` answers 404).
     pub prom: Option<PrometheusHandle>,
     reviews: Arc<Semaphore>,
+    /// Bytes of bodies being read, all reviews together.
+    body_bytes: Arc<Semaphore>,
 }
 
 impl AppState {
@@ -97,8 +115,19 @@ impl AppState {
             limits,
             prom,
             reviews: Arc::new(Semaphore::new(limits.max_concurrent_reviews.max(1))),
+            body_bytes: Arc::new(Semaphore::new(body_budget(&limits) as usize)),
         }
     }
+}
+
+/// Bytes all bodies being read may hold together: `max_concurrent_reviews × max_body`
+/// (what the slots bounded when a body was read only with one), as semaphore permits.
+fn body_budget(l: &Limits) -> u32 {
+    let b = l
+        .max_concurrent_reviews
+        .max(1)
+        .saturating_mul(l.max_body.max(1));
+    u32::try_from(b).unwrap_or(u32::MAX)
 }
 
 impl std::fmt::Debug for AppState {
@@ -117,6 +146,7 @@ pub fn router(state: AppState) -> Router {
         .route("/validate", post(validate))
         .route("/unsupported-backend", post(unsupported))
         .route("/inject", post(inject))
+        .route("/validate-mounts", post(validate_mounts))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/metrics", get(metrics))
@@ -159,25 +189,53 @@ async fn inject(
     handle(s, Mode::Inject, q, headers, body).await
 }
 
+async fn validate_mounts(
+    State(s): State<AppState>,
+    q: Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, Mode::Mounts, q, headers, body).await
+}
+
 enum BodyError {
     TooLarge,
     Unreadable,
+    NoMemory,
 }
 
-/// Reads `body`, at most `max` bytes.
-async fn read_body(mut body: Body, max: usize, hint: usize) -> Result<Vec<u8>, BodyError> {
+/// Reads `body`, at most `max` bytes, each chunk taken from `budget` (held until the
+/// returned permit is dropped).
+async fn read_body(
+    mut body: Body,
+    max: usize,
+    hint: usize,
+    budget: &Arc<Semaphore>,
+) -> Result<(Vec<u8>, Option<OwnedSemaphorePermit>), BodyError> {
     use axum::body::HttpBody;
-    let mut buf = Vec::with_capacity(hint.min(max));
+    let mut buf = Vec::with_capacity(hint.min(max).min(64 * 1024));
+    let mut held: Option<OwnedSemaphorePermit> = None;
     while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
         let frame = frame.map_err(|_| BodyError::Unreadable)?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > max {
                 return Err(BodyError::TooLarge);
             }
+            let n = u32::try_from(data.len()).map_err(|_| BodyError::TooLarge)?;
+            if n > 0 {
+                let p = budget
+                    .clone()
+                    .try_acquire_many_owned(n)
+                    .map_err(|_| BodyError::NoMemory)?;
+                match &mut held {
+                    Some(h) => h.merge(p),
+                    None => held = Some(p),
+                }
+            }
             buf.extend_from_slice(&data);
         }
     }
-    Ok(buf)
+    Ok((buf, held))
 }
 
 fn refuse(
@@ -215,51 +273,69 @@ async fn handle(
         );
     }
     let deadline = tokio::time::Instant::from_std(t) + l.body_read_timeout;
-    // Bodies are read only with a slot: memory held by bodies stays bounded.
-    let _slot = match tokio::time::timeout_at(deadline, s.reviews.clone().acquire_owned()).await {
-        Ok(Ok(p)) => p,
-        _ => {
-            return refuse(
-                mode,
-                t,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "reviews",
-                format!(
-                    "more than {} reviews in flight for {:?}\n",
-                    l.max_concurrent_reviews, l.body_read_timeout
-                ),
-            )
-        }
-    };
     let hint = declared.unwrap_or(0) as usize;
-    let bytes = match tokio::time::timeout_at(deadline, read_body(body, l.max_body, hint)).await {
-        Ok(Ok(b)) => b,
-        Ok(Err(BodyError::TooLarge)) => {
-            return refuse(
-                mode,
-                t,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_size",
-                format!("request body larger than {} bytes\n", l.max_body),
-            )
-        }
-        Ok(Err(BodyError::Unreadable)) => {
-            count(mode, "invalid", None, t);
-            return (StatusCode::BAD_REQUEST, "request body unreadable\n").into_response();
-        }
-        Err(_) => {
-            return refuse(
-                mode,
-                t,
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!(
-                    "request body not received within {:?}\n",
-                    l.body_read_timeout
-                ),
-            )
-        }
-    };
+    // The body first, without a slot: a body that never finishes holds none.
+    let (bytes, _memory) =
+        match tokio::time::timeout_at(deadline, read_body(body, l.max_body, hint, &s.body_bytes))
+            .await
+        {
+            Ok(Ok(b)) => b,
+            Ok(Err(BodyError::TooLarge)) => {
+                return refuse(
+                    mode,
+                    t,
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_size",
+                    format!("request body larger than {} bytes\n", l.max_body),
+                )
+            }
+            Ok(Err(BodyError::NoMemory)) => {
+                return refuse(
+                    mode,
+                    t,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "body_memory",
+                    format!(
+                        "more than {} bytes of request bodies in flight\n",
+                        body_budget(&l)
+                    ),
+                )
+            }
+            Ok(Err(BodyError::Unreadable)) => {
+                count(mode, "invalid", None, t);
+                return (StatusCode::BAD_REQUEST, "request body unreadable\n").into_response();
+            }
+            Err(_) => {
+                return refuse(
+                    mode,
+                    t,
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body_timeout",
+                    format!(
+                        "request body not received within {:?}\n",
+                        l.body_read_timeout
+                    ),
+                )
+            }
+        };
+    // Then a slot, to review it.
+    let slot_deadline = tokio::time::Instant::now() + l.body_read_timeout;
+    let _slot =
+        match tokio::time::timeout_at(slot_deadline, s.reviews.clone().acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => {
+                return refuse(
+                    mode,
+                    t,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "reviews",
+                    format!(
+                        "more than {} reviews in flight for {:?}\n",
+                        l.max_concurrent_reviews, l.body_read_timeout
+                    ),
+                )
+            }
+        };
     // The backend may be chosen per namespace: the webhook configuration sends namespaces
     // labelled gpu-coloc.dev/backend=X to /mutate?backend=X.
     let backend = match q.get("backend").map(|b| b.parse::<Backend>()) {
@@ -325,7 +401,7 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     );
     describe_counter!(
         "coloc_webhook_limited_total",
-        "Requests and connections refused or closed by a limit: connections (too many open), idle, body_timeout (408), body_size (413), reviews (503)."
+        "Requests and connections refused or closed by a limit: connections (evicted: least recently active when all are open), source_connections (too many from one source), idle, body_timeout (408), body_size (413), body_memory (503), reviews (503)."
     );
     // Every bounded label value at 0 from the start, so that `increase()` and `rate()` see
     // the first event (a series born at its first increment has no earlier sample).
@@ -334,6 +410,7 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
         Mode::Validate,
         Mode::Unsupported,
         Mode::Inject,
+        Mode::Mounts,
     ] {
         for result in ["allowed", "patched", "denied", "invalid"] {
             metrics::counter!("coloc_webhook_admissions_total", "endpoint" => mode.as_str(), "result" => result).increment(0);
@@ -344,6 +421,8 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     }
     for limit in [
         "connections",
+        "source_connections",
+        "body_memory",
         "idle",
         "body_timeout",
         "body_size",
@@ -354,24 +433,114 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(h)
 }
 
-/// An accepted connection: counts against `max_connections` while open, and fails with
-/// `TimedOut` once no byte has moved either way for the idle timeout while it waits.
+/// One open connection, as the registry sees it.
+#[derive(Debug)]
+struct Conn {
+    source: IpAddr,
+    /// When bytes last moved, ms since the registry's start.
+    last_ms: AtomicU64,
+    /// Set when evicted: the stream fails at its next poll.
+    evicted: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+/// The open connections: per source, and by last activity.
+#[derive(Debug)]
+struct Registry {
+    start: std::time::Instant,
+    next: u64,
+    conns: HashMap<u64, Arc<Conn>>,
+    per_source: HashMap<IpAddr, usize>,
+}
+
+impl Registry {
+    fn new() -> Self {
+        Registry {
+            start: std::time::Instant::now(),
+            next: 0,
+            conns: HashMap::new(),
+            per_source: HashMap::new(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn remove(&mut self, id: u64) {
+        if let Some(c) = self.conns.remove(&id) {
+            if let Some(n) = self.per_source.get_mut(&c.source) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_source.remove(&c.source);
+                }
+            }
+        }
+    }
+
+    /// Closes the connection on which bytes moved least recently.
+    fn evict_one(&mut self) {
+        let Some((&id, _)) = self
+            .conns
+            .iter()
+            .min_by_key(|(_, c)| c.last_ms.load(Ordering::Relaxed))
+        else {
+            return;
+        };
+        if let Some(c) = self.conns.get(&id).cloned() {
+            c.evicted.store(true, Ordering::SeqCst);
+            let w = c.waker.lock().ok().and_then(|mut w| w.take());
+            if let Some(w) = w {
+                w.wake();
+            }
+        }
+        self.remove(id);
+        metrics::counter!("coloc_webhook_limited_total", "limit" => "connections").increment(1);
+    }
+}
+
+/// An accepted connection: registered while open (per source, last activity), evicted on
+/// demand, and fails with `TimedOut` once no byte has moved either way for the idle
+/// timeout while it waits.
 #[derive(Debug)]
 struct LimitedStream {
     inner: TcpStream,
     idle: Duration,
     last: tokio::time::Instant,
     timer: Pin<Box<tokio::time::Sleep>>,
-    _slot: OwnedSemaphorePermit,
+    id: u64,
+    conn: Arc<Conn>,
+    registry: Arc<Mutex<Registry>>,
+}
+
+impl Drop for LimitedStream {
+    fn drop(&mut self) {
+        if let Ok(mut r) = self.registry.lock() {
+            r.remove(self.id);
+        }
+    }
 }
 
 impl LimitedStream {
     fn progress(&mut self) {
         self.last = tokio::time::Instant::now();
+        if let Ok(r) = self.registry.lock() {
+            self.conn.last_ms.store(r.now_ms(), Ordering::Relaxed);
+        }
     }
 
-    /// Called when the socket is not ready: has the connection been idle too long?
-    fn idle_expired(&mut self, cx: &mut Context<'_>) -> bool {
+    fn evicted(&self) -> bool {
+        self.conn.evicted.load(Ordering::SeqCst)
+    }
+
+    /// Called when the socket is not ready: evicted meanwhile, or idle too long?
+    fn should_close(&mut self, cx: &mut Context<'_>) -> bool {
+        if let Ok(mut w) = self.conn.waker.lock() {
+            *w = Some(cx.waker().clone());
+        }
+        if self.evicted() {
+            return true;
+        }
         let deadline = self.last + self.idle;
         if self.timer.deadline() != deadline {
             self.timer.as_mut().reset(deadline);
@@ -383,8 +552,12 @@ impl LimitedStream {
         false
     }
 
-    fn timed_out() -> io::Error {
-        io::Error::new(io::ErrorKind::TimedOut, "connection idle")
+    fn closed(&self) -> io::Error {
+        if self.evicted() {
+            io::Error::new(io::ErrorKind::ConnectionAborted, "connection evicted")
+        } else {
+            io::Error::new(io::ErrorKind::TimedOut, "connection idle")
+        }
     }
 }
 
@@ -395,6 +568,9 @@ impl AsyncRead for LimitedStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.evicted() {
+            return Poll::Ready(Err(this.closed()));
+        }
         let before = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(r) => {
@@ -403,7 +579,7 @@ impl AsyncRead for LimitedStream {
                 }
                 Poll::Ready(r)
             }
-            Poll::Pending if this.idle_expired(cx) => Poll::Ready(Err(Self::timed_out())),
+            Poll::Pending if this.should_close(cx) => Poll::Ready(Err(this.closed())),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -416,6 +592,9 @@ impl AsyncWrite for LimitedStream {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.evicted() {
+            return Poll::Ready(Err(this.closed()));
+        }
         match Pin::new(&mut this.inner).poll_write(cx, buf) {
             Poll::Ready(r) => {
                 if matches!(r, Ok(n) if n > 0) {
@@ -423,7 +602,7 @@ impl AsyncWrite for LimitedStream {
                 }
                 Poll::Ready(r)
             }
-            Poll::Pending if this.idle_expired(cx) => Poll::Ready(Err(Self::timed_out())),
+            Poll::Pending if this.should_close(cx) => Poll::Ready(Err(this.closed())),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -434,6 +613,9 @@ impl AsyncWrite for LimitedStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.evicted() {
+            return Poll::Ready(Err(this.closed()));
+        }
         match Pin::new(&mut this.inner).poll_write_vectored(cx, bufs) {
             Poll::Ready(r) => {
                 if matches!(r, Ok(n) if n > 0) {
@@ -441,7 +623,7 @@ impl AsyncWrite for LimitedStream {
                 }
                 Poll::Ready(r)
             }
-            Poll::Pending if this.idle_expired(cx) => Poll::Ready(Err(Self::timed_out())),
+            Poll::Pending if this.should_close(cx) => Poll::Ready(Err(this.closed())),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -453,7 +635,7 @@ impl AsyncWrite for LimitedStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_flush(cx) {
-            Poll::Pending if this.idle_expired(cx) => Poll::Ready(Err(Self::timed_out())),
+            Poll::Pending if this.should_close(cx) => Poll::Ready(Err(this.closed())),
             other => other,
         }
     }
@@ -463,12 +645,58 @@ impl AsyncWrite for LimitedStream {
     }
 }
 
-/// Accepts a TCP connection if a connection slot is free: `TCP_NODELAY`, idle timeout.
-/// Without a slot the connection is closed at once.
+/// Accepts a TCP connection: closed at once when its source has
+/// `max_connections_per_source` open; when `max_connections` are open, the least
+/// recently active one is evicted for it. `TCP_NODELAY`, idle timeout.
 #[derive(Debug, Clone)]
 struct LimitAcceptor {
-    slots: Arc<Semaphore>,
+    registry: Arc<Mutex<Registry>>,
+    max: usize,
+    per_source: usize,
     idle: Duration,
+}
+
+impl LimitAcceptor {
+    fn admit(&self, stream: TcpStream) -> io::Result<LimitedStream> {
+        let source = stream
+            .peer_addr()
+            .map(|a| a.ip().to_canonical())
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let mut r = self
+            .registry
+            .lock()
+            .map_err(|_| io::Error::other("connection registry poisoned"))?;
+        if r.per_source.get(&source).copied().unwrap_or(0) >= self.per_source.max(1) {
+            metrics::counter!("coloc_webhook_limited_total", "limit" => "source_connections")
+                .increment(1);
+            return Err(io::Error::other("too many connections from this source"));
+        }
+        while r.conns.len() >= self.max.max(1) {
+            r.evict_one();
+        }
+        stream.set_nodelay(true)?;
+        let id = r.next;
+        r.next += 1;
+        let conn = Arc::new(Conn {
+            source,
+            last_ms: AtomicU64::new(r.now_ms()),
+            evicted: AtomicBool::new(false),
+            waker: Mutex::new(None),
+        });
+        r.conns.insert(id, conn.clone());
+        *r.per_source.entry(source).or_insert(0) += 1;
+        drop(r);
+        let now = tokio::time::Instant::now();
+        Ok(LimitedStream {
+            inner: stream,
+            idle: self.idle,
+            last: now,
+            timer: Box::pin(tokio::time::sleep_until(now + self.idle)),
+            id,
+            conn,
+            registry: self.registry.clone(),
+        })
+    }
 }
 
 impl<S> axum_server::accept::Accept<TcpStream, S> for LimitAcceptor {
@@ -477,24 +705,7 @@ impl<S> axum_server::accept::Accept<TcpStream, S> for LimitAcceptor {
     type Future = std::future::Ready<io::Result<(LimitedStream, S)>>;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
-        std::future::ready(match self.slots.clone().try_acquire_owned() {
-            Err(_) => {
-                metrics::counter!("coloc_webhook_limited_total", "limit" => "connections")
-                    .increment(1);
-                Err(io::Error::other("too many connections"))
-            }
-            Ok(slot) => stream.set_nodelay(true).map(|()| {
-                let now = tokio::time::Instant::now();
-                let stream = LimitedStream {
-                    inner: stream,
-                    idle: self.idle,
-                    last: now,
-                    timer: Box::pin(tokio::time::sleep_until(now + self.idle)),
-                    _slot: slot,
-                };
-                (stream, service)
-            }),
-        })
+        std::future::ready(self.admit(stream).map(|s| (s, service)))
     }
 }
 
@@ -530,7 +741,9 @@ pub async fn serve(
 ) -> io::Result<()> {
     listener.set_nonblocking(true)?;
     let acceptor = LimitAcceptor {
-        slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+        registry: Arc::new(Mutex::new(Registry::new())),
+        max: limits.max_connections,
+        per_source: limits.max_connections_per_source,
         idle: limits.idle_timeout,
     };
     let make = app.into_make_service();

@@ -87,6 +87,7 @@ pub const DENIAL_REASONS: &[&str] = &[
     "record_malformed",
     "record_changed",
     "backend_unsupported",
+    "mount_forbidden",
     "internal",
 ];
 /// The MPS client priority hint for offline containers on `nvidia-shared`.
@@ -157,6 +158,10 @@ pub struct Settings {
     /// `/inject` changes nothing.
     #[serde(default)]
     pub shim: Option<crate::inject::ShimSettings>,
+    /// More host directories no pod may mount writable, besides the `[shim]` ones
+    /// ([`crate::mounts`]; the chart: the agent's state directory).
+    #[serde(default)]
+    pub protected_host_paths: Vec<String>,
 }
 
 impl Settings {
@@ -168,6 +173,7 @@ impl Settings {
             offline_priority: None,
             offline_preemption_policy: None,
             shim: None,
+            protected_host_paths: Vec::new(),
         }
     }
 
@@ -187,6 +193,15 @@ impl Settings {
         }
         if let Some(shim) = &self.shim {
             shim.check()?;
+        }
+        if let Some(p) = self
+            .protected_host_paths
+            .iter()
+            .find(|p| !p.starts_with('/') || crate::mounts::normalise(p) == "/")
+        {
+            return Err(format!(
+                "protected_host_paths: {p:?} is not an absolute directory below /"
+            ));
         }
         match self.offline_preemption_policy.as_deref() {
             None | Some("Never" | "PreemptLowerPriority") => Ok(()),

@@ -214,12 +214,12 @@ fn limits_are_flags_with_env_and_defaults() {
         (
             "--header-read-timeout-secs",
             "COLOC_WEBHOOK_HEADER_READ_TIMEOUT_SECS",
-            "10",
+            "3",
         ),
         (
             "--body-read-timeout-secs",
             "COLOC_WEBHOOK_BODY_READ_TIMEOUT_SECS",
-            "10",
+            "3",
         ),
         (
             "--idle-timeout-secs",
@@ -227,6 +227,11 @@ fn limits_are_flags_with_env_and_defaults() {
             "120",
         ),
         ("--max-connections", "COLOC_WEBHOOK_MAX_CONNECTIONS", "256"),
+        (
+            "--max-connections-per-source",
+            "COLOC_WEBHOOK_MAX_CONNECTIONS_PER_SOURCE",
+            "32",
+        ),
         (
             "--max-concurrent-reviews",
             "COLOC_WEBHOOK_MAX_CONCURRENT_REVIEWS",
@@ -249,8 +254,9 @@ fn limits_are_flags_with_env_and_defaults() {
     // The defaults in --help are the library's.
     let d = coloc_webhook::server::Limits::default();
     assert_eq!(d.max_body, 3145728);
-    assert_eq!(d.header_read_timeout, Duration::from_secs(10));
-    assert_eq!(d.body_read_timeout, Duration::from_secs(10));
+    assert_eq!(d.header_read_timeout, Duration::from_secs(3));
+    assert_eq!(d.body_read_timeout, Duration::from_secs(3));
+    assert_eq!(d.max_connections_per_source, 32);
     assert_eq!(d.idle_timeout, Duration::from_secs(120));
     assert_eq!((d.max_connections, d.max_concurrent_reviews), (256, 8));
     // Bad values are refused.

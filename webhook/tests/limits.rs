@@ -151,6 +151,8 @@ fn slow_and_half_open_clients_are_closed_while_reviews_go_on() {
         // Longer than the others, so that each closure is told apart by when it happens.
         idle_timeout: Duration::from_secs(3),
         max_connections: 128,
+        // Every client here is 127.0.0.1.
+        max_connections_per_source: 128,
         // More than the slow bodies below: they are not to starve the reviews (that
         // limit is checked in router.rs).
         max_concurrent_reviews: 32,
@@ -280,11 +282,14 @@ fn slow_and_half_open_clients_are_closed_while_reviews_go_on() {
     assert!(took < Duration::from_secs(1), "{took:?}");
 }
 
+/// With every connection slot taken, a new connection evicts the one on which bytes
+/// moved least recently (here the first one held), and is served.
 #[test]
-fn connections_over_the_limit_are_closed_at_once() {
+fn a_new_connection_evicts_the_least_recently_active_one() {
     let limits = Limits {
         header_read_timeout: Duration::from_secs(2),
         max_connections: 4,
+        max_connections_per_source: 64,
         ..Limits::default()
     };
     let s = start(limits);
@@ -302,15 +307,53 @@ fn connections_over_the_limit_are_closed_at_once() {
         }
     };
     settle(0);
-    let held: Vec<TcpStream> = (0..4).map(|_| tcp(s.port)).collect();
+    let mut held: Vec<TcpStream> = Vec::new();
+    for _ in 0..4 {
+        held.push(tcp(s.port));
+        // Distinct last-activity times.
+        std::thread::sleep(Duration::from_millis(20));
+    }
     settle(4);
-    // The fifth is accepted by the kernel and closed by the server straight away.
+    // The fifth gets in; the oldest held one is closed at once.
+    let fifth = tcp(s.port);
+    let t = Instant::now();
+    let (_, took) = closed_within(&mut held[0], t, Duration::from_secs(1));
+    assert!(took < Duration::from_millis(500), "{took:?}");
+    settle(4);
+    fifth.set_nonblocking(true).unwrap();
+    assert!(
+        matches!((&fifth).read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the new connection was closed instead"
+    );
+    // A review gets in too (evicting the next oldest).
+    let (out, _) = review(&s);
+    assert_eq!(status(&out), "200", "{out}");
+}
+
+/// A source with `max_connections_per_source` open gets its next connection closed at
+/// once; others are not affected.
+#[test]
+fn connections_over_a_sources_share_are_closed_at_once() {
+    let limits = Limits {
+        header_read_timeout: Duration::from_secs(2),
+        max_connections_per_source: 3,
+        ..Limits::default()
+    };
+    let s = start(limits);
+    let mut held: Vec<TcpStream> = Vec::new();
+    for n in 1..=3 {
+        held.push(tcp(s.port));
+        let t = Instant::now();
+        while s.handle.connection_count() != n {
+            assert!(t.elapsed() < Duration::from_secs(3), "{n} not accepted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
     let t = Instant::now();
     let (_, took) = closed_within(&mut tcp(s.port), t, Duration::from_secs(1));
     assert!(took < Duration::from_millis(500), "{took:?}");
-    // Once the held ones are gone, reviews are served again.
     drop(held);
-    settle(0);
+    std::thread::sleep(Duration::from_millis(100));
     let (out, _) = review(&s);
     assert_eq!(status(&out), "200", "{out}");
 }

@@ -34,6 +34,25 @@ fn mode(p: &Path) -> u32 {
     std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
 }
 
+fn sha256_file(dir: &Path, content: &[u8]) -> PathBuf {
+    // The digest as the image build writes it (`sha256sum` output), computed here by the
+    // system's sha256sum where there is one, else by the library the binary uses.
+    let p = dir.join("libcoloc_cuda.so.sha256");
+    let line = match Command::new("sha256sum")
+        .arg(dir.join("libcoloc_cuda.so"))
+        .output()
+    {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),
+        _ => {
+            let d = ring::digest::digest(&ring::digest::SHA256, content);
+            let hex: String = d.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+            format!("{hex}  libcoloc_cuda.so\n")
+        }
+    };
+    std::fs::write(&p, line).unwrap();
+    p
+}
+
 #[test]
 fn installs_the_shim_atomically_and_once() {
     let d = tmpdir("install");
@@ -41,9 +60,12 @@ fn installs_the_shim_atomically_and_once() {
     std::fs::create_dir_all(&image).unwrap();
     let src = image.join("libcoloc_cuda.so");
     std::fs::write(&src, b"version 1").unwrap();
+    let sum = sha256_file(&image, b"version 1");
     let args = [
         "--install",
         src.to_str().unwrap(),
+        "--sha256",
+        sum.to_str().unwrap(),
         "--into",
         host.to_str().unwrap(),
     ];
@@ -51,8 +73,13 @@ fn installs_the_shim_atomically_and_once() {
     assert!(ok && text.contains("installed"), "{text}");
     let dest = host.join("libcoloc_cuda.so");
     assert_eq!(std::fs::read(&dest).unwrap(), b"version 1");
-    assert_eq!(mode(&dest), 0o644);
+    // Read-only for everyone, in a directory only its owner writes; that owner is the
+    // installing user (root in the chart).
+    assert_eq!(mode(&dest), 0o444);
     assert_eq!(mode(&host), 0o755);
+    let me = std::fs::metadata(&d).unwrap().uid();
+    assert_eq!(std::fs::metadata(&dest).unwrap().uid(), me);
+    assert_eq!(std::fs::metadata(&host).unwrap().uid(), me);
 
     // Same file: nothing written (the inode stays).
     let ino = std::fs::metadata(&dest).unwrap().ino();
@@ -60,10 +87,18 @@ fn installs_the_shim_atomically_and_once() {
     assert!(ok && text.contains("unchanged"), "{text}");
     assert_eq!(std::fs::metadata(&dest).unwrap().ino(), ino);
 
+    // Same content, but made writable on the node: replaced by a 0444 file.
+    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let (ok, text) = setup(&args);
+    assert!(ok && text.contains("installed"), "{text}");
+    assert_eq!(mode(&dest), 0o444);
+
     // A new version replaces it by rename: a process that has the old one open (loaded)
     // keeps reading the old content; the path gives the new one; no temporary file stays.
+    let ino = std::fs::metadata(&dest).unwrap().ino();
     let mut loaded = std::fs::File::open(&dest).unwrap();
     std::fs::write(&src, b"version 2, longer").unwrap();
+    sha256_file(&image, b"version 2, longer");
     let (ok, text) = setup(&args);
     assert!(ok && text.contains("replaced atomically"), "{text}");
     let mut old = String::new();
@@ -76,6 +111,100 @@ fn installs_the_shim_atomically_and_once() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("libcoloc_cuda.so")]);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_shim_that_does_not_match_its_digest_is_refused() {
+    let d = tmpdir("digest");
+    let (image, host) = (d.join("image"), d.join("host/lib"));
+    std::fs::create_dir_all(&image).unwrap();
+    let src = image.join("libcoloc_cuda.so");
+    std::fs::write(&src, b"the real shim").unwrap();
+    let sum = sha256_file(&image, b"the real shim");
+    let args = [
+        "--install",
+        src.to_str().unwrap(),
+        "--sha256",
+        sum.to_str().unwrap(),
+        "--into",
+        host.to_str().unwrap(),
+    ];
+    let (ok, text) = setup(&args);
+    assert!(ok, "{text}");
+    // The image's file altered after the digest was taken: refused loudly, the node's
+    // copy left as it was.
+    std::fs::write(&src, b"the real shim, patched").unwrap();
+    let (ok, text) = setup(&args);
+    assert!(!ok && text.contains("DIGEST MISMATCH"), "{text}");
+    assert_eq!(
+        std::fs::read(host.join("libcoloc_cuda.so")).unwrap(),
+        b"the real shim"
+    );
+    // No digest, or not one: refused.
+    std::fs::write(&sum, "not a digest\n").unwrap();
+    let (ok, text) = setup(&args);
+    assert!(!ok && text.contains("not a SHA-256 digest"), "{text}");
+    let (ok, text) = setup(
+        &args[..2]
+            .iter()
+            .chain(&args[4..])
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    assert!(!ok && text.contains("--sha256"), "{text}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn the_shims_directory_is_its_owners_alone() {
+    let d = tmpdir("shimdir");
+    let image = d.join("image");
+    std::fs::create_dir_all(&image).unwrap();
+    let src = image.join("libcoloc_cuda.so");
+    std::fs::write(&src, b"shim").unwrap();
+    let sum = sha256_file(&image, b"shim");
+    let run = |host: &Path| {
+        setup(&[
+            "--install",
+            src.to_str().unwrap(),
+            "--sha256",
+            sum.to_str().unwrap(),
+            "--into",
+            host.to_str().unwrap(),
+        ])
+    };
+    // A world-writable directory is narrowed to 0755.
+    let open = d.join("open");
+    std::fs::create_dir_all(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (ok, text) = run(&open);
+    assert!(ok && text.contains("0777 -> 0755"), "{text}");
+    assert_eq!(mode(&open), 0o755);
+    // Below a world-writable parent without the sticky bit: refused (the directory could
+    // be swapped).
+    let parent = d.join("loose");
+    std::fs::create_dir_all(parent.join("lib")).unwrap();
+    std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (ok, text) = run(&parent.join("lib"));
+    assert!(!ok && text.contains("sticky"), "{text}");
+    assert!(!parent.join("lib/libcoloc_cuda.so").exists());
+    // A symlink where the directory belongs: refused.
+    let link = d.join("link");
+    std::os::unix::fs::symlink(&open, &link).unwrap();
+    let (ok, text) = run(&link);
+    assert!(!ok && text.contains("not a directory"), "{text}");
+    // Owned by someone else: refused (needs root to make such a directory here).
+    let theirs = d.join("theirs");
+    std::fs::create_dir_all(&theirs).unwrap();
+    let root = std::fs::metadata(&d).unwrap().uid() == 0;
+    if root && std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).is_ok() {
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (ok, text) = run(&theirs);
+        assert!(!ok && text.contains("owned by uid 65534"), "{text}");
+    } else {
+        eprintln!("NOTE: not checked: a directory of another owner is refused (needs root)");
+    }
     std::fs::remove_dir_all(&d).ok();
 }
 

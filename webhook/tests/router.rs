@@ -613,10 +613,10 @@ async fn bodies_over_the_limit_are_413() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
-/// A body that never ends: 408 within the body read timeout; and at most
-/// `max_concurrent_reviews` bodies are read at once (the next review waits for a slot).
+/// A body that never ends: 408 within the body read timeout; and it holds no review
+/// slot meanwhile: with one slot, a normal review is answered at once.
 #[tokio::test(start_paused = true)]
-async fn slow_bodies_time_out_and_reviews_are_limited() {
+async fn slow_bodies_time_out_and_hold_no_review_slot() {
     use tokio::time::{Duration, Instant};
     let limits = Limits {
         body_read_timeout: Duration::from_secs(2),
@@ -655,11 +655,41 @@ async fn slow_bodies_time_out_and_reviews_are_limited() {
         .unwrap();
     assert_eq!(slow.status(), StatusCode::REQUEST_TIMEOUT);
     assert_eq!(normal.status(), StatusCode::OK);
-    // The normal review got the only slot when the slow one gave up (at 2 s).
-    assert!(
-        waited >= Duration::from_secs(2) && waited < Duration::from_millis(2100),
-        "{waited:?}"
+    assert!(waited < Duration::from_millis(100), "{waited:?}");
+    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+/// Bodies being read hold at most `max_concurrent_reviews × max_body` bytes together:
+/// past that, 503 at once (a half-sent body holds what it has sent, no more).
+#[tokio::test]
+async fn bodies_in_flight_are_bounded_in_memory() {
+    let limits = Limits {
+        max_concurrent_reviews: 1,
+        max_body: 64 * 1024,
+        ..Limits::default()
+    };
+    let app = router(AppState::new(Settings::new(Backend::Hami), limits, None));
+    // 48 KiB sent, the rest never comes.
+    let (mut tx, body) = futures::channel::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+    use futures::SinkExt;
+    tx.send(Ok(vec![b' '; 48 * 1024])).await.unwrap();
+    let held = tokio::spawn(
+        app.clone().oneshot(
+            Request::post("/mutate")
+                .body(Body::from_stream(body))
+                .unwrap(),
+        ),
     );
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    // Another 32 KiB would pass the 64 KiB budget.
+    let (status, _) = post(&app, "/mutate", vec![b' '; 32 * 1024]).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    // A small review still fits.
+    let (status, _) = post(&app, "/mutate", fixture("offline-deployment-create")).await;
+    assert_eq!(status, StatusCode::OK);
+    drop(tx);
+    let held = held.await.unwrap().unwrap();
+    assert_eq!(held.status(), StatusCode::BAD_REQUEST);
 }
 
 /// An endless body: one byte every 100 ms.

@@ -2,10 +2,16 @@
 //! chart runs it as the agent pod's init container (as root, from the agent image); it is
 //! part of this package because the webhook's injection is what needs it.
 //!
-//! - `--install SRC --into DIR`: copies the shim to `DIR/<name of SRC>` atomically (a
-//!   temporary file in DIR, fsync, rename): processes that loaded the old file keep its
-//!   inode, new ones get the new file, nobody sees half a file. An identical file is left
-//!   as it is.
+//! - `--install SRC --sha256 FILE --into DIR`: checks SRC against the SHA-256 digest in
+//!   FILE (written when the image was built: `sha256sum` format, or the hex digest alone)
+//!   and refuses, exit 1, on a mismatch; then copies it to `DIR/<name of SRC>`, mode 0444,
+//!   atomically (a temporary file in DIR, fsync, rename): processes that loaded the old
+//!   file keep its inode, new ones get the new file, nobody sees half a file. The
+//!   installed file is read back and checked against the digest too. DIR is made (or
+//!   kept) a real directory of the installing user (root in the chart), mode 0755: a
+//!   group- or world-writable one is narrowed, one of another owner refused, and so is a
+//!   group- or world-writable parent without the sticky bit (someone could swap DIR). An
+//!   identical file of the right owner and mode is left as it is; any other is replaced.
 //! - `--doorbell-dir DIR`: makes `DIR` and `DIR/pods` mode 1777. The kubelet creates each
 //!   pod's `pods/<pod UID>` (the `subPathExpr` mount) with the mode of `pods` and owner
 //!   root (`SafeMakeDir` with the volume root's mode), so with `pods` at 1777 a process of
@@ -31,13 +37,18 @@ use std::path::{Path, PathBuf};
     version,
     after_help = "\
 Example (what the chart's init container runs):
-  coloc-node-setup --install /opt/coloc/lib/libcoloc_cuda.so --into /var/lib/gpu-coloc/lib \\
+  coloc-node-setup --install /opt/coloc/lib/libcoloc_cuda.so \\
+    --sha256 /opt/coloc/lib/libcoloc_cuda.so.sha256 --into /var/lib/gpu-coloc/lib \\
     --doorbell-dir /run/gpu-coloc/doorbells --gate-dir /run/gpu-coloc/gate"
 )]
 struct Args {
     /// The file to install (the shim in the agent image).
-    #[arg(long, requires = "into")]
+    #[arg(long, requires_all = ["into", "sha256"])]
     install: Option<PathBuf>,
+    /// Its SHA-256 digest, written when the image was built (`sha256sum` output, or the
+    /// 64 hex digits alone). The file is not installed unless it matches.
+    #[arg(long, requires = "install")]
+    sha256: Option<PathBuf>,
     /// The host directory to install it into (created, mode 0755).
     #[arg(long, requires = "install")]
     into: Option<PathBuf>,
@@ -64,8 +75,8 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<()> {
             "nothing to do: pass --install/--into, --doorbell-dir and/or --gate-dir (see --help)"
         );
     }
-    if let (Some(src), Some(dir)) = (&a.install, &a.into) {
-        install(src, dir, out)?;
+    if let (Some(src), Some(dir), Some(sum)) = (&a.install, &a.into, &a.sha256) {
+        install(src, sum, dir, out)?;
     }
     if let Some(dir) = &a.doorbell_dir {
         doorbells(dir, out)?;
@@ -97,19 +108,120 @@ fn ensure_dir(dir: &Path, mode: u32) -> Result<bool> {
     }
 }
 
-fn install(src: &Path, dir: &Path, out: &mut dyn Write) -> Result<()> {
+/// The SHA-256 of `bytes`, lower-case hex.
+fn sha256_hex(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The digest in `file`: the first word (`sha256sum` output, or the digest alone).
+fn expected_digest(file: &Path) -> Result<String> {
+    let text = fs::read_to_string(file)
+        .with_context(|| format!("reading the shim's digest {}", file.display()))?;
+    let word = text.split_whitespace().next().unwrap_or_default();
+    if word.len() != 64 || !word.bytes().all(|b| b.is_ascii_hexdigit()) {
+        bail!(
+            "{}: not a SHA-256 digest (64 hex digits): {word:?}",
+            file.display()
+        );
+    }
+    Ok(word.to_ascii_lowercase())
+}
+
+/// The user this process creates files as (the owner of a file it just made).
+fn own_uid(dir: &Path) -> Result<u32> {
+    let probe = dir.join(format!(".coloc-node-setup.{}.uid", std::process::id()));
+    let _ = fs::remove_file(&probe);
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&probe)
+        .with_context(|| format!("creating {}", probe.display()))?;
+    let uid = f.metadata()?.uid();
+    drop(f);
+    fs::remove_file(&probe).with_context(|| format!("removing {}", probe.display()))?;
+    Ok(uid)
+}
+
+/// `dir` (existing) is a real directory owned by `uid`, not writable by group or others
+/// (narrowed if it was), and no parent is writable by others without the sticky bit.
+fn secure_dir(dir: &Path, uid: u32, out: &mut dyn Write) -> Result<()> {
+    let m = fs::symlink_metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !m.is_dir() {
+        bail!(
+            "{} is not a directory (a symlink?): refusing to install the shim there",
+            dir.display()
+        );
+    }
+    if m.uid() != uid {
+        bail!(
+            "{} is owned by uid {}, not {uid}: refusing to install the shim there (whoever owns it could replace the library every GPU pod loads)",
+            dir.display(),
+            m.uid()
+        );
+    }
+    let mode = m.permissions().mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("setting mode 0755 on {}", dir.display()))?;
+        writeln!(
+            out,
+            "mode {} {mode:04o} -> 0755 (only root writes the shim's directory)",
+            dir.display()
+        )?;
+    }
+    let abs = fs::canonicalize(dir).with_context(|| format!("resolving {}", dir.display()))?;
+    for parent in abs.ancestors().skip(1) {
+        let pm = fs::metadata(parent).with_context(|| format!("reading {}", parent.display()))?;
+        let pmode = pm.permissions().mode();
+        if pmode & 0o022 != 0 && pmode & 0o1000 == 0 {
+            bail!(
+                "{} (a parent of {}) is writable by group or others without the sticky bit (mode {:04o}): refusing to install the shim below it",
+                parent.display(),
+                dir.display(),
+                pmode & 0o7777
+            );
+        }
+    }
+    Ok(())
+}
+
+fn install(src: &Path, sum: &Path, dir: &Path, out: &mut dyn Write) -> Result<()> {
     let name = src
         .file_name()
         .with_context(|| format!("--install {}: not a file name", src.display()))?;
     let bytes = fs::read(src).with_context(|| format!("reading {}", src.display()))?;
+    let want = expected_digest(sum)?;
+    let got = sha256_hex(&bytes);
+    if got != want {
+        bail!(
+            "DIGEST MISMATCH: {} has SHA-256 {got}, the image's digest {} says {want}: not installed (the image is corrupt or was tampered with)",
+            src.display(),
+            sum.display()
+        );
+    }
     if ensure_dir(dir, 0o755)? {
         writeln!(out, "created {} (0755)", dir.display())?;
     }
+    let uid = own_uid(dir)?;
+    secure_dir(dir, uid, out)?;
     let dest = dir.join(name);
-    if fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file())
+    let current = fs::symlink_metadata(&dest).ok();
+    if current
+        .as_ref()
+        .is_some_and(|m| m.is_file() && m.uid() == uid && m.permissions().mode() & 0o7777 == 0o444)
         && fs::read(&dest).ok().as_ref() == Some(&bytes)
     {
-        writeln!(out, "unchanged {} ({} bytes)", dest.display(), bytes.len())?;
+        writeln!(
+            out,
+            "unchanged {} ({} bytes, sha256 {got})",
+            dest.display(),
+            bytes.len()
+        )?;
         return Ok(());
     }
     let tmp = dir.join(format!(
@@ -125,10 +237,10 @@ fn install(src: &Path, dir: &Path, out: &mut dyn Write) -> Result<()> {
         let mut f = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(0o444)
             .open(&tmp)?;
         f.write_all(&bytes)?;
-        f.set_permissions(fs::Permissions::from_mode(0o644))?;
+        f.set_permissions(fs::Permissions::from_mode(0o444))?;
         f.sync_all()?;
         fs::rename(&tmp, &dest)?;
         fs::File::open(dir)?.sync_all()
@@ -138,9 +250,18 @@ fn install(src: &Path, dir: &Path, out: &mut dyn Write) -> Result<()> {
         return Err(e)
             .with_context(|| format!("installing {} as {}", src.display(), dest.display()));
     }
+    // What the pods will load, read back.
+    let back = fs::read(&dest).with_context(|| format!("reading back {}", dest.display()))?;
+    if sha256_hex(&back) != want {
+        bail!(
+            "DIGEST MISMATCH: {} as installed has SHA-256 {}, expected {want}",
+            dest.display(),
+            sha256_hex(&back)
+        );
+    }
     writeln!(
         out,
-        "installed {} ({} bytes, replaced atomically)",
+        "installed {} ({} bytes, sha256 {got}, mode 0444, owner uid {uid}, replaced atomically)",
         dest.display(),
         bytes.len()
     )?;

@@ -87,6 +87,15 @@ UPDATE, the old pod's record counts too (removing it is refused). CEL, Kubernete
     {{- include "gpu-coloc.asksForMgpu" "oldObject" | nindent 4 }}))
 {{- end }}
 
+{{/*
+Which pods /validate-mounts sees: those with a hostPath volume or a volume named like the
+injected ones (gpu-coloc-*); at CREATE and when ephemeral containers are added (the pod's
+volumes are then those it was created with).
+*/}}
+{{- define "gpu-coloc.hostOrOurVolumes" -}}
+has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath) || v.name.startsWith('gpu-coloc-'))
+{{- end }}
+
 {{/* Namespaces no webhook looks at: kube-system, the release's own, the opted-out. */}}
 {{- define "gpu-coloc.namespaceExclusions" -}}
 - key: kubernetes.io/metadata.name
@@ -107,6 +116,9 @@ offline_priority_class = {{ include "gpu-coloc.offlinePriorityClass" . | quote }
 offline_priority = {{ int .Values.offlinePriorityClass.value }}
 offline_preemption_policy = "Never"
 {{- end }}
+# /validate-mounts: host directories no pod may mount writable (besides the [shim] ones):
+# the agent's fail-open record.
+protected_host_paths = [{{ .Values.agent.stateDir | quote }}]
 {{- if .Values.shim.enabled }}
 # /inject: the CUDA shim into GPU pods (the same paths the agent's pods use on the nodes).
 [shim]
