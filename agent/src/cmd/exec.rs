@@ -122,7 +122,7 @@ pub fn environment(
 pub fn run(args: ExecArgs) -> Result<()> {
     if !args.shim.is_file() {
         bail!(
-            "--shim {}: no such file (install it with coloc-node-setup --install, or pass --shim / COLOC_SHIM_LIB)",
+            "--shim {}: no such file (install it with coloc-node-setup --install SRC --sha256 FILE --into DIR, or pass --shim / COLOC_SHIM_LIB)",
             args.shim.display()
         );
     }
