@@ -19,7 +19,7 @@ fn malformed_rules_are_a_clear_error_and_nothing_is_frozen() {
             "[[rule]]\nclass = \"reclaimed\"\ncmdline = \"*\"\n",
             "\"reclaimed\"",
         ),
-        ("[[rule]\nclass = 1", "at line 1"),
+        ("[[rule]\nclass = 1", "rules.toml:1:"),
         ("[[rule]]\nclass = \"offline\"\n", "no matcher"),
     ] {
         let mut a = Agent::spawn(

@@ -78,21 +78,27 @@ pub enum RulesError {
         #[source]
         source: std::io::Error,
     },
-    /// Not valid TOML, or unknown/missing fields.
-    #[error("rules file {path}: {message}")]
+    /// Not UTF-8, not valid TOML, or unknown/missing fields.
+    #[error("rules file {path}:{line}:{column}: {message}")]
     Syntax {
         /// The file.
         path: String,
-        /// The TOML parser's message (with line and column).
+        /// Where, from 1.
+        line: usize,
+        /// Column (in characters), from 1.
+        column: usize,
+        /// What is wrong.
         message: String,
     },
     /// A rule is well-formed TOML but means nothing valid.
-    #[error("rules file {path}:{line}: rule {rule}: {message}")]
+    #[error("rules file {path}:{line}:{column}: rule {rule}: {message}")]
     Invalid {
         /// The file.
         path: String,
-        /// Line of the rule (or key) in the file, from 1.
+        /// Line of the bad value (or of the rule) in the file, from 1.
         line: usize,
+        /// Column (in characters), from 1.
+        column: usize,
         /// The rule's name or position.
         rule: String,
         /// What is wrong.
@@ -109,9 +115,19 @@ struct RawFile {
     rules: Vec<toml::Spanned<RawRule>>,
 }
 
-/// The line (from 1) of byte offset `at` in `text`.
-fn line_of(text: &str, at: usize) -> usize {
-    text[..at.min(text.len())].matches('\n').count() + 1
+/// The line and column (in characters, both from 1) of byte offset `at` in `text`.
+fn pos(text: &str, at: usize) -> (usize, usize) {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    let before = &text[..at];
+    let line = before.matches('\n').count() + 1;
+    let col = before[before.rfind('\n').map_or(0, |i| i + 1)..]
+        .chars()
+        .count()
+        + 1;
+    (line, col)
 }
 
 /// Does `pattern` match every string (only `*`s)?
@@ -124,14 +140,14 @@ fn matches_all(pattern: &Option<String>) -> bool {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRule {
-    name: Option<String>,
-    class: String,
+    name: Option<toml::Spanned<String>>,
+    class: toml::Spanned<String>,
     cgroup: Option<String>,
     exe: Option<String>,
     cmdline: Option<String>,
     uid: Option<u32>,
-    policy: Option<String>,
-    share: Option<u32>,
+    policy: Option<toml::Spanned<String>>,
+    share: Option<toml::Spanned<u32>>,
 }
 
 /// One compiled rule: every matcher given must match.
@@ -179,10 +195,11 @@ pub struct Rules {
     unmatched: Class,
 }
 
-fn parse_class(path: &str, line: usize, rule: &str, v: &str) -> Result<Class, RulesError> {
+fn parse_class(path: &str, at: (usize, usize), rule: &str, v: &str) -> Result<Class, RulesError> {
     Class::parse_config(v).ok_or_else(|| RulesError::Invalid {
         path: path.into(),
-        line,
+        line: at.0,
+        column: at.1,
         rule: rule.into(),
         message: format!(
             "class {v:?} is not a class; allowed: shared_cores, dedicated_cores, \
@@ -194,26 +211,38 @@ fn parse_class(path: &str, line: usize, rule: &str, v: &str) -> Result<Class, Ru
 impl Rules {
     /// Reads and validates a rules file.
     pub fn load(path: &Path) -> Result<Rules, RulesError> {
-        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
+        let bytes = std::fs::read(path).map_err(|source| RulesError::Read {
             path: path.display().to_string(),
             source,
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+            // The prefix up to `valid_up_to` is valid UTF-8 by definition.
+            let good = std::str::from_utf8(good).unwrap_or_default();
+            let (line, column) = pos(good, good.len());
+            RulesError::Syntax {
+                path: path.display().to_string(),
+                line,
+                column,
+                message: "not UTF-8 text".into(),
+            }
         })?;
         Rules::parse(&path.display().to_string(), &text)
     }
 
     /// Parses and validates rules text; `path` is only used in messages.
     pub fn parse(path: &str, text: &str) -> Result<Rules, RulesError> {
-        let raw: RawFile = toml::from_str(text).map_err(|e| RulesError::Syntax {
-            path: path.into(),
-            message: e.to_string().trim_end().replace('\n', " "),
+        let raw: RawFile = toml::from_str(text).map_err(|e| {
+            let (line, column) = pos(text, e.span().map_or(0, |s| s.start));
+            RulesError::Syntax {
+                path: path.into(),
+                line,
+                column,
+                message: e.message().trim_end().replace('\n', " "),
+            }
         })?;
         let unmatched = match &raw.unmatched {
-            Some(v) => parse_class(
-                path,
-                line_of(text, v.span().start),
-                "unmatched",
-                v.get_ref(),
-            )?,
+            Some(v) => parse_class(path, pos(text, v.span().start), "unmatched", v.get_ref())?,
             None => Class::Unmanaged,
         };
         let mut rules = Vec::new();
@@ -221,15 +250,31 @@ impl Rules {
         let mut names: std::collections::HashMap<String, usize> = Default::default();
         let mut catch_all: Option<(String, usize, String)> = None;
         for (i, spanned) in raw.rules.into_iter().enumerate() {
-            let line = line_of(text, spanned.span().start);
             let r = spanned.into_inner();
-            let name = r.name.clone().unwrap_or_else(|| format!("#{}", i + 1));
-            let invalid = |message: String| RulesError::Invalid {
+            // Where the rule is: its name, else its class (a table's own span is not where
+            // it starts for every form of table).
+            let at = pos(
+                text,
+                r.name
+                    .as_ref()
+                    .map_or(r.class.span().start, |n| n.span().start),
+            );
+            let line = at.0;
+            let name = r
+                .name
+                .as_ref()
+                .map(|n| n.get_ref().clone())
+                .unwrap_or_else(|| format!("#{}", i + 1));
+            let invalid_at = |at: (usize, usize), message: String| RulesError::Invalid {
                 path: path.into(),
-                line,
+                line: at.0,
+                column: at.1,
                 rule: name.clone(),
                 message,
             };
+            let invalid = |message: String| invalid_at(at, message);
+            let share_at = r.share.as_ref().map(|s| pos(text, s.span().start));
+            let policy_at = r.policy.as_ref().map_or(at, |p| pos(text, p.span().start));
             if let Some((first, first_line, what)) = &catch_all {
                 return Err(invalid(format!(
                     "never matches: rule {first} (line {first_line}) before it matches every process ({what}); \
@@ -243,36 +288,46 @@ impl Rules {
                     )));
                 }
             }
-            let class = parse_class(path, line, &name, &r.class)?;
+            let class = parse_class(
+                path,
+                pos(text, r.class.span().start),
+                &name,
+                r.class.get_ref(),
+            )?;
             if r.cgroup.is_none() && r.exe.is_none() && r.cmdline.is_none() && r.uid.is_none() {
                 return Err(invalid(
                     "has no matcher; give at least one of cgroup, exe, cmdline, uid".into(),
                 ));
             }
-            let policy = ComputePolicy::from_annotation(r.policy.as_deref())
-                .map_err(|e| invalid(e.to_string()))?;
-            let share = match (policy, r.share) {
+            let policy =
+                ComputePolicy::from_annotation(r.policy.as_ref().map(|p| p.get_ref().as_str()))
+                    .map_err(|e| invalid_at(policy_at, e.to_string()))?;
+            let share = match (policy, r.share.as_ref().map(|s| *s.get_ref())) {
                 (ComputePolicy::FixedShare, Some(p @ 1..=100)) => Share::Fixed { percent: p },
                 (ComputePolicy::FixedShare, Some(p)) => {
-                    return Err(invalid(format!(
-                        "share = {p} is out of range; allowed: 1-100"
-                    )))
+                    return Err(invalid_at(
+                        share_at.unwrap_or(at),
+                        format!("share = {p} is out of range; allowed: 1-100"),
+                    ))
                 }
                 (ComputePolicy::FixedShare, None) => {
-                    return Err(invalid(
+                    return Err(invalid_at(
+                        policy_at,
                         "policy = \"fixed-share\" needs share = <percent of wall time, 1-100>"
                             .into(),
                     ))
                 }
                 (ComputePolicy::NativeBurstShare, _) if class == Class::Offline => {
-                    return Err(invalid(
+                    return Err(invalid_at(
+                        policy_at,
                         "policy \"native-burst-share\" is not supported for offline work \
                          (co-location supports fixed-share and guaranteed-burst-share)"
                             .into(),
                     ))
                 }
                 (_, Some(_)) => {
-                    return Err(invalid(
+                    return Err(invalid_at(
+                        share_at.unwrap_or(at),
                         "share is only meaningful with policy = \"fixed-share\"".into(),
                     ))
                 }

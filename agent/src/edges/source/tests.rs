@@ -16,11 +16,17 @@ fn proc(cmd: &str, cg: &str, uid: u32) -> ProcInfo {
 fn semantic_errors_give_file_and_line() {
     let text = "unmatched = \"unmanaged\"\n\n[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"*x*\"\n\n[[rule]]\nname = \"b\"\nclass = \"offline\"\nshare = 30\ncmdline = \"*y*\"\n";
     let e = Rules::parse("r.toml", text).unwrap_err().to_string();
-    assert!(e.starts_with("rules file r.toml:8: rule b: share"), "{e}");
+    assert!(
+        e.starts_with("rules file r.toml:11:9: rule b: share"),
+        "{e}"
+    );
     let e = Rules::parse("r.toml", "\nunmatched = \"nope\"\n")
         .unwrap_err()
         .to_string();
-    assert!(e.starts_with("rules file r.toml:2: rule unmatched:"), "{e}");
+    assert!(
+        e.starts_with("rules file r.toml:2:13: rule unmatched:"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -28,7 +34,7 @@ fn duplicate_names_are_refused() {
     let text = "[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"*x*\"\n[[rule]]\nname = \"a\"\nclass = \"online\"\nuid = 3\n";
     let e = Rules::parse("r.toml", text).unwrap_err().to_string();
     assert!(
-        e.contains("r.toml:5: rule a:") && e.contains("already used by the rule at line 1"),
+        e.contains("r.toml:6:8: rule a:") && e.contains("already used by the rule at line 2"),
         "{e}"
     );
 }
@@ -38,7 +44,7 @@ fn a_catch_all_rule_before_others_is_refused_and_is_fine_last() {
     let shadowing = "[[rule]]\nname = \"all\"\nclass = \"offline\"\ncmdline = \"*\"\n[[rule]]\nname = \"serve\"\nclass = \"online\"\ncmdline = \"*serve*\"\n";
     let e = Rules::parse("r.toml", shadowing).unwrap_err().to_string();
     assert!(
-        e.contains("r.toml:5: rule serve: never matches: rule all (line 1)")
+        e.contains("r.toml:6:8: rule serve: never matches: rule all (line 2)")
             && e.contains("cmdline = \"*\""),
         "{e}"
     );
@@ -47,6 +53,49 @@ fn a_catch_all_rule_before_others_is_refused_and_is_fine_last() {
     assert!(Rules::parse("r.toml", &by_uid).is_ok());
     let last = "[[rule]]\nname = \"serve\"\nclass = \"online\"\ncmdline = \"*serve*\"\n[[rule]]\nname = \"all\"\nclass = \"offline\"\nexe = \"**\"\n";
     assert!(Rules::parse("r.toml", last).is_ok());
+}
+
+/// Every error names file:line:column of the value at fault: an unknown class on line 3,
+/// a share out of range on line 6, a syntax error, a file that is not UTF-8.
+#[test]
+fn errors_name_file_line_and_column() {
+    let e = Rules::parse(
+        "r.toml",
+        "[[rule]]\nname = \"a\"\nclass = \"bogus\"\ncmdline = \"x\"\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("rules file r.toml:3:9: rule a: class \"bogus\""),
+        "{e}"
+    );
+    let e = Rules::parse(
+        "r.toml",
+        "[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"x\"\npolicy = \"fixed-share\"\nshare = 130\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("rules file r.toml:6:9: rule a: share = 130"),
+        "{e}"
+    );
+    let e = Rules::parse(
+        "r.toml",
+        "[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"x\"\ncolour = 1\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("rules file r.toml:5:1: ") && e.contains("colour"),
+        "{e}"
+    );
+    let dir = std::env::temp_dir().join(format!("coloc-rules-utf8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("r.toml");
+    std::fs::write(&f, b"[[rule]]\nname = \"a\"\nclass = \"off\xffline\"\n").unwrap();
+    let e = Rules::load(&f).unwrap_err().to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(e.ends_with("r.toml:3:13: not UTF-8 text"), "{e}");
 }
 
 #[test]
