@@ -260,11 +260,15 @@ impl Table {
             .collect()
     }
 
-    /// The first process in cgroup `dir` that is not offline, with its class (the agent
-    /// itself counts as not offline). `None`: every member is offline.
+    /// The first process in cgroup `dir` or beneath it that is not offline, with its class
+    /// (the agent itself counts as not offline). `None`: every member is offline. A
+    /// membership that cannot be read is `Some((0, Unmanaged))`: it is not known to be all
+    /// offline.
     pub fn mixed(&self, dir: &std::path::Path, c: &Classifier) -> Option<(u32, Class)> {
         let me = c.procfs.self_pid();
-        let pids = c.procfs.cgroup_members(dir).ok()?;
+        let Ok(pids) = c.procfs.cgroup_tree_members(dir) else {
+            return Some((0, Class::Unmanaged));
+        };
         pids.into_iter().find_map(|pid| {
             if pid == me {
                 return Some((pid, Class::System));
@@ -297,7 +301,11 @@ impl Table {
             return plan;
         };
         if self.warned.insert(format!("mixed:{}", dir.display())) {
-            warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup also holds a process that is not offline: stopping only the offline processes, one by one");
+            if pid == 0 {
+                warn!(cgroup = %dir.display(), "Cannot read the members of the offline cgroup and the cgroups beneath it: stopping only the offline processes, one by one");
+            } else {
+                warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup (or one beneath it) also holds a process that is not offline: stopping only the offline processes, one by one");
+            }
         }
         Plan::Signal(alone)
     }

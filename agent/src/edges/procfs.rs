@@ -26,6 +26,9 @@ pub trait ProcFs: Send + Sync {
     fn self_pid(&self) -> u32;
     /// PIDs in the cgroup directory `dir` (`cgroup.procs`).
     fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>>;
+    /// The processes of cgroup `dir` and of every cgroup beneath it (what freezing `dir`
+    /// freezes: v2 freezing is recursive, and so is the v1 freezer).
+    fn cgroup_tree_members(&self, dir: &Path) -> io::Result<Vec<u32>>;
     /// A pidfd pinning exactly the process `key` (checked against its start time).
     fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd>;
     /// For each pinned process, whether it has exited (one `poll(2)` over the pidfds:
@@ -95,6 +98,18 @@ impl ProcFs for HostProc {
     fn cgroup_members(&self, dir: &Path) -> io::Result<Vec<u32>> {
         let text = crate::edges::cgroupfs::read(dir, "cgroup.procs")?;
         Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    }
+    fn cgroup_tree_members(&self, dir: &Path) -> io::Result<Vec<u32>> {
+        let mut out = self.cgroup_members(dir)?;
+        // Every child cgroup, depth first; any that cannot be read is an error (the caller
+        // must not take "could not look" for "nothing there").
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                out.extend(self.cgroup_tree_members(&e.path())?);
+            }
+        }
+        Ok(out)
     }
     fn open_pidfd(&self, key: ProcKey) -> io::Result<OwnedFd> {
         open_pidfd(key)
@@ -356,5 +371,27 @@ mod tests {
         let me = read_proc(std::process::id()).unwrap();
         assert!(me.exe.is_some());
         assert!(!me.cmdline.is_empty());
+    }
+
+    /// The subtree's members: the cgroup's own and every descendant's; a descendant that
+    /// cannot be read is an error, not an empty list.
+    #[test]
+    fn tree_members_include_every_cgroup_beneath() {
+        let root = std::env::temp_dir().join(format!("coloc-tree-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::create_dir_all(root.join("c")).unwrap();
+        std::fs::write(root.join("cgroup.procs"), "1\n2\n").unwrap();
+        std::fs::write(root.join("a/cgroup.procs"), "3\n").unwrap();
+        std::fs::write(root.join("a/b/cgroup.procs"), "4\n").unwrap();
+        std::fs::write(root.join("c/cgroup.procs"), "").unwrap();
+        let p = HostProc::default();
+        let mut got = p.cgroup_tree_members(&root).unwrap();
+        got.sort();
+        assert_eq!(got, vec![1, 2, 3, 4]);
+        assert_eq!(p.cgroup_members(&root).unwrap(), vec![1, 2]);
+        std::fs::remove_file(root.join("a/b/cgroup.procs")).unwrap();
+        assert!(p.cgroup_tree_members(&root).is_err());
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -42,6 +42,46 @@ fn a_cgroup_holding_online_work_is_not_stopped_whole() {
     std::fs::remove_dir_all(root).ok();
 }
 
+/// Freezing a cgroup freezes every cgroup beneath it: an online process in a child cgroup
+/// of the offline one makes it mixed as well, and so does a membership that cannot be read.
+#[test]
+fn online_work_in_a_child_cgroup_or_an_unreadable_one_is_not_frozen_with_it() {
+    let root = std::env::temp_dir().join(format!("coloc-loop-mixed-child-{}", std::process::id()));
+    let dir = root.join("x").join("mixed");
+    std::fs::create_dir_all(dir.join("child")).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    for readable in [true, false] {
+        let mut cfg = default_config();
+        cfg.cgroups.v2 = Some(root.clone());
+        cfg.actuator = Kind::Freezer;
+        let mut h = harness_with(1, cfg);
+        h.procs.add(10, 110, "train", "/x/mixed");
+        h.procs.add(13, 113, "serve", "/x/mixed/child");
+        if readable {
+            let mut m = h.procs.members.lock().unwrap();
+            m.insert(dir.clone(), vec![10]);
+            m.insert(dir.join("child"), vec![13]);
+        }
+        h.gpu.add(0, 10);
+        h.source.set(10, class(Class::Offline, Some("/x/mixed")));
+        h.source.set(13, class(Class::Online, None));
+        h.spawn(0, 20, class(Class::Online, None));
+        h.tick();
+        h.active(0, 20);
+        h.tick();
+        let calls = h.act.calls();
+        assert_eq!(
+            calls[0].targets,
+            vec![RecordEntry::Process {
+                pid: 10,
+                start: 110
+            }],
+            "members readable: {readable}: {calls:?}"
+        );
+    }
+    std::fs::remove_dir_all(root).ok();
+}
+
 /// A held process that something else resumes (a SIGCONT from a sibling in its pod) is
 /// stopped again; a signalled cgroup that keeps doing it is frozen.
 #[test]

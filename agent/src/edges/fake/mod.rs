@@ -233,6 +233,16 @@ impl ProcFs for FakeProc {
             .cloned()
             .ok_or_else(|| io::ErrorKind::NotFound.into())
     }
+    fn cgroup_tree_members(&self, dir: &Path) -> io::Result<Vec<u32>> {
+        let m = self.members.lock().unwrap();
+        if !m.contains_key(dir) {
+            return Err(io::ErrorKind::NotFound.into());
+        }
+        Ok(m.iter()
+            .filter(|(d, _)| d.starts_with(dir))
+            .flat_map(|(_, pids)| pids.iter().copied())
+            .collect())
+    }
     fn exited(&self, pins: &[(ProcKey, &OwnedFd)]) -> Vec<bool> {
         pins.iter()
             .map(|(k, _)| !matches!(self.read_stat(k.pid), Ok(s) if s.start == k.start))
