@@ -321,6 +321,10 @@ enum Then {
     Rechecked(HoldKey),
     /// Members found running stopped again: nothing to do with the answer.
     Restopped,
+    /// A signalled cgroup's processes listed again while held.
+    Regrouped(HoldKey),
+    /// Processes that joined a signalled cgroup while it was held, recorded: stop them.
+    RecordedNewcomers(HoldKey, Vec<Target>),
     /// A freezer escalation recorded: freeze it.
     RecordedEscalation(HoldKey, Target, Broken),
     /// A freezer escalation started.
@@ -573,6 +577,12 @@ impl HoldBook {
                     self.rechecked(key, progress)
                 }
                 (Then::Restopped, HoldObs::Progress { .. }) => {}
+                (Then::Regrouped(key), HoldObs::Members { members, .. }) => {
+                    self.regrouped(key, members)
+                }
+                (Then::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_newcomers(key, newcomers, ok)
+                }
                 (Then::RecordedEscalation(key, cg, b), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_escalation(key, cg, b, ok)
                 }

@@ -63,11 +63,31 @@ impl HoldBook {
             };
             hold.checked_ns = now;
             let targets = hold.members.clone();
-            self.ask(Then::Rechecked(key), |req| HoldCmd::Check {
+            // A signalled cgroup not frozen yet: a process that joined it since (a child
+            // forked after the stop) runs until it is found and stopped as well.
+            let regroup = match (&key, hold.members.first()) {
+                (HoldKey::Group(dir), Some(leader))
+                    if !hold
+                        .members
+                        .iter()
+                        .any(|t| matches!(t, Target::Cgroup { .. })) =>
+                {
+                    Some((dir.clone(), leader.clone()))
+                }
+                _ => None,
+            };
+            self.ask(Then::Rechecked(key.clone()), |req| HoldCmd::Check {
                 req,
                 op: Op::Suspend,
                 targets,
             });
+            if let Some((dir, leader)) = regroup {
+                self.ask(Then::Regrouped(key), |req| HoldCmd::Members {
+                    req,
+                    dir,
+                    leader,
+                });
+            }
         }
     }
 
@@ -160,6 +180,54 @@ impl HoldBook {
             _ => self.forget(std::slice::from_ref(&cg)),
         }
         self.broken.push(b);
+    }
+
+    /// A held signalled cgroup's processes now: those not held yet are recorded, then
+    /// stopped.
+    pub(super) fn regrouped(&mut self, key: HoldKey, members: Vec<Target>) {
+        let Some(hold) = self.held.get(&key) else {
+            return;
+        };
+        let known: std::collections::BTreeSet<_> =
+            hold.members.iter().map(Target::record).collect();
+        let newcomers: Vec<Target> = members
+            .into_iter()
+            .filter(|t| !known.contains(&t.record()))
+            .collect();
+        if newcomers.is_empty() {
+            return;
+        }
+        let entries = newcomers.iter().map(Target::record).collect();
+        self.ask(Then::RecordedNewcomers(key, newcomers), |req| {
+            HoldCmd::RecordAdd { req, entries }
+        });
+    }
+
+    pub(super) fn recorded_newcomers(&mut self, key: HoldKey, newcomers: Vec<Target>, ok: bool) {
+        let Some(hold) = self.held.get_mut(&key) else {
+            // Released meanwhile: nothing to stop; out of the record again.
+            self.forget(&newcomers);
+            return;
+        };
+        if !ok {
+            error!(
+                processes = newcomers.len(),
+                "Cannot record processes that joined a held cgroup: not stopping them"
+            );
+            return;
+        }
+        tracing::info!(
+            hold = ?key,
+            processes = newcomers.len(),
+            "Processes joined a held cgroup: stopping them too"
+        );
+        hold.members.extend(newcomers.iter().cloned());
+        self.ask(Then::Restopped, |req| HoldCmd::Start {
+            req,
+            op: Op::Suspend,
+            targets: newcomers,
+            budget: INLINE_BUDGET,
+        });
     }
 
     /// The holds to re-check now: round robin from a cursor, at most

@@ -85,6 +85,40 @@ fn the_signal_actuator_stops_every_process_of_an_offline_cgroup() {
         })
         .collect();
     assert_eq!(pids, vec![10, 12, 13], "{calls:?}");
+    // A child forked after the stop joins the held cgroup: found at a re-check, recorded,
+    // then stopped, while online stays busy; resumed with the rest at the release.
+    h.procs.add(14, 114, "child", "/batch");
+    h.procs
+        .members
+        .lock()
+        .unwrap()
+        .insert(dir.clone(), vec![10, 12, 13, 14]);
+    let child = RecordEntry::Process {
+        pid: 14,
+        start: 114,
+    };
+    for _ in 0..25 {
+        h.active(0, 20);
+        h.tick();
+    }
+    let calls = h.act.calls();
+    let stop = calls
+        .iter()
+        .find(|c| c.op == Op::Suspend && c.targets.contains(&child))
+        .unwrap_or_else(|| panic!("the child that joined the held cgroup runs on: {calls:?}"));
+    assert!(
+        stop.unrecorded.is_empty(),
+        "stopped before recorded: {stop:?}"
+    );
+    h.ticks(150);
+    let calls = h.act.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|c| c.op == Op::Resume && c.targets.contains(&child)),
+        "the child was not resumed: {calls:?}"
+    );
+    assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
     std::fs::remove_dir_all(root).ok();
 }
 
