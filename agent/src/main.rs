@@ -186,6 +186,7 @@ fn run(args: RunArgs) -> Result<()> {
         source,
         stall_ns,
         state_cmdlines: args.state_cmdlines,
+        state_public: args.state_public,
         metrics_cache: Arc::default(),
     });
     // On the runtime's one worker thread, never on the control loop's.

@@ -173,6 +173,13 @@ pub struct RunArgs {
     /// bytes, control characters escaped.
     #[arg(long, env = "COLOC_STATE_CMDLINES")]
     pub state_cmdlines: bool,
+    /// Answer /state to any client. Off by default: /state shows every pod's GPU
+    /// processes and when each was last active, to the millisecond, and the port is
+    /// reachable by anything that reaches the node; without this flag it answers loopback
+    /// clients only (`coloc-agent status` on the node or in the agent's pod, `kubectl
+    /// port-forward`). /metrics, /healthz and /readyz answer everyone either way.
+    #[arg(long, env = "COLOC_STATE_PUBLIC")]
+    pub state_public: bool,
     /// HTTP: a request head must be complete this long after the connection is accepted
     /// (or after the first byte of a following request), else the connection is closed.
     /// Probes and scrapers send their few hundred bytes at once; 5 s is ample on a loaded

@@ -54,6 +54,8 @@ pub struct AppState {
     pub stall_ns: u64,
     /// `/state` shows command lines (`--state-cmdlines`); otherwise `cmd` is empty.
     pub state_cmdlines: bool,
+    /// `/state` answers any client (`--state-public`); otherwise loopback clients only.
+    pub state_public: bool,
     /// The latest `/metrics` rendering and when it was made.
     pub metrics_cache: Arc<Mutex<Option<(std::time::Instant, Bytes)>>>,
 }
@@ -141,7 +143,34 @@ async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
     (StatusCode::OK, "ready\n".to_string())
 }
 
-async fn state_doc(State(s): State<AppState>) -> impl IntoResponse {
+/// Who sent a request (set by the server for each connection).
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub std::net::SocketAddr);
+
+/// Whether `/state` answers `peer`: loopback clients (`coloc-agent status` on the node or in
+/// the agent's pod, `kubectl port-forward`) always; others only with `--state-public`. A
+/// request without a known peer is refused unless public.
+pub fn state_allowed(peer: Option<Peer>, public: bool) -> bool {
+    public || peer.is_some_and(|p| p.0.ip().is_loopback() || is_mapped_loopback(p.0.ip()))
+}
+
+fn is_mapped_loopback(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+        std::net::IpAddr::V4(_) => false,
+    }
+}
+
+async fn state_doc(State(s): State<AppState>, peer: Option<axum::Extension<Peer>>) -> Response {
+    if !state_allowed(peer.map(|p| p.0), s.state_public) {
+        // Every pod's processes and their activity to the millisecond: not for any client
+        // that reaches the node's port.
+        return (
+            StatusCode::FORBIDDEN,
+            "/state answers loopback clients only (coloc-agent status on the node or in the agent's pod, or kubectl port-forward); --state-public opens it\n",
+        )
+            .into_response();
+    }
     let mut doc = s.shared.state();
     if !s.state_cmdlines {
         // Command lines carry secrets (`--token=…`) and the port is reachable by any pod.
@@ -151,7 +180,7 @@ async fn state_doc(State(s): State<AppState>) -> impl IntoResponse {
             }
         }
     }
-    Json(doc)
+    Json(doc).into_response()
 }
 
 mod server;

@@ -192,8 +192,8 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
     let mut next_id = 0u64;
     let mut warned: Option<tokio::time::Instant> = None;
     loop {
-        let tcp = match listener.accept().await {
-            Ok((tcp, _)) => tcp,
+        let (tcp, peer) = match listener.accept().await {
+            Ok((tcp, peer)) => (tcp, peer),
             Err(err) => {
                 // Out of file descriptors, an aborted handshake: wait a little, never spin.
                 if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
@@ -229,6 +229,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
         }
         tokio::spawn(serve_conn(
             tcp,
+            peer,
             app.clone(),
             conn,
             next_id,
@@ -241,6 +242,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
 
 async fn serve_conn(
     tcp: TcpStream,
+    peer: std::net::SocketAddr,
     app: Router,
     conn: Arc<Conn>,
     id: u64,
@@ -250,8 +252,9 @@ async fn serve_conn(
 ) {
     let svc = {
         let conn = conn.clone();
-        hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
             conn.on_request();
+            req.extensions_mut().insert(super::Peer(peer));
             app.clone().oneshot(req)
         })
     };

@@ -43,6 +43,7 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
         source: Arc::new(crate::edges::fake::FakeSource::default()),
         stall_ns: u64::MAX,
         state_cmdlines,
+        state_public: false,
         metrics_cache: Arc::default(),
     });
     rt.spawn(serve(listener, app, limits));
@@ -219,4 +220,76 @@ fn state_hides_command_lines_unless_asked() {
     let s = start(limits(2_000, 2_000, 64), true);
     let doc: StateDoc = serde_json::from_str(&get(&s, "/state").1).unwrap();
     assert_eq!(doc.gpus[0].processes[0].cmd, "train.py --token=s3cret");
+}
+
+/// `/state` answers loopback clients only unless `--state-public`; the other endpoints
+/// answer everyone.
+#[test]
+fn state_answers_loopback_clients_only_unless_public() {
+    use tower::ServiceExt;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let app = |public: bool| {
+        router(AppState {
+            shared: Arc::new(Shared::default()),
+            prom: metrics_exporter_prometheus::PrometheusBuilder::new()
+                .build_recorder()
+                .handle(),
+            source: Arc::new(crate::edges::fake::FakeSource::default()),
+            stall_ns: u64::MAX,
+            state_cmdlines: false,
+            state_public: public,
+            metrics_cache: Arc::default(),
+        })
+    };
+    let status = |public: bool, path: &str, peer: Option<&str>| {
+        let mut req = axum::http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .unwrap();
+        if let Some(p) = peer {
+            req.extensions_mut().insert(Peer(p.parse().unwrap()));
+        }
+        rt.block_on(app(public).oneshot(req)).unwrap().status()
+    };
+    for local in [
+        "127.0.0.1:40000",
+        "127.3.2.1:1",
+        "[::1]:5",
+        "[::ffff:127.0.0.1]:6",
+    ] {
+        assert_eq!(
+            status(false, "/state", Some(local)),
+            StatusCode::OK,
+            "{local}"
+        );
+    }
+    for remote in ["10.1.2.3:40000", "[fd00::1]:7", "192.0.2.8:9"] {
+        assert_eq!(
+            status(false, "/state", Some(remote)),
+            StatusCode::FORBIDDEN,
+            "{remote}"
+        );
+        assert_eq!(
+            status(true, "/state", Some(remote)),
+            StatusCode::OK,
+            "{remote}"
+        );
+        assert_eq!(
+            status(false, "/metrics", Some(remote)),
+            StatusCode::OK,
+            "{remote}"
+        );
+        assert_eq!(
+            status(false, "/healthz", Some(remote)),
+            StatusCode::OK,
+            "{remote}"
+        );
+    }
+    assert_eq!(
+        status(false, "/state", None),
+        StatusCode::FORBIDDEN,
+        "no peer known"
+    );
 }
