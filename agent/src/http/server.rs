@@ -240,6 +240,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // one connection's whole context, passed once
 async fn serve_conn(
     tcp: TcpStream,
     peer: std::net::SocketAddr,
