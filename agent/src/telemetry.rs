@@ -50,11 +50,15 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 fn describe() {
     describe_counter!(
         "coloc_gate_escalations_total",
-        "Launch gates not acknowledged within --gate-timeout: the process was stopped with --actuator as well."
+        "Launch gates not acknowledged within --gate-timeout (or that could not close): the process was stopped without waiting for its drain."
     );
     describe_counter!(
         "coloc_pod_watch_errors_total",
         "Errors of the Kubernetes pod watch (the last known pods stay in use; retried with backoff)."
+    );
+    describe_counter!(
+        "coloc_pod_class_change_refused_total",
+        "Pods seen offline whose qos_level later asked for online: refused, they stay offline."
     );
     describe_counter!(
         "coloc_unknown_qos_level_total",

@@ -90,3 +90,51 @@ async fn list_watch_flip_gone_relist() {
     .await;
     assert!(src.ready());
 }
+
+/// A pod seen offline that later asks to be online (its annotation changed, perhaps while
+/// the webhook could not review the update) stays offline; online → offline is allowed.
+#[tokio::test]
+async fn a_pod_seen_offline_never_turns_online() {
+    let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let src = KubeSource::start(kube::Client::new(svc, "default"), "node1");
+    let mut handle = pin!(handle);
+    let (_, send) = handle.next_request().await.expect("initial list");
+    send.send_response(list(
+        "10",
+        vec![
+            pod(UA, "a", "reclaimed_cores", "9"),
+            pod(UB, "b", "shared_cores", "9"),
+        ],
+    ));
+    let (_, send) = handle.next_request().await.expect("watch");
+    until("ready", || src.ready()).await;
+    let mut body = Vec::new();
+    for (uid, name, qos, rv) in [
+        (UA, "a", "shared_cores", "11"),
+        (UB, "b", "reclaimed_cores", "12"),
+        (UB, "b", "shared_cores", "13"),
+    ] {
+        body.extend(
+            serde_json::to_vec(&json!({"type": "MODIFIED", "object": pod(uid, name, qos, rv)}))
+                .unwrap(),
+        );
+        body.push(b'\n');
+    }
+    send.send_response(Response::new(Body::from(body)));
+    // The last event applied: b, offline once, asks for online again.
+    until("b seen offline", || {
+        src.get(UB).map(|e| e.class) == Some(Class::Offline)
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(
+        src.get(UA).map(|e| e.class),
+        Some(Class::Offline),
+        "a pod listed offline turned online"
+    );
+    assert_eq!(
+        src.get(UB).map(|e| e.class),
+        Some(Class::Offline),
+        "a pod that turned offline turned online again"
+    );
+}

@@ -14,7 +14,12 @@
 //! - disconnects and errors: logged and counted, retried with backoff; the last known pods
 //!   stay in use, so online work stays protected;
 //! - a pod deleted (or reclassified) while its processes are suspended: its entry goes, the
-//!   generation changes, the agent reclassifies and resumes what is no longer offline.
+//!   generation changes, the agent reclassifies and resumes what is no longer offline;
+//! - a pod seen offline stays offline: the annotation is the tenant's to change (an UPDATE
+//!   while the webhook is unreachable is admitted unreviewed), and a pod that could turn
+//!   itself online would never be suspended and would suspend others. The change is
+//!   refused, logged and counted (`coloc_pod_class_change_refused_total`); online → offline
+//!   is allowed (it only gives up protection).
 //!
 //! Readiness is false until the first list is complete.
 //!
@@ -29,7 +34,7 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 use qos_core::resources::{CorePercent, RECLAIMED_MGPU_CORE};
 use qos_core::{classify, Class, ComputePolicy, Share};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use tracing::{info, warn};
@@ -93,6 +98,8 @@ impl PodEntry {
 #[derive(Debug, Default)]
 struct Inner {
     index: RwLock<HashMap<String, PodEntry>>,
+    /// UIDs of the pods seen offline (until they are deleted).
+    offline_seen: RwLock<HashSet<String>>,
     ready: AtomicBool,
     generation: AtomicU64,
 }
@@ -147,12 +154,23 @@ impl KubeSource {
         }
     }
 
-    fn entry(pod: &Pod) -> Option<(String, PodEntry)> {
+    fn entry(&self, pod: &Pod) -> Option<(String, PodEntry)> {
         let uid = pod.metadata.uid.clone()?;
-        let (e, warning) = PodEntry::from_pod(pod);
+        let (mut e, warning) = PodEntry::from_pod(pod);
         if let Some(w) = warning {
             warn!(pod = %e.owner, "{w}");
             metrics::counter!("coloc_unknown_qos_level_total").increment(1);
+        }
+        let Ok(mut seen) = self.inner.offline_seen.write() else {
+            return Some((uid, e));
+        };
+        if e.class == Class::Offline {
+            seen.insert(uid.clone());
+        } else if seen.contains(&uid) {
+            warn!(pod = %e.owner, to = %e.class, "A pod seen offline asks to be online: refused, it stays offline (a pod's class is fixed once it was offline)");
+            metrics::counter!("coloc_pod_class_change_refused_total").increment(1);
+            e.class = Class::Offline;
+            e.share = Share::Burst;
         }
         Some((uid, e))
     }
@@ -164,13 +182,16 @@ impl KubeSource {
             match ev {
                 Ok(Event::Init) => relist = Some(HashMap::new()),
                 Ok(Event::InitApply(pod)) => {
-                    if let (Some(buf), Some((uid, e))) = (relist.as_mut(), Self::entry(&pod)) {
+                    if let (Some(buf), Some((uid, e))) = (relist.as_mut(), self.entry(&pod)) {
                         buf.insert(uid, e);
                     }
                 }
                 Ok(Event::InitDone) => {
                     let new = relist.take().unwrap_or_default();
                     let count = new.len();
+                    if let Ok(mut seen) = self.inner.offline_seen.write() {
+                        seen.retain(|uid| new.contains_key(uid));
+                    }
                     let changed = match self.inner.index.write() {
                         Ok(mut idx) => {
                             let changed = *idx != new;
@@ -186,7 +207,7 @@ impl KubeSource {
                     info!(node = %node, pods = count, "Pod list synced");
                 }
                 Ok(Event::Apply(pod)) => {
-                    let Some((uid, e)) = Self::entry(&pod) else {
+                    let Some((uid, e)) = self.entry(&pod) else {
                         continue;
                     };
                     let old = self
@@ -206,6 +227,9 @@ impl KubeSource {
                 }
                 Ok(Event::Delete(pod)) => {
                     if let Some(uid) = &pod.metadata.uid {
+                        if let Ok(mut seen) = self.inner.offline_seen.write() {
+                            seen.remove(uid);
+                        }
                         let gone = self
                             .inner
                             .index
