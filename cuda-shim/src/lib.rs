@@ -46,6 +46,13 @@
 //! - **Never breaks its host process**: any internal failure turns the shim into a
 //!   pass-through and prints one line on stderr; nothing panics across the C boundary. A
 //!   forked child passes through (it must not ring or gate on its parent's page).
+//! - **Beside other interposers** (HAMi-core): `hooks::dlsym` also interposes `dlvsym`,
+//!   so that an interposer loaded before the shim that asks for "the real `dlsym`" with
+//!   `dlvsym(RTLD_NEXT, "dlsym", …)` gets the shim's; the shim's own `dlsym` goes on to
+//!   the next one after it ([`dl`]). A submission an interposer's hook makes while the
+//!   shim's wrapper of the same submission is calling it passes through (gated once).
+//! - **Where it loads**: glibc 2.17 and later when built by `scripts/build-compat` (Zig);
+//!   in a musl process it finds no glibc and passes every call through.
 //!
 //! ## The launch gate (offline)
 //!

@@ -55,7 +55,7 @@ mod streams;
 mod submit;
 mod watch;
 
-pub use submit::submit;
+pub use submit::{submit, submitting};
 pub use watch::{map_at_start, start_watcher};
 
 use crate::config::{GateConfig, DEFAULT_INFLIGHT, DEFAULT_INFLIGHT_MS};

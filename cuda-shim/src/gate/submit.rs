@@ -25,14 +25,30 @@ pub(super) struct Ticket {
     pub(super) ring: Option<MutexGuard<'static, Ring>>,
 }
 
+thread_local! {
+    /// The thread is inside a gated submission's driver call.
+    static SUBMITTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The calling thread is inside a gated submission's driver call: a submission it makes
+/// now is the same one seen again through another interposer's hook (one that wraps the
+/// driver's pointers the shim handed it, and that the shim wrapped in turn), and passes
+/// straight through: gating it twice would hold the ring's lock twice.
+#[inline]
+pub fn submitting() -> bool {
+    SUBMITTING.try_with(|s| s.get()).unwrap_or(false)
+}
+
 /// A gated submission: the gate, the in-flight bound, the driver's call, the event.
 pub fn submit(kind: u32, real: usize, a: [usize; 12]) -> c_int {
     let t = catch_unwind(AssertUnwindSafe(|| enter(kind, &a))).unwrap_or_else(|_| {
         mode::disable("internal error at the launch gate");
         None
     });
+    let _ = SUBMITTING.try_with(|s| s.set(true));
     // SAFETY: the driver's entry point for this request with the caller's arguments.
     let r = unsafe { crate::launch::call(real, a) };
+    let _ = SUBMITTING.try_with(|s| s.set(false));
     if let Some(t) = t {
         match catch_unwind(AssertUnwindSafe(|| leave(t, r))) {
             Ok(Ok(())) => {}

@@ -1,14 +1,28 @@
-//! Our `dlsym`: a naked trampoline that asks [`dlsym_hook`] whether the name is one we
-//! wrap; if not, it restores the arguments and *jumps* to glibc's `dlsym`, so glibc sees
-//! the original caller's return address (what `RTLD_NEXT` is relative to) as if we were
-//! not there. Only names starting with `cu` are looked at.
+//! Our `dlsym` and `dlvsym`: naked trampolines that restore the caller's arguments and
+//! *jump* on, so that the function they jump to sees the original caller's return address
+//! (what `RTLD_NEXT` is relative to) as if we were not there.
+//!
+//! - `dlsym`: [`dlsym_hook`] answers a name starting with `cu` that we wrap (a getter, a
+//!   submission entry point); every other lookup goes on to the next `dlsym`
+//!   ([`crate::dl`]: another interposer's loaded after us, or glibc's).
+//! - `dlvsym`: interposers find "the real `dlsym`" with `dlvsym(RTLD_NEXT, "dlsym",
+//!   version)` (HAMi-core asks for `GLIBC_2.2.5`, an older shim `GLIBC_2.34`). A versioned
+//!   lookup skips every unversioned definition, ours included, so such an interposer
+//!   loaded before us would hide us (and we it). That one request becomes
+//!   `dlsym(RTLD_NEXT, "dlsym")` from the caller: the next `dlsym` after it, whoever
+//!   defines it (us, another interposer, or glibc). Every other `dlvsym` is glibc's.
+//!
+//! Together: whatever the order of the interposers in `LD_PRELOAD` and
+//! `/etc/ld.so.preload`, each one's `dlsym` calls the next one's, and each sees every
+//! lookup that reaches it.
 
 use super::{getter_for, is_getter, is_ours, slot_for};
-use crate::dl::REAL_DLSYM;
+use crate::dl::{GLIBC_DLSYM, GLIBC_DLVSYM, NEXT_DLSYM};
 use crate::launch::{is_launch, kind_of};
 use std::ffi::{c_char, c_void, CStr};
 
-/// Our answer to `dlsym(handle, name)` for a name starting with `cu` (null: glibc answers).
+/// Our answer to `dlsym(handle, name)` for a name starting with `cu` (null: the next
+/// `dlsym` answers).
 pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
     let bytes = name.to_bytes();
     let getter = is_getter(bytes);
@@ -17,11 +31,16 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
         crate::trace::request("dlsym", bytes, 0, 0, false);
         return std::ptr::null_mut();
     }
-    let real = crate::dl::real_dlsym(handle, name);
+    let real = crate::dl::next_dlsym(handle, name);
     if real.is_null() {
-        return std::ptr::null_mut();
+        return real;
     }
-    let ours = if getter {
+    // An interposer after us may answer with our own exported symbol: its reference to
+    // its own function of that name resolves to ours, the first definition (HAMi-core's
+    // hooks are such references). That answer is the one to give, as it is.
+    let ours = if is_ours(real as usize) {
+        Some(real as usize)
+    } else if getter {
         getter_for(real as usize)
     } else {
         // A name asked of dlsym is the exported one: `_ptsz` says per-thread.
@@ -30,18 +49,16 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
             kind_of(&String::from_utf8_lossy(bytes), false),
         )
     };
-    if crate::trace::on() {
-        // `real` may be ours already (RTLD_DEFAULT finds our exported wrappers first).
-        let wrapped = ours.is_some() || is_ours(real as usize);
-        crate::trace::request("dlsym", bytes, 0, 0, wrapped);
-    }
-    ours.map_or(std::ptr::null_mut(), |w| w as *mut c_void)
+    crate::trace::request("dlsym", bytes, 0, 0, ours.is_some());
+    // No slot left: the next dlsym's answer, unwrapped.
+    ours.map_or(real, |w| w as *mut c_void)
 }
 
-/// Decides for the trampoline: our wrapper for `name`, or null to let glibc answer.
-/// Always leaves `REAL_DLSYM` set when it can (the trampoline jumps through it).
+/// Decides for the `dlsym` trampoline: our wrapper for `name`, or null to go on to the
+/// next `dlsym`. Always leaves `NEXT_DLSYM` set when it can (the trampoline jumps through
+/// it).
 extern "C" fn dlsym_hook(handle: *mut c_void, name: *const c_char) -> *mut c_void {
-    if crate::dl::real_dlsym_fn().is_none() || name.is_null() {
+    if !crate::dl::resolve() || name.is_null() {
         return std::ptr::null_mut();
     }
     // SAFETY: dlsym's contract: `name` is a NUL-terminated string. Only its first two bytes
@@ -53,6 +70,23 @@ extern "C" fn dlsym_hook(handle: *mut c_void, name: *const c_char) -> *mut c_voi
     // SAFETY: as above.
     let cname = unsafe { CStr::from_ptr(name) };
     std::panic::catch_unwind(|| on_dlsym(handle, cname)).unwrap_or(std::ptr::null_mut())
+}
+
+/// Decides for the `dlvsym` trampoline where to jump: glibc's `dlsym` for
+/// `dlvsym(RTLD_NEXT, "dlsym", any version)` (the arguments it reads are the same two),
+/// else glibc's `dlvsym` (0: neither found; the trampoline answers null).
+extern "C" fn dlvsym_hook(handle: *mut c_void, name: *const c_char) -> usize {
+    if !crate::dl::resolve() {
+        return 0;
+    }
+    // SAFETY: dlvsym's contract: `name` is a NUL-terminated string (a null one is
+    // glibc's to answer).
+    let is_dlsym = !name.is_null() && unsafe { CStr::from_ptr(name) }.to_bytes() == b"dlsym";
+    if handle == libc::RTLD_NEXT && is_dlsym {
+        GLIBC_DLSYM.load(std::sync::atomic::Ordering::Acquire)
+    } else {
+        GLIBC_DLVSYM.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -72,7 +106,7 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
         "jz 2f",
         "ret",
         "2:",
-        "mov rax, qword ptr [rip + {real}]",
+        "mov rax, qword ptr [rip + {next}]",
         "test rax, rax",
         "jz 3f",
         "jmp rax",
@@ -80,7 +114,35 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
         "xor eax, eax",
         "ret",
         hook = sym dlsym_hook,
-        real = sym REAL_DLSYM,
+        next = sym NEXT_DLSYM,
+    )
+}
+
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+/// `dlvsym(3)`, interposed (see the module doc).
+pub unsafe extern "C" fn dlvsym(
+    handle: *mut c_void,
+    name: *const c_char,
+    version: *const c_char,
+) -> *mut c_void {
+    core::arch::naked_asm!(
+        // Three pushes after the return address: the stack is 16-byte aligned for the call.
+        "push rdi",
+        "push rsi",
+        "push rdx",
+        "call {hook}",
+        "pop rdx",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jz 2f",
+        "jmp rax",
+        "2:",
+        "xor eax, eax",
+        "ret",
+        hook = sym dlvsym_hook,
     )
 }
 
@@ -100,14 +162,41 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
         "mov x0, x9",
         "ret",
         "2:",
-        "adrp x9, {real}",
-        "ldr x9, [x9, :lo12:{real}]",
+        "adrp x9, {next}",
+        "ldr x9, [x9, :lo12:{next}]",
         "cbz x9, 3f",
         "br x9",
         "3:",
         "mov x0, #0",
         "ret",
         hook = sym dlsym_hook,
-        real = sym REAL_DLSYM,
+        next = sym NEXT_DLSYM,
+    )
+}
+
+#[cfg(target_arch = "aarch64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+/// `dlvsym(3)`, interposed (see the module doc).
+pub unsafe extern "C" fn dlvsym(
+    handle: *mut c_void,
+    name: *const c_char,
+    version: *const c_char,
+) -> *mut c_void {
+    core::arch::naked_asm!(
+        "stp x29, x30, [sp, #-48]!",
+        "stp x0, x1, [sp, #16]",
+        "str x2, [sp, #32]",
+        "bl {hook}",
+        "mov x9, x0",
+        "ldp x0, x1, [sp, #16]",
+        "ldr x2, [sp, #32]",
+        "ldp x29, x30, [sp], #48",
+        "cbz x9, 2f",
+        "br x9",
+        "2:",
+        "mov x0, #0",
+        "ret",
+        hook = sym dlvsym_hook,
     )
 }

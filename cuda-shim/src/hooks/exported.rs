@@ -14,8 +14,9 @@ const CUDA_ERROR_NOT_FOUND: c_int = 500;
 type Getter =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
 
-/// The driver's symbol `name` for an exported wrapper: the next definition after us, or
-/// the one in an already loaded `libcuda.so.1`.
+/// The symbol `name` an exported wrapper forwards to: the next definition after us
+/// (another interposer's, or the driver's), or the one in an already loaded
+/// `libcuda.so.1`.
 fn resolve_next(name: &CStr) -> usize {
     let p = crate::dl::real_dlsym(libc::RTLD_NEXT, name);
     if !p.is_null() {

@@ -18,7 +18,7 @@ macro_rules! dispatch {
     ($f:expr, $kind:expr, $($a:ident),*) => {{
         match crate::setup::mode() {
             mode::ON => crate::page::ring(|| crate::launch::captured($kind.load(Relaxed), &[$($a),*])),
-            mode::GATED => return $crate::hooks::gated($kind.load(Relaxed), $f, $($a),*),
+            mode::GATED if !crate::gate::submitting() => return $crate::hooks::gated($kind.load(Relaxed), $f, $($a),*),
             _ => {}
         }
         // SAFETY: the caller's contract: `$f` is the driver's entry point for this
