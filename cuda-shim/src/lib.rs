@@ -45,7 +45,9 @@
 //!   in flight): about 170 ns over pass-through on the simulated driver.
 //! - **Never breaks its host process**: any internal failure turns the shim into a
 //!   pass-through and prints one line on stderr; nothing panics across the C boundary. A
-//!   forked child passes through (it must not ring or gate on its parent's page).
+//!   forked child passes through (it must not ring or gate on its parent's page). A page
+//!   or gate file truncated under the process does not kill it with SIGBUS ([`guard`]):
+//!   zeros take its place and the shim passes through.
 //! - **Beside other interposers** (HAMi-core): `hooks::dlsym` also interposes `dlvsym`,
 //!   so that an interposer loaded before the shim that asks for "the real `dlsym`" with
 //!   `dlvsym(RTLD_NEXT, "dlsym", …)` gets the shim's; the shim's own `dlsym` goes on to
@@ -132,10 +134,11 @@
 //!  mode      the mode (unset, on, off, open, gated) and the one-line failure
 //!  config    the environment (millisecond values parsed in one place)
 //!  trace     COLOC_SHIM_TRACE lines
+//!  guard     SIGBUS on a truncated mapping: zeros, pass-through          ← mode
 //!  driver    the driver's functions the shim calls itself            ← dl
 //!  launch    submission entry points: names, stream argument, capture ← driver
-//!  page      the doorbell page: create, ring                          ← driver, mode
-//!  gate/     the launch gate (offline)                  ← config, driver, launch, mode, page
+//!  page      the doorbell page: create, ring                   ← driver, guard, mode
+//!  gate/     the launch gate (offline)           ← config, driver, guard, launch, mode, page
 //!    mod (settings) → map, gpus, events → streams → budget → submit, watch
 //!  setup     the first submission decides the mode      ← config, driver, gate, mode, page
 //!  hooks/    the entry points: getters and slots (mod), dlsym, exported symbols
@@ -149,6 +152,7 @@ mod config;
 mod dl;
 mod driver;
 mod gate;
+mod guard;
 mod hooks;
 mod launch;
 mod mode;

@@ -48,6 +48,8 @@ pub fn create(dir: &std::path::Path, class: u32, wake_gap_ns: u64) -> std::io::R
         page.init_class(pid, class, wake_gap_ns, coloc_doorbell::now_ns());
     })
     .map_err(|e| e.err)?;
+    // A page truncated under us must not kill the process (see `guard`).
+    crate::guard::register(base.as_ptr() as usize);
     BASE.store(base.as_ptr() as usize, Release);
     CREATOR.store(pid, Relaxed);
     let _ = PATH.set(cpath);

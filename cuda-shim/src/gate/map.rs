@@ -75,6 +75,8 @@ pub(super) fn map_gate_file(current: Option<&Mapping>) -> Option<&'static Mappin
             libc::munmap(base, GATE_FILE_SIZE);
             return None;
         }
+        // The agent's file, truncated under us, must not kill the process.
+        crate::guard::register(base as usize);
         let m = Box::leak(Box::new(Mapping {
             gates,
             epoch: MAPPINGS.fetch_add(1, Relaxed) + 1,
