@@ -26,7 +26,7 @@ pub(super) const FIRST_SAMPLES: u32 = 4;
 /// The ring's bound now: K (`UNBOUNDED_CAP` for 0), and with a budget B the number of
 /// submissions whose estimated time fits in B, at least 1 and at most that (1 until
 /// [`FIRST_SAMPLES`] samples).
-pub(super) fn limit(r: &Ring) -> usize {
+fn limit(r: &Ring) -> usize {
     let k = INFLIGHT.load(Relaxed) as usize;
     let cap = if k == 0 { UNBOUNDED_CAP } else { k };
     match BUDGET_NS.load(Relaxed) {
@@ -75,7 +75,7 @@ pub(super) fn bound(r: &mut Ring, entry: &Entry, closed: Option<&AtomicU32>) {
 
 /// Waits for the oldest submission in flight and recycles its event; with a budget, a
 /// wait that blocks times it (see [`bound`]).
-pub(super) fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
+fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
     let start = if r.events.len() == 1 {
         r.last_sub_ns.max(r.prev_done_ns)
     } else {
@@ -111,7 +111,7 @@ pub(super) fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
 /// and submit it. Work in flight by the estimate stays within the budget. Only at a
 /// bound of one (with two or more in flight, one is always queued behind the running
 /// one), under a budget (not K = 1), once the estimate is settled.
-pub(super) fn lead_ns(r: &Ring, limit: usize) -> u64 {
+fn lead_ns(r: &Ring, limit: usize) -> u64 {
     let (b, k) = (BUDGET_NS.load(Relaxed), INFLIGHT.load(Relaxed) as usize);
     let cap = if k == 0 { UNBOUNDED_CAP } else { k };
     if b == 0 || r.samples < FIRST_SAMPLES || limit != 1 || cap == 1 || r.est_ns == 0 {
@@ -125,14 +125,14 @@ pub(super) fn lead_ns(r: &Ring, limit: usize) -> u64 {
 /// The most a lead may be: enough to cover the submitting thread's wake-up on a loaded
 /// host (100–200 µs on a busy 2-core machine) with room to spare, and no more, since
 /// every microsecond of lead is work in flight that online waits for after a close.
-pub(super) const LEAD_MAX_NS: u64 = 500_000;
+const LEAD_MAX_NS: u64 = 500_000;
 
 /// At the bound with a lead: waits until the oldest submission in flight is expected to
 /// have `lead` left (its start, the previous wait's return or its submission when it was
 /// alone, plus the estimate), or the gate closes, then lets the next one in (true).
 /// Without a start (the run broke), false: the caller waits for the oldest as without a
 /// lead.
-pub(super) fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) -> bool {
+fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) -> bool {
     let start = if r.events.len() == 1 {
         r.last_sub_ns.max(r.prev_done_ns)
     } else {
@@ -170,7 +170,7 @@ pub(super) fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) 
 /// estimate comes down an eighth of itself towards `t` if over. Not to `t` at once: the
 /// previous wait returned a wake-up after the true end, so `t` may be short by that much;
 /// and never so far that the bound grows (only the timed waits may do that).
-pub(super) fn shorten(r: &mut Ring, t: u64) {
+fn shorten(r: &mut Ring, t: u64) {
     let floor = BUDGET_NS.load(Relaxed) / (limit(r) as u64 + 1) + 1;
     let next = t.max(r.est_ns - r.est_ns / 8).max(floor);
     if next < r.est_ns {

@@ -5,13 +5,13 @@ use super::CUDA_SUCCESS;
 use crate::driver::gate_fns;
 use std::ffi::{c_int, c_uint};
 
-pub(super) const CUDA_ERROR_NOT_READY: c_int = 600;
+const CUDA_ERROR_NOT_READY: c_int = 600;
 
 /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
-pub(super) const CAPTURE_MODE_RELAXED: c_int = 2;
+const CAPTURE_MODE_RELAXED: c_int = 2;
 
 /// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`.
-pub(super) const EVENT_FLAGS: c_uint = 0x1 | 0x2;
+const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 
 /// Runs `f` with `ctx` current on the calling thread (pushed, then popped).
 pub(super) fn with_ctx<T>(ctx: usize, f: impl FnOnce() -> T) -> T {

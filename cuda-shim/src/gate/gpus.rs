@@ -81,7 +81,7 @@ fn cache_word(epoch: u32, gen: u32, idx: Option<usize>) -> u64 {
 }
 
 /// The GPU index for `uuid`, registering it (page entry claimed) if new.
-pub(super) fn gpu_for_uuid(uuid: &[u8; 16]) -> Option<usize> {
+fn gpu_for_uuid(uuid: &[u8; 16]) -> Option<usize> {
     let page = crate::page::page()?;
     let e = page.entry_for(uuid)?;
     let i = page.index_of(e)?;

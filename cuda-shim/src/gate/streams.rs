@@ -24,7 +24,7 @@ pub(super) const UNBOUNDED_CAP: usize = 4096;
 
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900) to `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`
 /// (908): an operation refused because of a stream capture.
-pub(super) const CAPTURE_ERRORS: std::ops::RangeInclusive<c_int> = 900..=908;
+const CAPTURE_ERRORS: std::ops::RangeInclusive<c_int> = 900..=908;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Key {
@@ -89,9 +89,9 @@ pub(super) static POOLS: [Pool; MAX_POOLS] = [const {
 }; MAX_POOLS];
 
 /// Which ring each key has (taken only without a ring lock held).
-pub(super) static DIRECTORY: Mutex<Vec<(Key, u16, u16)>> = Mutex::new(Vec::new());
+static DIRECTORY: Mutex<Vec<(Key, u16, u16)>> = Mutex::new(Vec::new());
 
-pub(super) static HAND: AtomicUsize = AtomicUsize::new(0);
+static HAND: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// Recently used stream rings: (key, pool index, GPU index).
@@ -135,7 +135,7 @@ pub(super) fn pool_for(key: Key, ctx: usize) -> Option<(usize, usize)> {
 
 /// Gives `key` a ring: a free one, or an idle one reclaimed (its events waited for and
 /// destroyed).
-pub(super) fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
+fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
     let (ctx, record_on) = match key {
         Key::Legacy(c) => (c, CU_STREAM_LEGACY),
         Key::PerThread(c, _) => (c, CU_STREAM_PER_THREAD),

@@ -14,12 +14,12 @@ use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::MutexGuard;
 
 /// A blocked submission re-checks the gate (and the heartbeat) this often.
-pub(super) const BLOCK_RECHECK_NS: u64 = 50_000_000;
+const BLOCK_RECHECK_NS: u64 = 50_000_000;
 
-pub(super) static STALE_WARNED: AtomicBool = AtomicBool::new(false);
+static STALE_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// What a submission holds between the gate and its end.
-pub(super) struct Ticket {
+struct Ticket {
     pub(super) gpu: &'static Gpu,
     pub(super) entry: &'static Entry,
     pub(super) ring: Option<MutexGuard<'static, Ring>>,
@@ -59,7 +59,7 @@ pub fn submit(kind: u32, real: usize, a: [usize; 12]) -> c_int {
     r
 }
 
-pub(super) fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
+fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
     let stream = stream_of(kind, a);
     if stream.is_some_and(|h| capturing(h, kind)) {
         return None;
@@ -124,7 +124,7 @@ pub(super) fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
 }
 
 /// The gate of `g` is closed now, the agent alive, the gate in force.
-pub(super) fn closed_now(g: &Gpu) -> bool {
+fn closed_now(g: &Gpu) -> bool {
     mode::MODE.load(Acquire) == GATED
         && g.gate()
             .is_some_and(|(m, s)| s.closed.load(SeqCst) != 0 && !stale(m))
@@ -132,7 +132,7 @@ pub(super) fn closed_now(g: &Gpu) -> bool {
 
 /// Blocks the calling thread while its GPU's gate is closed (and the agent alive); true
 /// if it blocked.
-pub(super) fn wait_at_gate(g: &Gpu, entry: &Entry) -> bool {
+fn wait_at_gate(g: &Gpu, entry: &Entry) -> bool {
     let mut stamp = 0;
     while let Some((m, slot)) = g.gate() {
         let c = slot.closed.load(SeqCst);
@@ -165,7 +165,7 @@ pub(super) fn wait_at_gate(g: &Gpu, entry: &Entry) -> bool {
     stamp != 0
 }
 
-pub(super) fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
+fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
     let mut res = Ok(());
     if r == CUDA_SUCCESS {
         if let Some(ring) = t.ring.as_mut() {

@@ -11,10 +11,10 @@ use std::panic::catch_unwind;
 use std::sync::atomic::Ordering::*;
 
 /// The watcher re-checks the heartbeat this often while nothing wakes it.
-pub(super) const WATCH_RECHECK_NS: u64 = 100_000_000;
+const WATCH_RECHECK_NS: u64 = 100_000_000;
 
 /// The watcher looks for a (new) gate file at most this often.
-pub(super) const FILE_RECHECK_NS: u64 = 1_000_000_000;
+const FILE_RECHECK_NS: u64 = 1_000_000_000;
 
 /// Maps the gate file at the first submission; true if it is valid and fresh (the gate
 /// is then in force from this submission on).
@@ -36,7 +36,7 @@ pub fn start_watcher() -> Result<(), String> {
         .map_err(|e| format!("cannot start the launch gate's thread: {e}"))
 }
 
-pub(super) fn watch() {
+fn watch() {
     // Signals meant for the application's threads are never delivered here.
     // SAFETY: a full set, applied to this thread only.
     unsafe {
@@ -82,7 +82,7 @@ pub(super) fn watch() {
 /// If GPU `i`'s gate is closed with an epoch not acknowledged yet: waits until no thread
 /// is inside a submission for it and its in-flight work is complete, then acknowledges.
 /// Returns the new (mapping epoch, gate epoch) acknowledged.
-pub(super) fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
+fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
     let entry = g.entry()?;
     let (m, slot) = g.gate()?;
     let c = slot.closed.load(SeqCst);
