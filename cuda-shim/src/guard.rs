@@ -65,6 +65,9 @@ fn install() {
         let mut old: libc::sigaction = std::mem::zeroed();
         if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut old) != 0 {
             false
+        } else if old.sa_sigaction == handler as *const () as usize {
+            // Ours already: what it saved stays (never chain to ourselves).
+            true
         } else {
             *PREVIOUS.0.get() = Some(old);
             libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) == 0
@@ -108,7 +111,11 @@ extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     // SAFETY: PREVIOUS is written before this handler was installed, never after.
     let prev = unsafe { *PREVIOUS.0.get() };
     match prev {
-        Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => {
+        Some(p)
+            if p.sa_sigaction != libc::SIG_DFL
+                && p.sa_sigaction != libc::SIG_IGN
+                && p.sa_sigaction != handler as *const () as usize =>
+        {
             // SAFETY: the process's own handler, called the way it was installed.
             unsafe {
                 if p.sa_flags & libc::SA_SIGINFO != 0 {
