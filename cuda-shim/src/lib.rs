@@ -24,12 +24,13 @@
 //!
 //! - **How the CUDA 12 runtime is caught**: it looks up `cuGetProcAddress_v2` with `dlsym`
 //!   on its own handle of `libcuda.so.1`, which `LD_PRELOAD` alone never sees, and then asks
-//!   that getter for every entry point by base name. [`dl`] interposes `dlsym`; [`hooks`]
+//!   that getter for every entry point by base name. `hooks::dlsym` interposes `dlsym`;
+//!   [`hooks`]
 //!   wraps the getters (both versions, and themselves when asked for) and hands out a
 //!   forwarding slot per real launch pointer, so every variant (`_ptsz`, old ABIs) calls
 //!   exactly the pointer the driver returned for it. Programs linked against `libcuda`
 //!   directly reach the exported launch symbols instead. Each slot also knows where its
-//!   entry point takes the stream (`hooks::kind_of`) and whether stream 0 means the
+//!   entry point takes the stream (`launch::kind_of`) and whether stream 0 means the
 //!   per-thread default stream (a `_ptsz` name, or the getter's
 //!   `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` flag), which only the gate uses.
 //! - **Which GPU**: the current context's device, by UUID (`cuCtxGetCurrent` →
@@ -44,7 +45,16 @@
 //!   in flight): about 170 ns over pass-through on the simulated driver.
 //! - **Never breaks its host process**: any internal failure turns the shim into a
 //!   pass-through and prints one line on stderr; nothing panics across the C boundary. A
-//!   forked child passes through (it must not ring or gate on its parent's page).
+//!   forked child passes through (it must not ring or gate on its parent's page). A page
+//!   or gate file truncated under the process does not kill it with SIGBUS ([`guard`]):
+//!   zeros take its place and the shim passes through.
+//! - **Beside other interposers** (HAMi-core): `hooks::dlsym` also interposes `dlvsym`,
+//!   so that an interposer loaded before the shim that asks for "the real `dlsym`" with
+//!   `dlvsym(RTLD_NEXT, "dlsym", …)` gets the shim's; the shim's own `dlsym` goes on to
+//!   the next one after it ([`dl`]). A submission an interposer's hook makes while the
+//!   shim's wrapper of the same submission is calling it passes through (gated once).
+//! - **Where it loads**: glibc 2.17 and later when built by `scripts/build-compat` (Zig);
+//!   in a musl process it finds no glibc and passes every call through.
 //!
 //! ## The launch gate (offline)
 //!
@@ -114,24 +124,38 @@
 //! default 100), `COLOC_GATE_FILE`, `COLOC_SHIM_INFLIGHT`, `COLOC_SHIM_INFLIGHT_MS`,
 //! `COLOC_GATE_STALE_MS` (offline: the gate file, K, the budget and the heartbeat bound;
 //! defaults `/run/gpu-coloc/gate/gates`, 4, 3, 1000), `COLOC_SHIM_TRACE` (`1`: one stderr line per distinct lookup, see [`trace`]).
+//!
+//! ## Files, and which uses which
+//!
+//! Each file uses only the ones above it, never one below (no import circle):
+//!
+//! ```text
+//!  dl        glibc's own dlsym (the shim's lookups never go through its own dlsym)
+//!  mode      the mode (unset, on, off, open, gated) and the one-line failure
+//!  config    the environment (millisecond values parsed in one place)
+//!  trace     COLOC_SHIM_TRACE lines
+//!  guard     SIGBUS on a truncated mapping: zeros, pass-through          ← mode
+//!  driver    the driver's functions the shim calls itself            ← dl
+//!  launch    submission entry points: names, stream argument, capture ← driver
+//!  page      the doorbell page: create, ring                   ← driver, guard, mode
+//!  gate/     the launch gate (offline)           ← config, driver, guard, launch, mode, page
+//!    mod (settings) → map, gpus, events → streams → budget → submit, watch
+//!  setup     the first submission decides the mode      ← config, driver, gate, mode, page
+//!  hooks/    the entry points: getters and slots (mod), dlsym, exported symbols
+//!                                                       ← everything above
+//! ```
+//!
 
 #![allow(clippy::missing_safety_doc)]
 
-mod bell;
+mod config;
 mod dl;
+mod driver;
 mod gate;
+mod guard;
 mod hooks;
+mod launch;
+mod mode;
+mod page;
+mod setup;
 pub mod trace;
-
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-
-/// One line on stderr, at most once per reason kind, never panicking.
-pub(crate) fn warn_once(flag: &AtomicBool, msg: &str) {
-    if !flag.swap(true, Relaxed) {
-        let line = format!("libcoloc_cuda: {msg}\n");
-        // SAFETY: writing a valid buffer to fd 2; errors are ignored on purpose.
-        unsafe {
-            libc::write(2, line.as_ptr().cast(), line.len());
-        }
-    }
-}

@@ -43,6 +43,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
+pub mod file;
 pub mod gate;
 
 /// Identifies a doorbell page of this layout ("COLOCDB1").

@@ -24,6 +24,7 @@
 //! [`GateKeeper`] (in `act`) closes and opens these gates for the loop's holds.
 
 use anyhow::{bail, Context, Result};
+use coloc_doorbell::file::{create_mapped, Place, Step};
 use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
 use coloc_doorbell::{futex_wake, now_ns};
 use std::ffi::CString;
@@ -128,48 +129,22 @@ impl GateFile {
             std::process::id(),
             now_ns()
         ));
-        let ctmp = CString::new(tmp.as_os_str().as_bytes())?;
-        let cpath = CString::new(path.as_os_str().as_bytes())?;
-        // SAFETY: a valid C path; a new file only (O_EXCL), never through a link.
-        let fd = unsafe {
-            libc::open(
-                ctmp.as_ptr(),
-                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                0o644 as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("creating {}", tmp.display()));
-        }
-        // SAFETY: `fd` is ours: fchmod, ftruncate, mmap of the length just set; closed
-        // once; the temporary name is removed on every failure.
-        let base = unsafe {
-            let ok = libc::fchmod(fd, 0o644) == 0
-                && libc::ftruncate(fd, GATE_FILE_SIZE as libc::off_t) == 0;
-            let base = if ok { map_rw(fd) } else { libc::MAP_FAILED };
-            let err = std::io::Error::last_os_error();
-            libc::close(fd);
-            if base == libc::MAP_FAILED {
-                libc::unlink(ctmp.as_ptr());
-                return Err(err).with_context(|| format!("sizing and mapping {}", tmp.display()));
-            }
-            base
-        };
-        let g = GateFile {
+        let base = create_mapped(&tmp, path, GATE_FILE_SIZE, Place::Replace, |b| {
+            // SAFETY: a fresh read-write shared mapping of GATE_FILE_SIZE bytes.
+            unsafe { Gates::from_raw(b.as_ptr()) }.init(std::process::id(), now_ns())
+        })
+        .map_err(|e| {
+            let what = match e.step {
+                Step::Create => format!("creating {}", tmp.display()),
+                Step::Map => format!("sizing and mapping {}", tmp.display()),
+                Step::Place => format!("placing the gate file {}", path.display()),
+            };
+            anyhow::Error::new(e.err).context(what)
+        })?;
+        Ok(GateFile {
             path: path.to_path_buf(),
-            base,
-        };
-        g.gates().init(std::process::id(), now_ns());
-        // SAFETY: two valid C paths in the same directory; rename replaces whatever is at
-        // `path` (a link included) without following it.
-        if unsafe { libc::rename(ctmp.as_ptr(), cpath.as_ptr()) } != 0 {
-            let err = std::io::Error::last_os_error();
-            // SAFETY: a valid C path.
-            unsafe { libc::unlink(ctmp.as_ptr()) };
-            return Err(err).with_context(|| format!("placing the gate file {}", path.display()));
-        }
-        Ok(g)
+            base: base.as_ptr().cast(),
+        })
     }
 
     /// Maps the gate file a previous run left at `path`, read-write, without replacing it

@@ -1,0 +1,109 @@
+//! The exported submission entry points and getters, for programs linked against `libcuda`
+//! directly (and lookups through `RTLD_DEFAULT`): each finds the driver's symbol of its
+//! name once and dispatches as a slot does.
+
+use super::{after_get, is_ours, CUDA_SUCCESS};
+use crate::launch::{kind_of, Fwd};
+use crate::mode;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::*};
+
+/// `CUDA_ERROR_NOT_FOUND`.
+const CUDA_ERROR_NOT_FOUND: c_int = 500;
+
+type Getter =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
+
+/// The symbol `name` an exported wrapper forwards to: the next definition after us
+/// (another interposer's, or the driver's), or the one in an already loaded
+/// `libcuda.so.1`.
+fn resolve_next(name: &CStr) -> usize {
+    let p = crate::dl::real_dlsym(libc::RTLD_NEXT, name);
+    if !p.is_null() {
+        return p as usize;
+    }
+    // SAFETY: dlopen with RTLD_NOLOAD only returns a handle to an already loaded library.
+    let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if h.is_null() {
+        return 0;
+    }
+    let p = crate::dl::real_dlsym(h, name) as usize;
+    // SAFETY: balances the dlopen above (the library stays loaded: RTLD_NOLOAD).
+    unsafe { libc::dlclose(h) };
+    if is_ours(p) {
+        0
+    } else {
+        p
+    }
+}
+
+macro_rules! exported_launch {
+    ($($name:ident)*) => { $(
+        /// Exported submission entry point: rings the doorbell, then calls the driver's.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            a0: usize, a1: usize, a2: usize, a3: usize, a4: usize, a5: usize,
+            a6: usize, a7: usize, a8: usize, a9: usize, a10: usize, a11: usize,
+        ) -> c_int {
+            static REAL: AtomicUsize = AtomicUsize::new(0);
+            static KIND: AtomicU32 = AtomicU32::new(0);
+            // Acquire: a thread that sees the pointer sees its kind.
+            let mut f = REAL.load(Acquire);
+            if f == 0 {
+                let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
+                f = cname.map_or(0, resolve_next);
+                if f == 0 {
+                    return CUDA_ERROR_NOT_FOUND;
+                }
+                KIND.store(kind_of(stringify!($name), false), Relaxed);
+                REAL.store(f, Release);
+            }
+            // The driver's own entry point of the same name, same arguments.
+            dispatch!(f, KIND, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
+        }
+    )* };
+}
+
+exported_launch!(
+    cuLaunchKernel cuLaunchKernel_ptsz cuLaunchKernelEx cuLaunchKernelEx_ptsz
+    cuLaunchCooperativeKernel cuLaunchCooperativeKernel_ptsz cuLaunchCooperativeKernelMultiDevice
+    cuLaunchHostFunc cuLaunchHostFunc_ptsz cuGraphLaunch cuGraphLaunch_ptsz
+    cuMemcpyAsync cuMemcpyAsync_ptsz
+    cuMemcpyHtoDAsync_v2 cuMemcpyHtoDAsync_v2_ptsz cuMemcpyDtoHAsync_v2 cuMemcpyDtoHAsync_v2_ptsz
+    cuMemcpyDtoDAsync_v2 cuMemcpyDtoDAsync_v2_ptsz cuMemcpyPeerAsync cuMemcpyPeerAsync_ptsz
+    cuMemcpy2DAsync_v2 cuMemcpy2DAsync_v2_ptsz cuMemcpy3DAsync_v2 cuMemcpy3DAsync_v2_ptsz
+    cuMemcpy3DPeerAsync cuMemcpy3DPeerAsync_ptsz
+    cuMemsetD8Async cuMemsetD8Async_ptsz cuMemsetD16Async cuMemsetD16Async_ptsz
+    cuMemsetD32Async cuMemsetD32Async_ptsz
+);
+
+macro_rules! exported_getter {
+    ($($name:ident)*) => { $(
+        /// Exported getter: the driver's answer, with our wrappers for the launch entry points.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            sym: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags: u64, status: *mut c_int,
+        ) -> c_int {
+            static REAL: AtomicUsize = AtomicUsize::new(0);
+            let mut f = REAL.load(Relaxed);
+            if f == 0 {
+                let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
+                f = cname.map_or(0, resolve_next);
+                if f == 0 {
+                    return CUDA_ERROR_NOT_FOUND;
+                }
+                crate::driver::ANY_GETTER.store(f, Release);
+                REAL.store(f, Relaxed);
+            }
+            // SAFETY: the driver's getter with the caller's arguments.
+            let r = unsafe { std::mem::transmute::<usize, Getter>(f)(sym, pfn, ver, flags, status) };
+            if r == CUDA_SUCCESS && !sym.is_null() && !pfn.is_null() {
+                // SAFETY: as in `getter`.
+                unsafe { after_get(sym, pfn, ver, flags) };
+            }
+            r
+        }
+    )* };
+}
+
+exported_getter!(cuGetProcAddress cuGetProcAddress_v2);
