@@ -169,6 +169,8 @@ mod tests {
             .truncate(true)
             .open(&path)
             .unwrap();
+        // Unlinked at once: nothing is left behind, whatever happens below.
+        std::fs::remove_file(&path).unwrap();
         f.set_len(PAGE as u64).unwrap();
         use std::os::fd::AsRawFd;
         // SAFETY: a shared read-write mapping of a page-long file.
@@ -207,6 +209,5 @@ mod tests {
         );
         assert_eq!(rescued(), 1);
         assert_eq!(MODE.load(Acquire), OFF);
-        std::fs::remove_file(&path).unwrap();
     }
 }

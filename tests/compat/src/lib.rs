@@ -99,6 +99,27 @@ pub fn glibc_versions(so: &Path) -> Vec<(u32, u32, u32)> {
     v
 }
 
+/// The strong undefined symbols of a shared object that name no version (`objdump -T`):
+/// each is bound to whatever defines it at run time, so a function newer than the floor
+/// would fail only there (weak ones, which Rust's standard library looks up and does
+/// without, are left out).
+pub fn unversioned_imports(so: &Path) -> Vec<String> {
+    let out = Command::new("objdump")
+        .arg("-T")
+        .arg(so)
+        .output()
+        .expect("objdump (binutils)");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let (flags, rest) = l.split_once("*UND*")?;
+            let words: Vec<&str> = rest.split_whitespace().collect();
+            let weak = flags.split_whitespace().any(|w| w == "w");
+            (words.len() == 2 && !weak).then(|| words[1].to_string())
+        })
+        .collect()
+}
+
 /// A Debian userland made with `debootstrap --variant=minbase SUITE`, kept in [`CACHE`];
 /// made now when missing (a few minutes). `None`, with a NOTE, where that cannot be done.
 pub fn userland(suite: &str) -> Option<PathBuf> {

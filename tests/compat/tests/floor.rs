@@ -1,5 +1,6 @@
 //! The shim as images ship it needs no glibc symbol newer than 2.17, on x86_64 and
-//! aarch64 (`scripts/build-compat`; `objdump -T`).
+//! aarch64 (`scripts/build-compat`; `objdump -T`), and imports nothing without a version
+//! but the weak symbols Rust's standard library does without.
 
 use coloc_compat::*;
 
@@ -27,6 +28,12 @@ fn the_shipped_shim_needs_nothing_newer_than_glibc_2_17() {
         None => eprintln!("NOTE: no aarch64 build here: its floor is not checked"),
     }
     for (arch, so) in shims {
+        let loose = unversioned_imports(&so);
+        assert!(
+            loose.is_empty(),
+            "{arch}: {} imports without a version (bound to whatever glibc has): {loose:?}",
+            so.display()
+        );
         let n = newest(&so);
         eprintln!(
             "{arch}: the shipped shim needs GLIBC_{}.{}.{}",
