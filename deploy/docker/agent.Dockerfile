@@ -19,12 +19,21 @@ ARG TARGETARCH
 WORKDIR /src
 # The whole workspace (.dockerignore leaves out target/ and .git): Cargo needs every member.
 COPY . .
+# The shim is preloaded into the images users already run, many with a glibc older than
+# this stage's: it is built by Zig against glibc 2.17 (cargo-zigbuild), and its need of the
+# loader by name is removed so that musl's loader loads it too (scripts/build-compat does
+# the same; tests/compat checks the floor and runs it in Debian 11's userland).
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf python3-pip >/dev/null \
+ && pip3 install -q --break-system-packages ziglang==0.17.1 cargo-zigbuild==0.24.1
 RUN echo "building coloc-agent for ${TARGETARCH}" \
+ && arch="$(uname -m)" \
  && cargo build --release --locked --bin coloc-agent --bin coloc-node-setup \
- && cargo build --release --locked -p coloc-cuda-shim --lib \
+ && cargo zigbuild --release --locked -p coloc-cuda-shim --lib --target "${arch}-unknown-linux-gnu.2.17" \
+ && shim="target/${arch}-unknown-linux-gnu/release/libcoloc_cuda.so" \
+ && patchelf --remove-needed "$(patchelf --print-needed "$shim" | grep '^ld-linux')" "$shim" \
  && install -D target/release/coloc-agent /out/usr/local/bin/coloc-agent \
  && install -D target/release/coloc-node-setup /out/usr/local/bin/coloc-node-setup \
- && install -D -m 0444 target/release/libcoloc_cuda.so /out/opt/coloc/lib/libcoloc_cuda.so \
+ && install -D -m 0444 "$shim" /out/opt/coloc/lib/libcoloc_cuda.so \
  && cd /out/opt/coloc/lib && sha256sum libcoloc_cuda.so > libcoloc_cuda.so.sha256
 
 FROM ${BINARIES} AS binaries

@@ -646,8 +646,15 @@ def cert_checks():
               f"hook {x['kind']} {x['metadata']['name']}: delete policy {x['metadata']['annotations'].get('helm.sh/hook-delete-policy')}, "
               f"expected {HOOK_DELETE} (no certificate right outlives its step, failed or not)")
     cr = one(d, "ClusterRole", "-ca-bundle")
-    check(cr["rules"][0]["resourceNames"] == [one(d, "MutatingWebhookConfiguration")["metadata"]["name"]] and cr["rules"][0]["verbs"] == ["get", "patch"],
+    check(sorted(cr["rules"][0]["resourceNames"]) == sorted([one(d, k)["metadata"]["name"] for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")])
+          and cr["rules"][0]["verbs"] == ["get", "patch"],
           "the patch Job may only get/patch its own configurations")
+    # The mutating configuration is called before HAMi's (the API server orders them by
+    # name; HAMi's webhook does not reinvoke): whatever either release is called.
+    for release in ("x", "hami", "a", "gpu-coloc", "zz"):
+        mine = one([x for x in yaml.safe_load_all(render(name=release)) if x], "MutatingWebhookConfiguration")["metadata"]["name"]
+        for hami in ("hami-webhook", "a-webhook", "0hami-webhook", "vgpu-hami-webhook"):
+            check(mine < hami, f"release {release}: {mine} is called before HAMi's {hami}")
     check(not [c for c in by_kind(d, "ClusterRole") if c["metadata"]["name"].endswith("-cert")], "the Secret Job has no cluster-wide rights")
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         for w in one(d, kind)["webhooks"]:
@@ -931,6 +938,13 @@ def image_builds(d):
                 for f in m.get("filenames", []) + ([m["executable"]] if m.get("executable") else []):
                     arts[os.path.basename(f)] = f
         stage = os.path.join(tmp, "stage")
+        # The shim as the build stage makes it: the glibc 2.17 build of scripts/build-compat
+        # (scripts/test-all runs it first); the host build only where that is missing.
+        floor_shim = os.path.join(ROOT, "target", f"{os.uname().machine}-unknown-linux-gnu", "release", "libcoloc_cuda.so")
+        if os.path.exists(floor_shim):
+            arts["libcoloc_cuda.so"] = floor_shim
+        else:
+            print("note images: the shim's glibc 2.17 build (scripts/build-compat) is missing: the image carries the host build, and the old-userland preload check is skipped")
         for name, dest in (("coloc-agent", "usr/local/bin"), ("coloc-node-setup", "usr/local/bin"), ("coloc-webhook", "usr/local/bin"),
                            ("libcoloc_cuda.so", "opt/coloc/lib")):
             os.makedirs(os.path.join(stage, "out", dest), exist_ok=True)
@@ -981,6 +995,20 @@ def image_builds(d):
         # The shim the image carries loads under the image's glibc (and passes through: no CUDA here).
         rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "--version", env=(f"LD_PRELOAD=/opt/coloc/lib/libcoloc_cuda.so",))
         check(rc == 0 and "coloc-agent" in text and "cannot be preloaded" not in text, f"agent image: libcoloc_cuda.so loads with LD_PRELOAD: {text}")
+        # ... and under the oldest userland it supports: Debian 11 (glibc 2.31), which the
+        # compatibility tests made (tests/compat; cached outside the repository).
+        bullseye = "/var/cache/gpu-coloc-test/bullseye"
+        shim_dir = os.path.join(stage, "out", "opt", "coloc", "lib")
+        if os.path.exists(floor_shim) and os.path.exists(os.path.join(bullseye, "bin", "true")) and shutil.which("unshare"):
+            os.makedirs(os.path.join(bullseye, "mnt"), exist_ok=True)
+            r = subprocess.run(["unshare", "-m", "sh", "-c",
+                                f"mount --make-rprivate / && mount --bind {shim_dir} {bullseye}/mnt && "
+                                f"chroot {bullseye} env LD_PRELOAD=/mnt/libcoloc_cuda.so /bin/sh -c 'echo preloaded'"],
+                               capture_output=True, text=True)
+            check(r.returncode == 0 and "preloaded" in r.stdout and "GLIBC" not in r.stderr,
+                  f"agent image: its libcoloc_cuda.so loads under Debian 11's glibc 2.31: {r.stdout}{r.stderr}")
+        else:
+            print("note images: no Debian 11 userland or glibc 2.17 shim here (tests/compat makes them): the image's shim was not preloaded under an old glibc")
         rc, text = in_image(images["webhook"], "/usr/local/bin/coloc-webhook", "--version", user=str(dep["securityContext"]["runAsUser"]))
         check(rc == 0 and "coloc-webhook" in text, f"webhook image: coloc-webhook runs as the chart's user: {text}")
         rc, text = in_image(images["webhook"], "/usr/local/bin/coloc-webhook", "bootstrap-cert", "--help")

@@ -22,6 +22,14 @@ dashboard select on.
 {{- end }}
 {{- end }}
 
+{{/*
+The mutating webhook configuration sorts first among mutating configurations: the API
+server calls them in the order of their names, and HAMi's (reinvocationPolicy Never) must
+see the requests gpu-coloc's translation writes (the `hami` backend). A leading "00-" puts
+it before any name that starts with a letter, whatever the two releases are called.
+*/}}
+{{- define "gpu-coloc.mutatingName" -}}{{ printf "00-%s" (include "gpu-coloc.webhook" .) | trunc 63 | trimSuffix "-" }}{{- end }}
+
 {{- define "gpu-coloc.agent" -}}{{ include "gpu-coloc.fullname" . | trunc 57 | trimSuffix "-" }}-agent{{- end }}
 {{- define "gpu-coloc.webhook" -}}{{ include "gpu-coloc.fullname" . | trunc 55 | trimSuffix "-" }}-webhook{{- end }}
 
