@@ -15,7 +15,7 @@
 //!     │ dlopen("libcuda.so.1"); dlsym(h, "cuGetProcAddress_v2")
 //!     ▼
 //!  dlsym (ours, naked) ── a cu* name we wrap? ──► our wrapper (real pointer kept)
-//!     │ otherwise: tail-jump to glibc's dlsym (the caller's RTLD_NEXT stays the caller's)
+//!     │ otherwise: tail-jump to the next dlsym (the caller's RTLD_NEXT stays the caller's)
 //!  cuGetProcAddress[_v2] (ours) ── launch entry point? ──► a forwarding slot
 //!     │ anything else: the driver's pointer, untouched
 //!  slot N: online: ring the doorbell │ offline, gate in force: the gate │ else nothing;
