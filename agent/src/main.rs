@@ -22,6 +22,7 @@ fn main() {
         Command::Run(args) => run(args),
         Command::CheckRules { file } => check_rules(&file),
         Command::Status(args) => coloc_agent::cmd::status::run(args),
+        Command::Probe(args) => std::process::exit(coloc_agent::cmd::probe::run(&args)),
         Command::Resume(args) => coloc_agent::cmd::resume::run(args),
         Command::Exec(args) => coloc_agent::cmd::exec::run(args),
     };
@@ -180,7 +181,7 @@ fn run(args: RunArgs) -> Result<()> {
             upkeep.run_upkeep();
         }
     });
-    let app = http::router(http::AppState {
+    let app_state = http::AppState {
         shared: shared.clone(),
         prom,
         source,
@@ -188,7 +189,16 @@ fn run(args: RunArgs) -> Result<()> {
         state_cmdlines: args.state_cmdlines,
         state_public: args.state_public,
         metrics_cache: Arc::default(),
-    });
+    };
+    // What /healthz and /readyz say, in the state directory too, for exec probes (no
+    // listener a tenant could crowd).
+    let health = args.state_dir.join(http::health_file::FILE);
+    if let Err(err) = http::health_file::write(&health, &http::health_file::Health::now(&app_state))
+    {
+        warn!(file = %health.display(), %err, "Cannot write the health file: coloc-agent probe will say the agent is not live");
+    }
+    rt.spawn(http::health_file::keep_written(app_state.clone(), health));
+    let app = http::router(app_state);
     // On the runtime's one worker thread, never on the control loop's.
     rt.spawn(http::serve(listener, app, http_limits));
     info!(

@@ -474,7 +474,9 @@ fn run(a: DemoArgs) -> Result<()> {
     for cg in &cgroups {
         let _ = std::fs::remove_dir(cg);
     }
-    let _ = std::fs::remove_file(&state);
+    // The agent has exited: its state directory, the pages and the gate file go with it.
+    let _ = std::fs::remove_dir_all(&state);
+    let _ = std::fs::remove_dir_all(state.with_extension("agent"));
     let _ = std::fs::remove_dir_all(&bells);
     let _ = std::fs::remove_dir_all(state.with_extension("gate"));
     if !st.success() {

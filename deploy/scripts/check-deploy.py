@@ -138,12 +138,17 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         check(c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}], f"{label}: agent settings from its ConfigMap")
         check(settings["COLOC_LOOP_NICE"] == ("-10" if "SYS_NICE" in caps else "0"), f"{label}: COLOC_LOOP_NICE without/with SYS_NICE")
         check(settings["COLOC_STATE_CMDLINES"] == "false", f"{label}: /state hides command lines by default")
-        known = set(re.findall(r'env = "(COLOC_[A-Z_]+)"', open(os.path.join(ROOT, "agent", "src", "cli.rs")).read()))
+        cli_dir = os.path.join(ROOT, "agent", "src", "cli")
+        known = {k for f in sorted(os.listdir(cli_dir)) if f.endswith(".rs")
+                 for k in re.findall(r'env = "(COLOC_[A-Z_]+)"', open(os.path.join(cli_dir, f)).read())}
         check(set(settings) <= known, f"{label}: agent ConfigMap keys that are no flag: {sorted(set(settings) - known)}")
         check("checksum/config" in ds["spec"]["template"]["metadata"].get("annotations", {}), f"{label}: a settings change rolls the DaemonSet")
         env = {e["name"]: e for e in c["env"]}
         check(env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", f"{label}: NODE_NAME from the downward API")
-        check(c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz", f"{label}: probes")
+        # Exec probes: no listener a tenant that reaches the port could crowd.
+        check(c["livenessProbe"].get("exec", {}).get("command") == ["/usr/local/bin/coloc-agent", "probe", "live"]
+              and c["readinessProbe"].get("exec", {}).get("command") == ["/usr/local/bin/coloc-agent", "probe", "ready"]
+              and "httpGet" not in c["livenessProbe"] and "httpGet" not in c["readinessProbe"], f"{label}: exec probes")
         check("requests" in c["resources"] and "limits" in c["resources"], f"{label}: resources")
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         check("/host/sys/fs/cgroup" in mounts and "/run/coloc-agent" in mounts, f"{label}: cgroup and state mounts")

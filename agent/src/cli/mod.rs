@@ -56,6 +56,9 @@ pub enum Command {
     /// the agent does at start, when no agent is running with that state directory.
     #[command(after_help = crate::cmd::resume::AFTER_HELP)]
     Resume(crate::cmd::resume::ResumeArgs),
+    /// What the running agent's health file says, for exec probes: `live` (its control
+    /// loop ticks) or `ready` (also synced and not degraded). Exit 0, or 1 with the reason.
+    Probe(crate::cmd::probe::ProbeArgs),
     /// Run a command under the CUDA shim (a plain host; the webhook does it for pods):
     /// online, its launches ring the agent's doorbell; offline, it submits through the
     /// launch gate.

@@ -4,6 +4,7 @@
 //! shim).
 
 pub mod exec;
+pub mod probe;
 pub mod resume;
 pub mod status;
 pub mod timeline;

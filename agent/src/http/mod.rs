@@ -113,34 +113,44 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
     ([("content-type", "text/plain; version=0.0.4")], body)
 }
 
-async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
+/// Liveness: `Ok` with a word, or why not (the control loop stalled).
+pub fn live(s: &AppState) -> Result<&'static str, String> {
     let last = s.shared.last_tick_ns.load(Ordering::Relaxed);
     if !s.shared.ticked.load(Ordering::Relaxed) {
-        return (StatusCode::OK, "starting\n");
+        return Ok("starting");
     }
     if now_ns().saturating_sub(last) > s.stall_ns {
-        return (StatusCode::SERVICE_UNAVAILABLE, "control loop stalled\n");
+        return Err("control loop stalled".into());
     }
-    (StatusCode::OK, "ok\n")
+    Ok("ok")
+}
+
+/// Readiness: `Ok`, or why not (not started, pod source not synced, degraded).
+pub fn ready(s: &AppState) -> Result<&'static str, String> {
+    if !s.shared.ticked.load(Ordering::Relaxed) {
+        return Err("control loop not started".into());
+    }
+    if !s.source.ready() {
+        return Err("pod source not synced".into());
+    }
+    if let Some(why) = s.shared.degraded() {
+        return Err(why);
+    }
+    Ok("ready")
+}
+
+async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
+    match live(&s) {
+        Ok(w) => (StatusCode::OK, format!("{w}\n")),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
 }
 
 async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
-    if !s.shared.ticked.load(Ordering::Relaxed) {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "control loop not started\n".to_string(),
-        );
+    match ready(&s) {
+        Ok(w) => (StatusCode::OK, format!("{w}\n")),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }
-    if !s.source.ready() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "pod source not synced\n".to_string(),
-        );
-    }
-    if let Some(why) = s.shared.degraded() {
-        return (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
-    }
-    (StatusCode::OK, "ready\n".to_string())
 }
 
 /// Who sent a request (set by the server for each connection).
@@ -183,6 +193,7 @@ async fn state_doc(State(s): State<AppState>, peer: Option<axum::Extension<Peer>
     Json(doc).into_response()
 }
 
+pub mod health_file;
 mod server;
 pub use server::{serve, Limits};
 

@@ -252,3 +252,41 @@ fn the_cpu_wake_latency_request_lives_and_dies_with_the_agent() {
         ),
     }
 }
+
+/// The chart's exec probes: `coloc-agent probe live|ready` read the health file the running
+/// agent writes every second in its state directory (no listener involved); an agent that
+/// stops writing it (here: stopped with SIGSTOP) fails them once the file is older than
+/// `--max-age`, and passes again when it goes on.
+#[test]
+fn the_exec_probes_read_the_health_file() {
+    let sim = Sim::start(1, &[]);
+    let agent = Agent::start(&sim, AgentOpts::default());
+    let probe = |which: &str| {
+        let out = std::process::Command::new(bin("coloc-agent"))
+            .args(["probe", which, "--max-age", "1500ms", "--state-dir"])
+            .arg(&agent.state_dir)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    };
+    wait_for("ready by the probe", SOON, || probe("ready").0 == Some(0))
+        .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", probe("ready"), agent.log_text()));
+    assert_eq!(probe("live"), (Some(0), "ok".to_string()));
+    agent.signal(libc::SIGSTOP);
+    let stale = wait_for(
+        "the probe fails on a stale file",
+        Duration::from_secs(5),
+        || probe("live").0 == Some(1),
+    );
+    let said = probe("live");
+    agent.signal(libc::SIGCONT);
+    stale.unwrap_or_else(|e| panic!("{e}: {said:?}"));
+    assert!(said.1.contains("stopped writing"), "{said:?}");
+    wait_for("live again", Duration::from_secs(5), || {
+        probe("live").0 == Some(0)
+    })
+    .unwrap();
+}
