@@ -163,8 +163,11 @@ impl Drop for Node {
     }
 }
 
+/// The gate accelerates, it never decides: the process with the shim drains at its gate
+/// (acknowledged in time: no escalation) and is then stopped by its fallback, like the
+/// one without the shim, which is stopped at once.
 #[test]
-fn offline_with_the_shim_is_held_at_its_gate_and_offline_without_it_is_stopped() {
+fn offline_with_the_shim_drains_at_its_gate_then_is_stopped_as_without_it() {
     let n = Node::new();
     let a = n.agent(None);
     let gated = n.offline(&a, true, &n.root.join("gated.err"));
@@ -188,10 +191,17 @@ fn offline_with_the_shim_is_held_at_its_gate_and_offline_without_it_is_stopped()
     for e in &bell {
         assert!(e["confirmed_ns"].as_u64().is_some(), "not confirmed: {e}");
     }
-    assert_eq!(gated_stopped, 0, "the process with the shim was stopped");
+    assert!(
+        gated_stopped > 0,
+        "the process with the shim was never stopped after its drain (the gate alone held it)"
+    );
     assert!(
         plain_stopped > 0,
         "the process without the shim was never stopped"
+    );
+    assert!(
+        bell.iter().any(|e| e["actuator"] == "gate"),
+        "no preemption was drained by the gate: {bell:?}"
     );
     let m = a.metrics();
     assert_eq!(
@@ -225,8 +235,12 @@ fn offline_with_the_shim_is_held_at_its_gate_and_offline_without_it_is_stopped()
     .unwrap();
 }
 
+/// kill -9 of the agent while a gated process is held: the hold (its fallback, recorded)
+/// outlives the agent, as any hold does, and the restarted agent resumes what the record
+/// holds, opens the old gate, holds the process again while online is busy, and lets it
+/// run once online is gone; nothing stays blocked on the old gate file.
 #[test]
-fn kill_9_of_the_agent_opens_the_gate_within_the_bound_and_a_restart_blocks_nothing() {
+fn kill_9_of_the_agent_leaves_the_hold_to_the_record_and_a_restart_blocks_nothing() {
     let n = Node::new();
     let mut a = n.agent(None);
     let err = n.root.join("gated.err");
@@ -250,27 +264,21 @@ fn kill_9_of_the_agent_opens_the_gate_within_the_bound_and_a_restart_blocks_noth
         },
     )
     .unwrap_or_else(|e| panic!("{e}\nlog:\n{}", a.log_text()));
-    assert_ne!(
-        proc_state(gated.pid()),
-        Some('T'),
-        "stopped, not held at the gate"
-    );
+    wait_for("drained, then stopped", Duration::from_secs(2), || {
+        proc_state(gated.pid()) == Some('T')
+    })
+    .unwrap_or_else(|e| panic!("{e}: the gate alone held it\nlog:\n{}", a.log_text()));
     let state_dir = a.state_dir.clone();
     a.signal(libc::SIGKILL);
-    let killed = Instant::now();
     let _ = a.wait();
-    let held_at = n.submitted(gated.pid());
-    wait_for("the gate to fail open", Duration::from_secs(3), || {
-        n.submitted(gated.pid()) > held_at
-    })
+    // The stop outlives the agent (it is in the record), whatever the gate file's
+    // heartbeat does.
+    holds_for(
+        "stopped while no agent runs",
+        Duration::from_millis(500),
+        || proc_state(gated.pid()) == Some('T'),
+    )
     .unwrap();
-    let opened = killed.elapsed();
-    // The shim's bound here is 300 ms (COLOC_GATE_STALE_MS), plus its 50 ms re-check,
-    // from the agent's last beat (at most 20 ms before the kill).
-    assert!(
-        opened <= Duration::from_millis(300 + 50 + 250),
-        "the gate opened {opened:?} after kill -9"
-    );
     // The restarted agent: the record's gate is handled, and the process is held again
     // (online is still busy), by the new file's gate, not left blocked on the old one.
     let b = n.agent(Some(state_dir));
@@ -287,6 +295,4 @@ fn kill_9_of_the_agent_opens_the_gate_within_the_bound_and_a_restart_blocks_noth
         || n.submitted(gated.pid()) > from + 20_000_000,
     )
     .unwrap_or_else(|e| panic!("{e}\nlog:\n{}", b.log_text()));
-    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-    assert!(stderr.contains("stale"), "the shim said nothing: {stderr}");
 }
