@@ -11,6 +11,15 @@ use std::collections::BTreeSet;
 use tracing::{debug, error, info};
 
 impl HoldBook {
+    /// What the current holds (held or on their way) cover, as the record names it.
+    fn covered(&self) -> BTreeSet<RecordEntry> {
+        self.held
+            .values()
+            .chain(self.staged.values())
+            .flat_map(|h| h.members.iter().map(Target::record))
+            .collect()
+    }
+
     /// A suspension failed: undo it (resume its members), drop the hold, and keep the
     /// record entries only if the undo could not be confirmed.
     pub(super) fn fail_suspension(
@@ -48,12 +57,7 @@ impl HoldBook {
         // A target another hold still covers stays suspended: two gate holds whose
         // fallbacks freeze one cgroup (a job with a process per GPU) must not thaw it for
         // each other. The last hold that covers it resumes it.
-        let still: BTreeSet<RecordEntry> = self
-            .held
-            .values()
-            .chain(self.staged.values())
-            .flat_map(|h| h.members.iter().map(Target::record))
-            .collect();
+        let still = self.covered();
         let members: Vec<Target> = members
             .into_iter()
             .filter(|t| !still.contains(&t.record()))
@@ -156,12 +160,7 @@ impl HoldBook {
         if self.forgotten.is_empty() {
             return;
         }
-        let still: BTreeSet<RecordEntry> = self
-            .held
-            .values()
-            .chain(self.staged.values())
-            .flat_map(|h| h.members.iter().map(Target::record))
-            .collect();
+        let still = self.covered();
         let gone: Vec<RecordEntry> = std::mem::take(&mut self.forgotten)
             .into_iter()
             .filter(|e| !still.contains(e))
