@@ -31,8 +31,8 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate wake-floor;
         part3 = preflight drain nvml-load; all.
-Three calls (part1, part2, part3) of about 5-7 minutes each; `--merge DIR DIR DIR --out
-DIR` joins their results here (no GPU needed).
+The parts (part1, part2, part3) take about 5-7 minutes each, for machines that are lent
+for short runs; `--merge DIR DIR DIR --out DIR` joins their results (no GPU needed).
 
 Every step runs in its own try/except; results.json and results.md are rewritten
 atomically after every step, and artifacts.tar.gz (agent logs, event logs, /state,
@@ -42,13 +42,14 @@ is a deadline for the whole run: a step that would not fit is skipped and record
 Output (top level of --out): results.json, results.md, progress.log, artifacts.tar.gz,
 and shim-check.json when the shim step ran.
 
-  PYTHONUNBUFFERED=1 python3 benches/gpu/run.py --bin .gpubin --out $OUT/p1 --only part1 --budget 480 --commit SHA
+  PYTHONUNBUFFERED=1 python3 benches/gpu/run.py --bin .gpubin --out results/p1 --only part1 --budget 480 --commit SHA
   python3 benches/gpu/run.py --sim --bin target/debug --duration 5 --out /tmp/r        # no GPU
   python3 benches/gpu/run.py --merge /tmp/p1 /tmp/p2 --out /tmp/gpu                       # join parts
 
 Uses only the Python standard library and, without --sim, PyTorch with CUDA in child
 processes (the harness itself never touches the GPU); binaries come from --bin (built and
-stripped elsewhere, carried: the device machine has no registries).
+stripped on a build machine and copied over: a GPU machine needs no Rust toolchain and no
+package registry).
 """
 import argparse, bisect, hashlib, io, json, math, os, platform, re, shutil, signal, subprocess, sys, tarfile, tempfile, time, traceback
 
@@ -155,7 +156,7 @@ def duration_ms(s):
 
 
 def sanitize(name):
-    """A file name the device tool brings back: letters, digits, '.', '_' and '-'."""
+    """A portable file name for the output: letters, digits, '.', '_' and '-'."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "x"
 
 

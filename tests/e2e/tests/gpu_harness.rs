@@ -111,7 +111,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         String::from_utf8_lossy(&r.stderr)
     );
     assert!(r.status.success(), "{log}");
-    // What the device tool brings back: a few plain files, names it accepts.
+    // The output: a few plain files with portable names (easy to copy off a GPU machine).
     let mut files: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
