@@ -19,7 +19,7 @@ fn gate_words(path: &std::path::Path) -> Vec<([u8; 16], u32)> {
     g.read().into_iter().map(|(_, u, c, _)| (u, c)).collect()
 }
 
-fn closed(path: &std::path::Path, gpu: u32) -> Option<u32> {
+pub(super) fn closed(path: &std::path::Path, gpu: u32) -> Option<u32> {
     gate_words(path)
         .into_iter()
         .find(|(u, _)| *u == fake_uuid(gpu))

@@ -2,42 +2,52 @@
 
 use super::*;
 
+/// Offline 10 in the offline cgroup `offline`, online 13 in `online_in` (the same cgroup or
+/// one beneath it), with `members` as their `cgroup.procs` (none: unreadable); online busy
+/// on GPU 0. Returns the targets of the first suspension.
+fn first_suspension(
+    root: &std::path::Path,
+    preferred: Kind,
+    offline: &str,
+    online_in: &str,
+    members: &[(&str, Vec<u32>)],
+) -> Vec<RecordEntry> {
+    let mut cfg = default_config();
+    cfg.cgroups.v2 = Some(root.to_path_buf());
+    cfg.actuator = preferred;
+    let mut h = harness_with(1, cfg);
+    h.procs.add(10, 110, "train", offline);
+    h.procs.add(13, 113, "serve", online_in);
+    for (cg, pids) in members {
+        let dir = root.join(cg.trim_start_matches('/'));
+        h.procs.members.lock().unwrap().insert(dir, pids.clone());
+    }
+    h.gpu.add(0, 10);
+    h.source.set(10, class(Class::Offline, Some(offline)));
+    h.source.set(13, class(Class::Online, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    h.act.calls()[0].targets.clone()
+}
+
+const ALONE: RecordEntry = RecordEntry::Process {
+    pid: 10,
+    start: 110,
+};
+
 /// Rules mode: a cgroup declared offline that also holds a process another rule made
 /// online is never frozen or stopped whole; only the offline process is stopped.
 #[test]
 fn a_cgroup_holding_online_work_is_not_stopped_whole() {
     let root = std::env::temp_dir().join(format!("coloc-loop-mixed-{}", std::process::id()));
-    let dir = root.join("batch");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    std::fs::create_dir_all(root.join("batch")).unwrap();
+    std::fs::write(root.join("batch/cgroup.freeze"), "0").unwrap();
     for preferred in [Kind::Freezer, Kind::Signal] {
-        let mut cfg = default_config();
-        cfg.cgroups.v2 = Some(root.clone());
-        cfg.actuator = preferred;
-        let mut h = harness_with(1, cfg);
-        h.procs.add(10, 110, "train", "/batch");
-        h.procs.add(13, 113, "serve", "/batch");
-        h.procs
-            .members
-            .lock()
-            .unwrap()
-            .insert(dir.clone(), vec![10, 13]);
-        h.gpu.add(0, 10);
-        h.source.set(10, class(Class::Offline, Some("/batch")));
-        h.source.set(13, class(Class::Online, None));
-        h.spawn(0, 20, class(Class::Online, None));
-        h.tick();
-        h.active(0, 20);
-        h.tick();
-        let calls = h.act.calls();
-        assert_eq!(
-            calls[0].targets,
-            vec![RecordEntry::Process {
-                pid: 10,
-                start: 110
-            }],
-            "{preferred:?}: {calls:?}"
-        );
+        let members = [("/batch", vec![10, 13])];
+        let targets = first_suspension(&root, preferred, "/batch", "/batch", &members);
+        assert_eq!(targets, vec![ALONE], "{preferred:?}");
     }
     std::fs::remove_dir_all(root).ok();
 }
@@ -47,36 +57,16 @@ fn a_cgroup_holding_online_work_is_not_stopped_whole() {
 #[test]
 fn online_work_in_a_child_cgroup_or_an_unreadable_one_is_not_frozen_with_it() {
     let root = std::env::temp_dir().join(format!("coloc-loop-mixed-child-{}", std::process::id()));
-    let dir = root.join("x").join("mixed");
-    std::fs::create_dir_all(dir.join("child")).unwrap();
-    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
-    for readable in [true, false] {
-        let mut cfg = default_config();
-        cfg.cgroups.v2 = Some(root.clone());
-        cfg.actuator = Kind::Freezer;
-        let mut h = harness_with(1, cfg);
-        h.procs.add(10, 110, "train", "/x/mixed");
-        h.procs.add(13, 113, "serve", "/x/mixed/child");
-        if readable {
-            let mut m = h.procs.members.lock().unwrap();
-            m.insert(dir.clone(), vec![10]);
-            m.insert(dir.join("child"), vec![13]);
-        }
-        h.gpu.add(0, 10);
-        h.source.set(10, class(Class::Offline, Some("/x/mixed")));
-        h.source.set(13, class(Class::Online, None));
-        h.spawn(0, 20, class(Class::Online, None));
-        h.tick();
-        h.active(0, 20);
-        h.tick();
-        let calls = h.act.calls();
+    std::fs::create_dir_all(root.join("x/mixed/child")).unwrap();
+    std::fs::write(root.join("x/mixed/cgroup.freeze"), "0").unwrap();
+    let readable = [("/x/mixed", vec![10]), ("/x/mixed/child", vec![13])];
+    for members in [&readable[..], &[]] {
+        let targets = first_suspension(&root, Kind::Freezer, "/x/mixed", "/x/mixed/child", members);
         assert_eq!(
-            calls[0].targets,
-            vec![RecordEntry::Process {
-                pid: 10,
-                start: 110
-            }],
-            "members readable: {readable}: {calls:?}"
+            targets,
+            vec![ALONE],
+            "members readable: {}",
+            !members.is_empty()
         );
     }
     std::fs::remove_dir_all(root).ok();

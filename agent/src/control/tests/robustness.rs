@@ -7,17 +7,7 @@ use crate::edges::actuator::{Actuator, Progress, Target};
 use crate::edges::doorbell::Owner;
 
 fn gate_closed(path: &std::path::Path, gpu: u32) -> bool {
-    use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
-    let bytes = std::fs::read(path).unwrap();
-    let mut buf = vec![0u64; GATE_FILE_SIZE / 8];
-    for (i, w) in buf.iter_mut().enumerate() {
-        *w = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
-    }
-    // SAFETY: an 8-aligned private buffer of GATE_FILE_SIZE bytes, alive for the call.
-    let g = unsafe { Gates::from_raw(buf.as_ptr().cast()) };
-    g.read()
-        .into_iter()
-        .any(|(_, u, c, _)| u == fake_uuid(gpu) && c != 0)
+    super::gates::closed(path, gpu).is_some()
 }
 
 fn gate_setup(name: &str, gpus: u32, mut cfg: LoopConfig) -> (H, PathBuf) {
