@@ -70,10 +70,10 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
 ]
-ORDER = ["preflight", "probe", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load"]
+ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
-    "part2": ["preflight", "probe", "signal", "freezer", "doorbell", "gate", "wake-floor"],
+    "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "wake-floor"],
     "part3": ["preflight", "drain", "nvml-load"],
     "rows": [r[0] for r in ROWS],
     "all": ORDER,
@@ -104,8 +104,8 @@ try:
         t1 = time.monotonic()
         out.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
                    count=torch.cuda.device_count(), cudnn=torch.backends.cudnn.version())
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(1024, 1024, generator=g).cuda()
+        torch.manual_seed(0)  # the Linear's initial weights too: runs with and without the shim compare
+        a = torch.randn(1024, 1024).cuda()
         b = a @ a
         lin = torch.nn.Linear(512, 512).cuda().half()
         y = lin(torch.ones(8, 512, device="cuda", dtype=torch.half))
@@ -297,6 +297,47 @@ def parse_intervals(spec):
     return out
 
 
+def parse_rates(spec):
+    """--nvml-view-rates: positive request rates per second."""
+    out = []
+    for x in items(spec):
+        try:
+            v = float(x)
+        except ValueError:
+            v = -1.0
+        if not (v > 0 and math.isfinite(v)):
+            raise SystemExit(f"--nvml-view-rates: {x!r} is not a positive rate (requests per second)")
+        out.append(v)
+    return out
+
+
+def nvml_view_stats(samples, pid, records, period_ms):
+    """What NVML's per-process samples show of one online process whose requests are known.
+
+    samples: [pid, timestamp µs, sm %, mem %] (zeros included); records: (start ns, done ns)
+    of each request on the same clock (wall). A request counts as seen when a sample of the
+    process with any utilisation has its timestamp from the request's start to 1.25 sample
+    periods after its end (the agent's own rule for a sample's reach)."""
+    mine = sorted((s[1], s[2], s[3]) for s in samples if s[0] == pid)
+    ts = [m[0] for m in mine]
+    gaps = [(b - a) / 1e3 for a, b in zip(ts, ts[1:])]
+    active = [m for m in mine if m[1] > 0 or m[2] > 0]
+    reach_ns = 1.25 * period_ms * 1e6
+    act_ns = sorted(m[0] * 1000 for m in active)
+    seen = 0
+    for st, done in records:
+        i = bisect.bisect_left(act_ns, st)
+        if i < len(act_ns) and act_ns[i] <= done + reach_ns:
+            seen += 1
+    busy = sum(d - st for st, d in records)
+    span = (records[-1][1] - records[0][0]) if records else 0
+    sm = sorted(m[1] for m in mine)
+    return {"samples": len(mine), "samples_active": len(active), "interval_ms": [pct(gaps, 50), pct(gaps, 99)],
+            "sm_util": [pct(sm, 50), pct(sm, 99), sm[-1] if sm else None], "sm_values": sorted(set(sm))[:20],
+            "requests": len(records), "requests_seen": seen, "seen_share": seen / len(records) if records else None,
+            "busy_share": busy / span if span else None, "other_pids": sorted({s[0] for s in samples} - {pid})}
+
+
 def parse_drain(spec):
     """--drain-configs: alone | share:MODEL | signal:MODEL | freezer:MODEL | gateK[+Bms]:MODEL
     (K: COLOC_SHIM_INFLIGHT; B: COLOC_SHIM_INFLIGHT_MS, the shim's default when not given)."""
@@ -404,7 +445,7 @@ class Harness:
         self.shim_ok, self.shim_why = None, None
         self.period, self.period_source = None, None
         self.results = {"complete": False, "meta": {}, "steps": [], "preflight": None, "nvml_probe": None, "shim_check": None,
-                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None}
+                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None, "nvml_view": None}
         self.set_period()
 
     # ---- setup and bookkeeping ----------------------------------------------------------
@@ -517,6 +558,7 @@ class Harness:
                 # Two loads x four waiters, with and without a CPU wake-up latency request.
                 "wake-floor": 2 * 2 * 4 * a.wake_floor_samples * 0.0275 + 10,
                 "nvml-load": len(parse_intervals(a.nvml_load_intervals)) * (a.nvml_load_duration + start + 5),
+                "nvml-view": len(parse_rates(a.nvml_view_rates)) * (a.nvml_view_seconds + start + 5),
                 # The first two configurations (the baseline and one more): the step skips
                 # those that would not fit its own deadline, one by one.
                 "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)[:2]),
@@ -550,7 +592,10 @@ class Harness:
             log(f"step {name}: skipped: {why}")
             self.save()
             return
-        deadline = time.monotonic() + min(left - 3, max(2 * need, need + 60))
+        # The drain runs every configuration that fits: its deadline covers them all, while
+        # the step starts as soon as the first two fit (need).
+        span = sum(self.drain_need(c) for c in parse_drain(self.a.drain_configs)) if name == "drain" else need
+        deadline = time.monotonic() + min(left - 3, max(2 * span, span + 60))
         log(f"step {name}: start (about {need:.0f} s; {left:.0f} s of the budget left)")
         t = time.monotonic()
         try:
@@ -672,11 +717,12 @@ class Harness:
 
     # ---- workloads --------------------------------------------------------------------------
 
-    def online_cmd(self, out, duration=None, ready=None):
+    def online_cmd(self, out, duration=None, ready=None, rate=None):
         d = self.a.duration if duration is None else duration
+        r = self.a.rate if rate is None else rate
         if self.sim:
-            return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(self.a.rate), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(d), "--cuda", "--out", out]
-        return [sys.executable, os.path.join(HERE, "online.py"), "--rate", str(self.a.rate), "--duration", str(d), "--out", out] + (["--ready", ready] if ready else [])
+            return [os.path.join(self.bin, "coloc-sim"), "online", "--rate", str(r), "--work-ms", str(self.a.sim_work_ms), "--duration-s", str(d), "--cuda", "--out", out]
+        return [sys.executable, os.path.join(HERE, "online.py"), "--rate", str(r), "--duration", str(d), "--out", out] + (["--ready", ready] if ready else [])
 
     def offline_cmd(self, out, ready, model=None):
         if self.sim:
@@ -1057,6 +1103,50 @@ class Harness:
         self.results["wake_floor"] = r
 
 
+    def nvml_view(self, deadline):
+        """Online work alone at each --nvml-view-rates while coloc-bench --nvml-watch records
+        every per-process sample, zeros included: how much of the online work NVML shows."""
+        rows = self.results["nvml_view"] = []
+        period_ms = duration_ms(self.period) or 100.0
+        for rate in parse_rates(self.a.nvml_view_rates):
+            row = {"rate": rate, "period_ms": period_ms}
+            rows.append(row)
+            tag = f"nvml-view-{rate:g}"
+            out, ready = os.path.join(self.art, f"{tag}-online.json"), os.path.join(self.tmp, f"{tag}-ready")
+            on = watch = None
+            try:
+                cmd = self.online_cmd(out, duration=self.a.nvml_view_seconds, ready=ready, rate=rate)
+                on = self.spawn("work", f"{tag} online", cmd, self.env, f"{tag}-online.log")
+                if self.sim:
+                    time.sleep(0.2)
+                else:
+                    self.wait_ready(on, ready, "online", f"{tag}-online.log", deadline)
+                wcmd = [os.path.join(self.bin, "coloc-bench"), "--nvml-watch", "--nvml-lib", self.nvml,
+                        "--seconds", str(self.a.nvml_view_seconds + 2 * period_ms / 1e3 + 0.5)]
+                with open(os.path.join(self.art, f"{tag}-watch.json"), "wb") as so:
+                    watch = subprocess.Popen(wcmd, env=self.env, stdin=subprocess.DEVNULL, stdout=so, stderr=open(os.path.join(self.art, f"{tag}-watch.log"), "wb"))
+                self.live.append(["tool", "coloc-bench --nvml-watch", watch])
+                self.wait_exit(on, "online", deadline)
+                rc = self.wait_exit(watch, "coloc-bench --nvml-watch", deadline)
+                if rc != 0:
+                    raise RuntimeError(f"coloc-bench --nvml-watch exited {rc}: {tail(os.path.join(self.art, tag + '-watch.log'))}")
+            finally:
+                self.end(watch, "coloc-bench --nvml-watch", 5, cont=False)
+                self.teardown(None, [("online", on)], None)
+            with open(os.path.join(self.art, f"{tag}-watch.json")) as f:
+                w = json.load(f)
+            with open(out) as f:
+                j = json.load(f)
+            # online.py stamps its requests on the monotonic clock, the simulated one on the
+            # wall clock; NVML's timestamps are wall-clock microseconds.
+            shift = time.time_ns() - time.monotonic_ns() if j.get("clock") == "monotonic" else 0
+            recs = [(r[1] + shift, r[2] + shift) for r in j.get("records") or []]
+            row.update(nvml_view_stats(w.get("samples") or [], on.pid, recs, period_ms), errors=w.get("errors"), polls=w.get("polls"))
+            if not recs:
+                raise RuntimeError(f"nvml-view {rate:g}/s: the online process recorded no request: {tail(os.path.join(self.art, tag + '-online.log'), 600)}")
+            log(f"  nvml-view {rate:g}/s: " + json.dumps({k: v for k, v in row.items() if k not in ("sm_values",)})[:600])
+            self.save()
+
     def nvml_load(self, deadline):
         """The online probe (burst.py: tiny kernels, each waited for; the path a driver lock
         would slow) alone while NVML is polled at each interval ("none": not polled)."""
@@ -1273,6 +1363,20 @@ def render(r, parts=None):
     for i, p in enumerate(x for x in probes if x):
         out += ["", "## NVML probe" + (f" ({i + 1})" if len(probes) > 1 else ""), ""]
         out.append(json.dumps({k: p.get(k) for k in ("call_cost", "sample_interval_ms", "freshness_ms", "drain_after_sigstop_ms", "samples", "processes_seen", "notes")}))
+    nv = r.get("nvml_view")
+    if nv:
+        out += ["", "## What NVML shows of online work (online alone, every per-process sample, zeros included)", "",
+                "A request is seen when a sample of the online process with any utilisation is stamped between the request's start "
+                "and 1.25 sample periods after its end (the reach the agent gives a sample).", "",
+                "| requests/s | requests | GPU busy share | samples (with utilisation) | sample interval p50/p99 ms | SM % p50/p99/max | requests seen |",
+                "|---|---|---|---|---|---|---|"]
+        for x in nv:
+            if x.get("error") and not x.get("requests"):
+                out.append(f"| {fmt(x.get('rate'))} | ERROR {str(x['error'])[:150]} ||||||")
+                continue
+            out.append(f"| {fmt(x.get('rate'))} | {x.get('requests')} | {fmt(x.get('busy_share'))} | {x.get('samples')} ({x.get('samples_active')}) | "
+                       f"{'/'.join(fmt(v) for v in x.get('interval_ms') or [])} | {'/'.join(fmt(v) for v in x.get('sm_util') or [])} | "
+                       f"{x.get('requests_seen')} ({fmt(x.get('seen_share'))}) |")
     sc = r.get("shim_check")
     if sc:
         out += ["", "## Shim on real CUDA", ""]
@@ -1315,14 +1419,15 @@ def render(r, parts=None):
             if x.get("model") and not x.get("gate") and x.get("offline_open_steps_per_s"):
                 ref.setdefault(x["model"], x["offline_open_steps_per_s"])
         for x in dr.get("configs") or []:
+            name = f"{x['name']} ({x['part']}, {x.get('bursts')} bursts)" if x.get("part") else x["name"]
             if x.get("skipped"):
-                out.append(f"| {x['name']} | skipped: {x['skipped']} ||||||||")
+                out.append(f"| {name} | skipped: {x['skipped']} ||||||||")
                 continue
             pair = lambda k: "/".join(fmt(v) for v in (x.get(k) or [])) or "-"
             sp = x.get("offline_open_steps_per_s")
             share = sp / ref[x["model"]] if sp and x.get("model") in ref else None
             checks = "; ".join(([f"ERROR {x['error'][:150]}"] if x.get("error") else []) + x.get("warnings", []) + ([x["note"]] if x.get("note") else [])) or "ok"
-            out.append(f"| {x['name']} | {pair('drain_ms')} ({fmt(x.get('drain_n'))}, {fmt(x.get('drain_not_ended'))}) | {pair('first_kernel_ms')} | {pair('delay_ms')} | "
+            out.append(f"| {name} | {pair('drain_ms')} ({fmt(x.get('drain_n'))}, {fmt(x.get('drain_not_ended'))}) | {pair('first_kernel_ms')} | {pair('delay_ms')} | "
                        f"{pair('latency_ms')} | {pair('preemption_ms')} ({fmt(x.get('preemption_n'))}) | {json.dumps(x.get('actuators')) if x.get('actuators') else '-'} | "
                        f"{fmt(sp)} ({fmt(share)}) | {checks.replace('|', '/')} |")
     if r.get("warmup"):
@@ -1341,23 +1446,36 @@ def merge(dirs, out):
             docs.append((os.path.basename(os.path.normpath(d)), json.load(f)))
     m = {"complete": all(r.get("complete") for _, r in docs), "meta": dict(docs[0][1].get("meta") or {}), "parts": {},
          "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None,
-         "nvml_load": None, "drain": None}
-    by_name = {}
+         "nvml_load": None, "drain": None, "nvml_view": None}
+    by_name, drains = {}, []
     for part, r in docs:
         m["parts"][part] = {"meta": r.get("meta"), "complete": r.get("complete"), "interrupted": r.get("interrupted")}
         m["steps"] += [dict(s, part=part) for s in r.get("steps") or []]
-        m["preflight"] = m["preflight"] or r.get("preflight")
+        # A part whose preflight passed is preferred to one whose preflight found something.
+        pf_ok = any(s.get("step") == "preflight" and s.get("status") == "ok" for s in r.get("steps") or [])
+        if r.get("preflight") and (m["preflight"] is None or pf_ok and not m.get("_pf_ok")):
+            m["preflight"], m["_pf_ok"] = dict(r["preflight"], part=part), pf_ok
         p = r.get("nvml_probe")
         m["nvml_probe"] += [dict(p, part=part)] if isinstance(p, dict) else []
         m["shim_check"] = m["shim_check"] or r.get("shim_check")
         m["warmup"] += [dict(r["warmup"], part=part)] if r.get("warmup") else []
         m["wake_floor"] = m["wake_floor"] or r.get("wake_floor")
         m["nvml_load"] = m["nvml_load"] or r.get("nvml_load")
-        m["drain"] = m["drain"] or r.get("drain")
+        m["nvml_view"] = m["nvml_view"] or r.get("nvml_view")
+        if r.get("drain"):
+            drains.append((part, r["drain"]))
         for row in r.get("scenarios") or []:
             old = by_name.get(row["scenario"])
             if old is None or ("error" in old or "skipped" in old) and not ("error" in row or "skipped" in row):
                 by_name[row["scenario"]] = dict(row, part=part)
+    if drains:
+        # Every configuration that ran, from every part (each row carries its own baseline
+        # threshold and burst count); a skipped one only where no part ran it.
+        ran = [dict(c, part=p) for p, d in drains for c in d.get("configs") or [] if not c.get("skipped")]
+        names = {c["name"] for c in ran}
+        skipped = {c["name"]: dict(c, part=p) for p, d in drains for c in d.get("configs") or [] if c.get("skipped") and c["name"] not in names}
+        m["drain"] = dict(drains[0][1], configs=ran + list(skipped.values()), parts=[p for p, _ in drains])
+    m.pop("_pf_ok", None)
     order = [s for _, s, *_ in ROWS]
     m["scenarios"] = sorted(by_name.values(), key=lambda x: order.index(x["scenario"]) if x["scenario"] in order else 99)
     m["meta"]["nvml_sample_period"] = {p: (r.get("meta") or {}).get("nvml_sample_period") for p, r in docs}
@@ -1410,6 +1528,8 @@ def main():
     ap.add_argument("--shim-repeats", type=int, default=5, help="shim_check.py --repeats")
     ap.add_argument("--shim-rounds", type=int, default=2, help="shim_check.py --rounds")
     ap.add_argument("--wake-floor-samples", type=int, default=150, help="coloc-bench --wake-floor samples per cell (0: skip)")
+    ap.add_argument("--nvml-view-rates", default="30,150", help="nvml-view: online request rates (per second), one run of online work alone each")
+    ap.add_argument("--nvml-view-seconds", type=float, default=10.0, help="nvml-view: seconds of online work per rate")
     ap.add_argument("--nvml-load-intervals", default="none,1,10,100,none", help="nvml-load: poll intervals in ms, 'none' for a run without polling")
     ap.add_argument("--nvml-load-duration", type=float, default=6.0, help="nvml-load: seconds of the probe's bursts per interval")
     ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK[+Bms]:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded; B: COLOC_SHIM_INFLIGHT_MS, the shim's default 3 when not given, 0 none); M: " + ", ".join(MODELS))
@@ -1448,7 +1568,7 @@ def main():
                 h.run_step(step, lambda dl, row=row, step=step, on=on, off=off, ag=ag: h.scenario(row, step, on, off, ag, dl), row=row)
             else:
                 fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor,
-                      "nvml-load": h.nvml_load, "drain": h.drain}[step]
+                      "nvml-load": h.nvml_load, "drain": h.drain, "nvml-view": h.nvml_view}[step]
                 h.run_step(step, fn)
         h.results["complete"] = True
     except Interrupted as e:

@@ -302,6 +302,10 @@ fn main() {
         nvml::probe(&args);
         return;
     }
+    if args.iter().any(|a| a == "--nvml-watch") {
+        nvml::watch(&args);
+        return;
+    }
     if args.iter().any(|a| a == "--nvml-poll") {
         nvml::poll(&args);
         return;

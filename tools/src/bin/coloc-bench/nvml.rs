@@ -9,6 +9,8 @@
 //!   which the agent's sampler drops; errors by reason;
 //!   `INSUFFICIENT_SIZE` retried), and with `--stop-pid` the drain NVML shows after a
 //!   SIGSTOP (at 1/3 of the run; SIGCONT at 2/3).
+//! - **watch**: every per-process sample as the driver reports it, zero samples included,
+//!   so that a harness can line them up with the work a process really did.
 //! - **poll**: makes the two calls of the agent's loop (process list, then samples newer
 //!   than the last one seen) together every `INTERVAL` — the agent itself spaces them by
 //!   `--process-interval` (50 ms) and `--nvml-interval` (100 ms) — until `--seconds` or
@@ -31,6 +33,10 @@ pub const USAGE: &str = "
         freshness while polling every 1 ms, how the calls answered (new samples, nothing
         new, errors by reason, INSUFFICIENT_SIZE retried), and with --stop-pid the drain
         NVML shows after a SIGSTOP of that process (sent at 1/3 of the run, SIGCONT at 2/3)
+  --nvml-watch [--nvml-lib LIB] [--gpu 0] [--seconds 5] [--every-ms 2]
+        every per-process utilisation sample the driver reports, zeros included (the
+        agent's sampler drops those), polled every --every-ms: JSON to stdout with one
+        [pid, timestamp µs, sm %, memory %] per sample, oldest first
   --nvml-poll INTERVAL_MS [--nvml-lib LIB] [--gpu 0] [--seconds 0]
         make the agent loop's two NVML calls (process list, samples) every INTERVAL_MS
         until --seconds (0: until SIGTERM); prints polls, each call's cost and the answers
@@ -260,6 +266,68 @@ pub fn probe(args: &[String]) {
         "gpm": gpm,
     });
     println!("{}", serde_json::to_string_pretty(&out).unwrap());
+}
+
+/// `--nvml-watch`.
+pub fn watch(args: &[String]) {
+    let lib = opt(args, "--nvml-lib").unwrap_or_else(|| "libnvidia-ml.so.1".into());
+    let gpu: u32 = opt(args, "--gpu").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let secs: f64 = opt(args, "--seconds")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5.0);
+    let every = Duration::from_secs_f64(
+        opt(args, "--every-ms")
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| *v > 0.0 && v.is_finite())
+            .unwrap_or(2.0)
+            / 1e3,
+    );
+    let fail = |what: &str, e: nvml_wrapper::error::NvmlError| -> ! {
+        eprintln!("coloc-bench --nvml-watch: {what} ({lib}): {e}");
+        std::process::exit(2)
+    };
+    let nvml = nvml_wrapper::Nvml::builder()
+        .lib_path(std::ffi::OsStr::new(&lib))
+        .init()
+        .unwrap_or_else(|e| fail("cannot initialise NVML", e));
+    let dev = nvml
+        .device_by_index(gpu)
+        .unwrap_or_else(|e| fail(&format!("no GPU {gpu}"), e));
+    let mut seen = std::collections::BTreeSet::new();
+    let mut samples = Vec::new();
+    let mut errors: BTreeMap<String, u64> = BTreeMap::new();
+    // From a second back: the samples of work that started just before the watch began.
+    let (mut polls, mut last) = (0u64, now_us().saturating_sub(1_000_000));
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs {
+        polls += 1;
+        match dev.process_utilization_stats(last) {
+            Ok(v) => {
+                for s in v {
+                    last = last.max(s.timestamp);
+                    if seen.insert((s.pid, s.timestamp)) {
+                        samples.push([
+                            s.pid as u64,
+                            s.timestamp,
+                            s.sm_util as u64,
+                            s.mem_util as u64,
+                        ]);
+                    }
+                }
+            }
+            Err(nvml_wrapper::error::NvmlError::NotFound) => {}
+            Err(e) => *errors.entry(e.to_string()).or_default() += 1,
+        }
+        std::thread::sleep(every);
+    }
+    samples.sort_by_key(|s| (s[1], s[0]));
+    let out = serde_json::json!({
+        "nvml_lib": lib, "gpu": gpu, "seconds": t0.elapsed().as_secs_f64(), "polls": polls,
+        "every_ms": every.as_secs_f64() * 1e3, "errors": errors,
+        "clock": "samples' timestamps are the driver's CPU time (µs since the Unix epoch)",
+        "samples": samples,
+    });
+    println!("{}", serde_json::to_string(&out).unwrap());
 }
 
 static TERM: AtomicBool = AtomicBool::new(false);
