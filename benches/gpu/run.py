@@ -80,7 +80,7 @@ GROUPS = {
 }
 # Used for NVML-only rows when neither --nvml-sample-period nor a probe gives one: the
 # agent's own default.
-FALLBACK_SAMPLE_PERIOD = "100ms"
+FALLBACK_SAMPLE_PERIOD = "200ms"
 BINARIES = ("coloc-agent", "coloc-bench", "libcoloc_cuda.so")
 # The drain step's training loops: offline.py's arguments on a real GPU (fp32: "large" is
 # about 1 ms per GEMM on an H100, "small" tens of microseconds), the simulated kernel per
@@ -1351,6 +1351,10 @@ def render(r, parts=None):
     out.append("- binaries: " + ", ".join(f"{k} {v.get('sha256', v.get('error', ''))[:16]}" for k, v in (m.get("binaries") or {}).items()))
     if parts:
         out.append(f"- merged from: {', '.join(parts)}")
+        for part in parts:
+            pm = (((r.get("parts") or {}).get(part) or {}).get("meta")) or {}
+            bins = ", ".join(f"{k} {(v or {}).get('sha256', '?')[:16]}" for k, v in (pm.get("binaries") or {}).items())
+            out.append(f"  - {part}: {pm.get('date')}, commit {pm.get('commit')}, steps {','.join(pm.get('steps_selected') or [])}; {bins}")
     out += ["", "## Steps", "", "| step | status | s | note |", "|---|---|---|---|"]
     for s in r.get("steps") or []:
         note = s.get("reason") or (s.get("error") or "").strip().splitlines()[-1:] or [""]
@@ -1368,7 +1372,7 @@ def render(r, parts=None):
         out += ["", "## What NVML shows of online work (online alone, every per-process sample, zeros included)", "",
                 "A request is seen when a sample of the online process with any utilisation is stamped between the request's start "
                 "and 1.25 sample periods after its end (the reach the agent gives a sample).", "",
-                "| requests/s | requests | GPU busy share | samples (with utilisation) | sample interval p50/p99 ms | SM % p50/p99/max | requests seen |",
+                "| requests/s | requests | share of time in requests | samples (with utilisation) | sample interval p50/p99 ms | SM % p50/p99/max | requests seen |",
                 "|---|---|---|---|---|---|---|"]
         for x in nv:
             if x.get("error") and not x.get("requests"):
@@ -1521,7 +1525,7 @@ def main():
     ap.add_argument("--nvml-sample-period", help=f"give the agents this sample period instead of the probe's (fallback {FALLBACK_SAMPLE_PERIOD})")
     ap.add_argument("--probe-seconds", type=float, default=12.0, help="coloc-bench --nvml-probe --seconds (SIGSTOP at 1/3, SIGCONT at 2/3)")
     ap.add_argument("--sim-work-ms", type=float, default=10.0)
-    ap.add_argument("--sim-sample-period-ms", type=float, default=100.0, help="the simulated driver's sample period (a real driver's is 100 ms to 1 s)")
+    ap.add_argument("--sim-sample-period-ms", type=float, default=200.0, help="the simulated driver's sample period (an H100's driver 580: 200 ms)")
     ap.add_argument("--shim", help="libcoloc_cuda.so (default: in --bin)")
     ap.add_argument("--gate-inflight", type=int, default=4, help="K for the gate scenario (COLOC_SHIM_INFLIGHT)")
     ap.add_argument("--shim-launches", type=int, default=100000, help="shim_check.py --launches")

@@ -84,6 +84,10 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "1",
                 "--nvml-load-intervals",
                 "none,1",
+                "--nvml-view-rates",
+                "5,40",
+                "--nvml-view-seconds",
+                "1.5",
                 "--drain-configs",
                 "alone,signal:large,gate2+0ms:large",
                 "--drain-bursts",
@@ -141,7 +145,8 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             .len(),
         64
     );
-    assert_eq!(res["meta"]["nvml_sample_period"]["value"], "100ms");
+    // The simulated driver's period, which is the H100's (200 ms).
+    assert_eq!(res["meta"]["nvml_sample_period"]["value"], "200ms");
     // Every step recorded; the injected failure as an error, every other step ok.
     let steps = res["steps"].as_array().unwrap();
     let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
@@ -150,6 +155,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         [
             "preflight",
             "probe",
+            "nvml-view",
             "warmup",
             "online-alone",
             "offline-alone",
@@ -228,6 +234,15 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             .unwrap()
             > 0.0
     );
+    // What NVML shows of online work: every sample of the online process is recorded, and
+    // the simulated 10 ms requests (5 % and 40 % of the time) are seen by them.
+    let view = res["nvml_view"].as_array().unwrap();
+    assert_eq!(view.len(), 2, "{view:?}");
+    for v in view {
+        assert!(v["samples_active"].as_u64().unwrap() >= 3, "{v}");
+        assert!(v["requests"].as_u64().unwrap() >= 3, "{v}");
+        assert!(v["seen_share"].as_f64().unwrap() > 0.5, "{v}");
+    }
     // NVML polled beside online work: the unpolled run and the 1 ms one.
     let load = res["nvml_load"].as_array().unwrap();
     assert_eq!(load.len(), 2, "{load:?}");
@@ -300,4 +315,84 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         assert!(listing.lines().any(|l| l == f), "{f} missing:\n{listing}");
     }
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn gpu_harness_merge_joins_drain_configurations_and_prefers_a_passing_preflight() {
+    // Parts run on a GPU machine are joined with --merge: every drain configuration that
+    // ran in any part is kept, with its part; one skipped everywhere stays as skipped; the
+    // preflight shown is a part's that passed, not the first part's failed one.
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-gpu-merge"));
+    let part = |name: &str, preflight_ok: bool, configs: serde_json::Value| {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let doc = serde_json::json!({
+            "complete": true, "meta": {"sim": false, "commit": name, "binaries": {}},
+            "steps": [{"step": "preflight", "status": if preflight_ok { "ok" } else { "error" }}],
+            "preflight": {"from": name}, "scenarios": [],
+            "drain": {"bursts": 5, "burst_ms": 300.0, "gap_ms": 700.0, "open_s": 4.0, "configs": configs},
+        });
+        std::fs::write(d.join("results.json"), doc.to_string()).unwrap();
+        d
+    };
+    let row = |name: &str, skipped: bool| {
+        let mut r = serde_json::json!({"name": name, "model": "large", "bursts": 5, "delay_ms": [1.0, 2.0]});
+        if skipped {
+            r["skipped"] = "the step's deadline".into();
+        }
+        r
+    };
+    let p1 = part(
+        "p1",
+        false,
+        serde_json::json!([
+            row("alone", false),
+            row("gate4:large", true),
+            row("gate1:large", true)
+        ]),
+    );
+    let p2 = part(
+        "p2",
+        true,
+        serde_json::json!([row("alone", false), row("gate4:large", false)]),
+    );
+    let out = dir.join("all");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/run.py");
+    let r = output_within(
+        std::process::Command::new("python3")
+            .arg(&script)
+            .arg("--merge")
+            .args([&p1, &p2])
+            .arg("--out")
+            .arg(&out),
+        CMD_LIMIT,
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(m["preflight"]["from"], "p2", "{m}");
+    let got: Vec<(String, String, bool)> = m["drain"]["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["part"].as_str().unwrap().to_string(),
+                c.get("skipped").is_some(),
+            )
+        })
+        .collect();
+    let want = [
+        ("alone", "p1", false),
+        ("alone", "p2", false),
+        ("gate4:large", "p2", false),
+        ("gate1:large", "p1", true),
+    ]
+    .map(|(a, b, c)| (a.to_string(), b.to_string(), c));
+    assert_eq!(got, want, "{m}");
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| gate4:large (p2, 5 bursts) |"), "{md}");
+    assert!(md.contains("  - p2: "), "{md}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
