@@ -45,10 +45,9 @@ enum Cmd {
         /// Number of GPUs.
         #[arg(long, default_value_t = 1)]
         gpus: u32,
-        /// Driver sample period for per-process utilisation, ms. Real drivers: a 72-entry
-        /// ring per 10 s in the open kernel modules (~140 ms), samples pushed once a second
-        /// by GSP firmware (H100); 100 ms until the real-GPU harness measures it.
-        #[arg(long, default_value_t = 100.0)]
+        /// Driver sample period for per-process utilisation, ms. 200 ms: what an H100 with
+        /// driver 580 gave (sample interval p50 200.0 ms, `benches/gpu/results/`).
+        #[arg(long, default_value_t = 200.0)]
         sample_period_ms: f64,
         /// Model tick, µs: the longest the daemon sleeps, so the latest it sees new work.
         /// A completion someone waits for is made when it is due, not at the next tick.
