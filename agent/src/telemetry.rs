@@ -8,7 +8,7 @@ use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// Histogram buckets for every `_seconds` histogram: 100 µs to 1 s.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -82,7 +82,11 @@ fn describe() {
     );
     describe_counter!(
         "coloc_doorbell_rejected_total",
-        "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu; invalidated: a mapped page that stopped being valid, e.g. its file was truncated); counted once per page and reason."
+        "Doorbell pages whose launches count for nothing, by reason (unknown_gpu, unknown_owner, not_online, uid_mismatch, not_on_gpu; uncorroborated: it kept its GPU busy for --doorbell-trust-window while NVML never showed its owner at work; invalidated: a mapped page that stopped being valid, e.g. its file was truncated); counted once per page and reason."
+    );
+    describe_gauge!(
+        "coloc_doorbell_distrusted_pages",
+        "Doorbell pages whose launches do not count now because NVML never corroborated them (see coloc_doorbell_rejected_total{reason=\"uncorroborated\"})."
     );
     describe_counter!(
         "coloc_doorbell_pod_dirs_removed_total",
@@ -354,6 +358,13 @@ impl Telemetry {
             }
             Event::FailOpen(f) => {
                 error!(gpu = f.gpu, reason = %f.reason, resumed = f.resumed, "Failed open: offline work resumed");
+            }
+            Event::Distrust(d) if d.restored => {
+                info!(gpu = d.gpu, page = %d.page, owner = %d.owner, "Doorbell page trusted again: NVML showed its owner at work");
+            }
+            Event::Distrust(d) => {
+                warn!(gpu = d.gpu, page = %d.page, owner = %d.owner, claimed_s = d.claimed_s, nvml_seen_ns = d.nvml_seen_ns,
+                    "Doorbell page distrusted: it kept the GPU busy while NVML never showed its owner at work; its launches count for nothing until a sample does");
             }
         }
         push_bounded(&mut self.recent, ev, RECENT);

@@ -84,6 +84,16 @@ pub struct RunArgs {
     /// flight is done (at most K = COLOC_SHIM_INFLIGHT kernels per stream).
     #[arg(long, env = "COLOC_GATE_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
     pub gate_timeout: Duration,
+    /// How long a doorbell page may keep its GPU busy without NVML ever showing its owner
+    /// at work before its launches stop counting. A page's launch times are the tenant's
+    /// word; the driver's samples are not. A page whose claims kept the GPU busy for this
+    /// long, without interruption, while no sample of its owner's processes on that GPU
+    /// showed any utilisation in that time, is distrusted (metric, event, log, `/state`)
+    /// until a sample does. The driver reads under 1 % of a period as 0 %: a service busy
+    /// that little for this long without a break loses its doorbell (NVML still counts).
+    /// 0: pages are never distrusted.
+    #[arg(long, env = "COLOC_DOORBELL_TRUST_WINDOW", default_value = "30s", value_parser = parse_duration)]
+    pub doorbell_trust_window: Duration,
     /// How often to re-read the running-process list (a PID seen in samples but not yet
     /// known triggers a re-read at once).
     #[arg(long, env = "COLOC_PROCESS_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
@@ -321,6 +331,7 @@ impl RunArgs {
             nvml_hang_timeout: self.nvml_hang_timeout,
             recheck: self.recheck_interval,
             gate_timeout: self.gate_timeout,
+            doorbell_trust_window: self.doorbell_trust_window,
             node: self
                 .node_name
                 .clone()

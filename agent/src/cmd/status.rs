@@ -178,6 +178,7 @@ pub fn run(a: StatusArgs) -> Result<()> {
                     crate::control::events::Event::Preempt(p) => p.decided_ns,
                     crate::control::events::Event::Release(r) => r.decided_ns,
                     crate::control::events::Event::FailOpen(f) => f.at_ns,
+                    crate::control::events::Event::Distrust(d) => d.at_ns,
                 })
                 .unwrap_or(now)
                 .min(now.saturating_sub(10_000_000_000));

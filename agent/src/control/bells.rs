@@ -10,6 +10,13 @@
 //! Anything else is rejected, counted by reason, and logged once per page. A page never
 //! names whom to suspend: it can only make its own online owner's activity visible
 //! sooner, which that owner could cause anyway by launching work.
+//!
+//! Corroboration: launch times are the tenant's word, clamped to now. An owner whose pages
+//! kept a GPU busy without a break for `--doorbell-trust-window` while no NVML sample of
+//! its processes on that GPU showed any work in that time is distrusted on that GPU (an
+//! event, a metric, a log line, `/state`): its launches count for nothing until a sample
+//! shows it at work. Owners are pods (all their processes and pages) or, standalone,
+//! processes.
 
 use super::table::Activity;
 use super::Loop;
@@ -31,15 +38,18 @@ enum Reject {
     UidMismatch,
     /// Its owner does not use the GPU the reading names.
     NotOnGpu,
+    /// Its owner's claims kept the GPU busy while NVML never showed the owner at work.
+    Uncorroborated,
 }
 
 impl Reject {
-    const ALL: [Reject; 5] = [
+    const ALL: [Reject; 6] = [
         Reject::UnknownGpu,
         Reject::UnknownOwner,
         Reject::NotOnline,
         Reject::UidMismatch,
         Reject::NotOnGpu,
+        Reject::Uncorroborated,
     ];
 
     /// Metric label.
@@ -50,6 +60,7 @@ impl Reject {
             Reject::NotOnline => "not_online",
             Reject::UidMismatch => "uid_mismatch",
             Reject::NotOnGpu => "not_on_gpu",
+            Reject::Uncorroborated => "uncorroborated",
         }
     }
 }
@@ -67,6 +78,20 @@ pub(super) struct Bells {
     /// When the directories of pods that are gone are next looked for.
     next_sweep_ns: u64,
     window_ns: u64,
+    /// `--doorbell-trust-window`, ns (0: never distrust).
+    trust_ns: u64,
+    /// Per owner and GPU: the run its pages' claims keep going, and whether it is trusted.
+    claims: HashMap<(Owner, u32), Claim>,
+}
+
+/// An owner's claims on one GPU, in the agent's terms (clamped, merged across its pages).
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    /// Start and end of the current run: claims less than the idle window apart.
+    run_start: u64,
+    run_end: u64,
+    /// Distrusted since.
+    distrusted_at: Option<u64>,
 }
 
 /// How often the directories of pods that are gone are looked for.
@@ -102,6 +127,7 @@ impl Bells {
         uuids: &[(u32, String)],
         now: u64,
         window_ns: u64,
+        trust_ns: u64,
     ) -> Bells {
         for r in Reject::ALL {
             metrics::counter!("coloc_doorbell_rejected_total", "reason" => r.as_str()).absolute(0);
@@ -127,7 +153,28 @@ impl Bells {
             next_scan_ns: 0,
             next_sweep_ns: now + SWEEP_EVERY_NS,
             window_ns,
+            trust_ns,
+            claims: HashMap::new(),
         }
+    }
+
+    /// Owners distrusted now, per GPU, for `/state` (also sets the gauge).
+    pub(super) fn distrusted(&self) -> Vec<crate::control::state::DistrustedPage> {
+        let mut out: Vec<_> = self
+            .claims
+            .iter()
+            .filter_map(|((owner, gpu), c)| {
+                c.distrusted_at
+                    .map(|since_ns| crate::control::state::DistrustedPage {
+                        owner: owner_label(owner),
+                        gpu: *gpu,
+                        since_ns,
+                    })
+            })
+            .collect();
+        out.sort_by(|a, b| (a.gpu, &a.owner).cmp(&(b.gpu, &b.owner)));
+        metrics::gauge!("coloc_doorbell_distrusted_pages").set(out.len() as f64);
+        out
     }
 
     /// Sleeps until a doorbell rings or `timeout` passes; true when woken early.
@@ -184,6 +231,9 @@ impl Loop {
         if b.edge.rescan(force) {
             let infos = b.edge.pages();
             b.pages.retain(|id, _| infos.iter().any(|i| i.id == *id));
+            // Claims live as long as their owner has a page (a pod's stay with the pod).
+            b.claims
+                .retain(|(owner, _), _| infos.iter().any(|i| &i.owner == owner));
             for info in infos {
                 if info.wake_gap_ns > b.window_ns {
                     warn!(page = %info.path.display(), wake_gap_ms = info.wake_gap_ns as f64 / 1e6, idle_window_ms = b.window_ns as f64 / 1e6,
@@ -256,6 +306,10 @@ impl Loop {
                 return;
             }
         };
+        let start = r.reading.busy_since_ns.min(last).max(blind);
+        if !self.corroborated(r.page, gpu, start, last, now) {
+            return;
+        }
         let p = self.bells.pages.get_mut(&r.page).expect("checked above");
         p.noted.retain(|n| n.0 != reading.0);
         p.noted.push(reading);
@@ -268,13 +322,89 @@ impl Loop {
             &key,
             gpu,
             Activity {
-                start: r.reading.busy_since_ns.min(last).max(blind),
+                start,
                 end: last,
                 through_end: false,
                 signal: Signal::Doorbell,
                 window: self.bells.window_ns,
             },
         );
+    }
+
+    /// Notes a page's claim `[start, end]` on `gpu` in its owner's run; false when the owner
+    /// is distrusted there (the claim then counts for nothing). An owner whose run has
+    /// lasted `--doorbell-trust-window` with no NVML sample of its processes at work on
+    /// that GPU in that time becomes distrusted; a sample after that restores it.
+    fn corroborated(&mut self, page: u64, gpu: u32, start: u64, end: u64, now: u64) -> bool {
+        let Some(p) = self.bells.pages.get(&page) else {
+            return false;
+        };
+        let owner = p.info.owner.clone();
+        let path = p.info.path.display().to_string();
+        let seen = self.nvml_seen_by(&owner, gpu);
+        let (window, trust) = (self.bells.window_ns, self.bells.trust_ns);
+        let c = self
+            .bells
+            .claims
+            .entry((owner.clone(), gpu))
+            .or_insert(Claim {
+                run_start: start,
+                run_end: end,
+                distrusted_at: None,
+            });
+        if start >= c.run_end.saturating_add(window) {
+            c.run_start = start;
+        }
+        c.run_end = c.run_end.max(end);
+        let claimed_s = c.run_end.saturating_sub(c.run_start) as f64 / 1e9;
+        let event = match c.distrusted_at {
+            Some(at) if seen.is_some_and(|s| s > at) => {
+                c.distrusted_at = None;
+                c.run_start = start;
+                Some(true)
+            }
+            Some(_) => return false,
+            None if trust > 0
+                && c.run_end.saturating_sub(c.run_start) >= trust
+                && seen.is_none_or(|s| s.saturating_add(trust) < now) =>
+            {
+                c.distrusted_at = Some(now);
+                Some(false)
+            }
+            None => None,
+        };
+        let Some(restored) = event else {
+            return true;
+        };
+        if !restored {
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => Reject::Uncorroborated.as_str())
+                .increment(1);
+        }
+        self.telemetry
+            .emit(super::events::Event::Distrust(super::events::Distrust {
+                gpu,
+                at_ns: now,
+                page: path,
+                owner: owner_label(&owner),
+                claimed_s,
+                nvml_seen_ns: seen,
+                restored,
+            }));
+        restored
+    }
+
+    /// End of the latest sampled period that showed any process of `owner` at work on
+    /// `gpu`.
+    fn nvml_seen_by(&self, owner: &Owner, gpu: u32) -> Option<u64> {
+        let of = |e: &&super::entry::Entry| match owner {
+            Owner::Pid(pid) => e.key.pid == *pid,
+            Owner::Pod(uid) => e.pod_uid.as_deref() == Some(uid.as_str()),
+        };
+        self.table
+            .entries()
+            .filter(of)
+            .filter_map(|e| e.nvml_seen.get(&gpu).copied())
+            .max()
     }
 
     /// The online process a page's reading for `gpu` counts for, or why none does.
@@ -311,6 +441,7 @@ impl Loop {
     }
 
     fn reject(&mut self, page: u64, why: Reject) {
+        debug_assert!(why != Reject::Uncorroborated, "counted where it is decided");
         let now = self.clock.now_ns();
         let Some(p) = self.bells.pages.get_mut(&page) else {
             return;
@@ -328,5 +459,13 @@ impl Loop {
             warn!(page = %p.info.path.display(), owner = ?p.info.owner, file_uid = p.info.file_uid, reason = why.as_str(),
                 "Doorbell page not attributed: its launches count for nothing");
         }
+    }
+}
+
+/// `pid:<n>` or `pod:<uid>`.
+fn owner_label(owner: &Owner) -> String {
+    match owner {
+        Owner::Pid(pid) => format!("pid:{pid}"),
+        Owner::Pod(uid) => format!("pod:{uid}"),
     }
 }

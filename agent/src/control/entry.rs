@@ -26,6 +26,9 @@ pub struct Entry {
     /// read of the driver's samples has gone past the period after it, the process may
     /// still be busy (see `Loop::inputs`).
     pub last_sampled: BTreeMap<u32, u64>,
+    /// End of the latest sampled period (NVML) that showed it at work at all, per GPU,
+    /// whether or not it counted as activity: what corroborates its doorbell page.
+    pub nvml_seen: BTreeMap<u32, u64>,
     /// Onset of the current run of activity per GPU, and the signal that gave it.
     pub onset: BTreeMap<u32, (u64, Signal)>,
     /// Real UID of the process.
@@ -72,6 +75,10 @@ impl Entry {
     /// all there is: it counts until the period's end, so that work seen late is still
     /// preempted.
     pub(super) fn note(&mut self, gpu: u32, a: Activity) -> bool {
+        if a.signal == Signal::Nvml {
+            let s = self.nvml_seen.entry(gpu).or_insert(0);
+            *s = (*s).max(a.end);
+        }
         if a.signal == Signal::Doorbell {
             self.rung = true;
         } else if self.rung && !a.through_end {

@@ -22,6 +22,9 @@ pub enum Event {
     Release(Release),
     /// Offline work was resumed because something failed (see `reason`).
     FailOpen(FailOpen),
+    /// A doorbell page's launches stopped counting (NVML never corroborated them), or
+    /// count again (NVML showed its owner at work).
+    Distrust(Distrust),
 }
 
 impl Event {
@@ -31,6 +34,7 @@ impl Event {
             Event::Preempt(p) => Some(p.gpu),
             Event::Release(r) => Some(r.gpu),
             Event::FailOpen(f) => f.gpu,
+            Event::Distrust(d) => Some(d.gpu),
         }
     }
 }
@@ -116,6 +120,27 @@ pub struct FailOpen {
     pub gpu: Option<u32>,
     /// Suspended targets resumed.
     pub resumed: usize,
+}
+
+/// A doorbell page whose claims NVML did not corroborate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Distrust {
+    /// GPU index the page's launches named.
+    pub gpu: u32,
+    /// When, ns.
+    pub at_ns: u64,
+    /// The page's path.
+    pub page: String,
+    /// Its owner: `pid:<n>` or `pod:<uid>`.
+    pub owner: String,
+    /// How long its claims had kept the GPU busy without a break, seconds.
+    pub claimed_s: f64,
+    /// End of the latest sampled period that showed the owner at work on that GPU, ns
+    /// (none: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvml_seen_ns: Option<u64>,
+    /// False: distrusted from now on; true: trusted again (a sample showed it at work).
+    pub restored: bool,
 }
 
 /// Parses an event log (JSON lines); lines that are not events are skipped.
@@ -215,7 +240,7 @@ fn finish(w: Waiting) -> Event {
                 r.confirmed_ns = Some(at);
                 r.release_s = Some(secs(at.saturating_sub(r.window_end_ns)));
             }
-            Event::FailOpen(_) => {}
+            Event::FailOpen(_) | Event::Distrust(_) => {}
         }
     }
     ev

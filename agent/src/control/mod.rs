@@ -109,6 +109,9 @@ pub struct LoopConfig {
     pub recheck: Duration,
     /// How long a launch gate's acknowledgement is waited for before the fallback.
     pub gate_timeout: Duration,
+    /// How long a doorbell page may keep a GPU busy with no NVML sample of its owner at
+    /// work before it is distrusted (zero: never).
+    pub doorbell_trust_window: Duration,
 }
 
 /// The loop's edges (real ones in `main`, fakes in tests).
@@ -276,7 +279,13 @@ impl Loop {
             next_refresh_ns: 0,
             next_nvml_ns: 0,
             refresh_asked: None,
-            bells: bells::Bells::new(edges.bells, &uuids, started_ns, cfg.machine.idle_window),
+            bells: bells::Bells::new(
+                edges.bells,
+                &uuids,
+                started_ns,
+                cfg.machine.idle_window,
+                cfg.doorbell_trust_window.as_nanos() as u64,
+            ),
             last_tick_ns: None,
             last_publish_ns: 0,
             decide_next: true,

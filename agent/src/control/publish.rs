@@ -110,6 +110,7 @@ impl Loop {
             updated_ns: now,
             gpus,
             recent_events: self.telemetry.recent.iter().cloned().collect(),
+            distrusted_pages: self.bells.distrusted(),
         };
         *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
     }

@@ -34,6 +34,20 @@ pub struct StateDoc {
     pub gpus: Vec<GpuDoc>,
     /// The latest events, oldest first.
     pub recent_events: Vec<Event>,
+    /// Doorbell pages whose launches do not count: NVML did not corroborate them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub distrusted_pages: Vec<DistrustedPage>,
+}
+
+/// An owner of doorbell pages distrusted on a GPU, in `/state`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DistrustedPage {
+    /// `pid:<n>` (standalone) or `pod:<uid>`.
+    pub owner: String,
+    /// The GPU its launches named.
+    pub gpu: u32,
+    /// Distrusted since, ns.
+    pub since_ns: u64,
 }
 
 /// One GPU in `/state`.

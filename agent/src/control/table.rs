@@ -196,6 +196,7 @@ impl Table {
                             Some(o) if o.key == entry.key => {
                                 entry.last_active = o.last_active;
                                 entry.last_sampled = o.last_sampled;
+                                entry.nvml_seen = o.nvml_seen;
                                 entry.onset = o.onset;
                                 entry.rung = o.rung;
                             }
@@ -371,6 +372,7 @@ impl Table {
             gpus: BTreeSet::new(),
             last_active: BTreeMap::new(),
             last_sampled: BTreeMap::new(),
+            nvml_seen: BTreeMap::new(),
             onset: BTreeMap::new(),
             uid: info.uid,
             pod_uid,

@@ -195,3 +195,164 @@ fn a_launch_time_in_the_future_counts_as_now() {
         "still held a window after a launch claimed for an hour from now"
     );
 }
+
+/// Offline 10 and online 20 on GPU 0 (the user's defaults), pages distrusted after 1 s.
+fn setup_trust() -> H {
+    let mut cfg = user_config();
+    cfg.doorbell_trust_window = Duration::from_secs(1);
+    let mut h = harness_with(1, cfg);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h.bells.page(1, Owner::Pid(20), 0);
+    h
+}
+
+fn distrusts(h: &H) -> Vec<crate::control::events::Distrust> {
+    h.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Distrust(d) => Some(d),
+            _ => None,
+        })
+        .collect()
+}
+
+/// An online process that writes launch times without running anything (its page says
+/// "busy", NVML never shows it at work) holds offline work for the trust window, then its
+/// launches count for nothing and offline runs, whatever the page says; a sample showing
+/// it at work makes its page count again.
+#[test]
+fn launches_nvml_never_corroborates_stop_counting_after_the_trust_window() {
+    let mut h = setup_trust();
+    let t0 = h.now();
+    let mut freed_at = None;
+    while h.now() < t0 + 1_500 * MS {
+        let now = h.now();
+        h.bells.ring(1, 0, t0, now);
+        h.tick();
+        if freed_at.is_none() && !h.suspended(10) && h.now() > t0 + 10 * MS {
+            freed_at = Some(h.now());
+        }
+    }
+    let freed = freed_at.expect("offline work stayed held by claims NVML never saw");
+    assert!(
+        freed >= t0 + 1_000 * MS && freed <= t0 + 1_000 * MS + 110 * MS,
+        "held for the trust window, then released within the idle window: {} ms",
+        (freed - t0) / MS
+    );
+    let d = distrusts(&h);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(
+        !d[0].restored && d[0].owner == "pid:20" && d[0].gpu == 0,
+        "{d:?}"
+    );
+    assert!(
+        d[0].nvml_seen_ns.is_none() && d[0].claimed_s >= 1.0,
+        "{d:?}"
+    );
+    let listed = h.lp.bells.distrusted();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].owner, "pid:20");
+    // Still distrusted, however it rings, until the driver shows it at work.
+    distrusted_until_seen(&mut h, 1, 20);
+    let d = distrusts(&h);
+    assert!(d.last().is_some_and(|d| d.restored), "{d:?}");
+    assert!(h.lp.bells.distrusted().is_empty());
+}
+
+/// Real work keeps its page trusted: continuous launches with the driver showing the
+/// process at work at least once per trust window are never distrusted, and breaks in
+/// the claims start the count again.
+#[test]
+fn corroborated_or_interrupted_claims_stay_trusted() {
+    let mut h = setup_trust();
+    let t0 = h.now();
+    let mut next_sample = t0;
+    while h.now() < t0 + 3_500 * MS {
+        let now = h.now();
+        h.bells.ring(1, 0, t0, now);
+        if now >= next_sample {
+            h.active(0, 20);
+            next_sample = now + 800 * MS;
+        }
+        h.tick();
+        if now > t0 + 5 * MS {
+            assert!(
+                h.suspended(10),
+                "corroborated work released at {} ms: {:?} {:?}",
+                (now - t0) / MS,
+                distrusts(&h),
+                h.lp.table.by_pid(20).map(|e| e.nvml_seen.clone())
+            );
+        }
+    }
+    assert!(distrusts(&h).is_empty(), "{:?}", distrusts(&h));
+    // Uncorroborated bursts of 600 ms with 150 ms breaks (longer than the idle window):
+    // no run reaches the trust window.
+    let mut h = setup_trust();
+    let t0 = h.now();
+    while h.now() < t0 + 4_000 * MS {
+        let now = h.now();
+        if (now - t0) % (750 * MS) < 600 * MS {
+            h.bells.ring(1, 0, now, now);
+        }
+        h.tick();
+    }
+    assert!(distrusts(&h).is_empty(), "{:?}", distrusts(&h));
+}
+
+/// A pod is one owner: distrust earned by one of its processes stays with the pod when a
+/// new process of it maps a new page.
+#[test]
+fn distrust_stays_with_the_pod_across_its_processes() {
+    let mut cfg = user_config();
+    cfg.doorbell_trust_window = Duration::from_secs(1);
+    let mut h = harness_with(1, cfg);
+    let uid = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    let cg = format!(
+        "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-abc.scope",
+        uid.replace('-', "_")
+    );
+    h.spawn(0, 10, class(Class::Offline, None));
+    for pid in [20, 21] {
+        h.procs.add(pid, 100 + pid as u64, "serve", &cg);
+        h.gpu.add(0, pid);
+        h.source.set(pid, class(Class::Online, None));
+    }
+    h.ticks(3);
+    h.bells.page(1, Owner::Pod(uid.into()), 0);
+    let t0 = h.now();
+    while h.now() < t0 + 1_200 * MS {
+        let now = h.now();
+        h.bells.ring(1, 0, t0, now);
+        h.tick();
+    }
+    assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
+    assert_eq!(h.lp.bells.distrusted()[0].owner, format!("pod:{uid}"));
+    // Another process of the pod, another page: still nothing counts, until any of its
+    // processes is seen at work by the driver.
+    h.bells.page(2, Owner::Pod(uid.into()), 0);
+    distrusted_until_seen(&mut h, 2, 21);
+}
+
+/// Page `page`'s rings preempt nothing (offline 10 runs) until a sample shows `pid` at
+/// work; then they preempt again.
+fn distrusted_until_seen(h: &mut H, page: u64, pid: u32) {
+    for _ in 0..200 {
+        let now = h.now();
+        h.bells.ring(page, 0, now, now);
+        h.tick();
+        assert!(!h.suspended(10), "a distrusted owner's page preempted");
+    }
+    h.active(0, pid);
+    h.clock.advance(250 * MS);
+    h.ticks(2);
+    let now = h.now();
+    h.bells.ring(page, 0, now, now);
+    h.tick();
+    assert!(
+        h.suspended(10),
+        "trusted again after a sample showed it at work"
+    );
+}
