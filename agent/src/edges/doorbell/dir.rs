@@ -2,7 +2,7 @@
 //! waited on.
 
 use super::guard;
-use super::wait::{waitv, Watcher, MAX_WAITERS};
+use super::wait::{trusted_pod_dir, waitv, Dirty, Scope, Watcher, MAX_WAITERS};
 use super::{BellReading, Doorbells, Owner, PageInfo, Waker};
 use coloc_doorbell::{Page, PAGE, SUFFIX, TEMP_SUFFIX};
 use std::collections::HashMap;
@@ -43,25 +43,55 @@ impl Drop for Mapped {
 
 /// How long a file that is not a valid page yet is looked at again at every rescan.
 const INCOMPLETE_RETRY: Duration = Duration::from_secs(1);
+/// Most pages mapped from one pod's directory: a pod cannot take the SIGBUS guard's slots
+/// (4096 for the node) or the futex wait set from the others.
+pub(super) const MAX_PAGES_PER_POD: usize = 32;
+/// Most pages mapped from the top directory (standalone processes).
+const MAX_PAGES_TOP: usize = 512;
+/// Most directory entries one rescan looks at in one directory: a directory flooded with
+/// files costs a bounded amount of work, and only its own pod's pages can go unseen.
+pub(super) const MAX_ENTRIES_PER_DIR: usize = 1024;
+/// A directory that changed is rescanned at once up to this many times a second; beyond,
+/// at most once per [`DIR_RESCAN_GAP`]: a directory whose files change in a loop costs a
+/// bounded amount of work, and others are not held up by it.
+const DIR_RESCANS_PER_SECOND: u32 = 20;
+const DIR_RESCAN_GAP: Duration = Duration::from_millis(50);
+/// Warnings about pages that turned invalid, at most this many a second.
+const WARN_PER_SECOND: u32 = 10;
+
+/// A file as last seen: a rejected file that is still the same file is not opened again.
+type Ident = (u64, u64, i64, i64, u64);
+
+fn ident(path: &Path) -> Option<Ident> {
+    let m = std::fs::symlink_metadata(path).ok()?;
+    Some((m.dev(), m.ino(), m.mtime(), m.mtime_nsec(), m.size()))
+}
 
 /// Pages under a directory, watched with inotify.
 pub struct DirBells {
     dir: PathBuf,
     pages: HashMap<PathBuf, Mapped>,
-    /// Files seen that are not (yet) valid pages, with the reason (logged once) and when
-    /// first seen.
-    rejected: HashMap<PathBuf, (String, std::time::Instant)>,
+    /// Files seen that are not (yet) valid pages, with the reason (logged once), when
+    /// first seen, and the file as it was then.
+    rejected: HashMap<PathBuf, (String, std::time::Instant, Option<Ident>)>,
     next_id: u64,
     /// Bumped by the inotify thread and by [`Waker`]s.
     waker: Waker,
-    /// The inotify thread saw a change since the latest rescan.
-    dirty: Arc<AtomicU32>,
+    /// What the inotify thread saw change since the latest rescan.
+    dirty: Arc<Dirty>,
+    /// Directories that changed but were rescanned less than [`DIR_RESCAN_GAP`] ago: when
+    /// each is due.
+    pending: HashMap<Scope, std::time::Instant>,
+    /// When each directory was last rescanned, and the rescans a change asked for in the
+    /// current second (when it began, how many).
+    scanned: HashMap<Scope, (std::time::Instant, std::time::Instant, u32)>,
+    /// Rate limit of the invalid-page warnings: the second and how many so far.
+    warned: (u64, u32),
+    /// Files opened to be mapped, and directory rescans, since the start (for tests).
+    pub(super) opened: u64,
+    pub(super) rescans: HashMap<Scope, u64>,
     /// `futex_waitv` is missing (Linux < 5.16): the loop polls instead.
     no_waitv: bool,
-    /// Some file seen less than [`INCOMPLETE_RETRY`] ago was not a valid page yet: look
-    /// again at the next rescan (later, only at the forced rescans, once a second: a file
-    /// a tenant leaves incomplete must not make the agent poll).
-    incomplete: bool,
     /// The waker's word as of the latest read.
     waker_seen: u32,
 }
@@ -92,7 +122,7 @@ impl DirBells {
             }
         }
         let waker = Waker::default();
-        let dirty = Arc::new(AtomicU32::new(1));
+        let dirty = Arc::new(Dirty::default());
         let watcher = Watcher::spawn(dir, waker.clone(), dirty.clone());
         if let Err(err) = &watcher {
             warn!(%err, dir = %dir.display(), "Cannot watch the doorbell directory: new pages are found every second instead of at once");
@@ -104,24 +134,19 @@ impl DirBells {
             next_id: 1,
             waker,
             dirty,
+            pending: HashMap::new(),
+            scanned: HashMap::new(),
+            warned: (0, 0),
+            opened: 0,
+            rescans: HashMap::new(),
             no_waitv: false,
-            incomplete: false,
             waker_seen: 0,
         })
     }
 
-    fn candidates(&self) -> Vec<(PathBuf, Owner)> {
+    /// The pages a directory offers: at most [`MAX_ENTRIES_PER_DIR`] entries looked at.
+    fn candidates(&self, scope: &Scope) -> Vec<(PathBuf, Owner)> {
         let mut out = Vec::new();
-        let bells = |d: &Path| -> Vec<PathBuf> {
-            std::fs::read_dir(d)
-                .map(|rd| {
-                    rd.flatten()
-                        .map(|e| e.path())
-                        .filter(|p| p.to_str().is_some_and(|s| s.ends_with(SUFFIX)))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
         let pid_of = |p: &Path| {
             p.file_name()
                 .and_then(|n| n.to_str())
@@ -130,48 +155,155 @@ impl DirBells {
         };
         let exited = |pid: u32| !Path::new(&format!("/proc/{pid}")).exists();
         let unfinished = format!("{SUFFIX}{TEMP_SUFFIX}");
-        let listed: Vec<PathBuf> = std::fs::read_dir(&self.dir)
-            .map(|rd| rd.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        for p in listed {
-            let Some(name) = p.to_str() else { continue };
-            // A page being written (`.bell.new`) is never read; one left by a process
-            // killed before it renamed it is removed here.
-            if name.ends_with(&unfinished) {
-                if pid_of(&p).is_some_and(exited) && std::fs::remove_file(&p).is_ok() {
-                    debug!(page = %p.display(), "Removed an unfinished doorbell page of an exited process");
-                }
-                continue;
-            }
-            if !name.ends_with(SUFFIX) {
-                continue;
-            }
-            if let Some(pid) = pid_of(&p) {
-                // A process killed before it could remove its page: remove it for it.
-                if exited(pid) {
-                    if std::fs::remove_file(&p).is_ok() {
-                        debug!(page = %p.display(), pid, "Removed the doorbell page of an exited process");
+        match scope {
+            Scope::Top => {
+                let listed: Vec<PathBuf> = std::fs::read_dir(&self.dir)
+                    .map(|rd| {
+                        rd.flatten()
+                            .take(MAX_ENTRIES_PER_DIR)
+                            .map(|e| e.path())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                for p in listed {
+                    let Some(name) = p.to_str() else { continue };
+                    // A page being written (`.bell.new`) is never read; one left by a process
+                    // killed before it renamed it is removed here.
+                    if name.ends_with(&unfinished) {
+                        if pid_of(&p).is_some_and(exited) && std::fs::remove_file(&p).is_ok() {
+                            debug!(page = %p.display(), "Removed an unfinished doorbell page of an exited process");
+                        }
+                        continue;
                     }
-                    continue;
+                    if !name.ends_with(SUFFIX) {
+                        continue;
+                    }
+                    if let Some(pid) = pid_of(&p) {
+                        // A process killed before it could remove its page: remove it for it.
+                        if exited(pid) {
+                            if std::fs::remove_file(&p).is_ok() {
+                                debug!(page = %p.display(), pid, "Removed the doorbell page of an exited process");
+                            }
+                            continue;
+                        }
+                        out.push((p, Owner::Pid(pid)));
+                    }
                 }
-                out.push((p, Owner::Pid(pid)));
             }
-        }
-
-        if let Ok(rd) = std::fs::read_dir(self.dir.join("pods")) {
-            for pod in rd.flatten() {
-                let Some(uid) = pod.file_name().to_str().map(str::to_string) else {
-                    continue;
-                };
-                if !is_pod_uid(&uid) {
-                    continue;
+            Scope::Pod(uid) => {
+                let d = self.dir.join("pods").join(uid);
+                if !is_pod_uid(uid) || !trusted_pod_dir(&d) {
+                    return out;
                 }
-                for p in bells(&pod.path()) {
-                    out.push((p, Owner::Pod(uid.clone())));
+                if let Ok(rd) = std::fs::read_dir(&d) {
+                    for p in rd.flatten().take(MAX_ENTRIES_PER_DIR).map(|e| e.path()) {
+                        if p.to_str().is_some_and(|s| s.ends_with(SUFFIX)) {
+                            out.push((p, Owner::Pod(uid.clone())));
+                        }
+                    }
                 }
             }
         }
         out
+    }
+
+    /// Every directory there is to scan: the top one and each trusted pod directory.
+    fn all_scopes(&self) -> Vec<Scope> {
+        let mut out = vec![Scope::Top];
+        if let Ok(rd) = std::fs::read_dir(self.dir.join("pods")) {
+            for pod in rd.flatten() {
+                if let Some(uid) = pod.file_name().to_str() {
+                    if is_pod_uid(uid) {
+                        out.push(Scope::Pod(uid.to_string()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn scope_of(&self, path: &Path) -> Scope {
+        match path.parent() {
+            Some(p) if p == self.dir => Scope::Top,
+            Some(p) => Scope::Pod(
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or_default()
+                    .to_string(),
+            ),
+            None => Scope::Top,
+        }
+    }
+
+    /// Brings the pages of `scope` up to date with its directory.
+    fn rescan_scope(&mut self, scope: &Scope) -> bool {
+        *self.rescans.entry(scope.clone()).or_default() += 1;
+        let found = self.candidates(scope);
+        let live: std::collections::HashSet<&PathBuf> = found.iter().map(|(p, _)| p).collect();
+        let before = self.pages.len();
+        let dir = self.dir.clone();
+        let of_scope = |p: &Path| match scope {
+            Scope::Top => p.parent() == Some(dir.as_path()),
+            Scope::Pod(uid) => p.parent() == Some(dir.join("pods").join(uid).as_path()),
+        };
+        self.pages.retain(|p, _| !of_scope(p) || live.contains(p));
+        self.rejected
+            .retain(|p, _| !of_scope(p) || live.contains(p));
+        let mut changed = self.pages.len() != before;
+        let cap = match scope {
+            Scope::Top => MAX_PAGES_TOP,
+            Scope::Pod(_) => MAX_PAGES_PER_POD,
+        };
+        let mut mapped = self.pages.keys().filter(|p| of_scope(p)).count();
+        let now = std::time::Instant::now();
+        for (path, owner) in found {
+            if self.pages.contains_key(&path) {
+                continue;
+            }
+            // A file rejected before that is still the same file (inode, mtime, size) and
+            // had its second to become a page is not opened again.
+            let id = ident(&path);
+            if let Some((_, first, seen)) = self.rejected.get(&path) {
+                if *seen == id && now.duration_since(*first) >= INCOMPLETE_RETRY {
+                    continue;
+                }
+            }
+            let result = if mapped >= cap {
+                Err(format!("{cap} pages of this directory already mapped"))
+            } else {
+                self.opened += 1;
+                self.map(&path, owner)
+            };
+            match result {
+                Ok(m) => {
+                    info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
+                    self.rejected.remove(&path);
+                    self.pages.insert(path, m);
+                    mapped += 1;
+                    changed = true;
+                }
+                Err(why) => {
+                    let first = match self.rejected.get(&path) {
+                        Some((w, first, _)) if *w == why => *first,
+                        _ => {
+                            debug!(page = %path.display(), %why, "Not a usable doorbell page");
+                            now
+                        }
+                    };
+                    self.rejected.insert(path.clone(), (why, first, id));
+                    // Maybe still being written: look again at the next rescan, for a
+                    // while.
+                    // (its directory only, and no sooner than the gap: a tenant who keeps
+                    // adding files that are not pages cannot make the agent poll).
+                    if now.duration_since(first) < INCOMPLETE_RETRY {
+                        self.pending
+                            .entry(scope.clone())
+                            .or_insert(now + DIR_RESCAN_GAP);
+                    }
+                }
+            }
+        }
+        changed
     }
 
     fn map(&mut self, path: &Path, owner: Owner) -> Result<Mapped, String> {
@@ -243,7 +375,7 @@ impl DirBells {
 use std::os::unix::fs::OpenOptionsExt;
 
 /// Kubernetes pod UIDs are RFC 4122 strings; anything else under `pods/` is ignored.
-fn is_pod_uid(s: &str) -> bool {
+pub(super) fn is_pod_uid(s: &str) -> bool {
     s.len() == 36 && s.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
 
@@ -252,55 +384,97 @@ impl Doorbells for DirBells {
         // A page that stopped being valid (its file shrunk and the guard replaced it with
         // zeros, or it was rewritten): dropped now, its file looked at again below.
         let before = self.pages.len();
+        let mut invalid = Vec::new();
         self.pages.retain(|p, m| {
             let ok = m.page().valid();
             if !ok {
-                metrics::counter!("coloc_doorbell_rejected_total", "reason" => "invalidated")
-                    .increment(1);
-                warn!(page = %p.display(), faults_absorbed = guard::rescued(), "Doorbell page no longer valid (its file was truncated or rewritten): dropped");
+                invalid.push(p.clone());
             }
             ok
         });
-        let dropped = self.pages.len() != before;
-        if self.dirty.swap(0, AcqRel) == 0 && !force && !self.incomplete && !dropped {
-            return false;
+        for p in &invalid {
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => "invalidated")
+                .increment(1);
+            // Rate-limited: a tenant truncating its pages in a loop must not flood the log
+            // from the loop's thread.
+            let sec = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            if self.warned.0 != sec {
+                if self.warned.1 > WARN_PER_SECOND {
+                    warn!(suppressed = self.warned.1 - WARN_PER_SECOND, "Doorbell pages that turned invalid in the last second, not logged one by one");
+                }
+                self.warned = (sec, 0);
+            }
+            self.warned.1 += 1;
+            if self.warned.1 <= WARN_PER_SECOND {
+                warn!(page = %p.display(), faults_absorbed = guard::rescued(), "Doorbell page no longer valid (its file was truncated or rewritten): dropped");
+            }
         }
-        self.incomplete = false;
-        let found = self.candidates();
-        let mut changed = dropped;
-        let live: std::collections::HashSet<&PathBuf> = found.iter().map(|(p, _)| p).collect();
-        let before = self.pages.len();
-        self.pages.retain(|p, _| live.contains(p));
-        self.rejected.retain(|p, _| live.contains(p));
-        changed |= self.pages.len() != before;
-        for (path, owner) in found {
-            if self.pages.contains_key(&path) {
+        let dropped = self.pages.len() != before;
+        let now = std::time::Instant::now();
+        let mut scopes: std::collections::HashSet<Scope> = self.dirty.take();
+        for p in &invalid {
+            scopes.insert(self.scope_of(p));
+        }
+        if force {
+            // Once a second: every directory.
+            scopes.extend(self.all_scopes());
+        }
+        // Directories rescanned less than the gap ago wait their turn; others go ahead.
+        let mut due: Vec<Scope> = Vec::new();
+        for sc in scopes {
+            if force {
+                due.push(sc);
                 continue;
             }
-            match self.map(&path, owner) {
-                Ok(m) => {
-                    info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
-                    self.rejected.remove(&path);
-                    self.pages.insert(path, m);
-                    changed = true;
-                }
-                Err(why) => {
-                    let now = std::time::Instant::now();
-                    let first = match self.rejected.get(&path) {
-                        Some((w, first)) if *w == why => *first,
-                        _ => {
-                            debug!(page = %path.display(), %why, "Not a usable doorbell page");
-                            now
-                        }
-                    };
-                    self.rejected.insert(path.clone(), (why, first));
-                    // Maybe still being written: look again at the next rescan, for a
-                    // while.
-                    if now.duration_since(first) < INCOMPLETE_RETRY {
-                        self.incomplete = true;
-                    }
-                }
+            let e = self.scanned.entry(sc.clone()).or_insert((now, now, 0));
+            if now.duration_since(e.1) >= Duration::from_secs(1) {
+                (e.1, e.2) = (now, 0);
             }
+            e.2 += 1;
+            if e.2 > DIR_RESCANS_PER_SECOND && now.duration_since(e.0) < DIR_RESCAN_GAP {
+                let at = e.0 + DIR_RESCAN_GAP;
+                self.pending.entry(sc).or_insert(at);
+            } else {
+                due.push(sc);
+            }
+        }
+        let ready: Vec<Scope> = self
+            .pending
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(s, _)| s.clone())
+            .collect();
+        for sc in ready {
+            self.pending.remove(&sc);
+            due.push(sc);
+        }
+        if due.is_empty() {
+            return dropped;
+        }
+        let mut changed = dropped;
+        due.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        due.dedup();
+        for sc in &due {
+            changed |= self.rescan_scope(sc);
+            self.pending.remove(sc);
+            self.scanned.entry(sc.clone()).or_insert((now, now, 0)).0 = now;
+        }
+        if force {
+            // Directories that are gone: forget their bookkeeping.
+            let all: std::collections::HashSet<Scope> = due.into_iter().collect();
+            self.scanned.retain(|s, _| all.contains(s));
+            let before = self.pages.len();
+            let dir = self.dir.clone();
+            self.pages.retain(|p, _| {
+                p.parent() == Some(dir.as_path())
+                    || p.parent()
+                        .and_then(|d| d.file_name())
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|uid| all.contains(&Scope::Pod(uid.to_string())))
+            });
+            changed |= self.pages.len() != before;
         }
         metrics::gauge!("coloc_doorbell_pages").set(self.pages.len() as f64);
         changed
@@ -328,9 +502,14 @@ impl Doorbells for DirBells {
 
     fn wait(&mut self, timeout: Duration) -> bool {
         // A change the watcher saw since the latest rescan: rescan now.
-        if self.dirty.load(Acquire) != 0 {
+        if self.dirty.any.load(Acquire) != 0 {
             return true;
         }
+        // A directory waiting its turn to be rescanned: wake for it.
+        let timeout = match self.pending.values().min() {
+            Some(at) => timeout.min(at.saturating_duration_since(std::time::Instant::now())),
+            None => timeout,
+        };
         // The values seen by the latest read: a run started since then has changed its
         // word, and the wait returns at once (no lost wake-up).
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(self.pages.len() + 1);
@@ -338,8 +517,8 @@ impl Doorbells for DirBells {
         for m in self.pages.values().take(MAX_WAITERS - 1) {
             words.push((&m.page().header().wake, m.seen));
         }
-        // Pages beyond futex_waitv's 128, or a file not yet a complete page: look again soon.
-        let polled = self.pages.len() >= MAX_WAITERS || self.incomplete;
+        // Pages beyond futex_waitv's 128: look again soon.
+        let polled = self.pages.len() >= MAX_WAITERS;
         let timeout = if polled || self.no_waitv {
             // Pages beyond futex_waitv's 128 (or an old kernel): read at least every ms.
             timeout.min(Duration::from_millis(1))
@@ -439,7 +618,7 @@ impl Doorbells for DirBells {
 
     fn rang(&self) -> bool {
         self.waker.0.load(Acquire) != self.waker_seen
-            || self.dirty.load(Acquire) != 0
+            || self.dirty.any.load(Acquire) != 0
             || self
                 .pages
                 .values()

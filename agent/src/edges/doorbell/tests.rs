@@ -1,3 +1,4 @@
+use super::wait::Scope;
 use super::*;
 use coloc_doorbell::{Page, PAGE};
 use std::os::fd::AsRawFd;
@@ -360,4 +361,134 @@ fn the_sweep_cannot_be_redirected_by_a_swapped_link() {
         "the link was followed and its target removed"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A pod that floods its own directory (more pages than its share, files that are not
+/// pages, a write loop) costs the agent bounded work and cannot take another pod's place:
+/// at most 32 of its pages are mapped, a file rejected once is not opened again while it
+/// stays the same file, and a directory changing in a loop is rescanned at most about 40
+/// times a second, while another pod's new page is still mapped at once.
+#[test]
+fn a_flooded_pod_directory_costs_bounded_work() {
+    let dir = tmpdir("flood");
+    let mut b = DirBells::new(&dir).unwrap();
+    let (a, other) = (
+        "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11",
+        "11111111-2222-3333-4444-555555555555",
+    );
+    let (da, dother) = (dir.join("pods").join(a), dir.join("pods").join(other));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&dother).unwrap();
+    let _pages: Vec<_> = (0..40)
+        .map(|i| write_page(&da.join(format!("{i}-1.bell")), [7; 16], 1))
+        .collect();
+    let junk = "22222222-3333-4444-5555-666666666666";
+    let dj = dir.join("pods").join(junk);
+    std::fs::create_dir_all(&dj).unwrap();
+    for i in 0..200 {
+        std::fs::write(dj.join(format!("junk{i}.bell")), b"no").unwrap();
+    }
+    b.rescan(true);
+    assert!(
+        b.opened >= 200,
+        "the files that are not pages were looked at once"
+    );
+    let of = |b: &DirBells, uid: &str| {
+        b.pages()
+            .iter()
+            .filter(|p| p.owner == Owner::Pod(uid.into()))
+            .count()
+    };
+    assert_eq!(of(&b, a), super::dir::MAX_PAGES_PER_POD);
+    // Rejected files are not opened again once they had their second to become pages.
+    std::thread::sleep(Duration::from_millis(1100));
+    b.rescan(true);
+    let opened = b.opened;
+    for _ in 0..3 {
+        b.rescan(true);
+    }
+    assert_eq!(b.opened, opened, "rejected files were opened again");
+    // One of them changes: it is looked at again.
+    std::fs::write(dj.join("junk0.bell"), b"changed").unwrap();
+    b.rescan(true);
+    assert!(b.opened > opened, "a changed file was not looked at again");
+    // A write loop in the flooded directory for 700 ms, the loop rescanning every ms.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let before = b.rescans.get(&Scope::Pod(a.into())).copied().unwrap_or(0);
+    let t0 = std::time::Instant::now();
+    let mut other_found = None;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::fs::write(da.join(format!("loop{}.tmp", i % 50)), b"x").unwrap();
+                i += 1;
+            }
+        });
+        let mut page = None;
+        while t0.elapsed() < Duration::from_millis(700) {
+            if page.is_none() && t0.elapsed() > Duration::from_millis(300) {
+                page = Some(write_page(&dother.join("9-9.bell"), [8; 16], 1));
+            }
+            let _ = b.wait(Duration::from_millis(1));
+            b.rescan(false);
+            if page.is_some() && other_found.is_none() && of(&b, other) == 1 {
+                other_found = Some(t0.elapsed());
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let rescans = b.rescans.get(&Scope::Pod(a.into())).copied().unwrap_or(0) - before;
+    assert!(
+        rescans <= 2 * DIR_RESCANS_FOR_TEST,
+        "{rescans} rescans of the flooded directory in 700 ms"
+    );
+    let found = other_found.expect("the other pod's page was not mapped");
+    assert!(
+        found < Duration::from_millis(500),
+        "the other pod's page was mapped {found:?} after the start (written at 300 ms)"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// About the most rescans a directory changing in a loop gets in 700 ms: 20 at once, then
+/// one per 50 ms.
+const DIR_RESCANS_FOR_TEST: u64 = 20 + 14;
+
+/// Only real directories named like pod UIDs and owned by root (or the agent's user) are
+/// read: a link named like a pod, or (as root) a directory another user made, offers no
+/// page.
+#[test]
+fn only_trusted_pod_directories_are_read() {
+    let dir = tmpdir("trusted");
+    let mut b = DirBells::new(&dir).unwrap();
+    let elsewhere = tmpdir("trusted-elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let _p = write_page(&elsewhere.join("5-5.bell"), [9; 16], 1);
+    let link = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    std::os::unix::fs::symlink(&elsewhere, dir.join("pods").join(link)).unwrap();
+    let other = "11111111-2222-3333-4444-555555555555";
+    let d = dir.join("pods").join(other);
+    std::fs::create_dir_all(&d).unwrap();
+    let _q = write_page(&d.join("6-6.bell"), [9; 16], 1);
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
+        std::os::unix::fs::chown(&d, Some(1000), Some(1000)).unwrap();
+    } else {
+        eprintln!("not root: cannot give a directory to another user; checking only the link");
+    }
+    b.rescan(true);
+    let owners: Vec<Owner> = b.pages().into_iter().map(|p| p.owner).collect();
+    assert!(!owners.contains(&Owner::Pod(link.into())), "{owners:?}");
+    if root {
+        assert!(!owners.contains(&Owner::Pod(other.into())), "{owners:?}");
+        // Given back to root, it is read.
+        std::os::unix::fs::chown(&d, Some(0), Some(0)).unwrap();
+        b.rescan(true);
+    }
+    let owners: Vec<Owner> = b.pages().into_iter().map(|p| p.owner).collect();
+    assert!(owners.contains(&Owner::Pod(other.into())), "{owners:?}");
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&elsewhere).ok();
 }

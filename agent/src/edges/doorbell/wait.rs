@@ -66,11 +66,60 @@ pub(super) fn waitv(words: &[(&AtomicU32, u32)], timeout: Duration) -> Option<bo
     }
 }
 
-/// The inotify thread: marks the set dirty and wakes the loop on any change.
+/// Most pod directories the inotify thread watches (inotify watches are a per-user budget
+/// shared with the kubelet and the container runtime). Pages in pod directories beyond it
+/// are found by the once-a-second rescan.
+pub(super) const MAX_WATCHED_PODS: usize = 1024;
+
+/// Where a change happened.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) enum Scope {
+    /// The top directory (standalone pages).
+    Top,
+    /// `pods/<uid>`.
+    Pod(String),
+}
+
+/// What the inotify thread saw since the loop last looked: which directories changed.
+#[derive(Debug, Default)]
+pub(super) struct Dirty {
+    /// Something changed: the loop's wait returns at once.
+    pub(super) any: AtomicU32,
+    pub(super) scopes: std::sync::Mutex<std::collections::HashSet<Scope>>,
+}
+
+impl Dirty {
+    pub(super) fn mark(&self, scope: Scope) {
+        self.scopes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(scope);
+        self.any.store(1, Release);
+    }
+
+    pub(super) fn take(&self) -> std::collections::HashSet<Scope> {
+        self.any.store(0, Release);
+        std::mem::take(&mut *self.scopes.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// A pod directory the agent reads: a real directory (not a link), named like a pod UID,
+/// owned by root (the kubelet creates them) or by the agent's own user.
+pub(super) fn trusted_pod_dir(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    std::fs::symlink_metadata(path)
+        .is_ok_and(|m| m.file_type().is_dir() && (m.uid() == 0 || m.uid() == me))
+}
+
+/// The inotify thread: marks the directory that changed dirty and wakes the loop. Watches
+/// the top directory, `pods/`, and each trusted pod directory (at most
+/// [`MAX_WATCHED_PODS`]), without following links and only on directories.
 pub(super) struct Watcher;
 
 impl Watcher {
-    pub(super) fn spawn(dir: &Path, waker: Waker, dirty: Arc<AtomicU32>) -> std::io::Result<()> {
+    pub(super) fn spawn(dir: &Path, waker: Waker, dirty: Arc<Dirty>) -> std::io::Result<()> {
         // SAFETY: inotify_init1 returns a new fd or -1.
         let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
         if fd < 0 {
@@ -82,9 +131,11 @@ impl Watcher {
             | libc::IN_MOVED_TO
             | libc::IN_DELETE
             | libc::IN_MOVED_FROM
-            | libc::IN_CREATE;
+            | libc::IN_CREATE
+            | libc::IN_ONLYDIR
+            | libc::IN_DONT_FOLLOW;
         let raw = fd.as_raw_fd();
-        let add = move |p: &Path| -> std::io::Result<()> {
+        let add = move |p: &Path| -> std::io::Result<i32> {
             use std::os::unix::ffi::OsStrExt;
             let c = std::ffi::CString::new(p.as_os_str().as_bytes())?;
             // SAFETY: a valid inotify fd (kept open by the thread) and C path.
@@ -92,24 +143,46 @@ impl Watcher {
             if r < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            Ok(r)
         };
-        add(dir)?;
+        let top = add(dir)?;
         let pods = dir.join("pods");
-        add(&pods)?;
-        if let Ok(rd) = std::fs::read_dir(&pods) {
+        let pods_wd = add(&pods)?;
+        // Watch descriptor -> pod UID.
+        let mut watched: std::collections::HashMap<i32, String> = Default::default();
+        let watch_pod = move |watched: &mut std::collections::HashMap<i32, String>, uid: &str| {
+            if watched.len() >= MAX_WATCHED_PODS || !super::dir::is_pod_uid(uid) {
+                return false;
+            }
+            let path = pods.join(uid);
+            if !trusted_pod_dir(&path) {
+                return false;
+            }
+            match add(&path) {
+                Ok(wd) => {
+                    watched.insert(wd, uid.to_string());
+                    true
+                }
+                Err(_) => false,
+            }
+        };
+        if let Ok(rd) = std::fs::read_dir(dir.join("pods")) {
             for e in rd.flatten() {
-                let _ = add(&e.path());
+                if let Some(uid) = e.file_name().to_str() {
+                    watch_pod(&mut watched, uid);
+                }
             }
         }
         std::thread::Builder::new()
             .name("coloc-doorbells".into())
             .spawn(move || {
-                let mut buf = [0u8; 4096];
+                // Aligned for `inotify_event`.
+                let mut buf = vec![0u64; 512];
                 loop {
                     // SAFETY: reading into a buffer we own.
-                    let n =
-                        unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                    let n = unsafe {
+                        libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len() * 8)
+                    };
                     if n <= 0 {
                         if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
                         {
@@ -117,13 +190,46 @@ impl Watcher {
                         }
                         return;
                     }
-                    // A new pod directory: watch it too (its pages arrive after it).
-                    let _ = std::fs::read_dir(&pods).map(|rd| {
-                        for e in rd.flatten() {
-                            let _ = add(&e.path());
+                    // SAFETY: the kernel wrote `n` bytes of whole events into `buf`.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), n as usize)
+                    };
+                    let mut off = 0;
+                    let head = std::mem::size_of::<libc::inotify_event>();
+                    while off + head <= bytes.len() {
+                        // SAFETY: a whole event header lies at `off` (the kernel writes whole
+                        // events); read unaligned to be safe.
+                        let ev: libc::inotify_event =
+                            unsafe { std::ptr::read_unaligned(bytes[off..].as_ptr().cast()) };
+                        let name_bytes =
+                            &bytes[off + head..(off + head + ev.len as usize).min(bytes.len())];
+                        let name = std::str::from_utf8(name_bytes)
+                            .unwrap_or("")
+                            .trim_end_matches('\0');
+                        off += head + ev.len as usize;
+                        if ev.mask & libc::IN_Q_OVERFLOW != 0 {
+                            // Events were lost: everything is rescanned (the forced rescan
+                            // once a second also does it).
+                            dirty.mark(Scope::Top);
+                            for uid in watched.values() {
+                                dirty.mark(Scope::Pod(uid.clone()));
+                            }
+                        } else if ev.wd == top {
+                            dirty.mark(Scope::Top);
+                        } else if ev.wd == pods_wd {
+                            // A new pod directory: watch it (its pages arrive after it).
+                            if ev.mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0
+                                && ev.mask & libc::IN_ISDIR != 0
+                                && watch_pod(&mut watched, name)
+                            {
+                                dirty.mark(Scope::Pod(name.to_string()));
+                            }
+                        } else if ev.mask & libc::IN_IGNORED != 0 {
+                            watched.remove(&ev.wd);
+                        } else if let Some(uid) = watched.get(&ev.wd) {
+                            dirty.mark(Scope::Pod(uid.clone()));
                         }
-                    });
-                    dirty.store(1, Release);
+                    }
                     waker.wake();
                 }
             })?;
