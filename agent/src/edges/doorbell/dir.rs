@@ -413,7 +413,7 @@ impl Doorbells for DirBells {
         }
         let dropped = self.pages.len() != before;
         let now = std::time::Instant::now();
-        let mut scopes: std::collections::HashSet<Scope> = self.dirty.take();
+        let mut scopes: std::collections::HashSet<Scope> = self.dirty.take().into_iter().collect();
         for p in &invalid {
             scopes.insert(self.scope_of(p));
         }
@@ -435,6 +435,7 @@ impl Doorbells for DirBells {
             e.2 += 1;
             if e.2 > DIR_RESCANS_PER_SECOND && now.duration_since(e.0) < DIR_RESCAN_GAP {
                 let at = e.0 + DIR_RESCAN_GAP;
+                self.dirty.mute(sc.clone());
                 self.pending.entry(sc).or_insert(at);
             } else {
                 due.push(sc);
@@ -457,6 +458,8 @@ impl Doorbells for DirBells {
         due.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
         due.dedup();
         for sc in &due {
+            // Changes from now on wake the loop again.
+            self.dirty.unmute(sc);
             changed |= self.rescan_scope(sc);
             self.pending.remove(sc);
             self.scanned.entry(sc.clone()).or_insert((now, now, 0)).0 = now;

@@ -417,11 +417,16 @@ fn a_flooded_pod_directory_costs_bounded_work() {
     let before = b.rescans.get(&Scope::Pod(a.into())).copied().unwrap_or(0);
     let t0 = std::time::Instant::now();
     let mut other_found = None;
+    let mut wakes = 0u64;
+    let mut late = (0, 0);
     std::thread::scope(|s| {
         s.spawn(|| {
             let mut i = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                std::fs::write(da.join(format!("loop{}.tmp", i % 50)), b"x").unwrap();
+                // Created and removed: every change is an inotify event.
+                let f = da.join(format!("loop{}.tmp", i % 50));
+                std::fs::write(&f, b"x").unwrap();
+                std::fs::remove_file(&f).unwrap();
                 i += 1;
             }
         });
@@ -430,18 +435,47 @@ fn a_flooded_pod_directory_costs_bounded_work() {
             if page.is_none() && t0.elapsed() > Duration::from_millis(300) {
                 page = Some(write_page(&dother.join("9-9.bell"), [8; 16], 1));
             }
-            let _ = b.wait(Duration::from_millis(1));
+            // As the loop does every tick: rescan, read (noting the wake words), sleep.
             b.rescan(false);
+            b.read(&mut Vec::new());
+            if b.wait(Duration::from_millis(1)) {
+                wakes += 1;
+            }
             if page.is_some() && other_found.is_none() && of(&b, other) == 1 {
                 other_found = Some(t0.elapsed());
             }
         }
+        // Changing that fast, the directory is no longer watched at all: 300 ms more of
+        // the write loop cost (nearly) nothing.
+        let mid = b.rescans.get(&Scope::Pod(a.into())).copied().unwrap_or(0);
+        let t1 = std::time::Instant::now();
+        let mut late_wakes = 0;
+        while t1.elapsed() < Duration::from_millis(300) {
+            b.rescan(false);
+            b.read(&mut Vec::new());
+            if b.wait(Duration::from_millis(1)) {
+                late_wakes += 1;
+            }
+        }
+        late = (
+            b.rescans.get(&Scope::Pod(a.into())).copied().unwrap_or(0) - mid,
+            late_wakes,
+        );
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
+    assert!(
+        late.0 <= 2 && late.1 <= 2,
+        "a directory changing that fast is still watched: {late:?} (rescans, wakes) in 300 ms"
+    );
     let rescans = b.rescans.get(&Scope::Pod(a.into())).copied().unwrap_or(0) - before;
     assert!(
         rescans <= 2 * DIR_RESCANS_FOR_TEST,
         "{rescans} rescans of the flooded directory in 700 ms"
+    );
+    // A directory waiting its turn wakes the loop once per rescan, not once per change.
+    assert!(
+        wakes <= 2 * DIR_RESCANS_FOR_TEST + 10,
+        "the loop was woken {wakes} times in 700 ms"
     );
     let found = other_found.expect("the other pod's page was not mapped");
     assert!(

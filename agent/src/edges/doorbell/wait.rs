@@ -70,6 +70,10 @@ pub(super) fn waitv(words: &[(&AtomicU32, u32)], timeout: Duration) -> Option<bo
 /// shared with the kubelet and the container runtime). Pages in pod directories beyond it
 /// are found by the once-a-second rescan.
 pub(super) const MAX_WATCHED_PODS: usize = 1024;
+/// A pod directory whose events come faster than this (per second) is no longer watched:
+/// its pages are then found by the once-a-second rescan, and its churn costs the agent
+/// nothing in between.
+pub(super) const MAX_POD_EVENTS_PER_SECOND: u32 = 1000;
 
 /// Where a change happened.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -81,25 +85,58 @@ pub(super) enum Scope {
 }
 
 /// What the inotify thread saw since the loop last looked: which directories changed.
+/// A directory already marked wakes nobody again, and one the loop has muted (it is
+/// waiting its turn to be rescanned) stays marked until then: a directory changing in a
+/// loop wakes the loop once per rescan, not once per change.
 #[derive(Debug, Default)]
 pub(super) struct Dirty {
-    /// Something changed: the loop's wait returns at once.
+    /// Something new changed: the loop's wait returns at once.
     pub(super) any: AtomicU32,
-    pub(super) scopes: std::sync::Mutex<std::collections::HashSet<Scope>>,
+    /// Marked directories; true: muted.
+    scopes: std::sync::Mutex<std::collections::HashMap<Scope, bool>>,
 }
 
 impl Dirty {
-    pub(super) fn mark(&self, scope: Scope) {
+    /// Marks `scope`; true when the loop should be woken (it was not marked).
+    pub(super) fn mark(&self, scope: Scope) -> bool {
+        let mut s = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
+        if s.contains_key(&scope) {
+            return false;
+        }
+        s.insert(scope, false);
+        self.any.store(1, Release);
+        true
+    }
+
+    /// The marked directories that are not muted (unmarked now).
+    pub(super) fn take(&self) -> Vec<Scope> {
+        let mut s = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
+        self.any.store(0, Release);
+        let out: Vec<Scope> = s
+            .iter()
+            .filter(|(_, m)| !**m)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &out {
+            s.remove(k);
+        }
+        out
+    }
+
+    /// Keeps `scope` marked without waking anyone until [`Dirty::unmute`].
+    pub(super) fn mute(&self, scope: Scope) {
         self.scopes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(scope);
-        self.any.store(1, Release);
+            .insert(scope, true);
     }
 
-    pub(super) fn take(&self) -> std::collections::HashSet<Scope> {
-        self.any.store(0, Release);
-        std::mem::take(&mut *self.scopes.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Unmarks a muted `scope` (it is about to be rescanned): its next change wakes again.
+    pub(super) fn unmute(&self, scope: &Scope) {
+        self.scopes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(scope);
     }
 }
 
@@ -127,8 +164,9 @@ impl Watcher {
         }
         // SAFETY: `fd` is a fresh descriptor we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let mask = libc::IN_CLOSE_WRITE
-            | libc::IN_MOVED_TO
+        // No IN_CLOSE_WRITE: a page is published by a rename, and rewriting a file in a
+        // loop must not wake anyone.
+        let mask = libc::IN_MOVED_TO
             | libc::IN_DELETE
             | libc::IN_MOVED_FROM
             | libc::IN_CREATE
@@ -150,6 +188,10 @@ impl Watcher {
         let pods_wd = add(&pods)?;
         // Watch descriptor -> pod UID.
         let mut watched: std::collections::HashMap<i32, String> = Default::default();
+        // Per watched pod directory: the second its events are counted in, and how many.
+        let mut rate: std::collections::HashMap<i32, (u64, u32)> = Default::default();
+        // Pod directories no longer watched because they changed too fast (never again).
+        let mut throttled: std::collections::HashSet<String> = Default::default();
         let watch_pod = move |watched: &mut std::collections::HashMap<i32, String>, uid: &str| {
             if watched.len() >= MAX_WATCHED_PODS || !super::dir::is_pod_uid(uid) {
                 return false;
@@ -195,6 +237,7 @@ impl Watcher {
                         std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), n as usize)
                     };
                     let mut off = 0;
+                    let mut wake = false;
                     let head = std::mem::size_of::<libc::inotify_event>();
                     while off + head <= bytes.len() {
                         // SAFETY: a whole event header lies at `off` (the kernel writes whole
@@ -210,27 +253,48 @@ impl Watcher {
                         if ev.mask & libc::IN_Q_OVERFLOW != 0 {
                             // Events were lost: everything is rescanned (the forced rescan
                             // once a second also does it).
-                            dirty.mark(Scope::Top);
+                            wake |= dirty.mark(Scope::Top);
                             for uid in watched.values() {
-                                dirty.mark(Scope::Pod(uid.clone()));
+                                wake |= dirty.mark(Scope::Pod(uid.clone()));
                             }
                         } else if ev.wd == top {
-                            dirty.mark(Scope::Top);
+                            wake |= dirty.mark(Scope::Top);
                         } else if ev.wd == pods_wd {
                             // A new pod directory: watch it (its pages arrive after it).
                             if ev.mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0
                                 && ev.mask & libc::IN_ISDIR != 0
+                                && !throttled.contains(name)
                                 && watch_pod(&mut watched, name)
                             {
-                                dirty.mark(Scope::Pod(name.to_string()));
+                                wake |= dirty.mark(Scope::Pod(name.to_string()));
                             }
                         } else if ev.mask & libc::IN_IGNORED != 0 {
+                            // Removed (the directory is gone, or it changed too fast).
+                            rate.remove(&ev.wd);
                             watched.remove(&ev.wd);
                         } else if let Some(uid) = watched.get(&ev.wd) {
-                            dirty.mark(Scope::Pod(uid.clone()));
+                            wake |= dirty.mark(Scope::Pod(uid.clone()));
+                            let sec = std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0, |d| d.as_secs());
+                            let r = rate.entry(ev.wd).or_insert((sec, 0));
+                            if r.0 != sec {
+                                *r = (sec, 0);
+                            }
+                            r.1 += 1;
+                            if r.1 > MAX_POD_EVENTS_PER_SECOND {
+                                tracing::warn!(pod_uid = %uid, events_per_second = MAX_POD_EVENTS_PER_SECOND,
+                                    "Doorbell directory changing too fast: no longer watched, its pages are found by the once-a-second rescan");
+                                throttled.insert(uid.clone());
+                                // SAFETY: a watch descriptor of our inotify fd.
+                                unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), ev.wd) };
+                                rate.remove(&ev.wd);
+                            }
                         }
                     }
-                    waker.wake();
+                    if wake {
+                        waker.wake();
+                    }
                 }
             })?;
         Ok(())

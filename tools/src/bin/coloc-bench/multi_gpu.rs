@@ -38,12 +38,17 @@ pub struct Opts {
     /// Online submits through the CUDA driver API under `libcoloc_cuda.so`, the driver
     /// samples every 100 ms and the agent reads NVML at its default interval.
     pub doorbell: bool,
+    /// `--flood N`: one pod's doorbell directory holds N files that are not pages, and a
+    /// thread creates and removes files there in a loop for the whole run (a tenant
+    /// flooding its own directory); 0: none.
+    pub flood: usize,
 }
 
 pub const USAGE: &str = "\
 coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
             [--actuator signal|freezer] [--step-ms 2] [--burst-ms 5-20]
             [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR] [--doorbell]
+            [--flood N]
     Agent cost on a busy node: GPUS simulated GPUs (1 ms sample period), OFFLINE-PER-GPU
     offline processes per GPU (continuous STEP-MS steps; with the freezer actuator each
     GPU's offline processes share one cgroup, declared offline by a rules `cgroup`
@@ -55,7 +60,11 @@ coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
     --doorbell: the realistic setting: the simulated driver samples every 100 ms, the agent
     reads NVML at its defaults (every 100 ms), and each online process submits through the
     simulated libcuda.so.1 under libcoloc_cuda.so (class online), so online work is seen
-    at the launch.";
+    at the launch.
+    --flood N (with --doorbell): a pod directory under the agent's doorbell directory
+    holds N files named like pages that are not, and a thread creates and removes files
+    there in a loop for the whole run: what a tenant flooding its own directory costs the
+    others.";
 
 fn opt<'a>(args: &'a [String], k: &str) -> Option<&'a str> {
     args.iter()
@@ -103,6 +112,7 @@ impl Opts {
             json: opt(args, "--json").map(PathBuf::from),
             keep_logs: opt(args, "--keep-logs").map(PathBuf::from),
             doorbell: args.iter().any(|a| a == "--doorbell"),
+            flood: num(args, "--flood", 0),
         }
     }
 }
@@ -337,6 +347,31 @@ pub fn run(o: &Opts) -> serde_json::Value {
     })
     .unwrap_or_else(|e| panic!("{e}: saw {}\n{}", seen(&agent), agent.log_text()));
     std::thread::sleep(Duration::from_millis(500));
+    // A tenant flooding its own doorbell directory, for the whole run.
+    let flood_stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut flood_writes = None;
+    let flood_dir = agent
+        .doorbell_dir
+        .join("pods")
+        .join("f100d000-0000-4000-8000-000000000001");
+    if o.flood > 0 {
+        std::fs::create_dir_all(&flood_dir).expect("flood directory");
+        for i in 0..o.flood {
+            std::fs::write(flood_dir.join(format!("junk{i}.bell")), b"").expect("flood file");
+        }
+        let (dir, stop) = (flood_dir.clone(), flood_stop.clone());
+        flood_writes = Some(std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // Created and removed: every change is an inotify event.
+                let f = dir.join(format!("loop{}.bell", n % 50));
+                let _ = std::fs::write(&f, n.to_le_bytes());
+                let _ = std::fs::remove_file(&f);
+                n += 1;
+            }
+            n
+        }));
+    }
 
     // Online: one bursty worker process per GPU.
     let exe = std::env::current_exe().expect("current exe");
@@ -396,6 +431,8 @@ pub fn run(o: &Opts) -> serde_json::Value {
     }
     let wall = t0.elapsed().as_secs_f64();
     let cpu = (cpu_ns(pid) - c0) as f64 / 1e9 / wall * 100.0;
+    flood_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flood_rewrites = flood_writes.map(|h| h.join().unwrap_or(0));
     let cpu_ticks = (cpu_ticks_s(pid) - k0) / wall * 100.0;
     // Let the last idle window end (release) before reading the metrics.
     std::thread::sleep(Duration::from_millis(300));
@@ -509,6 +546,11 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "loadavg_before": load_before, "loadavg_after": load_after,
     });
     r["doorbell"] = serde_json::json!(o.doorbell);
+    r["flood_files"] = serde_json::json!(o.flood);
+    r["flood_rewrites"] = serde_json::json!(flood_rewrites);
+    if o.flood > 0 {
+        let _ = std::fs::remove_dir_all(&flood_dir);
+    }
     r["agent_rss_timeline_s_mib"] = serde_json::json!(rss_timeline);
     r
 }
