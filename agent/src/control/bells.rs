@@ -82,6 +82,8 @@ pub(super) struct Bells {
     trust_ns: u64,
     /// Per owner and GPU: the run its pages' claims keep going, and whether it is trusted.
     claims: HashMap<(Owner, u32), Claim>,
+    /// The attributed pages last handed to the edge to wait on first.
+    preferred: Vec<u64>,
 }
 
 /// An owner's claims on one GPU, in the agent's terms (clamped, merged across its pages).
@@ -94,6 +96,8 @@ struct Claim {
     distrusted_at: Option<u64>,
 }
 
+/// How long a page found and not rejected counts as new (waited on first).
+const NEW_PAGE_NS: u64 = 10_000_000_000;
 /// How often the directories of pods that are gone are looked for.
 const SWEEP_EVERY_NS: u64 = 60_000_000_000;
 /// A pod's directory is removed only when nothing changed in it for this long (and the
@@ -155,6 +159,7 @@ impl Bells {
             window_ns,
             trust_ns,
             claims: HashMap::new(),
+            preferred: Vec::new(),
         }
     }
 
@@ -257,6 +262,23 @@ impl Loop {
             self.attribute(r, now);
         }
         self.bells.buf = buf;
+        // The pages whose launches count are the ones worth a wake-up: attributed ones,
+        // and new ones not rejected yet (a new process's first launch).
+        let b = &mut self.bells;
+        let mut ids: Vec<u64> = b
+            .pages
+            .iter()
+            .filter(|(_, p)| {
+                p.attributed
+                    || (p.rejected.is_none() && now.saturating_sub(p.found_ns) < NEW_PAGE_NS)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        ids.sort_unstable();
+        if ids != b.preferred {
+            b.edge.prefer(&ids);
+            b.preferred = ids;
+        }
     }
 
     fn attribute(&mut self, r: &BellReading, now: u64) {

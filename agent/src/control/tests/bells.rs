@@ -356,3 +356,29 @@ fn distrusted_until_seen(h: &mut H, page: u64, pid: u32) {
         "trusted again after a sample showed it at work"
     );
 }
+
+/// With more pages than the sleep can wait on, the loop asks for the pages whose launches
+/// count first: attributed pages and new ones, not pages it rejected.
+#[test]
+fn the_pages_that_count_are_waited_on_first() {
+    let mut h = setup();
+    h.bells.page(1, Owner::Pid(20), 0); // the online process's
+    h.bells.page(2, Owner::Pid(10), 0); // the offline process's: rejected once it rings
+    let now = h.now();
+    h.bells.ring(1, 0, now, now);
+    h.bells.ring(2, 0, now, now);
+    h.tick();
+    let state = h.bells.state.clone();
+    let preferred = || state.lock().unwrap().preferred.clone();
+    assert_eq!(preferred(), vec![1], "attributed yes, rejected no");
+    h.bells.page(3, Owner::Pid(20), 0);
+    h.tick();
+    assert_eq!(preferred(), vec![1, 3], "a new page is waited on");
+    h.clock.advance(11_000 * MS);
+    h.tick();
+    assert_eq!(
+        preferred(),
+        vec![1],
+        "a page new for 10 s that never rang no longer is"
+    );
+}

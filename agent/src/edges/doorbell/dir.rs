@@ -87,6 +87,8 @@ pub struct DirBells {
     scanned: HashMap<Scope, (std::time::Instant, std::time::Instant, u32)>,
     /// Rate limit of the invalid-page warnings: the second and how many so far.
     warned: (u64, u32),
+    /// Pages to wait on first (see [`Doorbells::prefer`]).
+    preferred: std::collections::HashSet<u64>,
     /// Files opened to be mapped, and directory rescans, since the start (for tests).
     pub(super) opened: u64,
     pub(super) rescans: HashMap<Scope, u64>,
@@ -137,6 +139,7 @@ impl DirBells {
             pending: HashMap::new(),
             scanned: HashMap::new(),
             warned: (0, 0),
+            preferred: Default::default(),
             opened: 0,
             rescans: HashMap::new(),
             no_waitv: false,
@@ -515,15 +518,28 @@ impl Doorbells for DirBells {
         };
         // The values seen by the latest read: a run started since then has changed its
         // word, and the wait returns at once (no lost wake-up).
-        let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(self.pages.len() + 1);
+        let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(MAX_WAITERS);
         words.push((&self.waker.0, self.waker_seen));
-        for m in self.pages.values().take(MAX_WAITERS - 1) {
-            words.push((&m.page().header().wake, m.seen));
-        }
-        // Pages beyond futex_waitv's 128: look again soon.
-        let polled = self.pages.len() >= MAX_WAITERS;
+        let polled = if self.pages.len() < MAX_WAITERS {
+            for m in self.pages.values() {
+                words.push((&m.page().header().wake, m.seen));
+            }
+            false
+        } else {
+            // More pages than futex_waitv takes: the attributed ones first. Only when
+            // those alone are too many does the loop poll.
+            let (first, rest): (Vec<&Mapped>, Vec<&Mapped>) = self
+                .pages
+                .values()
+                .partition(|m| self.preferred.contains(&m.info.id));
+            let over = first.len() >= MAX_WAITERS;
+            for m in first.into_iter().chain(rest).take(MAX_WAITERS - 1) {
+                words.push((&m.page().header().wake, m.seen));
+            }
+            over
+        };
         let timeout = if polled || self.no_waitv {
-            // Pages beyond futex_waitv's 128 (or an old kernel): read at least every ms.
+            // Attributed pages beyond futex_waitv's 128 (or an old kernel): read every ms.
             timeout.min(Duration::from_millis(1))
         } else {
             timeout
@@ -543,6 +559,10 @@ impl Doorbells for DirBells {
 
     fn waker(&self) -> Waker {
         self.waker.clone()
+    }
+
+    fn prefer(&mut self, pages: &[u64]) {
+        self.preferred = pages.iter().copied().collect();
     }
 
     fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>) {

@@ -88,6 +88,10 @@ pub trait Doorbells: Send {
     /// Whether [`Doorbells::wait`] would return at once: a run started on a page, or the
     /// waker was woken, since the latest [`Doorbells::read`]. A few loads, no system call.
     fn rang(&self) -> bool;
+    /// The pages whose launches count (attributed to an online process): with more pages
+    /// than `futex_waitv` takes, these are waited on first, and the rest are read every
+    /// tick without being waited on (their launches count for nothing anyway).
+    fn prefer(&mut self, _pages: &[u64]) {}
     /// Appends the launch-gate fields of page `page`'s entries (nothing if not mapped).
     fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>);
     /// Removes the directories `pods/<uid>` whose pod is gone (`gone(uid)`) and that

@@ -526,3 +526,57 @@ fn only_trusted_pod_directories_are_read() {
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&elsewhere).ok();
 }
+
+/// More pages than `futex_waitv` takes: the loop sleeps, woken by the pages whose launches
+/// count (attributed, or new), instead of polling every millisecond because of pages that
+/// count for nothing.
+#[test]
+fn many_pages_that_count_for_nothing_do_not_make_the_loop_poll() {
+    let dir = tmpdir("waitset");
+    let mut b = DirBells::new(&dir).unwrap();
+    let mut keep = Vec::new();
+    for pod in 0..10 {
+        let d = dir
+            .join("pods")
+            .join(format!("0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a{pod:02}"));
+        std::fs::create_dir_all(&d).unwrap();
+        for i in 0..25 {
+            let path = d.join(format!("{i}-1.bell"));
+            keep.push((path.clone(), write_page(&path, [3; 16], 1)));
+        }
+    }
+    b.rescan(true);
+    let pages = b.pages();
+    assert_eq!(pages.len(), 250);
+    // A page the wait would not take on its own (the wait takes them in this order).
+    let info = pages[200].clone();
+    let pg = keep
+        .iter()
+        .find(|(path, _)| *path == info.path)
+        .expect("the page")
+        .1
+        .page();
+    let ring_wakes = |b: &mut DirBells| {
+        b.rescan(false);
+        b.read(&mut Vec::new());
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                let e = pg.entry_for(&[3; 16]).unwrap();
+                assert!(pg.ring(e, coloc_doorbell::now_ns(), 1));
+                pg.wake();
+            });
+            let t = std::time::Instant::now();
+            (b.wait(Duration::from_millis(300)), t.elapsed())
+        })
+    };
+    // Not preferred: the loop sleeps its whole timeout (no polling), and that page's ring
+    // does not cut it short (it is read at the next tick).
+    let (woken, t) = ring_wakes(&mut b);
+    assert!(!woken && t >= Duration::from_millis(250), "{woken} {t:?}");
+    // Preferred: its ring wakes the loop at once.
+    b.prefer(&[info.id]);
+    let (woken, t) = ring_wakes(&mut b);
+    assert!(woken && t < Duration::from_millis(250), "{woken} {t:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}

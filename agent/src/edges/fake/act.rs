@@ -137,6 +137,8 @@ pub struct FakeBellState {
     pub rang_calls: u32,
     /// Launch-gate fields per page.
     pub gates: std::collections::HashMap<u64, Vec<coloc_doorbell::GateReading>>,
+    /// The pages the loop last asked to be waited on first.
+    pub preferred: Vec<u64>,
 }
 
 impl FakeBells {
@@ -227,6 +229,9 @@ impl crate::edges::doorbell::Doorbells for FakeBells {
         let mut st = self.state.lock().unwrap();
         st.rang_calls += 1;
         st.rang_after.is_some_and(|n| st.rang_calls > n)
+    }
+    fn prefer(&mut self, pages: &[u64]) {
+        self.state.lock().unwrap().preferred = pages.to_vec();
     }
     fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>) {
         if let Some(g) = self.state.lock().unwrap().gates.get(&page) {
