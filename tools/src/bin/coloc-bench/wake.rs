@@ -55,7 +55,8 @@ impl Prio {
         }
     }
 
-    /// Applies to the calling thread; false when refused (not root).
+    /// Applies to the calling thread; false when refused (not root, or, for SCHED_FIFO, no
+    /// real-time budget: seen on an H100 VM as root).
     fn apply(self) -> bool {
         match self {
             Prio::Normal => true,
@@ -308,7 +309,7 @@ pub fn run(args: &[String]) -> serde_json::Value {
             ] {
                 let Some(v) = v else {
                     println!(
-                        "| {req} | {} | {} | {path} | refused (needs root) | | | | | |",
+                        "| {req} | {} | {} | {path} | refused (not root, or no real-time budget: RLIMIT_RTPRIO, cpu.rt_runtime_us) | | | | | |",
                         Hogs::describe(load),
                         prio.name()
                     );
