@@ -228,6 +228,15 @@ impl Loop {
                     .increment(removed.len() as u64);
             }
         }
+        // Claims live as long as their owner has a page or a process here: an owner that
+        // swaps its page keeps its run and its distrust.
+        let table = &self.table;
+        let alive = |owner: &Owner| match owner {
+            Owner::Pid(pid) => table.by_pid(*pid).is_some(),
+            Owner::Pod(uid) => table
+                .entries()
+                .any(|e| e.pod_uid.as_deref() == Some(uid.as_str())),
+        };
         let b = &mut self.bells;
         let force = now >= b.next_scan_ns;
         if force {
@@ -236,9 +245,8 @@ impl Loop {
         if b.edge.rescan(force) {
             let infos = b.edge.pages();
             b.pages.retain(|id, _| infos.iter().any(|i| i.id == *id));
-            // Claims live as long as their owner has a page (a pod's stay with the pod).
             b.claims
-                .retain(|(owner, _), _| infos.iter().any(|i| &i.owner == owner));
+                .retain(|(owner, _), _| infos.iter().any(|i| &i.owner == owner) || alive(owner));
             for info in infos {
                 if info.wake_gap_ns > b.window_ns {
                     warn!(page = %info.path.display(), wake_gap_ms = info.wake_gap_ns as f64 / 1e6, idle_window_ms = b.window_ns as f64 / 1e6,
@@ -374,7 +382,10 @@ impl Loop {
                 run_end: end,
                 distrusted_at: None,
             });
-        if start >= c.run_end.saturating_add(window) {
+        // A pause starts a new run only when it let offline work run: longer than the idle
+        // window with a margin (a pause of exactly the window re-arms the hold in the tick
+        // that would release it).
+        if start >= c.run_end.saturating_add(2 * window) {
             c.run_start = start;
         }
         c.run_end = c.run_end.max(end);

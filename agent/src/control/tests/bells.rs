@@ -288,13 +288,13 @@ fn corroborated_or_interrupted_claims_stay_trusted() {
         }
     }
     assert!(distrusts(&h).is_empty(), "{:?}", distrusts(&h));
-    // Uncorroborated bursts of 600 ms with 150 ms breaks (longer than the idle window):
-    // no run reaches the trust window.
+    // Uncorroborated bursts of 600 ms with 250 ms breaks (offline runs in each): no run
+    // reaches the trust window.
     let mut h = setup_trust();
     let t0 = h.now();
     while h.now() < t0 + 4_000 * MS {
         let now = h.now();
-        if (now - t0) % (750 * MS) < 600 * MS {
+        if (now - t0) % (850 * MS) < 600 * MS {
             h.bells.ring(1, 0, now, now);
         }
         h.tick();
@@ -381,4 +381,69 @@ fn the_pages_that_count_are_waited_on_first() {
         vec![1],
         "a page new for 10 s that never rang no longer is"
     );
+}
+
+/// A tenant that swaps its page (removes it, publishes a new one) keeps its owner's run and
+/// its distrust: neither is tied to a page.
+#[test]
+fn a_page_swap_keeps_the_run_and_the_distrust() {
+    let mut h = setup_trust();
+    let unpage = |h: &H, id: u64| {
+        let mut s = h.bells.state.lock().unwrap();
+        s.pages.retain(|p| p.id != id);
+        s.readings.retain(|r| r.page != id);
+        s.changed = true;
+    };
+    let t0 = h.now();
+    let (mut page, mut swapped) = (1u64, t0);
+    while h.now() < t0 + 1_500 * MS {
+        if h.now() - swapped >= 400 * MS {
+            unpage(&h, page);
+            h.tick();
+            page += 1;
+            h.bells.page(page, Owner::Pid(20), 0);
+            swapped = h.now();
+        }
+        let now = h.now();
+        h.bells.ring(page, 0, swapped, now);
+        h.tick();
+    }
+    assert_eq!(
+        distrusts(&h).len(),
+        1,
+        "swapping pages escaped the trust window"
+    );
+    assert!(!h.suspended(10));
+    // Distrusted, a new page changes nothing.
+    unpage(&h, page);
+    h.tick();
+    h.bells.page(page + 1, Owner::Pid(20), 0);
+    for _ in 0..50 {
+        let now = h.now();
+        h.bells.ring(page + 1, 0, now, now);
+        h.tick();
+        assert!(!h.suspended(10), "a new page restored a distrusted owner");
+    }
+}
+
+/// Pauses of exactly the idle window (the release would fall in the tick the next claim
+/// re-arms the hold) do not restart the count.
+#[test]
+fn a_pause_of_one_idle_window_does_not_restart_the_count() {
+    let mut h = setup_trust();
+    let t0 = h.now();
+    let (mut run_start, mut last) = (t0, t0);
+    while h.now() < t0 + 3_000 * MS {
+        let now = h.now();
+        if now - run_start < 450 * MS {
+            h.bells.ring(1, 0, run_start, now);
+            last = now;
+        } else if now >= last + 100 * MS {
+            run_start = now;
+            h.bells.ring(1, 0, now, now);
+            last = now;
+        }
+        h.tick();
+    }
+    assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
 }

@@ -19,6 +19,8 @@ struct Mapped {
     base: *mut libc::c_void,
     /// The wake word as of the latest read.
     seen: u32,
+    /// Changes of the wake word seen in the current second (the second, the count).
+    wakes: (u64, u32),
 }
 
 // SAFETY: the mapping is read-only shared memory accessed only through atomics; it is
@@ -51,11 +53,19 @@ const MAX_PAGES_TOP: usize = 512;
 /// Most directory entries one rescan looks at in one directory: a directory flooded with
 /// files costs a bounded amount of work, and only its own pod's pages can go unseen.
 pub(super) const MAX_ENTRIES_PER_DIR: usize = 1024;
+/// Most pod directories read (a node runs at most a few hundred pods).
+const MAX_POD_DIRS: usize = 1024;
+/// Most pages mapped per file owner (UID) in the top directory, shared by every user.
+const MAX_PAGES_PER_UID_TOP: usize = 64;
 /// A directory that changed is rescanned at once up to this many times a second; beyond,
 /// at most once per [`DIR_RESCAN_GAP`]: a directory whose files change in a loop costs a
 /// bounded amount of work, and others are not held up by it.
 const DIR_RESCANS_PER_SECOND: u32 = 20;
 const DIR_RESCAN_GAP: Duration = Duration::from_millis(50);
+/// A page whose wake word changes more often than this in a second is not waited on for
+/// the rest of that second (still read every tick): the shim bumps it once per run, at
+/// most about ten times a second, and a tenant bumping it in a loop must not spin the loop.
+const WAKES_PER_PAGE_PER_SECOND: u32 = 20;
 /// Warnings about pages that turned invalid, at most this many a second.
 const WARN_PER_SECOND: u32 = 10;
 
@@ -148,8 +158,9 @@ impl DirBells {
     }
 
     /// The pages a directory offers: at most [`MAX_ENTRIES_PER_DIR`] entries looked at.
-    fn candidates(&self, scope: &Scope) -> Vec<(PathBuf, Owner)> {
+    fn candidates(&self, scope: &Scope) -> (Vec<(PathBuf, Owner)>, bool) {
         let mut out = Vec::new();
+        let mut truncated = false;
         let pid_of = |p: &Path| {
             p.file_name()
                 .and_then(|n| n.to_str())
@@ -163,11 +174,12 @@ impl DirBells {
                 let listed: Vec<PathBuf> = std::fs::read_dir(&self.dir)
                     .map(|rd| {
                         rd.flatten()
-                            .take(MAX_ENTRIES_PER_DIR)
+                            .take(MAX_ENTRIES_PER_DIR + 1)
                             .map(|e| e.path())
                             .collect()
                     })
                     .unwrap_or_default();
+                truncated = listed.len() > MAX_ENTRIES_PER_DIR;
                 for p in listed {
                     let Some(name) = p.to_str() else { continue };
                     // A page being written (`.bell.new`) is never read; one left by a process
@@ -196,10 +208,14 @@ impl DirBells {
             Scope::Pod(uid) => {
                 let d = self.dir.join("pods").join(uid);
                 if !is_pod_uid(uid) || !trusted_pod_dir(&d) {
-                    return out;
+                    return (out, false);
                 }
                 if let Ok(rd) = std::fs::read_dir(&d) {
-                    for p in rd.flatten().take(MAX_ENTRIES_PER_DIR).map(|e| e.path()) {
+                    for (i, p) in rd.flatten().map(|e| e.path()).enumerate() {
+                        if i >= MAX_ENTRIES_PER_DIR {
+                            truncated = true;
+                            break;
+                        }
                         if p.to_str().is_some_and(|s| s.ends_with(SUFFIX)) {
                             out.push((p, Owner::Pod(uid.clone())));
                         }
@@ -207,7 +223,7 @@ impl DirBells {
                 }
             }
         }
-        out
+        (out, truncated)
     }
 
     /// Every directory there is to scan: the top one and each trusted pod directory.
@@ -215,9 +231,16 @@ impl DirBells {
         let mut out = vec![Scope::Top];
         if let Ok(rd) = std::fs::read_dir(self.dir.join("pods")) {
             for pod in rd.flatten() {
+                // Directories only (no stat for anything else), then the owner check.
+                if !pod.file_type().is_ok_and(|t| t.is_dir()) {
+                    continue;
+                }
                 if let Some(uid) = pod.file_name().to_str() {
-                    if is_pod_uid(uid) {
+                    if is_pod_uid(uid) && trusted_pod_dir(&pod.path()) {
                         out.push(Scope::Pod(uid.to_string()));
+                        if out.len() > MAX_POD_DIRS {
+                            break;
+                        }
                     }
                 }
             }
@@ -241,15 +264,19 @@ impl DirBells {
     /// Brings the pages of `scope` up to date with its directory.
     fn rescan_scope(&mut self, scope: &Scope) -> bool {
         *self.rescans.entry(scope.clone()).or_default() += 1;
-        let found = self.candidates(scope);
+        let (found, truncated) = self.candidates(scope);
         let live: std::collections::HashSet<&PathBuf> = found.iter().map(|(p, _)| p).collect();
+        // A listing cut short (a directory full of names) does not say a page is gone:
+        // then only a page whose file is gone is dropped.
+        let listed =
+            |p: &PathBuf| live.contains(p) || (truncated && std::fs::symlink_metadata(p).is_ok());
         let before = self.pages.len();
         let dir = self.dir.clone();
         let of_scope = |p: &Path| match scope {
             Scope::Top => p.parent() == Some(dir.as_path()),
             Scope::Pod(uid) => p.parent() == Some(dir.join("pods").join(uid).as_path()),
         };
-        self.pages.retain(|p, _| !of_scope(p) || live.contains(p));
+        self.pages.retain(|p, _| !of_scope(p) || listed(p));
         self.rejected
             .retain(|p, _| !of_scope(p) || live.contains(p));
         let mut changed = self.pages.len() != before;
@@ -271,8 +298,20 @@ impl DirBells {
                     continue;
                 }
             }
+            let uid_full = *scope == Scope::Top
+                && std::fs::symlink_metadata(&path).is_ok_and(|m| {
+                    self.pages
+                        .values()
+                        .filter(|x| x.info.file_uid == m.uid() && of_scope(&x.info.path))
+                        .count()
+                        >= MAX_PAGES_PER_UID_TOP
+                });
             let result = if mapped >= cap {
                 Err(format!("{cap} pages of this directory already mapped"))
+            } else if uid_full {
+                Err(format!(
+                    "{MAX_PAGES_PER_UID_TOP} pages of this file owner already mapped"
+                ))
             } else {
                 self.opened += 1;
                 self.map(&path, owner)
@@ -358,6 +397,7 @@ impl DirBells {
             },
             base,
             seen: 0,
+            wakes: (0, 0),
         };
         if !m.page().valid() {
             return Err("not a doorbell page of this version (yet)".into());
@@ -461,16 +501,17 @@ impl Doorbells for DirBells {
         due.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
         due.dedup();
         for sc in &due {
-            // Changes from now on wake the loop again.
+            // Changes from now on wake the loop again; a retry the rescan asks for stays.
             self.dirty.unmute(sc);
-            changed |= self.rescan_scope(sc);
             self.pending.remove(sc);
+            changed |= self.rescan_scope(sc);
             self.scanned.entry(sc.clone()).or_insert((now, now, 0)).0 = now;
         }
         if force {
             // Directories that are gone: forget their bookkeeping.
             let all: std::collections::HashSet<Scope> = due.into_iter().collect();
             self.scanned.retain(|s, _| all.contains(s));
+            self.rescans.retain(|s, _| all.contains(s));
             let before = self.pages.len();
             let dir = self.dir.clone();
             self.pages.retain(|p, _| {
@@ -493,11 +534,21 @@ impl Doorbells for DirBells {
     fn read(&mut self, out: &mut Vec<BellReading>) {
         self.waker_seen = self.waker.0.load(Acquire);
         let mut tmp = Vec::with_capacity(coloc_doorbell::MAX_GPUS);
+        let sec = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         for m in self.pages.values_mut() {
             tmp.clear();
             // The word first: a run that starts after this load bumps it, and the wait
             // that follows returns at once.
-            m.seen = m.page().header().wake.load(Acquire);
+            let word = m.page().header().wake.load(Acquire);
+            if word != m.seen {
+                if m.wakes.0 != sec {
+                    m.wakes = (sec, 0);
+                }
+                m.wakes.1 += 1;
+            }
+            m.seen = word;
             m.page().read(&mut tmp);
             out.extend(tmp.iter().map(|r| BellReading {
                 page: m.info.id,
@@ -520,8 +571,13 @@ impl Doorbells for DirBells {
         // word, and the wait returns at once (no lost wake-up).
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(MAX_WAITERS);
         words.push((&self.waker.0, self.waker_seen));
+        let sec = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        // A page that woke the loop too often this second is read at ticks only.
+        let calm = |m: &&Mapped| m.wakes.0 != sec || m.wakes.1 <= WAKES_PER_PAGE_PER_SECOND;
         let polled = if self.pages.len() < MAX_WAITERS {
-            for m in self.pages.values() {
+            for m in self.pages.values().filter(calm) {
                 words.push((&m.page().header().wake, m.seen));
             }
             false
@@ -531,6 +587,7 @@ impl Doorbells for DirBells {
             let (first, rest): (Vec<&Mapped>, Vec<&Mapped>) = self
                 .pages
                 .values()
+                .filter(calm)
                 .partition(|m| self.preferred.contains(&m.info.id));
             let over = first.len() >= MAX_WAITERS;
             for m in first.into_iter().chain(rest).take(MAX_WAITERS - 1) {
@@ -640,11 +697,14 @@ impl Doorbells for DirBells {
     }
 
     fn rang(&self) -> bool {
+        let sec = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         self.waker.0.load(Acquire) != self.waker_seen
             || self.dirty.any.load(Acquire) != 0
-            || self
-                .pages
-                .values()
-                .any(|m| m.page().header().wake.load(Acquire) != m.seen)
+            || self.pages.values().any(|m| {
+                (m.wakes.0 != sec || m.wakes.1 <= WAKES_PER_PAGE_PER_SECOND)
+                    && m.page().header().wake.load(Acquire) != m.seen
+            })
     }
 }

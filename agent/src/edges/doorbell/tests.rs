@@ -580,3 +580,103 @@ fn many_pages_that_count_for_nothing_do_not_make_the_loop_poll() {
     assert!(woken && t < Duration::from_millis(250), "{woken} {t:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A page whose wake word is bumped in a loop (no launch, no futex call) wakes the loop
+/// about as often as a real page can, then is read at ticks only: the loop sleeps.
+#[test]
+fn a_page_bumping_its_wake_word_in_a_loop_does_not_spin_the_loop() {
+    let dir = tmpdir("spin");
+    let mut b = DirBells::new(&dir).unwrap();
+    let d = dir
+        .join("pods")
+        .join("0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11");
+    std::fs::create_dir_all(&d).unwrap();
+    let w = write_page(&d.join("7-1.bell"), [7; 16], 1);
+    b.rescan(true);
+    b.read(&mut Vec::new());
+    let page = w.page();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let woken = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                page.header()
+                    .wake
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
+                std::hint::spin_loop();
+            }
+        });
+        let t0 = std::time::Instant::now();
+        let mut woken = 0u64;
+        while t0.elapsed() < Duration::from_millis(1500) {
+            b.rescan(false);
+            b.read(&mut Vec::new());
+            if b.wait(Duration::from_millis(100)) {
+                woken += 1;
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        woken
+    });
+    assert!(woken <= 3 * 25, "woken {woken} times in 1.5 s");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The top directory is shared by every standalone user: one user's pages cannot crowd out
+/// another's (at most 64 mapped per file owner), and a directory full of other names does
+/// not unmap a page already mapped (a cut-short listing drops only pages whose file is
+/// gone).
+#[test]
+fn one_user_cannot_crowd_the_shared_top_directory() {
+    let dir = tmpdir("top");
+    let mut b = DirBells::new(&dir).unwrap();
+    let me = std::process::id();
+    let victim = dir.join(format!("{me}-1.bell"));
+    let _v = write_page(&victim, [2; 16], 1);
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut keep = Vec::new();
+    if root {
+        // Another user's 80 pages, named for a PID that is always alive.
+        for i in 0..80 {
+            let p = dir.join(format!("1-{i}.bell"));
+            keep.push(write_page(&p, [2; 16], 1));
+            std::os::unix::fs::chown(&p, Some(1000), Some(1000)).unwrap();
+        }
+    } else {
+        eprintln!("not root: cannot give pages to another user; checking the listing only");
+    }
+    b.rescan(true);
+    let pages = b.pages();
+    assert!(pages.iter().any(|p| p.path == victim), "the victim's page");
+    if root {
+        let theirs = pages.iter().filter(|p| p.file_uid == 1000).count();
+        assert_eq!(theirs, 64, "one file owner's pages are capped");
+    }
+    // Enough other names that the victim's page falls outside the listing's first 1,024.
+    let position = || {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .position(|e| e.path() == victim)
+            .unwrap()
+    };
+    let mut n = 0;
+    while position() < super::dir::MAX_ENTRIES_PER_DIR + 1 && n < 50_000 {
+        for _ in 0..500 {
+            std::fs::write(dir.join(format!("junk{n}")), b"").unwrap();
+            n += 1;
+        }
+    }
+    assert!(
+        position() > super::dir::MAX_ENTRIES_PER_DIR,
+        "could not push the page out of the listing"
+    );
+    for _ in 0..3 {
+        b.rescan(true);
+    }
+    assert!(
+        b.pages().iter().any(|p| p.path == victim),
+        "a page already mapped was dropped because the listing was cut short"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
