@@ -440,9 +440,7 @@ impl Doorbells for DirBells {
                 .increment(1);
             // Rate-limited: a tenant truncating its pages in a loop must not flood the log
             // from the loop's thread.
-            let sec = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
+            let sec = super::now_sec();
             if self.warned.0 != sec {
                 if self.warned.1 > WARN_PER_SECOND {
                     warn!(suppressed = self.warned.1 - WARN_PER_SECOND, "Doorbell pages that turned invalid in the last second, not logged one by one");
@@ -534,9 +532,7 @@ impl Doorbells for DirBells {
     fn read(&mut self, out: &mut Vec<BellReading>) {
         self.waker_seen = self.waker.0.load(Acquire);
         let mut tmp = Vec::with_capacity(coloc_doorbell::MAX_GPUS);
-        let sec = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let sec = super::now_sec();
         for m in self.pages.values_mut() {
             tmp.clear();
             // The word first: a run that starts after this load bumps it, and the wait
@@ -571,9 +567,7 @@ impl Doorbells for DirBells {
         // word, and the wait returns at once (no lost wake-up).
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(MAX_WAITERS);
         words.push((&self.waker.0, self.waker_seen));
-        let sec = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let sec = super::now_sec();
         // A page that woke the loop too often this second is read at ticks only.
         let calm = |m: &&Mapped| m.wakes.0 != sec || m.wakes.1 <= WAKES_PER_PAGE_PER_SECOND;
         let polled = if self.pages.len() < MAX_WAITERS {
@@ -697,9 +691,7 @@ impl Doorbells for DirBells {
     }
 
     fn rang(&self) -> bool {
-        let sec = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let sec = super::now_sec();
         self.waker.0.load(Acquire) != self.waker_seen
             || self.dirty.any.load(Acquire) != 0
             || self.pages.values().any(|m| {

@@ -102,6 +102,13 @@ pub trait Doorbells: Send {
     }
 }
 
+/// The wall clock's current second (for per-second rate limits).
+fn now_sec() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// Wakes a waiting loop from another thread.
 #[derive(Debug, Clone, Default)]
 pub struct Waker(Arc<AtomicU32>);

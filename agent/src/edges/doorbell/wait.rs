@@ -274,9 +274,7 @@ impl Watcher {
                             watched.remove(&ev.wd);
                         } else if let Some(uid) = watched.get(&ev.wd) {
                             wake |= dirty.mark(Scope::Pod(uid.clone()));
-                            let sec = std::time::SystemTime::now()
-                                .duration_since(std::time::UNIX_EPOCH)
-                                .map_or(0, |d| d.as_secs());
+                            let sec = super::now_sec();
                             let r = rate.entry(ev.wd).or_insert((sec, 0));
                             if r.0 != sec {
                                 *r = (sec, 0);
