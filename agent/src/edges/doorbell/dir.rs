@@ -72,9 +72,8 @@ const WARN_PER_SECOND: u32 = 10;
 /// A file as last seen: a rejected file that is still the same file is not opened again.
 type Ident = (u64, u64, i64, i64, u64);
 
-fn ident(path: &Path) -> Option<Ident> {
-    let m = std::fs::symlink_metadata(path).ok()?;
-    Some((m.dev(), m.ino(), m.mtime(), m.mtime_nsec(), m.size()))
+fn ident(m: &std::fs::Metadata) -> Ident {
+    (m.dev(), m.ino(), m.mtime(), m.mtime_nsec(), m.size())
 }
 
 /// Pages under a directory, watched with inotify.
@@ -285,6 +284,13 @@ impl DirBells {
             Scope::Pod(_) => MAX_PAGES_PER_POD,
         };
         let mut mapped = self.pages.keys().filter(|p| of_scope(p)).count();
+        // Top directory: pages mapped per file owner.
+        let mut per_uid: HashMap<u32, usize> = HashMap::new();
+        if *scope == Scope::Top {
+            for m in self.pages.values().filter(|m| of_scope(&m.info.path)) {
+                *per_uid.entry(m.info.file_uid).or_default() += 1;
+            }
+        }
         let now = std::time::Instant::now();
         for (path, owner) in found {
             if self.pages.contains_key(&path) {
@@ -292,34 +298,36 @@ impl DirBells {
             }
             // A file rejected before that is still the same file (inode, mtime, size) and
             // had its second to become a page is not opened again.
-            let id = ident(&path);
+            let md = std::fs::symlink_metadata(&path).ok();
+            let id = md.as_ref().map(ident);
             if let Some((_, first, seen)) = self.rejected.get(&path) {
-                if *seen == id && now.duration_since(*first) >= INCOMPLETE_RETRY {
+                if seen.is_some() && *seen == id && now.duration_since(*first) >= INCOMPLETE_RETRY {
                     continue;
                 }
             }
-            let uid_full = *scope == Scope::Top
-                && std::fs::symlink_metadata(&path).is_ok_and(|m| {
-                    self.pages
-                        .values()
-                        .filter(|x| x.info.file_uid == m.uid() && of_scope(&x.info.path))
-                        .count()
-                        >= MAX_PAGES_PER_UID_TOP
-                });
-            let result = if mapped >= cap {
-                Err(format!("{cap} pages of this directory already mapped"))
-            } else if uid_full {
-                Err(format!(
-                    "{MAX_PAGES_PER_UID_TOP} pages of this file owner already mapped"
-                ))
+            let file_uid = md.as_ref().map_or(u32::MAX, |m| m.uid());
+            // A refusal for a cap is no verdict on the file: it is not remembered as the
+            // file's (no ident), so the page is mapped once there is room.
+            let (result, id) = if mapped >= cap {
+                (
+                    Err(format!("{cap} pages of this directory already mapped")),
+                    None,
+                )
+            } else if per_uid.get(&file_uid).copied().unwrap_or(0) >= MAX_PAGES_PER_UID_TOP {
+                let why =
+                    format!("{MAX_PAGES_PER_UID_TOP} pages of this file owner already mapped");
+                (Err(why), None)
             } else {
                 self.opened += 1;
-                self.map(&path, owner)
+                (self.map(&path, owner), id)
             };
             match result {
                 Ok(m) => {
                     info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
                     self.rejected.remove(&path);
+                    if *scope == Scope::Top {
+                        *per_uid.entry(m.info.file_uid).or_default() += 1;
+                    }
                     self.pages.insert(path, m);
                     mapped += 1;
                     changed = true;
@@ -333,10 +341,9 @@ impl DirBells {
                         }
                     };
                     self.rejected.insert(path.clone(), (why, first, id));
-                    // Maybe still being written: look again at the next rescan, for a
-                    // while.
-                    // (its directory only, and no sooner than the gap: a tenant who keeps
-                    // adding files that are not pages cannot make the agent poll).
+                    // Maybe still being written: look again for a while (its directory
+                    // only, and no sooner than the gap: a tenant who keeps adding files that
+                    // are not pages cannot make the agent poll).
                     if now.duration_since(first) < INCOMPLETE_RETRY {
                         self.pending
                             .entry(scope.clone())

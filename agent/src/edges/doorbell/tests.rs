@@ -680,3 +680,34 @@ fn one_user_cannot_crowd_the_shared_top_directory() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A page refused only because its pod was at its cap is mapped once there is room, even
+/// long after (a cap is no verdict on the file).
+#[test]
+fn a_page_refused_for_the_cap_is_mapped_once_there_is_room() {
+    let dir = tmpdir("caproom");
+    let mut b = DirBells::new(&dir).unwrap();
+    let d = dir
+        .join("pods")
+        .join("0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11");
+    std::fs::create_dir_all(&d).unwrap();
+    let n = super::dir::MAX_PAGES_PER_POD + 2;
+    let _pages: Vec<_> = (0..n)
+        .map(|i| write_page(&d.join(format!("{i}-1.bell")), [4; 16], 1))
+        .collect();
+    b.rescan(true);
+    assert_eq!(b.pages().len(), super::dir::MAX_PAGES_PER_POD);
+    std::thread::sleep(Duration::from_millis(1100));
+    b.rescan(true);
+    for p in b.pages().iter().take(2) {
+        std::fs::remove_file(&p.path).unwrap();
+    }
+    b.rescan(true);
+    b.rescan(true);
+    assert_eq!(
+        b.pages().len(),
+        super::dir::MAX_PAGES_PER_POD,
+        "the refused pages were never looked at again"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
