@@ -211,3 +211,33 @@ impl Drop for TestCgroup {
         }
     }
 }
+
+/// The offline processes' classification for a benchmark's agent: with `freezer`, scratch
+/// cgroups `<group>/<child>` (v2, or the v1 freezer; the parent first in the returned
+/// list) declared offline by a rules `cgroup` matcher; otherwise a `cmdline` matcher on
+/// the simulated offline workload. Returns the cgroups (kept alive by the caller) and the
+/// rules text.
+pub fn offline_rules(group: &str, children: &[String], freezer: bool) -> (Vec<TestCgroup>, String) {
+    if !freezer {
+        let rules =
+            "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n";
+        return (Vec::new(), rules.to_string());
+    }
+    let parent = TestCgroup::v2(group)
+        .or_else(|| TestCgroup::v1(group))
+        .expect("a cgroup freezer (run as root)");
+    let mut cgroups = vec![];
+    for child in children {
+        let name = format!("{group}/{child}");
+        let cg = if parent.version == "v2" {
+            TestCgroup::v2(&name)
+        } else {
+            TestCgroup::v1(&name)
+        };
+        cgroups.push(cg.expect("child cgroup"));
+    }
+    cgroups.insert(0, parent);
+    let rules =
+        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{group}/*\"\n");
+    (cgroups, rules)
+}

@@ -27,7 +27,7 @@ mod sim;
 mod stats;
 
 pub use agent::{test_agent_env, Agent, AgentOpts};
-pub use cgroups::{cgroup_v2_root, thaw_cgroups_of, TestCgroup};
+pub use cgroups::{cgroup_v2_root, offline_rules, thaw_cgroups_of, TestCgroup};
 pub use http::{free_port, http_get, metric};
 pub use page::MappedPage;
 pub use paths::{bin, fake_cuda, unique};

@@ -39,26 +39,8 @@ fn rss_kib(pid: u32) -> u64 {
 fn latency_run(actuator: &str, n: usize, cycles: u32) -> serde_json::Value {
     let sim = Sim::start(1, &["--sample-period-ms", "1"]);
     let group = unique("coloc-bench");
-    let mut cgroups = Vec::new();
-    let rules = if actuator == "freezer" {
-        let parent = TestCgroup::v2(&group)
-            .or_else(|| TestCgroup::v1(&group))
-            .expect("a cgroup freezer");
-        for i in 0..n {
-            let name = format!("{group}/off{i}");
-            let cg = if parent.version == "v2" {
-                TestCgroup::v2(&name)
-            } else {
-                TestCgroup::v1(&name)
-            };
-            cgroups.push(cg.expect("child cgroup"));
-        }
-        cgroups.insert(0, parent);
-        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{group}/*\"\n")
-    } else {
-        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n"
-            .to_string()
-    };
+    let children: Vec<String> = (0..n).map(|i| format!("off{i}")).collect();
+    let (cgroups, rules) = coloc_tools::offline_rules(&group, &children, actuator == "freezer");
     let events = std::env::temp_dir().join(format!("{group}-events.jsonl"));
     let agent = Agent::start(
         &sim,

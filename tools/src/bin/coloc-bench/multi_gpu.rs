@@ -261,26 +261,8 @@ pub fn run(o: &Opts) -> serde_json::Value {
     let sim = Sim::start(o.gpus, &["--sample-period-ms", period]);
     let group = unique("coloc-bench-mgpu");
     // Freezer: one cgroup per GPU holding that GPU's offline processes.
-    let mut cgroups = Vec::new();
-    let rules = if o.actuator == "freezer" {
-        let parent = TestCgroup::v2(&group)
-            .or_else(|| TestCgroup::v1(&group))
-            .expect("a cgroup freezer (run as root)");
-        for g in 0..o.gpus {
-            let name = format!("{group}/gpu{g}");
-            let cg = if parent.version == "v2" {
-                TestCgroup::v2(&name)
-            } else {
-                TestCgroup::v1(&name)
-            };
-            cgroups.push(cg.expect("child cgroup"));
-        }
-        cgroups.insert(0, parent);
-        format!("[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"/{group}/*\"\n")
-    } else {
-        "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n"
-            .to_string()
-    };
+    let children: Vec<String> = (0..o.gpus).map(|g| format!("gpu{g}")).collect();
+    let (cgroups, rules) = coloc_tools::offline_rules(&group, &children, o.actuator == "freezer");
     let events = std::env::temp_dir().join(format!("{group}-events.jsonl"));
     let agent_args = vec![
         "--event-log".to_string(),
