@@ -28,10 +28,15 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
                  (the drain, as online sees it), online kernel latency meanwhile, the
                  agent's preemption latency, and offline throughput with no online work
                  (with the gate open: the price of K)
+  checkpoint     the CUDA driver's checkpoint API (coloc-bench --cuda-checkpoint) against
+                 a seeded training loop per --ckpt-gb size: lock, checkpoint, restore,
+                 unlock timed, GPU memory freed, results identical after; the driver's
+                 answers out of order (a stopped process included); the lock beside the
+                 large model and online kernel latency while offline is locked (ckpt_step.py)
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate wake-floor;
-        part3 = preflight drain nvml-load; all.
-The parts (part1, part2, part3) take about 5-7 minutes each, for machines that are lent
+        part3 = preflight drain nvml-load; part4 = preflight checkpoint; all.
+The parts (part1 ... part4) take about 5-7 minutes each, for machines that are lent
 for short runs; `--merge DIR DIR DIR --out DIR` joins their results (no GPU needed).
 
 Every step runs in its own try/except; results.json and results.md are rewritten
@@ -56,6 +61,7 @@ import argparse, bisect, hashlib, io, json, math, os, platform, re, shutil, sign
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import shim_check  # noqa: E402  (standard library only: its child-process helpers)
+import ckpt_step  # noqa: E402  (the checkpoint step)
 
 T0 = time.monotonic()
 PROGRESS = []  # the progress.log file, once --out exists
@@ -70,11 +76,12 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
 ]
-ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load"]
+ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
     "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "wake-floor"],
     "part3": ["preflight", "drain", "nvml-load"],
+    "part4": ["preflight", "checkpoint"],
     "rows": [r[0] for r in ROWS],
     "all": ORDER,
 }
@@ -445,7 +452,7 @@ class Harness:
         self.shim_ok, self.shim_why = None, None
         self.period, self.period_source = None, None
         self.results = {"complete": False, "meta": {}, "steps": [], "preflight": None, "nvml_probe": None, "shim_check": None,
-                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None, "nvml_view": None}
+                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None}
         self.set_period()
 
     # ---- setup and bookkeeping ----------------------------------------------------------
@@ -562,6 +569,7 @@ class Harness:
                 # The first two configurations (the baseline and one more): the step skips
                 # those that would not fit its own deadline, one by one.
                 "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)[:2]),
+                "checkpoint": ckpt_step.need(a),
                 }.get(step, a.duration + start + 10)
 
     def drain_need(self, c):
@@ -570,6 +578,8 @@ class Harness:
 
     def blocked(self, step):
         """Why a step cannot run (an earlier result says so), or None."""
+        if step == "checkpoint" and self.sim:
+            return "the simulated driver has no checkpoint API"
         if self.sim or step in ("preflight", "wake-floor"):
             return None
         if self.torch_ok is False:
@@ -1434,6 +1444,8 @@ def render(r, parts=None):
             out.append(f"| {name} | {pair('drain_ms')} ({fmt(x.get('drain_n'))}, {fmt(x.get('drain_not_ended'))}) | {pair('first_kernel_ms')} | {pair('delay_ms')} | "
                        f"{pair('latency_ms')} | {pair('preemption_ms')} ({fmt(x.get('preemption_n'))}) | {json.dumps(x.get('actuators')) if x.get('actuators') else '-'} | "
                        f"{fmt(sp)} ({fmt(share)}) | {checks.replace('|', '/')} |")
+    if r.get("checkpoint"):
+        out.append(ckpt_step.render(r["checkpoint"]))
     if r.get("warmup"):
         out += ["", f"Warm-up run (thrown away): {json.dumps(r['warmup'])}"]
     wf = r.get("wake_floor")
@@ -1450,7 +1462,7 @@ def merge(dirs, out):
             docs.append((os.path.basename(os.path.normpath(d)), json.load(f)))
     m = {"complete": all(r.get("complete") for _, r in docs), "meta": dict(docs[0][1].get("meta") or {}), "parts": {},
          "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None,
-         "nvml_load": None, "drain": None, "nvml_view": None}
+         "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None}
     by_name, drains = {}, []
     for part, r in docs:
         m["parts"][part] = {"meta": r.get("meta"), "complete": r.get("complete"), "interrupted": r.get("interrupted")}
@@ -1466,6 +1478,7 @@ def merge(dirs, out):
         m["wake_floor"] = m["wake_floor"] or r.get("wake_floor")
         m["nvml_load"] = m["nvml_load"] or r.get("nvml_load")
         m["nvml_view"] = m["nvml_view"] or r.get("nvml_view")
+        m["checkpoint"] = m["checkpoint"] or r.get("checkpoint")
         if r.get("drain"):
             drains.append((part, r["drain"]))
         for row in r.get("scenarios") or []:
@@ -1541,6 +1554,8 @@ def main():
     ap.add_argument("--drain-burst-ms", type=float, default=300.0, help="drain: length of a burst")
     ap.add_argument("--drain-gap-ms", type=float, default=700.0, help="drain: idle time before each burst (longer than --idle-window)")
     ap.add_argument("--drain-open", type=float, default=4.0, help="drain: seconds of offline work with no online before the probe (throughput with the gate open)")
+    ap.add_argument("--ckpt-gb", default="0,8,32", help="checkpoint: extra device memory (GB) of each training loop checkpointed and restored")
+    ap.add_argument("--ckpt-lock-reps", type=int, default=5, help="checkpoint: locks and unlocks of the large training model")
     ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
     if a.merge:
@@ -1554,6 +1569,7 @@ def main():
         selected.discard("shim")  # needs PyTorch and a GPU
     if a.wake_floor_samples <= 0:
         selected.discard("wake-floor")
+    ckpt_step.LOG = log
     h = Harness(a)
     h.selected = [s for s in ORDER if s in selected]
     log(f"gpu-coloc harness: steps {' '.join(h.selected)}; budget {a.budget:g} s; out {h.out}")
@@ -1572,7 +1588,8 @@ def main():
                 h.run_step(step, lambda dl, row=row, step=step, on=on, off=off, ag=ag: h.scenario(row, step, on, off, ag, dl), row=row)
             else:
                 fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor,
-                      "nvml-load": h.nvml_load, "drain": h.drain, "nvml-view": h.nvml_view}[step]
+                      "nvml-load": h.nvml_load, "drain": h.drain, "nvml-view": h.nvml_view,
+                      "checkpoint": lambda dl: ckpt_step.run(h, dl)}[step]
                 h.run_step(step, fn)
         h.results["complete"] = True
     except Interrupted as e:

@@ -9,13 +9,15 @@
 //!   record::RecordStore the fail-open file ────────────────────── what is stopped
 //!   clock::Clock ────── wall clock (NVML's timestamps) ────────── now
 //!   doorbell::Doorbells launch pages of the CUDA shim, futex ─── onset; the loop's sleep
+//!   checkpoint ──────── the CUDA driver's checkpoint API ─────── lock, checkpoint, restore
 //! ```
 //!
-//! Only `gpu` calls a C library (through `nvml-wrapper`); only `actuator` and `record`
-//! change anything on the host.
+//! Only `gpu` (through `nvml-wrapper`) and `checkpoint` (the CUDA driver, by `dlopen`) call
+//! a GPU library; only `actuator`, `checkpoint` and `record` change anything on the host.
 
 pub mod actuator;
 pub mod cgroupfs;
+pub mod checkpoint;
 pub mod clock;
 pub mod doorbell;
 pub mod gate;

@@ -7,6 +7,7 @@
 //! `multi_gpu.rs`). `--gate`: the launch gate's in-flight bound (see
 //! `gate.rs`). `--help` lists the modes.
 
+mod checkpoint;
 mod gate;
 mod multi_gpu;
 mod nvml;
@@ -241,13 +242,17 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "{HELP}{}{}{}{}",
+            "{HELP}{}{}{}{}{}",
             nvml::USAGE,
+            checkpoint::USAGE,
             multi_gpu::USAGE,
             gate::USAGE,
             wake::USAGE
         );
         return;
+    }
+    if args.iter().any(|a| a == "--cuda-checkpoint") {
+        checkpoint::run(&args);
     }
     if args.iter().any(|a| a == "--online-worker") {
         multi_gpu::online_worker(&args);
