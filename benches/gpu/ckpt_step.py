@@ -16,6 +16,10 @@ Then the lock beside the large training model (--ckpt-lock-reps locks and unlock
   time is its queued work's drain), and burst.py's kernel latency alone, beside the free
   training loop, and beside it while it is locked (does the lock keep the GPU free?).
 
+Then (--ckpt-parts stopped) which calls a SIGSTOPped process answers: checkpoint and unlock
+  of a locked one, and whether a lock made while it is stopped completes once it runs; and
+  (parallel) two --ckpt-parallel-gb loops checkpointed and restored one at a time and at once.
+
 Real GPU only: the simulated driver has no checkpoint API (the step says so under --sim).
 """
 import json, math, os, signal, subprocess, sys, time
@@ -30,10 +34,23 @@ def pct(v, q):
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else None
 
 
+PARTS = ("sizes", "edges", "large", "stopped", "parallel")
+
+
+def parse_parts(spec):
+    out = [x.strip() for x in spec.split(",") if x.strip()]
+    bad = [x for x in out if x not in PARTS]
+    if bad:
+        raise SystemExit(f"--ckpt-parts: unknown {bad}: any of {', '.join(PARTS)}")
+    return out
+
+
 def need(a):
     """About how long the step takes (s): a PyTorch start per run, the copies, the probes."""
-    sizes = [float(x) for x in a.ckpt_gb.split(",") if x.strip()]
-    return 25 * (len(sizes) + 3) + sum(sizes) * 0.5 + 3 * 15 + 30
+    parts = parse_parts(a.ckpt_parts)
+    sizes = [float(x) for x in a.ckpt_gb.split(",") if x.strip()] if "sizes" in parts else []
+    return (25 * (len(sizes) + 1) + sum(sizes) * 0.5 if sizes else 0) + 25 * ("edges" in parts) + 75 * ("large" in parts) \
+        + 45 * ("stopped" in parts) + (40 + 2 * a.ckpt_parallel_gb * 1.5) * ("parallel" in parts) + 10
 
 
 def ckpt(h, ops, pid, timeout_ms=10000, wait_s=60.0):
@@ -240,6 +257,113 @@ def edges(h, e, deadline):
         h.end(t.p, t.tag, 10)
 
 
+def while_stopped(h, pid, ops, stopped_s=5.0, timeout_ms=2000):
+    """ops on pid while it is SIGSTOPped: did the call return while stopped, or only after
+    SIGCONT (sent after stopped_s)? The target is running again on return."""
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.2)
+    cmd = [os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(pid), "--timeout-ms", str(timeout_ms)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        out, _ = p.communicate(timeout=stopped_s)
+        os.kill(pid, signal.SIGCONT)
+        r = {"returned_while_stopped": True, "ms": (time.monotonic() - t0) * 1e3}
+    except subprocess.TimeoutExpired:
+        os.kill(pid, signal.SIGCONT)
+        t1 = time.monotonic()
+        try:
+            out, _ = p.communicate(timeout=60)
+            r = {"returned_while_stopped": False, "waited_stopped_ms": (t1 - t0) * 1e3, "ms_after_sigcont": (time.monotonic() - t1) * 1e3}
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            r = {"returned_while_stopped": False, "hung_after_sigcont": True}
+    try:
+        j = json.loads(out.strip().splitlines()[-1])
+        r.update({k: j[k] for k in ("calls", "load_error") if k in j})
+    except (ValueError, IndexError):
+        r["out"] = out[-400:]
+    return r
+
+
+def stopped(h, S, deadline):
+    """Which calls a stopped process answers: checkpoint and unlock of a locked one, and
+    whether a lock made while it is stopped completes once it runs again."""
+    t = Train(h, "ckpt-stopped", 0)
+    try:
+        t.wait_ready(deadline)
+        pid = t.p.pid
+        time.sleep(0.5)
+        S["lock"] = ckpt(h, "lock,state", pid)
+        S["checkpoint_stopped"] = while_stopped(h, pid, "checkpoint,state")
+        S["state_1"] = ckpt(h, "state", pid)
+        if (calls(S["state_1"]).get("state") or {}).get("state") == "checkpointed":
+            S["restore"] = ckpt(h, "restore,state", pid, wait_s=60)
+        S["unlock_stopped"] = while_stopped(h, pid, "unlock,state")
+        S["state_2"] = ckpt(h, "state", pid)
+        if (calls(S["state_2"]).get("state") or {}).get("state") == "locked":
+            S["unlock"] = ckpt(h, "unlock,state", pid)
+        S["lock_stopped"] = while_stopped(h, pid, "lock,state", stopped_s=4.0, timeout_ms=1000)
+        S["state_3"] = ckpt(h, "state", pid)
+        if (calls(S["state_3"]).get("state") or {}).get("state") == "locked":
+            S["unlock_3"] = ckpt(h, "unlock,state", pid)
+        time.sleep(1.0)
+        res = t.finish(deadline)
+        tl = res.get("timeline") or []
+        S["steps_total"] = tl[-1][1] if tl else 0
+        S["train_error"] = res.get("error")
+    finally:
+        try:
+            os.kill(t.p.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        h.end(t.p, t.tag, 10)
+
+
+def parallel(h, P, deadline):
+    """Two 8 GB training loops: checkpoint one alone, then both at once (and restore both at once)."""
+    gb = h.a.ckpt_parallel_gb
+    ts = [Train(h, f"ckpt-par{i}", gb) for i in range(2)]
+
+    def together(ops):
+        procs = [(t.p.pid, subprocess.Popen([os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(t.p.pid)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)) for t in ts]
+        t0 = time.monotonic()
+        out = []
+        for pid, p in procs:
+            o, _ = p.communicate(timeout=180)
+            try:
+                out.append(json.loads(o.strip().splitlines()[-1]))
+            except (ValueError, IndexError):
+                out.append({"unparsed": o[-300:]})
+        return {"wall_ms": (time.monotonic() - t0) * 1e3, "each": [[c.get("op"), c.get("ok"), c.get("ms")] for r in out for c in r.get("calls") or []]}
+
+    try:
+        for t in ts:
+            t.wait_ready(deadline)
+        time.sleep(0.5)
+        _, apps = gpu_mem()
+        P["process_mib"] = [apps.get(t.p.pid) for t in ts]
+        P["lock"] = together("lock")
+        r = ckpt(h, "checkpoint", ts[0].p.pid, wait_s=180)
+        P["checkpoint_one_ms"] = (calls(r).get("checkpoint") or {}).get("ms")
+        r = ckpt(h, "restore", ts[0].p.pid, wait_s=180)
+        P["restore_one_ms"] = (calls(r).get("restore") or {}).get("ms")
+        P["checkpoint_both"] = together("checkpoint")
+        P["mem_both_checkpointed_mib"], _ = gpu_mem()
+        P["restore_both"] = together("restore")
+        P["unlock"] = together("unlock,state")
+        time.sleep(1.0)
+        P["memory_same"] = []
+        for t in ts:
+            res = t.finish(deadline)
+            P["memory_same"].append(res.get("ballast_before") == res.get("ballast_after") and res.get("ballast_after") is not None)
+    finally:
+        for t in ts:
+            h.end(t.p, t.tag, 10)
+
+
 def lock_large(h, L, deadline):
     """Lock beside the large model, and online kernel latency alone / beside / beside locked."""
     a = h.a
@@ -287,14 +411,15 @@ def lock_large(h, L, deadline):
 
 def run(h, deadline):
     a = h.a
-    c = h.results["checkpoint"] = {"sizes_gb": a.ckpt_gb, "runs": [], "edges": {}, "large": {}}
+    c = h.results["checkpoint"] = {"sizes_gb": a.ckpt_gb, "parts": a.ckpt_parts, "runs": [], "edges": {}, "large": {}}
     smi_row = smi("name,driver_version,memory.total")
     c["gpu"] = smi_row[0] if smi_row else None
     probe = ckpt(h, "state", os.getpid())  # this process has no CUDA: only whether the API loads
     c["driver"] = {k: probe.get(k) for k in ("library", "driver_version", "load_ms", "load_error", "calls")}
     if probe.get("load_error") or probe.get("hung") or "calls" not in probe:
         raise RuntimeError(f"the driver's checkpoint API cannot be used: {json.dumps(probe)[:800]}")
-    first = [float(x) for x in a.ckpt_gb.split(",") if x.strip()]
+    parts = set(x.strip() for x in a.ckpt_parts.split(",") if x.strip())
+    first = [float(x) for x in a.ckpt_gb.split(",") if x.strip()] if "sizes" in parts else []
     errors = []
     for gb in first:
         row = {"gb": gb}
@@ -325,7 +450,10 @@ def run(h, deadline):
             c["reference_error"] = f"{type(ex).__name__}: {ex}"[:1500]
             errors.append("reference")
     h.save()
-    for name, fn, key in (("edges", edges, "edges"), ("large", lock_large, "large")):
+    for name, fn, key in (("edges", edges, "edges"), ("large", lock_large, "large"), ("stopped", stopped, "stopped"), ("parallel", parallel, "parallel")):
+        if name not in parts:
+            continue
+        c.setdefault(key, {})
         try:
             fn(h, c[key], deadline)
         except Exception as ex:  # noqa: BLE001
@@ -362,6 +490,14 @@ def render(c):
                 out.append(f"- {k}: {desc}")
             else:
                 out.append(f"- {k}: {json.dumps(v)[:600]}")
+    for key, title in (("stopped", "A stopped process"), ("parallel", "Two processes at once")):
+        x = c.get(key) or {}
+        if x:
+            out += ["", f"{title}:", ""]
+            for k, v in x.items():
+                if isinstance(v, dict) and "calls" in v and "returned_while_stopped" not in v:
+                    v = ", ".join(f"{y['op']} {'ok' if y.get('ok') else y.get('name')} {y.get('ms', 0):.1f} ms" + (f" -> {y['state']}" if y.get("state") else "") for y in v["calls"])
+                out.append(f"- {k}: {v if isinstance(v, str) else json.dumps(v)[:700]}")
     L = c.get("large") or {}
     if L:
         locks = L.get("locks") or []

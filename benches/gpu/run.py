@@ -1556,6 +1556,8 @@ def main():
     ap.add_argument("--drain-open", type=float, default=4.0, help="drain: seconds of offline work with no online before the probe (throughput with the gate open)")
     ap.add_argument("--ckpt-gb", default="0,8,32", help="checkpoint: extra device memory (GB) of each training loop checkpointed and restored")
     ap.add_argument("--ckpt-lock-reps", type=int, default=5, help="checkpoint: locks and unlocks of the large training model")
+    ap.add_argument("--ckpt-parts", default=",".join(ckpt_step.PARTS), help="checkpoint: which parts: " + ", ".join(ckpt_step.PARTS))
+    ap.add_argument("--ckpt-parallel-gb", type=float, default=8.0, help="checkpoint, part parallel: extra device memory of each of the two loops")
     ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
     if a.merge:
@@ -1563,6 +1565,7 @@ def main():
         return
     parse_intervals(a.nvml_load_intervals)  # refuse a bad list before anything starts
     parse_drain(a.drain_configs)
+    ckpt_step.parse_parts(a.ckpt_parts)
     selected = expand(a.only) if a.only else set(ORDER)
     selected -= expand(a.skip)
     if a.sim:
