@@ -578,8 +578,6 @@ class Harness:
 
     def blocked(self, step):
         """Why a step cannot run (an earlier result says so), or None."""
-        if step == "checkpoint" and self.sim:
-            return "the simulated driver has no checkpoint API"
         if self.sim or step in ("preflight", "wake-floor"):
             return None
         if self.torch_ok is False:
@@ -1558,6 +1556,7 @@ def main():
     ap.add_argument("--ckpt-lock-reps", type=int, default=5, help="checkpoint: locks and unlocks of the large training model")
     ap.add_argument("--ckpt-parts", default=",".join(ckpt_step.PARTS), help="checkpoint: which parts: " + ", ".join(ckpt_step.PARTS))
     ap.add_argument("--ckpt-parallel-gb", type=float, default=8.0, help="checkpoint, part parallel: extra device memory of each of the two loops")
+    ap.add_argument("--ckpt-stop-s", type=float, default=5.0, help="checkpoint, part stopped: how long the process stays stopped under each call")
     ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
     if a.merge:

@@ -98,6 +98,14 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "250",
                 "--drain-open",
                 "0.5",
+                "--ckpt-gb",
+                "0.5",
+                "--ckpt-parallel-gb",
+                "0.5",
+                "--ckpt-stop-s",
+                "0.3",
+                "--ckpt-lock-reps",
+                "2",
                 "--commit",
                 "0123456789abcdef0123456789abcdef01234567",
                 "--fail-step",
@@ -167,7 +175,8 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             "gate",
             "wake-floor",
             "drain",
-            "nvml-load"
+            "nvml-load",
+            "checkpoint"
         ]
     );
     for s in steps {
@@ -284,7 +293,60 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         sig["drain_ms"][0].as_f64().unwrap() > 2.0 * gate["drain_ms"][0].as_f64().unwrap(),
         "SIGSTOP's drain is the whole queue, the gate's two kernels: {sig}\n{gate}"
     );
+    // The driver's checkpoint API (the simulated driver's): the cycle's states, the
+    // answers out of order, every call on a stopped process waiting for SIGCONT, and the
+    // lock keeping the GPU to online (the probe's kernels as fast as alone).
+    let ck = &res["checkpoint"];
+    let run = &ck["runs"][0];
+    let states: Vec<&str> = [
+        "state_locked",
+        "state_checkpointed",
+        "state_restored",
+        "state_after",
+    ]
+    .iter()
+    .map(|k| run[*k].as_str().unwrap_or("?"))
+    .collect();
+    assert_eq!(
+        states,
+        ["locked", "checkpointed", "locked", "running"],
+        "{run}"
+    );
+    assert_eq!(run["listed_while_checkpointed"], false, "{run}");
+    assert_eq!(
+        ck["edges"]["unlock_running"]["calls"][0]["name"], "CUDA_ERROR_ILLEGAL_STATE",
+        "{ck}"
+    );
+    assert_eq!(
+        ck["edges"]["state_no_process"]["calls"][0]["name"], "CUDA_ERROR_OPERATING_SYSTEM",
+        "{ck}"
+    );
+    for k in [
+        "checkpoint_stopped",
+        "restore_stopped",
+        "unlock_stopped",
+        "lock_stopped",
+    ] {
+        let x = &ck["stopped"][k];
+        assert_eq!(x["returned_while_stopped"], false, "{k}: {x}");
+        assert_eq!(x["calls"][0]["ok"], true, "{k}: {x}");
+    }
+    let lat = |k: &str| ck["large"][k]["latency_ms"][0].as_f64().unwrap();
+    assert!(
+        lat("beside_locked") < 0.75 * lat("beside") && lat("beside_locked") < 1.25 * lat("alone"),
+        "online beside a locked job runs as if alone: {}",
+        ck["large"]
+    );
+    assert_eq!(
+        ck["parallel"]["checkpoint_both"]["each"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2,
+        "{ck}"
+    );
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("## The CUDA driver's checkpoint API"), "{md}");
     assert!(md.contains("| gate2+0ms:large |"), "{md}");
     assert!(
         md.contains("## Does polling NVML slow online work?"),

@@ -88,12 +88,23 @@
 //!   context: `CUDA_ERROR_INVALID_CONTEXT` (201). No panic crosses the C boundary (a
 //!   caught one answers `CUDA_ERROR_UNKNOWN`). A child forked after `cuInit` gets
 //!   `CUDA_ERROR_NOT_INITIALIZED`.
+//! - **Memory**: a GPU's memory (`coloc-sim gpu --memory-gib`, 80 GiB by default) is
+//!   shared by every process on it: a `cuMemAlloc` that does not fit answers
+//!   `CUDA_ERROR_OUT_OF_MEMORY`.
+//! - **The checkpoint API** (`cuCheckpointProcess*`, see `checkpoint.rs` and
+//!   `coloc_sim::checkpoint`): a restore thread started at `cuInit` carries out lock,
+//!   checkpoint, restore and unlock on this process, so a stopped process stalls its
+//!   callers as on the real driver; while locked, every entry point that needs the
+//!   initialised driver blocks.
 //! - `cuGetExportTable` answers `CUDA_ERROR_NOT_SUPPORTED` (the real CUDA runtime needs
 //!   its private tables, so the runtime itself does not run on this library; programs
 //!   that call the driver API, like `coloc-sim online --cuda`, do).
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
+use coloc_sim::checkpoint::ProcEntry;
 use coloc_sim::{gpu_uuid, uuid_string, SimGpu, SlotHandle};
+
+mod checkpoint;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -155,6 +166,7 @@ pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
 pub const CUDA_ERROR_INVALID_IMAGE: CUresult = 200;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+pub const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 pub const CUDA_ERROR_ILLEGAL_STATE: CUresult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
@@ -163,6 +175,7 @@ pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
 pub const CUDA_ERROR_CAPTURED_EVENT: CUresult = 907;
+pub const CUDA_ERROR_TIMEOUT: CUresult = 909;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// `CUdriverProcAddressQueryResult` values.
@@ -190,8 +203,6 @@ pub const MAX_OUTSTANDING: usize = 1024;
 pub const COPY_BYTES_PER_NS: u64 = 10;
 /// Shortest copy or memset, ns.
 pub const MIN_COPY_NS: u64 = 1_000;
-/// Device memory one process may allocate on one GPU.
-pub const MEM_PER_GPU: u64 = 80 << 30;
 /// `cuDeviceGetName` (the fake NVML's name too).
 pub const DEVICE_NAME: &str = "Simulated GPU (coloc-sim)";
 
@@ -213,6 +224,8 @@ struct Driver {
     visible: Vec<u32>,
     pid: u32,
     st: Mutex<State>,
+    /// This process in the simulated driver's checkpoint table (see `checkpoint`).
+    entry: &'static ProcEntry,
 }
 
 type Slot = Arc<SlotHandle<'static>>;
@@ -336,6 +349,14 @@ thread_local! {
 }
 
 fn drv() -> Result<&'static Driver, CUresult> {
+    let d = drv_unlocked()?;
+    // A process locked through the checkpoint API: its driver calls block.
+    d.entry.wait_gate();
+    Ok(d)
+}
+
+/// The driver without waiting for a checkpoint lock (the restore thread, exit).
+fn drv_unlocked() -> Result<&'static Driver, CUresult> {
     match DRIVER.get() {
         Some(Ok(d)) if d.pid == my_pid() => Ok(d),
         _ => Err(CUDA_ERROR_NOT_INITIALIZED),
@@ -363,6 +384,10 @@ fn init() -> Result<Driver, CUresult> {
         return Err(CUDA_ERROR_NO_DEVICE);
     }
     let sim: &'static SimGpu = Box::leak(Box::new(sim));
+    let entry = sim.register_proc().map_err(|e| {
+        eprintln!("fake libcuda: {e:#}");
+        CUDA_ERROR_OUT_OF_MEMORY
+    })?;
     let st = State {
         next_handle: 0x5eed_0000_0000,
         next_dptr: 0x7f00_0000_0000,
@@ -372,17 +397,20 @@ fn init() -> Result<Driver, CUresult> {
     // Release this process's slots at exit (the daemon would reap them later anyway).
     // SAFETY: registering a plain extern "C" function.
     unsafe { libc::atexit(release_at_exit) };
+    checkpoint::start_restore_thread(entry);
     Ok(Driver {
         sim,
         visible,
         pid: std::process::id(),
         st: Mutex::new(st),
+        entry,
     })
 }
 
 extern "C" fn release_at_exit() {
     if let Some(Ok(d)) = DRIVER.get() {
         d.sim.unregister_pid(std::process::id());
+        d.sim.unregister_proc(std::process::id());
     }
 }
 
@@ -580,6 +608,8 @@ fn dev_index(d: &Driver, dev: CUdevice) -> Result<usize, CUresult> {
 fn submit(s: CUstream, ns: u64) -> Result<Option<(Slot, u64)>, CUresult> {
     let d = drv()?;
     loop {
+        // A lock that arrived while this call waited for room holds it here too.
+        d.entry.wait_gate();
         let (slot, oldest) = {
             let mut st = d.lock();
             let (ctx, stream) = st.stream(s)?;
@@ -1282,12 +1312,15 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
         if dptr.is_null() || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let mut st = drv()?.lock();
+        let d = drv()?;
+        let mut st = d.lock();
         let ctx = st.current()?;
         let dev = st.ctxs[&ctx].dev;
         let size = size as u64;
         let mem = st.gpus[dev].mem.saturating_add(size);
-        if mem > MEM_PER_GPU {
+        // The GPU's memory is shared by every process on it (a checkpointed one holds
+        // none).
+        if d.sim.mem_used(d.visible[dev]).saturating_add(size) > d.sim.mem_total() {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let p = st.next_dptr;
@@ -1890,6 +1923,16 @@ const ERRORS: &[(CUresult, &CStr, &CStr)] = &[
         CUDA_ERROR_CAPTURED_EVENT,
         c"CUDA_ERROR_CAPTURED_EVENT",
         c"operation not permitted on an event last recorded in a capturing stream",
+    ),
+    (
+        CUDA_ERROR_OPERATING_SYSTEM,
+        c"CUDA_ERROR_OPERATING_SYSTEM",
+        c"OS call failed or operation not supported on this OS",
+    ),
+    (
+        CUDA_ERROR_TIMEOUT,
+        c"CUDA_ERROR_TIMEOUT",
+        c"the operation timed out",
     ),
     (CUDA_ERROR_UNKNOWN, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];

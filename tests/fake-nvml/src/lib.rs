@@ -327,6 +327,43 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     }
 }
 
+/// `nvmlMemory_v2_t`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct NvmlMemoryV2 {
+    pub version: c_uint,
+    pub total: u64,
+    pub reserved: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+/// `nvmlDeviceGetMemoryInfo_v2`: the GPU's memory (`coloc-sim gpu --memory-gib`), what
+/// its listed processes hold (a checkpointed process holds none), and the rest free.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    dev: NvmlDevice,
+    mem: *mut NvmlMemoryV2,
+) -> NvmlReturn {
+    let c = match device(dev, NvmlFunc::DeviceGetMemoryInfo, false) {
+        Ok(c) => c,
+        Err(e) => return e,
+    };
+    if mem.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    let total = c.sim.mem_total();
+    let used = c.sim.mem_used(c.gpu).min(total);
+    // SAFETY: non-null pointer from the caller to an nvmlMemory_v2_t.
+    unsafe {
+        (*mem).total = total;
+        (*mem).reserved = 0;
+        (*mem).used = used;
+        (*mem).free = total - used;
+    }
+    SUCCESS
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     dev: NvmlDevice,

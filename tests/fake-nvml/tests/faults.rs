@@ -158,7 +158,37 @@ fn call(func: NvmlFunc, gpu: u32) -> c_uint {
             // SAFETY: the buffer holds 64 bytes.
             unsafe { nvmlSystemGetDriverVersion(buf.as_mut_ptr(), 64) }
         }
+        NvmlFunc::DeviceGetMemoryInfo => memory(gpu).0,
     }
+}
+
+/// `nvmlDeviceGetMemoryInfo_v2`: (code, total, free, used).
+fn memory(gpu: u32) -> (c_uint, u64, u64, u64) {
+    let mut m = NvmlMemoryV2 {
+        version: 0,
+        total: 0,
+        reserved: 0,
+        free: 0,
+        used: 0,
+    };
+    // SAFETY: a valid out-pointer.
+    let r = unsafe { nvmlDeviceGetMemoryInfo_v2(dev(gpu), &mut m) };
+    (r, m.total, m.free, m.used)
+}
+
+#[test]
+fn memory_info_is_the_gpu_s_memory_less_what_its_listed_processes_hold() {
+    let (_g, sim) = setup();
+    // One process of 1 MiB on each GPU (see sim()); the default 80 GiB each.
+    assert_eq!(memory(0), (OK, 80 << 30, (80 << 30) - (1 << 20), 1 << 20));
+    sim.set_mem_total(4 << 20);
+    assert_eq!(memory(1), (OK, 4 << 20, 3 << 20, 1 << 20));
+    sim.set_mem_total(coloc_sim::DEFAULT_MEM_TOTAL);
+    // SAFETY: a null out-pointer is refused, not written.
+    assert_eq!(
+        unsafe { nvmlDeviceGetMemoryInfo_v2(dev(0), null_mut()) },
+        INVALID_ARGUMENT
+    );
 }
 
 #[test]
@@ -182,7 +212,7 @@ fn no_fault_answers_normally() {
     assert_eq!(made(NvmlFunc::DeviceGetComputeRunningProcesses), 4);
     assert_eq!(made(NvmlFunc::DeviceGetProcessUtilization), 4);
     assert_eq!(made(NvmlFunc::DeviceGetUUID), 2);
-    assert_eq!(made(NvmlFunc::DeviceGetHandleByIndex), 2 + 2 * 5 + 4);
+    assert_eq!(made(NvmlFunc::DeviceGetHandleByIndex), 2 + 2 * 6 + 4);
     assert!(NvmlFunc::ALL.iter().all(|&f| sim.nvml_in_flight(f) == 0));
 }
 

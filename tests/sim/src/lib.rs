@@ -32,6 +32,11 @@
 //!   ([`SimGpu::nvml_inject`], [`SimGpu::nvml_hang`], … in [`nvml`]), so a test in one
 //!   process can make the NVML calls of the agent in another fail, stall or hang.
 //!
+//! - Each GPU has device memory (`mem_total`, 80 GiB by default); the fake NVML reports
+//!   what is free (`nvmlDeviceGetMemoryInfo_v2`). The CUDA driver's checkpoint API is
+//!   modelled in [`checkpoint`]: a checkpointed process's slots are *parked* (out of the
+//!   process list and the GPU's used memory) until it is restored.
+//!
 //! - Workloads may also submit through the CUDA driver API: `tests/fake-cuda` builds
 //!   `libfake_cuda.so`, a `libcuda.so.1` whose launches become slot submissions;
 //!   [`fake_libcuda_dir`] gives the directory to put on `LD_LIBRARY_PATH`, and
@@ -46,13 +51,14 @@ use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
+pub mod checkpoint;
 pub mod nvml;
 pub use nvml::{NvmlCall, NvmlFunc, NvmlStatus};
 
 /// Environment variable naming the state file.
 pub const STATE_ENV: &str = "COLOC_SIM_STATE";
 /// Identifies a state file of this layout.
-pub const MAGIC: u64 = 0x434f_4c4f_4353_4d34; // "COLOCSM4" (4: work admitted at submission)
+pub const MAGIC: u64 = 0x434f_4c4f_4353_4d35; // "COLOCSM5" (5: memory and the checkpoint API)
 /// Most processes on all simulated GPUs together.
 pub const MAX_SLOTS: usize = 512;
 /// Most simulated GPUs.
@@ -63,6 +69,16 @@ pub const RING: usize = 64;
 const SLOT_FREE: u32 = 0;
 const SLOT_CLAIMING: u32 = 1;
 const SLOT_LIVE: u32 = 2;
+/// A slot whose process is checkpointed: its memory is on the host, the driver lists it
+/// nowhere, and it takes no work until it is restored.
+const SLOT_PARKED: u32 = 3;
+
+/// Default device memory per simulated GPU (an H100's 80 GiB).
+pub const DEFAULT_MEM_TOTAL: u64 = 80 << 30;
+/// Default cost of a checkpoint per GB (measured on an H100, driver 580: about 0.6 s).
+pub const DEFAULT_CKPT_PER_GB: std::time::Duration = std::time::Duration::from_millis(600);
+/// Default cost of a restore per GB (the same H100: about 0.2 s).
+pub const DEFAULT_RESTORE_PER_GB: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Shared header.
 #[repr(C)]
@@ -91,7 +107,18 @@ pub struct Header {
     /// at the daemon's next tick.
     daemon_wake: AtomicU32,
     _pad: u32,
-    _reserved: [u64; 6],
+    /// Device memory of each simulated GPU (bytes).
+    mem_total_bytes: AtomicU64,
+    /// What a checkpoint costs per GB of device memory, ns ([`checkpoint`]).
+    ckpt_ns_per_gb: AtomicU64,
+    /// What a restore costs per GB, ns.
+    restore_ns_per_gb: AtomicU64,
+    /// An injected checkpoint fault ([`SimGpu::ckpt_inject`]): op mask, fail-state bit,
+    /// code in the high half.
+    ckpt_fault: AtomicU64,
+    /// The PID the fault hits (0: every process).
+    ckpt_fault_pid: AtomicU64,
+    _reserved: u64,
     /// NVML fault switches and per-function counters (see [`nvml`]).
     nvml: nvml::NvmlState,
 }
@@ -162,7 +189,9 @@ pub struct SimGpu {
 }
 
 const fn layout_size() -> usize {
-    std::mem::size_of::<Header>() + MAX_SLOTS * std::mem::size_of::<Slot>()
+    std::mem::size_of::<Header>()
+        + MAX_SLOTS * std::mem::size_of::<Slot>()
+        + checkpoint::MAX_PROCS * std::mem::size_of::<checkpoint::ProcEntry>()
 }
 
 /// `CLOCK_REALTIME` in nanoseconds.
@@ -204,6 +233,8 @@ impl SimGpu {
         h.n_gpus.store(n_gpus, SeqCst);
         h.sample_period_ns.store(sample_period_ns, SeqCst);
         h.reap_dead.store(1, SeqCst);
+        h.mem_total_bytes.store(DEFAULT_MEM_TOTAL, SeqCst);
+        sim.set_ckpt_cost(DEFAULT_CKPT_PER_GB, DEFAULT_RESTORE_PER_GB);
         h.magic.store(MAGIC, SeqCst);
         Ok(sim)
     }
@@ -265,6 +296,22 @@ impl SimGpu {
     /// The driver's sample period.
     pub fn sample_period_ns(&self) -> u64 {
         self.header().sample_period_ns.load(Relaxed)
+    }
+
+    /// Device memory of each GPU.
+    pub fn mem_total(&self) -> u64 {
+        self.header().mem_total_bytes.load(Relaxed)
+    }
+
+    /// Sets the device memory of each GPU.
+    pub fn set_mem_total(&self, bytes: u64) {
+        self.header().mem_total_bytes.store(bytes, Relaxed);
+    }
+
+    /// Device memory in use on `gpu`: what its live processes hold (a checkpointed
+    /// process holds none).
+    pub fn mem_used(&self, gpu: u32) -> u64 {
+        self.processes(gpu).iter().map(|p| p.mem_bytes).sum()
     }
 
     /// Live processes on `gpu`.
@@ -378,7 +425,8 @@ impl SimGpu {
     /// Releases every slot of `pid` (used when a workload exits).
     pub fn unregister_pid(&self, pid: u32) {
         for s in self.slots() {
-            if s.state.load(Acquire) == SLOT_LIVE && s.pid.load(Relaxed) == pid {
+            let st = s.state.load(Acquire);
+            if (st == SLOT_LIVE || st == SLOT_PARKED) && s.pid.load(Relaxed) == pid {
                 s.state.store(SLOT_FREE, Release);
             }
         }
@@ -445,6 +493,29 @@ impl SlotHandle<'_> {
     /// Sets the GPU memory the process holds (as NVML lists it).
     pub fn set_mem_bytes(&self, bytes: u64) {
         self.slot().mem_bytes.store(bytes, Relaxed);
+    }
+
+    /// The memory the slot holds.
+    pub fn mem_bytes(&self) -> u64 {
+        self.slot().mem_bytes.load(Relaxed)
+    }
+
+    /// Checkpointed (`true`): the slot leaves the driver's lists and the GPU's used
+    /// memory, its memory kept aside; restored (`false`): back, with that memory. Its
+    /// work must have drained (the driver's lock saw to it).
+    pub fn park(&self, parked: bool) {
+        let s = self.slot();
+        let (from, to) = if parked {
+            (SLOT_LIVE, SLOT_PARKED)
+        } else {
+            (SLOT_PARKED, SLOT_LIVE)
+        };
+        let _ = s.state.compare_exchange(from, to, AcqRel, Acquire);
+    }
+
+    /// Whether the slot is parked (its process checkpointed).
+    pub fn parked(&self) -> bool {
+        self.slot().state.load(Acquire) == SLOT_PARKED
     }
 
     /// Work submitted so far.
@@ -749,7 +820,8 @@ impl<'a> Daemon<'a> {
             return;
         }
         for s in self.sim.slots() {
-            if s.state.load(Acquire) != SLOT_LIVE {
+            let st = s.state.load(Acquire);
+            if st != SLOT_LIVE && st != SLOT_PARKED {
                 continue;
             }
             let pid = s.pid.load(Relaxed);

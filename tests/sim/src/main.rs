@@ -1,7 +1,7 @@
 //! `coloc-sim`: the simulated GPU daemon and the test workloads.
 //!
 //! ```text
-//! coloc-sim gpu     --state /dev/shm/x --gpus 2 --sample-period-ms 1
+//! coloc-sim gpu     --state /dev/shm/x --gpus 2 --sample-period-ms 1 --memory-gib 80
 //! coloc-sim online  --state /dev/shm/x --gpu 0 --rate 20 --work-ms 5 --duration-s 10 --out online.json
 //! coloc-sim offline --state /dev/shm/x --gpu 0 --step-ms 5 --queue-depth 2 --out offline.json
 //! coloc-sim burst   --state /dev/shm/x --kernel-us 50 --bursts 5 --burst-ms 300 --gap-ms 700 --out burst.json
@@ -56,6 +56,17 @@ enum Cmd {
         /// Keep the slots of dead processes listed (to test stale PIDs).
         #[arg(long)]
         keep_dead: bool,
+        /// Device memory of each GPU, GiB (allocations beyond it fail with
+        /// CUDA_ERROR_OUT_OF_MEMORY; NVML reports what is free).
+        #[arg(long, default_value_t = 80.0)]
+        memory_gib: f64,
+        /// What the checkpoint API's checkpoint costs per GB of the process's device
+        /// memory, ms (an H100 with driver 580: about 600).
+        #[arg(long, default_value_t = 600.0)]
+        checkpoint_ms_per_gb: f64,
+        /// What a restore costs per GB, ms (the same H100: about 200).
+        #[arg(long, default_value_t = 200.0)]
+        restore_ms_per_gb: f64,
     },
     /// An online service: requests arrive at random; each is busy on the GPU for a while.
     Online {
@@ -91,6 +102,9 @@ enum Cmd {
         /// --default-stream per-thread does.
         #[arg(long, requires = "cuda")]
         per_thread_stream: bool,
+        /// Device memory the service holds, MiB.
+        #[arg(long, default_value_t = 1024)]
+        mem_mib: u64,
     },
     /// An offline job: continuous steps, each busy on the GPU for a while.
     Offline {
@@ -131,6 +145,9 @@ enum Cmd {
         /// kept, nothing submitted) until the end; 0: never idle.
         #[arg(long, default_value_t = 0, requires = "cuda")]
         idle_after_steps: u64,
+        /// Device memory the job holds, MiB.
+        #[arg(long, default_value_t = 4096)]
+        mem_mib: u64,
     },
     /// An online probe: bursts of tiny kernels, each launched and waited for alone
     /// (through the CUDA driver API), with idle gaps between bursts. Each kernel's
@@ -371,7 +388,21 @@ fn main() -> Result<()> {
             sample_period_ms,
             tick_us,
             keep_dead,
-        } => run_gpu(state, gpus, sample_period_ms, tick_us, keep_dead),
+            memory_gib,
+            checkpoint_ms_per_gb,
+            restore_ms_per_gb,
+        } => run_gpu(
+            state,
+            gpus,
+            sample_period_ms,
+            tick_us,
+            keep_dead,
+            Memory {
+                gib: memory_gib,
+                checkpoint_ms_per_gb,
+                restore_ms_per_gb,
+            },
+        ),
         Cmd::Online {
             gpu,
             rate,
@@ -383,18 +414,20 @@ fn main() -> Result<()> {
             cuda,
             kernels,
             per_thread_stream,
+            mem_mib,
         } => {
             let sim = SimGpu::open(&state)?;
+            let mem = mem_mib << 20;
             let gpu = if cuda {
                 anyhow::ensure!(kernels > 0, "--kernels must be positive");
                 // The driver finds the simulated GPU through the environment.
                 std::env::set_var(STATE_ENV, &state);
                 Gpu::Cuda(
-                    cuda::CudaGpu::open(gpu, per_thread_stream, false, 1 << 30)?,
+                    cuda::CudaGpu::open(gpu, per_thread_stream, false, mem as usize)?,
                     kernels,
                 )
             } else {
-                Gpu::Slot(sim.register(gpu, 1 << 30)?)
+                Gpu::Slot(sim.register(gpu, mem)?)
             };
             run_online(&gpu, rate, work_ms, duration_s, start_delay_s, seed, out)
         }
@@ -410,11 +443,17 @@ fn main() -> Result<()> {
             per_thread_stream,
             default_stream,
             idle_after_steps,
+            mem_mib,
         } => {
             let sim = SimGpu::open(&state)?;
             if cuda {
                 std::env::set_var(STATE_ENV, &state);
-                let g = cuda::CudaGpu::open(gpu, per_thread_stream, default_stream, 4 << 30)?;
+                let g = cuda::CudaGpu::open(
+                    gpu,
+                    per_thread_stream,
+                    default_stream,
+                    (mem_mib << 20) as usize,
+                )?;
                 run_offline_cuda(
                     &g,
                     step_ms,
@@ -488,11 +527,40 @@ fn main() -> Result<()> {
     }
 }
 
-fn run_gpu(state: PathBuf, gpus: u32, period_ms: f64, tick_us: u64, keep_dead: bool) -> Result<()> {
+/// `coloc-sim gpu`'s memory and checkpoint-cost settings.
+#[derive(Debug, Clone, Copy)]
+struct Memory {
+    gib: f64,
+    checkpoint_ms_per_gb: f64,
+    restore_ms_per_gb: f64,
+}
+
+fn run_gpu(
+    state: PathBuf,
+    gpus: u32,
+    period_ms: f64,
+    tick_us: u64,
+    keep_dead: bool,
+    mem: Memory,
+) -> Result<()> {
+    anyhow::ensure!(
+        mem.gib > 0.0 && mem.gib.is_finite(),
+        "--memory-gib {}: a positive number of GiB",
+        mem.gib
+    );
+    anyhow::ensure!(
+        mem.checkpoint_ms_per_gb >= 0.0 && mem.restore_ms_per_gb >= 0.0,
+        "--checkpoint-ms-per-gb and --restore-ms-per-gb cannot be negative"
+    );
     let sim = SimGpu::create(&state, gpus, (period_ms * 1e6) as u64)?;
     if keep_dead {
         sim.header().reap_dead.store(0, Ordering::SeqCst);
     }
+    sim.set_mem_total((mem.gib * (1u64 << 30) as f64) as u64);
+    sim.set_ckpt_cost(
+        Duration::from_secs_f64(mem.checkpoint_ms_per_gb / 1e3),
+        Duration::from_secs_f64(mem.restore_ms_per_gb / 1e3),
+    );
     let mut d = coloc_sim::Daemon::new(&sim, now_ns());
     eprintln!(
         "coloc-sim gpu: {gpus} simulated GPU(s), sample period {period_ms} ms, state {}",

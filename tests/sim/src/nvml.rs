@@ -61,11 +61,13 @@ pub enum NvmlFunc {
     DeviceGetName = 8,
     /// `nvmlSystemGetDriverVersion` (`driver-version`).
     SystemGetDriverVersion = 9,
+    /// `nvmlDeviceGetMemoryInfo_v2` (`memory`).
+    DeviceGetMemoryInfo = 10,
 }
 
 impl NvmlFunc {
     /// Every function, in ID order.
-    pub const ALL: [NvmlFunc; 10] = [
+    pub const ALL: [NvmlFunc; 11] = [
         NvmlFunc::Init,
         NvmlFunc::Shutdown,
         NvmlFunc::DeviceGetCount,
@@ -76,6 +78,7 @@ impl NvmlFunc {
         NvmlFunc::DeviceGetIndex,
         NvmlFunc::DeviceGetName,
         NvmlFunc::SystemGetDriverVersion,
+        NvmlFunc::DeviceGetMemoryInfo,
     ];
 
     /// The stable numeric ID.
@@ -101,6 +104,7 @@ impl NvmlFunc {
             NvmlFunc::DeviceGetIndex => "nvmlDeviceGetIndex",
             NvmlFunc::DeviceGetName => "nvmlDeviceGetName",
             NvmlFunc::SystemGetDriverVersion => "nvmlSystemGetDriverVersion",
+            NvmlFunc::DeviceGetMemoryInfo => "nvmlDeviceGetMemoryInfo_v2",
         }
     }
 
@@ -117,6 +121,7 @@ impl NvmlFunc {
             NvmlFunc::DeviceGetIndex => "index",
             NvmlFunc::DeviceGetName => "name",
             NvmlFunc::SystemGetDriverVersion => "driver-version",
+            NvmlFunc::DeviceGetMemoryInfo => "memory",
         }
     }
 
@@ -605,7 +610,7 @@ mod tests {
         assert_eq!("nvmlDeviceGetCount".parse(), Ok(NvmlFunc::DeviceGetCount));
         assert_eq!("nvmlInitWithFlags".parse(), Ok(NvmlFunc::Init));
         assert!("nvmlDeviceGetFoo".parse::<NvmlFunc>().is_err());
-        assert!("10".parse::<NvmlFunc>().is_err());
+        assert!("11".parse::<NvmlFunc>().is_err());
         assert_eq!(parse_nvml_return("NVML_ERROR_INSUFFICIENT_SIZE"), Ok(7));
         assert_eq!(parse_nvml_return("gpu-is-lost"), Ok(15));
         assert_eq!(parse_nvml_return("999"), Ok(999));
