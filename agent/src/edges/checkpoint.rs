@@ -419,6 +419,313 @@ impl CudaCheckpoint {
     }
 }
 
+/// The driver's checkpoint calls, as the agent uses them (the real driver: [`CudaCheckpoint`];
+/// tests: a fake).
+pub trait DriverApi: Send + Sync {
+    /// `cuCheckpointProcessGetState`.
+    fn state(&self, pid: u32) -> Result<ProcessState, CuError>;
+    /// `cuCheckpointProcessLock` with a timeout.
+    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), CuError>;
+    /// `cuCheckpointProcessCheckpoint`.
+    fn checkpoint(&self, pid: u32) -> Result<(), CuError>;
+    /// `cuCheckpointProcessRestore`.
+    fn restore(&self, pid: u32) -> Result<(), CuError>;
+    /// `cuCheckpointProcessUnlock`.
+    fn unlock(&self, pid: u32) -> Result<(), CuError>;
+}
+
+impl DriverApi for CudaCheckpoint {
+    fn state(&self, pid: u32) -> Result<ProcessState, CuError> {
+        CudaCheckpoint::state(self, pid)
+    }
+    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), CuError> {
+        CudaCheckpoint::lock(self, pid, timeout)
+    }
+    fn checkpoint(&self, pid: u32) -> Result<(), CuError> {
+        CudaCheckpoint::checkpoint(self, pid)
+    }
+    fn restore(&self, pid: u32) -> Result<(), CuError> {
+        CudaCheckpoint::restore(self, pid)
+    }
+    fn unlock(&self, pid: u32) -> Result<(), CuError> {
+        CudaCheckpoint::unlock(self, pid)
+    }
+}
+
+/// How a call ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallEnd {
+    /// The driver answered (its answer).
+    Answered(Result<(), CuError>),
+    /// The process was not the one asked for any more (exited, or its PID reused), so
+    /// the driver was not called.
+    Gone,
+}
+
+/// A call that has ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Done {
+    /// Which call ([`DriverCalls::start`]'s answer).
+    pub id: u64,
+    /// The process.
+    pub key: crate::edges::procfs::ProcKey,
+    /// The operation.
+    pub op: Op,
+    /// How it ended.
+    pub end: CallEnd,
+    /// How long it took, from the start of the call.
+    pub elapsed: Duration,
+}
+
+/// Runs the driver's calls off the caller's thread, one thread per call: every call that
+/// changes a process waits until that process runs, and a process that is stopped (by
+/// its owner, or frozen) would otherwise stall whoever called. A call given up on may
+/// still end later; its [`Done`] then says so. The identity of the process (PID and
+/// start time) is checked right before each call: the driver takes a bare PID.
+pub struct DriverCalls {
+    api: std::sync::Arc<dyn DriverApi>,
+    procfs: std::sync::Arc<dyn crate::edges::procfs::ProcFs>,
+    tx: std::sync::mpsc::Sender<Done>,
+    rx: std::sync::mpsc::Receiver<Done>,
+    next: u64,
+    /// Calls started and not yet collected: id → (process, op, started).
+    running:
+        std::collections::BTreeMap<u64, (crate::edges::procfs::ProcKey, Op, std::time::Instant)>,
+}
+
+impl fmt::Debug for DriverCalls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DriverCalls")
+            .field("running", &self.running.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DriverCalls {
+    /// Calls `api`, checking identities through `procfs`.
+    pub fn new(
+        api: std::sync::Arc<dyn DriverApi>,
+        procfs: std::sync::Arc<dyn crate::edges::procfs::ProcFs>,
+    ) -> DriverCalls {
+        let (tx, rx) = std::sync::mpsc::channel();
+        DriverCalls {
+            api,
+            procfs,
+            tx,
+            rx,
+            next: 1,
+            running: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Starts `op` on `key` (a lock with `lock_timeout`) and returns at once: the call's id.
+    pub fn start(
+        &mut self,
+        key: crate::edges::procfs::ProcKey,
+        op: Op,
+        lock_timeout: Duration,
+    ) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        let started = std::time::Instant::now();
+        self.running.insert(id, (key, op, started));
+        let (api, procfs, tx) = (self.api.clone(), self.procfs.clone(), self.tx.clone());
+        let run = move || {
+            // The same process still? Its pidfd is opened only if PID and start time match.
+            let end = match procfs.open_pidfd(key) {
+                Err(_) => CallEnd::Gone,
+                Ok(_pin) => CallEnd::Answered(match op {
+                    Op::Lock => api.lock(key.pid, lock_timeout),
+                    Op::Checkpoint => api.checkpoint(key.pid),
+                    Op::Restore => api.restore(key.pid),
+                    Op::Unlock => api.unlock(key.pid),
+                    Op::State => api.state(key.pid).map(|_| ()),
+                    Op::RestoreThread => Ok(()),
+                }),
+            };
+            let _ = tx.send(Done {
+                id,
+                key,
+                op,
+                end,
+                elapsed: started.elapsed(),
+            });
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name(format!("coloc-driver-{id}"))
+            .spawn(run)
+        {
+            // No thread: the call ends here, refused (the caller falls back).
+            let _ = self.tx.send(Done {
+                id,
+                key,
+                op,
+                end: CallEnd::Answered(Err(CuError {
+                    op,
+                    code: -1,
+                    name: format!("no thread for the call: {e}"),
+                })),
+                elapsed: Duration::ZERO,
+            });
+        }
+        id
+    }
+
+    /// The calls that have ended since the last look.
+    pub fn finished(&mut self) -> Vec<Done> {
+        let done: Vec<Done> = self.rx.try_iter().collect();
+        for d in &done {
+            self.running.remove(&d.id);
+        }
+        done
+    }
+
+    /// Calls still running: (id, process, op, how long so far).
+    pub fn running(&self) -> Vec<(u64, crate::edges::procfs::ProcKey, Op, Duration)> {
+        self.running
+            .iter()
+            .map(|(id, (k, op, t))| (*id, *k, *op, t.elapsed()))
+            .collect()
+    }
+
+    /// Waits up to `budget` for every running call to end (shutdown); what ended.
+    pub fn wait_all(&mut self, budget: Duration) -> Vec<Done> {
+        let until = std::time::Instant::now() + budget;
+        let mut out = Vec::new();
+        while !self.running.is_empty() {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(d) => {
+                    self.running.remove(&d.id);
+                    out.push(d);
+                }
+                Err(_) => break,
+            }
+        }
+        out
+    }
+}
+
+/// A driver in memory, for tests: per-PID states with the real driver's rules (wrong
+/// state: `CUDA_ERROR_ILLEGAL_STATE`; unknown PID: `CUDA_ERROR_NOT_INITIALIZED`),
+/// refusals to inject per operation, and calls that block until released (a stopped
+/// process).
+#[cfg(test)]
+pub mod fake {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::{Condvar, Mutex};
+
+    /// The fake's state.
+    #[derive(Debug, Default)]
+    pub struct Inner {
+        /// PID → state.
+        pub states: BTreeMap<u32, ProcessState>,
+        /// Operation → the code it answers instead.
+        pub refuse: BTreeMap<&'static str, i32>,
+        /// PIDs whose calls block (stopped processes) until removed.
+        pub stopped: std::collections::BTreeSet<u32>,
+        /// Every call made: (op, pid).
+        pub calls: Vec<(Op, u32)>,
+    }
+
+    /// The fake driver.
+    #[derive(Debug, Default)]
+    pub struct FakeDriver {
+        /// Its state.
+        pub inner: Mutex<Inner>,
+        cv: Condvar,
+    }
+
+    impl FakeDriver {
+        /// A process with CUDA, running.
+        pub fn add(&self, pid: u32) {
+            self.inner
+                .lock()
+                .unwrap()
+                .states
+                .insert(pid, ProcessState::Running);
+        }
+        /// Stops (`true`) or continues a process: its calls block while stopped.
+        pub fn stop(&self, pid: u32, stopped: bool) {
+            let mut g = self.inner.lock().unwrap();
+            if stopped {
+                g.stopped.insert(pid);
+            } else {
+                g.stopped.remove(&pid);
+            }
+            self.cv.notify_all();
+        }
+        fn call(
+            &self,
+            op: Op,
+            pid: u32,
+            from: ProcessState,
+            to: ProcessState,
+        ) -> Result<(), CuError> {
+            let err = |code: i32, name: &str| CuError {
+                op,
+                code,
+                name: name.into(),
+            };
+            let mut g = self.inner.lock().unwrap();
+            g.calls.push((op, pid));
+            while g.stopped.contains(&pid) {
+                g = self.cv.wait(g).unwrap();
+            }
+            if let Some(&code) = g.refuse.get(op.as_str()) {
+                return Err(err(code, "CUDA_ERROR_INJECTED"));
+            }
+            match g.states.get(&pid).copied() {
+                None => Err(err(3, "CUDA_ERROR_NOT_INITIALIZED")),
+                Some(s) if s == from => {
+                    g.states.insert(pid, to);
+                    Ok(())
+                }
+                Some(_) => Err(err(401, "CUDA_ERROR_ILLEGAL_STATE")),
+            }
+        }
+    }
+
+    impl DriverApi for FakeDriver {
+        fn state(&self, pid: u32) -> Result<ProcessState, CuError> {
+            self.inner
+                .lock()
+                .unwrap()
+                .states
+                .get(&pid)
+                .copied()
+                .ok_or(CuError {
+                    op: Op::State,
+                    code: 3,
+                    name: "CUDA_ERROR_NOT_INITIALIZED".into(),
+                })
+        }
+        fn lock(&self, pid: u32, _t: Duration) -> Result<(), CuError> {
+            self.call(Op::Lock, pid, ProcessState::Running, ProcessState::Locked)
+        }
+        fn checkpoint(&self, pid: u32) -> Result<(), CuError> {
+            self.call(
+                Op::Checkpoint,
+                pid,
+                ProcessState::Locked,
+                ProcessState::Checkpointed,
+            )
+        }
+        fn restore(&self, pid: u32) -> Result<(), CuError> {
+            self.call(
+                Op::Restore,
+                pid,
+                ProcessState::Checkpointed,
+                ProcessState::Locked,
+            )
+        }
+        fn unlock(&self, pid: u32) -> Result<(), CuError> {
+            self.call(Op::Unlock, pid, ProcessState::Locked, ProcessState::Running)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -439,6 +746,123 @@ mod tests {
         assert!(matches!(e, LoadError::NoApi { .. }), "{msg}");
         assert!(msg.contains("cuCheckpointProcessGetState"), "{msg}");
         assert!(msg.contains("CUDA unknown"), "{msg}");
+    }
+
+    /// Identities: every process is itself except PIDs listed as gone.
+    #[derive(Debug, Default)]
+    struct Ids {
+        gone: Vec<u32>,
+    }
+
+    impl crate::edges::procfs::ProcFs for Ids {
+        fn read_proc(&self, _: u32) -> std::io::Result<crate::edges::procfs::ProcInfo> {
+            unimplemented!()
+        }
+        fn read_stat(&self, _: u32) -> std::io::Result<crate::edges::procfs::Stat> {
+            unimplemented!()
+        }
+        fn self_cgroups(&self) -> crate::edges::procfs::Cgroups {
+            unimplemented!()
+        }
+        fn self_pid(&self) -> u32 {
+            1
+        }
+        fn cgroup_members(&self, _: &std::path::Path) -> std::io::Result<Vec<u32>> {
+            unimplemented!()
+        }
+        fn cgroup_tree_members(&self, _: &std::path::Path) -> std::io::Result<Vec<u32>> {
+            unimplemented!()
+        }
+        fn open_pidfd(
+            &self,
+            key: crate::edges::procfs::ProcKey,
+        ) -> std::io::Result<std::os::fd::OwnedFd> {
+            if self.gone.contains(&key.pid) {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            // Any descriptor stands for the pin.
+            Ok(std::fs::File::open("/dev/null")?.into())
+        }
+        fn exited(
+            &self,
+            pins: &[(crate::edges::procfs::ProcKey, &std::os::fd::OwnedFd)],
+        ) -> Vec<bool> {
+            vec![false; pins.len()]
+        }
+    }
+
+    fn key(pid: u32) -> crate::edges::procfs::ProcKey {
+        crate::edges::procfs::ProcKey { pid, start: 7 }
+    }
+
+    fn wait_done(calls: &mut DriverCalls, n: usize) -> Vec<Done> {
+        let mut out = Vec::new();
+        let t = std::time::Instant::now();
+        while out.len() < n {
+            out.extend(calls.finished());
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "calls did not end: {out:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        out
+    }
+
+    #[test]
+    fn calls_run_off_the_caller_and_a_stopped_process_stalls_only_its_own() {
+        let drv = std::sync::Arc::new(fake::FakeDriver::default());
+        drv.add(10);
+        drv.add(11);
+        drv.stop(11, true);
+        let mut calls = DriverCalls::new(drv.clone(), std::sync::Arc::new(Ids::default()));
+        let t = std::time::Instant::now();
+        let a = calls.start(key(10), Op::Lock, Duration::from_secs(1));
+        let b = calls.start(key(11), Op::Lock, Duration::from_secs(1));
+        assert!(t.elapsed() < Duration::from_millis(50), "start blocked");
+        let done = wait_done(&mut calls, 1);
+        assert_eq!((done[0].id, &done[0].end), (a, &CallEnd::Answered(Ok(()))));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            calls.finished().is_empty(),
+            "the stopped process's lock ended"
+        );
+        assert_eq!(calls.running().len(), 1);
+        assert_eq!(calls.running()[0].0, b);
+        // Continued: the lock it was given ends after all (the caller may have given up).
+        drv.stop(11, false);
+        let done = wait_done(&mut calls, 1);
+        assert_eq!((done[0].id, done[0].op), (b, Op::Lock));
+        assert_eq!(drv.state(11), Ok(ProcessState::Locked));
+        assert!(calls.running().is_empty());
+    }
+
+    #[test]
+    fn a_process_that_is_not_itself_any_more_is_not_called() {
+        let drv = std::sync::Arc::new(fake::FakeDriver::default());
+        drv.add(12);
+        let mut calls = DriverCalls::new(drv.clone(), std::sync::Arc::new(Ids { gone: vec![12] }));
+        calls.start(key(12), Op::Lock, Duration::from_secs(1));
+        let done = wait_done(&mut calls, 1);
+        assert_eq!(done[0].end, CallEnd::Gone);
+        assert!(
+            drv.inner.lock().unwrap().calls.is_empty(),
+            "the driver was called for a reused PID"
+        );
+    }
+
+    #[test]
+    fn refusals_come_back_named() {
+        let drv = std::sync::Arc::new(fake::FakeDriver::default());
+        drv.add(13);
+        let mut calls = DriverCalls::new(drv.clone(), std::sync::Arc::new(Ids::default()));
+        calls.start(key(13), Op::Checkpoint, Duration::ZERO);
+        let done = wait_done(&mut calls, 1);
+        match &done[0].end {
+            CallEnd::Answered(Err(e)) => assert!(e.is_illegal_state(), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(calls.wait_all(Duration::from_millis(10)).is_empty());
     }
 
     #[test]

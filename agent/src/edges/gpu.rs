@@ -101,6 +101,22 @@ pub trait GpuSampler: Send {
     /// timestamp, µs). The caller reuses `out`, so a tick allocates nothing.
     fn samples(&mut self, gpu: u32, since_us: u64, out: &mut Vec<Activity>)
         -> Result<(), GpuError>;
+    /// The GPU's memory and what each process holds there; `None` where this sampler
+    /// cannot say.
+    fn memory(&mut self, _gpu: u32) -> Result<Option<GpuMemory>, GpuError> {
+        Ok(None)
+    }
+}
+
+/// A GPU's memory, as the driver reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GpuMemory {
+    /// Installed, bytes.
+    pub total: u64,
+    /// Not allocated, bytes.
+    pub free: u64,
+    /// (PID, bytes) of each process with a compute context.
+    pub processes: Vec<(u32, u64)>,
 }
 
 /// The NVML-backed sampler.
@@ -270,6 +286,40 @@ impl GpuSampler for Nvml {
             source,
         })?;
         Ok(procs.into_iter().map(|p| p.pid).collect())
+    }
+
+    fn memory(&mut self, gpu: u32) -> Result<Option<GpuMemory>, GpuError> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let dev = device_in(&self.devices, gpu)?;
+        let info = dev.memory_info().map_err(|source| GpuError::Call {
+            function: "nvmlDeviceGetMemoryInfo_v2",
+            gpu,
+            source,
+        })?;
+        let procs = retry_transient(
+            "nvmlDeviceGetComputeRunningProcesses",
+            &mut self.transient,
+            || dev.running_compute_processes(),
+        )
+        .map_err(|source| GpuError::Call {
+            function: "nvmlDeviceGetComputeRunningProcesses",
+            gpu,
+            source,
+        })?;
+        Ok(Some(GpuMemory {
+            total: info.total,
+            free: info.free,
+            processes: procs
+                .into_iter()
+                .map(|p| {
+                    let bytes = match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => b,
+                        UsedGpuMemory::Unavailable => 0,
+                    };
+                    (p.pid, bytes)
+                })
+                .collect(),
+        }))
     }
 
     fn samples(
