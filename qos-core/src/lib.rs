@@ -16,6 +16,8 @@
 //! - [`resources`]: parsing and validation of the `vke.volcengine.com/*` requests and the
 //!   compute-policy annotation, shared by the agent and the admission webhook.
 //! - [`machine`]: the per-GPU preempt/release state machine and the `fixed-share` duty cycle.
+//! - [`release`]: the learned release window (shorter than the idle window where the
+//!   doorbell sees onset and the gate bounds what a wrong release costs).
 //! - [`stats`]: the one percentile (nearest rank) every report uses.
 //!
 //! Time is always an argument: a [`Nanos`] count on the same clock as NVML's sample
@@ -24,6 +26,7 @@
 
 pub mod class;
 pub mod machine;
+pub mod release;
 pub mod resources;
 pub mod stats;
 

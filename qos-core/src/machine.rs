@@ -182,8 +182,11 @@ pub enum Transition {
     Release {
         /// The GPU.
         gpu: u32,
-        /// `last_online + idle_window`: when the release was due (start of release latency).
+        /// `last_online + window`: when the release was due (start of release latency).
         window_end: Nanos,
+        /// The window that ran out: the fixed idle window, or a shorter learned one
+        /// ([`Machine::set_release_window`]).
+        window: Nanos,
         /// When the machine decided.
         decided_at: Nanos,
         /// How long the GPU was busy (from the first to the last online activity).
@@ -217,6 +220,10 @@ pub struct Machine<K: Ord + Clone> {
     config: Config,
     gpus: BTreeMap<u32, GpuState>,
     suspended: BTreeMap<K, Reason>,
+    /// Learned release windows per GPU (see [`crate::release`]), each already clamped.
+    windows: BTreeMap<u32, Nanos>,
+    /// No release window is ever shorter than this (the idle window until set).
+    floor: Nanos,
 }
 
 impl<K: Ord + Clone> Machine<K> {
@@ -226,7 +233,38 @@ impl<K: Ord + Clone> Machine<K> {
             config,
             gpus: BTreeMap::new(),
             suspended: BTreeMap::new(),
+            windows: BTreeMap::new(),
+            floor: config.idle_window,
         }
+    }
+
+    /// Allows release windows down to `floor` (never above the idle window): without it,
+    /// every GPU releases after the idle window.
+    pub fn set_release_floor(&mut self, floor: Nanos) {
+        self.floor = floor.min(self.config.idle_window);
+        self.windows.clear();
+    }
+
+    /// The window after which `gpu` releases from now on: `Some(w)`, clamped to the floor
+    /// and the idle window; `None`: the idle window.
+    pub fn set_release_window(&mut self, gpu: u32, window: Option<Nanos>) {
+        match window {
+            Some(w) => {
+                self.windows
+                    .insert(gpu, w.clamp(self.floor, self.config.idle_window));
+            }
+            None => {
+                self.windows.remove(&gpu);
+            }
+        }
+    }
+
+    /// The window `gpu` releases after.
+    pub fn release_window(&self, gpu: u32) -> Nanos {
+        self.windows
+            .get(&gpu)
+            .copied()
+            .unwrap_or(self.config.idle_window)
     }
 
     /// The configuration.
@@ -282,13 +320,13 @@ impl<K: Ord + Clone> Machine<K> {
     ///
     /// GPUs absent from `gpus` are forgotten (their processes count as gone).
     pub fn tick(&mut self, now: Nanos, gpus: &[GpuInput<K>]) -> Decision<K> {
-        let window = self.config.idle_window;
         let mut transitions = Vec::new();
         let mut desired: BTreeMap<K, Reason> = BTreeMap::new();
         let mut seen_gpus = BTreeSet::new();
 
         for input in gpus {
             seen_gpus.insert(input.gpu);
+            let window = self.release_window(input.gpu);
             let is_online =
                 |p: &ProcessObs<K>| p.class.is_online_demand(self.config.unmanaged_is_online);
             let online_times = input
@@ -347,6 +385,7 @@ impl<K: Ord + Clone> Machine<K> {
                     transitions.push(Transition::Release {
                         gpu: input.gpu,
                         window_end: last_online.saturating_add(window),
+                        window,
                         decided_at: now,
                         busy_for: last_online.saturating_sub(since),
                         offline,
@@ -382,6 +421,7 @@ impl<K: Ord + Clone> Machine<K> {
             }
         }
         self.gpus.retain(|g, _| seen_gpus.contains(g));
+        self.windows.retain(|g, _| seen_gpus.contains(g));
 
         let suspend = desired
             .iter()
@@ -571,12 +611,57 @@ mod tests {
             vec![Transition::Release {
                 gpu: 0,
                 window_end: act + 100 * MS,
+                window: 100 * MS,
                 decided_at: act + 100 * MS,
                 busy_for: 0,
                 offline: 1
             }]
         );
         assert_eq!(m.state(0), GpuState::OfflineRunning);
+    }
+
+    /// A learned window releases once it has run out, never before; it is clamped to the
+    /// floor and the idle window; without a floor set none is shorter than the idle window;
+    /// and it is per GPU.
+    #[test]
+    fn a_learned_window_is_clamped_and_per_gpu() {
+        let procs = |t| vec![p(1, Class::Offline, None), p(2, Class::Online, Some(t))];
+        let mut m = Machine::new(Config::default());
+        m.set_release_window(0, Some(3 * MS));
+        assert_eq!(
+            m.release_window(0),
+            100 * MS,
+            "no floor set: the idle window"
+        );
+        m.set_release_floor(2 * MS);
+        m.set_release_window(0, Some(MS));
+        assert_eq!(m.release_window(0), 2 * MS, "under the floor: the floor");
+        m.set_release_window(0, Some(500 * MS));
+        assert_eq!(
+            m.release_window(0),
+            100 * MS,
+            "over the idle window: the idle window"
+        );
+        m.set_release_window(0, Some(5 * MS));
+        assert_eq!(
+            m.release_window(1),
+            100 * MS,
+            "another GPU keeps the idle window"
+        );
+        m.tick(T0, &[gpu(0, procs(T0)), gpu(1, procs(T0))]);
+        let d = m.tick(T0 + 5 * MS - 1, &[gpu(0, procs(T0)), gpu(1, procs(T0))]);
+        assert!(
+            d.resume.is_empty(),
+            "released before the window ran out: {d:?}"
+        );
+        let d = m.tick(T0 + 5 * MS, &[gpu(0, procs(T0)), gpu(1, procs(T0))]);
+        assert!(
+            matches!(d.transitions[..], [Transition::Release { gpu: 0, window, window_end, .. }]
+                if window == 5 * MS && window_end == T0 + 5 * MS),
+            "{d:?}"
+        );
+        m.set_release_window(0, None);
+        assert_eq!(m.release_window(0), 100 * MS);
     }
 
     #[test]
@@ -790,23 +875,38 @@ mod tests {
     proptest! {
         /// Over random histories: only offline processes are ever suspended, and an
         /// offline process on GPU g is suspended iff online activity on g was observed
-        /// less than the idle window ago.
+        /// less than g's release window ago: the idle window, or a learned window set
+        /// before the tick, never under the floor nor over the idle window.
         #[test]
         fn invariants(
             steps in prop::collection::vec(
-                (1u64..60, prop::collection::vec((0u32..3, 0u32..6, class_strategy(), prop::option::of(0u64..150)), 0..8)),
+                (1u64..60, prop::collection::vec((0u32..3, 0u32..6, class_strategy(), prop::option::of(0u64..150)), 0..8),
+                 prop::collection::vec(prop::option::of(0u64..150), 3)),
                 1..40),
             window_ms in 1u64..120,
+            floor_ms in prop::option::of(0u64..30),
             unmanaged_is_online in any::<bool>(),
         ) {
             let config = Config { idle_window: window_ms * MS, unmanaged_is_online, ..Config::default() };
             let mut m: Machine<(u32, u32)> = Machine::new(config);
+            if let Some(f) = floor_ms {
+                m.set_release_floor(f * MS);
+            }
+            // The model of a GPU's window: what was set, clamped; the idle window without a floor.
+            let effective = |w: Option<u64>| match (w, floor_ms) {
+                (Some(w), Some(f)) => (w * MS).clamp((f * MS).min(window_ms * MS), window_ms * MS),
+                _ => window_ms * MS,
+            };
             let mut now = T0;
             // Model: latest online activity seen per GPU.
             let mut last_online: BTreeMap<u32, Nanos> = BTreeMap::new();
             let mut suspended_model: BTreeSet<(u32, u32)> = BTreeSet::new();
-            for (advance_ms, procs) in steps {
+            for (advance_ms, procs, wins) in steps {
                 now += advance_ms * MS;
+                for (g, w) in wins.iter().enumerate() {
+                    m.set_release_window(g as u32, w.map(|w| w * MS));
+                    prop_assert_eq!(m.release_window(g as u32), effective(*w));
+                }
                 let mut inputs: BTreeMap<u32, Vec<ProcessObs<(u32, u32)>>> = (0..3).map(|g| (g, vec![])).collect();
                 let mut classes = BTreeMap::new();
                 for (g, id, class, ago) in procs {
@@ -833,7 +933,7 @@ mod tests {
                     prop_assert!(suspended_model.remove(k), "resumed something not suspended");
                 }
                 for (k, class) in &classes {
-                    let busy = last_online.get(&k.0).is_some_and(|t| now - t < window_ms * MS);
+                    let busy = last_online.get(&k.0).is_some_and(|t| now - t < effective(wins[k.0 as usize]));
                     let want = *class == Class::Offline && busy;
                     prop_assert_eq!(m.suspended().contains_key(k), want, "{:?} {:?} busy={}", k, class, busy);
                 }
@@ -844,7 +944,7 @@ mod tests {
                 prop_assert_eq!(m.suspended().keys().copied().collect::<BTreeSet<_>>(), suspended_model.clone());
                 // A busy GPU's state agrees.
                 for g in 0..3 {
-                    let busy = last_online.get(&g).is_some_and(|t| now - t < window_ms * MS);
+                    let busy = last_online.get(&g).is_some_and(|t| now - t < effective(wins[g as usize]));
                     prop_assert_eq!(matches!(m.state(g), GpuState::OnlineBusy { .. }), busy);
                     if !busy { last_online.remove(&g); }
                 }

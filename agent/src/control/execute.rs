@@ -119,6 +119,7 @@ impl Loop {
                     decided_at,
                     busy_for,
                     offline,
+                    window: _,
                 } => {
                     // The busy period is over: the next one's onset is its own evidence,
                     // not the start of a chain of samples that spans both.
