@@ -28,6 +28,7 @@ mod suspend;
 
 pub use recheck::Broken;
 
+use crate::control::note::Note;
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
 use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry, Target};
@@ -238,6 +239,9 @@ pub enum HoldObs {
 }
 
 struct Hold {
+    /// Tells this hold from an earlier one on the same key (an answer that comes after a
+    /// release belongs to the hold it was asked for).
+    serial: u64,
     members: Vec<Target>,
     holders: BTreeSet<ProcKey>,
     kind: Kind,
@@ -255,6 +259,8 @@ struct Hold {
 
 struct Pending {
     key: HoldKey,
+    /// The hold's serial (see [`Hold`]).
+    serial: u64,
     op: Op,
     kind: Kind,
     /// Members not confirmed yet.
@@ -273,8 +279,10 @@ struct Pending {
 }
 
 impl Pending {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         key: HoldKey,
+        serial: u64,
         op: Op,
         kind: Kind,
         members: Vec<Target>,
@@ -284,6 +292,7 @@ impl Pending {
     ) -> Pending {
         Pending {
             key,
+            serial,
             op,
             kind,
             members,
@@ -375,8 +384,14 @@ pub struct HoldBook {
     /// The time of the latest call, ns.
     now_ns: u64,
     next_req: Req,
+    /// Answers to requests below this one that are no longer waited for are dropped (a
+    /// record write that lands after everything was released).
+    abandoned_below: Req,
+    next_serial: u64,
     waiting: BTreeMap<Req, Then>,
     out: Vec<HoldCmd>,
+    /// What the book has to say (logs, counters), for the shell.
+    notes: Vec<Note>,
 }
 
 impl std::fmt::Debug for HoldBook {
@@ -434,8 +449,11 @@ impl HoldBook {
             gate_timeout: DEFAULT_GATE_TIMEOUT,
             now_ns: 0,
             next_req: 1,
+            abandoned_below: 0,
+            next_serial: 1,
             waiting: BTreeMap::new(),
             out: Vec::new(),
+            notes: Vec::new(),
         }
     }
 
@@ -452,9 +470,30 @@ impl HoldBook {
         std::mem::take(&mut self.out)
     }
 
+    /// Some command waits to be taken.
+    pub fn has_commands(&self) -> bool {
+        !self.out.is_empty()
+    }
+
     /// Some answer is still awaited.
     pub fn waiting(&self) -> bool {
         !self.waiting.is_empty()
+    }
+
+    /// What the book has to say since the last call, in order.
+    pub fn take_notes(&mut self) -> Vec<Note> {
+        std::mem::take(&mut self.notes)
+    }
+
+    /// A serial for a new hold.
+    fn serial(&mut self) -> u64 {
+        self.next_serial += 1;
+        self.next_serial
+    }
+
+    /// Whether `serial` is the current hold on `key`.
+    fn current(&self, key: &HoldKey, serial: u64) -> bool {
+        self.held.get(key).is_some_and(|h| h.serial == serial)
     }
 
     /// Operations that ended since the last call.
@@ -506,6 +545,13 @@ impl HoldBook {
             .min()
     }
 
+    /// Whether some hold has a launch gate closed.
+    pub fn gates_closed(&self) -> bool {
+        self.held
+            .values()
+            .any(|h| h.members.iter().any(|t| matches!(t, Target::Gate { .. })))
+    }
+
     /// Whether `holder` holds some suspension.
     pub fn holds(&self, holder: &ProcKey) -> bool {
         self.held
@@ -523,6 +569,7 @@ impl HoldBook {
         self.pending.clear();
         self.forgotten.clear();
         self.waiting.clear();
+        self.abandoned_below = self.next_req;
         self.out.clear();
     }
 
@@ -537,7 +584,7 @@ impl HoldBook {
                 | HoldObs::Progress { req, .. } => *req,
             };
             let Some(then) = self.waiting.remove(&req) else {
-                debug_assert!(false, "an answer to no request: {o:?}");
+                debug_assert!(req < self.abandoned_below, "an answer to no request: {o:?}");
                 continue;
             };
             match (then, o) {

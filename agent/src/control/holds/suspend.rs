@@ -4,11 +4,11 @@ use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Started, Then, INLINE_BUDGET,
 };
+use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
 use crate::edges::actuator::{Op, RecordEntry, Target};
 use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
-use tracing::error;
 
 impl HoldBook {
     /// Suspends on behalf of `reqs` (holder, plan) at `now`: asks for the members of
@@ -30,6 +30,7 @@ impl HoldBook {
                 continue;
             }
             let hold = Hold {
+                serial: self.serial(),
                 members: Vec::new(),
                 holders: BTreeSet::from([*holder]),
                 kind: plan.kind(),
@@ -89,11 +90,10 @@ impl HoldBook {
     /// The record answered for fresh holds: start suspending them, or fail them all.
     pub(super) fn recorded_fresh(&mut self, keys: Vec<HoldKey>, ok: bool, now: u64) {
         if !ok {
-            error!(
-                targets = keys.len(),
-                "Cannot write the suspension record: not suspending (fail open)"
-            );
-            metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
+            self.notes.push(Note::NotRecorded {
+                targets: keys.len(),
+            });
+            self.notes.push(Note::FailedOpen(FailWhy::Record));
             for key in keys {
                 if let Some(h) = self.staged.remove(&key) {
                     self.failed.extend(h.holders.iter().copied());
@@ -155,6 +155,7 @@ impl HoldBook {
                 None => {
                     let mut pending = Pending::new(
                         key.clone(),
+                        hold.serial,
                         Op::Suspend,
                         hold.kind,
                         pending_members(&hold.members, &p),
@@ -173,6 +174,7 @@ impl HoldBook {
                     // than it holds): the fallback at once, not a failure and a retry.
                     let pending = Pending::new(
                         key.clone(),
+                        hold.serial,
                         Op::Suspend,
                         hold.kind,
                         Vec::new(),
@@ -218,6 +220,7 @@ impl HoldBook {
         hold.epoch = epoch;
         let mut pending = Pending::new(
             key.clone(),
+            hold.serial,
             Op::Suspend,
             hold.kind,
             hold.members.clone(),

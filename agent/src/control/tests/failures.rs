@@ -238,18 +238,21 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     );
     assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &hands, budget, &shared));
     assert!(
-        h.rec.disk.lock().unwrap().is_empty(),
-        "the watchdog did not resume (the record still holds its targets)"
+        h.act.calls().last().is_some_and(|c| c.op == Op::Resume),
+        "the watchdog did not resume"
     );
     assert!(shared.degraded().unwrap().contains("NVML call"));
-    assert!(h.act.calls().last().is_some_and(|c| c.op == Op::Resume));
     gpu.set_hang(false);
     h.lp = ticking.join().unwrap();
     assert!(
-        h.lp.machine.suspended().is_empty(),
+        h.lp.ctl.rooms.machine.suspended().is_empty(),
         "the loop kept decisions the watchdog undid"
     );
     assert!(shared.degraded().is_none());
+    assert!(
+        h.rec.disk.lock().unwrap().is_empty(),
+        "what the watchdog resumed stays recorded once the loop knows"
+    );
     assert!(h
         .events()
         .iter()

@@ -71,7 +71,10 @@ fn harness_with(gpus: u32, cfg: LoopConfig) -> H {
 
 /// A harness whose actuator is the gate actuator over the fake one, with its gate file at
 /// `gate` (a real file: the test reads the gate words the shims would).
-fn harness_edges(gpus: u32, cfg: LoopConfig, gate: Option<PathBuf>) -> H {
+fn harness_edges(gpus: u32, mut cfg: LoopConfig, gate: Option<PathBuf>) -> H {
+    // The record is written in the round that asks for it (a test of the thread that
+    // writes it off the loop asks for it).
+    cfg.record_off_loop = false;
     let clock = FakeClock::default();
     clock.set(T0);
     let gpu = FakeGpu::new(gpus);
@@ -158,7 +161,13 @@ impl H {
         self.tick();
     }
     fn suspended(&self, pid: u32) -> bool {
-        self.lp.machine.suspended().keys().any(|k| k.pid == pid)
+        self.lp
+            .ctl
+            .rooms
+            .machine
+            .suspended()
+            .keys()
+            .any(|k| k.pid == pid)
             && self.lp.holds().holds(&self.key(pid))
     }
     fn key(&self, pid: u32) -> crate::edges::procfs::ProcKey {
