@@ -71,10 +71,13 @@ impl HoldBook {
         // A target another hold still covers stays suspended: two gate holds whose
         // fallbacks freeze one cgroup (a job with a process per GPU) must not thaw it for
         // each other. The last hold that covers it resumes it.
+        // A gate is the exception: its record entry is the GPU's, but the gate keeper counts
+        // its holders per process, so each holder opens its own hold on it (the last one
+        // opens the gate).
         let still = self.covered();
         let members: Vec<Target> = members
             .into_iter()
-            .filter(|t| !still.contains(&t.record()))
+            .filter(|t| matches!(t, Target::Gate { .. }) || !still.contains(&t.record()))
             .collect();
         if members.is_empty() {
             if report {

@@ -7,7 +7,9 @@ mod failures;
 mod gates;
 mod holds;
 mod props;
+mod props_ctl;
 mod robustness;
+mod world;
 
 use super::events::Event;
 use super::state::Shared;
