@@ -52,7 +52,8 @@ pub struct RecordBook {
     durable: BTreeSet<RecordEntry>,
     flight: Option<Write>,
     next_id: u64,
-    waiters: Vec<(Req, Vec<RecordEntry>)>,
+    /// Requests waiting for a write: (request, its entries, those it added to `held`).
+    waiters: Vec<(Req, Vec<RecordEntry>, Vec<RecordEntry>)>,
     /// After a write failed: the same write is not tried again before this time, ns,
     /// unless a suspension waits for one.
     quiet_until: u64,
@@ -78,11 +79,15 @@ impl RecordBook {
     /// The hold book asks for `entries` on disk (request `req`). `Some(true)`: they are on
     /// disk already; `None`: the answer comes when a write lands ([`RecordBook::written`]).
     pub fn add(&mut self, req: Req, entries: Vec<RecordEntry>) -> Option<bool> {
-        self.held.extend(entries.iter().cloned());
+        let fresh: Vec<RecordEntry> = entries
+            .iter()
+            .filter(|e| self.held.insert((*e).clone()))
+            .cloned()
+            .collect();
         if entries.iter().all(|e| self.on_disk(e)) {
             return Some(true);
         }
-        self.waiters.push((req, entries));
+        self.waiters.push((req, entries, fresh));
         None
     }
 
@@ -172,19 +177,18 @@ impl RecordBook {
         }
         let mut out = Vec::new();
         let waiters = std::mem::take(&mut self.waiters);
-        for (req, entries) in waiters {
+        for (req, entries, fresh) in waiters {
             if entries.iter().all(|e| self.durable.contains(e)) {
                 out.push((req, true));
             } else if !ok && entries.iter().any(|e| w.add.contains(e)) {
-                // Not on disk: the book fails the suspension open and lets them go.
-                for e in &entries {
-                    if !self.durable.contains(e) {
-                        self.held.remove(e);
-                    }
+                // Not on disk: the book fails the suspension open, and what this request
+                // asked for is not held (what was held before stays).
+                for e in &fresh {
+                    self.held.remove(e);
                 }
                 out.push((req, false));
             } else {
-                self.waiters.push((req, entries));
+                self.waiters.push((req, entries, fresh));
             }
         }
         if !ok {
@@ -209,6 +213,11 @@ impl RecordBook {
     /// A write is on its way.
     pub fn writing(&self) -> bool {
         self.flight.is_some()
+    }
+
+    /// What is wanted ahead.
+    pub fn ahead(&self) -> &BTreeSet<RecordEntry> {
+        &self.ahead
     }
 
     /// What the disk holds, as of the latest write that landed.

@@ -97,6 +97,9 @@ impl Rooms {
 
     /// Moves what the rooms said into `out`, in order.
     pub fn flush(&mut self) {
+        if let Some(ahead) = self.seeing.ahead.take() {
+            self.record.want_ahead(ahead);
+        }
         self.out.append(&mut self.seeing.out);
         self.notes.append(&mut self.seeing.notes);
         self.events.append(&mut self.seeing.events);

@@ -13,6 +13,7 @@ use super::note::{FailWhy, Note};
 use super::nvml::{Refresh, Sampling};
 use super::table::{Activity, Table};
 use super::LoopConfig;
+use crate::edges::actuator::RecordEntry;
 use crate::edges::doorbell::{BellReading, PageInfo};
 use crate::edges::gpu;
 use crate::edges::procfs::ProcKey;
@@ -38,6 +39,8 @@ pub struct Seeing {
     pub(crate) changed: bool,
     /// Samples of PIDs the table did not know, until the lists are read.
     unknown: Vec<(u32, u32, Activity)>,
+    /// What the record should hold ahead, when the table changed.
+    pub(crate) ahead: Option<BTreeSet<RecordEntry>>,
     pub(crate) notes: Vec<Note>,
     pub(crate) events: Vec<Event>,
     pub(crate) out: Vec<Cmd>,
@@ -74,6 +77,7 @@ impl Seeing {
             generation: 0,
             changed: false,
             unknown: Vec::new(),
+            ahead: None,
             notes: Vec::new(),
             events: Vec::new(),
             out: Vec::new(),
@@ -151,6 +155,11 @@ impl Seeing {
             self.table.note_sample(gpu, pid, act);
         }
         self.changed = true;
+        // Every target that could be suspended is written down ahead, so that the
+        // preemption that suspends it waits for no write.
+        let gpus = &self.gpus;
+        let uuid = |g: u32| gpus.iter().find(|(i, _)| *i == g).map(|(_, u)| u.clone());
+        self.ahead = Some(self.table.ahead(self.gates.file(), uuid));
     }
 
     /// The tick's NVML calls, judged (when some ran).

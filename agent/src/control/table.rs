@@ -12,6 +12,8 @@
 //! names ([`Table::to_classify`]); the table applies what it is told ([`Table::apply`]).
 
 use crate::control::note::Note;
+use crate::control::target::Plan;
+use crate::edges::actuator::RecordEntry;
 use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -243,6 +245,41 @@ impl Table {
         let warn = !pids.is_empty() && !std::mem::replace(&mut self.warned_invisible, true);
         notes.push(Note::Invisible { pids, warn });
         notes
+    }
+
+    /// What the record should hold ahead: every target an offline process on a GPU could
+    /// be suspended through (its plan's own target; a signalled cgroup's leader, its other
+    /// members being read at suspension), and with `gate` (the gate file; `uuid`: a GPU's
+    /// UUID) the gate of the GPU an offline process uses alone.
+    pub fn ahead(
+        &self,
+        gate: Option<&std::path::Path>,
+        uuid: impl Fn(u32) -> Option<String>,
+    ) -> BTreeSet<RecordEntry> {
+        let mut out = BTreeSet::new();
+        for e in self.procs.values() {
+            if e.cls.class != Class::Offline || e.gpus.is_empty() {
+                continue;
+            }
+            match &e.plan {
+                Some(Plan::Freeze(t) | Plan::Signal(t)) => {
+                    out.insert(t.record());
+                }
+                Some(Plan::SignalCgroup { leader, .. }) => {
+                    out.insert(leader.record());
+                }
+                Some(Plan::Gate { .. }) | None => {}
+            }
+            if let (Some(file), [gpu]) = (gate, &e.gpus.iter().copied().collect::<Vec<_>>()[..]) {
+                if let Some(uuid) = uuid(*gpu) {
+                    out.insert(RecordEntry::Gate {
+                        file: file.to_path_buf(),
+                        uuid,
+                    });
+                }
+            }
+        }
+        out
     }
 
     /// The inputs of the state machine for the `managed` GPUs; `sampled_busy(gpu)` says

@@ -214,6 +214,7 @@ impl HoldBook {
                 continue;
             };
             self.to_record.retain(|k| *k != key);
+            self.to_start.retain(|k| *k != key);
             self.forget(&hold.members);
             for op in [Op::Suspend, Op::Resume] {
                 self.done.push(Completion {
@@ -326,6 +327,7 @@ impl HoldBook {
         self.abandoned_below = self.next_req;
         self.out.clear();
         self.to_record.clear();
+        self.to_start.clear();
         if self.held.is_empty() && self.staged.is_empty() {
             return 0;
         }

@@ -360,8 +360,10 @@ pub struct HoldBook {
     held: BTreeMap<HoldKey, Hold>,
     /// Fresh holds on their way to the record and the actuator.
     staged: BTreeMap<HoldKey, Hold>,
-    /// Fresh holds whose members are known, recorded together at the end of the step.
+    /// Fresh holds whose members are known, recorded at the end of the step.
     to_record: Vec<HoldKey>,
+    /// Fresh holds recorded, started together at the end of the step.
+    to_start: Vec<HoldKey>,
     pending: Vec<Pending>,
     /// Holders whose suspension failed (it was undone, or never started because the
     /// record could not be written): the loop retries them.
@@ -437,6 +439,7 @@ impl HoldBook {
             held: BTreeMap::new(),
             staged: BTreeMap::new(),
             to_record: Vec::new(),
+            to_start: Vec::new(),
             pending: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
@@ -566,6 +569,7 @@ impl HoldBook {
         self.held.clear();
         self.staged.clear();
         self.to_record.clear();
+        self.to_start.clear();
         self.pending.clear();
         self.forgotten.clear();
         self.waiting.clear();
@@ -657,6 +661,7 @@ impl HoldBook {
             }
         }
         self.record_staged();
+        self.start_recorded();
         self.flush_forgotten();
     }
 }

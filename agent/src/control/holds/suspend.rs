@@ -70,21 +70,20 @@ impl HoldBook {
         out
     }
 
-    /// Asks the record to hold every fresh hold whose members are known, in one write.
+    /// Asks the record to hold every fresh hold whose members are known, one request per
+    /// hold: a hold whose entries are on disk already is answered at once and does not
+    /// wait for another's write (the record book makes one write of whatever is missing).
     pub(super) fn record_staged(&mut self) {
-        if self.to_record.is_empty() {
-            return;
+        for key in std::mem::take(&mut self.to_record) {
+            let Some(h) = self.staged.get(&key) else {
+                continue;
+            };
+            let entries: Vec<RecordEntry> = h.members.iter().map(Target::record).collect();
+            self.ask(Then::RecordedFresh(vec![key]), |req| HoldCmd::RecordAdd {
+                req,
+                entries,
+            });
         }
-        let keys = std::mem::take(&mut self.to_record);
-        let entries: Vec<RecordEntry> = keys
-            .iter()
-            .filter_map(|k| self.staged.get(k))
-            .flat_map(|h| h.members.iter().map(Target::record))
-            .collect();
-        self.ask(Then::RecordedFresh(keys), |req| HoldCmd::RecordAdd {
-            req,
-            entries,
-        });
     }
 
     /// The record answered for fresh holds: start suspending them, or fail them all.
@@ -108,9 +107,15 @@ impl HoldBook {
             }
             return;
         }
+        self.to_start.extend(keys);
+    }
+
+    /// Starts suspending the fresh holds recorded since the last call: gates are closed,
+    /// the rest started in one batch.
+    pub(super) fn start_recorded(&mut self) {
         let mut counts = Vec::new();
         let mut targets = Vec::new();
-        for key in keys {
+        for key in std::mem::take(&mut self.to_start) {
             let Some(h) = self.staged.get(&key) else {
                 continue;
             };

@@ -118,7 +118,7 @@ fn the_signal_actuator_stops_every_process_of_an_offline_cgroup() {
             .any(|c| c.op == Op::Resume && c.targets.contains(&child)),
         "the child was not resumed: {calls:?}"
     );
-    assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
+    assert_eq!(h.recorded_beyond_ahead(), vec![], "{:?}", h.rec.disk);
     std::fs::remove_dir_all(root).ok();
 }
 
@@ -249,8 +249,9 @@ fn a_hung_nvml_call_trips_the_watchdog() {
         "the loop kept decisions the watchdog undid"
     );
     assert!(shared.degraded().is_none());
-    assert!(
-        h.rec.disk.lock().unwrap().is_empty(),
+    assert_eq!(
+        h.recorded_beyond_ahead(),
+        vec![],
         "what the watchdog resumed stays recorded once the loop knows"
     );
     assert!(h
@@ -302,7 +303,7 @@ fn shutdown_resumes_everything() {
     h.preempt(10, 20);
     h.lp.release_everything(super::super::ReleaseAll::Shutdown);
     assert!(h.lp.holds().is_empty());
-    assert!(h.rec.disk.lock().unwrap().is_empty());
+    assert_eq!(h.recorded_beyond_ahead(), vec![]);
     assert_eq!(h.act.calls().last().unwrap().op, Op::Resume);
     let _ = PathBuf::new();
 }

@@ -8,6 +8,7 @@ mod gates;
 mod holds;
 mod props;
 mod props_ctl;
+mod record;
 mod robustness;
 mod world;
 
@@ -187,6 +188,18 @@ impl H {
             })
             .count()
     }
+    /// What the record holds besides what it holds ahead (targets that could be stopped).
+    fn recorded_beyond_ahead(&self) -> Vec<RecordEntry> {
+        let ahead = self.lp.ctl.record().ahead();
+        self.rec
+            .disk
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| !ahead.contains(e))
+            .cloned()
+            .collect()
+    }
     fn events(&self) -> Vec<Event> {
         self.lp.telemetry.recent.iter().cloned().collect()
     }
@@ -257,6 +270,12 @@ fn a_suspension_happens_only_after_the_record_holds_it_on_disk() {
     h.spawn(0, 11, class(Class::Offline, None));
     h.spawn(0, 20, class(Class::Online, None));
     h.ticks(2);
+    let ahead = h.rec.disk.lock().unwrap().clone();
+    assert_eq!(
+        ahead.len(),
+        2,
+        "written ahead, before any preemption: {ahead:?}"
+    );
     h.active(0, 20);
     h.tick();
     let calls = h.act.calls();
@@ -268,19 +287,22 @@ fn a_suspension_happens_only_after_the_record_holds_it_on_disk() {
         "suspended before recorded: {:?}",
         suspends[0].unrecorded
     );
-    // After the release, the record is empty again.
+    // After the release, the record holds only what it holds ahead: both stay recorded
+    // while they could be stopped, so that the next preemption waits for no write.
     h.ticks(120);
-    assert!(h.rec.disk.lock().unwrap().is_empty());
+    assert_eq!(h.recorded_beyond_ahead(), vec![]);
+    assert_eq!(h.rec.disk.lock().unwrap().len(), 2);
 }
 
-/// An unwritable record means no suspension at all (and nothing stays in memory).
+/// An unwritable record means no suspension at all (and nothing stays in memory): here the
+/// record breaks before the process is written ahead, so its preemption needs a write.
 #[test]
 fn nothing_is_suspended_that_is_not_on_disk() {
     let mut h = harness(1);
+    h.rec.broken.store(true, Ordering::SeqCst);
     h.spawn(0, 10, class(Class::Offline, None));
     h.spawn(0, 20, class(Class::Online, None));
     h.tick();
-    h.rec.broken.store(true, Ordering::SeqCst);
     h.active(0, 20);
     h.tick();
     assert_eq!(
@@ -317,8 +339,9 @@ fn a_failed_suspension_is_undone_and_reported() {
         "{calls:?}"
     );
     assert!(h.lp.holds().is_empty());
-    assert!(
-        h.rec.disk.lock().unwrap().is_empty(),
+    assert_eq!(
+        h.recorded_beyond_ahead(),
+        vec![],
         "undone suspension left in the record"
     );
     let ev = h.events();

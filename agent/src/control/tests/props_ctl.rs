@@ -90,7 +90,8 @@ struct Play {
     faulted: BTreeSet<crate::edges::procfs::ProcKey>,
     /// When a tenant last resumed a process (held again at a re-check).
     tenant: BTreeMap<crate::edges::procfs::ProcKey, u64>,
-    busy_now: BTreeSet<u32>,
+    /// Busy samples given on this tick: GPU → when each busy process started.
+    busy_now: BTreeMap<u32, Vec<u64>>,
     grace: u64,
 }
 
@@ -112,7 +113,7 @@ impl Play {
                 if let Some(p) = self.w.procs.get(&slot).filter(|p| p.online).cloned() {
                     self.w.busy(p.gpu, p.key.pid);
                     self.last_busy.insert(p.gpu, self.w.now);
-                    self.busy_now.insert(p.gpu);
+                    self.busy_now.entry(p.gpu).or_default().push(p.born);
                     self.tick()?;
                 }
             }
@@ -216,13 +217,12 @@ impl Play {
             let record_ok = self.record_failed_at.is_none_or(|t| at > t + 2_000 * MS);
             let known = |born: u64| at >= born + 60 * MS;
             let online_known = self
-                .w
-                .procs
-                .values()
-                .any(|o| o.online && o.gpu == g && known(o.born));
+                .busy_now
+                .get(&g)
+                .is_some_and(|b| b.iter().any(|b| known(*b)));
             if delay == 0
                 && !self.w.gate
-                && self.busy_now.contains(&g)
+                && self.busy_now.contains_key(&g)
                 && healthy
                 && record_ok
                 && !self.faulted.contains(&p.key)
@@ -270,7 +270,7 @@ fn play(acts: &[Act], gate: bool, ack: Ack, delay: u32) -> Result<(), TestCaseEr
         record_failed_at: None,
         faulted: BTreeSet::new(),
         tenant: BTreeMap::new(),
-        busy_now: BTreeSet::new(),
+        busy_now: BTreeMap::new(),
         grace,
     };
     p.tick()?;

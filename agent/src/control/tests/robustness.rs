@@ -309,7 +309,9 @@ fn a_panic_in_the_hands_resumes_what_was_stopped() {
         bells: Box::new(bells.clone()),
         gates: None,
     };
-    let mut lp = Loop::new(default_config(), edges, Arc::new(Shared::default())).unwrap();
+    let mut cfg = default_config();
+    cfg.record_off_loop = false;
+    let mut lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
     for (pid, c) in [(10, Class::Offline), (20, Class::Online)] {
         procs.add(pid, 100 + pid as u64, "work", "/w");
         gpu.add(0, pid);
