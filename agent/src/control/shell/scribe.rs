@@ -5,8 +5,8 @@
 //! when it lands. The ordering that makes the record safe is the controller's: nothing is
 //! started before the write that holds it has landed.
 //!
-//! Inline (`--record-inline`, and the controller's tests): the write is made on the loop's
-//! thread, and its answer comes back in the same round.
+//! Inline (the loop tests, `LoopConfig::record_off_loop` false): the write is made on the
+//! loop's thread, and its answer comes back in the same round.
 //!
 //! May touch: the state directory, through the record store.
 
