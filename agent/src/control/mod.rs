@@ -36,6 +36,7 @@ pub mod note;
 pub mod nvml;
 pub mod pace;
 pub mod publish;
+pub mod reason;
 pub mod record;
 pub mod retry;
 pub mod rooms;

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::edges::actuator::ActError;
+use crate::edges::actuator::Op;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
