@@ -76,7 +76,7 @@ pub enum Note {
     /// Everything is resumed at once.
     ReleasingAll {
         /// Why.
-        reason: &'static str,
+        reason: crate::control::ReleaseAll,
         /// Holds.
         count: usize,
     },
@@ -282,7 +282,7 @@ impl Note {
             }
             Note::Resumed { hold, outcome } => debug!(?hold, ?outcome, "Resumed"),
             Note::ReleasingAll { reason, count } => {
-                info!(reason, count, "Resuming all suspended offline work")
+                info!(reason = reason.as_str(), count, "Resuming all suspended offline work")
             }
             Note::GateDrained { hold, fallback } => debug!(
                 ?hold,

@@ -58,6 +58,9 @@ pub struct RecordBook {
     /// unless a suspension waits for one.
     quiet_until: u64,
     failed: Option<(Vec<RecordEntry>, Vec<RecordEntry>)>,
+    /// What is wanted may differ from the disk (else `next_write` has nothing to look at:
+    /// it is asked at every round of the loop).
+    dirty: bool,
 }
 
 impl RecordBook {
@@ -67,13 +70,17 @@ impl RecordBook {
         RecordBook {
             held: on_disk.clone(),
             durable: on_disk,
+            dirty: true,
             ..RecordBook::default()
         }
     }
 
     /// What the table wants written ahead from now on.
     pub fn want_ahead(&mut self, entries: BTreeSet<RecordEntry>) {
-        self.ahead = entries;
+        if entries != self.ahead {
+            self.ahead = entries;
+            self.dirty = true;
+        }
     }
 
     /// The hold book asks for `entries` on disk (request `req`). `Some(true)`: they are on
@@ -88,13 +95,14 @@ impl RecordBook {
             return Some(true);
         }
         self.waiters.push((req, entries, fresh));
+        self.dirty = true;
         None
     }
 
     /// The hold book lets `entries` go (their targets were resumed).
     pub fn remove(&mut self, entries: &[RecordEntry]) {
         for e in entries {
-            self.held.remove(e);
+            self.dirty |= self.held.remove(e);
         }
     }
 
@@ -109,6 +117,7 @@ impl RecordBook {
         self.held.clear();
         // The hold book abandoned its requests too.
         self.waiters.clear();
+        self.dirty = true;
     }
 
     /// The agent stops: nothing is wanted ahead any more.
@@ -116,16 +125,18 @@ impl RecordBook {
         self.ahead.clear();
         // The last writes are tried whatever failed before.
         self.failed = None;
+        self.dirty = true;
     }
 
     /// The next write to ask for, if the disk does not hold what is wanted and no write is
     /// on its way.
     pub fn next_write(&mut self, now: u64) -> Option<Write> {
-        if self.flight.is_some() {
+        if self.flight.is_some() || !self.dirty {
             return None;
         }
         let (add, remove) = self.diff();
         if add.is_empty() && remove.is_empty() {
+            self.dirty = false;
             return None;
         }
         let again = self.failed.as_ref() == Some(&(add.clone(), remove.clone()));
@@ -166,6 +177,8 @@ impl RecordBook {
             debug_assert!(false, "an answer to no write: {id}");
             return Vec::new();
         };
+        // What landed or failed: the next write looks again.
+        self.dirty = true;
         if ok {
             self.durable.extend(w.add.iter().cloned());
             for e in &w.remove {

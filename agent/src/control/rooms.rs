@@ -320,7 +320,7 @@ impl Rooms {
         if reason == ReleaseAll::Shutdown {
             self.record.stop();
         }
-        self.book.release_all(reason.as_str())
+        self.book.release_all(reason)
     }
 
     /// Everything was resumed (`n` holds).

@@ -320,7 +320,7 @@ impl HoldBook {
 
     /// Resumes every hold (fail-open, shutdown), the shell waiting up to
     /// `--confirm-timeout` for the confirmations. Returns how many holds are resumed.
-    pub fn release_all(&mut self, reason: &'static str) -> usize {
+    pub fn release_all(&mut self, reason: crate::control::ReleaseAll) -> usize {
         // A conversation cut short (a panic in the middle of one) is abandoned: what it
         // started is resumed with the rest, staged holds included.
         self.waiting.clear();

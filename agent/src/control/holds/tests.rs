@@ -377,7 +377,7 @@ fn release_all_resumes_a_hold_whose_suspension_started_but_was_not_answered() {
     ));
     // The shell performed it (the process is stopped) and panicked before answering.
     assert!(!b.is_empty(), "the Loop's Drop calls release_everything");
-    let n = b.release_all("panic");
+    let n = b.release_all(crate::control::ReleaseAll::Panic);
     let c = b.take_commands();
     assert!(
         n == 1
