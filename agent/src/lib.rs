@@ -6,12 +6,11 @@
 //! the hands:
 //!
 //! ```text
-//!  edges/ (one trait per I/O edge)          control/ (the loop, one room per job)
-//!   gpu (NVML) ──────────────┐              table ─► qos_core::Machine ─► execute
-//!   procfs (/proc, pidfds) ──┼────────────► target     (decide)           holds ──► edges/actuator
-//!   source (rules, kube) ────┘              health, watchdog               │  └───► edges/record
-//!   clock                                   events ──► telemetry (metrics, event log)
-//!                                           state ───► http (/metrics /healthz /readyz /state)
+//!  edges/ (one trait per I/O edge)     control/ (a controller that decides, in a shell that acts)
+//!   gpu (NVML) ──────────────┐          shell: eyes ──Obs──► Controller::step ──Cmd──► hands ──► edges/actuator
+//!   procfs (/proc, pidfds) ──┼────────►        (table, health, bells, gates,           scribe ─► edges/record
+//!   source (rules, kube) ────┘                  qos_core::Machine, holds, record)       telemetry (metrics, event log)
+//!   clock, doorbell, gate                 state ───► http (/metrics /healthz /readyz /state)
 //!  cmd/ (status, timeline): read /state and events back as the same types
 //! ```
 //!

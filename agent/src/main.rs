@@ -88,7 +88,7 @@ fn run(args: RunArgs) -> Result<()> {
         coloc_agent::cmd::resume::lock_for_agent(&args.state_dir)?;
         let (mut record, leftover) = FileRecord::open(&args.state_dir)?;
         if !leftover.is_empty() {
-            warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended");
+            warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended, or recorded as suspendable: resuming all of it");
             resume_leftovers(&mut record, &leftover, args.confirm_timeout);
         }
         Box::new(record)

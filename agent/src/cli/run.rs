@@ -332,6 +332,7 @@ impl RunArgs {
             recheck: self.recheck_interval,
             gate_timeout: self.gate_timeout,
             doorbell_trust_window: self.doorbell_trust_window,
+            record_off_loop: true,
             node: self
                 .node_name
                 .clone()

@@ -1,5 +1,5 @@
-//! The launch gate in the loop (`--gate`): which suspensions close a gate, and the
-//! acknowledgements the gate actuator waits for, read from the offline processes' pages.
+//! The gate book (`--gate`): which suspensions close a launch gate, what the offline
+//! processes' pages say of their gates, and when the gate file's heartbeat is due.
 //!
 //! A suspension closes a gate before it stops the process when all of these hold:
 //! - it is for online work on GPU g (not a `fixed-share` duty cycle: a gate is per GPU,
@@ -18,29 +18,81 @@
 //! Otherwise the process is stopped as without `--gate`. A closed gate only bounds the
 //! drain: the process is stopped by its fallback (freezer or signal) as soon as its pages
 //! acknowledge the close, or when `--gate-timeout` passes without that (`holds::gate`).
-//! Acknowledgements are the tenant's word, and all a forged one does is bring the stop
-//! sooner; see SECURITY.md.
+//! Acknowledgements are plain observations (the shell reads every offline page's gate
+//! fields with the doorbells); they are the tenant's word, and all a forged one does is
+//! bring the stop sooner; see SECURITY.md.
 
-use super::Loop;
+use crate::control::bells::Bells;
+use crate::control::table::Table;
 use crate::control::target::Plan;
 use crate::edges::actuator::Target;
 use crate::edges::doorbell::Owner;
 use crate::edges::procfs::ProcKey;
+use coloc_doorbell::GateReading;
+use std::collections::HashMap;
+use std::path::PathBuf;
 
 /// How often the loop refreshes the gate file's heartbeat (the shims' bound is 1 s by
 /// default; the file promises at most `coloc_doorbell::gate::HEARTBEAT_NS`).
-pub(super) const BEAT_NS: u64 = 20_000_000;
+pub const BEAT_NS: u64 = 20_000_000;
 
-impl Loop {
+/// See the module.
+#[derive(Debug, Default)]
+pub struct Gates {
+    /// The gate file (`--gate`), if any.
+    file: Option<PathBuf>,
+    /// The gate fields of every offline page, as of the latest read.
+    readings: HashMap<u64, Vec<GateReading>>,
+    /// When the heartbeat was last refreshed, ns.
+    last_beat_ns: u64,
+}
+
+impl Gates {
+    /// Gates through `file` (none: `--gate` is off).
+    pub fn new(file: Option<PathBuf>) -> Gates {
+        Gates {
+            file,
+            ..Gates::default()
+        }
+    }
+
+    /// Whether `--gate` is on.
+    pub fn on(&self) -> bool {
+        self.file.is_some()
+    }
+
+    /// The gate file.
+    pub fn file(&self) -> Option<&std::path::Path> {
+        self.file.as_deref()
+    }
+
+    /// The offline pages' gate fields read now.
+    pub fn read(&mut self, readings: Vec<(u64, Vec<GateReading>)>) {
+        self.readings = readings.into_iter().collect();
+    }
+
+    /// Whether the heartbeat is due at `now` (and, if so, it is taken as done).
+    pub fn beat_due(&mut self, now: u64) -> bool {
+        let due = self.on() && now.saturating_sub(self.last_beat_ns) >= BEAT_NS;
+        if due {
+            self.last_beat_ns = now;
+        }
+        due
+    }
+
+    /// When the heartbeat is next due, ns.
+    pub fn next_beat_ns(&self) -> u64 {
+        self.last_beat_ns + BEAT_NS
+    }
+
     /// The `gate_ack` of every offline page of `key` with an entry for `uuid` (empty: its
     /// shim has no such entry, or `key` is unknown).
-    fn gate_acks(&self, key: &ProcKey, uuid: &[u8; 16]) -> Vec<u32> {
-        let Some(e) = self.table.entry(key) else {
+    pub fn acks(&self, table: &Table, bells: &Bells, key: &ProcKey, uuid: &[u8; 16]) -> Vec<u32> {
+        let Some(e) = table.entry(key) else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        let mut buf = Vec::new();
-        for p in self.bells.page_infos() {
+        for p in bells.page_infos() {
             if p.class != coloc_doorbell::CLASS_OFFLINE {
                 continue;
             }
@@ -58,43 +110,20 @@ impl Loop {
             if !mine {
                 continue;
             }
-            buf.clear();
-            self.bells.read_gate(p.id, &mut buf);
-            out.extend(buf.iter().filter(|r| r.uuid == *uuid).map(|r| r.gate_ack));
+            if let Some(rs) = self.readings.get(&p.id) {
+                out.extend(rs.iter().filter(|r| r.uuid == *uuid).map(|r| r.gate_ack));
+            }
         }
         out
     }
 
-    /// Tells the hold book what the pages of the gate holds waiting for their drain say,
-    /// and refreshes the heartbeat.
-    pub(super) fn follow_gates(&mut self, now: u64) {
-        if self.gate_file.is_none() {
-            return;
-        }
-        for (key, uuid) in self.book.wanted_acks() {
-            let acks = self.gate_acks(&key, &uuid);
-            self.book.gate_acks(key, &acks);
-        }
-        self.drain();
-        let done = self.book.take_done();
-        if !done.is_empty() {
-            for ev in self.tracker.complete(&done) {
-                self.telemetry.emit(ev);
-            }
-        }
-        if now.saturating_sub(self.last_beat_ns) >= BEAT_NS {
-            self.last_beat_ns = now;
-            self.hands().keepalive();
-        }
-    }
-
     /// The plan for suspending `key` because online work is busy on `gpu`: a gate when it
     /// applies (see the module's rules), else `plan`.
-    pub(super) fn gate_plan(&self, key: &ProcKey, gpu: u32, plan: Plan) -> Plan {
-        let Some(file) = &self.gate_file else {
+    pub fn plan(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32, plan: Plan) -> Plan {
+        let Some(file) = &self.file else {
             return plan;
         };
-        let Some(e) = self.table.entry(key) else {
+        let Some(e) = table.entry(key) else {
             return plan;
         };
         if e.gpus.len() != 1 || !e.gpus.contains(&gpu) {
@@ -103,18 +132,17 @@ impl Loop {
         // Containers of a pod have PID namespaces of their own: two live processes of the
         // pod can give the same PID, and a page could not tell whose it is. Stop both.
         if let (Some(pod), Some(ns_pid)) = (&e.pod_uid, e.ns_pid) {
-            let twin = self.table.entries().any(|o| {
+            let twin = table.entries().any(|o| {
                 o.key != e.key && o.pod_uid.as_ref() == Some(pod) && o.ns_pid == Some(ns_pid)
             });
             if twin {
                 return plan;
             }
         }
-        let Some(uuid) = self.bells.uuid_of(gpu) else {
+        let Some(uuid) = bells.uuid_of(gpu) else {
             return plan;
         };
-        let acks = self.gate_acks(key, &uuid);
-        if acks.is_empty() {
+        if self.acks(table, bells, key, &uuid).is_empty() {
             return plan;
         }
         Plan::Gate {

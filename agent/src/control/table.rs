@@ -7,41 +7,24 @@
 //! where that is what it means; if such PIDs stay listed for over
 //! [`INVISIBLE_WARN_AFTER_NS`], the agent is probably not in the host PID namespace, and
 //! says so once.
+//!
+//! The table does no I/O: the shell reads the lists and classifies the PIDs the table
+//! names ([`Table::to_classify`]); the table applies what it is told ([`Table::apply`]).
 
-use crate::control::target::{Chooser, Plan};
-use crate::edges::actuator::Target;
-use crate::edges::procfs::{ProcFs, ProcKey};
-use crate::edges::source::PodSource;
+use crate::control::note::Note;
+use crate::control::target::Plan;
+use crate::edges::actuator::RecordEntry;
+use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use tracing::{info, warn};
 
 /// How long a listed PID may stay invisible in `/proc` before the agent warns that it is
 /// probably not in the host PID namespace.
 pub const INVISIBLE_WARN_AFTER_NS: u64 = 1_000_000_000;
 
 pub use super::entry::{Activity, Entry};
-
-/// What classification needs.
-#[derive(Clone)]
-pub struct Classifier {
-    /// `/proc`.
-    pub procfs: Arc<dyn ProcFs>,
-    /// The pod source.
-    pub source: Arc<dyn PodSource>,
-    /// Target choice.
-    pub chooser: Chooser,
-}
-
-impl std::fmt::Debug for Classifier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Classifier")
-            .field("chooser", &self.chooser)
-            .finish_non_exhaustive()
-    }
-}
 
 /// The table.
 #[derive(Debug, Default)]
@@ -60,7 +43,8 @@ pub struct Table {
     refreshed: bool,
     /// GPUs with doorbell activity noted since the last [`Table::take_touched`].
     touched: Vec<u32>,
-    warned: BTreeSet<String>,
+    /// The warning about PIDs invisible in `/proc` was given.
+    warned_invisible: bool,
 }
 
 impl Table {
@@ -158,55 +142,72 @@ impl Table {
         self.procs.retain(|_, e| !e.gpus.is_empty() || keep(&e.key));
     }
 
+    /// The table's processes, with their pins: what the shell checks are still alive.
+    pub fn known(&self) -> Vec<(ProcKey, Option<Arc<OwnedFd>>)> {
+        self.procs
+            .values()
+            .map(|e| (e.key, e.pin.clone()))
+            .collect()
+    }
+
+    /// The listed PIDs to classify: unknown, replaced by another process (`gone` names the
+    /// old one), or classified under an older pod-source generation.
+    pub fn to_classify(
+        &self,
+        listed: &BTreeMap<u32, BTreeSet<u32>>,
+        gone: &[ProcKey],
+        generation: u64,
+    ) -> Vec<u32> {
+        listed
+            .keys()
+            .filter(|pid| match self.procs.get(pid) {
+                None => true,
+                Some(e) => gone.contains(&e.key) || e.generation != generation,
+            })
+            .copied()
+            .collect()
+    }
+
     /// Applies a fresh process listing. `listed`: PID → GPUs, from the GPUs whose listing
-    /// succeeded; `failed`: GPUs whose listing failed (membership there is kept as it was).
-    pub fn refresh(
+    /// succeeded; `failed`: GPUs whose listing failed (membership there is kept as it was);
+    /// `fresh`: the classification of each PID [`Table::to_classify`] named (`None`: not in
+    /// `/proc`, exited). Returns what is worth reporting (replaced PIDs, PIDs invisible in
+    /// `/proc`).
+    pub fn apply(
         &mut self,
         listed: &BTreeMap<u32, BTreeSet<u32>>,
         failed: &BTreeSet<u32>,
         generation: u64,
         now: u64,
-        c: &Classifier,
-    ) {
-        let exited = self.exited(listed, c);
-        for (pid, gpus) in listed {
-            let reused = match self.procs.get(pid) {
-                None => true,
-                Some(e) => match exited.get(pid) {
-                    Some(gone) => *gone,
-                    None => !matches!(c.procfs.read_stat(*pid), Ok(s) if s.start == e.key.start),
-                },
-            };
-            let reclassify = self
-                .procs
-                .get(pid)
-                .is_some_and(|e| e.generation != generation);
-            if reused || reclassify {
-                // What is held suspended lives in the holds with its target, so replacing
-                // the entry loses nothing: the machine resumes the old key next tick.
-                let old = self.procs.remove(pid);
-                match self.classify(*pid, generation, now, c) {
-                    Some(mut entry) => {
-                        match old {
-                            Some(_) if reused => {
-                                info!(pid, "GPU process replaced by another with the same PID")
-                            }
-                            // The same process classified again: what it was seen doing is
-                            // still true (a sample noted earlier in this tick included).
-                            Some(o) if o.key == entry.key => {
-                                entry.last_active = o.last_active;
-                                entry.last_sampled = o.last_sampled;
-                                entry.nvml_seen = o.nvml_seen;
-                                entry.onset = o.onset;
-                                entry.rung = o.rung;
-                            }
-                            _ => {}
-                        }
-                        self.procs.insert(*pid, entry);
-                    }
-                    None => continue,
+        fresh: Vec<(u32, Option<Entry>)>,
+    ) -> Vec<Note> {
+        let mut notes = Vec::new();
+        for (pid, classified) in fresh {
+            // What is held suspended lives in the holds with its target, so replacing the
+            // entry loses nothing: the machine resumes the old key next tick.
+            let old = self.procs.remove(&pid);
+            if let (Some(o), Some(e)) = (&old, &classified) {
+                if o.key != e.key {
+                    notes.push(Note::Replaced { pid });
                 }
             }
+            let Some(mut entry) = classified else {
+                self.invisible.entry(pid).or_insert(now);
+                continue;
+            };
+            self.invisible.remove(&pid);
+            // The same process classified again: what it was seen doing is still true (a
+            // sample noted earlier in this tick included).
+            if let Some(o) = old.filter(|o| o.key == entry.key) {
+                entry.last_active = o.last_active;
+                entry.last_sampled = o.last_sampled;
+                entry.nvml_seen = o.nvml_seen;
+                entry.onset = o.onset;
+                entry.rung = o.rung;
+            }
+            self.procs.insert(pid, entry);
+        }
+        for (pid, gpus) in listed {
             if let Some(e) = self.procs.get_mut(pid) {
                 let keep: BTreeSet<u32> = e.gpus.intersection(failed).copied().collect();
                 e.gpus = gpus.union(&keep).copied().collect();
@@ -233,7 +234,7 @@ impl Table {
         self.invisible.retain(|pid, since| {
             listed.contains_key(pid) || now.saturating_sub(*since) < 10 * INVISIBLE_WARN_AFTER_NS
         });
-        let long: Vec<u32> = self
+        let pids: Vec<u32> = self
             .invisible
             .iter()
             .filter(|(pid, since)| {
@@ -241,147 +242,106 @@ impl Table {
             })
             .map(|(pid, _)| *pid)
             .collect();
-        metrics::gauge!("coloc_invisible_gpu_processes").set(long.len() as f64);
-        if !long.is_empty() && self.warned.insert("pid-namespace".into()) {
-            warn!(pids = ?long, "GPU processes listed by the driver have not been visible in /proc for over 1 s: is the agent in the host PID namespace (hostPID: true)? They are ignored");
-        }
+        let warn = !pids.is_empty() && !std::mem::replace(&mut self.warned_invisible, true);
+        notes.push(Note::Invisible { pids, warn });
+        notes
     }
 
-    /// Which listed, known processes with a pidfd have exited (one poll for all).
-    fn exited(&self, listed: &BTreeMap<u32, BTreeSet<u32>>, c: &Classifier) -> HashMap<u32, bool> {
-        let pins: Vec<(ProcKey, &OwnedFd)> = listed
-            .keys()
-            .filter_map(|pid| self.procs.get(pid))
-            .filter_map(|e| e.pin.as_deref().map(|fd| (e.key, fd)))
-            .collect();
-        let gone = c.procfs.exited(&pins);
-        pins.iter()
-            .zip(gone)
-            .map(|((k, _), g)| (k.pid, g))
+    /// What the record should hold ahead: every target an offline process on a GPU could
+    /// be suspended through (its plan's own target; a signalled cgroup's leader, its other
+    /// members being read at suspension), and with `gate` (the gate file; `uuid`: a GPU's
+    /// UUID) the gate of the GPU an offline process uses alone.
+    pub fn ahead(
+        &self,
+        gate: Option<&std::path::Path>,
+        uuid: impl Fn(u32) -> Option<String>,
+    ) -> BTreeSet<RecordEntry> {
+        let mut out = BTreeSet::new();
+        for e in self.procs.values() {
+            if e.cls.class != Class::Offline || e.gpus.is_empty() {
+                continue;
+            }
+            match &e.plan {
+                Some(Plan::Freeze(t) | Plan::Signal(t)) => {
+                    out.insert(t.record());
+                }
+                Some(Plan::SignalCgroup { leader, .. }) => {
+                    out.insert(leader.record());
+                }
+                Some(Plan::Gate { .. }) | None => {}
+            }
+            if let (Some(file), [gpu]) = (gate, &e.gpus.iter().copied().collect::<Vec<_>>()[..]) {
+                if let Some(uuid) = uuid(*gpu) {
+                    out.insert(RecordEntry::Gate {
+                        file: file.to_path_buf(),
+                        uuid,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// The inputs of the state machine for the `managed` GPUs; `sampled_busy(gpu)` says
+    /// whether NVML-only online work there may still be busy.
+    pub fn inputs(
+        &self,
+        managed: &[u32],
+        sampled_busy: impl Fn(u32) -> bool,
+    ) -> Vec<qos_core::GpuInput<ProcKey>> {
+        let mut by_gpu: BTreeMap<u32, Vec<qos_core::ProcessObs<ProcKey>>> =
+            managed.iter().map(|g| (*g, Vec::new())).collect();
+        for e in self.procs.values() {
+            for g in &e.gpus {
+                if let Some(v) = by_gpu.get_mut(g) {
+                    let onset = e.onset.get(g).copied();
+                    v.push(qos_core::ProcessObs {
+                        key: e.key,
+                        class: e.cls.class,
+                        last_active: e.last_active.get(g).copied(),
+                        onset: onset.map(|o| o.0),
+                        signal: onset.map_or(qos_core::Signal::Nvml, |o| o.1),
+                        share: e.cls.share,
+                    });
+                }
+            }
+        }
+        by_gpu
+            .into_iter()
+            .map(|(gpu, procs)| qos_core::GpuInput {
+                gpu,
+                sampled_busy: sampled_busy(gpu),
+                procs,
+            })
             .collect()
     }
 
-    /// The first process in cgroup `dir` or beneath it that is not offline, with its class
-    /// (the agent itself counts as not offline). `None`: every member is offline. A
-    /// membership that cannot be read is `Some((0, Unmanaged))`: it is not known to be all
-    /// offline.
-    pub fn mixed(&self, dir: &std::path::Path, c: &Classifier) -> Option<(u32, Class)> {
-        let me = c.procfs.self_pid();
-        let Ok(pids) = c.procfs.cgroup_tree_members(dir) else {
-            return Some((0, Class::Unmanaged));
-        };
-        pids.into_iter().find_map(|pid| {
-            if pid == me {
-                return Some((pid, Class::System));
-            }
-            let class = match self.procs.get(&pid) {
-                Some(e) => e.cls.class,
-                None => match c.procfs.read_proc(pid) {
-                    Ok(info) => c.source.classify(&info).class,
-                    Err(_) => return None,
-                },
-            };
-            (!class.is_suspendable()).then_some((pid, class))
+    /// Whether online work on `gpu` seen only through NVML may still be busy: its latest
+    /// busy sample covers the period ending at `t`, and no read of the driver's samples
+    /// (the latest at `read`) has happened since the next period was due (`t` + one sample
+    /// `period`, and a quarter more for the driver to write it). Until then it counts as
+    /// busy: the sample that shows the work still running may be written just after the
+    /// read (at the shipped defaults, a 100 ms window and a 100 ms driver period, the
+    /// release fell due exactly when the next sample was written, and a sample read just
+    /// before its successor was already a window old). Processes with a doorbell page are
+    /// exempt: their launches are seen as they happen.
+    pub fn sampled_busy(&self, gpu: u32, read: u64, period: u64, unmanaged_online: bool) -> bool {
+        self.procs.values().any(|e| {
+            e.gpus.contains(&gpu)
+                && !e.rung
+                && e.cls.class.is_online_demand(unmanaged_online)
+                && e.last_sampled
+                    .get(&gpu)
+                    .is_some_and(|t| read < t + period + period / 4)
         })
     }
 
-    /// `plan`, or, when it would freeze or stop a whole cgroup that also holds processes
-    /// that are not offline (possible with standalone rules only), the plan to stop the
-    /// offline process alone (`alone`).
-    pub fn unmixed(&mut self, plan: Plan, alone: Target, c: &Classifier) -> Plan {
-        if c.source.whole_cgroups() {
-            return plan;
-        }
-        let dir = match &plan {
-            Plan::Freeze(Target::Cgroup { dir, .. }) | Plan::SignalCgroup { dir, .. } => {
-                dir.clone()
-            }
-            _ => return plan,
-        };
-        let Some((pid, class)) = self.mixed(&dir, c) else {
-            return plan;
-        };
-        if self.warned.insert(format!("mixed:{}", dir.display())) {
-            if pid == 0 {
-                warn!(cgroup = %dir.display(), "Cannot read the members of the offline cgroup and the cgroups beneath it: stopping only the offline processes, one by one");
-            } else {
-                warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup (or one beneath it) also holds a process that is not offline: stopping only the offline processes, one by one");
-            }
-        }
-        Plan::Signal(alone)
-    }
-
-    /// Classifies `pid`; `None` when it is not visible in `/proc` (exited).
-    fn classify(&mut self, pid: u32, generation: u64, now: u64, c: &Classifier) -> Option<Entry> {
-        let info = match c.procfs.read_proc(pid) {
-            Ok(i) => i,
-            Err(err) => {
-                self.invisible.entry(pid).or_insert(now);
-                tracing::debug!(pid, %err, "GPU process not in /proc (exited): ignored");
-                return None;
-            }
-        };
-        self.invisible.remove(&pid);
-        let mut cls = c.source.classify(&info);
-        let mut plan = None;
-        let pin = c.procfs.open_pidfd(info.key).map(Arc::new);
-        if cls.class.is_suspendable() {
-            match &pin {
-                Ok(fd) => {
-                    let (p, why) = c.chooser.choose(&info, &cls, fd.clone());
-                    if let Some(why) = why {
-                        if self.warned.insert(format!("fallback:{}", cls.owner)) {
-                            warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
-                        }
-                    }
-                    let alone = Target::Process {
-                        key: info.key,
-                        pidfd: fd.clone(),
-                    };
-                    plan = Some(self.unmixed(p, alone, c));
-                }
-                Err(err) => {
-                    // Without a pidfd we cannot be sure whom we would signal: leave it be,
-                    // as a system process (never suspended, and not online demand: it is
-                    // offline work, it must not preempt other offline work).
-                    warn!(pid, %err, "Cannot pin offline process (pidfd): never suspended, treated as system");
-                    cls.class = Class::System;
-                }
-            }
-        }
-        info!(
-            pid,
-            class = %cls.class,
-            owner = %cls.owner,
-            actuator = plan.as_ref().map(|p| p.kind().as_str()).unwrap_or("-"),
-            cmd = %truncate(&info.cmdline, 120),
-            "Classified GPU process"
-        );
-        if cls.class == Class::Unmanaged {
-            metrics::counter!("coloc_unmanaged_processes_total").increment(1);
-        }
-        let pod_uid = info
-            .cgroups
-            .paths()
-            .find_map(crate::edges::source::podref::parse)
-            .map(|p| p.uid);
-        Some(Entry {
-            key: info.key,
-            cls,
-            cmd: truncate(&info.cmdline, 200),
-            gpus: BTreeSet::new(),
-            last_active: BTreeMap::new(),
-            last_sampled: BTreeMap::new(),
-            nvml_seen: BTreeMap::new(),
-            onset: BTreeMap::new(),
-            uid: info.uid,
-            pod_uid,
-            ns_pid: info.ns_pid,
-            rung: false,
-            plan,
-            pin: pin.ok(),
-            generation,
-        })
+    /// How many of `gpu`'s processes `suspended` says are suspended.
+    pub fn suspended_on(&self, gpu: u32, suspended: impl Fn(&ProcKey) -> bool) -> usize {
+        self.procs
+            .values()
+            .filter(|e| e.gpus.contains(&gpu) && suspended(&e.key))
+            .count()
     }
 }
 

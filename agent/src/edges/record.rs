@@ -25,6 +25,17 @@ pub trait RecordStore: Send {
     fn add(&mut self, es: &[RecordEntry]) -> Result<()>;
     /// Removes entries and persists (call after resuming them).
     fn remove(&mut self, es: &[RecordEntry]) -> Result<()>;
+    /// Adds `add` and removes `remove` (disjoint), persisting once where the store can;
+    /// on error, what is persisted is the record before the call or after `add` alone.
+    fn update(&mut self, add: &[RecordEntry], remove: &[RecordEntry]) -> Result<()> {
+        if !add.is_empty() {
+            self.add(add)?;
+        }
+        if !remove.is_empty() {
+            self.remove(remove)?;
+        }
+        Ok(())
+    }
     /// Entries currently recorded.
     fn entries(&self) -> &BTreeSet<RecordEntry>;
 }
@@ -124,6 +135,19 @@ impl RecordStore for FileRecord {
             next.remove(e);
         }
         if next.len() != self.entries.len() {
+            write_file(&self.path, &next)?;
+            self.entries = next;
+        }
+        Ok(())
+    }
+
+    fn update(&mut self, add: &[RecordEntry], remove: &[RecordEntry]) -> Result<()> {
+        let mut next = self.entries.clone();
+        next.extend(add.iter().cloned());
+        for e in remove {
+            next.remove(e);
+        }
+        if next != self.entries {
             write_file(&self.path, &next)?;
             self.entries = next;
         }

@@ -48,10 +48,55 @@ fn kill9_then_restart_resumes_offline() {
         "{}",
         again.log_text()
     );
-    let record = std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap();
+    // It is offline work on a GPU still: the restarted agent writes it down again, ahead.
+    wait_for("recorded ahead by the restarted agent", SOON, || {
+        std::fs::read_to_string(agent.state_dir.join("suspended.json"))
+            .is_ok_and(|r| r.contains(&format!("\"pid\": {}", off.pid())))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", again.log_text()));
+}
+
+/// Record ahead: offline work is on disk before anything is stopped (a preemption waits
+/// for no write), so an agent killed at any moment — here, right as online work starts,
+/// while the stop may or may not have happened — leaves nothing that the next start does
+/// not resume.
+#[test]
+fn recorded_before_any_preemption_and_resumed_after_a_kill_at_any_moment() {
+    let sim = Sim::start(1, &[]);
+    let mut agent = Agent::start(&sim, AgentOpts::default());
+    let off = sim.spawn(&args(&offline_args("ahead")));
+    agent.wait_processes(1);
+    let record =
+        || std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap_or_default();
+    wait_for(
+        "recorded while running, before any preemption",
+        SOON,
+        || record().contains(&format!("\"pid\": {}", off.pid())),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    assert_ne!(off.state(), Some('T'), "stopped with no online work");
+    let online = sim.spawn(&["busy", "--ms", "300"]);
+    // Killed as soon as the agent could have acted, whether or not it has.
+    std::thread::sleep(Duration::from_millis(20));
+    agent.signal(libc::SIGKILL);
+    agent.wait();
+    drop(online);
+    let state_dir = agent.state_dir.clone();
+    let again = Agent::start(
+        &sim,
+        AgentOpts {
+            state_dir: Some(state_dir),
+            ..Default::default()
+        },
+    );
+    wait_for("offline running after the restart", SOON, || {
+        off.state() != Some('T')
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", again.log_text()));
     assert!(
-        !record.contains(&format!("\"pid\": {}", off.pid())),
-        "{record}"
+        again.log_text().contains("previous run left"),
+        "{}",
+        again.log_text()
     );
 }
 

@@ -193,7 +193,7 @@ fn recorded_as_frozen(agent: &Agent, cg: &TestCgroup) -> bool {
 
 fn freezer_cycle(cg: TestCgroup) {
     let sim = Sim::start(1, &[]);
-    let agent = freezer_agent(&sim, &cg);
+    let mut agent = freezer_agent(&sim, &cg);
     let off = sim.spawn_in_cgroup(&cg.dir, &args(&offline_args("frz")));
     wait_for("offline in cgroup", SOON, || cg.pids().contains(&off.pid())).unwrap();
     wait_for("agent sees offline", SOON, || {
@@ -210,10 +210,24 @@ fn freezer_cycle(cg: TestCgroup) {
             && cg.control_file() == if cg.version == "v2" { "1" } else { "FROZEN" }
             && recorded_as_frozen(&agent, &cg)
     };
+    // Written ahead: the cgroup is on disk before its first freeze, so the preemption
+    // waits for no write.
+    wait_for("the cgroup recorded ahead", SOON, || {
+        recorded_as_frozen(&agent, &cg)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
     preempt_release_cycle(&sim, &agent, off.pid(), frozen_here, "freezer");
     assert!(
+        recorded_as_frozen(&agent, &cg),
+        "the record let {} go while it could be frozen again",
+        cg.dir.display()
+    );
+    // The agent stops: everything is resumed, and the record emptied.
+    agent.signal(libc::SIGTERM);
+    agent.wait();
+    assert!(
         !recorded_as_frozen(&agent, &cg),
-        "the record still lists {} after the release",
+        "the record still lists {} after the agent stopped",
         cg.dir.display()
     );
 }

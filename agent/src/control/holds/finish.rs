@@ -5,10 +5,10 @@ use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Then, INLINE_BUDGET,
 };
+use crate::control::note::{FailWhy, Note};
 use crate::edges::actuator::{Kind, Op, RecordEntry, Target};
 use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
-use tracing::{debug, error, info};
 
 impl HoldBook {
     /// What the current holds (held or on their way) cover, as the record names it.
@@ -18,6 +18,21 @@ impl HoldBook {
             .chain(self.staged.values())
             .flat_map(|h| h.members.iter().map(Target::record))
             .collect()
+    }
+
+    /// Notes each member of an operation that failed.
+    fn note_failed(&mut self, op: Op, members: &[Target], p: &[Progress]) {
+        for (t, pr) in members.iter().zip(p) {
+            if let Progress::Failed(err) = pr {
+                self.notes.push(Note::ActFailed {
+                    op,
+                    target: t.to_string(),
+                    actuator: t.kind(),
+                    reason: err.reason(),
+                    error: err.to_string(),
+                });
+            }
+        }
     }
 
     /// A suspension failed: undo it (resume its members), drop the hold, and keep the
@@ -30,17 +45,16 @@ impl HoldBook {
         p: &[Progress],
     ) {
         self.failed.extend(hold.holders.iter().copied());
-        for (t, pr) in hold.members.iter().zip(p) {
-            if let Progress::Failed(err) = pr {
-                metrics::counter!("coloc_actuation_errors_total", "actuator" => t.kind().as_str(), "op" => "suspend", "reason" => err.reason()).increment(1);
-                error!(target = %t, %err, "Suspension failed: undoing it (fail open)");
-            }
-        }
+        self.note_failed(Op::Suspend, &hold.members, p);
         if reason == Failure::Timeout {
-            metrics::counter!("coloc_actuation_errors_total", "actuator" => hold.kind.as_str(), "op" => "suspend", "reason" => "timeout").increment(1);
-            error!(hold = ?key, timeout = ?self.confirm_timeout, "Suspension not confirmed in time: undoing it (fail open)");
+            self.notes.push(Note::TimedOut {
+                op: Op::Suspend,
+                hold: key.clone(),
+                actuator: hold.kind,
+                timeout: self.confirm_timeout,
+            });
         }
-        metrics::counter!("coloc_fail_open_total", "reason" => "actuation").increment(1);
+        self.notes.push(Note::FailedOpen(FailWhy::Actuation));
         self.pending.retain(|p| p.key != *key);
         self.start_resume(key.clone(), hold.kind, hold.members, false);
     }
@@ -57,10 +71,13 @@ impl HoldBook {
         // A target another hold still covers stays suspended: two gate holds whose
         // fallbacks freeze one cgroup (a job with a process per GPU) must not thaw it for
         // each other. The last hold that covers it resumes it.
+        // A gate is the exception: its record entry is the GPU's, but the gate keeper counts
+        // its holders per process, so each holder opens its own hold on it (the last one
+        // opens the gate).
         let still = self.covered();
         let members: Vec<Target> = members
             .into_iter()
-            .filter(|t| !still.contains(&t.record()))
+            .filter(|t| matches!(t, Target::Gate { .. }) || !still.contains(&t.record()))
             .collect();
         if members.is_empty() {
             if report {
@@ -105,6 +122,7 @@ impl HoldBook {
         match members_progress(&p) {
             None => self.pending.push(Pending::new(
                 key,
+                0,
                 Op::Resume,
                 kind,
                 pending_members(&members, &p),
@@ -135,15 +153,13 @@ impl HoldBook {
         outcome: &Outcome,
     ) {
         if let Outcome::Failed(_) = outcome {
-            for (t, pr) in members.iter().zip(p) {
-                if let Progress::Failed(err) = pr {
-                    metrics::counter!("coloc_actuation_errors_total", "actuator" => t.kind().as_str(), "op" => "resume", "reason" => err.reason()).increment(1);
-                    error!(target = %t, %err, "Resume failed; left in the record for the next start");
-                }
-            }
+            self.note_failed(Op::Resume, members, p);
             return;
         }
-        debug!(hold = ?key, ?outcome, "Resumed");
+        self.notes.push(Note::Resumed {
+            hold: key.clone(),
+            outcome: outcome.clone(),
+        });
         self.forget(members);
     }
 
@@ -176,12 +192,42 @@ impl HoldBook {
         self.now_ns = now;
         let mut started = Vec::new();
         let mut released = Vec::new();
+        // A hold still on its way to the record (its write has not landed) is cancelled:
+        // when the answer comes nothing is started for it.
+        let mut cancelled = Vec::new();
         for holder in holders {
+            for (key, h) in self.staged.iter_mut() {
+                if h.holders.remove(holder) && h.holders.is_empty() {
+                    started.push((*holder, key.clone()));
+                    cancelled.push(key.clone());
+                }
+            }
             for (key, h) in self.held.iter_mut() {
                 if h.holders.remove(holder) && h.holders.is_empty() {
                     started.push((*holder, key.clone()));
                     released.push(key.clone());
                 }
+            }
+        }
+        for key in cancelled {
+            let Some(hold) = self.staged.remove(&key) else {
+                continue;
+            };
+            self.to_record.retain(|k| *k != key);
+            self.to_start.retain(|k| *k != key);
+            self.forget(&hold.members);
+            for op in [Op::Suspend, Op::Resume] {
+                self.done.push(Completion {
+                    key: key.clone(),
+                    op,
+                    outcome: if op == Op::Suspend {
+                        Outcome::Skipped
+                    } else {
+                        Outcome::Done
+                    },
+                    kind: hold.kind,
+                    at_ns: now,
+                });
             }
         }
         for key in released {
@@ -254,10 +300,12 @@ impl HoldBook {
                     self.fail_suspension(&p.key, hold, *reason, &progress);
                 }
             }
-            (Op::Resume, Outcome::Failed(_)) => {
-                metrics::counter!("coloc_actuation_errors_total", "actuator" => p.kind.as_str(), "op" => "resume", "reason" => "timeout").increment(1);
-                error!(hold = ?p.key, "Resume not confirmed in time; left in the record for the next start");
-            }
+            (Op::Resume, Outcome::Failed(_)) => self.notes.push(Note::TimedOut {
+                op: Op::Resume,
+                hold: p.key.clone(),
+                actuator: p.kind,
+                timeout: self.confirm_timeout,
+            }),
             (Op::Resume, _) => self.forget(&p.all),
             (Op::Suspend, _) => {}
         }
@@ -272,20 +320,21 @@ impl HoldBook {
 
     /// Resumes every hold (fail-open, shutdown), the shell waiting up to
     /// `--confirm-timeout` for the confirmations. Returns how many holds are resumed.
-    pub fn release_all(&mut self, reason: &str) -> usize {
+    pub fn release_all(&mut self, reason: crate::control::ReleaseAll) -> usize {
         // A conversation cut short (a panic in the middle of one) is abandoned: what it
         // started is resumed with the rest, staged holds included.
         self.waiting.clear();
+        self.abandoned_below = self.next_req;
         self.out.clear();
         self.to_record.clear();
+        self.to_start.clear();
         if self.held.is_empty() && self.staged.is_empty() {
             return 0;
         }
-        info!(
+        self.notes.push(Note::ReleasingAll {
             reason,
-            count = self.held.len() + self.staged.len(),
-            "Resuming all suspended offline work"
-        );
+            count: self.held.len() + self.staged.len(),
+        });
         let mut all = std::mem::take(&mut self.held);
         all.append(&mut self.staged);
         let holds: Vec<(HoldKey, Vec<Target>)> =

@@ -11,10 +11,10 @@ use super::{
     members_progress, pending_members, Completion, Escalation, Failure, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Then,
 };
+use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
 use crate::edges::actuator::{Kind, Op, Target};
 use crate::edges::procfs::ProcKey;
-use tracing::{debug, error, warn};
 
 impl HoldBook {
     /// The gate holds waiting for their drain: (process, GPU UUID) whose pages' acknowledgements
@@ -64,12 +64,17 @@ impl HoldBook {
         // The gate is not waited for any more: only the fallback's members are.
         p.members.clear();
         if why == Escalation::Drained {
-            debug!(hold = ?p.key, fallback = fallback.kind().as_str(), "Launch gate drained: holding the process with its fallback");
+            self.notes.push(Note::GateDrained {
+                hold: p.key.clone(),
+                fallback: fallback.kind(),
+            });
         } else {
-            let gates: Vec<String> = p.all.iter().map(Target::to_string).collect();
-            metrics::counter!("coloc_gate_escalations_total").increment(1);
-            warn!(?gates, fallback = fallback.kind().as_str(), timeout = ?self.gate_timeout, why = why.as_str(),
-                "Launch gate did not drain the process: stopping it with its fallback");
+            self.notes.push(Note::GateEscalated {
+                gates: p.all.iter().map(Target::to_string).collect(),
+                fallback: fallback.kind(),
+                timeout: self.gate_timeout,
+                why,
+            });
         }
         match &fallback {
             Plan::SignalCgroup { dir, leader, .. } => {
@@ -104,6 +109,12 @@ impl HoldBook {
         ok: bool,
         now: u64,
     ) {
+        if !self.current(&p.key, p.serial) {
+            // Released while the fallback's record was being written: nothing to stop,
+            // and out of the record again.
+            self.forget(&members);
+            return;
+        }
         if ok {
             let targets = members.clone();
             self.ask(Then::StartedFallback(p, fallback, members), |req| {
@@ -118,8 +129,8 @@ impl HoldBook {
         }
         // A gate holds nothing by itself: without its fallback the process is not held.
         // Fail open (the gate opens with the undo); the holder is retried.
-        error!("Cannot record the fallback suspension: not suspending (fail open)");
-        metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
+        self.notes.push(Note::FallbackNotRecorded);
+        self.notes.push(Note::FailedOpen(FailWhy::Record));
         let Some(hold) = self.held.remove(&p.key) else {
             return;
         };

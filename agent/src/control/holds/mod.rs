@@ -2,7 +2,7 @@
 //! suspended before the record holds it on disk.
 //!
 //! The book does no I/O. It asks for what it needs as commands ([`HoldCmd`]) and is told
-//! what came of them ([`HoldObs`]); the loop's shell ([`crate::control::hands`]) performs
+//! what came of them ([`HoldObs`]); the loop's shell ([`crate::control::shell::hands`]) performs
 //! the commands in order and feeds the results back until the book asks for nothing more.
 //! Record before act is the order of the conversation: a suspension's `Start` is only asked
 //! for after the `Recorded` answer to its `RecordAdd` said the record holds it.
@@ -23,17 +23,19 @@
 
 mod finish;
 mod gate;
+mod pending;
 mod recheck;
 mod suspend;
+mod talk;
 
 pub use recheck::Broken;
 
+use crate::control::note::Note;
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
-use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry, Target};
+use crate::edges::actuator::{Kind, Progress, RecordEntry, Target};
 use crate::edges::procfs::ProcKey;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::time::Duration;
 
 /// How long an actuation is waited for inline: none. The actuator issues the operation
@@ -53,191 +55,14 @@ pub const CHECK_MAX_NS: u64 = 1_000_000;
 /// K = 4 and 2 ms kernels on the simulated GPU (7.6 ms). Real drains are unmeasured.
 pub const DEFAULT_GATE_TIMEOUT: Duration = Duration::from_millis(50);
 
-/// Why an operation failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Failure {
-    /// The record could not be written: nothing was suspended.
-    Record,
-    /// Not confirmed within `--confirm-timeout`.
-    Timeout,
-    /// A cgroup control file could not be written.
-    CgroupWrite,
-    /// A signal could not be sent.
-    Signal,
-    /// The launch gate could not close (no slot for the GPU, or not this agent's file).
-    NoGate,
-}
-
-impl Failure {
-    /// Metric and log label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Failure::Record => "record",
-            Failure::Timeout => "timeout",
-            Failure::CgroupWrite => "cgroup_write",
-            Failure::Signal => "signal",
-            Failure::NoGate => "no_gate",
-        }
-    }
-
-    /// The failure an actuator's error means.
-    pub fn of(e: &ActError) -> Failure {
-        match e {
-            ActError::Write { .. } => Failure::CgroupWrite,
-            ActError::Signal { .. } => Failure::Signal,
-            ActError::Timeout { .. } => Failure::Timeout,
-            ActError::NoGate(_) => Failure::NoGate,
-        }
-    }
-}
-
-/// Why a gate hold goes to its fallback.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Escalation {
-    /// The process acknowledged the close: its work in flight drained.
-    Drained,
-    /// No acknowledgement within `--gate-timeout`.
-    Timeout,
-    /// The gate could not close.
-    CannotClose,
-}
-
-impl Escalation {
-    /// Log label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Escalation::Drained => "drained",
-            Escalation::Timeout => "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)",
-            Escalation::CannotClose => "the gate cannot close",
-        }
-    }
-}
-
-/// How a hold's operation ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// Confirmed.
-    Done,
-    /// The targets are gone.
-    Gone,
-    /// Not acted on (dry run), or abandoned (a resume overtook a pending suspension).
-    Skipped,
-    /// Failed.
-    Failed(Failure),
-}
-
-/// A hold finished an operation.
-#[derive(Debug, Clone)]
-pub struct Completion {
-    /// The hold.
-    pub key: HoldKey,
-    /// Suspend or resume.
-    pub op: Op,
-    /// How it ended.
-    pub outcome: Outcome,
-    /// The actuator its members use.
-    pub kind: Kind,
-    /// When it was confirmed (or ended), ns.
-    pub at_ns: u64,
-}
-
-/// Names a command whose answer the book waits for.
-pub type Req = u64;
-
-/// What the book asks the shell to do, in this order.
-#[derive(Debug, Clone)]
-pub enum HoldCmd {
-    /// List the processes of signalled cgroup `dir` now, `leader` first, each pinned by a
-    /// pidfd, the agent excluded. Answered by [`HoldObs::Members`].
-    Members {
-        /// The request.
-        req: Req,
-        /// The cgroup directory.
-        dir: PathBuf,
-        /// The GPU process itself.
-        leader: Target,
-    },
-    /// Add entries to the fail-open record (on disk before the answer). Answered by
-    /// [`HoldObs::Recorded`].
-    RecordAdd {
-        /// The request.
-        req: Req,
-        /// What to add.
-        entries: Vec<RecordEntry>,
-    },
-    /// Remove entries from the record (no answer: a failure is logged, and the entries
-    /// are resumed again at the next start).
-    RecordRemove {
-        /// What to remove.
-        entries: Vec<RecordEntry>,
-    },
-    /// Start `op` on targets, waiting up to `budget`. Answered by [`HoldObs::Progress`].
-    Start {
-        /// The request.
-        req: Req,
-        /// Suspend or resume.
-        op: Op,
-        /// The targets.
-        targets: Vec<Target>,
-        /// How long to wait for confirmations.
-        budget: Duration,
-    },
-    /// Close a GPU's launch gate for a process (a [`Target::Gate`]). Answered by
-    /// [`HoldObs::GateClosed`].
-    CloseGate {
-        /// The request.
-        req: Req,
-        /// The gate.
-        gate: Target,
-    },
-    /// Look once whether targets are in the state of `op`. Answered by
-    /// [`HoldObs::Progress`].
-    Check {
-        /// The request.
-        req: Req,
-        /// The state looked for.
-        op: Op,
-        /// The targets.
-        targets: Vec<Target>,
-    },
-}
-
-/// What came of a command.
-#[derive(Debug)]
-pub enum HoldObs {
-    /// A cgroup's processes (the leader first).
-    Members {
-        /// The request.
-        req: Req,
-        /// The processes.
-        members: Vec<Target>,
-    },
-    /// Whether the record holds the entries now.
-    Recorded {
-        /// The request.
-        req: Req,
-        /// It does.
-        ok: bool,
-    },
-    /// The gate closed at this epoch (`None`: it could not close).
-    GateClosed {
-        /// The request.
-        req: Req,
-        /// The close's epoch, which the process's acknowledgement must equal.
-        epoch: Option<u32>,
-    },
-    /// Where each target stands, in the command's order.
-    Progress {
-        /// The request.
-        req: Req,
-        /// Per target.
-        progress: Vec<Progress>,
-        /// When the shell looked, ns.
-        at_ns: u64,
-    },
-}
+use pending::Pending;
+use pending::{members_progress, pending_members};
+pub use talk::{Completion, Escalation, Failure, HoldCmd, HoldObs, Outcome, Req};
 
 struct Hold {
+    /// Tells this hold from an earlier one on the same key (an answer that comes after a
+    /// release belongs to the hold it was asked for).
+    serial: u64,
     members: Vec<Target>,
     holders: BTreeSet<ProcKey>,
     kind: Kind,
@@ -251,50 +76,6 @@ struct Hold {
     checked_ns: u64,
     /// Times a member was found running while held.
     breaks: u32,
-}
-
-struct Pending {
-    key: HoldKey,
-    op: Op,
-    kind: Kind,
-    /// Members not confirmed yet.
-    members: Vec<Target>,
-    /// All members of the operation (what leaves the record when a resume completes).
-    all: Vec<Target>,
-    deadline_ns: u64,
-    /// When it is checked next, and the gap after that, ns.
-    next_check_ns: u64,
-    gap_ns: u64,
-    /// While set, a gate close waits for its acknowledgement (the drain), and escalates to
-    /// the hold's fallback when it comes or at this time, ns.
-    escalate_ns: Option<u64>,
-    /// The gate drained before the fallback started (the completion says `gate`).
-    drained: bool,
-}
-
-impl Pending {
-    fn new(
-        key: HoldKey,
-        op: Op,
-        kind: Kind,
-        members: Vec<Target>,
-        all: Vec<Target>,
-        now: u64,
-        timeout: Duration,
-    ) -> Pending {
-        Pending {
-            key,
-            op,
-            kind,
-            members,
-            all,
-            deadline_ns: now + timeout.as_nanos() as u64,
-            next_check_ns: now + CHECK_FIRST_NS,
-            gap_ns: CHECK_FIRST_NS,
-            escalate_ns: None,
-            drained: false,
-        }
-    }
 }
 
 /// What the book does with the answer to a request.
@@ -351,8 +132,10 @@ pub struct HoldBook {
     held: BTreeMap<HoldKey, Hold>,
     /// Fresh holds on their way to the record and the actuator.
     staged: BTreeMap<HoldKey, Hold>,
-    /// Fresh holds whose members are known, recorded together at the end of the step.
+    /// Fresh holds whose members are known, recorded at the end of the step.
     to_record: Vec<HoldKey>,
+    /// Fresh holds recorded, started together at the end of the step.
+    to_start: Vec<HoldKey>,
     pending: Vec<Pending>,
     /// Holders whose suspension failed (it was undone, or never started because the
     /// record could not be written): the loop retries them.
@@ -375,8 +158,14 @@ pub struct HoldBook {
     /// The time of the latest call, ns.
     now_ns: u64,
     next_req: Req,
+    /// Answers to requests below this one that are no longer waited for are dropped (a
+    /// record write that lands after everything was released).
+    abandoned_below: Req,
+    next_serial: u64,
     waiting: BTreeMap<Req, Then>,
     out: Vec<HoldCmd>,
+    /// What the book has to say (logs, counters), for the shell.
+    notes: Vec<Note>,
 }
 
 impl std::fmt::Debug for HoldBook {
@@ -389,32 +178,6 @@ impl std::fmt::Debug for HoldBook {
     }
 }
 
-/// How a batch of targets ended, if it did (`None`: some are still pending).
-pub(super) fn members_progress(p: &[Progress]) -> Option<Outcome> {
-    if let Some(Progress::Failed(e)) = p.iter().find(|p| matches!(p, Progress::Failed(_))) {
-        return Some(Outcome::Failed(Failure::of(e)));
-    }
-    if p.iter().any(|p| matches!(p, Progress::Pending)) {
-        return None;
-    }
-    Some(if p.iter().any(|p| matches!(p, Progress::Done)) {
-        Outcome::Done
-    } else if p.iter().all(|p| matches!(p, Progress::Skipped)) {
-        Outcome::Skipped
-    } else {
-        Outcome::Gone
-    })
-}
-
-pub(super) fn pending_members(members: &[Target], p: &[Progress]) -> Vec<Target> {
-    members
-        .iter()
-        .zip(p)
-        .filter(|(_, p)| matches!(p, Progress::Pending))
-        .map(|(t, _)| t.clone())
-        .collect()
-}
-
 impl HoldBook {
     /// An empty book.
     pub fn new(confirm_timeout: Duration) -> HoldBook {
@@ -422,6 +185,7 @@ impl HoldBook {
             held: BTreeMap::new(),
             staged: BTreeMap::new(),
             to_record: Vec::new(),
+            to_start: Vec::new(),
             pending: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
@@ -434,8 +198,11 @@ impl HoldBook {
             gate_timeout: DEFAULT_GATE_TIMEOUT,
             now_ns: 0,
             next_req: 1,
+            abandoned_below: 0,
+            next_serial: 1,
             waiting: BTreeMap::new(),
             out: Vec::new(),
+            notes: Vec::new(),
         }
     }
 
@@ -452,9 +219,30 @@ impl HoldBook {
         std::mem::take(&mut self.out)
     }
 
+    /// Some command waits to be taken.
+    pub fn has_commands(&self) -> bool {
+        !self.out.is_empty()
+    }
+
     /// Some answer is still awaited.
     pub fn waiting(&self) -> bool {
         !self.waiting.is_empty()
+    }
+
+    /// What the book has to say since the last call, in order.
+    pub fn take_notes(&mut self) -> Vec<Note> {
+        std::mem::take(&mut self.notes)
+    }
+
+    /// A serial for a new hold.
+    fn serial(&mut self) -> u64 {
+        self.next_serial += 1;
+        self.next_serial
+    }
+
+    /// Whether `serial` is the current hold on `key`.
+    fn current(&self, key: &HoldKey, serial: u64) -> bool {
+        self.held.get(key).is_some_and(|h| h.serial == serial)
     }
 
     /// Operations that ended since the last call.
@@ -506,6 +294,13 @@ impl HoldBook {
             .min()
     }
 
+    /// Whether some hold has a launch gate closed.
+    pub fn gates_closed(&self) -> bool {
+        self.held
+            .values()
+            .any(|h| h.members.iter().any(|t| matches!(t, Target::Gate { .. })))
+    }
+
     /// Whether `holder` holds some suspension.
     pub fn holds(&self, holder: &ProcKey) -> bool {
         self.held
@@ -520,9 +315,11 @@ impl HoldBook {
         self.held.clear();
         self.staged.clear();
         self.to_record.clear();
+        self.to_start.clear();
         self.pending.clear();
         self.forgotten.clear();
         self.waiting.clear();
+        self.abandoned_below = self.next_req;
         self.out.clear();
     }
 
@@ -537,7 +334,7 @@ impl HoldBook {
                 | HoldObs::Progress { req, .. } => *req,
             };
             let Some(then) = self.waiting.remove(&req) else {
-                debug_assert!(false, "an answer to no request: {o:?}");
+                debug_assert!(req < self.abandoned_below, "an answer to no request: {o:?}");
                 continue;
             };
             match (then, o) {
@@ -610,6 +407,7 @@ impl HoldBook {
             }
         }
         self.record_staged();
+        self.start_recorded();
         self.flush_forgotten();
     }
 }

@@ -16,9 +16,9 @@
 //! still frozen within a few intervals.
 
 use super::{HoldBook, HoldCmd, HoldKey, Progress, Then, INLINE_BUDGET};
+use crate::control::note::Note;
 use crate::edges::actuator::{Kind, Op, Target};
 use crate::edges::procfs::ProcKey;
-use tracing::error;
 
 /// How often a hold that never broke is checked, by default.
 pub const RECHECK_NS: u64 = 10_000_000;
@@ -140,7 +140,7 @@ impl HoldBook {
 
     pub(super) fn recorded_escalation(&mut self, key: HoldKey, cg: Target, b: Broken, ok: bool) {
         if !ok {
-            error!("Cannot record the freezer escalation: not escalating");
+            self.notes.push(Note::EscalationNotRecorded);
             self.broken.push(b);
             return;
         }
@@ -210,17 +210,15 @@ impl HoldBook {
             return;
         };
         if !ok {
-            error!(
-                processes = newcomers.len(),
-                "Cannot record processes that joined a held cgroup: not stopping them"
-            );
+            self.notes.push(Note::NewcomersNotRecorded {
+                processes: newcomers.len(),
+            });
             return;
         }
-        tracing::info!(
-            hold = ?key,
-            processes = newcomers.len(),
-            "Processes joined a held cgroup: stopping them too"
-        );
+        self.notes.push(Note::NewcomersStopped {
+            hold: key.clone(),
+            processes: newcomers.len(),
+        });
         hold.members.extend(newcomers.iter().cloned());
         self.ask(Then::Restopped, |req| HoldCmd::Start {
             req,

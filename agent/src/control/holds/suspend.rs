@@ -4,11 +4,11 @@ use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Started, Then, INLINE_BUDGET,
 };
+use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
 use crate::edges::actuator::{Op, RecordEntry, Target};
 use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
-use tracing::error;
 
 impl HoldBook {
     /// Suspends on behalf of `reqs` (holder, plan) at `now`: asks for the members of
@@ -30,6 +30,7 @@ impl HoldBook {
                 continue;
             }
             let hold = Hold {
+                serial: self.serial(),
                 members: Vec::new(),
                 holders: BTreeSet::from([*holder]),
                 kind: plan.kind(),
@@ -69,31 +70,29 @@ impl HoldBook {
         out
     }
 
-    /// Asks the record to hold every fresh hold whose members are known, in one write.
+    /// Asks the record to hold every fresh hold whose members are known, one request per
+    /// hold: a hold whose entries are on disk already is answered at once and does not
+    /// wait for another's write (the record book makes one write of whatever is missing).
     pub(super) fn record_staged(&mut self) {
-        if self.to_record.is_empty() {
-            return;
+        for key in std::mem::take(&mut self.to_record) {
+            let Some(h) = self.staged.get(&key) else {
+                continue;
+            };
+            let entries: Vec<RecordEntry> = h.members.iter().map(Target::record).collect();
+            self.ask(Then::RecordedFresh(vec![key]), |req| HoldCmd::RecordAdd {
+                req,
+                entries,
+            });
         }
-        let keys = std::mem::take(&mut self.to_record);
-        let entries: Vec<RecordEntry> = keys
-            .iter()
-            .filter_map(|k| self.staged.get(k))
-            .flat_map(|h| h.members.iter().map(Target::record))
-            .collect();
-        self.ask(Then::RecordedFresh(keys), |req| HoldCmd::RecordAdd {
-            req,
-            entries,
-        });
     }
 
     /// The record answered for fresh holds: start suspending them, or fail them all.
     pub(super) fn recorded_fresh(&mut self, keys: Vec<HoldKey>, ok: bool, now: u64) {
         if !ok {
-            error!(
-                targets = keys.len(),
-                "Cannot write the suspension record: not suspending (fail open)"
-            );
-            metrics::counter!("coloc_fail_open_total", "reason" => "record").increment(1);
+            self.notes.push(Note::NotRecorded {
+                targets: keys.len(),
+            });
+            self.notes.push(Note::FailedOpen(FailWhy::Record));
             for key in keys {
                 if let Some(h) = self.staged.remove(&key) {
                     self.failed.extend(h.holders.iter().copied());
@@ -108,9 +107,15 @@ impl HoldBook {
             }
             return;
         }
+        self.to_start.extend(keys);
+    }
+
+    /// Starts suspending the fresh holds recorded since the last call: gates are closed,
+    /// the rest started in one batch.
+    pub(super) fn start_recorded(&mut self) {
         let mut counts = Vec::new();
         let mut targets = Vec::new();
-        for key in keys {
+        for key in std::mem::take(&mut self.to_start) {
             let Some(h) = self.staged.get(&key) else {
                 continue;
             };
@@ -155,6 +160,7 @@ impl HoldBook {
                 None => {
                     let mut pending = Pending::new(
                         key.clone(),
+                        hold.serial,
                         Op::Suspend,
                         hold.kind,
                         pending_members(&hold.members, &p),
@@ -173,6 +179,7 @@ impl HoldBook {
                     // than it holds): the fallback at once, not a failure and a retry.
                     let pending = Pending::new(
                         key.clone(),
+                        hold.serial,
                         Op::Suspend,
                         hold.kind,
                         Vec::new(),
@@ -218,6 +225,7 @@ impl HoldBook {
         hold.epoch = epoch;
         let mut pending = Pending::new(
             key.clone(),
+            hold.serial,
             Op::Suspend,
             hold.kind,
             hold.members.clone(),

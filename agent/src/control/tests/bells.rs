@@ -251,14 +251,14 @@ fn launches_nvml_never_corroborates_stop_counting_after_the_trust_window() {
         d[0].nvml_seen_ns.is_none() && d[0].claimed_s >= 1.0,
         "{d:?}"
     );
-    let listed = h.lp.bells.distrusted();
+    let listed = h.lp.ctl.rooms.seeing.bells.distrusted();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].owner, "pid:20");
     // Still distrusted, however it rings, until the driver shows it at work.
     distrusted_until_seen(&mut h, 1, 20);
     let d = distrusts(&h);
     assert!(d.last().is_some_and(|d| d.restored), "{d:?}");
-    assert!(h.lp.bells.distrusted().is_empty());
+    assert!(h.lp.ctl.rooms.seeing.bells.distrusted().is_empty());
 }
 
 /// Real work keeps its page trusted: continuous launches with the driver showing the
@@ -283,7 +283,12 @@ fn corroborated_or_interrupted_claims_stay_trusted() {
                 "corroborated work released at {} ms: {:?} {:?}",
                 (now - t0) / MS,
                 distrusts(&h),
-                h.lp.table.by_pid(20).map(|e| e.nvml_seen.clone())
+                h.lp.ctl
+                    .rooms
+                    .seeing
+                    .table
+                    .by_pid(20)
+                    .map(|e| e.nvml_seen.clone())
             );
         }
     }
@@ -329,7 +334,10 @@ fn distrust_stays_with_the_pod_across_its_processes() {
         h.tick();
     }
     assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
-    assert_eq!(h.lp.bells.distrusted()[0].owner, format!("pod:{uid}"));
+    assert_eq!(
+        h.lp.ctl.rooms.seeing.bells.distrusted()[0].owner,
+        format!("pod:{uid}")
+    );
     // Another process of the pod, another page: still nothing counts, until any of its
     // processes is seen at work by the driver.
     h.bells.page(2, Owner::Pod(uid.into()), 0);

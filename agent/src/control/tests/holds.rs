@@ -144,6 +144,6 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
         last.targets.contains(&cg) && last.targets.contains(&me),
         "{last:?}"
     );
-    assert!(h.rec.disk.lock().unwrap().is_empty());
+    assert_eq!(h.recorded_beyond_ahead(), vec![]);
     std::fs::remove_dir_all(root).ok();
 }

@@ -87,8 +87,8 @@ struct World {
     nvml_failed_at: BTreeMap<u32, u64>,
     /// The latest time the record could not be written.
     record_failed_at: Option<u64>,
-    /// Busy samples given on this tick, per GPU (checked after the tick).
-    busy_now: BTreeSet<u32>,
+    /// Busy samples given on this tick: GPU → when each busy process started.
+    busy_now: BTreeMap<u32, Vec<u64>>,
     grace: u64,
 }
 
@@ -112,7 +112,7 @@ impl World {
             nvml_failing: BTreeMap::new(),
             nvml_failed_at: BTreeMap::new(),
             record_failed_at: None,
-            busy_now: BTreeSet::new(),
+            busy_now: BTreeMap::new(),
             grace,
         }
     }
@@ -186,7 +186,7 @@ impl World {
                     let now = self.h.now();
                     self.h.gpu.sample(p.gpu, p.key.pid, now);
                     self.last_busy.insert(p.gpu, now);
-                    self.busy_now.insert(p.gpu);
+                    self.busy_now.entry(p.gpu).or_default().push(p.born);
                     self.tick()?;
                 }
             }
@@ -312,10 +312,10 @@ impl World {
             let can_fail = self.h.act.fail.lock().unwrap().contains(&entry(p.key));
             let known = |born: u64| at >= born + 60 * MS;
             let online_known = self
-                .procs
-                .values()
-                .any(|o| o.online && o.gpu == g && known(o.born));
-            if self.busy_now.contains(&g)
+                .busy_now
+                .get(&g)
+                .is_some_and(|b| b.iter().any(|b| known(*b)));
+            if self.busy_now.contains_key(&g)
                 && healthy
                 && record_ok
                 && !can_fail

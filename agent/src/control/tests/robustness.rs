@@ -36,7 +36,7 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
     h.tick();
     assert!(gate_closed(&path, 0), "online busy: the gate closed");
     assert!(
-        !h.lp.tracker.is_empty(),
+        !h.lp.ctl.rooms.tracker.is_empty(),
         "the preemption waits for its hold"
     );
     // What the watchdog does while the loop is stuck in NVML, then what the loop does
@@ -45,14 +45,15 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
     let n = h.lp.hands().resume_everything(budget);
     assert_eq!(n, 1);
     let now = h.now();
-    h.lp.after_watchdog(now);
+    let _ = now;
+    h.lp.tell(crate::control::io::Obs::WatchdogTripped);
     assert!(!gate_closed(&path, 0), "the watchdog opened the gate");
     // Online stays idle from now on: nothing more happens on this GPU.
     h.ticks(500);
     assert!(
-        h.lp.tracker.is_empty(),
+        h.lp.ctl.rooms.tracker.is_empty(),
         "an event still waits for a hold the book forgot ({:?}); next_wait = {:?} forever",
-        h.lp.tracker,
+        h.lp.ctl.rooms.tracker,
         h.lp.next_wait(h.now())
     );
     std::fs::remove_dir_all(path.parent().unwrap()).ok();
@@ -220,8 +221,8 @@ impl Actuator for NoResume {
 /// stopped, in the record, and nothing in this agent tries it again (only a restart).
 #[test]
 fn a_failed_watchdog_resume_is_not_forgotten() {
-    use crate::control::hands::Hands;
-    use crate::control::holds::{HoldCmd, HoldObs};
+    use crate::control::holds::HoldCmd;
+    use crate::control::shell::hands::Hands;
     let procs = FakeProc::default();
     let key = procs.add(10, 110, "train", "/w");
     let rec = FakeRecord::default();
@@ -232,7 +233,6 @@ fn a_failed_watchdog_resume_is_not_forgotten() {
     };
     let mut hands = Hands::new(
         Box::new(NoResume(act)),
-        Box::new(rec.clone()),
         Arc::new(procs.clone()),
         Arc::new(clock),
         None,
@@ -242,19 +242,14 @@ fn a_failed_watchdog_resume_is_not_forgotten() {
         key,
         pidfd: Arc::new(fd),
     };
-    let obs = hands.perform(vec![
-        HoldCmd::RecordAdd {
-            req: 1,
-            entries: vec![t.record()],
-        },
-        HoldCmd::Start {
-            req: 2,
-            op: Op::Suspend,
-            targets: vec![t.clone()],
-            budget: Duration::ZERO,
-        },
-    ]);
-    assert!(matches!(obs[0], HoldObs::Recorded { ok: true, .. }));
+    let mut rec = rec;
+    crate::edges::record::RecordStore::add(&mut rec, &[t.record()]).unwrap();
+    hands.perform(HoldCmd::Start {
+        req: 2,
+        op: Op::Suspend,
+        targets: vec![t.clone()],
+        budget: Duration::ZERO,
+    });
     // The watchdog trips: the resume fails.
     assert_eq!(hands.resume_everything(Duration::from_millis(10)), 1);
     assert!(
@@ -314,7 +309,9 @@ fn a_panic_in_the_hands_resumes_what_was_stopped() {
         bells: Box::new(bells.clone()),
         gates: None,
     };
-    let mut lp = Loop::new(default_config(), edges, Arc::new(Shared::default())).unwrap();
+    let mut cfg = default_config();
+    cfg.record_off_loop = false;
+    let mut lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
     for (pid, c) in [(10, Class::Offline), (20, Class::Online)] {
         procs.add(pid, 100 + pid as u64, "work", "/w");
         gpu.add(0, pid);

@@ -299,11 +299,14 @@ pub struct FakeRecord {
     pub broken: Arc<AtomicBool>,
     /// When set, this many more `add`s succeed, and the ones after fail.
     pub adds_left: Arc<Mutex<Option<usize>>>,
+    /// How long each write takes (a slow state directory).
+    pub delay: Arc<Mutex<Duration>>,
     mem: BTreeSet<RecordEntry>,
 }
 
 impl RecordStore for FakeRecord {
     fn add(&mut self, es: &[RecordEntry]) -> anyhow::Result<()> {
+        std::thread::sleep(*self.delay.lock().unwrap());
         if self.broken.load(Ordering::SeqCst) {
             anyhow::bail!("state directory not writable (fake)");
         }

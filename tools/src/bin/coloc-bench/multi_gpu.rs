@@ -42,13 +42,16 @@ pub struct Opts {
     /// thread creates and removes files there in a loop for the whole run (a tenant
     /// flooding its own directory); 0: none.
     pub flood: usize,
+    /// `--state-dir DIR`: the agent's state directory (a slow disk, to measure what its
+    /// record costs); default: a fresh one under /dev/shm.
+    pub state_dir: Option<PathBuf>,
 }
 
 pub const USAGE: &str = "\
 coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
             [--actuator signal|freezer] [--step-ms 2] [--burst-ms 5-20]
             [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR] [--doorbell]
-            [--flood N]
+            [--flood N] [--state-dir DIR]
     Agent cost on a busy node: GPUS simulated GPUs (1 ms sample period), OFFLINE-PER-GPU
     offline processes per GPU (continuous STEP-MS steps; with the freezer actuator each
     GPU's offline processes share one cgroup, declared offline by a rules `cgroup`
@@ -64,7 +67,9 @@ coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
     --flood N (with --doorbell): a pod directory under the agent's doorbell directory
     holds N files named like pages that are not, and a thread creates and removes files
     there in a loop for the whole run: what a tenant flooding its own directory costs the
-    others.";
+    others.
+    --state-dir DIR: the agent's state directory (its fail-open record), e.g. on a disk
+    whose fdatasync is slow (benches/slow-dir.py mounts one).";
 
 fn opt<'a>(args: &'a [String], k: &str) -> Option<&'a str> {
     args.iter()
@@ -113,6 +118,7 @@ impl Opts {
             keep_logs: opt(args, "--keep-logs").map(PathBuf::from),
             doorbell: args.iter().any(|a| a == "--doorbell"),
             flood: num(args, "--flood", 0),
+            state_dir: opt(args, "--state-dir").map(PathBuf::from),
         }
     }
 }
@@ -288,7 +294,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
             actuator: &o.actuator,
             extra: agent_args.clone(),
             env,
-            ..Default::default()
+            state_dir: o.state_dir.clone(),
         },
     );
     let pid = agent.child.as_ref().unwrap().id();
@@ -527,6 +533,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "online": online,
         "loadavg_before": load_before, "loadavg_after": load_after,
     });
+    r["state_dir"] = serde_json::json!(o.state_dir.as_ref().map(|d| d.display().to_string()));
     r["doorbell"] = serde_json::json!(o.doorbell);
     r["flood_files"] = serde_json::json!(o.flood);
     r["flood_rewrites"] = serde_json::json!(flood_rewrites);

@@ -1,33 +1,31 @@
 //! The shell's hands: the edges that the hold book's commands go through (the actuator,
-//! the record, the launch gates, `/proc` for a signalled cgroup's members), performed in
-//! the order asked. A resume of a gate hold resumes its fallback first and opens the gate
-//! last.
+//! the launch gates, `/proc` for a signalled cgroup's members), performed in the order
+//! asked. A resume of a gate hold resumes its fallback first and opens the gate last. The
+//! record is not theirs: the controller's record book asks the shell's scribe for it.
 //!
 //! Shared with the NVML watchdog, which resumes everything through them while the loop is
 //! stuck in a driver call: the hands keep a ledger of every target they suspended that is
-//! still in the record, so that resuming needs nothing from the book.
+//! not confirmed resumed, so that resuming needs nothing from the book.
 //!
-//! May touch: what the actuator and the record touch; reads `/proc` and `cgroup.procs`.
+//! May touch: what the actuator touches, the gate file; reads `/proc` and `cgroup.procs`.
 
 use crate::control::holds::{HoldCmd, HoldObs};
 use crate::edges::actuator::{ActError, Actuator, Op, Progress, RecordEntry, Target};
 use crate::edges::clock::Clock;
 use crate::edges::gate::GateKeeper;
 use crate::edges::procfs::{ProcFs, ProcKey};
-use crate::edges::record::RecordStore;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::{error, warn};
+use tracing::warn;
 
 /// The edges that act.
 pub struct Hands {
     actuator: Box<dyn Actuator>,
-    record: Box<dyn RecordStore>,
     procfs: Arc<dyn ProcFs>,
     clock: Arc<dyn Clock>,
     gates: Option<GateKeeper>,
-    /// Every target suspended through these hands and still in the record.
+    /// Every target suspended through these hands and not confirmed resumed.
     ledger: BTreeMap<RecordEntry, Target>,
 }
 
@@ -43,14 +41,12 @@ impl Hands {
     /// Hands over these edges.
     pub fn new(
         actuator: Box<dyn Actuator>,
-        record: Box<dyn RecordStore>,
         procfs: Arc<dyn ProcFs>,
         clock: Arc<dyn Clock>,
         gates: Option<GateKeeper>,
     ) -> Hands {
         Hands {
             actuator,
-            record,
             procfs,
             clock,
             gates,
@@ -58,77 +54,69 @@ impl Hands {
         }
     }
 
-    /// Performs `cmds` in order; returns the answers, in order.
-    pub fn perform(&mut self, cmds: Vec<HoldCmd>) -> Vec<HoldObs> {
-        let mut out = Vec::new();
-        for cmd in cmds {
-            match cmd {
-                HoldCmd::Members { req, dir, leader } => out.push(HoldObs::Members {
+    /// Performs `cmd`; returns its answer (`None`: a record command, which is not theirs).
+    pub fn perform(&mut self, cmd: HoldCmd) -> Option<HoldObs> {
+        Some(match cmd {
+            HoldCmd::Members { req, dir, leader } => HoldObs::Members {
+                req,
+                members: self.members(&dir, leader),
+            },
+            HoldCmd::RecordAdd { .. } | HoldCmd::RecordRemove { .. } => return None,
+            HoldCmd::CloseGate { req, gate } => {
+                self.ledger.insert(gate.record(), gate.clone());
+                let epoch = match (&gate, &mut self.gates) {
+                    (Target::Gate { key, uuid, file }, Some(g)) => g.close(*key, *uuid, file),
+                    _ => Err(ActError::NoGate(format!("{gate}: no launch gate here"))),
+                };
+                if let Err(err) = &epoch {
+                    warn!(%gate, %err, "Cannot close the launch gate");
+                }
+                HoldObs::GateClosed {
                     req,
-                    members: self.members(&dir, leader),
-                }),
-                HoldCmd::RecordAdd { req, entries } => {
-                    let ok = match self.record.add(&entries) {
-                        Ok(()) => true,
-                        Err(err) => {
-                            error!(error = %format!("{err:#}"), entries = entries.len(), "Cannot write the suspension record");
-                            false
-                        }
-                    };
-                    out.push(HoldObs::Recorded { req, ok });
-                }
-                HoldCmd::RecordRemove { entries } => {
-                    if let Err(err) = self.record.remove(&entries) {
-                        error!(error = %format!("{err:#}"), "Failed to update the suspension record");
-                    } else {
-                        for e in &entries {
-                            self.ledger.remove(e);
-                        }
-                    }
-                }
-                HoldCmd::CloseGate { req, gate } => {
-                    self.ledger.insert(gate.record(), gate.clone());
-                    let epoch = match (&gate, &mut self.gates) {
-                        (Target::Gate { key, uuid, file }, Some(g)) => g.close(*key, *uuid, file),
-                        _ => Err(ActError::NoGate(format!("{gate}: no launch gate here"))),
-                    };
-                    if let Err(err) = &epoch {
-                        warn!(%gate, %err, "Cannot close the launch gate");
-                    }
-                    out.push(HoldObs::GateClosed {
-                        req,
-                        epoch: epoch.ok(),
-                    });
-                }
-                HoldCmd::Start {
-                    req,
-                    op,
-                    targets,
-                    budget,
-                } => {
-                    if op == Op::Suspend {
-                        for t in &targets {
-                            self.ledger.insert(t.record(), t.clone());
-                        }
-                    }
-                    let progress = self.act(&targets, op, budget, true);
-                    out.push(HoldObs::Progress {
-                        req,
-                        progress,
-                        at_ns: self.clock.now_ns(),
-                    });
-                }
-                HoldCmd::Check { req, op, targets } => {
-                    let progress = self.act(&targets, op, Duration::ZERO, false);
-                    out.push(HoldObs::Progress {
-                        req,
-                        progress,
-                        at_ns: self.clock.now_ns(),
-                    });
+                    epoch: epoch.ok(),
                 }
             }
+            HoldCmd::Start {
+                req,
+                op,
+                targets,
+                budget,
+            } => {
+                if op == Op::Suspend {
+                    for t in &targets {
+                        self.ledger.insert(t.record(), t.clone());
+                    }
+                }
+                let progress = self.act(&targets, op, budget, true);
+                self.settle(op, &targets, &progress);
+                HoldObs::Progress {
+                    req,
+                    progress,
+                    at_ns: self.clock.now_ns(),
+                }
+            }
+            HoldCmd::Check { req, op, targets } => {
+                let progress = self.act(&targets, op, Duration::ZERO, false);
+                self.settle(op, &targets, &progress);
+                HoldObs::Progress {
+                    req,
+                    progress,
+                    at_ns: self.clock.now_ns(),
+                }
+            }
+        })
+    }
+
+    /// Targets confirmed resumed (or gone) leave the ledger.
+    fn settle(&mut self, op: Op, targets: &[Target], progress: &[Progress]) {
+        if op != Op::Resume {
+            return;
         }
-        out
+        for (t, p) in targets.iter().zip(progress) {
+            if matches!(p, Progress::Done | Progress::Gone | Progress::Skipped) {
+                self.ledger.remove(&t.record());
+            }
+        }
     }
 
     /// Starts (or checks) `op` on `targets`: the gates after everything else, so that a
@@ -206,10 +194,11 @@ impl Hands {
         out
     }
 
-    /// Resumes every target suspended through these hands, waiting up to `budget`, and
-    /// removes the confirmed ones from the record (the NVML watchdog's fail-open, while
-    /// the loop is stuck; the loop's last word when it ends). Returns how many targets it
-    /// tried to resume.
+    /// Resumes every target suspended through these hands, waiting up to `budget` (the
+    /// NVML watchdog's fail-open, while the loop is stuck; the loop's last word when it
+    /// ends). What was resumed stays in the record until the controller lets it go: the
+    /// record holds what was or may have been stopped. Returns how many targets it tried
+    /// to resume.
     pub fn resume_everything(&mut self, budget: Duration) -> usize {
         let targets: Vec<Target> = self.ledger.values().cloned().collect();
         if targets.is_empty() {
@@ -219,17 +208,8 @@ impl Hands {
         if let Some(g) = &mut self.gates {
             g.open_all();
         }
-        let resumed: Vec<RecordEntry> = targets
-            .iter()
-            .zip(&progress)
-            .filter(|(_, p)| matches!(p, Progress::Done | Progress::Gone | Progress::Skipped))
-            .map(|(t, _)| t.record())
-            .collect();
-        if let Err(err) = self.record.remove(&resumed) {
-            error!(error = %format!("{err:#}"), "Failed to update the suspension record");
-        }
-        // What could not be resumed stays known (and recorded): the next call tries again.
-        self.ledger.retain(|e, _| !resumed.contains(e));
+        // What could not be resumed stays known: the next call tries again.
+        self.settle(Op::Resume, &targets, &progress);
         targets.len()
     }
 

@@ -1,0 +1,397 @@
+//! The controller: every decision of the agent, and no I/O. It is told what the shell
+//! observed ([`Obs`]) and answers with what to do, in order ([`Cmd`]):
+//! `Controller::step(now, observations) -> commands`. No edge, no clock, no log line and
+//! no metric inside: time is an argument, and telemetry leaves as commands.
+//!
+//! A tick is a conversation. [`Obs::Tick`] starts it; the controller asks for the reads it
+//! needs (NVML samples, then the process lists and the classification of what is new, the
+//! doorbell pages), judges them, runs the state machine, and asks for what the hold book
+//! needs (the record first, then the actuator); the shell performs each round of commands
+//! and feeds the answers back, until the controller asks for nothing more.
+//!
+//! ```text
+//!  Tick ─► ReadSamples ─► [ReadLists ─► Classify] ─► judge (health) ─► ReadBells ─► attribute
+//!      ─► gate acks ─► book ─► retries ─► Machine::tick ─► [Vet] ─► book.suspend/resume
+//!      ─► (record book: at once, or Write … Written) ─► Start/Check … ─► events ─► publish
+//! ```
+//!
+//! Record before act is the order of that conversation: the hold book asks for a
+//! suspension's `Start` only in answer to `Recorded { ok: true }`, which the record book
+//! gives once the entries are on disk ([`crate::control::record`]).
+//!
+//! This file holds the conversation (where the tick stands, the answers awaited); the
+//! sub-states and what a tick does with them are [`Rooms`].
+
+use super::io::{Cmd, Obs};
+use super::rooms::Rooms;
+use super::target::Plan;
+use super::{LoopConfig, ReleaseAll};
+use crate::edges::actuator::RecordEntry;
+use crate::edges::procfs::ProcKey;
+use qos_core::Decision;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+/// Where the tick's conversation stands.
+#[derive(Debug)]
+enum Stage {
+    /// Between ticks.
+    Idle,
+    /// The samples, if due.
+    Observe,
+    /// The lists, if due (after the samples); `judge`: this tick's regular read.
+    Lists {
+        /// This tick's regular read (else the one a doorbell asked for).
+        judge: bool,
+    },
+    /// Read the doorbells (`again`: after the lists a doorbell asked for).
+    Bells {
+        /// The second read of the tick.
+        again: bool,
+    },
+    /// The gate holds' acknowledgements.
+    Gates,
+    /// The hold book's conversation, then the stage in the box.
+    Drain(Box<Stage>),
+    /// Retries, the heartbeat and the decision.
+    Decide,
+    /// The decision, once vetted.
+    Execute,
+    /// After the decision's holds: the pending confirmations.
+    Poll,
+    /// After the confirmations: the re-check.
+    Recheck,
+    /// After the re-check: broken holds, failures, purge, publication.
+    Finish,
+    /// Out of a tick, after a record write landed: what the book did with it.
+    Settle,
+    /// Everything was resumed (this many holds), for this reason.
+    Released(ReleaseAll, usize),
+}
+
+/// See the module.
+pub struct Controller {
+    /// The sub-states.
+    pub(crate) rooms: Rooms,
+    stage: Stage,
+    /// The tick's time.
+    tick_ns: u64,
+    /// Answers awaited this round.
+    awaiting: usize,
+    /// A record write was asked for: the round ends there, so that an answer the shell
+    /// gives at once is taken in before the conversation goes on.
+    yielding: bool,
+    /// This round's answers.
+    answers: Vec<Obs>,
+    /// The decision waiting for its vetting.
+    decision: Option<Decision<ProcKey>>,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("stage", &self.stage)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Controller {
+    /// A controller for these GPUs (index, UUID) under `cfg`, started at `now`, with the
+    /// gate file (`--gate`), over a record that holds `on_disk`.
+    pub fn new(
+        cfg: &LoopConfig,
+        gpus: Vec<(u32, String)>,
+        now: u64,
+        gate_file: Option<PathBuf>,
+        on_disk: BTreeSet<RecordEntry>,
+    ) -> Controller {
+        Controller {
+            rooms: Rooms::new(cfg, gpus, now, gate_file, on_disk),
+            stage: Stage::Idle,
+            tick_ns: now,
+            awaiting: 0,
+            yielding: false,
+            answers: Vec::new(),
+            decision: None,
+        }
+    }
+
+    /// Takes in what the shell observed at `now` and returns what to do next, in order.
+    /// An empty answer ends the conversation (the tick is over).
+    pub fn step(&mut self, now: u64, obs: Vec<Obs>) -> Vec<Cmd> {
+        for o in obs {
+            self.take(o, now);
+        }
+        if matches!(self.stage, Stage::Idle) && self.rooms.book.has_commands() {
+            self.stage = Stage::Drain(Box::new(Stage::Settle));
+        }
+        self.yielding = false;
+        while self.awaiting == 0 && !self.yielding && !matches!(self.stage, Stage::Idle) {
+            let stage = std::mem::replace(&mut self.stage, Stage::Idle);
+            self.stage = self.run(stage, now);
+            self.rooms.flush();
+        }
+        if !self.yielding {
+            self.rooms.write(now);
+        }
+        self.rooms.flush();
+        std::mem::take(&mut self.rooms.out)
+    }
+
+    fn take(&mut self, o: Obs, now: u64) {
+        match o {
+            Obs::Tick { slept, generation } => {
+                debug_assert!(matches!(self.stage, Stage::Idle), "a tick inside a tick");
+                self.tick_ns = now;
+                self.rooms.start_tick(slept, generation);
+                self.stage = Stage::Observe;
+            }
+            Obs::Written { id, ok } => self.rooms.written(id, ok, now),
+            Obs::WatchdogTripped => self.rooms.after_watchdog(now),
+            Obs::ReleaseAll(reason) => {
+                let n = self.rooms.release_all(reason);
+                self.stage = Stage::Drain(Box::new(Stage::Released(reason, n)));
+            }
+            o => {
+                self.awaiting -= 1;
+                self.answers.push(o);
+            }
+        }
+    }
+
+    /// Asks for something answered in this round.
+    fn ask(&mut self, cmd: Cmd) {
+        self.awaiting += 1;
+        self.rooms.out.push(cmd);
+    }
+
+    /// The answer of this round that `pick` takes, if any.
+    fn answer<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
+        let mut found = None;
+        for o in std::mem::take(&mut self.answers) {
+            match found {
+                None => match pick(o) {
+                    Ok(t) => found = Some(t),
+                    Err(o) => self.answers.push(o),
+                },
+                Some(_) => self.answers.push(o),
+            }
+        }
+        found
+    }
+
+    /// Runs one stage; returns the next (the same one when it waits for answers).
+    fn run(&mut self, stage: Stage, now: u64) -> Stage {
+        let t = self.tick_ns;
+        match stage {
+            Stage::Idle => Stage::Idle,
+            Stage::Observe => {
+                let samples = self.answer(|o| match o {
+                    Obs::Samples { read, yielded } => Ok((read, yielded)),
+                    o => Err(o),
+                });
+                match samples {
+                    Some((read, yielded)) => {
+                        self.rooms.seeing.samples(read, yielded, t);
+                        Stage::Lists { judge: true }
+                    }
+                    None => match self.rooms.seeing.samples_due(t) {
+                        Some(gpus) => {
+                            self.ask(Cmd::ReadSamples { gpus });
+                            Stage::Observe
+                        }
+                        None => Stage::Lists { judge: true },
+                    },
+                }
+            }
+            Stage::Lists { judge } => self.lists(judge, t),
+            Stage::Bells { again } => {
+                let read = self.answer(|o| match o {
+                    Obs::Bells {
+                        pages,
+                        readings,
+                        gates,
+                    } => Ok((pages, readings, gates)),
+                    o => Err(o),
+                });
+                let Some((pages, readings, gates)) = read else {
+                    let cmd = self.rooms.seeing.bells_due(t);
+                    self.ask(cmd);
+                    return Stage::Bells { again };
+                };
+                // A launch of a process that the driver's lists did not hold yet (it has
+                // just started): read the lists now and attribute the launch in this tick.
+                // Not judged: the health policy counts one judgement per tick.
+                if self.rooms.seeing.bells_read(t, pages, &readings, gates) && !again {
+                    return Stage::Lists { judge: false };
+                }
+                Stage::Gates
+            }
+            Stage::Gates => {
+                self.rooms.gate_acks();
+                Stage::Drain(Box::new(Stage::Decide))
+            }
+            Stage::Drain(then) => {
+                let answers = self.take_holds();
+                let (asks, wrote) = self.rooms.hold_round(answers, now);
+                self.yielding = wrote;
+                if asks.is_empty() && !wrote {
+                    return *then;
+                }
+                for c in asks {
+                    self.ask(c);
+                }
+                Stage::Drain(then)
+            }
+            Stage::Decide => match self.rooms.decide(t) {
+                None => Stage::Poll,
+                Some((d, plans)) => {
+                    self.decision = Some(d);
+                    if !plans.is_empty() {
+                        self.ask(Cmd::Vet { plans });
+                    }
+                    Stage::Execute
+                }
+            },
+            Stage::Execute => {
+                let vetted: Vec<(ProcKey, Plan)> = self
+                    .answer(|o| match o {
+                        Obs::Vetted(v) => Ok(v),
+                        o => Err(o),
+                    })
+                    .unwrap_or_default();
+                if let Some(d) = self.decision.take() {
+                    self.rooms.execute(d, vetted, now);
+                }
+                Stage::Drain(Box::new(Stage::Poll))
+            }
+            Stage::Poll => {
+                self.rooms.poll(t);
+                Stage::Drain(Box::new(Stage::Recheck))
+            }
+            Stage::Recheck => {
+                self.rooms.recheck(t);
+                Stage::Drain(Box::new(Stage::Finish))
+            }
+            Stage::Finish => {
+                self.rooms.finish(t);
+                Stage::Idle
+            }
+            Stage::Settle => {
+                self.rooms.settle(t);
+                Stage::Idle
+            }
+            Stage::Released(reason, n) => {
+                self.rooms.released(reason, n, now);
+                Stage::Idle
+            }
+        }
+    }
+
+    /// This round's answers to hold commands.
+    fn take_holds(&mut self) -> Vec<super::holds::HoldObs> {
+        let mut out = Vec::new();
+        for o in std::mem::take(&mut self.answers) {
+            match o {
+                Obs::Hold(h) => out.push(h),
+                o => self.answers.push(o),
+            }
+        }
+        out
+    }
+
+    /// The lists, when due (`judge`: the tick's regular read; else a doorbell asked), and
+    /// the classification of what they name.
+    fn lists(&mut self, judge: bool, t: u64) -> Stage {
+        let after = |judged: bool, rooms: &mut Rooms| {
+            if judged {
+                rooms.seeing.judge_tick(t, &rooms.machine);
+                Stage::Bells { again: false }
+            } else {
+                Stage::Bells { again: true }
+            }
+        };
+        let classified = self.answer(|o| match o {
+            Obs::Classified(c) => Ok(c),
+            o => Err(o),
+        });
+        let lists = self.answer(|o| match o {
+            Obs::Lists {
+                listed,
+                failed,
+                gone,
+                generation,
+                ..
+            } => Ok((listed, failed, gone, generation)),
+            o => Err(o),
+        });
+        match (lists, classified) {
+            (None, _) => {
+                let why = if judge {
+                    self.rooms.seeing.list_due(t)
+                } else {
+                    Some(super::nvml::Refresh::Doorbell)
+                };
+                let Some(why) = why else {
+                    return after(judge, &mut self.rooms);
+                };
+                let known = self.rooms.seeing.table.known();
+                self.ask(Cmd::ReadLists { why, known });
+                Stage::Lists { judge }
+            }
+            (Some((listed, failed, gone, generation)), None) => {
+                let pids = self
+                    .rooms
+                    .seeing
+                    .listed(t, &listed, &failed, &gone, generation);
+                if pids.is_empty() {
+                    self.rooms
+                        .seeing
+                        .apply_lists(t, listed, failed, generation, Vec::new());
+                    return after(judge, &mut self.rooms);
+                }
+                // The lists wait with the answers for their classification.
+                self.answers.push(Obs::Lists {
+                    why: super::nvml::Refresh::Interval,
+                    listed,
+                    failed,
+                    gone,
+                    generation,
+                });
+                self.ask(Cmd::Classify { pids, generation });
+                Stage::Lists { judge }
+            }
+            (Some((listed, failed, _, generation)), Some(classified)) => {
+                self.rooms
+                    .seeing
+                    .apply_lists(t, listed, failed, generation, classified);
+                after(judge, &mut self.rooms)
+            }
+        }
+    }
+
+    /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
+    pub fn next_wait(&self, now: u64) -> std::time::Duration {
+        self.rooms.next_wait(now)
+    }
+
+    /// Per GPU, as of the latest decision (the gauges and the time accounting).
+    pub fn summary(&self) -> &[super::publish::GpuSummary] {
+        self.rooms.summary()
+    }
+
+    /// The hold book.
+    pub fn holds(&self) -> &super::holds::HoldBook {
+        self.rooms.holds()
+    }
+
+    /// The record book.
+    pub fn record(&self) -> &super::record::RecordBook {
+        self.rooms.record()
+    }
+
+    /// The process table.
+    pub fn table(&self) -> &super::table::Table {
+        &self.rooms.seeing.table
+    }
+}

@@ -1,0 +1,192 @@
+//! What the hold book says and hears: its commands ([`HoldCmd`]), what comes of them
+//! ([`HoldObs`]), and how an operation ends ([`Outcome`], [`Failure`], [`Escalation`],
+//! [`Completion`]).
+
+use crate::control::target::HoldKey;
+use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry, Target};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why an operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The record could not be written: nothing was suspended.
+    Record,
+    /// Not confirmed within `--confirm-timeout`.
+    Timeout,
+    /// A cgroup control file could not be written.
+    CgroupWrite,
+    /// A signal could not be sent.
+    Signal,
+    /// The launch gate could not close (no slot for the GPU, or not this agent's file).
+    NoGate,
+}
+
+impl Failure {
+    /// Metric and log label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Record => "record",
+            Failure::Timeout => "timeout",
+            Failure::CgroupWrite => "cgroup_write",
+            Failure::Signal => "signal",
+            Failure::NoGate => "no_gate",
+        }
+    }
+
+    /// The failure an actuator's error means.
+    pub fn of(e: &ActError) -> Failure {
+        match e {
+            ActError::Write { .. } => Failure::CgroupWrite,
+            ActError::Signal { .. } => Failure::Signal,
+            ActError::Timeout { .. } => Failure::Timeout,
+            ActError::NoGate(_) => Failure::NoGate,
+        }
+    }
+}
+
+/// Why a gate hold goes to its fallback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Escalation {
+    /// The process acknowledged the close: its work in flight drained.
+    Drained,
+    /// No acknowledgement within `--gate-timeout`.
+    Timeout,
+    /// The gate could not close.
+    CannotClose,
+}
+
+impl Escalation {
+    /// Log label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Escalation::Drained => "drained",
+            Escalation::Timeout => "no acknowledgement within --gate-timeout (no shim listening, or work still in flight)",
+            Escalation::CannotClose => "the gate cannot close",
+        }
+    }
+}
+
+/// How a hold's operation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Confirmed.
+    Done,
+    /// The targets are gone.
+    Gone,
+    /// Not acted on (dry run), or abandoned (a resume overtook a pending suspension).
+    Skipped,
+    /// Failed.
+    Failed(Failure),
+}
+
+/// A hold finished an operation.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The hold.
+    pub key: HoldKey,
+    /// Suspend or resume.
+    pub op: Op,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The actuator its members use.
+    pub kind: Kind,
+    /// When it was confirmed (or ended), ns.
+    pub at_ns: u64,
+}
+
+/// Names a command whose answer the book waits for.
+pub type Req = u64;
+
+/// What the book asks the shell to do, in this order.
+#[derive(Debug, Clone)]
+pub enum HoldCmd {
+    /// List the processes of signalled cgroup `dir` now, `leader` first, each pinned by a
+    /// pidfd, the agent excluded. Answered by [`HoldObs::Members`].
+    Members {
+        /// The request.
+        req: Req,
+        /// The cgroup directory.
+        dir: PathBuf,
+        /// The GPU process itself.
+        leader: Target,
+    },
+    /// Add entries to the fail-open record (on disk before the answer). Answered by
+    /// [`HoldObs::Recorded`].
+    RecordAdd {
+        /// The request.
+        req: Req,
+        /// What to add.
+        entries: Vec<RecordEntry>,
+    },
+    /// Remove entries from the record (no answer: a failure is logged, and the entries
+    /// are resumed again at the next start).
+    RecordRemove {
+        /// What to remove.
+        entries: Vec<RecordEntry>,
+    },
+    /// Start `op` on targets, waiting up to `budget`. Answered by [`HoldObs::Progress`].
+    Start {
+        /// The request.
+        req: Req,
+        /// Suspend or resume.
+        op: Op,
+        /// The targets.
+        targets: Vec<Target>,
+        /// How long to wait for confirmations.
+        budget: Duration,
+    },
+    /// Close a GPU's launch gate for a process (a [`Target::Gate`]). Answered by
+    /// [`HoldObs::GateClosed`].
+    CloseGate {
+        /// The request.
+        req: Req,
+        /// The gate.
+        gate: Target,
+    },
+    /// Look once whether targets are in the state of `op`. Answered by
+    /// [`HoldObs::Progress`].
+    Check {
+        /// The request.
+        req: Req,
+        /// The state looked for.
+        op: Op,
+        /// The targets.
+        targets: Vec<Target>,
+    },
+}
+
+/// What came of a command.
+#[derive(Debug)]
+pub enum HoldObs {
+    /// A cgroup's processes (the leader first).
+    Members {
+        /// The request.
+        req: Req,
+        /// The processes.
+        members: Vec<Target>,
+    },
+    /// Whether the record holds the entries now.
+    Recorded {
+        /// The request.
+        req: Req,
+        /// It does.
+        ok: bool,
+    },
+    /// The gate closed at this epoch (`None`: it could not close).
+    GateClosed {
+        /// The request.
+        req: Req,
+        /// The close's epoch, which the process's acknowledgement must equal.
+        epoch: Option<u32>,
+    },
+    /// Where each target stands, in the command's order.
+    Progress {
+        /// The request.
+        req: Req,
+        /// Per target.
+        progress: Vec<Progress>,
+        /// When the shell looked, ns.
+        at_ns: u64,
+    },
+}

@@ -1,0 +1,142 @@
+//! What the controller and its shell say to each other: the commands the controller asks
+//! for, in order ([`Cmd`]), and the observations the shell brings back ([`Obs`]).
+//!
+//! Every command that reads something is answered by one observation, in the same round
+//! of the conversation, except a record [`Cmd::Write`], which the shell performs off the
+//! loop's thread and answers when it lands ([`Obs::Written`]), a later round or tick.
+
+use crate::control::entry::Entry;
+use crate::control::events::Event;
+use crate::control::holds::{HoldCmd, HoldObs};
+use crate::control::note::Note;
+use crate::control::nvml::Refresh;
+use crate::control::record::Write;
+use crate::control::state::StateDoc;
+use crate::control::target::Plan;
+use crate::control::ReleaseAll;
+use crate::edges::actuator::Target;
+use crate::edges::doorbell::{BellReading, PageInfo};
+use crate::edges::gpu;
+use crate::edges::procfs::ProcKey;
+use coloc_doorbell::GateReading;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+/// What the controller asks the shell to do.
+#[derive(Debug)]
+pub enum Cmd {
+    /// Read NVML's per-process samples of each GPU newer than its timestamp (µs), in this
+    /// order; stop after a GPU when a doorbell has rung (the rest are read at the next
+    /// tick). Answered by [`Obs::Samples`].
+    ReadSamples {
+        /// (GPU, newest timestamp seen, µs).
+        gpus: Vec<(u32, u64)>,
+    },
+    /// Read every GPU's running-process list, and tell which of `known` no longer live.
+    /// Answered by [`Obs::Lists`].
+    ReadLists {
+        /// Why.
+        why: Refresh,
+        /// The processes the table knows, with their pins.
+        known: Vec<(ProcKey, Option<Arc<OwnedFd>>)>,
+    },
+    /// Classify these listed PIDs. Answered by [`Obs::Classified`].
+    Classify {
+        /// The PIDs.
+        pids: Vec<u32>,
+        /// The pod source's generation they are classified under.
+        generation: u64,
+    },
+    /// Check that each plan that freezes or stops a whole cgroup still finds only offline
+    /// processes there (rules mode), else the process alone. Answered by [`Obs::Vetted`].
+    Vet {
+        /// (holder, plan, the holder alone).
+        plans: Vec<(ProcKey, Plan, Target)>,
+    },
+    /// Read the doorbell pages: sweep the directories of pods that are gone (`sweep`),
+    /// rescan the directories when they changed or `force`, read every page; with `gate`,
+    /// the launch-gate fields of every offline page too. Answered by [`Obs::Bells`].
+    ReadBells {
+        /// Rescan every directory.
+        force: bool,
+        /// Sweep gone pods' directories.
+        sweep: bool,
+        /// Read the offline pages' gate fields.
+        gate: bool,
+    },
+    /// Wait on these pages first.
+    PreferPages(Vec<u64>),
+    /// What the hold book asks (the record's part goes through [`Cmd::Write`]).
+    Hold(HoldCmd),
+    /// Write the record. Answered, maybe later, by [`Obs::Written`].
+    Write(Write),
+    /// Refresh the gate file's heartbeat.
+    Beat,
+    /// Report an event (log line, event log, histograms, `/state` history).
+    Emit(Event),
+    /// Log and count.
+    Note(Note),
+    /// Set (or clear) why the agent is degraded (`/readyz`).
+    Degraded(Option<String>),
+    /// Publish `/state` (the shell adds the event history).
+    Publish(Box<StateDoc>),
+}
+
+/// What the shell observed.
+#[derive(Debug)]
+pub enum Obs {
+    /// A tick starts; the loop's latest sleep (went to sleep, woke), ns.
+    Tick {
+        /// The sleep.
+        slept: Option<(u64, u64)>,
+        /// The pod source's generation now.
+        generation: u64,
+    },
+    /// Answers [`Cmd::ReadSamples`]: per GPU read, its samples or the error.
+    Samples {
+        /// Per GPU, in order.
+        read: Vec<(u32, Result<Vec<gpu::Activity>, String>)>,
+        /// A doorbell rang: the round stopped after these.
+        yielded: bool,
+    },
+    /// Answers [`Cmd::ReadLists`].
+    Lists {
+        /// Why they were read.
+        why: Refresh,
+        /// PID → GPUs, from the GPUs whose listing succeeded.
+        listed: BTreeMap<u32, BTreeSet<u32>>,
+        /// GPUs whose listing failed, with the error.
+        failed: BTreeMap<u32, String>,
+        /// Known processes that no longer live.
+        gone: Vec<ProcKey>,
+        /// The pod source's generation.
+        generation: u64,
+    },
+    /// Answers [`Cmd::Classify`]: each PID's entry (`None`: not in `/proc`, exited).
+    Classified(Vec<(u32, Option<Entry>)>),
+    /// Answers [`Cmd::Vet`]: the plan to use, per holder.
+    Vetted(Vec<(ProcKey, Plan)>),
+    /// Answers [`Cmd::ReadBells`].
+    Bells {
+        /// The pages mapped now, when the set changed.
+        pages: Option<Vec<PageInfo>>,
+        /// Every page's readings.
+        readings: Vec<BellReading>,
+        /// The offline pages' gate fields.
+        gates: Vec<(u64, Vec<GateReading>)>,
+    },
+    /// What came of a hold command.
+    Hold(HoldObs),
+    /// A record write landed (`ok`) or failed.
+    Written {
+        /// The write.
+        id: u64,
+        /// It landed.
+        ok: bool,
+    },
+    /// The NVML watchdog resumed everything while a call hung; the call returned.
+    WatchdogTripped,
+    /// Resume everything (shutdown, panic).
+    ReleaseAll(ReleaseAll),
+}

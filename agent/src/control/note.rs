@@ -1,0 +1,390 @@
+//! What the controller has to say besides events: each log line and counter of its
+//! decisions is a typed [`Note`], handed to the shell as a command and reported in one
+//! place ([`Note::report`]). The controller itself never logs nor counts: the strings and
+//! metric labels appear only here.
+//!
+//! May touch: the log and the metrics recorder.
+
+use crate::control::holds::{Broken, Escalation, HoldKey, Outcome};
+use crate::control::nvml::Refresh;
+use crate::edges::actuator::{Kind, Op};
+use crate::edges::doorbell::Owner;
+use qos_core::machine::Reason;
+use std::path::PathBuf;
+use std::time::Duration;
+use tracing::{debug, error, info, warn};
+
+pub use super::reason::{FailWhy, Reject};
+
+/// One thing worth a log line or a counter.
+#[derive(Debug, Clone)]
+pub enum Note {
+    /// Offline work resumed because something failed (the counter only).
+    FailedOpen(FailWhy),
+    /// A suspension's record could not be written: nothing was suspended.
+    NotRecorded {
+        /// Holds that were not started.
+        targets: usize,
+    },
+    /// A gate hold's fallback could not be recorded: not suspended.
+    FallbackNotRecorded,
+    /// A freezer escalation could not be recorded: not escalated.
+    EscalationNotRecorded,
+    /// Processes that joined a held cgroup could not be recorded: not stopped.
+    NewcomersNotRecorded {
+        /// How many.
+        processes: usize,
+    },
+    /// Processes that joined a held cgroup are stopped too.
+    NewcomersStopped {
+        /// The hold.
+        hold: HoldKey,
+        /// How many.
+        processes: usize,
+    },
+    /// An operation on one target failed.
+    ActFailed {
+        /// Suspend or resume.
+        op: Op,
+        /// The target (display form).
+        target: String,
+        /// Its actuator.
+        actuator: Kind,
+        /// Bounded reason.
+        reason: &'static str,
+        /// The error.
+        error: String,
+    },
+    /// An operation on a hold was not confirmed within `--confirm-timeout`.
+    TimedOut {
+        /// Suspend or resume.
+        op: Op,
+        /// The hold.
+        hold: HoldKey,
+        /// Its actuator.
+        actuator: Kind,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A hold's resume ended.
+    Resumed {
+        /// The hold.
+        hold: HoldKey,
+        /// How.
+        outcome: Outcome,
+    },
+    /// Everything is resumed at once.
+    ReleasingAll {
+        /// Why.
+        reason: crate::control::ReleaseAll,
+        /// Holds.
+        count: usize,
+    },
+    /// A gate hold drained: its fallback holds the process.
+    GateDrained {
+        /// The hold.
+        hold: HoldKey,
+        /// The fallback's actuator.
+        fallback: Kind,
+    },
+    /// A gate hold did not drain in time (or could not close): its fallback stops it.
+    GateEscalated {
+        /// The gates (display form).
+        gates: Vec<String>,
+        /// The fallback's actuator.
+        fallback: Kind,
+        /// `--gate-timeout`.
+        timeout: Duration,
+        /// Why.
+        why: Escalation,
+    },
+    /// A decision of the state machine (debug).
+    Decision {
+        /// Suspensions.
+        suspend: usize,
+        /// Resumptions.
+        resume: usize,
+        /// Transitions.
+        transitions: usize,
+    },
+    /// An offline process is suspended, for this reason.
+    Suspending(Reason),
+    /// Offline work is resumed.
+    Resuming {
+        /// Its PIDs.
+        pids: Vec<u32>,
+        /// The holds resumed.
+        targets: usize,
+    },
+    /// A preemption's detection latency.
+    Detected {
+        /// GPU.
+        gpu: u32,
+        /// What gave the onset.
+        signal: qos_core::Signal,
+        /// Seconds.
+        seconds: f64,
+    },
+    /// A failed suspension is retried later.
+    RetryLater {
+        /// The holder.
+        pid: u32,
+        /// In how long, ms.
+        in_ms: u64,
+    },
+    /// A failed suspension is tried again now.
+    Retrying {
+        /// The holder.
+        pid: u32,
+    },
+    /// A hold was found running.
+    Broken {
+        /// What was found.
+        broken: Broken,
+        /// Its holders' owners.
+        owners: Vec<String>,
+    },
+    /// The process lists are read.
+    ListRefresh(Refresh),
+    /// A GPU's NVML failed, not persistently yet.
+    NvmlTransient {
+        /// GPU.
+        gpu: u32,
+        /// The error.
+        error: String,
+    },
+    /// A GPU's NVML keeps failing: it fails open.
+    NvmlFailOpen {
+        /// GPU.
+        gpu: u32,
+        /// The error.
+        error: String,
+        /// `--nvml-failure-grace`.
+        grace: Duration,
+    },
+    /// A GPU's NVML answers again.
+    NvmlRecovered {
+        /// GPU.
+        gpu: u32,
+    },
+    /// Every GPU's NVML answers again.
+    NvmlAllRecovered,
+    /// A GPU's degraded gauge.
+    Degraded {
+        /// GPU.
+        gpu: u32,
+        /// Degraded now.
+        degraded: bool,
+    },
+    /// The hung NVML call returned.
+    HungCallReturned,
+    /// Listed PIDs not visible in `/proc` for over a second (the gauge), and whether to
+    /// warn (once).
+    Invisible {
+        /// Those PIDs.
+        pids: Vec<u32>,
+        /// Warn now.
+        warn: bool,
+    },
+    /// A GPU process was replaced by another with the same PID.
+    Replaced {
+        /// The PID.
+        pid: u32,
+    },
+    /// A page's wake gap is longer than the idle window.
+    WakeGapTooLong {
+        /// The page.
+        page: PathBuf,
+        /// Its wake gap, ns.
+        wake_gap_ns: u64,
+        /// The idle window, ns.
+        window_ns: u64,
+    },
+    /// A page was attributed to an online process.
+    PageAttributed {
+        /// The page.
+        page: PathBuf,
+        /// The process.
+        pid: u32,
+        /// GPU.
+        gpu: u32,
+    },
+    /// A page was rejected.
+    PageRejected {
+        /// The page.
+        page: PathBuf,
+        /// Who it says it belongs to.
+        owner: Owner,
+        /// Its file's UID.
+        file_uid: u32,
+        /// Why.
+        reason: Reject,
+    },
+    /// An owner's claims were not corroborated (the counter).
+    Uncorroborated,
+    /// Owners distrusted now (the gauge).
+    Distrusted(usize),
+}
+
+impl Note {
+    /// Writes the log line and the counter of this note.
+    pub fn report(&self) {
+        match self {
+            Note::FailedOpen(why) => {
+                metrics::counter!("coloc_fail_open_total", "reason" => why.as_str()).increment(1)
+            }
+            Note::NotRecorded { targets } => error!(
+                targets,
+                "Cannot write the suspension record: not suspending (fail open)"
+            ),
+            Note::FallbackNotRecorded => {
+                error!("Cannot record the fallback suspension: not suspending (fail open)")
+            }
+            Note::EscalationNotRecorded => {
+                error!("Cannot record the freezer escalation: not escalating")
+            }
+            Note::NewcomersNotRecorded { processes } => error!(
+                processes,
+                "Cannot record processes that joined a held cgroup: not stopping them"
+            ),
+            Note::NewcomersStopped { hold, processes } => info!(
+                ?hold,
+                processes, "Processes joined a held cgroup: stopping them too"
+            ),
+            Note::ActFailed {
+                op,
+                target,
+                actuator,
+                reason,
+                error,
+            } => {
+                metrics::counter!("coloc_actuation_errors_total", "actuator" => actuator.as_str(), "op" => op.as_str(), "reason" => *reason).increment(1);
+                match op {
+                    Op::Suspend => {
+                        error!(%target, %error, "Suspension failed: undoing it (fail open)")
+                    }
+                    Op::Resume => {
+                        error!(%target, %error, "Resume failed; left in the record for the next start")
+                    }
+                }
+            }
+            Note::TimedOut {
+                op,
+                hold,
+                actuator,
+                timeout,
+            } => {
+                metrics::counter!("coloc_actuation_errors_total", "actuator" => actuator.as_str(), "op" => op.as_str(), "reason" => "timeout").increment(1);
+                match op {
+                    Op::Suspend => error!(?hold, ?timeout, "Suspension not confirmed in time: undoing it (fail open)"),
+                    Op::Resume => error!(?hold, "Resume not confirmed in time; left in the record for the next start"),
+                }
+            }
+            Note::Resumed { hold, outcome } => debug!(?hold, ?outcome, "Resumed"),
+            Note::ReleasingAll { reason, count } => {
+                info!(reason = reason.as_str(), count, "Resuming all suspended offline work")
+            }
+            Note::GateDrained { hold, fallback } => debug!(
+                ?hold,
+                fallback = fallback.as_str(),
+                "Launch gate drained: holding the process with its fallback"
+            ),
+            Note::GateEscalated {
+                gates,
+                fallback,
+                timeout,
+                why,
+            } => {
+                metrics::counter!("coloc_gate_escalations_total").increment(1);
+                warn!(?gates, fallback = fallback.as_str(), ?timeout, why = why.as_str(),
+                    "Launch gate did not drain the process: stopping it with its fallback");
+            }
+            Note::Decision {
+                suspend,
+                resume,
+                transitions,
+            } => debug!(suspend, resume, transitions, "Decision"),
+            Note::Suspending(reason) => {
+                let (gpu, why) = match reason {
+                    Reason::OnlineBusy { gpu } => (gpu.to_string(), "online_busy"),
+                    Reason::ShareCap => ("-".to_string(), "share_cap"),
+                };
+                metrics::counter!("coloc_suspensions_total", "gpu" => gpu, "reason" => why)
+                    .increment(1);
+            }
+            Note::Resuming { pids, targets } => {
+                info!(?pids, targets, "Resuming offline work")
+            }
+            Note::Detected { .. } => {}
+            Note::RetryLater { pid, in_ms } => warn!(
+                pid,
+                retry_in_ms = in_ms,
+                "Suspension failed and was undone; retrying while online stays busy"
+            ),
+            Note::Retrying { pid } => {
+                metrics::counter!("coloc_suspension_retries_total").increment(1);
+                info!(pid, "Retrying a failed suspension");
+            }
+            Note::Broken { broken: b, owners } => {
+                metrics::counter!("coloc_suspension_breaks_total", "actuator" => b.kind.as_str())
+                    .increment(1);
+                if b.escalated {
+                    warn!(?owners, breaks = b.breaks, "Offline work keeps resuming itself while suspended: its cgroup is now frozen");
+                } else if b.breaks == 1 || b.breaks.is_multiple_of(100) {
+                    warn!(?owners, breaks = b.breaks, resumed = b.resumed, "Offline work was resumed by something else while suspended: stopped again");
+                }
+            }
+            Note::ListRefresh(why) => {
+                metrics::counter!("coloc_process_list_refreshes_total", "why" => why.as_str())
+                    .increment(1)
+            }
+            Note::NvmlTransient { gpu, error } => warn!(gpu, %error, "NVML call failed; keeping this GPU's decisions until the failure persists"),
+            Note::NvmlFailOpen { gpu, error, grace } => {
+                metrics::counter!("coloc_fail_open_total", "reason" => FailWhy::Nvml.as_str()).increment(1);
+                error!(gpu, %error, ?grace, "NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed");
+            }
+            Note::NvmlRecovered { gpu } => {
+                info!(gpu, "NVML answers again for this GPU: managing it again")
+            }
+            Note::NvmlAllRecovered => {
+                info!("NVML answers again on every GPU: resuming normal operation")
+            }
+            Note::Degraded { .. } => {}
+            Note::HungCallReturned => {
+                info!("The hung NVML call returned: managing offline work again")
+            }
+            Note::Invisible { pids, warn } => {
+                metrics::gauge!("coloc_invisible_gpu_processes").set(pids.len() as f64);
+                if *warn {
+                    warn!(?pids, "GPU processes listed by the driver have not been visible in /proc for over 1 s: is the agent in the host PID namespace (hostPID: true)? They are ignored");
+                }
+            }
+            Note::Replaced { pid } => {
+                info!(pid, "GPU process replaced by another with the same PID")
+            }
+            Note::WakeGapTooLong {
+                page,
+                wake_gap_ns,
+                window_ns,
+            } => warn!(page = %page.display(), wake_gap_ms = *wake_gap_ns as f64 / 1e6, idle_window_ms = *window_ns as f64 / 1e6,
+                "Doorbell wake gap longer than the idle window: a launch after a pause between the two is seen at the next tick, not at once (set COLOC_SHIM_WAKE_GAP_MS to the idle window)"),
+            Note::PageAttributed { page, pid, gpu } => info!(page = %page.display(), pid, gpu, "Doorbell page attributed to an online process"),
+            Note::PageRejected {
+                page,
+                owner,
+                file_uid,
+                reason,
+            } => {
+                metrics::counter!("coloc_doorbell_rejected_total", "reason" => reason.as_str())
+                    .increment(1);
+                warn!(page = %page.display(), ?owner, file_uid, reason = reason.as_str(),
+                    "Doorbell page not attributed: its launches count for nothing");
+            }
+            Note::Uncorroborated => metrics::counter!("coloc_doorbell_rejected_total", "reason" => Reject::Uncorroborated.as_str())
+                .increment(1),
+            Note::Distrusted(n) => {
+                metrics::gauge!("coloc_doorbell_distrusted_pages").set(*n as f64)
+            }
+        }
+    }
+}

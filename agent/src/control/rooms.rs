@@ -1,0 +1,417 @@
+//! The controller's rooms: its sub-states together, and what a tick does with them once
+//! the shell has answered. Each room is a type of its own, in its own file, and meets the
+//! others only here, through explicit arguments: the process [`Table`], the NVML
+//! bookkeeping ([`Sampling`]), [`Health`], the doorbells ([`Bells`]), the gate book
+//! ([`Gates`]), `qos_core::Machine` (per GPU), the [`HoldBook`], the [`RecordBook`],
+//! [`Retries`], the event [`Tracker`] and the [`Pacer`]. No I/O: what the rooms say
+//! (notes, events, commands that need no answer) goes to `out`, for the controller to hand
+//! to the shell in order.
+
+use super::events::{Event, FailOpen, Tracker};
+use super::holds::{HoldBook, HoldCmd, HoldObs};
+use super::io::Cmd;
+use super::note::{FailWhy, Note};
+use super::pace::{Due, Pacer};
+use super::publish::{GpuSummary, Header};
+use super::record::RecordBook;
+use super::retry::Retries;
+use super::seeing::Seeing;
+use super::target::Plan;
+use super::{execute, LoopConfig, ReleaseAll};
+use crate::edges::actuator::RecordEntry;
+use crate::edges::procfs::ProcKey;
+use qos_core::{Decision, Machine};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// See the module.
+pub struct Rooms {
+    header: Header,
+    /// What the controller sees.
+    pub(crate) seeing: Seeing,
+    pub(crate) machine: Machine<ProcKey>,
+    pub(crate) book: HoldBook,
+    record: RecordBook,
+    pub(crate) tracker: Tracker,
+    retries: Retries,
+    pacer: Pacer,
+    summary: Vec<GpuSummary>,
+    /// The loop's sleep before this tick.
+    slept: Option<(u64, u64)>,
+    notes: Vec<Note>,
+    events: Vec<Event>,
+    /// What the rooms say, in order.
+    pub(crate) out: Vec<Cmd>,
+}
+
+impl std::fmt::Debug for Rooms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rooms")
+            .field("seeing", &self.seeing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rooms {
+    /// The rooms for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file
+    /// (`--gate`), over a record that holds `on_disk`.
+    pub fn new(
+        cfg: &LoopConfig,
+        gpus: Vec<(u32, String)>,
+        now: u64,
+        gate_file: Option<PathBuf>,
+        on_disk: BTreeSet<RecordEntry>,
+    ) -> Rooms {
+        let window = cfg.machine.idle_window;
+        let mut book = HoldBook::new(cfg.confirm_timeout);
+        book.recheck_ns = cfg.recheck.as_nanos() as u64;
+        book.gate_timeout = cfg.gate_timeout;
+        Rooms {
+            header: Header {
+                node: cfg.node.clone(),
+                actuator: cfg.actuator,
+                dry_run: cfg.dry_run,
+                window_ns: window,
+            },
+            seeing: Seeing::new(cfg, gpus, now, gate_file),
+            machine: Machine::new(cfg.machine),
+            book,
+            record: RecordBook::new(on_disk),
+            tracker: Tracker::default(),
+            retries: Retries::default(),
+            pacer: Pacer::new(cfg.poll, cfg.idle_poll, window),
+            summary: Vec::new(),
+            slept: None,
+            notes: Vec::new(),
+            events: Vec::new(),
+            out: Vec::new(),
+        }
+    }
+
+    /// A tick starts.
+    pub fn start_tick(&mut self, slept: Option<(u64, u64)>, generation: u64) {
+        self.slept = slept;
+        self.seeing.start_tick(generation);
+    }
+
+    /// Moves what the rooms said into `out`, in order.
+    pub fn flush(&mut self) {
+        if let Some(ahead) = self.seeing.ahead.take() {
+            self.record.want_ahead(ahead);
+        }
+        self.out.append(&mut self.seeing.out);
+        self.notes.append(&mut self.seeing.notes);
+        self.events.append(&mut self.seeing.events);
+        self.notes.extend(self.book.take_notes());
+        self.out.extend(self.notes.drain(..).map(Cmd::Note));
+        self.out.extend(self.events.drain(..).map(Cmd::Emit));
+    }
+
+    /// The gate holds waiting for their drain are told what their pages say.
+    pub fn gate_acks(&mut self) {
+        self.seeing.gate_acks(&mut self.book);
+    }
+
+    /// One round of the hold book's conversation: what it asks of the record is answered
+    /// here (at once, or when a write lands); returns what goes to the shell (each
+    /// answered), and whether a record write was asked for. Empty: the book asks nothing.
+    pub fn hold_round(&mut self, answers: Vec<HoldObs>, now: u64) -> (Vec<Cmd>, bool) {
+        if !answers.is_empty() {
+            self.book.observe(answers, now);
+        }
+        loop {
+            let cmds = self.book.take_commands();
+            if cmds.is_empty() {
+                return (Vec::new(), false);
+            }
+            let mut asks = Vec::new();
+            let mut at_once = Vec::new();
+            for c in cmds {
+                match c {
+                    HoldCmd::RecordAdd { req, entries } => {
+                        if let Some(ok) = self.record.add(req, entries) {
+                            at_once.push(HoldObs::Recorded { req, ok });
+                        }
+                    }
+                    HoldCmd::RecordRemove { entries } => self.record.remove(&entries),
+                    c => asks.push(Cmd::Hold(c)),
+                }
+            }
+            if !at_once.is_empty() {
+                self.book.observe(at_once, now);
+            }
+            let write = self.write(now);
+            if !asks.is_empty() || write {
+                return (asks, write);
+            }
+        }
+    }
+
+    /// Asks for the record's next write, if one is wanted; true if it did.
+    pub fn write(&mut self, now: u64) -> bool {
+        match self.record.next_write(now) {
+            Some(w) => {
+                self.out.push(Cmd::Write(w));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A record write landed (or failed): the requests it settles, answered.
+    pub fn written(&mut self, id: u64, ok: bool, now: u64) {
+        let answers: Vec<HoldObs> = self
+            .record
+            .written(id, ok, now)
+            .into_iter()
+            .map(|(req, ok)| HoldObs::Recorded { req, ok })
+            .collect();
+        if !answers.is_empty() {
+            self.book.observe(answers, now);
+        }
+    }
+
+    /// The retries that are due, the heartbeat, and the decision if the machine has to
+    /// run: `Some` when there is something to do, with the plans to vet first.
+    pub fn decide(&mut self, t: u64) -> Option<(Decision<ProcKey>, Vec<execute::ToVet>)> {
+        self.complete();
+        if self.seeing.gates.beat_due(t) {
+            self.out.push(Cmd::Beat);
+        }
+        let mut retried = false;
+        for key in self.retries.due(t) {
+            if self.machine.forget(&key) {
+                self.notes.push(Note::Retrying { pid: key.pid });
+                retried = true;
+            }
+        }
+        let touched = self.seeing.table.take_touched();
+        let changed = self.seeing.changed || retried || self.seeing.table.fixed_share_present();
+        if !self
+            .pacer
+            .decision_due(t, changed, &touched, self.machine.states())
+        {
+            return None;
+        }
+        let inputs = self
+            .seeing
+            .inputs(self.machine.config().unmanaged_is_online);
+        let d = self.machine.tick(t, &inputs);
+        super::publish::summarise(&inputs, &self.machine, &mut self.summary);
+        if d.is_empty() {
+            return None;
+        }
+        let plans = execute::to_vet(&d, &self.seeing.table);
+        Some((d, plans))
+    }
+
+    /// Completions to their events.
+    fn complete(&mut self) {
+        let done = self.book.take_done();
+        if !done.is_empty() {
+            self.events.extend(self.tracker.complete(&done));
+        }
+    }
+
+    /// A decision becomes holds (recorded before acted on) and events.
+    pub fn execute(&mut self, d: Decision<ProcKey>, vetted: Vec<(ProcKey, Plan)>, now: u64) {
+        self.notes.push(Note::Decision {
+            suspend: d.suspend.len(),
+            resume: d.resume.len(),
+            transitions: d.transitions.len(),
+        });
+        let (reqs, reasons) = execute::plans(
+            &d,
+            &self.seeing.table,
+            &self.seeing.gates,
+            &self.seeing.bells,
+            &vetted,
+            &mut self.notes,
+        );
+        let started = if reqs.is_empty() {
+            Vec::new()
+        } else {
+            self.book.suspend(&reqs, now).started
+        };
+        let resumed = if d.resume.is_empty() {
+            Vec::new()
+        } else {
+            self.book.resume(&d.resume, now)
+        };
+        if !resumed.is_empty() {
+            let pids = d.resume.iter().map(|k| k.pid).collect();
+            self.notes.push(Note::Resuming {
+                pids,
+                targets: resumed.len(),
+            });
+        }
+        let cx = execute::Context {
+            dry_run: self.header.dry_run,
+            window_ns: self.header.window_ns,
+            slept: self.slept,
+        };
+        execute::open_events(
+            &d.transitions,
+            &started,
+            &resumed,
+            &reasons,
+            cx,
+            &mut self.seeing.table,
+            &mut self.tracker,
+            &mut self.notes,
+            &mut self.events,
+        );
+    }
+
+    /// The pending confirmations that are due, checked.
+    pub fn poll(&mut self, t: u64) {
+        self.complete();
+        self.book.poll(t);
+    }
+
+    /// The held targets that are due, checked again.
+    pub fn recheck(&mut self, t: u64) {
+        self.complete();
+        self.book.recheck(t);
+    }
+
+    /// The tick's end: broken holds reported, failed suspensions retried later, the table
+    /// purged of processes nothing refers to, `/state` published when due.
+    pub fn finish(&mut self, t: u64) {
+        self.settle(t);
+        let (book, machine, table) = (&self.book, &self.machine, &self.seeing.table);
+        self.retries.retain(|k| table.entry(k).is_some());
+        self.seeing
+            .table
+            .purge(|k| machine.suspended().contains_key(k) || book.holds(k));
+        if self.pacer.publish_due(t) {
+            let doc = self.state_doc(t);
+            self.out.push(Cmd::Publish(Box::new(doc)));
+        }
+    }
+
+    /// What the hold book's conversation left: completions, broken holds reported,
+    /// failed suspensions retried later.
+    pub fn settle(&mut self, t: u64) {
+        self.complete();
+        for broken in self.book.take_broken() {
+            let owners = broken
+                .holders
+                .iter()
+                .filter_map(|k| self.seeing.table.entry(k).map(|e| e.cls.owner.clone()))
+                .collect();
+            self.notes.push(Note::Broken { broken, owners });
+        }
+        for key in self.book.take_failed() {
+            let due = self.retries.failed(key, t);
+            let in_ms = due.saturating_sub(t) / 1_000_000;
+            self.notes.push(Note::RetryLater {
+                pid: key.pid,
+                in_ms,
+            });
+        }
+    }
+
+    /// Resume everything (shutdown, panic): returns how many holds.
+    pub fn release_all(&mut self, reason: ReleaseAll) -> usize {
+        self.machine.release_all();
+        self.pacer.decide_next();
+        if reason == ReleaseAll::Shutdown {
+            self.record.stop();
+        }
+        self.book.release_all(reason)
+    }
+
+    /// Everything was resumed (`n` holds).
+    pub fn released(&mut self, reason: ReleaseAll, n: usize, now: u64) {
+        self.complete();
+        if n > 0 && reason != ReleaseAll::Shutdown {
+            self.notes.push(Note::FailedOpen(FailWhy::Panic));
+            self.events.push(Event::FailOpen(FailOpen {
+                at_ns: now,
+                reason: reason.as_str().into(),
+                gpu: None,
+                resumed: n,
+            }));
+        }
+    }
+
+    /// The watchdog resumed everything while the loop was stuck in NVML: forget the
+    /// decisions and the samples from before, and report when the call came back.
+    pub fn after_watchdog(&mut self, now: u64) {
+        self.machine.release_all();
+        // The watchdog resumed every hold through the hands: the events that waited for
+        // those holds end unconfirmed.
+        self.book.forget_all();
+        self.record.forget_holds();
+        self.events.extend(self.tracker.abandon());
+        self.seeing.forget(now);
+        self.events.push(Event::FailOpen(FailOpen {
+            at_ns: now,
+            reason: FailWhy::NvmlHung.as_str().into(),
+            gpu: None,
+            resumed: 0,
+        }));
+        self.out.push(Cmd::Degraded(self.seeing.health.describe()));
+        self.notes.push(Note::HungCallReturned);
+        self.pacer.decide_next();
+    }
+
+    /// The controller's part of `/state` at `now`.
+    pub fn state_doc(&mut self, now: u64) -> super::state::StateDoc {
+        let distrusted = self.seeing.bells.distrusted();
+        self.notes.push(Note::Distrusted(distrusted.len()));
+        let health = &self.seeing.health;
+        super::publish::state_doc(
+            now,
+            &self.header,
+            self.seeing.gpus(),
+            &self.machine,
+            &self.seeing.table,
+            |g| health.degraded(g),
+            self.book.len(),
+            distrusted,
+        )
+    }
+
+    /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
+    pub fn next_wait(&self, now: u64) -> Duration {
+        let next_check = self.book.next_check_ns();
+        let due = Due {
+            fast: (next_check.is_none() && !self.tracker.is_empty())
+                || !self.retries.is_empty()
+                || self.seeing.table.fixed_share_present()
+                || self.seeing.sampling.asked.is_some(),
+            next_check,
+            recheck: self.book.next_recheck_ns(),
+            offline: self.seeing.table.offline_present(),
+            reads: self.seeing.sampling.next_reads(),
+            beat: self
+                .book
+                .gates_closed()
+                .then(|| self.seeing.gates.next_beat_ns()),
+        };
+        self.pacer.next_wait(now, due, self.machine.states())
+    }
+
+    /// Per GPU, as of the latest decision (the gauges and the time accounting).
+    pub fn summary(&self) -> &[GpuSummary] {
+        &self.summary
+    }
+
+    /// The hold book.
+    pub fn holds(&self) -> &HoldBook {
+        &self.book
+    }
+
+    /// The record book.
+    pub fn record(&self) -> &RecordBook {
+        &self.record
+    }
+
+    /// The state machine's view: what it holds suspended.
+    pub fn suspended(&self) -> &BTreeMap<ProcKey, qos_core::machine::Reason> {
+        self.machine.suspended()
+    }
+}

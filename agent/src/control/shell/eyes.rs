@@ -1,0 +1,175 @@
+//! The shell's eyes: the edges the controller's reads go through — NVML's samples and
+//! process lists, `/proc` and the pod source for classification, the doorbell pages — each
+//! read turned into an observation. Nothing here decides.
+//!
+//! May touch: NVML, reads `/proc` and `cgroup.procs`, the doorbell directories (through
+//! their edge, which also removes the directories of pods that are gone).
+
+use super::classify::Classifier;
+use crate::control::io::Obs;
+use crate::control::nvml::Refresh;
+use crate::control::table::Table;
+use crate::control::target::Plan;
+use crate::edges::actuator::Target;
+use crate::edges::doorbell::Doorbells;
+use crate::edges::gpu::GpuSampler;
+use crate::edges::procfs::ProcKey;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+/// A pod's directory is removed only when nothing changed in it for this long (and the
+/// pod source says the pod is gone).
+const POD_DIR_IDLE: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// See the module.
+pub struct Eyes {
+    /// NVML.
+    pub gpu: Box<dyn GpuSampler>,
+    /// Doorbell pages, and the loop's sleep.
+    pub bells: Box<dyn Doorbells>,
+    /// Classification.
+    pub classifier: Classifier,
+    /// The offline pages (their gate fields are read with `--gate`), as of the latest
+    /// change of the set.
+    offline_pages: Vec<u64>,
+}
+
+impl std::fmt::Debug for Eyes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Eyes").finish_non_exhaustive()
+    }
+}
+
+impl Eyes {
+    /// Eyes over these edges.
+    pub fn new(
+        gpu: Box<dyn GpuSampler>,
+        bells: Box<dyn Doorbells>,
+        classifier: Classifier,
+    ) -> Eyes {
+        Eyes {
+            gpu,
+            bells,
+            classifier,
+            offline_pages: Vec::new(),
+        }
+    }
+
+    /// Reads the samples of `gpus` since their timestamps, in order; stops after a GPU
+    /// when a doorbell has rung (a launch never waits behind more than one GPU's calls).
+    pub fn samples(&mut self, gpus: &[(u32, u64)]) -> Obs {
+        let mut read = Vec::with_capacity(gpus.len());
+        let mut yielded = false;
+        for (i, (gpu, since)) in gpus.iter().enumerate() {
+            if i > 0 && self.bells.rang() {
+                metrics::counter!("coloc_nvml_rounds_yielded_total").increment(1);
+                yielded = true;
+                break;
+            }
+            let mut out = Vec::new();
+            read.push((
+                *gpu,
+                match self.gpu.samples(*gpu, *since, &mut out) {
+                    Ok(()) => Ok(out),
+                    Err(err) => {
+                        metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
+                        Err(err.to_string())
+                    }
+                },
+            ));
+        }
+        Obs::Samples { read, yielded }
+    }
+
+    /// Reads every GPU's process list, and which of `known` no longer live.
+    pub fn lists(
+        &mut self,
+        gpus: &[u32],
+        why: Refresh,
+        known: &[(ProcKey, Option<Arc<OwnedFd>>)],
+    ) -> Obs {
+        let generation = self.classifier.source.generation();
+        let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        let mut failed = BTreeMap::new();
+        for gpu in gpus {
+            match self.gpu.processes(*gpu) {
+                Ok(pids) => {
+                    for pid in pids {
+                        listed.entry(pid).or_default().insert(*gpu);
+                    }
+                }
+                Err(err) => {
+                    metrics::counter!("coloc_nvml_errors_total", "gpu" => gpu.to_string(), "reason" => err.reason()).increment(1);
+                    failed.insert(*gpu, err.to_string());
+                }
+            }
+        }
+        let gone = self.classifier.gone(known, &listed);
+        Obs::Lists {
+            why,
+            listed,
+            failed,
+            gone,
+            generation,
+        }
+    }
+
+    /// Classifies `pids` under `generation`.
+    pub fn classify(&mut self, pids: &[u32], generation: u64, table: &Table) -> Obs {
+        Obs::Classified(
+            pids.iter()
+                .map(|pid| (*pid, self.classifier.classify(*pid, generation, table)))
+                .collect(),
+        )
+    }
+
+    /// Vets whole-cgroup plans (rules mode: every member must be offline).
+    pub fn vet(&mut self, plans: Vec<(ProcKey, Plan, Target)>, table: &Table) -> Obs {
+        Obs::Vetted(
+            plans
+                .into_iter()
+                .map(|(k, plan, alone)| (k, self.classifier.unmixed(plan, alone, table)))
+                .collect(),
+        )
+    }
+
+    /// Reads the doorbell pages (see [`crate::control::io::Cmd::ReadBells`]).
+    pub fn bells(&mut self, force: bool, sweep: bool, gate: bool) -> Obs {
+        if sweep {
+            // Kubernetes: the directories of deleted pods (the kubelet leaves host paths).
+            let source = &self.classifier.source;
+            let removed = self
+                .bells
+                .sweep_pods(&|uid| source.pod_gone(uid), POD_DIR_IDLE);
+            if !removed.is_empty() {
+                metrics::counter!("coloc_doorbell_pod_dirs_removed_total")
+                    .increment(removed.len() as u64);
+            }
+        }
+        let pages = self.bells.rescan(force).then(|| self.bells.pages());
+        if let Some(pages) = &pages {
+            self.offline_pages = pages
+                .iter()
+                .filter(|p| p.class == coloc_doorbell::CLASS_OFFLINE)
+                .map(|p| p.id)
+                .collect();
+        }
+        let mut readings = Vec::new();
+        // Always, pages or not: the read also notes the wake words for the next sleep.
+        self.bells.read(&mut readings);
+        let mut gates = Vec::new();
+        if gate {
+            for id in &self.offline_pages {
+                let mut out = Vec::new();
+                self.bells.read_gate(*id, &mut out);
+                gates.push((*id, out));
+            }
+        }
+        Obs::Bells {
+            pages,
+            readings,
+            gates,
+        }
+    }
+}

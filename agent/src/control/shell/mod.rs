@@ -1,0 +1,365 @@
+//! The shell: the loop that performs what the controller asks. It reads the edges into
+//! observations (its [`eyes`]), calls [`Controller::step`], performs the commands in the
+//! order given (its [`hands`] act, its [`scribe`] writes the record off the loop's thread,
+//! telemetry reports), feeds the results back, and sleeps in the doorbell wait until the
+//! controller says something is due.
+//!
+//! ```text
+//!            ┌──────────────── Obs ────────────────┐
+//!  edges ─► eyes ─► Controller::step ─► Cmd ─► hands (actuator, gates) ─► edges
+//!                        ▲                 ├─► scribe (record; answers later) ──┐
+//!                        └──── Written ────┼────────────────────────────────────┘
+//!                                          └─► telemetry (log, metrics, events, /state)
+//! ```
+//!
+//! Runs on its own OS thread so that its timing does not depend on the async runtime
+//! serving HTTP. Fails open: on shutdown, or a panic (via `Drop`), it resumes everything;
+//! the NVML [`watchdog`] does so from its own thread while a call hangs.
+
+pub mod classify;
+pub mod eyes;
+pub mod hands;
+pub mod scribe;
+pub mod watchdog;
+
+use super::controller::Controller;
+use super::holds::HoldBook;
+use super::io::{Cmd, Obs};
+use super::note::Note;
+use super::state::{Shared, StateDoc};
+use super::target::Chooser;
+use super::{Edges, LoopConfig, ReleaseAll};
+use crate::edges::clock::Clock;
+use crate::telemetry::Telemetry;
+use classify::Classifier;
+use eyes::Eyes;
+use hands::Hands;
+use qos_core::stats::Summary;
+use scribe::Scribe;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tracing::{error, info, warn};
+use watchdog::Watchdog;
+
+/// How long the agent waits, on its way out, for the record's last writes.
+const LAST_WRITES: Duration = Duration::from_secs(5);
+
+/// The control loop: the controller and the shell around it.
+pub struct Loop {
+    pub(crate) cfg: LoopConfig,
+    pub(crate) ctl: Controller,
+    eyes: Eyes,
+    /// The edges that act, shared with the watchdog.
+    pub(crate) hands: Arc<Mutex<Hands>>,
+    scribe: Scribe,
+    clock: Arc<dyn Clock>,
+    pub(crate) watchdog: Arc<Watchdog>,
+    pub(crate) telemetry: Telemetry,
+    pub(crate) shared: Arc<Shared>,
+    gpus: Vec<u32>,
+    last_tick_ns: Option<u64>,
+    /// The loop's latest sleep: (went to sleep, woke), ns (`run` only).
+    slept: Option<(u64, u64)>,
+    /// Every note reported (tests).
+    #[cfg(test)]
+    pub(crate) said: Vec<Note>,
+}
+
+impl std::fmt::Debug for Loop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loop")
+            .field("gpus", &self.gpus)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loop {
+    /// Builds the loop. The record must already be cleared of leftovers.
+    pub fn new(cfg: LoopConfig, edges: Edges, shared: Arc<Shared>) -> anyhow::Result<Loop> {
+        let event_log = match &cfg.event_log {
+            Some(p) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .map_err(|e| anyhow::anyhow!("opening --event-log {}: {e}", p.display()))?,
+            ),
+            None => None,
+        };
+        for r in super::note::Reject::ALL {
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => r.as_str()).absolute(0);
+        }
+        metrics::counter!("coloc_doorbell_wakeups_total").absolute(0);
+        let gpus = edges.gpu.gpus();
+        let uuids: Vec<(u32, String)> = gpus.iter().map(|g| (*g, edges.gpu.uuid(*g))).collect();
+        for (gpu, uuid) in &uuids {
+            if coloc_doorbell::parse_uuid(uuid).is_none() {
+                warn!(gpu, %uuid, "GPU UUID not in NVML's form: doorbells cannot name this GPU");
+            }
+        }
+        let chooser = Chooser {
+            preferred: cfg.actuator,
+            mounts: cfg.cgroups.clone(),
+            own: edges.procfs.self_cgroups(),
+        };
+        let gate_file = edges.gates.as_ref().map(|g| g.path().to_path_buf());
+        let on_disk = edges.record.entries().clone();
+        let scribe = if cfg.record_off_loop {
+            Scribe::spawn(edges.record, edges.bells.waker())?
+        } else {
+            Scribe::Inline(edges.record)
+        };
+        let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
+        let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser);
+        let hands = Hands::new(
+            edges.actuator,
+            edges.procfs,
+            edges.clock.clone(),
+            edges.gates,
+        );
+        Ok(Loop {
+            ctl,
+            eyes: Eyes::new(edges.gpu, edges.bells, classifier),
+            hands: Arc::new(Mutex::new(hands)),
+            scribe,
+            clock: edges.clock,
+            watchdog: Arc::new(Watchdog::default()),
+            telemetry: Telemetry::new(&gpus, event_log),
+            shared,
+            gpus,
+            last_tick_ns: None,
+            slept: None,
+            #[cfg(test)]
+            said: Vec::new(),
+            cfg,
+        })
+    }
+
+    pub(crate) fn hands(&self) -> MutexGuard<'_, Hands> {
+        self.hands.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The hold book.
+    pub fn holds(&self) -> &HoldBook {
+        self.ctl.holds()
+    }
+
+    /// Runs until `shared.stop` is set, then resumes everything. Starts the watchdog.
+    pub fn run(mut self) {
+        crate::sched::raise_priority(
+            self.cfg.loop_nice,
+            self.cfg.loop_rt_priority,
+            self.cfg.loop_slice,
+        );
+        let wd = self.watchdog.spawn(
+            self.cfg.nvml_hang_timeout,
+            self.hands.clone(),
+            self.cfg.confirm_timeout,
+            self.shared.clone(),
+            self.clock.clone(),
+        );
+        if let Err(err) = &wd {
+            warn!(%err, "Cannot start the NVML watchdog thread: a hung NVML call will not fail open");
+        }
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            let started = Instant::now();
+            self.tick();
+            let sleep = self
+                .next_wait(self.clock.now_ns())
+                .saturating_sub(started.elapsed());
+            let slept_ns = self.clock.now_ns();
+            if !sleep.is_zero() && self.eyes.bells.wait(sleep) {
+                metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
+            }
+            self.slept = Some((slept_ns, self.clock.now_ns()));
+        }
+        info!("Stopping: resuming all offline work before exit");
+        self.release_everything(ReleaseAll::Shutdown);
+    }
+
+    /// One tick: the controller's conversation, then the gauges and the time accounting.
+    pub fn tick(&mut self) {
+        let now = self.clock.now_ns();
+        let dt = self.last_tick_ns.map_or(0, |l| now.saturating_sub(l));
+        if self.last_tick_ns.is_some() {
+            let lag = dt.saturating_sub(self.cfg.poll.as_nanos() as u64);
+            self.telemetry.lag.record(lag as f64 / 1e9);
+        }
+        self.last_tick_ns = Some(now);
+        let generation = self.eyes.classifier.source.generation();
+        self.converse(vec![Obs::Tick {
+            slept: self.slept,
+            generation,
+        }]);
+        self.account(dt);
+        self.shared.mark_tick(now);
+    }
+
+    /// Tells the controller `o` out of a tick (and performs what follows).
+    #[cfg(test)]
+    pub(crate) fn tell(&mut self, o: Obs) {
+        self.converse(vec![o]);
+    }
+
+    /// How long the loop may sleep from `now`.
+    pub fn next_wait(&self, now: u64) -> Duration {
+        self.ctl.next_wait(now)
+    }
+
+    /// Steps the controller and performs what it asks until it asks for nothing more.
+    fn converse(&mut self, mut obs: Vec<Obs>) {
+        loop {
+            obs.extend(self.scribe.landed());
+            let cmds = self.ctl.step(self.clock.now_ns(), obs);
+            if cmds.is_empty() {
+                return;
+            }
+            obs = self.perform(cmds);
+        }
+    }
+
+    /// Performs `cmds` in order; returns what came of them.
+    fn perform(&mut self, cmds: Vec<Cmd>) -> Vec<Obs> {
+        let mut out = Vec::new();
+        for cmd in cmds {
+            match cmd {
+                Cmd::ReadSamples { gpus } => {
+                    self.watchdog.enter(self.clock.now_ns());
+                    out.push(self.eyes.samples(&gpus));
+                    if self.watchdog.leave(&self.hands) {
+                        out.push(Obs::WatchdogTripped);
+                    }
+                }
+                Cmd::ReadLists { why, known } => {
+                    self.watchdog.enter(self.clock.now_ns());
+                    out.push(self.eyes.lists(&self.gpus, why, &known));
+                    if self.watchdog.leave(&self.hands) {
+                        out.push(Obs::WatchdogTripped);
+                    }
+                }
+                Cmd::Classify { pids, generation } => {
+                    out.push(self.eyes.classify(&pids, generation, self.ctl.table()))
+                }
+                Cmd::Vet { plans } => out.push(self.eyes.vet(plans, self.ctl.table())),
+                Cmd::ReadBells { force, sweep, gate } => {
+                    out.push(self.eyes.bells(force, sweep, gate))
+                }
+                Cmd::PreferPages(ids) => self.eyes.bells.prefer(&ids),
+                Cmd::Hold(c) => out.extend(self.hands().perform(c).map(Obs::Hold)),
+                Cmd::Write(w) => out.extend(self.scribe.write(w)),
+                Cmd::Beat => self.hands().keepalive(),
+                Cmd::Emit(ev) => self.telemetry.emit(ev),
+                Cmd::Note(n) => self.report(n),
+                Cmd::Degraded(why) => {
+                    if self.shared.set_degraded(why.clone()) && why.is_none() {
+                        Note::NvmlAllRecovered.report();
+                    }
+                }
+                Cmd::Publish(doc) => self.publish(*doc),
+            }
+        }
+        out
+    }
+
+    fn report(&mut self, n: Note) {
+        #[cfg(test)]
+        self.said.push(n.clone());
+        match n {
+            Note::Detected {
+                gpu,
+                signal,
+                seconds,
+            } => self.telemetry.detected(gpu, signal, seconds),
+            Note::Degraded { gpu, degraded } => {
+                if let Some(m) = self.telemetry.gpus.get(&gpu) {
+                    m.set_degraded(degraded);
+                }
+            }
+            n => n.report(),
+        }
+    }
+
+    /// `/state`: the controller's document, with telemetry's history.
+    fn publish(&mut self, mut doc: StateDoc) {
+        let now = doc.updated_ns;
+        let ms_ago = |t: u64| now.saturating_sub(t) as f64 / 1e6;
+        for g in &mut doc.gpus {
+            if let Some(h) = self.telemetry.history.get(&g.index) {
+                g.last_preemption_ms_ago = h.last_preempt_ns.map(ms_ago);
+                g.preemption_ms = Summary::of(h.preemption_ms.iter().copied());
+                g.release_ms = Summary::of(h.release_ms.iter().copied());
+            }
+        }
+        doc.degraded_reason = self.shared.degraded();
+        doc.degraded = doc.degraded_reason.is_some();
+        doc.recent_events = self.telemetry.recent.iter().cloned().collect();
+        *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
+    }
+
+    /// The gauges of the latest decision, and `dt_ns` added to each GPU's suspended and
+    /// reclaimed time.
+    fn account(&mut self, dt_ns: u64) {
+        let dts = dt_ns as f64 / 1e9;
+        let mut secs = self
+            .shared
+            .gpu_seconds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for s in self.ctl.summary() {
+            if let Some(m) = self.telemetry.gpus.get(&s.gpu) {
+                m.set_busy(s.busy);
+                m.set_suspended(s.suspended);
+            }
+            let acc = secs.entry(s.gpu).or_default();
+            if s.suspended > 0 {
+                acc.suspended += dts;
+            }
+            if !s.busy && s.offline > s.suspended {
+                acc.reclaimed += dts;
+            }
+        }
+    }
+
+    /// Resumes every held target and forgets all suspensions (shutdown, panic); waits for
+    /// the record's last writes.
+    pub fn release_everything(&mut self, reason: ReleaseAll) {
+        self.converse(vec![Obs::ReleaseAll(reason)]);
+        let deadline = Instant::now() + LAST_WRITES;
+        while self.ctl.record().writing() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.scribe.wait(left) {
+                Some(o) => self.converse(vec![o]),
+                None => {
+                    error!("The record's last writes did not land in time: the next start resumes what it holds");
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The handle shared with the HTTP server.
+    pub fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        // Reached on normal exit (already empty) and on a panic unwinding the loop.
+        if !self.ctl.holds().is_empty() {
+            error!("Control loop ending with offline work suspended: resuming it");
+            self.release_everything(ReleaseAll::Panic);
+        }
+        // Whatever the book lost track of (a conversation a panic cut short, a resume that
+        // failed): the hands still know what they stopped.
+        let budget = self.cfg.confirm_timeout;
+        let left = self.hands().resume_everything(budget);
+        if left > 0 {
+            error!(
+                targets = left,
+                "Resumed offline work the control loop had lost track of"
+            );
+        }
+    }
+}

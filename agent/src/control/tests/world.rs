@@ -1,0 +1,479 @@
+//! A model of the world that plays the shell for [`Controller::step`]: processes that
+//! start, exit and reuse PIDs, online work, NVML that fails per GPU, a record whose writes
+//! land late or fail, an actuator that fails or whose holds a tenant breaks, launch gates
+//! whose shims acknowledge at once, late, falsely or never. It answers every command as
+//! the edges would, and checks at each command what the controller may never ask
+//! (`props_ctl` checks the rest after each tick).
+
+use super::*;
+use crate::control::controller::Controller;
+use crate::control::entry::Entry;
+use crate::control::holds::{HoldCmd, HoldObs};
+use crate::control::io::{Cmd, Obs};
+use crate::control::target::Plan;
+use crate::edges::actuator::{ActError, Progress, Target};
+use crate::edges::doorbell::{Owner, PageInfo};
+use crate::edges::procfs::ProcKey;
+use coloc_doorbell::GateReading;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::os::fd::OwnedFd;
+
+/// What a shim answers when its gate closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ack {
+    /// Never (no shim listening after all, or work that never drains).
+    Never,
+    /// The close's epoch, at once.
+    AtOnce,
+    /// An epoch that is not the close's (a forger's guess).
+    Wrong,
+    /// The close's epoch, this many ms later.
+    Late(u8),
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Proc {
+    pub key: ProcKey,
+    pub gpu: u32,
+    pub online: bool,
+    pub born: u64,
+    pin: Arc<OwnedFd>,
+}
+
+/// The world, as the shell sees it.
+pub(super) struct World {
+    pub ctl: Controller,
+    pub now: u64,
+    pub gate: bool,
+    pub ack: Ack,
+    /// How many ticks a record write takes to land.
+    pub write_delay: u32,
+    pub procs: BTreeMap<u32, Proc>,
+    next_start: u64,
+    /// Every key that started offline.
+    pub offline: BTreeSet<ProcKey>,
+    pub disk: BTreeSet<RecordEntry>,
+    pub record_broken: bool,
+    writes: VecDeque<(u64, crate::control::record::Write)>,
+    /// What the actuator holds stopped now.
+    pub stopped: BTreeSet<ProcKey>,
+    /// Closed gates: process → (epoch, when).
+    pub closed: BTreeMap<ProcKey, (u32, u64)>,
+    epoch: u32,
+    samples: BTreeMap<u32, Vec<crate::edges::gpu::Activity>>,
+    pub nvml_failing: BTreeSet<u32>,
+    pub suspend_fails: BTreeSet<ProcKey>,
+    generation: u64,
+    pages_changed: bool,
+    /// Keys the shell said no longer live (their PID belongs to another process).
+    pub reported_gone: BTreeSet<ProcKey>,
+    /// What went wrong at each command, if anything.
+    pub violation: Option<String>,
+}
+
+fn uuid(gpu: u32) -> [u8; 16] {
+    fake_uuid(gpu)
+}
+
+impl World {
+    pub fn new(gpus: u32, gate: bool, ack: Ack, write_delay: u32) -> World {
+        let mut cfg = default_config();
+        cfg.gate_timeout = Duration::from_millis(50);
+        let ids = (0..gpus)
+            .map(|g| (g, coloc_doorbell::format_uuid(&uuid(g))))
+            .collect();
+        let file = gate.then(|| PathBuf::from("/run/gpu-coloc/gate/gates"));
+        World {
+            ctl: Controller::new(&cfg, ids, T0, file, BTreeSet::new()),
+            now: T0,
+            gate,
+            ack,
+            write_delay,
+            procs: BTreeMap::new(),
+            next_start: 1000,
+            offline: BTreeSet::new(),
+            disk: BTreeSet::new(),
+            record_broken: false,
+            writes: VecDeque::new(),
+            stopped: BTreeSet::new(),
+            closed: BTreeMap::new(),
+            epoch: 0,
+            samples: BTreeMap::new(),
+            nvml_failing: BTreeSet::new(),
+            suspend_fails: BTreeSet::new(),
+            generation: 1,
+            pages_changed: true,
+            reported_gone: BTreeSet::new(),
+            violation: None,
+        }
+    }
+
+    pub fn pid(slot: u32) -> u32 {
+        10 + slot
+    }
+
+    pub fn start(&mut self, slot: u32, gpu: u32, online: bool) {
+        self.next_start += 1;
+        let key = ProcKey {
+            pid: Self::pid(slot),
+            start: self.next_start,
+        };
+        if !online {
+            self.offline.insert(key);
+        }
+        let pin = Arc::new(std::fs::File::open("/dev/null").unwrap().into());
+        let born = self.now;
+        self.procs.insert(
+            slot,
+            Proc {
+                key,
+                gpu,
+                online,
+                born,
+                pin,
+            },
+        );
+        self.pages_changed = true;
+    }
+
+    pub fn exit(&mut self, slot: u32) {
+        if self.procs.remove(&slot).is_some() {
+            self.pages_changed = true;
+        }
+    }
+
+    pub fn busy(&mut self, gpu: u32, pid: u32) {
+        let s = crate::edges::gpu::Activity {
+            pid,
+            at_ns: self.now,
+            sm_util: 50,
+        };
+        self.samples.entry(gpu).or_default().push(s);
+    }
+
+    fn alive(&self, key: &ProcKey) -> Option<&Proc> {
+        self.procs.values().find(|p| p.key == *key)
+    }
+
+    fn flag(&mut self, what: String) {
+        self.violation.get_or_insert(what);
+    }
+
+    /// One tick of the loop, then 1 ms passes.
+    pub fn tick(&mut self) {
+        let mut obs = vec![Obs::Tick {
+            slept: None,
+            generation: self.generation,
+        }];
+        obs.extend(self.landed());
+        self.converse(obs);
+        self.now += MS;
+    }
+
+    pub fn converse(&mut self, mut obs: Vec<Obs>) {
+        loop {
+            let cmds = self.ctl.step(self.now, obs);
+            if cmds.is_empty() {
+                return;
+            }
+            obs = cmds.into_iter().filter_map(|c| self.perform(c)).collect();
+        }
+    }
+
+    /// The writes due now, landed (or failed).
+    pub fn landed(&mut self) -> Vec<Obs> {
+        let mut out = Vec::new();
+        while self.writes.front().is_some_and(|(due, _)| *due <= self.now) {
+            let (_, w) = self.writes.pop_front().unwrap();
+            out.push(self.land(w));
+        }
+        out
+    }
+
+    /// Every write still on its way, landed (the agent stops).
+    pub fn land_all(&mut self) {
+        while let Some((_, w)) = self.writes.pop_front() {
+            let o = self.land(w);
+            self.converse(vec![o]);
+        }
+    }
+
+    fn land(&mut self, w: crate::control::record::Write) -> Obs {
+        let ok = !self.record_broken;
+        if ok {
+            self.disk.extend(w.add.iter().cloned());
+            for e in &w.remove {
+                self.disk.remove(e);
+            }
+        }
+        Obs::Written { id: w.id, ok }
+    }
+
+    fn perform(&mut self, cmd: Cmd) -> Option<Obs> {
+        Some(match cmd {
+            Cmd::ReadSamples { gpus } => Obs::Samples {
+                read: gpus
+                    .iter()
+                    .map(|(g, _)| {
+                        let s = self.samples.remove(g).unwrap_or_default();
+                        if self.nvml_failing.contains(g) {
+                            (*g, Err("GPU lost".to_string()))
+                        } else {
+                            (*g, Ok(s))
+                        }
+                    })
+                    .collect(),
+                yielded: false,
+            },
+            Cmd::ReadLists { why, known } => {
+                let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+                let mut failed = BTreeMap::new();
+                for g in &self.nvml_failing {
+                    failed.insert(*g, "GPU lost".to_string());
+                }
+                for p in self.procs.values() {
+                    if !self.nvml_failing.contains(&p.gpu) {
+                        listed.entry(p.key.pid).or_default().insert(p.gpu);
+                    }
+                }
+                // As the shell tells it: listed PIDs whose known process is not the one
+                // that lives there now.
+                let gone: Vec<ProcKey> = known
+                    .iter()
+                    .map(|(k, _)| *k)
+                    .filter(|k| listed.contains_key(&k.pid) && self.alive(k).is_none())
+                    .collect();
+                self.reported_gone.extend(gone.iter().copied());
+                Obs::Lists {
+                    why,
+                    listed,
+                    failed,
+                    gone,
+                    generation: self.generation,
+                }
+            }
+            Cmd::Classify { pids, generation } => Obs::Classified(
+                pids.iter()
+                    .map(|pid| {
+                        let p = self.procs.values().find(|p| p.key.pid == *pid);
+                        (*pid, p.map(|p| entry(p, generation)))
+                    })
+                    .collect(),
+            ),
+            Cmd::Vet { plans } => Obs::Vetted(plans.into_iter().map(|(k, p, _)| (k, p)).collect()),
+            Cmd::ReadBells { gate, .. } => {
+                let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
+                let pages = (self.gate && std::mem::take(&mut self.pages_changed))
+                    .then(|| offline.iter().map(|p| page(p)).collect());
+                let gates = if gate {
+                    offline
+                        .iter()
+                        .map(|p| {
+                            let ack = self.closed.get(&p.key).map_or(0, |(e, at)| match self.ack {
+                                Ack::Never => 0,
+                                Ack::AtOnce => *e,
+                                Ack::Wrong => e.wrapping_add(7),
+                                Ack::Late(ms) if self.now >= at + ms as u64 * MS => *e,
+                                Ack::Late(_) => 0,
+                            });
+                            let r = GateReading {
+                                index: 0,
+                                uuid: uuid(p.gpu),
+                                gate_ack: ack,
+                                inflight: 0,
+                                in_submit: 0,
+                                blocked_ns: 0,
+                                submitted: 0,
+                            };
+                            (p.key.pid as u64, vec![r])
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                Obs::Bells {
+                    pages,
+                    readings: Vec::new(),
+                    gates,
+                }
+            }
+            Cmd::Hold(h) => Obs::Hold(self.hold(h)?),
+            Cmd::Write(w) => {
+                if self.write_delay == 0 {
+                    return Some(self.land(w));
+                }
+                let due = self.now + self.write_delay as u64 * MS;
+                self.writes.push_back((due, w));
+                return None;
+            }
+            Cmd::PreferPages(_)
+            | Cmd::Beat
+            | Cmd::Emit(_)
+            | Cmd::Note(_)
+            | Cmd::Degraded(_)
+            | Cmd::Publish(_) => return None,
+        })
+    }
+
+    fn hold(&mut self, h: HoldCmd) -> Option<HoldObs> {
+        Some(match h {
+            HoldCmd::Members { req, leader, .. } => HoldObs::Members {
+                req,
+                members: vec![leader],
+            },
+            HoldCmd::RecordAdd { .. } | HoldCmd::RecordRemove { .. } => {
+                self.flag("the record book's own commands reached the shell".into());
+                return None;
+            }
+            HoldCmd::CloseGate { req, gate } => {
+                let Target::Gate { key, .. } = &gate else {
+                    unreachable!()
+                };
+                self.may_stop(*key, gate.record(), "closed the gate of");
+                self.epoch += 1;
+                self.closed.insert(*key, (self.epoch, self.now));
+                HoldObs::GateClosed {
+                    req,
+                    epoch: Some(self.epoch),
+                }
+            }
+            HoldCmd::Start {
+                req, op, targets, ..
+            } => {
+                let progress = targets.iter().map(|t| self.act(t, op)).collect();
+                HoldObs::Progress {
+                    req,
+                    progress,
+                    at_ns: self.now,
+                }
+            }
+            HoldCmd::Check { req, op, targets } => {
+                let progress = targets
+                    .iter()
+                    .map(|t| match (t, op) {
+                        (Target::Process { key, .. }, Op::Suspend) => {
+                            if self.alive(key).is_none() {
+                                Progress::Gone
+                            } else if self.stopped.contains(key) {
+                                Progress::Done
+                            } else {
+                                Progress::Pending
+                            }
+                        }
+                        _ => Progress::Done,
+                    })
+                    .collect();
+                HoldObs::Progress {
+                    req,
+                    progress,
+                    at_ns: self.now,
+                }
+            }
+        })
+    }
+
+    /// Record before act; only a process started offline, under that key, and never one
+    /// the shell has said is gone (its PID reused). Before the shell could tell, a key
+    /// whose process died is harmless: the shell acts through a pidfd.
+    fn may_stop(&mut self, key: ProcKey, entry: RecordEntry, what: &str) {
+        if !self.disk.contains(&entry) {
+            self.flag(format!("{what} {key:?} before the record held {entry:?}"));
+        }
+        if !self.offline.contains(&key) {
+            self.flag(format!(
+                "{what} {key:?}, never an offline process under that key"
+            ));
+        }
+        if self.reported_gone.contains(&key) {
+            self.flag(format!("{what} {key:?} after its PID was reused"));
+        }
+    }
+
+    fn act(&mut self, t: &Target, op: Op) -> Progress {
+        match (t, op) {
+            (Target::Process { key, .. }, Op::Suspend) => {
+                self.may_stop(*key, t.record(), "stopped");
+                if self.suspend_fails.contains(key) {
+                    return Progress::Failed(ActError::Signal {
+                        pid: key.pid,
+                        source: std::io::Error::other("refused"),
+                    });
+                }
+                if self.alive(key).is_none() {
+                    return Progress::Gone;
+                }
+                self.stopped.insert(*key);
+                Progress::Done
+            }
+            (Target::Process { key, .. }, Op::Resume) => {
+                self.stopped.remove(key);
+                Progress::Done
+            }
+            (Target::Gate { key, .. }, Op::Resume) => {
+                self.closed.remove(key);
+                Progress::Done
+            }
+            (Target::Gate { .. }, Op::Suspend) => {
+                Progress::Failed(ActError::NoGate("closed by CloseGate only".into()))
+            }
+            (Target::Cgroup { .. }, _) => {
+                self.flag("a cgroup acted on: none was declared".into());
+                Progress::Done
+            }
+        }
+    }
+}
+
+fn entry(p: &Proc, generation: u64) -> Entry {
+    let class = if p.online {
+        Class::Online
+    } else {
+        Class::Offline
+    };
+    let plan = (!p.online).then(|| {
+        Plan::Signal(Target::Process {
+            key: p.key,
+            pidfd: p.pin.clone(),
+        })
+    });
+    Entry {
+        key: p.key,
+        cls: super::class(class, None),
+        cmd: "work".into(),
+        gpus: BTreeSet::new(),
+        last_active: BTreeMap::new(),
+        last_sampled: BTreeMap::new(),
+        nvml_seen: BTreeMap::new(),
+        onset: BTreeMap::new(),
+        uid: 0,
+        pod_uid: None,
+        ns_pid: None,
+        rung: false,
+        plan,
+        pin: Some(p.pin.clone()),
+        generation,
+    }
+}
+
+fn page(p: &Proc) -> PageInfo {
+    PageInfo {
+        id: p.key.pid as u64,
+        path: PathBuf::from(format!("/run/gpu-coloc/doorbells/{}-1.bell", p.key.pid)),
+        owner: Owner::Pid(p.key.pid),
+        file_uid: 0,
+        wake_gap_ns: 100 * MS,
+        pid: p.key.pid,
+        class: coloc_doorbell::CLASS_OFFLINE,
+    }
+}
+
+/// The six properties' world is built from these.
+pub(super) fn ack() -> impl Strategy<Value = Ack> {
+    prop_oneof![
+        Just(Ack::Never),
+        Just(Ack::AtOnce),
+        Just(Ack::Wrong),
+        (1u8..80).prop_map(Ack::Late),
+    ]
+}
