@@ -283,6 +283,13 @@ impl<'a> Page<'a> {
             .find(|e| claim(&e.state, &e.uuid_lo, &e.uuid_hi, uuid) == Claim::Mine)
     }
 
+    /// The ready entry for `uuid`, if there is one (never claims one).
+    pub fn find(&self, uuid: &[u8; 16]) -> Option<&'a Entry> {
+        self.entries
+            .iter()
+            .find(|e| is_for(&e.state, &e.uuid_lo, &e.uuid_hi, uuid))
+    }
+
     /// Records a submission at `now_ns` on entry `e` (writer side), with the writer's wake
     /// gap. Returns true when it started a run: the caller must then wake the agent
     /// ([`Page::wake`]).
@@ -633,6 +640,11 @@ mod tests {
             p.entry_for(&[3; 16]).unwrap()
         ));
         assert!(p.entry_for(&[200; 16]).is_none(), "a 17th GPU has no entry");
+        assert!(std::ptr::eq(
+            p.find(&[3; 16]).unwrap(),
+            p.entry_for(&[3; 16]).unwrap()
+        ));
+        assert!(p.find(&[200; 16]).is_none());
     }
 
     #[test]
