@@ -205,6 +205,39 @@ pub fn stream_of(kind: u32, a: &[usize; 12]) -> Option<usize> {
     }
 }
 
+/// The stream key of the legacy default stream of the context current at the call (a
+/// handle value no created stream has).
+pub const KEY_LEGACY: usize = CU_STREAM_LEGACY;
+/// The stream key of the calling thread's per-thread default stream in the context current
+/// at the call.
+pub const KEY_PER_THREAD: usize = CU_STREAM_PER_THREAD;
+/// The stream key of a submission that names no single stream: it matches no stream.
+pub const KEY_UNKNOWN: usize = usize::MAX;
+
+/// The stream handle `h` as a key: a created stream is itself; stream 0 is the legacy
+/// default stream, or the thread's own with per-thread default stream semantics (`ptds`);
+/// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD` say which explicitly. The two default
+/// streams' keys mean "of the current context" (and for the per-thread one, "of the
+/// calling thread"): who compares keys compares those too.
+#[inline(always)]
+pub fn key_of(h: usize, ptds: bool) -> usize {
+    match h {
+        0 if ptds => KEY_PER_THREAD,
+        0 => KEY_LEGACY,
+        h => h,
+    }
+}
+
+/// The stream key ([`key_of`]) of a submission of `kind` with arguments `a`
+/// ([`KEY_UNKNOWN`]: no single stream).
+#[inline(always)]
+pub fn stream_key(kind: u32, a: &[usize; 12]) -> usize {
+    match stream_of(kind, a) {
+        Some(h) => key_of(h, kind & KIND_PTDS != 0),
+        None => KEY_UNKNOWN,
+    }
+}
+
 /// Whether a submission of `kind` with arguments `a` goes to a stream being captured into
 /// a CUDA graph (the doorbell asks this of a launch that would start a run).
 pub fn captured(kind: u32, a: &[usize; 12]) -> bool {
@@ -303,6 +336,34 @@ mod tests {
         assert_eq!(kind_at("cuLaunchKernel", 13000, false), 8 | KIND_SET);
         assert_eq!(kind_of("cuMemcpyHtoDAsync_v2", false), 3 | KIND_SET);
         assert!(is_launch("cuMemcpyBatchAsync_v2"));
+    }
+
+    #[test]
+    fn stream_keys() {
+        let mut a = [0usize; 12];
+        let k = kind_of("cuLaunchKernel", false);
+        let kp = kind_of("cuLaunchKernel_ptsz", false);
+        assert_eq!(
+            stream_key(k, &a),
+            KEY_LEGACY,
+            "stream 0: the legacy default stream"
+        );
+        assert_eq!(
+            stream_key(kp, &a),
+            KEY_PER_THREAD,
+            "stream 0 of a _ptsz variant"
+        );
+        a[8] = CU_STREAM_LEGACY;
+        assert_eq!(stream_key(kp, &a), KEY_LEGACY, "named explicitly");
+        a[8] = CU_STREAM_PER_THREAD;
+        assert_eq!(stream_key(k, &a), KEY_PER_THREAD);
+        a[8] = 0x5000;
+        assert_eq!(stream_key(k, &a), 0x5000);
+        assert_eq!(
+            stream_key(kind_of("cuLaunchCooperativeKernelMultiDevice", false), &a),
+            KEY_UNKNOWN
+        );
+        assert_eq!(stream_key(0, &a), KEY_UNKNOWN, "kind not known");
     }
 
     #[test]

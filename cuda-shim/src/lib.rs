@@ -3,7 +3,9 @@
 //! Loaded with `LD_PRELOAD` into a GPU process. In an **online** process
 //! (`COLOC_SHIM_CLASS=online`) it is a doorbell: every submission of GPU work stamps its
 //! time for the GPU it targets in a one-page shared file (`coloc-doorbell`), and the
-//! first submission after a pause wakes the node agent. In an **offline** process
+//! first submission after a pause wakes the node agent; and when a synchronising call
+//! shows all the process's work on a GPU complete, it stamps that time too ([`drain`]).
+//! In an **offline** process
 //! (`COLOC_SHIM_CLASS=offline`) it is the **launch gate** ([`gate`]): while the agent holds
 //! a GPU's gate closed, the process's next submission to that GPU blocks, and at most K
 //! submissions per stream are in flight, so what keeps running after a close is short.
@@ -17,9 +19,13 @@
 //!  dlsym (ours, naked) ── a cu* name we wrap? ──► our wrapper (real pointer kept)
 //!     │ otherwise: tail-jump to the next dlsym (the caller's RTLD_NEXT stays the caller's)
 //!  cuGetProcAddress[_v2] (ours) ── launch entry point? ──► a forwarding slot
+//!     │                        └─ synchronising call, event call, synchronous copy?
+//!     │                                                ──► a watch slot
 //!     │ anything else: the driver's pointer, untouched
 //!  slot N: online: ring the doorbell │ offline, gate in force: the gate │ else nothing;
 //!          then call the driver's pointer for slot N
+//!  watch slot N: online: the driver's pointer, and a completion stamp if it showed all
+//!          work done │ else: the driver's pointer, nothing more
 //! ```
 //!
 //! - **How the CUDA 12 runtime is caught**: it looks up `cuGetProcAddress_v2` with `dlsym`
@@ -39,8 +45,9 @@
 //!   context for a created stream (`cuStreamGetCtx`, once per stream).
 //! - **Cost**: see `benches/RESULTS.md` (`cargo bench -p coloc-e2e --bench shim_launch`).
 //!   Pass-through (no class, no `COLOC_DOORBELL_DIR`, or offline without a gate file) costs
-//!   one load and a branch beyond the forwarding; the online busy path a clock read and a
-//!   few loads and stores; the gated path (gate open) two atomic read-modify-writes, a
+//!   one load and a branch beyond the forwarding; the online busy path a clock read, a few
+//!   loads and stores and one atomic swap (the thread's mark that it is inside a
+//!   submission, [`threads`]); the gated path (gate open) two atomic read-modify-writes, a
 //!   per-stream lock and one `cuEventRecord` (plus a wait for the oldest event once K are
 //!   in flight): about 170 ns over pass-through on the simulated driver.
 //! - **Never breaks its host process**: any internal failure turns the shim into a
@@ -137,12 +144,15 @@
 //!  guard     SIGBUS on a truncated mapping: zeros, pass-through          ← mode
 //!  driver    the driver's functions the shim calls itself            ← dl
 //!  launch    submission entry points: names, stream argument, capture ← driver
-//!  page      the doorbell page: create, ring                   ← driver, guard, mode
+//!  watch     synchronising calls, event calls, synchronous copies: names ← launch
+//!  threads   each thread's record of its submissions per GPU              ← mode
+//!  page      the doorbell page: create, ring            ← driver, guard, mode, threads
+//!  drain     completion stamps (online)          ← launch, page, threads, watch
 //!  gate/     the launch gate (offline)           ← config, driver, guard, launch, mode, page
 //!    mod (settings) → map, gpus, events → streams → budget → submit, watch
 //!  setup     the first submission decides the mode      ← config, driver, gate, mode, page
-//!  hooks/    the entry points: getters and slots (mod), dlsym, exported symbols
-//!                                                       ← everything above
+//!  hooks/    the entry points: getters, slots and watch slots (mod), dlsym, exported
+//!            symbols                                    ← everything above
 //! ```
 //!
 
@@ -150,6 +160,7 @@
 
 mod config;
 mod dl;
+mod drain;
 mod driver;
 mod gate;
 mod guard;
@@ -158,4 +169,6 @@ mod launch;
 mod mode;
 mod page;
 mod setup;
+mod threads;
 pub mod trace;
+mod watch;

@@ -24,13 +24,25 @@
 //!   process that writes it (mode 0644) and nothing the agent does depends on a tenant
 //!   granting it write access.
 //!
-//! Layout (all fields little-endian atomics, offsets fixed by `#[repr(C)]`), version 2:
+//! Layout (all fields little-endian atomics, offsets fixed by `#[repr(C)]`), version 3:
 //! [`Header`] (64 bytes: magic `"COLOCDB1"`, version, PID, `wake` futex word, `class`
 //! (1 online, 2 offline: informational, never trusted), wake gap, creation time), then
 //! [`MAX_GPUS`] × [`Entry`] (128 bytes each: state, UUID, `last_launch_ns`,
-//! `busy_since_ns`, `wakes`, and the launch gate's `inflight`, `in_submit`, `gate_ack`,
-//! `blocked_ns`, `submitted`). Readers accept version 1 pages too (the same layout with the
-//! version 2 fields 0).
+//! `busy_since_ns`, `wakes`, the launch gate's `inflight`, `in_submit`, `gate_ack`,
+//! `blocked_ns`, `submitted`, and `drained_ns`). Readers accept versions 1 and 2 too (the
+//! same layout with the fields added since 0; a version 1 or 2 page's `drained_ns` reads
+//! as 0 whatever its word holds).
+//!
+//! **Completion** (version 3, online processes): [`Entry::drained_ns`] is when the
+//! process last saw all the work it had submitted on that GPU complete — a synchronising
+//! call (a context, stream or event synchronize or query, a device-to-host copy) returned
+//! successfully, it covered every submission the process had made on that GPU, and no
+//! submission on that GPU began between the start of that call and the stamp. A launch
+//! time says when work was queued; this says when it was seen done, so a reader can tell
+//! "launched 2 ms ago and still running" from "launched 2 ms ago and finished". 0: never
+//! seen. It is the tenant's word like every field here: the most it can claim is that its
+//! own work is done. Read it with [`Page::drained_ns`]: work launched after it
+//! (`last_launch_ns > drained_ns`) is not covered.
 //!
 //! **Offline processes** write a page too (class 2), for the launch gate ([`gate`]): they
 //! never stamp launch times; they keep the gate fields of the entry of each GPU they
@@ -49,8 +61,11 @@ pub mod gate;
 /// Identifies a doorbell page of this layout ("COLOCDB1").
 pub const MAGIC: u64 = 0x3142_4443_4f4c_4f43;
 /// Layout version written by this crate (2: the header's `class`, and the gate fields of
-/// [`Entry`]). Readers also accept version 1 pages (the same layout with those fields 0).
-pub const VERSION: u32 = 2;
+/// [`Entry`]; 3: [`Entry::drained_ns`]). Readers also accept version 1 and 2 pages (the
+/// same layout with the later fields 0).
+pub const VERSION: u32 = 3;
+/// First layout version with [`Entry::drained_ns`].
+pub const DRAINED_VERSION: u32 = 3;
 /// Oldest layout version readers accept.
 pub const MIN_VERSION: u32 = 1;
 /// [`Header::class`] of an online process (informational: the agent never trusts it).
@@ -128,11 +143,21 @@ pub struct Entry {
     pub blocked_ns: AtomicU64,
     /// Launch gate: submissions made on this GPU (counted by the offline shim).
     pub submitted: AtomicU64,
-    _reserved: [u64; 6],
+    /// Online (version 3): when the process last saw every submission it had made on this
+    /// GPU complete, ns (`CLOCK_REALTIME`); 0: never. Written only after a synchronising
+    /// call that covered all of them returned successfully with no submission on this GPU
+    /// begun since the call started (see the crate docs); never moves back.
+    pub drained_ns: AtomicU64,
+    _reserved: [u64; 5],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == 64);
 const _: () = assert!(std::mem::size_of::<Entry>() == 128);
+// Fields keep their offsets across versions (older readers and writers share the page).
+const _: () = assert!(std::mem::offset_of!(Entry, last_launch_ns) == 24);
+const _: () = assert!(std::mem::offset_of!(Entry, blocked_ns) == 64);
+const _: () = assert!(std::mem::offset_of!(Entry, submitted) == 72);
+const _: () = assert!(std::mem::offset_of!(Entry, drained_ns) == 80);
 const _: () =
     assert!(std::mem::size_of::<Header>() + MAX_GPUS * std::mem::size_of::<Entry>() <= PAGE);
 
@@ -258,6 +283,13 @@ impl<'a> Page<'a> {
             .find(|e| claim(&e.state, &e.uuid_lo, &e.uuid_hi, uuid) == Claim::Mine)
     }
 
+    /// The ready entry for `uuid`, if there is one (never claims one).
+    pub fn find(&self, uuid: &[u8; 16]) -> Option<&'a Entry> {
+        self.entries
+            .iter()
+            .find(|e| is_for(&e.state, &e.uuid_lo, &e.uuid_hi, uuid))
+    }
+
     /// Records a submission at `now_ns` on entry `e` (writer side), with the writer's wake
     /// gap. Returns true when it started a run: the caller must then wake the agent
     /// ([`Page::wake`]).
@@ -320,6 +352,31 @@ impl<'a> Page<'a> {
                 },
             });
         }
+    }
+
+    /// When the writer last saw all its work on entry `index`'s GPU complete
+    /// ([`Entry::drained_ns`]), as a reader at `now_ns` may take it: 0 (not known) for a
+    /// page older than version 3, an entry that is not ready, or a time after `now_ns`
+    /// (a claim from the future is no evidence of anything). Evidence about the writer's
+    /// own work only, never more: launches after it are not covered.
+    pub fn drained_ns(&self, index: usize, now_ns: u64) -> u64 {
+        if self.header.version.load(Relaxed) < DRAINED_VERSION {
+            return 0;
+        }
+        match self.entries.get(index) {
+            Some(e) if e.state.load(Acquire) == ENTRY_READY => match e.drained_ns.load(Acquire) {
+                t if t <= now_ns => t,
+                _ => 0,
+            },
+            _ => 0,
+        }
+    }
+
+    /// Records that every submission this process made on entry `e`'s GPU was seen
+    /// complete at `now_ns` (writer side; see [`Entry::drained_ns`]). Never moves the stamp
+    /// back (two threads may stamp at once).
+    pub fn stamp_drained(&self, e: &Entry, now_ns: u64) {
+        e.drained_ns.fetch_max(now_ns, Release);
     }
 
     /// Wake-ups taken on entry `index`.
@@ -583,6 +640,11 @@ mod tests {
             p.entry_for(&[3; 16]).unwrap()
         ));
         assert!(p.entry_for(&[200; 16]).is_none(), "a 17th GPU has no entry");
+        assert!(std::ptr::eq(
+            p.find(&[3; 16]).unwrap(),
+            p.entry_for(&[3; 16]).unwrap()
+        ));
+        assert!(p.find(&[200; 16]).is_none());
     }
 
     #[test]
@@ -602,7 +664,7 @@ mod tests {
         p.init_class(9, CLASS_OFFLINE, 0, 1);
         assert!(p.valid());
         assert_eq!(p.class(), CLASS_OFFLINE);
-        assert_eq!(p.header().version.load(Relaxed), 2);
+        assert_eq!(p.header().version.load(Relaxed), VERSION);
         let e = p.entry_for(&[1; 16]).unwrap();
         assert_eq!(p.index_of(e), Some(0));
         assert!(std::ptr::eq(p.entry(0).unwrap(), e));
@@ -633,11 +695,52 @@ mod tests {
         let mut l = Vec::new();
         p.read(&mut l);
         assert_eq!(l[0].last_launch_ns, 0);
-        // A version 1 page (an older shim) is still read; a future version is not.
-        p.header().version.store(1, Relaxed);
-        assert!(p.valid());
-        p.header().version.store(3, Relaxed);
+        // Version 1 and 2 pages (older shims) are still read; a future version is not.
+        for v in [1, 2, 3] {
+            p.header().version.store(v, Relaxed);
+            assert!(p.valid(), "version {v}");
+        }
+        p.header().version.store(4, Relaxed);
         assert!(!p.valid());
+    }
+
+    #[test]
+    fn version_3_carries_the_drained_stamp_and_older_pages_read_0() {
+        let mut b = Buf([0; PAGE]);
+        let p = page(&mut b);
+        p.init_class(9, CLASS_ONLINE, 0, 1);
+        let e = p.entry_for(&[5; 16]).unwrap();
+        let i = p.index_of(e).unwrap();
+        assert_eq!(p.drained_ns(i, 10_000), 0, "never stamped");
+        p.ring(e, 1_000, 100);
+        p.stamp_drained(e, 3_000);
+        assert_eq!(p.drained_ns(i, 10_000), 3_000);
+        // Two threads stamping at once: the later time stays.
+        p.stamp_drained(e, 2_500);
+        assert_eq!(p.drained_ns(i, 10_000), 3_000, "a stamp never moves back");
+        // The launch fields are untouched by a stamp.
+        let mut r = Vec::new();
+        p.read(&mut r);
+        assert_eq!((r[0].last_launch_ns, r[0].busy_since_ns), (1_000, 1_000));
+        // A stamp after the reader's now is no evidence.
+        assert_eq!(p.drained_ns(i, 2_999), 0);
+        assert_eq!(p.drained_ns(i, 3_000), 3_000);
+        // Entries that are not ready, or out of range, read 0.
+        assert_eq!(p.drained_ns(i + 1, 10_000), 0);
+        assert_eq!(p.drained_ns(MAX_GPUS, 10_000), 0);
+        // The same word in a version 1 or 2 page (its reserved space then): 0, whatever
+        // it holds.
+        for v in [1, 2] {
+            p.header().version.store(v, Relaxed);
+            assert!(p.valid());
+            assert_eq!(p.drained_ns(i, 10_000), 0, "version {v}");
+        }
+        p.header().version.store(VERSION, Relaxed);
+        assert_eq!(p.drained_ns(i, 10_000), 3_000);
+        // Where the word lies: byte 80 of the entry, after `submitted`.
+        let at = e as *const Entry as usize + 80;
+        // SAFETY: byte 80 of a live entry of the page, 8-aligned.
+        assert_eq!(unsafe { (at as *const u64).read_volatile() }, 3_000);
     }
 
     #[test]

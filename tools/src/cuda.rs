@@ -23,12 +23,14 @@ type Launch = unsafe extern "C" fn(
     *mut *mut c_void,
 ) -> c_int;
 type Sync = unsafe extern "C" fn() -> c_int;
+type StreamSync = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 /// A context on one device with a loaded kernel.
 #[derive(Debug)]
 pub struct Driver {
     launch: Launch,
     sync: Sync,
+    stream_sync: StreamSync,
     func: *mut c_void,
     stream: *mut c_void,
 }
@@ -111,6 +113,10 @@ impl Driver {
                 stream,
                 launch: std::mem::transmute::<*mut c_void, Launch>(get(getter, c"cuLaunchKernel")),
                 sync: std::mem::transmute::<*mut c_void, Sync>(get(getter, c"cuCtxSynchronize")),
+                stream_sync: std::mem::transmute::<*mut c_void, StreamSync>(get(
+                    getter,
+                    c"cuStreamSynchronize",
+                )),
                 func,
             }
         }
@@ -152,5 +158,15 @@ impl Driver {
     pub fn synchronize(&self) {
         // SAFETY: the current context is ours.
         assert_eq!(unsafe { (self.sync)() }, 0, "cuCtxSynchronize");
+    }
+
+    /// Waits for everything launched on the created stream.
+    pub fn synchronize_stream(&self) {
+        // SAFETY: our stream.
+        assert_eq!(
+            unsafe { (self.stream_sync)(self.stream) },
+            0,
+            "cuStreamSynchronize"
+        );
     }
 }

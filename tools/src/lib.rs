@@ -7,6 +7,7 @@
 //!   one. `coloc-bench --help` lists the modes.
 //! - `coloc-capture`: a CUDA graph capture workload beside another thread's launches.
 //! - `coloc-batch`: batched copies (`cuMemcpyBatchAsync`) through both of their ABIs.
+//! - `coloc-syncs`: submissions and synchronising calls in the order a test dictates.
 //!
 //! The library drives the real binaries: real processes, real signals, real cgroups; only
 //! the GPU is simulated (`coloc-sim gpu` plus `libfake_nvml.so` loaded by the real agent).

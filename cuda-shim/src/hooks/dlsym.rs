@@ -3,7 +3,7 @@
 //! (what `RTLD_NEXT` is relative to) as if we were not there.
 //!
 //! - `dlsym`: [`dlsym_hook`] answers a name starting with `cu` that we wrap (a getter, a
-//!   submission entry point); every other lookup goes on to the next `dlsym`
+//!   submission entry point, a watched one); every other lookup goes on to the next `dlsym`
 //!   ([`crate::dl`]: another interposer's loaded after us, or glibc's).
 //! - `dlvsym`: interposers find "the real `dlsym`" with `dlvsym(RTLD_NEXT, "dlsym",
 //!   version)` (HAMi-core asks for `GLIBC_2.2.5`, an older shim `GLIBC_2.34`). A versioned
@@ -16,9 +16,10 @@
 //! `/etc/ld.so.preload`, each one's `dlsym` calls the next one's, and each sees every
 //! lookup that reaches it.
 
-use super::{getter_for, is_getter, is_ours, slot_for};
+use super::{getter_for, is_getter, is_ours, slot_for, watch_slot_for};
 use crate::dl::{GLIBC_DLSYM, GLIBC_DLVSYM, NEXT_DLSYM};
 use crate::launch::{is_launch, kind_of};
+use crate::watch::is_watched;
 use std::ffi::{c_char, c_void, CStr};
 
 /// Our answer to `dlsym(handle, name)` for a name starting with `cu` (null: the next
@@ -27,7 +28,8 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
     let bytes = name.to_bytes();
     let getter = is_getter(bytes);
     let launch = !getter && std::str::from_utf8(bytes).is_ok_and(is_launch);
-    if !getter && !launch {
+    let watched = !getter && !launch && std::str::from_utf8(bytes).is_ok_and(is_watched);
+    if !getter && !launch && !watched {
         crate::trace::request("dlsym", bytes, 0, 0, false);
         return std::ptr::null_mut();
     }
@@ -42,6 +44,11 @@ pub fn on_dlsym(handle: *mut c_void, name: &CStr) -> *mut c_void {
         Some(real as usize)
     } else if getter {
         getter_for(real as usize)
+    } else if watched {
+        watch_slot_for(
+            real as usize,
+            crate::watch::kind_of(&String::from_utf8_lossy(bytes), false),
+        )
     } else {
         // A name asked of dlsym is the exported one: `_ptsz` says per-thread.
         slot_for(

@@ -1,6 +1,6 @@
-//! The exported submission entry points and getters, for programs linked against `libcuda`
-//! directly (and lookups through `RTLD_DEFAULT`): each finds the driver's symbol of its
-//! name once and dispatches as a slot does.
+//! The exported submission entry points, watched entry points and getters, for programs
+//! linked against `libcuda` directly (and lookups through `RTLD_DEFAULT`): each finds the
+//! driver's symbol of its name once and dispatches as a slot does.
 
 use super::{after_get, is_ours, CUDA_SUCCESS};
 use crate::launch::{kind_of, Fwd};
@@ -75,6 +75,52 @@ exported_launch!(
     cuMemcpy3DPeerAsync cuMemcpy3DPeerAsync_ptsz
     cuMemsetD8Async cuMemsetD8Async_ptsz cuMemsetD16Async cuMemsetD16Async_ptsz
     cuMemsetD32Async cuMemsetD32Async_ptsz
+);
+
+macro_rules! exported_watch {
+    ($($name:ident)*) => { $(
+        /// Exported watched entry point (`crate::watch`): completion stamps online, then
+        /// the driver's.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            a0: usize, a1: usize, a2: usize, a3: usize, a4: usize, a5: usize,
+            a6: usize, a7: usize, a8: usize, a9: usize, a10: usize, a11: usize,
+        ) -> c_int {
+            static REAL: AtomicUsize = AtomicUsize::new(0);
+            static KIND: AtomicU32 = AtomicU32::new(0);
+            // Acquire: a thread that sees the pointer sees its kind.
+            let mut f = REAL.load(Acquire);
+            if f == 0 {
+                let cname = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes());
+                f = cname.map_or(0, resolve_next);
+                if f == 0 {
+                    return CUDA_ERROR_NOT_FOUND;
+                }
+                KIND.store(crate::watch::kind_of(stringify!($name), false), Relaxed);
+                REAL.store(f, Release);
+            }
+            // The driver's own entry point of the same name, same arguments.
+            observe!(f, KIND, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
+        }
+    )* };
+}
+
+// Entry points every driver since CUDA 7.0 has (`cuEventRecordWithFlags`, 11.1, and
+// `cuCtxSynchronize_v2` are wrapped only when asked of a getter or of `dlsym` on the
+// driver's handle, as the batched copies are).
+exported_watch!(
+    cuStreamSynchronize cuStreamSynchronize_ptsz cuStreamQuery cuStreamQuery_ptsz
+    cuCtxSynchronize cuEventSynchronize cuEventQuery cuEventRecord cuEventRecord_ptsz
+    cuEventCreate cuEventDestroy_v2
+    cuMemcpyDtoH_v2 cuMemcpyDtoH_v2_ptds cuMemcpyAtoH_v2 cuMemcpyAtoH_v2_ptds
+    cuMemcpy cuMemcpy_ptds cuMemcpyHtoD_v2 cuMemcpyHtoD_v2_ptds cuMemcpyDtoD_v2 cuMemcpyDtoD_v2_ptds
+    cuMemcpyHtoA_v2 cuMemcpyHtoA_v2_ptds cuMemcpyAtoD_v2 cuMemcpyAtoD_v2_ptds
+    cuMemcpyDtoA_v2 cuMemcpyDtoA_v2_ptds cuMemcpyAtoA_v2 cuMemcpyAtoA_v2_ptds
+    cuMemcpy2D_v2 cuMemcpy2D_v2_ptds cuMemcpy2DUnaligned_v2 cuMemcpy2DUnaligned_v2_ptds
+    cuMemcpy3D_v2 cuMemcpy3D_v2_ptds cuMemcpyPeer cuMemcpyPeer_ptds cuMemcpy3DPeer cuMemcpy3DPeer_ptds
+    cuMemsetD8_v2 cuMemsetD8_v2_ptds cuMemsetD16_v2 cuMemsetD16_v2_ptds cuMemsetD32_v2 cuMemsetD32_v2_ptds
+    cuMemsetD2D8_v2 cuMemsetD2D8_v2_ptds cuMemsetD2D16_v2 cuMemsetD2D16_v2_ptds
+    cuMemsetD2D32_v2 cuMemsetD2D32_v2_ptds
 );
 
 macro_rules! exported_getter {

@@ -1,6 +1,8 @@
 //! The entry points: the getters (`cuGetProcAddress`, `cuGetProcAddress_v2`), forwarding
-//! slots for the launch entry points, our `dlsym` ([`dlsym`]) and the exported launch
-//! symbols for programs linked against `libcuda` directly ([`exported`]).
+//! slots for the launch entry points and for the watched ones (`crate::watch`: the
+//! synchronising calls, event bookkeeping, synchronous copies), our `dlsym` ([`dlsym`]) and
+//! the exported symbols of both for programs linked against `libcuda` directly
+//! ([`exported`]).
 //!
 //! A *slot* is a wrapper bound to one real driver pointer. The driver may hand out several
 //! pointers for one name (`_ptsz` with the per-thread default stream, older ABIs for older
@@ -9,21 +11,52 @@
 
 use crate::launch::{base_name, is_launch, kind_at, per_thread, Fwd, NEW_ABI};
 use crate::mode;
+use crate::watch::is_watched;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::*};
 
-/// A submission: doorbell (online), gate (offline with a gate), or straight through. A
-/// macro, so that the arguments are gathered into an array only on the gated path.
+/// A submission: doorbell (online: the thread is marked inside a submission until the
+/// driver's call returns, [`crate::threads`]), gate (offline with a gate), or straight
+/// through. A macro, so that the arguments are gathered into an array only where needed.
 macro_rules! dispatch {
     ($f:expr, $kind:expr, $($a:ident),*) => {{
         match crate::setup::mode() {
-            mode::ON => crate::page::ring(|| crate::launch::captured($kind.load(Relaxed), &[$($a),*])),
+            mode::ON => {
+                let k = $kind.load(Relaxed);
+                let rec = crate::page::ring(
+                    crate::launch::stream_key(k, &[$($a),*]),
+                    || crate::launch::captured(k, &[$($a),*]),
+                );
+                // SAFETY: as below.
+                let r = unsafe { std::mem::transmute::<usize, Fwd>($f)($($a),*) };
+                crate::page::rung(rec);
+                return r;
+            }
             mode::GATED if !crate::gate::submitting() => return $crate::hooks::gated($kind.load(Relaxed), $f, $($a),*),
             _ => {}
         }
         // SAFETY: the caller's contract: `$f` is the driver's entry point for this
         // request, called with the caller's own arguments.
         unsafe { std::mem::transmute::<usize, Fwd>($f)($($a),*) }
+    }};
+}
+
+/// A watched call (`crate::watch`): completion stamps online ([`crate::drain`]), straight
+/// through otherwise. A synchronous copy or memset is a submission: it decides the mode if
+/// it is the first; the other watched calls never do (before the first submission there is
+/// nothing to stamp).
+macro_rules! observe {
+    ($f:expr, $kind:expr, $($a:ident),*) => {{
+        let k = $kind.load(Relaxed);
+        let copies = matches!(crate::watch::what(k), crate::watch::W_COPY | crate::watch::W_COPY_DRAINS);
+        let m = if copies { crate::setup::mode() } else { crate::mode::MODE.load(Acquire) };
+        if m == mode::ON {
+            crate::drain::call(k, $f, [$($a),*])
+        } else {
+            // SAFETY: the caller's contract: `$f` is the driver's entry point for this
+            // request, called with the caller's own arguments.
+            unsafe { std::mem::transmute::<usize, Fwd>($f)($($a),*) }
+        }
     }};
 }
 
@@ -73,6 +106,13 @@ static SLOT_REAL: [AtomicUsize; NSLOTS] = [const { AtomicUsize::new(0) }; NSLOTS
 static SLOT_KIND: [AtomicU32; NSLOTS] = [const { AtomicU32::new(0) }; NSLOTS];
 static GETTER_REAL: [AtomicUsize; NGETTERS] = [const { AtomicUsize::new(0) }; NGETTERS];
 static SLOTS_FULL: AtomicBool = AtomicBool::new(false);
+/// Distinct driver pointers of watched entry points (`crate::watch`): 29 bases, most with
+/// a per-thread variant and an older ABI, come to about 80.
+const NWATCH: usize = 128;
+static WATCH_REAL: [AtomicUsize; NWATCH] = [const { AtomicUsize::new(0) }; NWATCH];
+/// Watch slot N's kind (`crate::watch::kind_of`), set when it is handed out.
+static WATCH_KIND: [AtomicU32; NWATCH] = [const { AtomicU32::new(0) }; NWATCH];
+static WATCH_FULL: AtomicBool = AtomicBool::new(false);
 
 unsafe extern "C" fn slot<const N: usize>(
     a0: usize,
@@ -93,6 +133,40 @@ unsafe extern "C" fn slot<const N: usize>(
     dispatch!(
         f,
         SLOT_KIND[N],
+        a0,
+        a1,
+        a2,
+        a3,
+        a4,
+        a5,
+        a6,
+        a7,
+        a8,
+        a9,
+        a10,
+        a11
+    )
+}
+
+unsafe extern "C" fn watch<const N: usize>(
+    a0: usize,
+    a1: usize,
+    a2: usize,
+    a3: usize,
+    a4: usize,
+    a5: usize,
+    a6: usize,
+    a7: usize,
+    a8: usize,
+    a9: usize,
+    a10: usize,
+    a11: usize,
+) -> c_int {
+    // Watch slot N is handed out only after its real pointer was stored.
+    let f = WATCH_REAL[N].load(Relaxed);
+    observe!(
+        f,
+        WATCH_KIND[N],
         a0,
         a1,
         a2,
@@ -157,6 +231,9 @@ fn wrap_for(name: &[u8], real: usize, ver: c_int, flags: u64) -> Option<usize> {
     } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_launch(n)) {
         let ver = abi_version(n, real, ver, driver_version, driver_symbol);
         slot_for(real, kind_at(n, ver, per_thread(flags)))
+    } else if let Some(n) = std::str::from_utf8(name).ok().filter(|n| is_watched(n)) {
+        let kind = crate::watch::kind_at(n, real, ver, per_thread(flags), driver_symbol);
+        watch_slot_for(real, kind)
     } else {
         None
     }
@@ -244,6 +321,12 @@ static SLOT_FNS: [Fwd; NSLOTS] = table!(slot, Fwd,
     91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114
     115 116 117 118 119 120 121 122 123 124 125 126 127);
 static GETTER_FNS: [Getter; NGETTERS] = table!(getter, Getter, 0 1 2 3 4 5 6 7);
+static WATCH_FNS: [Fwd; NWATCH] = table!(watch, Fwd,
+    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32
+    33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61
+    62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90
+    91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114
+    115 116 117 118 119 120 121 122 123 124 125 126 127);
 
 /// Finds or takes a slot for `real` in `reals`; `None` when all are taken.
 fn claim(reals: &[AtomicUsize], real: usize) -> Option<usize> {
@@ -275,6 +358,27 @@ pub fn slot_for(real: usize, kind: u32) -> Option<usize> {
             mode::warn_once(
                 &SLOTS_FULL,
                 "out of launch wrappers: further entry points pass through unobserved",
+            );
+            None
+        }
+    }
+}
+
+/// The wrapper forwarding to watched entry point `real` (`None`: pointer is ours already,
+/// or no watch slot is left — the caller then gets the real pointer, unwatched).
+pub fn watch_slot_for(real: usize, kind: u32) -> Option<usize> {
+    if is_ours(real) {
+        return None;
+    }
+    match claim(&WATCH_REAL, real) {
+        Some(i) => {
+            let _ = WATCH_KIND[i].compare_exchange(0, kind, AcqRel, Acquire);
+            Some(WATCH_FNS[i] as usize)
+        }
+        None => {
+            mode::warn_once(
+                &WATCH_FULL,
+                "out of wrappers for synchronising calls: further ones pass through unobserved",
             );
             None
         }

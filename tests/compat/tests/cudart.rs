@@ -1,9 +1,10 @@
 //! The real CUDA runtime in front of the shim: a program linked against `libcudart` from
 //! NVIDIA's PyPI wheels (`nvidia-cuda-runtime-cu12`, `-cu11`; scripts/test-all installs
 //! them) runs under the shim (`COLOC_SHIM_TRACE=1`) on the fake driver. Every submission
-//! entry point the runtime looks up comes back wrapped, the per-thread-default-stream
-//! variants (getter flag 2) too; everything else is passed. Without a real driver the
-//! runtime stops after loading its table (the line printed says where).
+//! entry point and every synchronising call the runtime looks up comes back wrapped, the
+//! per-thread-default-stream variants (getter flag 2) too; everything else is passed.
+//! Without a real driver the runtime stops after loading its table (the line printed says
+//! where); what it looks up is what the fake driver has.
 
 use coloc_compat::*;
 use coloc_e2e::Sim;
@@ -29,6 +30,23 @@ fn submits(name: &str) -> bool {
         || name.starts_with("cuGraphLaunch")
         || ((name.starts_with("cuMemcpy") || name.starts_with("cuMemset"))
             && name.contains("Async"))
+}
+
+/// A watched entry point by the shim's rule of thumb (its list in `watch.rs`): what waits
+/// for or reports completion, the event calls, and the synchronous copies and memsets.
+fn watched(name: &str) -> bool {
+    matches!(
+        name,
+        "cuStreamSynchronize"
+            | "cuStreamQuery"
+            | "cuCtxSynchronize"
+            | "cuEventSynchronize"
+            | "cuEventQuery"
+            | "cuEventRecord"
+            | "cuEventRecordWithFlags"
+            | "cuEventCreate"
+            | "cuEventDestroy"
+    ) || ((name.starts_with("cuMemcpy") || name.starts_with("cuMemset")) && !name.contains("Async"))
 }
 
 /// One `libcoloc_cuda: trace: VIA NAME ver=V flags=F wrapped|passed` line.
@@ -96,7 +114,7 @@ fn run(lib: &Path, so: &str, x: &Scratch, sim: &Sim) -> Option<(String, Vec<Requ
 }
 
 #[test]
-fn every_submission_entry_point_the_runtime_looks_up_comes_back_wrapped() {
+fn every_submission_and_synchronising_entry_point_the_runtime_looks_up_comes_back_wrapped() {
     let sim = Sim::start(1, &[]);
     let x = Scratch::new("cudart");
     let Some(lib) = wheel_lib() else {
@@ -155,11 +173,32 @@ fn every_submission_entry_point_the_runtime_looks_up_comes_back_wrapped() {
                 "{so}: a submission entry point passed unwrapped: {q:?}"
             );
         }
-        for q in reqs
-            .iter()
-            .filter(|q| !submits(&q.name) && !q.name.starts_with("cuGetProcAddress"))
-        {
-            assert!(!q.wrapped, "{so}: {q:?} is not a submission entry point");
+        let syncs: Vec<&Request> = reqs.iter().filter(|q| watched(&q.name)).collect();
+        for q in &syncs {
+            assert!(
+                q.wrapped,
+                "{so}: a watched entry point passed unwrapped: {q:?}"
+            );
+        }
+        for q in reqs.iter().filter(|q| {
+            !submits(&q.name) && !watched(&q.name) && !q.name.starts_with("cuGetProcAddress")
+        }) {
+            assert!(!q.wrapped, "{so}: {q:?} is neither submission nor watched");
+        }
+        // The synchronising calls a request ends with, in both stream semantics.
+        for (must, flags) in [
+            ("cuStreamSynchronize", 0),
+            ("cuStreamSynchronize", 2),
+            ("cuCtxSynchronize", 0),
+            ("cuEventSynchronize", 0),
+            ("cuEventRecord", 2),
+            ("cuMemcpyDtoH", 0),
+            ("cuMemcpyDtoH", 2),
+        ] {
+            assert!(
+                syncs.iter().any(|q| q.name == must && q.flags == flags),
+                "{so}: {must} (flags {flags}) was looked up and wrapped: {syncs:?}"
+            );
         }
         let names: std::collections::BTreeSet<&str> =
             subs.iter().map(|q| q.name.as_str()).collect();
@@ -183,13 +222,19 @@ fn every_submission_entry_point_the_runtime_looks_up_comes_back_wrapped() {
             ptds.contains("cuLaunchKernel"),
             "{so}: per-thread variants: {ptds:?}"
         );
+        let sync_names: Vec<String> = syncs
+            .iter()
+            .map(|q| format!("{}{}", q.name, if q.flags & 2 != 0 { "(ptds)" } else { "" }))
+            .collect();
         eprintln!(
             "{so}: {} lookups answered by the driver, {} of submission entry points ({} names, \
-             {} also per-thread), all wrapped; the runtime says: {said}",
+             {} also per-thread), all wrapped; watched, all wrapped: {}; the runtime says: \
+             {said}",
             reqs.len(),
             subs.len(),
             names.len(),
-            ptds.len()
+            ptds.len(),
+            sync_names.join(" ")
         );
     }
     assert!(ran > 0, "neither runtime is in {}", lib.display());

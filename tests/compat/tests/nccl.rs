@@ -2,8 +2,9 @@
 //! (linked into `libnccl.so.2`, from NVIDIA's PyPI wheel `nvidia-nccl-cu12`; scripts/test-all
 //! installs it). A program that asks NCCL for a communicator runs under the shim
 //! (`COLOC_SHIM_TRACE=1`) on the fake driver: the driver's getter comes back wrapped, and
-//! every submission entry point NCCL looks up comes back wrapped; nothing else is. Without
-//! a real driver NCCL stops after it has loaded its table (the line printed says where).
+//! every submission entry point and synchronising call NCCL looks up comes back wrapped;
+//! nothing else is. Without a real driver NCCL stops after it has loaded its table (the
+//! line printed says where); what it looks up is what the fake driver has.
 
 use coloc_compat::*;
 use coloc_e2e::Sim;
@@ -31,8 +32,24 @@ fn submits(name: &str) -> bool {
             && name.contains("Async"))
 }
 
+/// A watched entry point by the shim's rule of thumb (its list in `watch.rs`).
+fn watched(name: &str) -> bool {
+    matches!(
+        name,
+        "cuStreamSynchronize"
+            | "cuStreamQuery"
+            | "cuCtxSynchronize"
+            | "cuEventSynchronize"
+            | "cuEventQuery"
+            | "cuEventRecord"
+            | "cuEventRecordWithFlags"
+            | "cuEventCreate"
+            | "cuEventDestroy"
+    ) || ((name.starts_with("cuMemcpy") || name.starts_with("cuMemset")) && !name.contains("Async"))
+}
+
 #[test]
-fn every_submission_entry_point_nccl_looks_up_comes_back_wrapped() {
+fn every_submission_and_synchronising_entry_point_nccl_looks_up_comes_back_wrapped() {
     let Some(lib) = wheel_lib() else {
         eprintln!(
             "NOTE: NVIDIA's NCCL wheel is not installed (pip install nvidia-nccl-cu12): NCCL is \
@@ -91,20 +108,30 @@ fn every_submission_entry_point_nccl_looks_up_comes_back_wrapped() {
             "a submission entry point passed unwrapped: {via} {name}"
         );
     }
+    let syncs: Vec<_> = reqs.iter().filter(|(_, n, _)| watched(n)).collect();
+    for (via, name, wrapped) in &syncs {
+        assert!(
+            *wrapped,
+            "a watched entry point passed unwrapped: {via} {name}"
+        );
+    }
     for (via, name, wrapped) in reqs
         .iter()
-        .filter(|(_, n, _)| !submits(n) && !n.starts_with("cuGetProcAddress"))
+        .filter(|(_, n, _)| !submits(n) && !watched(n) && !n.starts_with("cuGetProcAddress"))
     {
-        assert!(!wrapped, "{via} {name} is not a submission entry point");
+        assert!(!wrapped, "{via} {name} is neither submission nor watched");
     }
     assert!(
         subs.iter().any(|(_, n, _)| n == "cuLaunchKernel"),
         "NCCL looked up no kernel launch: {reqs:?}"
     );
+    let mut sync_names: Vec<&str> = syncs.iter().map(|(_, n, _)| n.as_str()).collect();
+    sync_names.dedup();
     eprintln!(
         "NCCL: {} lookups answered by the driver, {} of submission entry points, all wrapped; \
-         it says: {said}",
+         watched, all wrapped: {}; it says: {said}",
         reqs.len(),
-        subs.len()
+        subs.len(),
+        sync_names.join(" ")
     );
 }

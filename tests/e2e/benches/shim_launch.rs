@@ -18,6 +18,12 @@
 //! The shim's cost is the difference to `no-shim`. The parent re-runs this binary once
 //! per mode with the environment set (the preload must be there from the start).
 //! `cargo bench -p coloc-e2e --bench shim_launch`.
+//!
+//! After the launches, in each mode, the synchronising calls with nothing left to wait
+//! for: `sync-ctx/<mode>` (`cuCtxSynchronize`) and `sync-stream/<mode>`
+//! (`cuStreamSynchronize` of a created stream). Online (`shim-doorbell`) each is the
+//! completion stamp's whole path: the records read before and after the driver's call, a
+//! clock read, two fences, and the stamp.
 
 use criterion::{criterion_group, Criterion};
 use std::path::PathBuf;
@@ -33,6 +39,10 @@ fn bench(c: &mut Criterion) {
     } else {
         c.bench_function(&format!("launch/{mode}"), |b| b.iter(|| d.launch(0)));
     }
+    c.bench_function(&format!("sync-ctx/{mode}"), |b| b.iter(|| d.synchronize()));
+    c.bench_function(&format!("sync-stream/{mode}"), |b| {
+        b.iter(|| d.synchronize_stream())
+    });
 }
 
 criterion_group!(benches, bench);

@@ -37,7 +37,11 @@
 //! - **Copies and memsets** (`cuMemcpy{HtoD,DtoH,DtoD}Async_v2`, `cuMemsetD{8,32}Async`):
 //!   10 GB/s, i.e. 0.1 ns per byte, at least 1 µs. No data moves (device memory does not
 //!   exist); device ranges must lie inside one `cuMemAlloc` allocation
-//!   (`CUDA_ERROR_INVALID_VALUE` otherwise).
+//!   (`CUDA_ERROR_INVALID_VALUE` otherwise). The synchronous copies
+//!   (`cuMemcpy{DtoH,HtoD}_v2`, `_ptds`: the per-thread default stream) go to the default
+//!   stream as the real driver's do: `DtoH` returns once the copy completed, `HtoD` once
+//!   the stream's earlier work completed and the copy is queued (from pageable memory the
+//!   real driver returns once the data is staged, its DMA maybe still running).
 //! - **Host functions** (`cuLaunchHostFunc`): a zero-length submission; the callback runs
 //!   on the library's one callback thread (in submission order) once the work submitted
 //!   before it has completed. Stream and context synchronisation also wait for the
@@ -1733,6 +1737,47 @@ macro_rules! memcpy_htod {
 memcpy_htod!(cuMemcpyHtoDAsync_v2);
 memcpy_htod!(cuMemcpyHtoDAsync_v2_ptsz);
 
+/// A synchronous copy of `n` bytes on default stream `s`: waits for the copy (`wait`,
+/// device to host), or for the stream's earlier work and returns with the copy queued.
+fn copy_sync(s: CUstream, dev: CUdeviceptr, host: *const c_void, n: u64, wait: bool) -> R {
+    let d = drv()?;
+    if host.is_null() && n > 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    d.lock().check_range(dev, n)?;
+    if !wait {
+        stream_sync(s)?;
+    }
+    if let Some((slot, t)) = submit(s, copy_ns(n))? {
+        if wait {
+            slot.wait_completed(t);
+        }
+    }
+    Ok(())
+}
+
+macro_rules! memcpy_dtoh_sync {
+    ($name:ident, $s:expr) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
+            ffi(|| copy_sync($s as CUstream, src, dst, n as u64, true))
+        }
+    };
+}
+memcpy_dtoh_sync!(cuMemcpyDtoH_v2, 0usize);
+memcpy_dtoh_sync!(cuMemcpyDtoH_v2_ptds, CU_STREAM_PER_THREAD);
+
+macro_rules! memcpy_htod_sync {
+    ($name:ident, $s:expr) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
+            ffi(|| copy_sync($s as CUstream, dst, src, n as u64, false))
+        }
+    };
+}
+memcpy_htod_sync!(cuMemcpyHtoD_v2, 0usize);
+memcpy_htod_sync!(cuMemcpyHtoD_v2_ptds, CU_STREAM_PER_THREAD);
+
 /// Total bytes of a batched copy's `count` sizes (`cuMemcpyBatchAsync`).
 fn batch_bytes(sizes: *const usize, count: usize) -> Result<u64, CUresult> {
     if count == 0 || sizes.is_null() {
@@ -2106,6 +2151,8 @@ fn table() -> &'static [Entry] {
                 cuMemcpyDtoHAsync_v2,
                 cuMemcpyDtoHAsync_v2_ptsz
             ),
+            e!("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
+            e!("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds),
             e!(
                 "cuMemcpyDtoDAsync",
                 3020,
