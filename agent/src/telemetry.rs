@@ -15,6 +15,12 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
+/// Buckets of `coloc_release_harvest_seconds`: 1 ms to 30 s of offline running between
+/// a release and the next preemption.
+pub const HARVEST_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
 /// Every bounded reason of `coloc_fail_open_total`, present at 0 from the start.
 pub const FAIL_OPEN_REASONS: &[&str] = &["nvml", "nvml_hung", "record", "actuation", "panic"];
 
@@ -29,6 +35,10 @@ pub const ACTUATION_ERRORS: &[(&str, &[&str])] = &[
 /// Installs the global recorder and returns the renderer for `/metrics`.
 pub fn install() -> anyhow::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("coloc_release_harvest_seconds".into()),
+            HARVEST_BUCKETS,
+        )?
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
         .install_recorder()?;
     describe();
@@ -108,6 +118,16 @@ fn describe() {
         "Onset of online work to every offline process confirmed stopped (detection + actuation), by the actuator that acted and the signal that detected it.");
     describe_histogram!("coloc_release_latency_seconds", Unit::Seconds,
         "End of the idle window to every offline process confirmed running again, by the actuator that acted.");
+    describe_counter!(
+        "coloc_releases_total",
+        "Offline work released on a GPU, by rule: fixed (after --idle-window) or learned (--release learned: a shorter window learned from the online processes' own gaps)."
+    );
+    describe_histogram!("coloc_release_harvest_seconds", Unit::Seconds,
+        "How long offline work ran between a release and the next preemption on that GPU, by the release's rule (the sum: offline time harvested).");
+    describe_counter!(
+        "coloc_releases_wrong_total",
+        "Learned releases after which online work came back before offline had run --release-ratio x --release-drain: releases that did not pay."
+    );
     describe_histogram!(
         "coloc_nvml_call_duration_seconds",
         Unit::Seconds,

@@ -1,6 +1,7 @@
 //! `coloc-agent run`: its flags, and their validation into the loop's configuration.
 
 use super::parse_duration;
+use crate::control::learn::Learning;
 use crate::control::LoopConfig;
 use crate::edges::actuator::Kind;
 use crate::edges::cgroupfs::CgroupMounts;
@@ -9,6 +10,16 @@ use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// When offline work resumes (`--release`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReleaseRule {
+    /// After the idle window.
+    Fixed,
+    /// After a window learned per online process, where the doorbell and the gate make it
+    /// safe.
+    Learned,
+}
 
 /// `coloc-agent run`.
 #[derive(Args, Debug, Clone)]
@@ -101,6 +112,30 @@ pub struct RunArgs {
     /// Offline work resumes after online work has been idle this long.
     #[arg(long, env = "COLOC_IDLE_WINDOW", default_value = "100ms", value_parser = parse_duration)]
     pub idle_window: Duration,
+    /// When offline work resumes. `fixed`: after --idle-window everywhere. `learned`: on
+    /// a GPU where every online process rings a doorbell that says when its work was
+    /// complete (the CUDA shim, with COLOC_SHIM_WAKE_GAP_MS no longer than
+    /// --release-floor) and every offline process sits behind a launch gate (--gate),
+    /// after a window learned from each online process's own idle gaps (from its work
+    /// seen complete to its next launch): the shortest one, from --release-floor up,
+    /// whose gaps give offline on average --release-ratio times what a wrong release costs
+    /// online (--release-drain); elsewhere, and until enough gaps were seen, --idle-window.
+    #[arg(long, env = "COLOC_RELEASE", value_enum, default_value_t = ReleaseRule::Fixed)]
+    pub release: ReleaseRule,
+    /// --release learned: no window is shorter than this (about ten times a release's and
+    /// a re-preemption's own cost, and longer than the host's gaps between one request's
+    /// launches).
+    #[arg(long, env = "COLOC_RELEASE_FLOOR", default_value = "2ms", value_parser = parse_duration)]
+    pub release_floor: Duration,
+    /// --release learned: idle time offline must gain per unit of delay a wrong release
+    /// may cost online.
+    #[arg(long, env = "COLOC_RELEASE_RATIO", default_value_t = 10)]
+    pub release_ratio: u32,
+    /// --release learned: what a wrong release costs online at most: the offline
+    /// processes' in-flight budget behind their gate (the shim's COLOC_SHIM_INFLIGHT_MS,
+    /// 3 ms by default; set it to the longest kernel if kernels are longer).
+    #[arg(long, env = "COLOC_RELEASE_DRAIN", default_value = "3ms", value_parser = parse_duration)]
+    pub release_drain: Duration,
     /// How offline work is suspended.
     #[arg(long, env = "COLOC_ACTUATOR", value_enum, default_value_t = Kind::Freezer)]
     pub actuator: Kind,
@@ -270,6 +305,24 @@ impl RunArgs {
                 self.nvml_hang_timeout
             );
         }
+        if self.release == ReleaseRule::Learned {
+            if !self.gate {
+                bail!("--release learned needs --gate (the gate bounds what a release too early costs online)");
+            }
+            if self.release_floor.is_zero() || self.release_floor > self.idle_window {
+                bail!(
+                    "--release-floor {:?}: must be positive and at most --idle-window ({:?})",
+                    self.release_floor,
+                    self.idle_window
+                );
+            }
+            if self.release_ratio == 0 {
+                bail!("--release-ratio must be at least 1");
+            }
+            if self.release_drain.is_zero() {
+                bail!("--release-drain must be positive");
+            }
+        }
         if self.gate && self.no_doorbells {
             bail!("--gate needs the doorbells (the gate's acknowledgements come in the pages): drop --no-doorbells");
         }
@@ -333,6 +386,14 @@ impl RunArgs {
             gate_timeout: self.gate_timeout,
             doorbell_trust_window: self.doorbell_trust_window,
             record_off_loop: true,
+            release: (self.release == ReleaseRule::Learned).then(|| Learning {
+                adaptive: qos_core::release::Adaptive {
+                    floor: self.release_floor.as_nanos() as u64,
+                    ratio: self.release_ratio,
+                    ..qos_core::release::Adaptive::default()
+                },
+                drain_ns: self.release_drain.as_nanos() as u64,
+            }),
             node: self
                 .node_name
                 .clone()

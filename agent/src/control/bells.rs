@@ -15,6 +15,7 @@
 //! by NVML ([`crate::control::claims`]).
 
 use super::claims::{Claimed, Claims};
+use super::learn::Learner;
 use super::note::{Note, Reject};
 use super::table::{Activity, Table};
 use crate::control::events::Event;
@@ -56,9 +57,10 @@ struct PageState {
     refresh_asked_ns: u64,
     /// When the agent found the page.
     found_ns: u64,
-    /// The readings last attributed, per GPU UUID: (last launch, run start). The same
-    /// reading again is not attributed again (most ticks read pages that did not change).
-    noted: Vec<([u8; 16], u64, u64)>,
+    /// The readings last attributed, per GPU UUID: (last launch, run start, completion
+    /// stamp). The same reading again is not attributed again (most ticks read pages that
+    /// did not change).
+    noted: Vec<([u8; 16], u64, u64, u64)>,
 }
 
 /// What the rest of the tick needs from a round of readings.
@@ -143,6 +145,7 @@ impl Bells {
         readings: &[BellReading],
         now: u64,
         table: &mut Table,
+        learner: &mut Learner,
         blind: impl Fn(u32) -> u64,
         degraded: impl Fn(u32) -> bool,
         events: &mut Vec<Event>,
@@ -170,6 +173,7 @@ impl Bells {
                 r.reading.uuid,
                 r.reading.last_launch_ns,
                 r.reading.busy_since_ns,
+                r.drained_ns,
             );
             if page.attributed && page.noted.contains(&reading) {
                 continue;
@@ -215,12 +219,28 @@ impl Bells {
                     gpu,
                 });
             }
+            // With the learned release window, activity ends when the work was seen complete
+            // (the completion stamp, when later than the launch).
+            let wake_gap = self
+                .pages
+                .get(&r.page)
+                .map_or(u64::MAX, |p| p.info.wake_gap_ns);
+            let end = learner.observe(
+                key,
+                gpu,
+                (
+                    last,
+                    r.reading.busy_since_ns.min(last),
+                    r.drained_ns.min(now),
+                ),
+                wake_gap,
+            );
             table.note(
                 &key,
                 gpu,
                 Activity {
                     start,
-                    end: last,
+                    end,
                     through_end: false,
                     signal: Signal::Doorbell,
                     window: self.window_ns,

@@ -90,6 +90,12 @@ pub struct Release {
     pub decided_ns: u64,
     /// The idle window, ns.
     pub idle_window_ns: u64,
+    /// The window that ran out: the idle window, or a shorter learned one, ns.
+    #[serde(default)]
+    pub window_ns: u64,
+    /// The window was learned (`--release learned`).
+    #[serde(default)]
+    pub learned: bool,
     /// From the first to the last online activity of the busy period, seconds.
     pub busy_for_s: f64,
     /// Offline processes on the GPU.

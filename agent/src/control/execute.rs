@@ -156,7 +156,7 @@ pub fn open_events(
                 decided_at,
                 busy_for,
                 offline,
-                window: _,
+                window,
             } => {
                 // The busy period is over: the next one's onset is its own evidence, not
                 // the start of a chain of samples that spans both.
@@ -173,6 +173,8 @@ pub fn open_events(
                     window_end_ns: window_end,
                     decided_ns: decided_at,
                     idle_window_ns: cx.window_ns,
+                    window_ns: window,
+                    learned: window < cx.window_ns,
                     busy_for_s: secs(busy_for),
                     offline,
                     actuator: None,

@@ -120,14 +120,27 @@ impl Gates {
     /// The plan for suspending `key` because online work is busy on `gpu`: a gate when it
     /// applies (see the module's rules), else `plan`.
     pub fn plan(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32, plan: Plan) -> Plan {
-        let Some(file) = &self.file else {
-            return plan;
-        };
-        let Some(e) = table.entry(key) else {
-            return plan;
-        };
+        match self.gate(table, bells, key, gpu) {
+            Some(gate) => Plan::Gate {
+                gate,
+                fallback: Box::new(plan),
+            },
+            None => plan,
+        }
+    }
+
+    /// Whether a suspension of `key` for online work on `gpu` would close its gate there
+    /// first (the learned release window needs every offline process so bounded).
+    pub fn gated(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> bool {
+        self.gate(table, bells, key, gpu).is_some()
+    }
+
+    /// The gate of `key` on `gpu`, when the module's rules give one.
+    fn gate(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> Option<Target> {
+        let file = self.file.as_ref()?;
+        let e = table.entry(key)?;
         if e.gpus.len() != 1 || !e.gpus.contains(&gpu) {
-            return plan;
+            return None;
         }
         // Containers of a pod have PID namespaces of their own: two live processes of the
         // pod can give the same PID, and a page could not tell whose it is. Stop both.
@@ -136,22 +149,17 @@ impl Gates {
                 o.key != e.key && o.pod_uid.as_ref() == Some(pod) && o.ns_pid == Some(ns_pid)
             });
             if twin {
-                return plan;
+                return None;
             }
         }
-        let Some(uuid) = bells.uuid_of(gpu) else {
-            return plan;
-        };
+        let uuid = bells.uuid_of(gpu)?;
         if self.acks(table, bells, key, &uuid).is_empty() {
-            return plan;
+            return None;
         }
-        Plan::Gate {
-            gate: Target::Gate {
-                key: *key,
-                uuid,
-                file: file.clone(),
-            },
-            fallback: Box::new(plan),
-        }
+        Some(Target::Gate {
+            key: *key,
+            uuid,
+            file: file.clone(),
+        })
     }
 }

@@ -32,6 +32,7 @@ pub mod gates;
 pub mod health;
 pub mod holds;
 pub mod io;
+pub mod learn;
 pub mod note;
 pub mod nvml;
 pub mod pace;
@@ -112,6 +113,8 @@ pub struct LoopConfig {
     /// The record is written on a thread of its own (the loop never waits for the disk);
     /// false: on the loop's thread.
     pub record_off_loop: bool,
+    /// The learned release window (`--release learned`); `None`: the fixed idle window.
+    pub release: Option<learn::Learning>,
 }
 
 /// The loop's edges (real ones in `main`, fakes in tests).

@@ -137,6 +137,28 @@ pub enum Note {
         /// The holder.
         pid: u32,
     },
+    /// A GPU released its offline work, by the fixed or a learned window.
+    Released {
+        /// The GPU.
+        gpu: u32,
+        /// The window was learned (shorter than the idle window).
+        learned: bool,
+        /// The window, ns.
+        window_ns: u64,
+    },
+    /// Online work came back on a GPU after a release: offline ran this long in between
+    /// (the time harvested by that release's rule); `wrong`: a learned release after which
+    /// offline ran less than `--release-ratio` × `--release-drain`, so it did not pay.
+    Harvested {
+        /// The GPU.
+        gpu: u32,
+        /// The release was by a learned window.
+        learned: bool,
+        /// Offline ran this long, ns.
+        ran_ns: u64,
+        /// A learned release that did not pay.
+        wrong: bool,
+    },
     /// A hold was found running.
     Broken {
         /// What was found.
@@ -324,6 +346,30 @@ impl Note {
             Note::Retrying { pid } => {
                 metrics::counter!("coloc_suspension_retries_total").increment(1);
                 info!(pid, "Retrying a failed suspension");
+            }
+            Note::Released {
+                gpu,
+                learned,
+                window_ns,
+            } => {
+                let rule = if *learned { "learned" } else { "fixed" };
+                metrics::counter!("coloc_releases_total", "gpu" => gpu.to_string(), "rule" => rule)
+                    .increment(1);
+                debug!(gpu, rule, window_ms = *window_ns as f64 / 1e6, "Released");
+            }
+            Note::Harvested {
+                gpu,
+                learned,
+                ran_ns,
+                wrong,
+            } => {
+                let rule = if *learned { "learned" } else { "fixed" };
+                metrics::histogram!("coloc_release_harvest_seconds", "gpu" => gpu.to_string(), "rule" => rule)
+                    .record(*ran_ns as f64 / 1e9);
+                if *wrong {
+                    metrics::counter!("coloc_releases_wrong_total", "gpu" => gpu.to_string())
+                        .increment(1);
+                }
             }
             Note::Broken { broken: b, owners } => {
                 metrics::counter!("coloc_suspension_breaks_total", "actuator" => b.kind.as_str())

@@ -12,7 +12,6 @@ pub const PUBLISH_NS: u64 = 100_000_000;
 pub struct Pacer {
     poll: Duration,
     idle_poll: Duration,
-    window_ns: u64,
     /// The state machine must run at the next tick whatever changed (start, fail-open,
     /// publication).
     decide_next: bool,
@@ -38,12 +37,12 @@ pub struct Due {
 }
 
 impl Pacer {
-    /// Pacing with `--poll-interval`, `--idle-poll-interval` and the idle window.
-    pub fn new(poll: Duration, idle_poll: Duration, window_ns: u64) -> Pacer {
+    /// Pacing with `--poll-interval` and `--idle-poll-interval` (each GPU's release window
+    /// comes with each call).
+    pub fn new(poll: Duration, idle_poll: Duration) -> Pacer {
         Pacer {
             poll,
             idle_poll,
-            window_ns,
             decide_next: true,
             last_publish_ns: 0,
         }
@@ -75,6 +74,7 @@ impl Pacer {
         now: u64,
         d: Due,
         states: impl Iterator<Item = (u32, GpuState)>,
+        window: impl Fn(u32) -> u64,
     ) -> Duration {
         if d.fast {
             return self.poll;
@@ -90,9 +90,9 @@ impl Pacer {
         if let Some(t) = d.next_check {
             due = due.min(t);
         }
-        for (_, st) in states {
+        for (g, st) in states {
             if let GpuState::OnlineBusy { last_online, .. } = st {
-                due = due.min(last_online.saturating_add(self.window_ns));
+                due = due.min(last_online.saturating_add(window(g)));
             }
         }
         due = due.min(self.last_publish_ns + PUBLISH_NS);
@@ -116,13 +116,14 @@ impl Pacer {
         changed: bool,
         touched: &[u32],
         mut states: impl Iterator<Item = (u32, GpuState)>,
+        window: impl Fn(u32) -> u64,
     ) -> bool {
         if changed || std::mem::take(&mut self.decide_next) {
             return true;
         }
         states.any(|(g, st)| match st {
             GpuState::OnlineBusy { last_online, .. } => {
-                now >= last_online.saturating_add(self.window_ns)
+                now >= last_online.saturating_add(window(g))
             }
             GpuState::OfflineRunning => touched.contains(&g),
         })

@@ -102,6 +102,7 @@ pub fn state_doc(
                 last_online,
                 degraded: degraded(g),
                 processes,
+                release_window_ms: machine.release_window(g) as f64 / 1e6,
                 ..GpuDoc::default()
             }
         })

@@ -37,6 +37,11 @@ pub struct Rooms {
     retries: Retries,
     pacer: Pacer,
     summary: Vec<GpuSummary>,
+    /// Per GPU, the latest release not yet followed by a preemption: (when, learned).
+    released_at: BTreeMap<u32, (u64, bool)>,
+    /// What a learned release must give offline to pay, ns (`--release-ratio` ×
+    /// `--release-drain`).
+    pays_ns: u64,
     /// The loop's sleep before this tick.
     slept: Option<(u64, u64)>,
     notes: Vec<Note>,
@@ -75,13 +80,23 @@ impl Rooms {
                 window_ns: window,
             },
             seeing: Seeing::new(cfg, gpus, now, gate_file),
-            machine: Machine::new(cfg.machine),
+            machine: {
+                let mut m = Machine::new(cfg.machine);
+                if let Some(l) = &cfg.release {
+                    m.set_release_floor(l.adaptive.floor);
+                }
+                m
+            },
             book,
             record: RecordBook::new(on_disk),
             tracker: Tracker::default(),
             retries: Retries::default(),
-            pacer: Pacer::new(cfg.poll, cfg.idle_poll, window),
+            pacer: Pacer::new(cfg.poll, cfg.idle_poll),
             summary: Vec::new(),
+            released_at: BTreeMap::new(),
+            pays_ns: cfg.release.map_or(0, |l| {
+                u64::from(l.adaptive.ratio).saturating_mul(l.drain_ns)
+            }),
             slept: None,
             notes: Vec::new(),
             events: Vec::new(),
@@ -188,15 +203,29 @@ impl Rooms {
         }
         let touched = self.seeing.table.take_touched();
         let changed = self.seeing.changed || retried || self.seeing.table.fixed_share_present();
+        // With learned windows, each GPU's window is set before the decision is judged due
+        // (a window's end is one of the times it waits for).
+        let mut inputs = None;
+        if self.seeing.learner.settings().is_some() {
+            let i = self
+                .seeing
+                .inputs(self.machine.config().unmanaged_is_online);
+            self.learned_windows(&i);
+            inputs = Some(i);
+        }
+        let machine = &self.machine;
         if !self
             .pacer
-            .decision_due(t, changed, &touched, self.machine.states())
+            .decision_due(t, changed, &touched, machine.states(), |g| {
+                machine.release_window(g)
+            })
         {
             return None;
         }
-        let inputs = self
-            .seeing
-            .inputs(self.machine.config().unmanaged_is_online);
+        let inputs = inputs.unwrap_or_else(|| {
+            self.seeing
+                .inputs(self.machine.config().unmanaged_is_online)
+        });
         let d = self.machine.tick(t, &inputs);
         super::publish::summarise(&inputs, &self.machine, &mut self.summary);
         if d.is_empty() {
@@ -204,6 +233,70 @@ impl Rooms {
         }
         let plans = execute::to_vet(&d, &self.seeing.table);
         Some((d, plans))
+    }
+
+    /// Each GPU's release window for the next decision: learned where the learner gives
+    /// one (every online process with its doorbell and gaps, every offline process gated,
+    /// nothing seen through NVML alone), else the idle window.
+    fn learned_windows(&mut self, inputs: &[qos_core::GpuInput<ProcKey>]) {
+        if self.seeing.learner.settings().is_none() {
+            return;
+        }
+        let unmanaged_online = self.machine.config().unmanaged_is_online;
+        let s = &self.seeing;
+        for input in inputs {
+            let online: Vec<ProcKey> = input
+                .procs
+                .iter()
+                .filter(|p| p.class.is_online_demand(unmanaged_online))
+                .map(|p| p.key)
+                .collect();
+            let gated = input
+                .procs
+                .iter()
+                .filter(|p| p.class.is_suspendable())
+                .all(|p| s.gates.gated(&s.table, &s.bells, &p.key, input.gpu));
+            let w = if gated && !input.sampled_busy {
+                s.learner.window(input.gpu, &online)
+            } else {
+                None
+            };
+            self.machine.set_release_window(input.gpu, w);
+        }
+    }
+
+    /// Releases and what each harvested until the next preemption, by rule.
+    fn harvest(&mut self, transitions: &[qos_core::Transition]) {
+        let idle_window = self.header.window_ns;
+        for tr in transitions {
+            match *tr {
+                qos_core::Transition::Release {
+                    gpu,
+                    window,
+                    decided_at,
+                    ..
+                } => {
+                    let learned = window < idle_window;
+                    self.notes.push(Note::Released {
+                        gpu,
+                        learned,
+                        window_ns: window,
+                    });
+                    self.released_at.insert(gpu, (decided_at, learned));
+                }
+                qos_core::Transition::Preempt { gpu, onset, .. } => {
+                    if let Some((at, learned)) = self.released_at.remove(&gpu) {
+                        let ran_ns = onset.saturating_sub(at);
+                        self.notes.push(Note::Harvested {
+                            gpu,
+                            learned,
+                            ran_ns,
+                            wrong: learned && ran_ns < self.pays_ns,
+                        });
+                    }
+                }
+            }
+        }
     }
 
     /// Completions to their events.
@@ -221,6 +314,7 @@ impl Rooms {
             resume: d.resume.len(),
             transitions: d.transitions.len(),
         });
+        self.harvest(&d.transitions);
         let (reqs, reasons) = execute::plans(
             &d,
             &self.seeing.table,
@@ -285,6 +379,8 @@ impl Rooms {
         self.seeing
             .table
             .purge(|k| machine.suspended().contains_key(k) || book.holds(k));
+        let table = &self.seeing.table;
+        self.seeing.learner.retain(|k| table.entry(k).is_some());
         if self.pacer.publish_due(t) {
             let doc = self.state_doc(t);
             self.out.push(Cmd::Publish(Box::new(doc)));
@@ -392,7 +488,9 @@ impl Rooms {
                 .gates_closed()
                 .then(|| self.seeing.gates.next_beat_ns()),
         };
-        self.pacer.next_wait(now, due, self.machine.states())
+        let machine = &self.machine;
+        self.pacer
+            .next_wait(now, due, machine.states(), |g| machine.release_window(g))
     }
 
     /// Per GPU, as of the latest decision (the gauges and the time accounting).

@@ -9,6 +9,7 @@ use super::gates::Gates;
 use super::health::{Health, Verdict};
 use super::holds::HoldBook;
 use super::io::Cmd;
+use super::learn::Learner;
 use super::note::{FailWhy, Note};
 use super::nvml::{Refresh, Sampling};
 use super::table::{Activity, Table};
@@ -33,6 +34,8 @@ pub struct Seeing {
     pub(crate) health: Health,
     pub(crate) bells: Bells,
     pub(crate) gates: Gates,
+    /// The learned release window's gaps.
+    pub(crate) learner: Learner,
     /// The pod source's generation at the tick's start.
     generation: u64,
     /// What this tick's reads changed (the machine runs).
@@ -73,6 +76,7 @@ impl Seeing {
             health: Health::new(cfg.nvml_grace),
             bells: Bells::new(&uuids, now, window, ns(cfg.doorbell_trust_window)),
             gates: Gates::new(gate_file),
+            learner: Learner::new(cfg.release, window),
             gpus,
             generation: 0,
             changed: false,
@@ -223,6 +227,7 @@ impl Seeing {
             readings,
             t,
             &mut self.table,
+            &mut self.learner,
             |g| sampling.blind(g),
             |g| health.degraded(g),
             &mut self.events,

@@ -67,6 +67,10 @@ pub struct GpuDoc {
     pub last_online: Option<u64>,
     /// NVML fails for this GPU: it is not managed until it answers again.
     pub degraded: bool,
+    /// The window after which this GPU releases, ms: the idle window, or a shorter one
+    /// learned (`--release learned`).
+    #[serde(default)]
+    pub release_window_ms: f64,
     /// GPU processes.
     pub processes: Vec<ProcDoc>,
     /// Time since the latest preemption, ms.

@@ -6,6 +6,7 @@ mod bells;
 mod failures;
 mod gates;
 mod holds;
+mod learned;
 mod props;
 mod props_ctl;
 mod record;

@@ -540,6 +540,9 @@ impl Doorbells for DirBells {
         self.waker_seen = self.waker.0.load(Acquire);
         let mut tmp = Vec::with_capacity(coloc_doorbell::MAX_GPUS);
         let sec = super::now_sec();
+        let now_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
         for m in self.pages.values_mut() {
             tmp.clear();
             // The word first: a run that starts after this load bumps it, and the wait
@@ -553,9 +556,11 @@ impl Doorbells for DirBells {
             }
             m.seen = word;
             m.page().read(&mut tmp);
+            let page = m.page();
             out.extend(tmp.iter().map(|r| BellReading {
                 page: m.info.id,
                 reading: *r,
+                drained_ns: page.drained_ns(r.index, now_ns),
             }));
         }
     }

@@ -66,6 +66,10 @@ pub struct BellReading {
     pub page: u64,
     /// The entry.
     pub reading: Reading,
+    /// The entry's completion stamp (page version 3): when the writer last saw all its
+    /// work on that GPU complete, ns; 0 when unknown (older page, none yet, or later than
+    /// the reader's now).
+    pub drained_ns: u64,
 }
 
 /// Source of doorbell readings and the loop's sleep.

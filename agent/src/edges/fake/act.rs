@@ -169,6 +169,14 @@ impl FakeBells {
         let mut s = self.state.lock().unwrap();
         s.pages.last_mut().expect("just added").class = coloc_doorbell::CLASS_OFFLINE;
     }
+    /// Page `id`'s writer wakes the agent after gaps of `ns` (`COLOC_SHIM_WAKE_GAP_MS`).
+    pub fn set_wake_gap(&self, id: u64, ns: u64) {
+        let mut s = self.state.lock().unwrap();
+        if let Some(p) = s.pages.iter_mut().find(|p| p.id == id) {
+            p.wake_gap_ns = ns;
+        }
+        s.changed = true;
+    }
     /// Page `id`'s writer gives `pid` for itself (its PID in its own namespace).
     pub fn set_pid(&self, id: u64, pid: u32) {
         let mut s = self.state.lock().unwrap();
@@ -193,6 +201,10 @@ impl FakeBells {
     }
     /// Page `id` says: a run on `gpu` since `since`, latest launch `last`.
     pub fn ring(&self, id: u64, gpu: u32, since: u64, last: u64) {
+        self.ring_drained(id, gpu, since, last, 0);
+    }
+    /// As [`Self::ring`], with the page's completion stamp `drained`.
+    pub fn ring_drained(&self, id: u64, gpu: u32, since: u64, last: u64, drained: u64) {
         let mut s = self.state.lock().unwrap();
         s.readings
             .retain(|r| !(r.page == id && r.reading.index == gpu as usize));
@@ -204,6 +216,7 @@ impl FakeBells {
                 last_launch_ns: last,
                 busy_since_ns: since,
             },
+            drained_ns: drained,
         });
     }
 }
