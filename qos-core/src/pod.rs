@@ -298,7 +298,8 @@ mod tests {
     /// evidence is the immutable field.
     #[test]
     fn immutable_offline_beats_every_mutable_online_claim() {
-        let immutable: &[(&[(&str, &str)], Option<&str>)] = &[
+        type Resources<'a> = &'a [(&'a str, &'a str)];
+        let immutable: &[(Resources, Option<&str>)] = &[
             (&[(RECLAIMED_MGPU_CORE, "50")], None),
             (
                 &[("nvidia.com/gpu", "1"), ("nvidia.com/priority", "1")],
