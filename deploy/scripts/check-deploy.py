@@ -1072,6 +1072,10 @@ def docs_checks():
           and "./scripts/test-all" in "\n".join(lines[:14]), "README: the first lines are the two commands")
     heads = [l for l in lines if l.startswith("## ")]
     check(heads and heads[0] == "## Install on a Kubernetes cluster", f"README: install is not the first section: {heads[:3]}")
+    fence = [i for i, l in enumerate(lines) if l.startswith("```")][:2]
+    at = lines.index("## Install on a Kubernetes cluster") if "## Install on a Kubernetes cluster" in lines else -1
+    check(len(fence) == 2 and at > fence[1] and not any(l.strip() for l in lines[fence[1] + 1:at]),
+          "README: the install guide does not come right after the two commands")
     install = readme.split("## Install on a Kubernetes cluster", 1)[-1].split("\n## ", 1)[0]
     for sub in ("Prerequisites", "Compatibility", "Images", "Install, per GPU stack", "Check it works", "Upgrade", "Uninstall", "Troubleshooting"):
         check(f"### {sub}" in install, f"README's install guide has no {sub!r}")
