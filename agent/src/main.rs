@@ -19,7 +19,19 @@ fn main() {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match cli.cmd {
-        Command::Run(args) => run(args),
+        Command::Run(args) => {
+            match coloc_agent::cli::unknown_settings(std::env::vars().map(|(k, _)| k)).as_slice() {
+                [] => run(args),
+                unknown => {
+                    eprintln!(
+                    "error: {} {} no setting of coloc-agent (misspelt?); the settings are the flags' COLOC_* variables: coloc-agent run --help",
+                    unknown.join(", "),
+                    if unknown.len() == 1 { "is" } else { "are" }
+                );
+                    std::process::exit(2);
+                }
+            }
+        }
         Command::CheckRules { file } => check_rules(&file),
         Command::Status(args) => coloc_agent::cmd::status::run(args),
         Command::Probe(args) => std::process::exit(coloc_agent::cmd::probe::run(&args)),

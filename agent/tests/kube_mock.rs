@@ -138,3 +138,94 @@ async fn a_pod_seen_offline_never_turns_online() {
         "a pod that turned offline turned online again"
     );
 }
+
+/// The attack on the first sight: pods whose mutable annotation and label were set to
+/// online before the agent ever saw them, but whose immutable fields say offline (a
+/// `vke.volcengine.com/reclaimed-mgpu-core` request, HAMi's `nvidia.com/priority: 1`,
+/// Koordinator's `koord-batch` class or batch resources). They are offline from the first
+/// list on, and later edits of the annotation and label change nothing; a plain pod with
+/// the same annotation and label is online.
+#[tokio::test]
+async fn immutable_fields_decide_the_first_class_seen() {
+    const UC: &str = "cccccccc-0000-0000-0000-000000000003";
+    const UD: &str = "dddddddd-0000-0000-0000-000000000004";
+    const UE: &str = "eeeeeeee-0000-0000-0000-000000000005";
+    let claims_online = |uid: &str, name: &str, rv: &str, spec: serde_json::Value| {
+        let mut p = pod(uid, name, "dedicated_cores", rv);
+        p["metadata"]["labels"] = json!({"koordinator.sh/qosClass": "LSE"});
+        for (k, v) in spec.as_object().unwrap() {
+            p["spec"][k] = v.clone();
+        }
+        p
+    };
+    let limits = |res: serde_json::Value| json!({"containers": [{"name": "c", "image": "i", "resources": {"limits": res}}]});
+    let pods = |rv: &str| {
+        vec![
+            claims_online(
+                UA,
+                "vke",
+                rv,
+                limits(json!({"vke.volcengine.com/reclaimed-mgpu-core": "50"})),
+            ),
+            claims_online(
+                UB,
+                "hami",
+                rv,
+                limits(json!({"nvidia.com/gpu": "1", "nvidia.com/priority": "1"})),
+            ),
+            claims_online(
+                UC,
+                "koord",
+                rv,
+                json!({"priorityClassName": "koord-batch", "priority": 5500}),
+            ),
+            claims_online(
+                UD,
+                "batch",
+                rv,
+                limits(json!({"kubernetes.io/batch-cpu": "2000"})),
+            ),
+            claims_online(
+                UE,
+                "plain",
+                rv,
+                limits(json!({"nvidia.com/gpu": "1", "nvidia.com/priority": "0"})),
+            ),
+        ]
+    };
+    let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let src = KubeSource::start(kube::Client::new(svc, "default"), "node1");
+    let mut handle = pin!(handle);
+    let (_, send) = handle.next_request().await.expect("initial list");
+    send.send_response(list("10", pods("9")));
+    let (_, send) = handle.next_request().await.expect("watch");
+    until("ready", || src.ready()).await;
+    for uid in [UA, UB, UC, UD] {
+        assert_eq!(
+            src.get(uid).map(|e| e.class),
+            Some(Class::Offline),
+            "{uid}: first seen online"
+        );
+    }
+    assert_eq!(src.get(UE).map(|e| e.class), Some(Class::OnlineExclusive));
+    // The tenant edits the mutable fields again (a MODIFIED event each): nothing changes.
+    let mut body = Vec::new();
+    for mut p in pods("11") {
+        p["metadata"]["annotations"]["katalyst.kubewharf.io/qos_level"] = json!("shared_cores");
+        p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("LS");
+        body.extend(serde_json::to_vec(&json!({"type": "MODIFIED", "object": p})).unwrap());
+        body.push(b'\n');
+    }
+    send.send_response(Response::new(Body::from(body)));
+    until("the plain pod's edit applied", || {
+        src.get(UE).map(|e| e.class) == Some(Class::Online)
+    })
+    .await;
+    for uid in [UA, UB, UC, UD] {
+        assert_eq!(
+            src.get(uid).map(|e| e.class),
+            Some(Class::Offline),
+            "{uid}: turned online by an edit"
+        );
+    }
+}

@@ -58,13 +58,14 @@ PANELS = [
     ("Agent health", "s", 12, 8, [
         q(f'max by (node) (rate(coloc_loop_lag_seconds_sum{{{SEL}}}[{R}]) / rate(coloc_loop_lag_seconds_count{{{SEL}}}[{R}]))', "loop lag {{node}}"),
         q(f'histogram_quantile(0.99, sum by (le, function) (rate(coloc_nvml_call_duration_seconds_bucket{{{SEL}}}[{R}])))', "NVML p99 {{function}}"),
-        q(f'min by (node, instance) (up{{{SEL}, job="gpu-coloc-agent"}})', "up {{node}} {{instance}}"),
-    ], "Control-loop lag (how late ticks start), NVML call latency, and whether each agent is scraped."),
+        q(f'min by (node, instance) (up{{{SEL}}} and on (job, instance) max_over_time(coloc_agent_info[1d]))', "up {{node}} {{instance}}"),
+        q(f'max by (node, gpu) (coloc_gpu_degraded{{{SEL}}})', "degraded {{node}} GPU {{gpu}}"),
+    ], "Control-loop lag (how late ticks start), NVML call latency, whether each agent (any scrape job that exported coloc_agent_info in the last day) is scraped, and GPUs failed open (degraded: offline work there runs unmanaged)."),
     ("Webhook admissions", "reqps", 12, 8, [
-        q(f'sum by (endpoint, result) (rate(coloc_webhook_admissions_total{{cluster=~"$cluster", job="gpu-coloc-webhook"}}[{R}]))', "{{endpoint}} {{result}}"),
+        q(f'sum by (endpoint, result) (rate(coloc_webhook_admissions_total{{cluster=~"$cluster"}}[{R}]))', "{{endpoint}} {{result}}"),
     ], "Admission reviews by result: allowed (nothing to change), patched (translated), denied, invalid (malformed request)."),
     ("Webhook denials by reason", "reqps", 12, 8, [
-        q(f'sum by (reason) (rate(coloc_webhook_denials_total{{cluster=~"$cluster", job="gpu-coloc-webhook"}}[{R}])) or vector(0)', "{{reason}}"),
+        q(f'sum by (reason) (rate(coloc_webhook_denials_total{{cluster=~"$cluster"}}[{R}])) or vector(0)', "{{reason}}"),
     ], "Pods rejected for invalid mGPU requests, by reason."),
 ]
 

@@ -17,6 +17,9 @@ DEPLOY = os.path.dirname(HERE)
 ROOT = os.path.dirname(DEPLOY)
 CHART = os.path.join(DEPLOY, "helm", "gpu-coloc")
 K8S = "1.33.0"
+# The chart's supported range (kubeVersion >=1.29; native sidecars): the defaults and each
+# GPU stack's rendering are validated at both ends.
+K8S_RANGE = ("1.29.0", "1.37.0")
 CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 sys.path.insert(0, HERE)
 import chart  # noqa: E402
@@ -37,11 +40,12 @@ def check(cond, msg):
     return cond
 
 
-def validate(text, label):
+def validate(text, label, k8s=K8S):
     docs = [d for d in yaml.safe_load_all(text) if d]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(text)
-    r = subprocess.run(["kubernetes-validate", "-k", K8S, "--strict", f.name], capture_output=True, text=True)
+    r = subprocess.run(["kubernetes-validate", "-k", k8s, "--strict", f.name], capture_output=True, text=True)
+    os.unlink(f.name)
     out = r.stdout + r.stderr
     for line in out.splitlines():
         if line.startswith("INFO") or not line.strip():
@@ -51,7 +55,7 @@ def validate(text, label):
         failures.append(f"{label}: {line}")
     if r.returncode != 0 and not any("Couldn't find schema" in l for l in out.splitlines()):
         failures.append(f"{label}: kubernetes-validate exited {r.returncode}")
-    print(f"ok  {label}: {len(docs)} objects validated against Kubernetes {K8S}")
+    print(f"ok  {label}: {len(docs)} objects validated against Kubernetes {k8s}")
     return docs
 
 
@@ -89,7 +93,16 @@ def helm_checks():
         "offlinePriorityClass.value=-1e12": "value",
         "agent.hostNvml.amd64=/usr/lib64": "amd64",
         "agent.hostNvml.x86=/usr/lib/libnvidia-ml.so.1": "x86",
-        "agent.runtimeClassName=,agent.hostNvml=null": "hostNvml",
+        "agent.deviceAccess=hostNvml,agent.hostNvml=null": "hostNvml",
+        "agent.deviceAccess=cdi": "deviceAccess",
+        "agent.gpuNodes=nvidia": "gpuNodes",
+        "agent.gpuNodes=custom": "agent.gpuNodes=custom needs agent.nodeSelector",
+        "agent.settings.COLOC_BOGUS=1": "COLOC_BOGUS",
+        "agent.settings.COLOC_ACTUATOR=signal": "COLOC_ACTUATOR",
+        "agent.idleWindow=1m30": "idleWindow",
+        "agent.extraEnv[0].value=x": "name",
+        "image.registry=https://ghcr.io": "registry",
+        "webhook.tolerations=x": "tolerations",
         "shim.library=/opt/coloc/libfoo.so": "library",
         "shim.inflight=-1": "inflight",
         "shim.inflightMs=-0.5": "inflightMs",
@@ -108,7 +121,9 @@ def helm_checks():
         except h.HelmError as e:
             check(needle in str(e), f"{s}: refused without naming {needle}: {e}")
     for good in ("agent.idleWindow=250ms", "agent.pollInterval=500us", "webhook.replicas=3", "agent.settings.COLOC_CONFIRM_TIMEOUT=2s",
-                 "shim.inflight=0", "shim.inflightMs=1.5", "shim.enabled=false", "agent.runtimeClassName=,agent.hostNvml.arm64=null",
+                 "agent.idleWindow=1m30s", "shim.gateTimeout=1h", "global.cattle.systemDefaultRegistry=registry.example.com",
+                 "agent.gpuNodes=custom,agent.nodeSelector.gpu=yes", "image.registry=localhost:5000/mirror",
+                 "shim.inflight=0", "shim.inflightMs=1.5", "shim.enabled=false", "agent.deviceAccess=hostNvml,agent.hostNvml.arm64=null",
                  "shim.gate=false", "shim.gateTimeout=200ms"):
         try:
             render(good)
@@ -158,7 +173,7 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         check(pod.get("priorityClassName") == f"{fullname}-agent" and f"{fullname}-agent" in pcs, f"{label}: agent priority class named per release")
         for p in pcs.values():
             check(type(p["value"]) is int, f"{label}: PriorityClass {p['metadata']['name']} value {p['value']!r} is not an integer")
-        check(pod.get("nodeSelector"), f"{label}: GPU node selection")
+        check(pod.get("nodeSelector") or pod.get("affinity", {}).get("nodeAffinity"), f"{label}: GPU node selection")
     vcfgs = by_kind(docs, "ValidatingWebhookConfiguration")
     check(not vcfgs or any(w["clientConfig"]["service"]["path"] == "/validate-mounts" for c in vcfgs for w in c["webhooks"]),
           f"{label}: no /validate-mounts webhook (what pods mount of the node's gpu-coloc directories)")
@@ -191,7 +206,9 @@ def promises(docs, label, caps=("KILL",), release_ns="gpu-coloc", fullname="gpu-
         check(wpod.get("securityContext", {}).get("seccompProfile") == {"type": "RuntimeDefault"}, f"{label}: webhook seccomp RuntimeDefault")
         wsc = wpod["containers"][0]["securityContext"]
         check(wsc.get("runAsNonRoot") is True and wsc["capabilities"] == {"drop": ["ALL"]}, f"{label}: webhook non-root, no capabilities")
-        check(by_kind(docs, "PodDisruptionBudget"), f"{label}: webhook PDB")
+        pdb = by_kind(docs, "PodDisruptionBudget")
+        check(len(pdb) == 1 and pdb[0]["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": dep[0]["spec"]["selector"]["matchLabels"]}},
+              f"{label}: webhook PDB (two replicas: one may go at a time): {pdb}")
         cfg = tomllib.loads(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"])
         agent_cm = one(docs, "ConfigMap", "-agent")["data"]
         check(agent_cm["COLOC_STATE_DIR"] in cfg.get("protected_host_paths", []),
@@ -382,12 +399,15 @@ def gate_checks():
 
 
 def host_mode_checks():
-    """Without the NVIDIA runtime the agent mounts the host's NVML library and nothing else
-    of the host's /usr: one DaemonSet per architecture, each with its own library path."""
+    """deviceAccess=hostNvml mounts the host's NVML library and nothing else of the host's
+    /usr: one DaemonSet per architecture, each with its own library path, with the GPUs'
+    device nodes from the NVIDIA runtime like every other mode. The default and
+    runtimeClass modes mount nothing of the driver."""
     expect = {"amd64": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "arm64": "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1"}
     cases = [((), None, {}),
-             (("agent.runtimeClassName=",), "either architecture", expect),
-             (("agent.runtimeClassName=", "agent.hostNvml.amd64=/usr/lib64/libnvidia-ml.so.1", "agent.hostNvml.arm64=null"),
+             (("agent.deviceAccess=runtimeClass",), None, {}),
+             (("agent.deviceAccess=hostNvml",), "either architecture", expect),
+             (("agent.deviceAccess=hostNvml", "agent.hostNvml.amd64=/usr/lib64/libnvidia-ml.so.1", "agent.hostNvml.arm64=null"),
               "another layout", {"amd64": "/usr/lib64/libnvidia-ml.so.1"})]
     for sets, what, libs in cases:
         docs = [x for x in yaml.safe_load_all(render(*sets)) if x] if what is None else validate(render(*sets), f"chart (NVML from the host, {what})")
@@ -399,12 +419,15 @@ def host_mode_checks():
             pod = ds["spec"]["template"]["spec"]
             c = pod["containers"][0]
             env = {e["name"]: e.get("value") for e in c["env"]}
+            check(env.get("NVIDIA_VISIBLE_DEVICES") == "all" and env.get("NVIDIA_DRIVER_CAPABILITIES") == "utility",
+                  f"{sets}: the agent asks the NVIDIA runtime for every GPU's device nodes and NVML: {env}")
             for v in host_paths(pod).values():
                 check(not v["path"].startswith(("/usr", "/lib", "/opt")) or v["path"] in libs.values(),
                       f"host NVML, {what}: {ds['metadata']['name']} mounts host {v['path']}")
             if not libs:
-                check(pod.get("runtimeClassName") == "nvidia" and env.get("NVIDIA_DRIVER_CAPABILITIES") == "utility" and "COLOC_NVML_LIB" not in env,
-                      "NVIDIA runtime: NVML from the runtime, nothing of the host's driver mounted")
+                rc = "agent.deviceAccess=runtimeClass" in sets
+                check(pod.get("runtimeClassName") == ("nvidia" if rc else None) and "COLOC_NVML_LIB" not in env,
+                      f"{sets}: runtimeClassName {pod.get('runtimeClassName')}, nothing of the host's driver mounted")
                 continue
             arch = pod["nodeSelector"].get("kubernetes.io/arch")
             lib = [v for v in pod["volumes"] if v["name"] == "nvidia-ml"]
@@ -421,7 +444,190 @@ def host_mode_checks():
             check(got == libs, f"host NVML, {what}: libraries per architecture {got}, expected {libs}")
             names = [d["metadata"]["name"] for d in dss]
             check(len(set(names)) == len(names) == len(libs), f"host NVML, {what}: one DaemonSet per architecture: {names}")
-    print("ok  NVML: from the NVIDIA runtime, or only the host's libnvidia-ml.so.1 per architecture (amd64, arm64, another layout)")
+    print("ok  NVML and devices: from the NVIDIA runtime (default runtime or RuntimeClass), or the host's libnvidia-ml.so.1 per architecture")
+
+
+# --- GPU stacks: which nodes get the agent, and whether it reaches the GPUs ----------
+
+def expr_matches(e, labels):
+    k, op, vals = e["key"], e["operator"], e.get("values", [])
+    return {"In": lambda: labels.get(k) in vals, "NotIn": lambda: labels.get(k) not in vals,
+            "Exists": lambda: k in labels, "DoesNotExist": lambda: k not in labels}[op]()
+
+
+def tolerated(taint, tolerations):
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        if t.get("operator") == "Exists" and (not t.get("key") or t["key"] == taint["key"]):
+            return True
+        if t.get("key") == taint["key"] and t.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+def schedulable(pod, node, running=()):
+    """Whether the DaemonSet controller and the scheduler put `pod` on `node`, for what this
+    chart uses: nodeSelector, required node affinity (terms ORed, expressions ANDed),
+    NoSchedule/NoExecute taints and tolerations, required pod anti-affinity against
+    `running` (pods already on the node, by labels). `None` if it is, else why not."""
+    labels = node["labels"]
+    if any(labels.get(k) != v for k, v in (pod.get("nodeSelector") or {}).items()):
+        return "nodeSelector"
+    req = pod.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if req and not any(all(expr_matches(e, labels) for e in t.get("matchExpressions", [])) for t in req["nodeSelectorTerms"]):
+        return "node affinity"
+    for taint in node.get("taints", []):
+        if taint["effect"] in ("NoSchedule", "NoExecute") and not tolerated(taint, pod.get("tolerations") or []):
+            return f"taint {taint['key']}"
+    for term in pod.get("affinity", {}).get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
+        if any(all(expr_matches(e, other) for e in term["labelSelector"]["matchExpressions"]) for other in running):
+            return "pod anti-affinity"
+    return None
+
+
+def device_access(pod, node):
+    """Whether the agent container gets the GPUs' device nodes and NVML on `node`: through
+    a RuntimeClass the node has, or from the NVIDIA runtime as the node's default runtime
+    (which serves NVIDIA_VISIBLE_DEVICES=all)."""
+    env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
+    rc = pod.get("runtimeClassName")
+    if rc:
+        return rc in node["runtime_classes"]
+    return node["default_runtime"] == "nvidia" and env.get("NVIDIA_VISIBLE_DEVICES") == "all" \
+        and "utility" in env.get("NVIDIA_DRIVER_CAPABILITIES", "")
+
+
+# Nodes as each stack leaves them (kind-like: one GPU worker each, plus a CPU node). The
+# GPU operator's feature discovery labels nvidia.com/gpu.present=true and its toolkit
+# makes the NVIDIA runtime the default (and adds RuntimeClass nvidia); HAMi's install asks
+# for gpu=on and the NVIDIA runtime as the default; the plain device plugin labels nothing
+# and needs the NVIDIA runtime as the default: with Node Feature Discovery its nodes carry
+# NVIDIA's PCI vendor label, without it the README's one label.
+BASE = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
+STACKS = {
+    "gpu-operator": {"labels": {**BASE, "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                                "feature.node.kubernetes.io/pci-10de.present": "true"},
+                     "default_runtime": "nvidia", "runtime_classes": {"nvidia"}},
+    "hami": {"labels": {**BASE, "gpu": "on"}, "default_runtime": "nvidia", "runtime_classes": set(),
+             "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+    "device-plugin (Node Feature Discovery)": {"labels": {**BASE, "feature.node.kubernetes.io/pci-10de.present": "true"},
+                                                "default_runtime": "nvidia", "runtime_classes": set()},
+    "device-plugin (labelled as the README says)": {"labels": {**BASE, "gpu-coloc.dev/gpu": "true"},
+                                                     "default_runtime": "nvidia", "runtime_classes": set()},
+}
+CPU_NODE = {"labels": dict(BASE), "default_runtime": "runc", "runtime_classes": set()}
+
+
+def stack_checks():
+    """A default install on each stack's nodes: the agent is scheduled on the GPU node and
+    gets the GPUs there, and not on a CPU node; each preset does the same on its own stack;
+    the renderings validate at both ends of the supported Kubernetes range."""
+    default = render()
+    for k8s in K8S_RANGE:
+        validate(default, f"chart (defaults, every GPU stack)", k8s=k8s)
+    pod = one([x for x in yaml.safe_load_all(default) if x], "DaemonSet")["spec"]["template"]["spec"]
+    for name, node in STACKS.items():
+        why = schedulable(pod, node)
+        check(why is None, f"default install, {name}: the agent is not scheduled on the GPU node ({why})")
+        check(device_access(pod, node), f"default install, {name}: the agent does not get the GPUs")
+    check(schedulable(pod, CPU_NODE) == "node affinity", "default install: the agent is scheduled on a CPU node")
+    presets = {"gpu-operator": ["gpu-operator"], "hami": ["hami"],
+               # The GPU operator deploys Node Feature Discovery too: its nodes carry the label.
+               "device-plugin": ["gpu-operator", "device-plugin (Node Feature Discovery)", "device-plugin (labelled as the README says)"]}
+    for preset, stacks in presets.items():
+        text = render(f"agent.gpuNodes={preset}")
+        validate(text, f"chart (agent.gpuNodes={preset})", k8s=K8S_RANGE[1])
+        p = one([x for x in yaml.safe_load_all(text) if x], "DaemonSet")["spec"]["template"]["spec"]
+        for name, node in STACKS.items():
+            got = schedulable(p, node) is None
+            check(got == (name in stacks), f"agent.gpuNodes={preset} on {name}: {'scheduled' if got else 'not scheduled'}")
+        check(schedulable(p, CPU_NODE) is not None, f"agent.gpuNodes={preset}: scheduled on a CPU node")
+    # RuntimeClass mode: where the class exists only.
+    p = one([x for x in yaml.safe_load_all(render("agent.deviceAccess=runtimeClass")) if x], "DaemonSet")["spec"]["template"]["spec"]
+    check(device_access(p, STACKS["gpu-operator"]) and not device_access(p, STACKS["hami"]),
+          "agent.deviceAccess=runtimeClass: the GPUs where RuntimeClass nvidia exists, and only there")
+    # custom: the user's selector alone; their own nodeAffinity replaces the preset's.
+    p = one([x for x in yaml.safe_load_all(render("agent.gpuNodes=custom", "agent.nodeSelector.accelerator=nvidia")) if x], "DaemonSet")["spec"]["template"]["spec"]
+    check(schedulable(p, {"labels": {**BASE, "accelerator": "nvidia"}}) is None and schedulable(p, STACKS["gpu-operator"]) == "nodeSelector",
+          f"agent.gpuNodes=custom with a nodeSelector: {p.get('nodeSelector')}, {p.get('affinity')}")
+    aff = {"agent": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}}}}
+    p = one([x for x in yaml.safe_load_all(chart.render(aff)) if x], "DaemonSet")["spec"]["template"]["spec"]
+    check(p["affinity"]["nodeAffinity"] == aff["agent"]["affinity"]["nodeAffinity"] and p["affinity"]["podAntiAffinity"],
+          f"agent.affinity's nodeAffinity replaces the preset's, the one-release-per-node rule stays: {p['affinity']}")
+    # Two releases: the second release's agent stays off a node where the first one runs
+    # (one state directory, one set of GPUs), its own rolling update is not blocked.
+    a = one([x for x in yaml.safe_load_all(render(name="team-a")) if x], "DaemonSet")["spec"]["template"]
+    b = one([x for x in yaml.safe_load_all(render(name="team-b")) if x], "DaemonSet")["spec"]["template"]
+    node = STACKS["gpu-operator"]
+    check(schedulable(b["spec"], node, running=[a["metadata"]["labels"]]) == "pod anti-affinity",
+          "two releases: the second release's agent is scheduled beside the first's (they would share the state directory and the GPUs)")
+    check(schedulable(a["spec"], node, running=[a["metadata"]["labels"]]) is None, "a release's own agent pods do not keep each other out (rolling update)")
+    # The extra environment, volumes and mounts reach the agent container.
+    extra = {"agent": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+                       "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+                       "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}]}}
+    docs = validate(chart.render(extra), "chart (extraEnv, extraVolumes)")
+    p = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    c = p["containers"][0]
+    check({"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"] and {"name": "ca", "configMap": {"name": "corp-ca"}} in p["volumes"]
+          and {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in c["volumeMounts"], "agent.extraEnv, extraVolumes, extraVolumeMounts")
+    print(f"ok  GPU stacks: a default install schedules the agent with the GPUs on {len(STACKS)} kinds of GPU node and not on a CPU node; "
+          f"presets {sorted(presets)}, custom, RuntimeClass mode, two releases, extraEnv/extraVolumes; validated at Kubernetes {' and '.join(K8S_RANGE)}")
+
+
+def composition_checks():
+    """The chart as a subchart and on tainted or dedicated nodes: `global` accepted and
+    global.imageRegistry honoured; the webhook and the certificate Jobs take nodeSelector,
+    tolerations, affinity and priorityClassName; the PodDisruptionBudget only with more
+    than one replica; the image registry override."""
+    docs = [x for x in yaml.safe_load_all(render("global.cattle.systemDefaultRegistry=r.example.com", "global.imageRegistry=mirror.example.com")) if x]
+    images = {c["image"] for d in by_kind(docs, "DaemonSet") + by_kind(docs, "Deployment") + by_kind(docs, "Job")
+              for c in d["spec"]["template"]["spec"]["containers"] + d["spec"]["template"]["spec"].get("initContainers", [])}
+    check(images == {"mirror.example.com/gpu-coloc/coloc-agent:0.1.0", "mirror.example.com/gpu-coloc/coloc-webhook:0.1.0"}, f"global.imageRegistry: {images}")
+    d = [x for x in yaml.safe_load_all(render()) if x]
+    check(one(d, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/gpu-coloc/coloc-agent:0.1.0", "default image")
+    local = [x for x in yaml.safe_load_all(render("image.registry=localhost", "image.pullPolicy=Never")) if x]
+    c = one(local, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    check(c["image"] == "localhost/gpu-coloc/coloc-agent:0.1.0" and c["imagePullPolicy"] == "Never", f"local images: {c['image']}")
+    tol = [{"operator": "Exists"}]
+    vals = {"webhook": {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}, "tolerations": tol, "priorityClassName": "system-cluster-critical",
+                        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 1, "preference": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}}]}}}}
+    docs = validate(chart.render(vals), "chart (webhook and Jobs scheduled on tainted control-plane nodes)")
+    tainted = {"labels": {**BASE, "node-role.kubernetes.io/control-plane": ""},
+               "taints": [{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}]}
+    pods = [(x["kind"], x["metadata"]["name"], x["spec"]["template"]["spec"]) for x in by_kind(docs, "Deployment") + by_kind(docs, "Job")]
+    check(len(pods) == 3, f"webhook and two Jobs: {[p[:2] for p in pods]}")
+    for kind, name, p in pods:
+        check(p.get("priorityClassName") == "system-cluster-critical" and p.get("affinity") == vals["webhook"]["affinity"],
+              f"{kind} {name}: webhook.priorityClassName and affinity")
+        check(schedulable(p, tainted) is None, f"{kind} {name}: not scheduled on a fully tainted cluster's node ({schedulable(p, tainted)})")
+    default_jobs = [x["spec"]["template"]["spec"] for x in by_kind(d, "Job")]
+    check(all(schedulable(p, tainted) == "taint node-role.kubernetes.io/control-plane" for p in default_jobs), "default Jobs tolerate nothing")
+    one_replica = [x for x in yaml.safe_load_all(render("webhook.replicas=1")) if x]
+    check(not by_kind(one_replica, "PodDisruptionBudget"), "webhook.replicas=1: no PodDisruptionBudget (a drain would be blocked)")
+    print("ok  composition: global, global.imageRegistry, image.registry, webhook and Job scheduling, PDB only above one replica")
+
+
+def settings_checks():
+    """agent.settings takes exactly the flags of the real `coloc-agent run` that no other
+    value sets: the schema's list and the binary's help agree."""
+    binary = next(json.loads(l)["executable"] for l in cargo_artifacts().splitlines()
+                  if json.loads(l).get("reason") == "compiler-artifact" and json.loads(l).get("executable")
+                  and json.loads(l)["target"]["name"] == "coloc-agent" and not json.loads(l)["profile"]["test"])
+    flags = set(re.findall(r"\[env: (COLOC_[A-Z_]+)=", run(binary, "run", "--help")))
+    schema = json.load(open(os.path.join(CHART, "values.schema.json")))
+    allowed = set(schema["properties"]["agent"]["properties"]["settings"]["propertyNames"]["enum"])
+    d = [x for x in yaml.safe_load_all(render("agent.deviceAccess=hostNvml", "shim.enabled=false")) if x] + \
+        [x for x in yaml.safe_load_all(render()) if x]
+    set_by_chart = {k for cm in by_kind(d, "ConfigMap") if cm["metadata"]["name"].endswith("-agent") for k in cm["data"]}
+    set_by_chart |= {e["name"] for ds in by_kind(d, "DaemonSet") for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    check(allowed == flags - set_by_chart, f"agent.settings: the schema allows {sorted(allowed ^ (flags - set_by_chart))} differently from "
+          f"`coloc-agent run --help` less what the chart sets")
+    check(len(flags) > 30 and set_by_chart & flags and not allowed & set_by_chart, f"agent.settings: {len(flags)} flags, {sorted(set_by_chart & flags)} set by the chart")
+    print(f"ok  agent.settings: the {len(allowed)} flags of coloc-agent run that no other value sets (its --help), nothing else")
 
 
 # --- The webhooks' routing: namespace selectors and matchConditions ------------------
@@ -782,11 +988,16 @@ def monitoring_checks():
           "the agent's ServiceMonitor sets node from the pod's node")
     check(one(d, "PrometheusRule")["metadata"]["labels"].get("release") == "prometheus", "PrometheusRule: additionalLabels")
     rules = yaml.safe_load(open(os.path.join(DEPLOY, "prometheus", "rules.yaml")))
-    used = set(re.findall(r'job="([^"]+)"', open(os.path.join(DEPLOY, "prometheus", "rules.yaml")).read()))
+    # Job-agnostic: no alert and no panel selects on a job name (the chart's ServiceMonitors
+    # are one way to scrape among others); `up` is joined to the metrics the agent and the
+    # webhook export instead.
+    rules_text = open(os.path.join(DEPLOY, "prometheus", "rules.yaml")).read()
     dash_text = open(os.path.join(DEPLOY, "grafana", "gpu-coloc.json")).read()
-    used_dash = set(re.findall(r'job=\\?"([^"\\]+)', dash_text))
-    check(used and used <= jobs, f"alerts select jobs {used}; the ServiceMonitors make {jobs}")
-    check(used_dash and used_dash <= jobs, f"the dashboard selects jobs {used_dash}; the ServiceMonitors make {jobs}")
+    check(not re.search(r'job\s*=~?\s*\\?"', rules_text), "an alert selects on a job name")
+    check(not re.search(r'job\s*=~?\s*\\?"', dash_text), "a dashboard panel selects on a job name")
+    for expr in re.findall(r'\bup\b[^\n]*', rules_text) + re.findall(r'\bup\{[^"]*"[^\n]*', dash_text):
+        check("coloc_" in expr, f"`up` not joined to a gpu-coloc metric: {expr}")
+    check("absent(coloc_agent_info)" in rules_text, "no alert for no agent at all")
     dash = json.loads(dash_text)
     node_var = [v for v in dash["templating"]["list"] if v["name"] == "node"][0]
     check(node_var["query"]["query"].endswith(", node)"), f"the dashboard's node variable lists the node label: {node_var['query']}")
@@ -841,6 +1052,79 @@ def release_checks():
     print("ok  two releases side by side, fullnameOverride, NOTES.txt, NetworkPolicy")
 
 
+# Flags of tools other than gpu-coloc's that the docs use (helm, kubectl, cargo, docker,
+# buildah, kind, git, curl, pip, cosign).
+OTHER_TOOLS_FLAGS = {
+    "--set", "--create-namespace", "--reuse-values", "--wait", "--for", "--timeout", "--release", "--workspace", "--bench",
+    "--target", "--platform", "--push", "--build-arg", "--all-targets", "--all", "--check", "--version", "--help",
+    "--certificate-identity-regexp", "--certificate-oidc-issuer", "--show-labels", "--locked", "--lib", "--bin",
+}
+
+
+def docs_checks():
+    """The README opens with the two commands and then the operator's install guide, and
+    every gpu-coloc flag and chart value the README and docs/ name exists: flags in the
+    real binaries' --help, values in values.yaml. The webhook's --translate examples are
+    what the real binary prints."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    lines = readme.splitlines()
+    check("cargo build --release --workspace && ./target/release/coloc-demo" in "\n".join(lines[:12])
+          and "./scripts/test-all" in "\n".join(lines[:14]), "README: the first lines are the two commands")
+    heads = [l for l in lines if l.startswith("## ")]
+    check(heads and heads[0] == "## Install on a Kubernetes cluster", f"README: install is not the first section: {heads[:3]}")
+    fence = [i for i, l in enumerate(lines) if l.startswith("```")][:2]
+    at = lines.index("## Install on a Kubernetes cluster") if "## Install on a Kubernetes cluster" in lines else -1
+    check(len(fence) == 2 and at > fence[1] and not any(l.strip() for l in lines[fence[1] + 1:at]),
+          "README: the install guide does not come right after the two commands")
+    install = readme.split("## Install on a Kubernetes cluster", 1)[-1].split("\n## ", 1)[0]
+    for sub in ("Prerequisites", "Compatibility", "Images", "Install, per GPU stack", "Check it works", "Upgrade", "Uninstall", "Troubleshooting"):
+        check(f"### {sub}" in install, f"README's install guide has no {sub!r}")
+    docs = {p: open(p).read() for p in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+            + [os.path.join(CHART, "README.md")]}
+    # Chart values.
+    vals = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
+
+    def has(path):
+        v = vals
+        for k in path.split("."):
+            if not isinstance(v, dict) or k not in v:
+                return False
+            v = v[k]
+        return True
+    tops = "|".join(k for k in vals if isinstance(vals[k], dict))
+    bad = sorted({f"{os.path.basename(p)}: {m}" for p, t in docs.items()
+                  for m in re.findall(rf"(?<![\w./-])((?:{tops})\.[A-Za-z0-9_.]+?)(?==|`|\s|,|\)|$)", t, flags=re.M)
+                  if not has(m.rstrip(".")) and not m.startswith("global.") and not re.search(r"\.(sh|py|md|json|yaml|toml)$", m)})
+    check(not bad, f"docs name chart values that do not exist: {bad}")
+    # Flags, against the binaries' help.
+    arts = {}
+    for line in cargo_artifacts().splitlines():
+        m = json.loads(line)
+        if m.get("reason") == "compiler-artifact" and m.get("executable") and not m["profile"]["test"]:
+            arts[m["target"]["name"]] = m["executable"]
+    helps = []
+    for name, exe in arts.items():
+        top = subprocess.run([exe, "--help"], capture_output=True, text=True)
+        helps.append(top.stdout + top.stderr)
+        for sub in re.findall(r"^  ([a-z][a-z-]+)\s", top.stdout.split("Commands:", 1)[-1].split("Options:", 1)[0], flags=re.M) if "Commands:" in top.stdout else []:
+            r = subprocess.run([exe, sub, "--help"], capture_output=True, text=True)
+            helps.append(r.stdout + r.stderr)
+    helps.append(subprocess.run([sys.executable, os.path.join(ROOT, "benches", "gpu", "run.py"), "--help"], capture_output=True, text=True).stdout)
+    known = set(re.findall(r"(--[a-z][a-z0-9-]+)", "\n".join(helps))) | OTHER_TOOLS_FLAGS
+    used = {(os.path.basename(p), f) for p, t in docs.items() for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", t)}
+    unknown = sorted(f"{p}: {f}" for p, f in used if f not in known)
+    check(not unknown, f"docs name flags that no gpu-coloc binary has: {unknown}")
+    # The --translate examples.
+    web = open(os.path.join(ROOT, "docs", "webhook.md")).read()
+    blocks = re.findall(r"```yaml\n# (coloc-webhook [^\n]*--translate [^\n]*)\n(.*?)```", web, flags=re.S)
+    check(len(blocks) == 3, f"docs/webhook.md: {len(blocks)} --translate examples")
+    for cmd, body in blocks:
+        out = run(arts["coloc-webhook"], *cmd.split()[1:], cwd=ROOT)
+        check(yaml.safe_load(body) == json.loads(out), f"docs/webhook.md: `{cmd}` prints something else than the example")
+    print(f"ok  docs: README opens with the two commands, then install; {len(used)} flags and every chart value named exist; "
+          f"{len(blocks)} --translate examples are what the binary prints")
+
+
 def readme_table_checks():
     """The chart README's values table lists every leaf of values.yaml."""
     vals = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
@@ -869,16 +1153,25 @@ def image_checks():
         stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, flags=re.M | re.I)
         check(len(stages) >= 2, f"{component}: multi-stage build")
         check(re.search(r"^ARG TARGETARCH", text, flags=re.M), f"{component}: builds per TARGETARCH (amd64, arm64)")
-        check(f"--bin {binary}" in text or f"-p {'coloc-' + component}" in text, f"{component}: builds {binary}")
+        release = open(os.path.join(ROOT, "scripts", "build-release")).read()
+        check(f"--bin {binary}" in release and 'scripts/build-release "${TARGETARCH}"' in text, f"{component}: builds {binary} (scripts/build-release)")
+        # Cross-compiled on the builder's platform, never emulated: the build stage runs on
+        # BUILDPLATFORM and the stage for TARGETARCH only copies files.
+        check(re.search(r"^FROM --platform=\$BUILDPLATFORM \S+ AS build$", text, flags=re.M), f"{component}: the build stage runs on BUILDPLATFORM")
+        check(not re.search(r"^RUN ", text.split("AS binaries")[1], flags=re.M), f"{component}: a RUN in the target platform's stages (emulated)")
+        check("cargo zigbuild --release --locked --target" in release and "--only-keep-debug" in release and "--strip-debug" in release,
+              "scripts/build-release cross-compiles with cargo-zigbuild and splits the debug info off")
         check(re.search(rf"^ENTRYPOINT \[\"/usr/local/bin/{binary}\"\]", text, flags=re.M), f"{component}: ENTRYPOINT {binary}")
         for src in re.findall(r"^COPY\s+(?!--from)(\S+)\s", text, flags=re.M):
-            check(os.path.exists(os.path.join(ROOT, src)), f"{component}: COPY {src} does not exist")
+            # dist/: what scripts/build-release leaves (the release workflow's prebuilt stage).
+            check(src.startswith("dist/${TARGETARCH}/") or os.path.exists(os.path.join(ROOT, src)), f"{component}: COPY {src} does not exist")
         check("target/" in open(os.path.join(ROOT, ".dockerignore")).read(), ".dockerignore leaves out target/")
         check(re.search(r"^ARG RUNTIME_BASE=gcr\.io/distroless/", text, flags=re.M) and re.search(r"^FROM \$\{RUNTIME_BASE\}$", text, flags=re.M),
               f"{component}: small runtime base (distroless by default)")
         check(re.search(r"^ARG BINARIES=build$", text, flags=re.M) and re.search(r"^FROM \$\{BINARIES\} AS binaries$", text, flags=re.M)
-              and "COPY --from=binaries /out/ /" in text, f"{component}: the runtime stage takes /out from the build stage (or BINARIES)")
-        repo = vals["image"][component]["repository"]
+              and f"COPY --from=binaries /out/usr/local/bin/{binary} " in text and "FROM scratch AS prebuilt" in text,
+              f"{component}: the runtime stage takes /out from the build stage (or BINARIES: prebuilt, or an image)")
+        repo = f"{vals['image']['registry']}/{vals['image'][component]['repository']}"
         check(f"# image: {repo}" in text, f"{component}: the Dockerfile does not say it builds {repo}")
         if component == "webhook":
             check(re.search(r"^USER 65532", text, flags=re.M), "webhook image runs as a non-root user (65532, as the chart's runAsUser)")
@@ -889,13 +1182,42 @@ def image_checks():
             ds = by_kind(d, "DaemonSet")[0]["spec"]["template"]["spec"]
             inst = [i for i in ds["initContainers"] if i["name"] == "install-shim"][0]
             src = dict(a.split("=", 1) for a in inst["args"])["--install"]
-            check("--bin coloc-node-setup" in text and f"/out{inst['command'][0]}" in text, "agent image: coloc-node-setup, the install-shim init container's command")
-            check("-p coloc-cuda-shim" in text and f"/out{src}" in text, f"agent image: the CUDA shim at {src}, which the init container installs")
+            check("--bin coloc-node-setup" in release and f"/out{inst['command'][0]}" in text, "agent image: coloc-node-setup, the install-shim init container's command")
+            check("-p coloc-cuda-shim" in release and f"/out{os.path.dirname(src)}/ {os.path.dirname(src)}/" in text,
+                  f"agent image: the CUDA shim at {src}, which the init container installs")
             digest = dict(a.split("=", 1) for a in inst["args"])["--sha256"]
-            check(f"cd /out{os.path.dirname(digest)} && sha256sum {os.path.basename(src)} > {os.path.basename(digest)}" in text,
+            check(f'cd "$out/out{os.path.dirname(digest)}" && sha256sum {os.path.basename(src)} > {os.path.basename(digest)}' in release,
                   f"agent image: the shim's digest written at build time at {digest}, which the init container checks")
+    builds = [open(os.path.join(ROOT, "deploy", "docker", f"{c}.Dockerfile")).read() for c in ("agent", "webhook")]
+    stage = lambda t: t[t.index("FROM --platform=$BUILDPLATFORM"):t.index("FROM ${BINARIES}")]
+    check(stage(builds[0]) == stage(builds[1]), "the two Dockerfiles' build stages differ: a build of both images compiles twice")
     print("ok  Dockerfiles: static checks")
     image_builds(d)
+
+
+def release_workflow_checks():
+    """.github/workflows/release.yml, statically (it needs GitHub's runners and a registry,
+    which the tests do not have): valid YAML; binaries for amd64 and arm64 by
+    scripts/build-release (cross-compiled, stripped, debug info split) and published with
+    their debug archives; images from those same files (BINARIES=prebuilt) for both
+    platforms with no emulator; each image signed and given an SBOM; the chart packaged."""
+    path = os.path.join(ROOT, ".github", "workflows", "release.yml")
+    text = open(path).read()
+    wf = yaml.safe_load(text)
+    jobs = wf["jobs"]
+    check(set(jobs) == {"binaries", "images", "release"}, f"release workflow jobs: {sorted(jobs)}")
+    steps = lambda j: [st.get("run", "") + " " + st.get("uses", "") + " " + json.dumps(st.get("with", {})) for st in jobs[j]["steps"]]
+    check(jobs["binaries"]["strategy"]["matrix"]["arch"] == ["amd64", "arm64"], "release: binaries for amd64 and arm64")
+    check(any("scripts/build-release ${{ matrix.arch }}" in x for x in steps("binaries")), "release: binaries by scripts/build-release")
+    check(any("-debug.tar.gz" in x for x in steps("binaries")), "release: the split debug info is published")
+    img = " ".join(steps("images"))
+    check("BINARIES=prebuilt" in img and "linux/amd64,linux/arm64" in img and "setup-qemu" not in text,
+          "release: images from the released binaries, both platforms, no emulator")
+    check("cosign sign" in img and '"sbom": true' in img and "spdx" in img, "release: images signed, with an SBOM")
+    check(jobs["images"]["needs"] == "binaries" and "helm package" in " ".join(steps("release")), "release: order, chart")
+    check(wf["permissions"].get("id-token") == "write", "release: keyless signing needs id-token: write")
+    print("ok  release workflow: YAML, cross-compiled binaries and split debug info, prebuilt multi-arch images (no emulator), "
+          "signatures, SBOMs, chart (static: it runs on GitHub only)")
 
 
 BASE_CACHE = "/var/tmp/coloc-check/bookworm-minbase.tar"
@@ -953,15 +1275,21 @@ def image_builds(d):
             arts["libcoloc_cuda.so"] = floor_shim
         else:
             print("note images: the shim's glibc 2.17 build (scripts/build-compat) is missing: the image carries the host build, and the old-userland preload check is skipped")
-        for name, dest in (("coloc-agent", "usr/local/bin"), ("coloc-node-setup", "usr/local/bin"), ("coloc-webhook", "usr/local/bin"),
-                           ("libcoloc_cuda.so", "opt/coloc/lib")):
-            os.makedirs(os.path.join(stage, "out", dest), exist_ok=True)
-            run("strip", "-o", os.path.join(stage, "out", dest, name), arts[name])
-            if name == "libcoloc_cuda.so":
-                # As the build stage does it.
-                libdir = os.path.join(stage, "out", dest)
-                with open(os.path.join(libdir, name + ".sha256"), "w") as f:
-                    f.write(run("sha256sum", name, cwd=libdir))
+        # Packaged as the release is (scripts/build-release: stripped, debug info split
+        # off, the shim's digest), from this checkout's binaries.
+        built = os.path.join(tmp, "built")
+        os.makedirs(built)
+        for name in ("coloc-agent", "coloc-node-setup", "coloc-webhook", "libcoloc_cuda.so"):
+            shutil.copy(arts[name], os.path.join(built, name))
+        run(os.path.join(ROOT, "scripts", "build-release"), "--package", built, stage)
+        for name, path in (("coloc-agent", "usr/local/bin/coloc-agent"), ("coloc-webhook", "usr/local/bin/coloc-webhook"),
+                           ("coloc-node-setup", "usr/local/bin/coloc-node-setup"), ("libcoloc_cuda.so", "opt/coloc/lib/libcoloc_cuda.so")):
+            shipped, debug = os.path.join(stage, "out", path), os.path.join(stage, "debug", name + ".debug")
+            sections = run("readelf", "-S", "-W", shipped)
+            check(".debug_info" not in sections and ".gnu_debuglink" in sections, f"{name}: shipped with debug info, or without a debuglink")
+            check(".debug_info" in run("readelf", "-S", "-W", debug), f"{name}: its split debug info has no .debug_info")
+            check(os.path.getsize(shipped) < os.path.getsize(arts[name]) / 2,
+                  f"{name}: stripped {os.path.getsize(shipped)} bytes, built {os.path.getsize(arts[name])}")
         ctr = run(*b, "from", "scratch").strip()
         run(*b, "copy", ctr, os.path.join(stage, "out"), "/out")
         run(*b, "commit", "-q", "--rm", ctr, "localhost/coloc-check-binaries")
@@ -993,6 +1321,10 @@ def image_builds(d):
         check(agent.get("Entrypoint") == ["/usr/local/bin/coloc-agent"] and agent.get("Cmd") == ["run"], f"agent image: entry point {agent}")
         check(webhook.get("Entrypoint") == ["/usr/local/bin/coloc-webhook"] and webhook.get("User") == f"{dep['securityContext']['runAsUser']}:{dep['securityContext']['runAsUser']}",
               f"webhook image: entry point and the chart's runAsUser: {webhook}")
+        for tag, path in ((images["agent"], "/usr/local/bin/coloc-agent"), (images["webhook"], "/usr/local/bin/coloc-webhook")):
+            rc, text = in_image(tag, "/usr/bin/sha256sum", path)
+            check(rc == 0 and text.split()[0] == run("sha256sum", os.path.join(stage, "out", path.lstrip("/"))).split()[0],
+                  f"{tag}: {path} is not the stripped binary: {text}")
         rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "--version")
         check(rc == 0 and "coloc-agent" in text, f"agent image: coloc-agent runs on the base: {text}")
         rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "resume", "--state-dir", "/tmp/state")
@@ -1023,8 +1355,9 @@ def image_builds(d):
         check(rc == 0 and "--patch-only" in text, f"webhook image: the certificate Jobs' bootstrap-cert: {text[:200]}")
         print(f"ok  images built for real ({arch}): the runtime stages of agent.Dockerfile and webhook.Dockerfile with buildah "
               "(vfs, chroot) on a debootstrap Debian 12 base, fed with this checkout's binaries; entry points, resume, "
-              "install-shim, the shim under LD_PRELOAD and the webhook as its user run in them. Not built: the Rust build "
-              "stage (its rust image needs a registry) and the distroless base (same)")
+              "install-shim, the shim under LD_PRELOAD and the webhook as its user run in them; the binaries in them are "
+              "the stripped ones, their debug info split beside them. Not built: the Rust build stage (its rust image needs a "
+              "registry) and the distroless base (same)")
     finally:
         subprocess.run([*b, "rm", "--all"], capture_output=True)
         subprocess.run([*b, "rmi", "--all", "--force"], capture_output=True)
@@ -1065,6 +1398,9 @@ def main():
     dd = validate(default, "chart (defaults)")
     promises(dd, "chart (defaults)")
     host_mode_checks()
+    stack_checks()
+    composition_checks()
+    settings_checks()
     promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
     promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
     gate_checks()
@@ -1086,7 +1422,9 @@ def main():
     monitoring_checks()
     release_checks()
     readme_table_checks()
+    docs_checks()
     image_checks()
+    release_workflow_checks()
 
     with open(os.path.join(DEPLOY, "kustomize", "base", "gpu-coloc.yaml")) as f:
         committed = f.read()

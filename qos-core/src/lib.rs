@@ -13,6 +13,8 @@
 //! ```
 //!
 //! - [`class`]: the `katalyst.kubewharf.io/qos_level` annotation → online/offline/system.
+//! - [`pod`]: a whole pod in every vocabulary (Katalyst, Koordinator, HAMi, vke), what it
+//!   cannot change after admission first; shared by the agent and the webhook.
 //! - [`resources`]: parsing and validation of the `vke.volcengine.com/*` requests and the
 //!   compute-policy annotation, shared by the agent and the admission webhook.
 //! - [`machine`]: the per-GPU preempt/release state machine and the `fixed-share` duty cycle.
@@ -26,6 +28,7 @@
 
 pub mod class;
 pub mod machine;
+pub mod pod;
 pub mod release;
 pub mod resources;
 pub mod stats;
@@ -34,6 +37,7 @@ pub use class::{classify, Class, Classification, QosLevel, QOS_LEVEL_ANNOTATION}
 pub use machine::{
     Config, Decision, GpuInput, GpuState, Machine, ProcessObs, Share, Signal, Transition,
 };
+pub use pod::{classify_pod, Evidence, PodClassification, PodFacts};
 pub use resources::{ComputePolicy, ResourceError};
 
 /// Nanoseconds on the clock shared by NVML sample timestamps and the agent.

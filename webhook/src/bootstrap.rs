@@ -108,21 +108,20 @@ pub struct Outcome {
     pub ca_pem: String,
 }
 
-/// The day of a Unix time, as rcgen wants it (its date type is not re-exported).
-macro_rules! date {
-    ($unix:expr) => {{
-        let (y, m, d) = civil($unix);
-        rcgen::date_time_ymd(y, m, d)
-    }};
+/// The start (00:00 UTC) of the day of a Unix time, as rcgen takes validity bounds.
+fn day(unix: u64) -> Result<time::OffsetDateTime> {
+    let t = time::OffsetDateTime::from_unix_timestamp(i64::try_from(unix)?)?;
+    Ok(t.replace_time(time::Time::MIDNIGHT))
 }
+
 /// A new CA and a serving certificate signed by it: (ca.crt, tls.crt, tls.key), PEM.
 pub fn issue(
     dns_names: &[String],
     now_unix: u64,
     validity_days: u64,
 ) -> Result<(String, String, String)> {
-    let not_before = date!(now_unix.saturating_sub(86_400));
-    let not_after = date!(now_unix + validity_days * 86_400);
+    let not_before = day(now_unix.saturating_sub(86_400))?;
+    let not_after = day(now_unix + validity_days * 86_400)?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     ca_params
@@ -140,21 +139,6 @@ pub fn issue(
     params.not_after = not_after;
     let cert = params.signed_by(&key, &ca)?;
     Ok((ca.pem(), cert.pem(), key.serialize_pem()))
-}
-
-/// The calendar day (UTC) of a Unix time: (year, month, day).
-fn civil(unix: u64) -> (i32, u8, u8) {
-    // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
-    let z = (unix / 86_400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u8;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u8;
-    let y = (yoe + era * 400 + i64::from(m <= 2)) as i32;
-    (y, m, d)
 }
 
 /// Why an existing Secret cannot be kept, or `None` when it can.
@@ -370,10 +354,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn civil_dates() {
-        assert_eq!(civil(0), (1970, 1, 1));
+    fn validity_days() {
+        let ymd = |unix| {
+            let d = day(unix).unwrap();
+            (d.year(), u8::from(d.month()), d.day(), d.hour())
+        };
+        assert_eq!(ymd(0), (1970, 1, 1, 0));
         // 2024-02-29 12:00 UTC (a leap day) and 2026-12-31.
-        assert_eq!(civil(1_709_208_000), (2024, 2, 29));
-        assert_eq!(civil(1_798_675_200), (2026, 12, 31));
+        assert_eq!(ymd(1_709_208_000), (2024, 2, 29, 0));
+        assert_eq!(ymd(1_798_675_200), (2026, 12, 31, 0));
     }
 }

@@ -612,6 +612,22 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
             ));
         }
     }
+    // What the pod cannot change after admission decides first (qos_core::classify_pod,
+    // shared with the agent): an online request from a pod whose other immutable fields
+    // say offline (HAMi's low priority, Koordinator's batch class or resources, Katalyst's
+    // reclaimed resources) is a contradiction. The agent would hold it as offline; the
+    // `hami` translation would even overwrite its low priority with a high one.
+    if class == PodClass::Online {
+        if let Some(evidence) = qos_core::pod::immutable_offline(&pod_facts(pod)) {
+            return Err(deny(
+                "qos_contradiction",
+                format!(
+                    "{} (online), but its {evidence} makes it offline; allowed: ask for {RECLAIMED_MGPU_CORE} instead, or drop the {evidence}",
+                    describe(&reqs, class)
+                ),
+            ));
+        }
+    }
     let mut ops = start_ops(pod);
     check_annotations(class, &describe(&reqs, class), annotations, &mut ops)?;
     let offline = class == PodClass::Offline;
@@ -671,6 +687,31 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     }
     set_annotation(&mut ops, annotations, BACKEND_ANNOTATION, backend.as_str());
     Ok(finish_ops(ops))
+}
+
+/// What `pod` says about its class, for `qos_core::classify_pod`: its `qos_level`
+/// annotation, Koordinator's label, its priority class and every resource its containers
+/// and init containers ask for.
+pub fn pod_facts(pod: &Value) -> qos_core::PodFacts<'_> {
+    let mut resources = Vec::new();
+    for list in ["initContainers", "containers"] {
+        for c in pod["spec"][list].as_array().into_iter().flatten() {
+            for part in ["requests", "limits"] {
+                if let Some(m) = c["resources"][part].as_object() {
+                    resources.extend(
+                        m.iter()
+                            .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?))),
+                    );
+                }
+            }
+        }
+    }
+    qos_core::PodFacts {
+        qos_level: pod["metadata"]["annotations"][QOS_LEVEL_ANNOTATION].as_str(),
+        koordinator_qos: pod["metadata"]["labels"][qos_core::pod::KOORDINATOR_QOS_LABEL].as_str(),
+        priority_class: pod["spec"]["priorityClassName"].as_str(),
+        resources,
+    }
 }
 
 /// Does `pod` ask for mGPU (any `vke.volcengine.com/*` request, readable or not, or the
@@ -904,6 +945,49 @@ mod tests {
                 "{b}: second pass must be empty"
             );
         }
+    }
+
+    /// An online request from a pod whose immutable fields say offline (the rule shared
+    /// with the agent, `qos_core::classify_pod`) is denied on every backend: the agent
+    /// would hold it as offline, and `hami` would overwrite its low priority with 0.
+    #[test]
+    fn online_request_with_immutable_offline_fields_is_denied() {
+        let mut koord = pod(json!({}), json!({"limits": {MGPU_CORE: "20"}}));
+        koord["spec"]["priorityClassName"] = json!("koord-batch");
+        let cases = [
+            (
+                pod(
+                    json!({}),
+                    json!({"limits": {MGPU_CORE: "20", "nvidia.com/priority": "1"}}),
+                ),
+                "resource nvidia.com/priority",
+            ),
+            (
+                pod(
+                    json!({}),
+                    json!({"limits": {MGPU_CORE: "20", "kubernetes.io/batch-cpu": "1000"}}),
+                ),
+                "resource kubernetes.io/batch-cpu",
+            ),
+            (koord, "priorityClassName koord-batch"),
+        ];
+        for (p, needle) in &cases {
+            for b in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+                let d = translate(p, b, &settings(b)).unwrap_err();
+                assert_eq!(d.reason, "qos_contradiction");
+                assert!(
+                    d.message.contains(needle) && d.message.contains("online"),
+                    "{b}: {}",
+                    d.message
+                );
+            }
+        }
+        // HAMi's high priority and an online Koordinator class are fine.
+        let ok = pod(
+            json!({}),
+            json!({"limits": {MGPU_CORE: "20", "nvidia.com/priority": "0"}}),
+        );
+        assert!(translate(&ok, Backend::Hami, &settings(Backend::Hami)).is_ok());
     }
 
     #[test]

@@ -5,7 +5,7 @@ mod run;
 
 pub use run::RunArgs;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -66,32 +66,63 @@ pub enum Command {
     Exec(crate::cmd::exec::ExecArgs),
 }
 
-/// Parses `1ms`, `500us`, `0.5s`, `100ms`, `2m`, and `0` (any other number without a
-/// unit: error).
+/// Parses a duration the way `humantime` writes them: `1ms`, `500us`, `100ms`, `2m`,
+/// `1m30s`, `1h`, and `0`. A number without a unit (other than 0) is an error.
 pub fn parse_duration(s: &str) -> Result<Duration> {
     let s = s.trim();
-    if s == "0" {
-        return Ok(Duration::ZERO);
+    humantime::parse_duration(s).with_context(|| {
+        format!("{s:?} is not a duration (a number and a unit: 500us, 100ms, 2s, 1m30s, 1h)")
+    })
+}
+
+/// `COLOC_*` variables other parts of gpu-coloc read, which the agent passes on or
+/// ignores: the CUDA shim's (in processes `coloc-agent exec` starts), the simulated
+/// driver's (read by the fake NVML library the agent loads in tests), the log filter, the
+/// webhook's (`COLOC_WEBHOOK_*`) and the benchmarks'.
+pub const OTHER_COMPONENTS: &[&str] = &[
+    "COLOC_SHIM_CLASS",
+    "COLOC_SHIM_INFLIGHT",
+    "COLOC_SHIM_INFLIGHT_MS",
+    "COLOC_SHIM_WAKE_GAP_MS",
+    "COLOC_SHIM_TRACE",
+    "COLOC_GATE_STALE_MS",
+    "COLOC_POD_UID",
+    "COLOC_SIM_STATE",
+    "COLOC_LOG",
+    "COLOC_BENCH_MODE",
+    "COLOC_CAPTURE_ALONE",
+    "COLOC_E2E_CAPS_TOOL",
+];
+
+/// Every `COLOC_*` variable a flag of `coloc-agent` reads, in any subcommand.
+pub fn flag_env_names() -> std::collections::BTreeSet<String> {
+    fn walk(cmd: &clap::Command, out: &mut std::collections::BTreeSet<String>) {
+        for a in cmd.get_arguments() {
+            if let Some(e) = a.get_env() {
+                out.insert(e.to_string_lossy().into_owned());
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            walk(sub, out);
+        }
     }
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .with_context(|| format!("{s:?}: missing unit (use ns, us, ms, s or m)"))?;
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .with_context(|| format!("{s:?}: {num:?} is not a number"))?;
-    let secs = match unit {
-        "ns" => n / 1e9,
-        "us" | "µs" => n / 1e6,
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" => n * 60.0,
-        _ => bail!("{s:?}: unknown unit {unit:?} (use ns, us, ms, s or m)"),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        bail!("{s:?}: not a valid duration");
-    }
-    Ok(Duration::from_secs_f64(secs))
+    let mut out = Default::default();
+    walk(&<Cli as clap::CommandFactory>::command(), &mut out);
+    out
+}
+
+/// The names among `vars` that look like settings (`COLOC_*`) but that no flag and no
+/// other part of gpu-coloc reads: a misspelt setting (`COLOC_IDLE_WINDW`), which would
+/// otherwise be ignored without a word. `coloc-agent run` refuses to start with any.
+pub fn unknown_settings(vars: impl IntoIterator<Item = String>) -> Vec<String> {
+    let known = flag_env_names();
+    let mut unknown: Vec<String> = vars
+        .into_iter()
+        .filter(|v| v.starts_with("COLOC_") && !v.starts_with("COLOC_WEBHOOK_"))
+        .filter(|v| !known.contains(v) && !OTHER_COMPONENTS.contains(&v.as_str()))
+        .collect();
+    unknown.sort();
+    unknown
 }
 
 #[cfg(test)]

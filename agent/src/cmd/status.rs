@@ -7,7 +7,7 @@ use crate::control::state::StateDoc;
 use crate::control::table::sanitize;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -35,30 +35,41 @@ pub struct StatusArgs {
     pub gpu: u32,
 }
 
-/// GET `path` from an `http://host:port` URL.
+/// GET `path` from an `http://host:port` URL: one HTTP/1.1 request through hyper's
+/// client (the same hyper the agent serves with), bounded by 5 s, on a runtime of its own.
 pub fn http_get(url: &str, path: &str) -> Result<String> {
     let rest = url
         .strip_prefix("http://")
         .with_context(|| format!("--url {url:?}: only http://host:port is supported"))?;
-    let hostport = rest.trim_end_matches('/');
-    let mut s = std::net::TcpStream::connect(hostport)
-        .with_context(|| format!("cannot reach the agent at {url} (is it running? --url)"))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    // One write: the request is one segment.
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf)?;
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .context("malformed HTTP response")?;
-    if !head.starts_with("HTTP/1.1 200") {
-        bail!("{url}{path}: {}", head.lines().next().unwrap_or(""));
-    }
-    // axum answers /state with a content-length; chunked bodies are not expected here.
-    Ok(body.to_string())
+    let hostport = rest.trim_end_matches('/').to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let get = async {
+        let tcp = tokio::net::TcpStream::connect(&hostport)
+            .await
+            .with_context(|| format!("cannot reach the agent at {url} (is it running? --url)"))?;
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
+        tokio::spawn(conn);
+        let req = hyper::Request::get(path)
+            .header(hyper::header::HOST, &hostport)
+            .body(http_body_util::Empty::<hyper::body::Bytes>::new())?;
+        let resp = send.send_request(req).await?;
+        let status = resp.status();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await?
+            .to_bytes();
+        if status != hyper::StatusCode::OK {
+            bail!("{url}{path}: {status}");
+        }
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    };
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), get)
+            .await
+            .with_context(|| format!("{url}{path}: no answer within 5 s"))?
+    })
 }
 
 fn ms(v: Option<f64>) -> String {
@@ -220,6 +231,7 @@ mod tests {
     use super::*;
     use crate::control::state::{GpuDoc, ProcDoc};
     use qos_core::Class;
+    use std::io::Read;
 
     fn doc(cmds: &[&str]) -> StateDoc {
         StateDoc {
@@ -281,7 +293,6 @@ mod tests {
         let body = serde_json::to_string(&doc).unwrap();
         std::thread::spawn(move || {
             for mut c in l.incoming().flatten() {
-                use std::io::{Read, Write};
                 let (mut head, mut buf) = (Vec::new(), [0u8; 256]);
                 while !head.ends_with(b"\r\n\r\n") {
                     match c.read(&mut buf) {

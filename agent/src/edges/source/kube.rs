@@ -1,11 +1,13 @@
 //! The Kubernetes pod source: a kube-rs watcher on this node's pods
-//! (`spec.nodeName=<node>`), classified by `katalyst.kubewharf.io/qos_level`, looked up by
-//! the pod UID found in a process's cgroup path.
+//! (`spec.nodeName=<node>`), classified by `qos_core::classify_pod` (what a pod cannot
+//! change after admission first: offline extended resources, HAMi's low priority,
+//! Koordinator's batch priority classes; then `katalyst.kubewharf.io/qos_level` and
+//! `koordinator.sh/qosClass`), looked up by the pod UID found in a process's cgroup path.
 //!
 //! ```text
 //!  API server ──list+watch──► watcher (backoff, relist on 410) ──► index: pod UID → class
 //!                                                                      ▲
-//!  /proc/<pid>/cgroup ──► podref::parse ──► pod UID ──────────────────┘ classify()
+//!  /proc/<pid>/cgroup ──► podref::parse ──► pod UID ──────────────────┘ classify_pod()
 //! ```
 //!
 //! What a real API server does, and what the source does about it:
@@ -32,8 +34,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
+use qos_core::pod::KOORDINATOR_QOS_LABEL;
 use qos_core::resources::{CorePercent, RECLAIMED_MGPU_CORE};
-use qos_core::{classify, Class, ComputePolicy, Share};
+use qos_core::{classify_pod, Class, ComputePolicy, PodFacts, Share};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -51,13 +54,36 @@ pub struct PodEntry {
 }
 
 impl PodEntry {
-    /// Reads a pod. Unknown QoS values are online (and logged by the caller).
+    /// Reads a pod: its class from every vocabulary, what it cannot change after
+    /// admission first (`qos_core::classify_pod`). Unknown values are online (and logged
+    /// by the caller).
     pub fn from_pod(pod: &Pod) -> (PodEntry, Option<String>) {
         let ann = pod.metadata.annotations.as_ref();
-        let c = classify(
-            ann.and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
+        let spec = pod.spec.as_ref();
+        let resources = spec
+            .into_iter()
+            .flat_map(|s| {
+                s.containers
+                    .iter()
+                    .chain(s.init_containers.iter().flatten())
+            })
+            .filter_map(|c| c.resources.as_ref())
+            .flat_map(|r| r.requests.iter().flatten().chain(r.limits.iter().flatten()))
+            .map(|(k, q)| (k.as_str(), q.0.as_str()))
+            .collect();
+        let c = classify_pod(&PodFacts {
+            qos_level: ann
+                .and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
                 .map(String::as_str),
-        );
+            koordinator_qos: pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(KOORDINATOR_QOS_LABEL))
+                .map(String::as_str),
+            priority_class: spec.and_then(|s| s.priority_class_name.as_deref()),
+            resources,
+        });
         let policy = ComputePolicy::from_annotation(
             ann.and_then(|a| a.get(qos_core::resources::COMPUTE_POLICY_ANNOTATION))
                 .map(String::as_str),

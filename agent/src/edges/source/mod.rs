@@ -157,17 +157,45 @@ pub struct Rule {
     pub name: String,
     /// Class given to matching processes.
     pub class: Class,
-    cgroup: Option<String>,
-    exe: Option<String>,
-    cmdline: Option<String>,
+    cgroup: Option<Glob>,
+    exe: Option<Glob>,
+    cmdline: Option<Glob>,
     uid: Option<u32>,
     share: Share,
+}
+
+/// A compiled glob (the `glob` crate): `*` any run of characters, `/` included; `?` one
+/// character; `[abc]`, `[a-z]`, `[!a]` one of a set. Matched case-sensitively.
+#[derive(Debug, Clone)]
+pub struct Glob(glob::Pattern);
+
+impl Glob {
+    /// Compiles `pattern`; the error says what is wrong with it.
+    pub fn new(pattern: &str) -> Result<Glob, String> {
+        glob::Pattern::new(pattern).map(Glob).map_err(|e| {
+            format!(
+                "{pattern:?} is not a glob: {} (at character {})",
+                e.msg,
+                e.pos + 1
+            )
+        })
+    }
+
+    /// Whether `text` matches the whole pattern.
+    pub fn matches(&self, text: &str) -> bool {
+        const OPTIONS: glob::MatchOptions = glob::MatchOptions {
+            case_sensitive: true,
+            require_literal_separator: false,
+            require_literal_leading_dot: false,
+        };
+        self.0.matches_with(text, OPTIONS)
+    }
 }
 
 /// The standalone pod source: rules by cgroup path, executable, command line and UID.
 ///
 /// ```toml
-/// # First matching rule wins. Globs: `*` any run of characters, `?` one character.
+/// # First matching rule wins. Globs: `*` any run of characters, `?` one character, `[a-z]` a set.
 /// unmatched = "unmanaged"          # class of GPU processes no rule matches
 ///
 /// [[rule]]
@@ -349,12 +377,14 @@ impl Rules {
                 .join(", ");
                 catch_all = Some((name.clone(), line, what));
             }
+            let compile =
+                |p: Option<String>| p.as_deref().map(Glob::new).transpose().map_err(invalid);
             rules.push(Rule {
+                cgroup: compile(r.cgroup)?,
+                exe: compile(r.exe)?,
+                cmdline: compile(r.cmdline)?,
                 name,
                 class,
-                cgroup: r.cgroup,
-                exe: r.exe,
-                cmdline: r.cmdline,
                 uid: r.uid,
                 share,
             });
@@ -370,17 +400,22 @@ impl Rules {
     fn matching(&self, p: &ProcInfo) -> Option<(&Rule, Option<String>)> {
         self.rules.iter().find_map(|r| {
             let cgroup = match &r.cgroup {
-                Some(pat) => Some(p.cgroups.paths().find(|path| glob(pat, path))?.to_string()),
+                Some(pat) => Some(
+                    p.cgroups
+                        .paths()
+                        .find(|path| pat.matches(path))?
+                        .to_string(),
+                ),
                 None => None,
             };
             if let Some(pat) = &r.exe {
                 let exe = p.exe.as_ref()?.to_string_lossy();
-                if !glob(pat, &exe) {
+                if !pat.matches(&exe) {
                     return None;
                 }
             }
             if let Some(pat) = &r.cmdline {
-                if !glob(pat, &p.cmdline) {
+                if !pat.matches(&p.cmdline) {
                     return None;
                 }
             }
@@ -409,30 +444,6 @@ impl PodSource for Rules {
     fn ready(&self) -> bool {
         true
     }
-}
-
-/// Glob match: `*` matches any run (including `/`), `?` one character.
-pub fn glob(pattern: &str, text: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = text.chars().collect();
-    let (mut pi, mut ti) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while ti < t.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
-            pi += 1;
-            ti += 1;
-        } else if pi < p.len() && p[pi] == '*' {
-            star = Some((pi, ti));
-            pi += 1;
-        } else if let Some((sp, st)) = star {
-            pi = sp + 1;
-            ti = st + 1;
-            star = Some((sp, st + 1));
-        } else {
-            return false;
-        }
-    }
-    p[pi..].iter().all(|c| *c == '*')
 }
 
 #[cfg(test)]

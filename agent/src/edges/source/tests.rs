@@ -100,12 +100,26 @@ fn errors_name_file_line_and_column() {
 
 #[test]
 fn globs() {
+    let glob = |p: &str, t: &str| Glob::new(p).unwrap().matches(t);
     assert!(glob("*train*", "python train.py"));
     assert!(glob("/batch/*", "/batch/a/b"));
     assert!(glob("a?c", "abc"));
     assert!(!glob("a?c", "ac"));
     assert!(glob("*", ""));
     assert!(!glob("/batch/*", "/other"));
+    assert!(glob("/jobs/[a-c]*", "/jobs/b1"));
+    assert!(!glob("*Train*", "python train.py"));
+    // A pattern that is not a glob is an error with the rule's line.
+    let e = Rules::parse(
+        "r.toml",
+        "[[rule]]\nname = \"a\"\nclass = \"offline\"\ncmdline = \"[x\"\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("rules file r.toml:2:8: rule a: \"[x\" is not a glob"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -63,9 +63,50 @@ app.kubernetes.io/name: gpu-coloc-webhook
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* registry/repository:tag; global.imageRegistry (a parent chart's) wins over image.registry. */}}
 {{- define "gpu-coloc.image" -}}
 {{- $img := index .Values.image .component -}}
-{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) }}
+{{- $registry := default .Values.image.registry ((.Values.global | default dict).imageRegistry) -}}
+{{- $repo := ternary (printf "%s/%s" $registry $img.repository) $img.repository (ne $registry "") -}}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion $img.tag) }}
+{{- end }}
+
+{{/*
+GPU nodes as each stack labels them (agent.gpuNodes): one nodeSelectorTerm per label, ORed.
+*/}}
+{{- define "gpu-coloc.gpuNodeLabels" -}}
+{{- $by := dict
+  "gpu-operator" (list (list "nvidia.com/gpu.present" "true"))
+  "hami" (list (list "gpu" "on"))
+  "device-plugin" (list (list "feature.node.kubernetes.io/pci-10de.present" "true") (list "gpu-coloc.dev/gpu" "true"))
+  "custom" (list) }}
+{{- $_ := set $by "auto" (concat (get $by "gpu-operator") (get $by "hami") (get $by "device-plugin")) }}
+{{- toJson (get $by .Values.agent.gpuNodes) }}
+{{- end }}
+
+{{/*
+The agent pod's affinity: agent.affinity, plus the GPU nodes of agent.gpuNodes (unless
+agent.affinity has a nodeAffinity of its own), plus one release's agent per node: two
+agents on one node would fight over the same GPUs and the same state directory, so another
+release's agent pod stays Pending there ("didn't match pod anti-affinity rules").
+*/}}
+{{- define "gpu-coloc.agentAffinity" -}}
+{{- $aff := deepCopy (.Values.agent.affinity | default dict) }}
+{{- $labels := include "gpu-coloc.gpuNodeLabels" . | fromJsonArray }}
+{{- if and (not (hasKey $aff "nodeAffinity")) $labels }}
+{{- $terms := list }}
+{{- range $labels }}
+{{- $terms = append $terms (dict "matchExpressions" (list (dict "key" (index . 0) "operator" "In" "values" (list (index . 1))))) }}
+{{- end }}
+{{- $_ := set $aff "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms)) }}
+{{- end }}
+{{- $paa := deepCopy (get $aff "podAntiAffinity" | default dict) }}
+{{- $one := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchExpressions" (list
+  (dict "key" "app.kubernetes.io/name" "operator" "In" "values" (list "gpu-coloc-agent"))
+  (dict "key" "app.kubernetes.io/instance" "operator" "NotIn" "values" (list .Release.Name)))) }}
+{{- $_ := set $paa "requiredDuringSchedulingIgnoredDuringExecution" (append (get $paa "requiredDuringSchedulingIgnoredDuringExecution" | default list) $one) }}
+{{- $_ := set $aff "podAntiAffinity" $paa }}
+{{- toYaml $aff }}
 {{- end }}
 
 {{/* TLS for the webhook: certManager, or the bootstrap Job, or a caBundle given by hand. */}}
@@ -139,5 +180,39 @@ inflight = {{ int .Values.shim.inflight }}
 {{- if not (kindIs "invalid" .Values.shim.inflightMs) }}
 inflight_ms = {{ float64 .Values.shim.inflightMs }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the webhook's pods and the certificate hook Jobs run: webhook.nodeSelector,
+tolerations, priorityClassName, and affinity (default for the Deployment: replicas spread
+over nodes, preferred). `.spread`: add that default.
+*/}}
+{{- define "gpu-coloc.webhookScheduling" -}}
+{{- $w := .Values.webhook }}
+{{- with $w.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $w.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $w.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if $w.affinity }}
+affinity:
+  {{- toYaml $w.affinity | nindent 2 }}
+{{- else if .spread }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "gpu-coloc.webhookSelector" . | nindent 14 }}
 {{- end }}
 {{- end }}
