@@ -13,7 +13,8 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   online-alone | offline-alone | no-agent (both, no agent) | dry-run (agent --dry-run)
   | signal (NVML only) | freezer (NVML only; skipped without a cgroup v2 freezer)
   | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
-  shim too, K = --gate-inflight): each --duration seconds, one GPU
+  shim too, K = --gate-inflight) | learned (the gate row with --release learned, online's
+  shim waking the agent after --release-floor-ms gaps): each --duration seconds, one GPU
   wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision),
                  with and without a CPU wake-up latency request (--cpu-wake-latency 0)
   nvml-load      burst.py alone (tiny kernels, each waited for) while coloc-bench
@@ -34,7 +35,7 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
                  answers out of order (a stopped process included); the lock beside the
                  large model and online kernel latency while offline is locked (ckpt_step.py)
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
-        part2 = preflight probe signal freezer doorbell gate wake-floor;
+        part2 = preflight probe signal freezer doorbell gate learned wake-floor;
         part3 = preflight drain nvml-load; part4 = preflight checkpoint; all.
 The parts (part1 ... part4) take about 5-7 minutes each, for machines that are lent
 for short runs; `--merge DIR DIR DIR --out DIR` joins their results (no GPU needed).
@@ -75,11 +76,12 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("freezer", "both, agent freezer", True, True, ("freezer", False, None)),
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
+    ("learned", "both, agent doorbell + gate + learned release", True, True, ("signal", False, "learned")),
 ]
 ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
-    "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "wake-floor"],
+    "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "learned", "wake-floor"],
     "part3": ["preflight", "drain", "nvml-load"],
     "part4": ["preflight", "checkpoint"],
     "rows": [r[0] for r in ROWS],
@@ -773,7 +775,7 @@ class Harness:
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{name} still running at the step's deadline") from None
 
-    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline):
+    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline, learned=False):
         port = free_port()
         events = os.path.join(self.art, f"{tag}-events.jsonl")
         cmd = [os.path.join(self.bin, "coloc-agent"), "run", "--rules", rules, "--nvml-lib", self.nvml,
@@ -784,6 +786,8 @@ class Harness:
             cmd.append("--dry-run")
         if gate:
             cmd += ["--gate", "--gate-file", self.gate_file]
+        if learned:
+            cmd += ["--release", "learned", "--release-floor", f"{self.a.release_floor_ms:g}ms", "--release-drain", f"{self.a.release_drain_ms:g}ms"]
         logname = f"{tag}-agent.log"
         ag = self.spawn("agent", f"{tag} agent", cmd, self.env, logname)
         limit, last = min(deadline, time.monotonic() + 15), ""
@@ -812,11 +816,11 @@ class Harness:
             f.write(f'[[rule]]\nname = "offline"\nclass = "reclaimed_cores"\n{off}\n[[rule]]\nname = "online"\nclass = "shared_cores"\n{on}\n')
         return p
 
-    def shim_env(self, cls, inflight=None, inflight_ms=None):
+    def shim_env(self, cls, inflight=None, inflight_ms=None, wake_gap_ms=None):
         """The environment of a workload under the shim (what `coloc-agent exec` sets)."""
         env = dict(self.env, LD_PRELOAD=self.shim, COLOC_SHIM_CLASS=cls, COLOC_DOORBELL_DIR=self.bells)
         if cls == "online":
-            env["COLOC_SHIM_WAKE_GAP_MS"] = str(duration_ms(self.a.idle_window))
+            env["COLOC_SHIM_WAKE_GAP_MS"] = f"{wake_gap_ms:g}" if wake_gap_ms is not None else str(duration_ms(self.a.idle_window))
         else:
             k = self.a.gate_inflight if inflight is None else inflight
             env.update(COLOC_GATE_FILE=self.gate_file, COLOC_SHIM_INFLIGHT=str(k))
@@ -987,19 +991,21 @@ class Harness:
         try:
             if agent:
                 t_agent = time.monotonic()
-                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] == "gate", deadline)
+                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] in ("gate", "learned"), deadline,
+                                                    learned=agent[2] == "learned")
             if offline:
                 cmd = self.offline_cmd(off_out, ready)
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
-                gated = agent is not None and agent[2] == "gate"
+                gated = agent is not None and agent[2] in ("gate", "learned")
                 off = self.spawn("work", f"{tag} offline", cmd, self.shim_env("offline") if gated else self.env, f"{tag}-offline.log")
                 self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline)
             if self.a.fail_step == step:
                 raise RuntimeError("failure injected with --fail-step (workloads running)")
             if online:
-                rung = agent is not None and agent[2] in ("doorbell", "gate")
-                on = self.spawn("work", f"{tag} online", self.online_cmd(on_out), self.shim_env("online") if rung else self.env, f"{tag}-online.log")
+                rung = agent is not None and agent[2] in ("doorbell", "gate", "learned")
+                env = self.shim_env("online", wake_gap_ms=self.a.release_floor_ms if agent[2] == "learned" else None) if rung else self.env
+                on = self.spawn("work", f"{tag} online", self.online_cmd(on_out), env, f"{tag}-online.log")
                 self.wait_exit(on, "online", deadline)
             else:
                 until = time.monotonic() + self.a.duration
@@ -1065,9 +1071,14 @@ class Harness:
                     warn.append("no preemption: the agent never acted")
                 elif not acts:
                     warn.append("preemptions without an actuator")
-                if agent[2] == "gate" and not acts.get("gate"):
+                if agent[2] in ("gate", "learned") and not acts.get("gate"):
                     warn.append("no suspension at the gate")
-                if agent[2] in ("doorbell", "gate") and not signals.get("doorbell"):
+                if agent[2] == "learned":
+                    row["learned_releases"] = int(sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
+                                                      if l.startswith("coloc_releases_total") and 'rule="learned"' in l))
+                    if not row["learned_releases"]:
+                        warn.append("no release by a learned window")
+                if agent[2] in ("doorbell", "gate", "learned") and not signals.get("doorbell"):
                     warn.append("no preemption signalled by the doorbell")
             if row.get("exit", {}).get("agent") not in (0, None):
                 warn.append(f"the agent exited {row['exit']['agent']}")
@@ -1552,6 +1563,8 @@ def main():
     ap.add_argument("--drain-burst-ms", type=float, default=300.0, help="drain: length of a burst")
     ap.add_argument("--drain-gap-ms", type=float, default=700.0, help="drain: idle time before each burst (longer than --idle-window)")
     ap.add_argument("--drain-open", type=float, default=4.0, help="drain: seconds of offline work with no online before the probe (throughput with the gate open)")
+    ap.add_argument("--release-floor-ms", type=float, default=2.0, help="learned row: the agent's --release-floor and online's shim wake gap")
+    ap.add_argument("--release-drain-ms", type=float, default=3.0, help="learned row: the agent's --release-drain (the offline shim's in-flight budget)")
     ap.add_argument("--ckpt-gb", default="0,8,32", help="checkpoint: extra device memory (GB) of each training loop checkpointed and restored")
     ap.add_argument("--ckpt-lock-reps", type=int, default=5, help="checkpoint: locks and unlocks of the large training model")
     ap.add_argument("--ckpt-parts", default=",".join(ckpt_step.PARTS), help="checkpoint: which parts: " + ", ".join(ckpt_step.PARTS))

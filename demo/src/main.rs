@@ -13,7 +13,11 @@
 //! | `nvml`     | online + offline, the agent, NVML only                | gpu-coloc without the shim     |
 //! | `doorbell` | online under `libcoloc_cuda.so` + offline, the agent  | gpu-coloc with the doorbell    |
 //! | `gate`     | the same, offline under the shim too (`--gate`)       | doorbell + launch gate (K)     |
+//! | `learned`  | the same, online waking the agent after 2 ms gaps     | the learned release window     |
 //!
+//! The agent runs with `--release learned`: a learned window applies only where online's
+//! shim wakes the agent after gaps as short as the window's floor (`learned`'s GPUs);
+//! elsewhere it releases after the idle window as before.
 //! Offline keeps `--offline-queue-depth` kernels queued (16 by default: training
 //! frameworks run far ahead of the GPU), so what runs after a stop is up to that many
 //! kernels; the gate bounds it to K (`--gate-inflight`) and the shim's in-flight budget
@@ -49,13 +53,15 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 90.0)]
     pub duration_s: f64,
     /// GPUs per scenario (the scenarios' request counts add up over them; at most 3, as
-    /// the simulator has 16 GPUs).
+    /// the simulator has 24 GPUs).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
     pub replicas: u32,
     /// Actuator the agent uses (freezer puts offline work in cgroups of its own; needs root).
     #[arg(long, value_enum, default_value_t = Kind::Signal)]
     pub actuator: Kind,
-    /// Online requests per second per GPU (Poisson arrivals).
+    /// Online requests per second per GPU (Poisson arrivals): 2 leaves the GPU idle 96 %
+    /// of the time; an inference service under load is nearer 15-25 (70-50 % idle), where
+    /// a 100 ms window seldom runs out between requests and the learned window matters.
     #[arg(long, default_value_t = 2.0)]
     pub online_rate: f64,
     /// GPU time per online request, ms.
@@ -121,7 +127,13 @@ fn parse_wake(s: &str) -> Result<WakeRequest> {
 }
 
 /// The scenarios, in GPU order (`offline` has one GPU, the others `--replicas`).
-const SCENARIOS: [&str; 6] = ["alone", "offline", "no-agent", "nvml", "doorbell", "gate"];
+const SCENARIOS: [&str; 7] = [
+    "alone", "offline", "no-agent", "nvml", "doorbell", "gate", "learned",
+];
+
+/// The learned window's floor the demo gives the agent (its default), and the wake gap of
+/// the `learned` scenario's online shim.
+const RELEASE_FLOOR_MS: f64 = 2.0;
 
 /// GPUs of each scenario.
 fn layout(replicas: u32) -> Vec<(&'static str, Vec<u32>)> {
@@ -227,7 +239,13 @@ fn run(a: DemoArgs) -> Result<()> {
             .map(|l| l.1.clone())
             .unwrap_or_default()
     };
-    let managed: Vec<u32> = [gpus_of("nvml"), gpus_of("doorbell"), gpus_of("gate")].concat();
+    let managed: Vec<u32> = [
+        gpus_of("nvml"),
+        gpus_of("doorbell"),
+        gpus_of("gate"),
+        gpus_of("learned"),
+    ]
+    .concat();
     let gate_file = state.with_extension("gate").join("gates");
     let n_gpus: u32 = lay.iter().map(|l| l.1.len() as u32).sum();
 
@@ -311,6 +329,12 @@ fn run(a: DemoArgs) -> Result<()> {
         .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
         .arg("--idle-window")
         .arg(format!("{}us", a.idle_window.as_micros()))
+        // A wrong release costs online what the gate leaves in flight: the shim's budget
+        // (3 ms), or one kernel when kernels are longer.
+        .args(["--release", "learned", "--release-floor"])
+        .arg(format!("{}us", (RELEASE_FLOOR_MS * 1e3) as u64))
+        .arg("--release-drain")
+        .arg(format!("{}us", (a.offline_step_ms.max(3.0) * 1e3) as u64))
         .args(match a.cpu_wake_latency {
             WakeRequest::Off => vec![],
             WakeRequest::Within(d) => {
@@ -369,7 +393,7 @@ fn run(a: DemoArgs) -> Result<()> {
             .env("LD_LIBRARY_PATH", &cuda_dir)
             .env("COLOC_SIM_STATE", &state);
     };
-    let online = |gpu: u32, replica: u32, name: &str, doorbell: bool| -> Result<Child> {
+    let online = |gpu: u32, replica: u32, name: &str, doorbell: Option<f64>| -> Result<Child> {
         let mut c = Command::new(&sim);
         c.args(["online", "--gpu", &gpu.to_string(), "--duration-s", &dur])
             .args(["--seed", &(7 + replica).to_string()])
@@ -378,14 +402,11 @@ fn run(a: DemoArgs) -> Result<()> {
             .arg("--out")
             .arg(out.join(name));
         cuda(&mut c);
-        if doorbell {
+        if let Some(wake_gap_ms) = doorbell {
             c.env("LD_PRELOAD", &shim)
                 .env("COLOC_SHIM_CLASS", "online")
                 .env("COLOC_DOORBELL_DIR", &bells)
-                .env(
-                    "COLOC_SHIM_WAKE_GAP_MS",
-                    (a.idle_window.as_secs_f64() * 1e3).to_string(),
-                );
+                .env("COLOC_SHIM_WAKE_GAP_MS", wake_gap_ms.to_string());
         }
         Ok(c.spawn()?)
     };
@@ -414,11 +435,17 @@ fn run(a: DemoArgs) -> Result<()> {
         for (i, g) in gpus.iter().enumerate() {
             let i = i as u32;
             if *scenario != "offline" {
+                let window_ms = a.idle_window.as_secs_f64() * 1e3;
+                let wake_gap = match *scenario {
+                    "doorbell" | "gate" => Some(window_ms),
+                    "learned" => Some(RELEASE_FLOOR_MS),
+                    _ => None,
+                };
                 work.push(online(
                     *g,
                     i,
                     &format!("online-{scenario}-{i}.json"),
-                    matches!(*scenario, "doorbell" | "gate"),
+                    wake_gap,
                 )?);
             }
             if *scenario != "alone" {
@@ -437,7 +464,7 @@ fn run(a: DemoArgs) -> Result<()> {
                     *g,
                     &format!("offline-{scenario}-{i}.json"),
                     cg.as_deref(),
-                    *scenario == "gate",
+                    matches!(*scenario, "gate" | "learned"),
                 )?);
             }
         }
@@ -565,7 +592,7 @@ fn summarize(
         .iter()
         .filter(|e| matches!(e, Event::FailOpen(_)))
         .count();
-    for s in ["no-agent", "nvml", "doorbell", "gate"] {
+    for s in ["no-agent", "nvml", "doorbell", "gate", "learned"] {
         let (lat, _) = online_of(out, s, n(s))?;
         let off = offline_of(out, s, n(s))?;
         let gpus = lay
@@ -577,6 +604,7 @@ fn summarize(
         let mut pre = Vec::new();
         let mut det = Vec::new();
         let mut rel = Vec::new();
+        let (mut learned, mut fixed) = (0usize, 0usize);
         let mut signals = std::collections::BTreeMap::<&str, usize>::new();
         // Detections over 200 µs: the loop was in a tick at the onset, or asleep and
         // woken late (the machine's wake-up latency; `coloc-bench --wake-floor`).
@@ -594,7 +622,14 @@ fn summarize(
                     pre.extend(ms(p.preemption_s));
                     *signals.entry(p.signal.as_str()).or_default() += 1;
                 }
-                Event::Release(r) if gpus.contains(&r.gpu) => rel.extend(ms(r.release_s)),
+                Event::Release(r) if gpus.contains(&r.gpu) => {
+                    rel.extend(ms(r.release_s));
+                    if r.learned {
+                        learned += 1;
+                    } else {
+                        fixed += 1;
+                    }
+                }
                 _ => {}
             }
         }
@@ -614,6 +649,7 @@ fn summarize(
                 "detection_ms": {"p50": pct(det.clone(), 50.0), "p99": pct(det, 99.0)},
                 "detection_over_200us": {"loop_busy": slow_busy, "woken_late": slow_asleep},
                 "release_ms": {"p50": pct(rel.clone(), 50.0), "p99": pct(rel, 99.0)},
+                "releases": {"learned": learned, "fixed": fixed},
             }),
         );
     }
@@ -639,6 +675,7 @@ fn print_table(s: &Value) {
         ("nvml", "gpu-coloc, NVML only"),
         ("doorbell", "gpu-coloc, doorbell (shim)"),
         ("gate", "gpu-coloc, doorbell + gate"),
+        ("learned", "gpu-coloc, + learned release"),
     ];
     for (k, label) in labels {
         let row = r(k);
@@ -673,6 +710,7 @@ fn print_table(s: &Value) {
         ("nvml", "NVML only"),
         ("doorbell", "doorbell"),
         ("gate", "gate"),
+        ("learned", "learned"),
     ] {
         let row = r(k);
         println!(
@@ -686,6 +724,11 @@ fn print_table(s: &Value) {
             f(&row["release_ms"]["p99"]),
         );
     }
+    let rel = &r("learned")["releases"];
+    println!(
+        "   learned: releases by a learned window {}, by the idle window {}",
+        rel["learned"], rel["fixed"]
+    );
     for (k, label) in [("doorbell", "doorbell"), ("gate", "gate")] {
         let slow = &r(k)["detection_over_200us"];
         println!(

@@ -70,8 +70,8 @@ impl Learner {
     /// A reading attributed to online process `key` on `gpu`: its latest launch, the start
     /// of its current run, its completion stamp (0: none) and its page's wake gap. Returns
     /// the end of its latest activity as the learned policy counts it: the completion
-    /// stamp when it is later than the latest launch (the work was seen complete then),
-    /// else the launch.
+    /// stamp when it is later than the latest launch (the work was seen complete then) and
+    /// the page wakes the agent within the floor, else the launch.
     pub fn observe(
         &mut self,
         key: ProcKey,
@@ -94,7 +94,10 @@ impl Learner {
             t.last = last;
         }
         t.drained = t.drained.max(drained);
-        if t.drained >= t.last {
+        // Only a page set up for the learned window (waking within the floor) moves the
+        // end to the stamp: elsewhere the idle window counts from the launch, as without
+        // the policy.
+        if t.wakes && t.drained >= t.last {
             t.drained
         } else {
             last
@@ -121,6 +124,18 @@ impl Learner {
             w = Some(w.map_or(mine, |x: u64| x.max(mine)));
         }
         w
+    }
+
+    /// Whether an online process on `gpu` that a learned window may apply to has work not
+    /// yet stamped complete: the stamp does not wake the agent, so the loop looks at the
+    /// pages every `--poll-interval` until it comes (the window counts from it).
+    pub fn awaits_stamp(&self, gpu: u32) -> bool {
+        let Some(cfg) = &self.cfg else {
+            return false;
+        };
+        self.tracks.iter().any(|((_, g), t)| {
+            *g == gpu && t.wakes && t.model.len() >= cfg.adaptive.min_gaps && t.drained < t.last
+        })
     }
 
     /// Gaps recorded for `key` on `gpu` (for `/state` and tests).

@@ -474,8 +474,13 @@ impl Rooms {
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
     pub fn next_wait(&self, now: u64) -> Duration {
         let next_check = self.book.next_check_ns();
+        let learner = &self.seeing.learner;
+        let stamp_due = self.machine.states().any(|(g, st)| {
+            matches!(st, qos_core::GpuState::OnlineBusy { .. }) && learner.awaits_stamp(g)
+        });
         let due = Due {
-            fast: (next_check.is_none() && !self.tracker.is_empty())
+            fast: stamp_due
+                || (next_check.is_none() && !self.tracker.is_empty())
                 || !self.retries.is_empty()
                 || self.seeing.table.fixed_share_present()
                 || self.seeing.sampling.asked.is_some(),

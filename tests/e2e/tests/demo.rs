@@ -90,4 +90,16 @@ fn demo_shows_the_difference() {
             > 0.2 * f("/scenarios/offline/offline_steps_per_s"),
         "{s}"
     );
+    // The learned window: once online has shown 20 gaps, its GPU releases a few ms after
+    // each request instead of 100 ms after it, so offline gets more of the idle time than
+    // on the gate's GPU, where online's page wakes the agent only after 100 ms gaps.
+    let learned = &s["scenarios"]["learned"];
+    assert!(learned["releases"]["learned"].as_u64().unwrap() >= 5, "{s}");
+    assert_eq!(s["scenarios"]["gate"]["releases"]["learned"], 0, "{s}");
+    assert!(
+        f("/scenarios/learned/offline_steps_per_s") > f("/scenarios/gate/offline_steps_per_s"),
+        "{s}"
+    );
+    assert!(stdout.contains("gpu-coloc, + learned release"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

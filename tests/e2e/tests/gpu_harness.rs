@@ -173,6 +173,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             "freezer",
             "doorbell",
             "gate",
+            "learned",
             "wake-floor",
             "drain",
             "nvml-load",
@@ -188,7 +189,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         assert_eq!(s["status"], want, "{s}");
     }
     let rows = res["scenarios"].as_array().unwrap();
-    assert_eq!(rows.len(), 8);
+    assert_eq!(rows.len(), 9);
     let get = |name: &str| rows.iter().find(|r| r["scenario"] == name).unwrap().clone();
     let failed = get("both, no agent");
     assert!(
@@ -232,6 +233,14 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "{gate}"
     );
     assert!(gate.get("warnings").is_none(), "{gate}");
+    // The learned row runs the gate's set-up with --release learned (too short here for a
+    // window to be learned: it holds and releases as the gate row does).
+    let learned = get("both, agent doorbell + gate + learned release");
+    assert!(
+        learned["actuators"]["gate"].as_u64().unwrap_or(0) >= 1,
+        "{learned}"
+    );
+    assert_eq!(learned["exit"]["agent"], 0, "{learned}");
     assert!(
         res["wake_floor"]["rows"].as_array().unwrap().len() >= 2,
         "{}",

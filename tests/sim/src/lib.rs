@@ -62,7 +62,7 @@ pub const MAGIC: u64 = 0x434f_4c4f_4353_4d35; // "COLOCSM5" (5: memory and the c
 /// Most processes on all simulated GPUs together.
 pub const MAX_SLOTS: usize = 512;
 /// Most simulated GPUs.
-pub const MAX_GPUS: u32 = 16;
+pub const MAX_GPUS: u32 = 24;
 /// Samples kept per process.
 pub const RING: usize = 64;
 
