@@ -62,10 +62,34 @@ const MAX_PAGES_PER_UID_TOP: usize = 64;
 /// bounded amount of work, and others are not held up by it.
 const DIR_RESCANS_PER_SECOND: u32 = 20;
 const DIR_RESCAN_GAP: Duration = Duration::from_millis(50);
-/// A page whose wake word changes more often than this in a second is not waited on for
-/// the rest of that second (still read every tick): the shim bumps it once per run, at
-/// most about ten times a second, and a tenant bumping it in a loop must not spin the loop.
+/// A page whose wake word changes more often in a second than its writer's runs can
+/// start (one per wake gap: a run needs a gap that long before it), and at least this
+/// often, is not waited on for the rest of that second (still read every tick): a tenant
+/// bumping it in a loop must not spin the loop.
 const WAKES_PER_PAGE_PER_SECOND: u32 = 20;
+/// The most a page's wake gap can raise its own limit to (a 2 ms gap: 500 a second).
+const WAKES_PER_PAGE_MAX: u32 = 500;
+/// All the pages of one owner (a pod, or a standalone process) together wake the loop at
+/// most this often in a second: a tenant's pages share it, whatever wake gaps they state.
+const WAKES_PER_OWNER_PER_SECOND: u32 = 500;
+
+/// Whether `m` may still wake the loop in second `sec`: under its own limit and its
+/// owner's.
+fn calm(m: &Mapped, owners: &HashMap<super::Owner, (u64, u32)>, sec: u64) -> bool {
+    let page = m.wakes.0 != sec || m.wakes.1 <= page_wake_limit(m);
+    let owner = owners
+        .get(&m.info.owner)
+        .is_none_or(|o| o.0 != sec || o.1 <= WAKES_PER_OWNER_PER_SECOND);
+    page && owner
+}
+
+/// How often in a second `m`'s wake word may change before it is read at ticks only.
+fn page_wake_limit(m: &Mapped) -> u32 {
+    let per_s = 1_000_000_000 / m.info.wake_gap_ns.max(1);
+    u32::try_from(per_s)
+        .unwrap_or(u32::MAX)
+        .clamp(WAKES_PER_PAGE_PER_SECOND, WAKES_PER_PAGE_MAX)
+}
 /// Warnings about pages that turned invalid, at most this many a second.
 const WARN_PER_SECOND: u32 = 10;
 
@@ -105,6 +129,8 @@ pub struct DirBells {
     no_waitv: bool,
     /// The waker's word as of the latest read.
     waker_seen: u32,
+    /// Wake-word changes per owner in the current second (the second, the count).
+    owner_wakes: HashMap<super::Owner, (u64, u32)>,
 }
 
 impl std::fmt::Debug for DirBells {
@@ -153,6 +179,7 @@ impl DirBells {
             rescans: HashMap::new(),
             no_waitv: false,
             waker_seen: 0,
+            owner_wakes: HashMap::new(),
         })
     }
 
@@ -553,6 +580,14 @@ impl Doorbells for DirBells {
                     m.wakes = (sec, 0);
                 }
                 m.wakes.1 += 1;
+                let o = self
+                    .owner_wakes
+                    .entry(m.info.owner.clone())
+                    .or_insert((sec, 0));
+                if o.0 != sec {
+                    *o = (sec, 0);
+                }
+                o.1 += 1;
             }
             m.seen = word;
             m.page().read(&mut tmp);
@@ -562,6 +597,11 @@ impl Doorbells for DirBells {
                 reading: *r,
                 drained_ns: page.drained_ns(r.index, now_ns),
             }));
+        }
+        if self.owner_wakes.len() > 2 * self.pages.len() + 16 {
+            let pages = &self.pages;
+            self.owner_wakes
+                .retain(|o, _| pages.values().any(|m| &m.info.owner == o));
         }
     }
 
@@ -580,8 +620,10 @@ impl Doorbells for DirBells {
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(MAX_WAITERS);
         words.push((&self.waker.0, self.waker_seen));
         let sec = super::now_sec();
-        // A page that woke the loop too often this second is read at ticks only.
-        let calm = |m: &&Mapped| m.wakes.0 != sec || m.wakes.1 <= WAKES_PER_PAGE_PER_SECOND;
+        // A page that woke the loop too often this second, or whose owner's pages did, is
+        // read at ticks only.
+        let owners = &self.owner_wakes;
+        let calm = |m: &&Mapped| calm(m, owners, sec);
         let polled = if self.pages.len() < MAX_WAITERS {
             for m in self.pages.values().filter(calm) {
                 words.push((&m.page().header().wake, m.seen));
@@ -707,8 +749,7 @@ impl Doorbells for DirBells {
         self.waker.0.load(Acquire) != self.waker_seen
             || self.dirty.any.load(Acquire) != 0
             || self.pages.values().any(|m| {
-                (m.wakes.0 != sec || m.wakes.1 <= WAKES_PER_PAGE_PER_SECOND)
-                    && m.page().header().wake.load(Acquire) != m.seen
+                calm(m, &self.owner_wakes, sec) && m.page().header().wake.load(Acquire) != m.seen
             })
     }
 }

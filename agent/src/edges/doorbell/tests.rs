@@ -8,12 +8,20 @@ fn write_page(path: &Path, uuid: [u8; 16], at: u64) -> memmap_page::Owned {
     memmap_page::Owned::create(path, uuid, at)
 }
 
+fn write_page_waking(path: &Path, uuid: [u8; 16], at: u64, gap_ns: u64) -> memmap_page::Owned {
+    memmap_page::Owned::create_waking(path, uuid, at, gap_ns)
+}
+
 /// A writer-side page in a test (what the shim does, minus CUDA).
 mod memmap_page {
     use super::*;
     pub struct Owned(*mut libc::c_void);
     impl Owned {
         pub fn create(path: &Path, uuid: [u8; 16], at: u64) -> Owned {
+            Owned::create_waking(path, uuid, at, 0)
+        }
+        /// A page whose writer states the wake gap `gap_ns` (0: the default).
+        pub fn create_waking(path: &Path, uuid: [u8; 16], at: u64, gap_ns: u64) -> Owned {
             let f = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -35,7 +43,7 @@ mod memmap_page {
             assert_ne!(base, libc::MAP_FAILED);
             let o = Owned(base);
             let p = o.page();
-            p.init(std::process::id(), 0, at);
+            p.init(std::process::id(), gap_ns, at);
             let e = p.entry_for(&uuid).unwrap();
             p.ring(e, at, coloc_doorbell::DEFAULT_WAKE_GAP_NS);
             o
@@ -618,6 +626,106 @@ fn a_page_bumping_its_wake_word_in_a_loop_does_not_spin_the_loop() {
         woken
     });
     assert!(woken <= 3 * 25, "woken {woken} times in 1.5 s");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Bumps `page`'s wake word every `every` (`ZERO`: in a loop) while `b` reads and waits
+/// for `for_`: how many waits returned early.
+fn wakes_while_bumped(
+    b: &mut DirBells,
+    pages: &[Page<'_>],
+    every: Duration,
+    for_: Duration,
+) -> u64 {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for p in pages {
+                    p.bump_and_wake();
+                }
+                if every.is_zero() {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(every);
+                }
+            }
+        });
+        let t0 = std::time::Instant::now();
+        let mut woken = 0u64;
+        while t0.elapsed() < for_ {
+            b.rescan(false);
+            b.read(&mut Vec::new());
+            if b.wait(Duration::from_millis(100)) {
+                woken += 1;
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        woken
+    })
+}
+
+/// A page whose writer wakes the agent after short gaps (the learned release window's
+/// 2 ms) may wake the loop as often as its runs can start: 300 runs a second are all
+/// seen at once. What a page can claim is bounded (500 a second however short the gap it
+/// states), and so are all the pages of one owner together (500 a second).
+#[test]
+fn a_page_may_wake_as_often_as_its_wake_gap_allows_and_an_owner_no_more() {
+    let dir = tmpdir("gap");
+    let mut b = DirBells::new(&dir).unwrap();
+    let d = dir
+        .join("pods")
+        .join("0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a12");
+    std::fs::create_dir_all(&d).unwrap();
+    let fast = write_page_waking(&d.join("7-1.bell"), [7; 16], 1, 2_000_000);
+    b.rescan(true);
+    b.read(&mut Vec::new());
+    let woken = wakes_while_bumped(
+        &mut b,
+        &[fast.page()],
+        Duration::from_micros(3300),
+        Duration::from_secs(1),
+    );
+    assert!(
+        woken >= 200,
+        "a 2 ms page bumped 300 times in 1 s woke the loop {woken} times"
+    );
+    drop(fast);
+    // A page that states a 1 ns gap and bumps in a loop: no more than 500 a second.
+    let flood = write_page_waking(&d.join("7-2.bell"), [8; 16], 1, 1);
+    b.rescan(true);
+    b.read(&mut Vec::new());
+    let woken = wakes_while_bumped(
+        &mut b,
+        &[flood.page()],
+        Duration::ZERO,
+        Duration::from_millis(1500),
+    );
+    assert!(
+        woken <= 3 * 510,
+        "a page flooding its word woke the loop {woken} times in 1.5 s"
+    );
+    // Eight such pages of one pod together: still about 500 a second.
+    let many: Vec<_> = (0..8)
+        .map(|i| {
+            write_page_waking(
+                &d.join(format!("7-{}.bell", 10 + i)),
+                [9 + i as u8; 16],
+                1,
+                1,
+            )
+        })
+        .collect();
+    b.rescan(true);
+    b.read(&mut Vec::new());
+    let pages: Vec<Page<'_>> = many.iter().map(|p| p.page()).collect();
+    let woken = wakes_while_bumped(&mut b, &pages, Duration::ZERO, Duration::from_millis(1500));
+    assert!(
+        woken <= 3 * 510,
+        "one owner's 8 flooding pages woke the loop {woken} times in 1.5 s"
+    );
+    drop(flood);
+    drop(many);
     std::fs::remove_dir_all(&dir).ok();
 }
 
