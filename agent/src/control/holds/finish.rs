@@ -275,6 +275,8 @@ impl HoldBook {
                 self.pending.push(p);
                 continue;
             }
+            let mut p = p;
+            self.confirm_escalated(&mut p);
             let (op, targets) = (p.op, p.members.clone());
             self.ask(Then::Checked(p), |req| HoldCmd::Check { req, op, targets });
         }
@@ -286,6 +288,9 @@ impl HoldBook {
             None if now >= p.deadline_ns => Some(Outcome::Failed(Failure::Timeout)),
             None => {
                 p.members = pending_members(&p.members, &progress);
+                if p.op == Op::Suspend {
+                    self.restop_pending(&p, now);
+                }
                 p.gap_ns = (p.gap_ns * 2).min(super::CHECK_MAX_NS);
                 p.next_check_ns = now + p.gap_ns;
                 self.pending.push(p);

@@ -175,6 +175,7 @@ impl HoldBook {
         p.all.extend(members.iter().cloned());
         // The fallback's own confirmation gets the whole --confirm-timeout.
         p.deadline_ns = now + self.confirm_timeout.as_nanos() as u64;
+        p.started_ns = now;
         match members_progress(&progress) {
             None => {
                 p.members = pending_members(&members, &progress);

@@ -25,6 +25,11 @@ pub(super) struct Pending {
     pub(super) escalate_ns: Option<u64>,
     /// The gate drained before the fallback started (the completion says `gate`).
     pub(super) drained: bool,
+    /// When the operation started, ns (a suspension still running long after its
+    /// SIGSTOP was resumed by someone: see [`HoldBook::restop_pending`]).
+    ///
+    /// [`HoldBook::restop_pending`]: super::HoldBook
+    pub(super) started_ns: u64,
 }
 
 impl Pending {
@@ -51,6 +56,7 @@ impl Pending {
             gap_ns: CHECK_FIRST_NS,
             escalate_ns: None,
             drained: false,
+            started_ns: now,
         }
     }
 }

@@ -15,6 +15,7 @@
 //! benchmark, about 0.9 points of a core), and a cgroup that keeps resuming itself is
 //! still frozen within a few intervals.
 
+use super::pending::Pending;
 use super::{HoldBook, HoldCmd, HoldKey, Progress, Then, INLINE_BUDGET};
 use crate::control::note::Note;
 use crate::edges::actuator::{Kind, Op, Target};
@@ -30,6 +31,16 @@ pub const RECHECK_TARGETS_PER_TICK: usize = 2;
 pub const RECHECK_SCAN: usize = 16;
 /// Breaks after which a signalled cgroup is frozen.
 pub const ESCALATE_AFTER: u32 = 2;
+/// A suspension by signal not confirmed this long after its SIGSTOP is sent the signal
+/// again at each check, ns: a SIGSTOP takes effect when its target next runs (tens to
+/// hundreds of µs), so a process still running after 1 ms was most likely resumed by
+/// someone else (a sibling sending SIGCONT) before the stop could be seen.
+pub const RESTOP_AFTER_NS: u64 = 1_000_000;
+/// A signalled cgroup whose processes are still not seen stopped this long after the
+/// SIGSTOP is frozen instead, ns: a process resumed again and again between the agent's
+/// looks would otherwise time out its suspension (and be left running, fail open) every
+/// `--confirm-timeout`.
+pub const ESCALATE_PENDING_NS: u64 = 10_000_000;
 
 /// A hold found running while held.
 #[derive(Debug, Clone)]
@@ -88,6 +99,73 @@ impl HoldBook {
                     leader,
                 });
             }
+        }
+    }
+
+    /// A suspension by signal that is still not confirmed: its processes are sent SIGSTOP
+    /// again, and a signalled cgroup is frozen (recorded first) once they have stayed
+    /// unconfirmed for [`ESCALATE_PENDING_NS`]. Its confirmation is then the freezer's
+    /// (see [`HoldBook::confirm_escalated`]).
+    pub(super) fn restop_pending(&mut self, p: &Pending, now: u64) {
+        let waited = now.saturating_sub(p.started_ns);
+        let running: Vec<Target> = p
+            .members
+            .iter()
+            .filter(|t| matches!(t, Target::Process { .. }))
+            .cloned()
+            .collect();
+        if running.is_empty() || waited < RESTOP_AFTER_NS {
+            return;
+        }
+        let Some(hold) = self.held.get_mut(&p.key).filter(|h| h.serial == p.serial) else {
+            return;
+        };
+        let escalate = (waited >= ESCALATE_PENDING_NS)
+            .then(|| hold.escalate.take())
+            .flatten()
+            .map(|cg| {
+                hold.breaks += 1;
+                let broken = Broken {
+                    holders: hold.holders.iter().copied().collect(),
+                    resumed: running.len(),
+                    breaks: hold.breaks,
+                    escalated: false,
+                    kind: hold.kind,
+                };
+                (cg, broken)
+            });
+        self.ask(Then::Restopped, |req| HoldCmd::Start {
+            req,
+            op: Op::Suspend,
+            targets: running,
+            budget: std::time::Duration::ZERO,
+        });
+        let Some((cg, broken)) = escalate else {
+            return;
+        };
+        let entries = vec![cg.record()];
+        self.ask(Then::RecordedEscalation(p.key.clone(), cg, broken), |req| {
+            HoldCmd::RecordAdd { req, entries }
+        });
+    }
+
+    /// A pending suspension whose hold was frozen meanwhile waits for the freezer, not for
+    /// its processes (frozen tasks are not in the stopped state).
+    pub(super) fn confirm_escalated(&self, p: &mut Pending) {
+        if p.op != Op::Suspend || p.members.iter().any(|t| matches!(t, Target::Cgroup { .. })) {
+            return;
+        }
+        let Some(hold) = self.held.get(&p.key).filter(|h| h.serial == p.serial) else {
+            return;
+        };
+        let frozen: Vec<Target> = hold
+            .members
+            .iter()
+            .filter(|t| matches!(t, Target::Cgroup { .. }))
+            .cloned()
+            .collect();
+        if !frozen.is_empty() {
+            p.members = frozen;
         }
     }
 

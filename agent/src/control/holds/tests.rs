@@ -513,3 +513,85 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
         "D is frozen by the first hold but no longer in the fail-open record: {rec:?}"
     );
 }
+
+/// A sibling sends SIGCONT faster than the agent looks: the stopped state is never seen.
+/// The SIGSTOP is sent again, and the signalled cgroup is frozen (recorded first) instead
+/// of the suspension timing out and being undone (which left the job running, fail open,
+/// for a whole `--confirm-timeout` at a time).
+#[test]
+fn a_suspension_never_seen_stopped_is_stopped_again_then_frozen_not_given_up() {
+    use crate::edges::actuator::CgroupVersion;
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+    };
+    let (k, t) = proc_target(10);
+    let plan = Plan::SignalCgroup {
+        dir,
+        version: CgroupVersion::V2,
+        leader: t.clone(),
+    };
+    let mut b = HoldBook::new(Duration::from_millis(50));
+    let mut rec = std::collections::BTreeSet::new();
+    let members = vec![t.clone()];
+    b.suspend(&[(k, plan)], 0);
+    let (mut stops, mut freezes) = (0, 0);
+    let mut frozen_recorded = false;
+    let mut events: Vec<String> = Vec::new();
+    let mut now = 0;
+    while now <= 100 * MS {
+        let mut tenant = |op: Op, t: &Target, start: bool| match (op, t, start) {
+            (Op::Suspend, Target::Process { .. }, true) => {
+                stops += 1;
+                Progress::Pending
+            }
+            // Never seen stopped: resumed by the sibling before every look.
+            (Op::Suspend, Target::Process { .. }, false) => Progress::Pending,
+            (Op::Suspend, Target::Cgroup { .. }, _) => {
+                freezes += 1;
+                Progress::Done
+            }
+            _ => Progress::Done,
+        };
+        let cmds = shell(&mut b, now, &mut rec, &members, &mut tenant);
+        for c in &cmds {
+            match c {
+                HoldCmd::RecordAdd { entries, .. } if entries.contains(&cg.record()) => {
+                    frozen_recorded = true;
+                    events.push("record cgroup".into());
+                }
+                HoldCmd::Start {
+                    op: Op::Suspend,
+                    targets,
+                    ..
+                } if targets.iter().any(|t| t.record() == cg.record()) => {
+                    assert!(frozen_recorded, "frozen before it was recorded: {events:?}");
+                    events.push("freeze".into());
+                }
+                HoldCmd::Start { op: Op::Resume, .. } => events.push("resume".into()),
+                _ => {}
+            }
+        }
+        b.poll(now);
+        now += 100_000;
+    }
+    assert!(stops >= 3, "the SIGSTOP was sent {stops} times, not again");
+    assert!(freezes >= 1, "never frozen: {events:?}");
+    assert!(
+        !events.iter().any(|e| e == "resume"),
+        "the suspension was given up: {events:?}"
+    );
+    let done = b.take_done();
+    assert!(
+        matches!(&done[..], [c] if c.op == Op::Suspend && c.outcome == Outcome::Done),
+        "{done:?}"
+    );
+    assert!(b.take_failed().is_empty());
+    assert!(b.holds(&k));
+    let broken = b.take_broken();
+    assert!(
+        broken.iter().any(|x| x.escalated),
+        "the escalation was not reported: {broken:?}"
+    );
+}
