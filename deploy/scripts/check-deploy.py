@@ -113,6 +113,10 @@ def helm_checks():
         "shim.gateTimeout=null": "gateTimeout",
         "webhook.networkPolicy.apiServerCIDRs={10.0.0.1}": "apiServerCIDRs",
         "webhook.networkPolicy.enable=true": "enable",
+        "shim.learnedRelease=true,shim.gate=false": "shim.learnedRelease needs shim.gate",
+        "shim.learnedRelease=yes": "learnedRelease",
+        "shim.releaseFloorMs=0": "releaseFloorMs",
+        "agent.settings.COLOC_RELEASE=learned": "COLOC_RELEASE",
     }
     for s, needle in bad.items():
         try:
@@ -124,7 +128,7 @@ def helm_checks():
                  "agent.idleWindow=1m30s", "shim.gateTimeout=1h", "global.cattle.systemDefaultRegistry=registry.example.com",
                  "agent.gpuNodes=custom,agent.nodeSelector.gpu=yes", "image.registry=localhost:5000/mirror",
                  "shim.inflight=0", "shim.inflightMs=1.5", "shim.enabled=false", "agent.deviceAccess=hostNvml,agent.hostNvml.arm64=null",
-                 "shim.gate=false", "shim.gateTimeout=200ms"):
+                 "shim.gate=false", "shim.gateTimeout=200ms", "shim.learnedRelease=true,shim.releaseFloorMs=0.5"):
         try:
             render(good)
         except h.HelmError as e:
@@ -621,7 +625,8 @@ def settings_checks():
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
     allowed = set(schema["properties"]["agent"]["properties"]["settings"]["propertyNames"]["enum"])
     d = [x for x in yaml.safe_load_all(render("agent.deviceAccess=hostNvml", "shim.enabled=false")) if x] + \
-        [x for x in yaml.safe_load_all(render()) if x]
+        [x for x in yaml.safe_load_all(render()) if x] + \
+        [x for x in yaml.safe_load_all(render("shim.learnedRelease=true")) if x]
     set_by_chart = {k for cm in by_kind(d, "ConfigMap") if cm["metadata"]["name"].endswith("-agent") for k in cm["data"]}
     set_by_chart |= {e["name"] for ds in by_kind(d, "DaemonSet") for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
     check(allowed == flags - set_by_chart, f"agent.settings: the schema allows {sorted(allowed ^ (flags - set_by_chart))} differently from "
@@ -778,7 +783,7 @@ def injection_checks(docs, label):
     cfg = one(docs, "ConfigMap", "-webhook")["data"]["config.toml"]
     agent_settings = one(docs, "ConfigMap", "-agent")["data"]
     binary = webhook_binary()
-    pods, n, gated = [], 0, 0
+    pods, n, gated, woken = [], 0, 0, 0
     with tempfile.TemporaryDirectory() as tmp:
         conf = os.path.join(tmp, "config.toml")
         with open(conf, "w") as f:
@@ -811,6 +816,14 @@ def injection_checks(docs, label):
                               f"{label}: {name} ({backend}): {ctr['name']} maps the gate file {env['COLOC_GATE_FILE']}, "
                               f"the agent writes {agent_settings['COLOC_GATE_FILE']}")
                         gated += 1
+                    if "COLOC_SHIM_WAKE_GAP_MS" in env:
+                        # An online shim wakes the agent after gaps no longer than the
+                        # agent's release floor (or its learned windows never apply).
+                        floor = agent_settings.get("COLOC_RELEASE_FLOOR", "")
+                        check(floor.endswith("us") and float(env["COLOC_SHIM_WAKE_GAP_MS"]) * 1000 <= int(floor[:-2]),
+                              f"{label}: {name} ({backend}): {ctr['name']} wakes the agent after "
+                              f"{env['COLOC_SHIM_WAKE_GAP_MS']} ms gaps, the agent's release floor is {floor!r}")
+                        woken += 1
                 with open(src, "w") as f:
                     json.dump(pod, f)
                 again = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
@@ -820,6 +833,8 @@ def injection_checks(docs, label):
                 n += asks
     if "COLOC_GATE_FILE" in agent_settings:
         check(gated, f"{label}: no offline container got the agent's gate file {agent_settings['COLOC_GATE_FILE']}")
+    check(bool(woken) == (agent_settings.get("COLOC_RELEASE") == "learned"),
+          f"{label}: {woken} online containers wake the agent after short gaps, COLOC_RELEASE={agent_settings.get('COLOC_RELEASE')}")
     validate(yaml.safe_dump_all(pods), f"{label}: {len(pods)} pods after /inject and /mutate ({n} with the shim, {gated} containers at the gate)")
 
 
@@ -1418,6 +1433,8 @@ def main():
     injection_checks(dd, "chart (defaults)")
     injection_checks([x for x in yaml.safe_load_all(render("shim.inflight=0", "shim.library=/opt/gpu/lib/libcoloc_cuda.so")) if x],
                      "chart (other shim paths, K=0)")
+    injection_checks([x for x in yaml.safe_load_all(render("shim.learnedRelease=true", "shim.releaseFloorMs=0.5")) if x],
+                     "chart (learned release, 0.5 ms floor)")
     cert_checks()
     monitoring_checks()
     release_checks()

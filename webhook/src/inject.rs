@@ -80,6 +80,11 @@ pub struct ShimSettings {
     /// estimated GPU time per stream; 0: K alone); unset: the shim's default.
     #[serde(default)]
     pub inflight_ms: Option<f64>,
+    /// `COLOC_SHIM_WAKE_GAP_MS` for online containers: the shim wakes the agent when a
+    /// launch follows a gap this long (the agent's `--release-floor` when it runs
+    /// `--release learned`); unset: the shim's default (100 ms, the idle window).
+    #[serde(default)]
+    pub online_wake_gap_ms: Option<f64>,
 }
 
 fn default_library() -> String {
@@ -100,6 +105,7 @@ impl Default for ShimSettings {
             gate_dir: default_gate_dir(),
             inflight: None,
             inflight_ms: None,
+            online_wake_gap_ms: None,
         }
     }
 }
@@ -128,6 +134,13 @@ impl ShimSettings {
             if !ms.is_finite() || ms < 0.0 {
                 return Err(format!(
                     "[shim] inflight_ms = {ms}: a number of milliseconds, 0 or more"
+                ));
+            }
+        }
+        if let Some(ms) = self.online_wake_gap_ms {
+            if !ms.is_finite() || ms <= 0.0 {
+                return Err(format!(
+                    "[shim] online_wake_gap_ms = {ms}: a positive number of milliseconds"
                 ));
             }
         }
@@ -319,6 +332,13 @@ fn container_ops(ops: &mut Vec<Value>, path: &str, c: &Value, class: PodClass, s
         if let Some(ms) = s.inflight_ms {
             if env_named(c, "COLOC_SHIM_INFLIGHT_MS").is_empty() {
                 add.push(json!({"name": "COLOC_SHIM_INFLIGHT_MS", "value": ms.to_string()}));
+            }
+        }
+    }
+    if class == PodClass::Online {
+        if let Some(ms) = s.online_wake_gap_ms {
+            if env_named(c, "COLOC_SHIM_WAKE_GAP_MS").is_empty() {
+                add.push(json!({"name": "COLOC_SHIM_WAKE_GAP_MS", "value": ms.to_string()}));
             }
         }
     }

@@ -92,7 +92,8 @@ Example config (TOML):
   doorbell_dir = \"/run/gpu-coloc/doorbells\"
   gate_dir = \"/run/gpu-coloc/gate\"
   inflight = 2                                # optional: COLOC_SHIM_INFLIGHT of offline pods
-  inflight_ms = 3                             # optional: COLOC_SHIM_INFLIGHT_MS of offline pods"
+  inflight_ms = 3                             # optional: COLOC_SHIM_INFLIGHT_MS of offline pods
+  online_wake_gap_ms = 2                      # optional: COLOC_SHIM_WAKE_GAP_MS of online pods (the agent runs --release learned)"
 )]
 struct Args {
     #[command(subcommand)]

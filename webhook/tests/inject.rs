@@ -44,6 +44,7 @@ fn shim() -> Option<ShimSettings> {
     Some(ShimSettings {
         inflight: Some(2),
         inflight_ms: Some(1.5),
+        online_wake_gap_ms: Some(2.0),
         ..ShimSettings::default()
     })
 }
@@ -257,11 +258,16 @@ fn assert_injected(pod: &Value, name: &str, class: &str) {
         );
         assert_eq!(env(c, "COLOC_SHIM_INFLIGHT").unwrap()["value"], "2");
         assert_eq!(env(c, "COLOC_SHIM_INFLIGHT_MS").unwrap()["value"], "1.5");
+        assert!(
+            env(c, "COLOC_SHIM_WAKE_GAP_MS").is_none(),
+            "{name}: the wake gap is online's"
+        );
     } else {
         assert!(
             gate.is_none() && env(c, "COLOC_GATE_FILE").is_none(),
             "{name}: online has no gate"
         );
+        assert_eq!(env(c, "COLOC_SHIM_WAKE_GAP_MS").unwrap()["value"], "2");
     }
     let vols: Vec<(&str, &str)> = pod["spec"]["volumes"]
         .as_array()
@@ -651,6 +657,15 @@ fn shim_settings_are_checked_at_start() {
         };
         let e = s.check().unwrap_err();
         assert!(e.contains("inflight_ms"), "{bad}: {e}");
+        let s = Settings {
+            shim: Some(ShimSettings {
+                online_wake_gap_ms: Some(if bad < 0.0 { 0.0 } else { bad }),
+                ..ShimSettings::default()
+            }),
+            ..Settings::new(Backend::Vke)
+        };
+        let e = s.check().unwrap_err();
+        assert!(e.contains("online_wake_gap_ms"), "{bad}: {e}");
     }
     let toml_text =
         "backend = \"vke\"\n[shim]\nlibrary = \"/opt/gpu/libcoloc_cuda.so\"\ninflight = 4\ninflight_ms = 0\n";

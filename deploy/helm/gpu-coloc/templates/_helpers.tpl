@@ -180,6 +180,9 @@ inflight = {{ int .Values.shim.inflight }}
 {{- if not (kindIs "invalid" .Values.shim.inflightMs) }}
 inflight_ms = {{ float64 .Values.shim.inflightMs }}
 {{- end }}
+{{- if .Values.shim.learnedRelease }}
+online_wake_gap_ms = {{ float64 .Values.shim.releaseFloorMs }}
+{{- end }}
 {{- end }}
 {{- end }}
 
