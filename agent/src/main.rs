@@ -5,7 +5,7 @@ use coloc_agent::cli::{Cli, Command, LogFormat, RunArgs};
 use coloc_agent::control::state::Shared;
 use coloc_agent::control::{Edges, Loop};
 use coloc_agent::edges::actuator::{self, dry_run::DryRun, Actuator, Host, Progress};
-use coloc_agent::edges::doorbell::{DirBells, Doorbells, NoBells};
+use coloc_agent::edges::doorbell::{DirBells, Doorbells, Layout, NoBells};
 use coloc_agent::edges::gate::{GateFile, GateKeeper};
 use coloc_agent::edges::record::{FileRecord, MemRecord, RecordStore};
 use coloc_agent::edges::source::{kube::KubeSource, PodSource, Rules};
@@ -155,7 +155,13 @@ fn run(args: RunArgs) -> Result<()> {
         info!("--no-doorbells: online work is seen through NVML alone");
         Box::new(NoBells::default())
     } else {
-        match DirBells::new(&args.doorbell_dir) {
+        // Kubernetes: pods write only in their own directory, which the agent makes.
+        let layout = if args.rules.is_some() {
+            Layout::Standalone
+        } else {
+            Layout::Kubernetes
+        };
+        match DirBells::open(&args.doorbell_dir, layout) {
             Ok(b) => {
                 info!(dir = %args.doorbell_dir.display(), "Watching CUDA shim doorbells");
                 Box::new(b)

@@ -99,6 +99,10 @@ fn describe() {
         "Doorbell pages whose launches do not count now because NVML never corroborated them (see coloc_doorbell_rejected_total{reason=\"uncorroborated\"})."
     );
     describe_counter!(
+        "coloc_doorbell_pod_dirs_made_total",
+        "Pods' doorbell directories (pods/<uid>, mode 1777) the agent made from its pod watch, or widened when the kubelet had made them first."
+    );
+    describe_counter!(
         "coloc_doorbell_pod_dirs_removed_total",
         "Doorbell directories of pods that are gone (deleted from the API server, nothing changed in them for 5 minutes) removed by the agent."
     );

@@ -1346,7 +1346,7 @@ def image_builds(d):
         check(rc == 0 and "nothing was suspended" in text, f"agent image: coloc-agent resume (the preStop and sidecar): {text}")
         args = [a if not a.startswith(("--into=", "--doorbell-dir=", "--gate-dir=")) else a.split("=", 1)[0] + "=/tmp/node" + a.split("=", 1)[1] for a in inst["args"]]
         rc, text = in_image(images["agent"], *inst["command"], *args)
-        check(rc == 0 and "installed" in text and "mode 0444" in text and "1777" in text, f"agent image: the install-shim init container's command: {text}")
+        check(rc == 0 and "installed" in text and "mode 0444" in text and "created /tmp/node" in text and "(0755)" in text, f"agent image: the install-shim init container's command: {text}")
         # The shim the image carries loads under the image's glibc (and passes through: no CUDA here).
         rc, text = in_image(images["agent"], "/usr/local/bin/coloc-agent", "--version", env=(f"LD_PRELOAD=/opt/coloc/lib/libcoloc_cuda.so",))
         check(rc == 0 and "coloc-agent" in text and "cannot be preloaded" not in text, f"agent image: libcoloc_cuda.so loads with LD_PRELOAD: {text}")

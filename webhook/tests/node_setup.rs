@@ -1,7 +1,7 @@
 //! `coloc-node-setup` (the agent pod's init container) on temporary directories standing
 //! for the node's: the shim installed atomically (a process holding the old file keeps
-//! it), idempotent; the doorbell directories made 1777 (what the kubelet copies to each
-//! pod's `pods/<uid>`); the gate directory root 0755.
+//! it), idempotent; the doorbell directory and `pods/` made root's 0755, each pod's
+//! `pods/<uid>` 1777; the gate directory root 0755.
 
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -255,12 +255,20 @@ fn doorbell_directories_let_any_user_of_a_pod_add_its_page() {
         eprintln!("not checked as another user: needs root and setpriv");
     }
     if root {
-        for p in [
-            bells.clone(),
-            bells.join("pods"),
-            bells.join("pods/3f1c2d4e-0000-4000-8000-000000000001"),
-        ] {
-            assert_eq!(mode(&p), 0o1777, "{}: {text}", p.display());
+        assert_eq!(
+            mode(&bells.join("pods/3f1c2d4e-0000-4000-8000-000000000001")),
+            0o1777,
+            "{text}"
+        );
+        // No tenant may add, swap or remove a pod's directory.
+        for p in [bells.clone(), bells.join("pods")] {
+            assert_eq!(mode(&p), 0o755, "{}: {text}", p.display());
+        }
+        if check_user {
+            assert!(
+                !as_nobody(&bells.join("pods/not-a-pod")).unwrap(),
+                "uid 65534 added an entry to pods/"
+            );
         }
     } else {
         assert!(text.contains("not root"), "{text}");
@@ -276,7 +284,12 @@ fn doorbell_directories_let_any_user_of_a_pod_add_its_page() {
     let fresh = d.join("fresh/doorbells");
     let (ok, text) = setup(&["--doorbell-dir", fresh.to_str().unwrap()]);
     assert!(ok && text.contains("created"), "{text}");
-    assert_eq!(mode(&fresh.join("pods")), 0o1777);
+    assert_eq!(mode(&fresh.join("pods")), 0o755);
+    // One an earlier version left world-writable is narrowed.
+    std::fs::set_permissions(fresh.join("pods"), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let (ok, text) = setup(&["--doorbell-dir", fresh.to_str().unwrap()]);
+    assert!(ok && text.contains("1777 -> 0755"), "{text}");
+    assert_eq!(mode(&fresh.join("pods")), 0o755);
     std::fs::remove_dir_all(&d).ok();
 }
 

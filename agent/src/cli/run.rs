@@ -64,8 +64,10 @@ pub struct RunArgs {
     #[arg(long, env = "COLOC_NVML_SAMPLE_PERIOD", default_value = "200ms", value_parser = parse_duration)]
     pub nvml_sample_period: Duration,
     /// Directory of the CUDA shim's doorbell pages: `<pid>-<nonce>.bell` of standalone
-    /// processes, and `pods/<pod-uid>/` per pod on Kubernetes. Created (mode 1777) if
-    /// missing.
+    /// processes, and `pods/<pod-uid>/` per pod on Kubernetes. Created if missing: mode
+    /// 1777 with --rules (any user's process may add its page); on Kubernetes root's 0755
+    /// (a world-writable one is narrowed), and the agent makes each pod's `pods/<uid>/`
+    /// (mode 1777) when it sees the pod.
     #[arg(
         long,
         env = "COLOC_DOORBELL_DIR",

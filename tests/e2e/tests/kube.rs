@@ -259,6 +259,36 @@ fn agent_on_a_kubernetes_node() {
     )
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
 
+    // Each pod's own doorbell directory, made from the pod watch, 1777; no tenant can add
+    // anything to pods/ (root's 0755).
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &std::path::Path| {
+            std::fs::symlink_metadata(p)
+                .map(|m| m.permissions().mode() & 0o7777)
+                .ok()
+        };
+        let pods = agent.doorbell_dir.join("pods");
+        wait_for(
+            "the pods' doorbell directories",
+            Duration::from_secs(3),
+            || {
+                [off_uid, on_uid, flip_uid]
+                    .iter()
+                    .all(|u| mode(&pods.join(u)) == Some(0o1777))
+            },
+        )
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}
+{}",
+                agent.log_text()
+            )
+        });
+        assert_eq!(mode(&pods), Some(0o755));
+        assert_eq!(mode(&agent.doorbell_dir), Some(0o755));
+    }
+
     let _off = sim.spawn_in_cgroup(&off_cg.dir, &["offline", "--step-ms", "2"]);
     let flip = sim.spawn_in_cgroup(&flip_cg.dir, &["offline", "--step-ms", "2"]);
     wait_for("agent classifies both", Duration::from_secs(5), || {

@@ -12,11 +12,13 @@
 //!   group- or world-writable one is narrowed, one of another owner refused, and so is a
 //!   group- or world-writable parent without the sticky bit (someone could swap DIR). An
 //!   identical file of the right owner and mode is left as it is; any other is replaced.
-//! - `--doorbell-dir DIR`: makes `DIR` and `DIR/pods` mode 1777. The kubelet creates each
-//!   pod's `pods/<pod UID>` (the `subPathExpr` mount) with the mode of `pods` and owner
-//!   root (`SafeMakeDir` with the volume root's mode), so with `pods` at 1777 a process of
-//!   any user in the pod can create its doorbell page there, and none can remove another's.
-//!   Per-pod directories made while `pods` had a narrower mode are widened too.
+//! - `--doorbell-dir DIR`: makes `DIR` and `DIR/pods` root's, mode 0755 (a group- or
+//!   world-writable one is narrowed: no tenant may add, swap or remove a pod's directory),
+//!   and widens every pod's `pods/<pod UID>` to 1777, so that a process of any user in the
+//!   pod can create its doorbell page there and none can remove another's. The agent makes
+//!   each new pod's directory (1777) when it sees the pod; the kubelet, when it is first,
+//!   makes it with the mode of `pods` (`SafeMakeDir` with the volume root's mode), and the
+//!   agent widens it.
 //! - `--gate-dir DIR`: makes `DIR` (root, 0755; the agent writes the gate file in it,
 //!   offline pods mount it read-only), and narrows a group- or world-writable one.
 //!
@@ -52,7 +54,8 @@ struct Args {
     /// The host directory to install it into (created, mode 0755).
     #[arg(long, requires = "install")]
     into: Option<PathBuf>,
-    /// The agent's doorbell directory: it and its `pods/` become mode 1777.
+    /// The agent's doorbell directory: it and its `pods/` become root's 0755, each pod's
+    /// directory in `pods/` 1777.
     #[arg(long)]
     doorbell_dir: Option<PathBuf>,
     /// The node's gate directory: created root 0755 (never group- or world-writable).
@@ -270,11 +273,11 @@ fn install(src: &Path, sum: &Path, dir: &Path, out: &mut dyn Write) -> Result<()
 
 fn doorbells(dir: &Path, out: &mut dyn Write) -> Result<()> {
     for d in [dir.to_path_buf(), dir.join("pods")] {
-        if ensure_dir(&d, 0o1777)? {
-            writeln!(out, "created {} (1777)", d.display())?;
+        if ensure_dir(&d, 0o755)? {
+            writeln!(out, "created {} (0755)", d.display())?;
             continue;
         }
-        widen(&d, out)?;
+        narrow(&d, out)?;
     }
     // Per-pod directories the kubelet made while pods/ had a narrower mode.
     for e in
@@ -285,6 +288,28 @@ fn doorbells(dir: &Path, out: &mut dyn Write) -> Result<()> {
             widen(&p, out)?;
         }
     }
+    Ok(())
+}
+
+/// No longer writable by anyone but its owner (an earlier version made it 1777: a
+/// tenant could then swap pods' directories for links).
+fn narrow(d: &Path, out: &mut dyn Write) -> Result<()> {
+    let mode = fs::symlink_metadata(d)
+        .with_context(|| format!("reading {}", d.display()))?
+        .permissions()
+        .mode()
+        & 0o7777;
+    if mode & 0o022 == 0 {
+        return Ok(());
+    }
+    let to = mode & !0o1022;
+    fs::set_permissions(d, fs::Permissions::from_mode(to))
+        .with_context(|| format!("narrowing the mode of {}", d.display()))?;
+    writeln!(
+        out,
+        "mode {} {mode:04o} -> {to:04o} (pods write only in their own directory)",
+        d.display()
+    )?;
     Ok(())
 }
 

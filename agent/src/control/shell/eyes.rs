@@ -33,6 +33,8 @@ pub struct Eyes {
     /// The offline pages (their gate fields are read with `--gate`), as of the latest
     /// change of the set.
     offline_pages: Vec<u64>,
+    /// The pod source's generation when the pods' doorbell directories were last made.
+    pod_dirs_gen: Option<u64>,
 }
 
 impl std::fmt::Debug for Eyes {
@@ -53,6 +55,7 @@ impl Eyes {
             bells,
             classifier,
             offline_pages: Vec::new(),
+            pod_dirs_gen: None,
         }
     }
 
@@ -136,6 +139,18 @@ impl Eyes {
 
     /// Reads the doorbell pages (see [`crate::control::io::Cmd::ReadBells`]).
     pub fn bells(&mut self, force: bool, sweep: bool, gate: bool) -> Obs {
+        // Kubernetes: each pod's own directory, made when the pod is first seen (before
+        // its containers start, unless the kubelet is quicker: then widened).
+        let gen = self.classifier.source.generation();
+        if self.pod_dirs_gen != Some(gen) {
+            self.pod_dirs_gen = Some(gen);
+            if let Some(uids) = self.classifier.source.pod_uids() {
+                let n = self.bells.ensure_pod_dirs(&uids);
+                if n > 0 {
+                    metrics::counter!("coloc_doorbell_pod_dirs_made_total").increment(n as u64);
+                }
+            }
+        }
         if sweep {
             // Kubernetes: the directories of deleted pods (the kubelet leaves host paths).
             let source = &self.classifier.source;

@@ -111,7 +111,7 @@ pub struct DirBells {
     /// Bumped by the inotify thread and by [`Waker`]s.
     waker: Waker,
     /// What the inotify thread saw change since the latest rescan.
-    dirty: Arc<Dirty>,
+    pub(super) dirty: Arc<Dirty>,
     /// Directories that changed but were rescanned less than [`DIR_RESCAN_GAP`] ago: when
     /// each is due.
     pending: HashMap<Scope, std::time::Instant>,
@@ -131,6 +131,8 @@ pub struct DirBells {
     waker_seen: u32,
     /// Wake-word changes per owner in the current second (the second, the count).
     owner_wakes: HashMap<super::Owner, (u64, u32)>,
+    /// Pods whose `pods/<uid>` the agent made or found right.
+    pod_dirs: std::collections::HashSet<String>,
 }
 
 impl std::fmt::Debug for DirBells {
@@ -143,20 +145,18 @@ impl std::fmt::Debug for DirBells {
 }
 
 impl DirBells {
-    /// Watches `dir` (created, mode 1777 — any user's process may add its page, none may
-    /// remove another's — with `pods/` inside, if missing).
+    /// Watches `dir` on a standalone host: see [`DirBells::open`].
     pub fn new(dir: &Path) -> anyhow::Result<DirBells> {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        Self::open(dir, super::Layout::Standalone)
+    }
+
+    /// Watches `dir`, with `pods/` inside, created if missing, with the modes of `layout`
+    /// (standalone: 1777, any user's process may add its page and none may remove
+    /// another's; Kubernetes: root's 0755, each pod writing only in its own `pods/<uid>`,
+    /// which the agent makes: [`Doorbells::ensure_pod_dirs`]).
+    pub fn open(dir: &Path, layout: super::Layout) -> anyhow::Result<DirBells> {
         for d in [dir.to_path_buf(), dir.join("pods")] {
-            if !d.exists() {
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o1777)
-                    .create(&d)
-                    .map_err(|e| anyhow::anyhow!("creating --doorbell-dir {}: {e}", d.display()))?;
-                // The umask may have cut the mode.
-                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777)).ok();
-            }
+            super::pod_dirs::prepare(&d, layout)?;
         }
         let waker = Waker::default();
         let dirty = Arc::new(Dirty::default());
@@ -180,6 +180,7 @@ impl DirBells {
             no_waitv: false,
             waker_seen: 0,
             owner_wakes: HashMap::new(),
+            pod_dirs: Default::default(),
         })
     }
 
@@ -676,6 +677,10 @@ impl Doorbells for DirBells {
         }
     }
 
+    fn ensure_pod_dirs(&mut self, uids: &[String]) -> usize {
+        super::pod_dirs::ensure(&self.dir.join("pods"), uids, &mut self.pod_dirs)
+    }
+
     fn sweep_pods(&mut self, gone: &dyn Fn(&str) -> bool, idle: Duration) -> Vec<String> {
         use rustix::fs::{openat, unlinkat, AtFlags, Mode, OFlags, CWD};
         // Every step is relative to a directory descriptor opened without following links:
@@ -730,6 +735,7 @@ impl Doorbells for DirBells {
             }
             match unlinkat(&pods_fd, uid.as_str(), AtFlags::REMOVEDIR) {
                 Ok(()) => {
+                    self.pod_dirs.remove(&uid);
                     info!(pod_uid = %uid, dir = %path.display(), "Removed the doorbell directory of a pod that is gone");
                     removed.push(uid);
                 }

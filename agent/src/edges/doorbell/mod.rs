@@ -18,9 +18,11 @@
 
 mod dir;
 mod guard;
+mod pod_dirs;
 mod wait;
 
 pub use dir::DirBells;
+pub use pod_dirs::{Layout, POD_DIR_MODE};
 
 use coloc_doorbell::Reading;
 use std::path::PathBuf;
@@ -103,6 +105,12 @@ pub trait Doorbells: Send {
     /// directory. Returns the UIDs removed.
     fn sweep_pods(&mut self, _gone: &dyn Fn(&str) -> bool, _idle: Duration) -> Vec<String> {
         Vec::new()
+    }
+    /// Makes the directories `pods/<uid>` of the pods in `uids` (Kubernetes: the node's
+    /// pods, from the pod watch) that are not made yet, mode 1777, and widens those the
+    /// kubelet made first. Returns how many were made or widened.
+    fn ensure_pod_dirs(&mut self, _uids: &[String]) -> usize {
+        0
     }
 }
 

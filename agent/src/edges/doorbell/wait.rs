@@ -94,6 +94,8 @@ pub(super) struct Dirty {
     pub(super) any: AtomicU32,
     /// Marked directories; true: muted.
     scopes: std::sync::Mutex<std::collections::HashMap<Scope, bool>>,
+    /// Pod directories no longer watched because they changed too fast, since the start.
+    pub(super) throttled: AtomicU32,
 }
 
 impl Dirty {
@@ -284,6 +286,7 @@ impl Watcher {
                                 tracing::warn!(pod_uid = %uid, events_per_second = MAX_POD_EVENTS_PER_SECOND,
                                     "Doorbell directory changing too fast: no longer watched, its pages are found by the once-a-second rescan");
                                 throttled.insert(uid.clone());
+                                dirty.throttled.fetch_add(1, Release);
                                 // SAFETY: a watch descriptor of our inotify fd.
                                 unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), ev.wd) };
                                 rate.remove(&ev.wd);

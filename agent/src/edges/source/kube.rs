@@ -316,6 +316,16 @@ impl PodSource for KubeSource {
         self.inner.ready.load(Ordering::SeqCst)
     }
 
+    fn pod_uids(&self) -> Option<Vec<String>> {
+        Some(
+            self.inner
+                .index
+                .read()
+                .map(|i| i.keys().cloned().collect())
+                .unwrap_or_default(),
+        )
+    }
+
     fn pod_gone(&self, uid: &str) -> bool {
         self.ready()
             && self

@@ -64,6 +64,11 @@ pub trait PodSource: Send + Sync {
     fn pod_gone(&self, _uid: &str) -> bool {
         false
     }
+    /// The UIDs of the pods known on this node (Kubernetes), for their doorbell
+    /// directories; `None`: not Kubernetes.
+    fn pod_uids(&self) -> Option<Vec<String>> {
+        None
+    }
 }
 
 /// Errors in a rules file; each names the file, the rule and the bad value.
