@@ -296,3 +296,116 @@ fn kill_9_of_the_agent_leaves_the_hold_to_the_record_and_a_restart_blocks_nothin
     )
     .unwrap_or_else(|e| panic!("{e}\nlog:\n{}", b.log_text()));
 }
+
+/// A tenant's offline process runs without the shim, and a helper of the tenant writes an
+/// offline page in that process's name and acknowledges every close of its GPU's gate at
+/// once (the review's attack: 4,910 of 4,910 samples running while online was busy). The
+/// agent takes the page at its word, closes the gate and sees it acknowledged: then the
+/// fallback stops the process all the same. Lying earns what ignoring the gate earns.
+#[test]
+fn a_forged_gate_acknowledgement_earns_nothing() {
+    use coloc_doorbell::{gate::Gates, Page, CLASS_OFFLINE, PAGE};
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+    let n = Node::new();
+    let a = n.agent(None);
+    let victim = n.offline(&a, false, &n.root.join("victim.err"));
+    a.wait_processes(1);
+    let uuid_s = a.state()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let hex: String = uuid_s.trim_start_matches("GPU-").replace('-', "");
+    let uuid: [u8; 16] = std::array::from_fn(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap());
+    // The helper's page, named for the victim (the agent attributes it to that process).
+    let page_path = a.doorbell_dir.join(format!("{}-f0f0f0f0.bell", victim.pid()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&page_path)
+        .unwrap();
+    f.set_len(PAGE as u64).unwrap();
+    // SAFETY: a fresh shared read-write mapping of a page-long file, unmapped below.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    // SAFETY: the mapping above, alive until the munmap at the end.
+    let page = unsafe { Page::from_raw(base as *mut u8) };
+    page.init_class(victim.pid(), CLASS_OFFLINE, 0, coloc_sim::now_ns());
+    let entry = page.entry_for(&uuid).unwrap();
+    let (stop, acks) = (AtomicBool::new(false), AtomicU64::new(0));
+    let (mut yes, mut samples) = (0u32, 0u32);
+    /// Stops the helper however the sampling ends (a failed wait must not hang the test).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        let _stop = StopOnDrop(&stop);
+        // The helper: every close acknowledged within about 0.2 ms, nothing in flight.
+        s.spawn(|| {
+            let mut gates = None;
+            while !stop.load(Relaxed) {
+                if gates.is_none() {
+                    gates = std::fs::File::open(&n.gate_file).ok().map(|g| {
+                        // SAFETY: a shared read-only mapping of the agent's gate file
+                        // (one page), never unmapped while the test runs.
+                        let p = unsafe {
+                            libc::mmap(
+                                std::ptr::null_mut(),
+                                PAGE,
+                                libc::PROT_READ,
+                                libc::MAP_SHARED,
+                                g.as_raw_fd(),
+                                0,
+                            )
+                        };
+                        assert_ne!(p, libc::MAP_FAILED);
+                        // SAFETY: the mapping just made.
+                        unsafe { Gates::from_raw(p as *const u8) }
+                    });
+                }
+                if let Some(epoch) = gates.and_then(|g| g.find(&uuid)).and_then(|s| s.closed_epoch()) {
+                    if entry.gate_ack.swap(epoch, AcqRel) != epoch {
+                        acks.fetch_add(1, Relaxed);
+                        page.bump_and_wake();
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        });
+        // Online busy for 2.5 s (seen through NVML: no shim), sampled from 0.5 s in.
+        let _online = n.sim.spawn(&["busy", "--gpu", "0", "--ms", "2500"]);
+        wait_for("the victim stopped", Duration::from_secs(2), || {
+            victim.state() == Some('T')
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(1500) {
+            samples += 1;
+            yes += u32::from(victim.state() == Some('T'));
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    // SAFETY: the page's mapping, no longer used.
+    unsafe { libc::munmap(base, PAGE) };
+    assert!(
+        acks.load(Relaxed) >= 1,
+        "the agent never closed the gate for the forged page: the attack was not tried\n{}",
+        a.log_text()
+    );
+    assert!(
+        yes * 100 >= samples * 99,
+        "the victim was stopped in only {yes} of {samples} samples while online was busy\n{}",
+        a.log_text()
+    );
+    let _ = std::fs::remove_file(&page_path);
+}
