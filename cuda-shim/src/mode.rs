@@ -5,8 +5,9 @@
 //! (offline process, gate file mapped: see [`crate::gate`]), *off* (any other class, no
 //! `COLOC_DOORBELL_DIR`, a forked child, or an internal failure). The launch path reads
 //! the mode once; *off* and *open* cost that load and a branch. The first submission
-//! decides it ([`crate::setup`]); after that it only moves from *open* to *gated* (the
-//! gate file appeared) and from anything to *off*.
+//! decides it ([`crate::setup`]); after that it only moves from *wait* to *on* or *open*
+//! (the page could be made at last), from *open* to *gated* (the gate file appeared) and
+//! from anything to *off*. *Wait* (no page yet) passes through like *off*.
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::*};
 
@@ -20,6 +21,10 @@ pub const OFF: u8 = 2;
 pub const OPEN: u8 = 3;
 /// Offline, gate file mapped: submissions go through [`crate::gate::submit`].
 pub const GATED: u8 = 4;
+/// No page yet: the doorbell directory refused it (not there yet, or not writable: on
+/// Kubernetes the agent makes the pod's directory writable when it sees the pod). Pass-
+/// through, trying again at most once a second ([`crate::setup::retry`]).
+pub const WAIT: u8 = 5;
 
 /// The mode (Acquire loads: a thread that sees *on* or *gated* sees the page and the gate
 /// state set up before).

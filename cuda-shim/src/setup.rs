@@ -3,12 +3,19 @@
 //! launch gate ([`crate::gate`]). Never in a constructor: nothing runs at load time.
 
 use crate::config::Config;
-use crate::mode::{self, GATED, MODE, OFF, ON, OPEN, UNSET};
+use crate::mode::{self, GATED, MODE, OFF, ON, OPEN, UNSET, WAIT};
 use coloc_doorbell::CLASS_ONLINE;
-use std::sync::atomic::Ordering::*;
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Once, OnceLock};
 
 static INIT: Once = Once::new();
+/// The settings, kept while the page waits for its directory ([`WAIT`]).
+static WAITING: OnceLock<Config> = OnceLock::new();
+/// When the page was last tried, ns; one thread tries at a time.
+static LAST_TRY_NS: AtomicU64 = AtomicU64::new(0);
+static TRYING: AtomicBool = AtomicBool::new(false);
+/// How often a page the directory refused is tried again.
+const RETRY_NS: u64 = 1_000_000_000;
 
 /// The mode, deciding it on the first call.
 #[inline(always)]
@@ -49,12 +56,56 @@ fn init() -> u8 {
     }
     let dir = std::path::Path::new(&c.doorbell_dir);
     if let Err(e) = crate::page::create(dir, c.class, c.wake_gap_ns) {
-        return mode::failed(&format!(
-            "cannot create a doorbell in {}: {e}",
+        // (Not there yet, or not writable yet: the agent makes a pod's directory when it
+        // sees the pod, and a container can start first.) Tried again every second.
+        let msg = format!(
+            "cannot create a doorbell in {}: {e}; passing every call through, trying again every second",
             dir.display()
-        ));
+        );
+        mode::warn_once(&WAIT_WARNED, &msg);
+        LAST_TRY_NS.store(coloc_doorbell::now_ns(), Relaxed);
+        let _ = WAITING.set(c);
+        // SAFETY: registering a plain extern "C" function.
+        unsafe { libc::pthread_atfork(None, None, Some(wait_fork_child)) };
+        return WAIT;
     }
-    if online {
+    finish(&c)
+}
+
+static WAIT_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// A forked child of a process still waiting for its page does not try for one.
+extern "C" fn wait_fork_child() {
+    let _ = MODE.compare_exchange(WAIT, OFF, Relaxed, Relaxed);
+}
+
+/// In [`WAIT`]: tries the page again if a second has passed since the last try (one
+/// thread at a time; the others pass through). On success the mode becomes what the
+/// first submission would have made it.
+#[cold]
+#[inline(never)]
+pub fn retry() {
+    let now = coloc_doorbell::now_ns();
+    if now.saturating_sub(LAST_TRY_NS.load(Relaxed)) < RETRY_NS || TRYING.swap(true, Acquire) {
+        return;
+    }
+    LAST_TRY_NS.store(now, Relaxed);
+    let m = std::panic::catch_unwind(|| {
+        let c = WAITING.get()?;
+        let dir = std::path::Path::new(&c.doorbell_dir);
+        crate::page::create(dir, c.class, c.wake_gap_ns).ok()?;
+        Some(finish(c))
+    })
+    .unwrap_or(Some(OFF));
+    if let Some(m) = m {
+        let _ = MODE.compare_exchange(WAIT, m, AcqRel, Acquire);
+    }
+    TRYING.store(false, Release);
+}
+
+/// The page is made: online rings it; offline starts its gate.
+fn finish(c: &Config) -> u8 {
+    if c.class == CLASS_ONLINE {
         return ON;
     }
     // The gate is in force from the first submission if the agent's file is there.

@@ -290,6 +290,13 @@ fn doorbell_directories_let_any_user_of_a_pod_add_its_page() {
     let (ok, text) = setup(&["--doorbell-dir", fresh.to_str().unwrap()]);
     assert!(ok && text.contains("1777 -> 0755"), "{text}");
     assert_eq!(mode(&fresh.join("pods")), 0o755);
+    // One of another owner is refused, not narrowed: its owner could swap pods'
+    // directories whatever its mode.
+    if root {
+        std::os::unix::fs::chown(fresh.join("pods"), Some(65534), Some(65534)).unwrap();
+        let (ok, text) = setup(&["--doorbell-dir", fresh.to_str().unwrap()]);
+        assert!(!ok && text.contains("owned by uid 65534"), "{text}");
+    }
     std::fs::remove_dir_all(&d).ok();
 }
 

@@ -33,6 +33,7 @@ macro_rules! dispatch {
                 return r;
             }
             mode::GATED if !crate::gate::submitting() => return $crate::hooks::gated($kind.load(Relaxed), $f, $($a),*),
+            mode::WAIT => crate::setup::retry(),
             _ => {}
         }
         // SAFETY: the caller's contract: `$f` is the driver's entry point for this

@@ -479,3 +479,65 @@ fn captured_launches_do_not_ring_the_graph_launch_does() {
         .success());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A container can start before the agent has made its pod's doorbell directory: the
+/// shim passes through meanwhile, says so once, and makes its page when the directory is
+/// there (tried once a second), then rings as usual. A page is never made twice.
+#[test]
+fn the_shim_makes_its_page_once_the_directory_is_there() {
+    let sim = Sim::start(1, &[]);
+    let root = std::env::temp_dir().join(unique("coloc-e2e-late-dir"));
+    let dir = root
+        .join("pods")
+        .join("11111111-2222-3333-4444-555555555555");
+    let err = root.with_extension("err");
+    let mut on = Proc(
+        workload(
+            &sim,
+            &[
+                "online",
+                "--gpu",
+                "0",
+                "--rate",
+                "50",
+                "--work-ms",
+                "1",
+                "--duration-s",
+                "4",
+            ],
+            Some(("online", &dir)),
+        )
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap(),
+    );
+    let pages = |d: &std::path::Path| {
+        std::fs::read_dir(d)
+            .map(|r| {
+                r.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".bell"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    std::thread::sleep(Duration::from_millis(700));
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = std::time::Instant::now();
+    wait_for(
+        "the page, once the directory is there",
+        Duration::from_millis(2500),
+        || pages(&dir) == 1,
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}", std::fs::read_to_string(&err).unwrap_or_default()));
+    eprintln!("page made {:?} after the directory", t.elapsed());
+    assert!(on.wait_within("online", Duration::from_secs(10)).success());
+    let said = std::fs::read_to_string(&err).unwrap();
+    assert_eq!(
+        said.matches("trying again every second").count(),
+        1,
+        "{said}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    let _ = std::fs::remove_file(&err);
+}

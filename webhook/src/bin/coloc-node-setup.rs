@@ -291,14 +291,26 @@ fn doorbells(dir: &Path, out: &mut dyn Write) -> Result<()> {
     Ok(())
 }
 
+/// This process's effective UID (the owner of `/proc/self`).
+fn euid() -> Result<u32> {
+    Ok(fs::metadata("/proc/self")
+        .context("reading /proc/self")?
+        .uid())
+}
+
 /// No longer writable by anyone but its owner (an earlier version made it 1777: a
 /// tenant could then swap pods' directories for links).
 fn narrow(d: &Path, out: &mut dyn Write) -> Result<()> {
-    let mode = fs::symlink_metadata(d)
-        .with_context(|| format!("reading {}", d.display()))?
-        .permissions()
-        .mode()
-        & 0o7777;
+    let m = fs::symlink_metadata(d).with_context(|| format!("reading {}", d.display()))?;
+    let me = euid()?;
+    if m.uid() != me {
+        bail!(
+            "{} is owned by uid {}, not {me}: its owner could swap pods' directories; remove it or chown it",
+            d.display(),
+            m.uid()
+        );
+    }
+    let mode = m.permissions().mode() & 0o7777;
     if mode & 0o022 == 0 {
         return Ok(());
     }

@@ -107,9 +107,9 @@ enum Then {
     /// Processes that joined a signalled cgroup while it was held, recorded: stop them.
     RecordedNewcomers(HoldKey, Vec<Target>),
     /// A freezer escalation recorded: freeze it.
-    RecordedEscalation(HoldKey, Target, Broken),
+    RecordedEscalation(HoldKey, u64, Target, Broken),
     /// A freezer escalation started.
-    StartedEscalation(HoldKey, Target, Broken),
+    StartedEscalation(HoldKey, u64, Target, Broken),
     /// A gate hold's fallback members listed.
     FallbackMembers(Pending, Plan),
     /// A gate hold's fallback recorded: start it.
@@ -142,6 +142,10 @@ pub struct HoldBook {
     failed: Vec<ProcKey>,
     /// Resumed targets still in the record (see [`HoldBook::flush_forgotten`]).
     forgotten: Vec<RecordEntry>,
+    /// Signalled cgroups that had to be frozen because their processes kept resuming
+    /// themselves, with when: frozen at once by the next suspensions for
+    /// [`recheck::REMEMBER_NS`], instead of starting over with signals.
+    resumed_itself: BTreeMap<std::path::PathBuf, u64>,
     /// Operations that ended, for the loop's events.
     done: Vec<Completion>,
     /// Holds found running while held, for the loop's reports.
@@ -189,6 +193,7 @@ impl HoldBook {
             pending: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
+            resumed_itself: BTreeMap::new(),
             done: Vec::new(),
             broken: Vec::new(),
             recheck_ns: recheck::RECHECK_NS,
@@ -380,12 +385,13 @@ impl HoldBook {
                 (Then::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_newcomers(key, newcomers, ok)
                 }
-                (Then::RecordedEscalation(key, cg, b), HoldObs::Recorded { ok, .. }) => {
-                    self.recorded_escalation(key, cg, b, ok)
+                (Then::RecordedEscalation(key, serial, cg, b), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_escalation(key, serial, cg, b, ok)
                 }
-                (Then::StartedEscalation(key, cg, b), HoldObs::Progress { progress, .. }) => {
-                    self.started_escalation(key, cg, b, progress)
-                }
+                (
+                    Then::StartedEscalation(key, serial, cg, b),
+                    HoldObs::Progress { progress, .. },
+                ) => self.started_escalation(key, serial, cg, b, progress),
                 (Then::FallbackMembers(p, plan), HoldObs::Members { members, .. }) => {
                     self.record_fallback(p, plan, members)
                 }

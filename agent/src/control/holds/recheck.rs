@@ -41,6 +41,11 @@ pub const RESTOP_AFTER_NS: u64 = 1_000_000;
 /// looks would otherwise time out its suspension (and be left running, fail open) every
 /// `--confirm-timeout`.
 pub const ESCALATE_PENDING_NS: u64 = 10_000_000;
+/// How long a signalled cgroup that had to be frozen is frozen at once by later
+/// suspensions, ns: ten minutes. Without it, a job sending itself SIGCONT would run for
+/// the first 10 ms or two re-checks of every busy period (many of them with short
+/// release windows).
+pub const REMEMBER_NS: u64 = 600_000_000_000;
 
 /// A hold found running while held.
 #[derive(Debug, Clone)]
@@ -102,6 +107,33 @@ impl HoldBook {
         }
     }
 
+    /// `plan`, or the freezer of its signalled cgroup when that cgroup had to be frozen
+    /// in the last [`REMEMBER_NS`] (its processes resumed themselves).
+    pub(super) fn remembered(
+        &self,
+        plan: &crate::control::target::Plan,
+    ) -> crate::control::target::Plan {
+        use crate::control::target::Plan;
+        match plan {
+            Plan::SignalCgroup { dir, version, .. }
+                if self
+                    .resumed_itself
+                    .get(dir)
+                    .is_some_and(|at| self.now_ns.saturating_sub(*at) < REMEMBER_NS) =>
+            {
+                Plan::Freeze(Target::Cgroup {
+                    dir: dir.clone(),
+                    version: *version,
+                })
+            }
+            Plan::Gate { gate, fallback } => Plan::Gate {
+                gate: gate.clone(),
+                fallback: Box::new(self.remembered(fallback)),
+            },
+            p => p.clone(),
+        }
+    }
+
     /// A suspension by signal that is still not confirmed: its processes are sent SIGSTOP
     /// again, and a signalled cgroup is frozen (recorded first) once they have stayed
     /// unconfirmed for [`ESCALATE_PENDING_NS`]. Its confirmation is then the freezer's
@@ -144,9 +176,10 @@ impl HoldBook {
             return;
         };
         let entries = vec![cg.record()];
-        self.ask(Then::RecordedEscalation(p.key.clone(), cg, broken), |req| {
-            HoldCmd::RecordAdd { req, entries }
-        });
+        self.ask(
+            Then::RecordedEscalation(p.key.clone(), p.serial, cg, broken),
+            |req| HoldCmd::RecordAdd { req, entries },
+        );
     }
 
     /// A pending suspension whose hold was frozen meanwhile waits for the freezer, not for
@@ -198,6 +231,7 @@ impl HoldBook {
         let escalate = (hold.breaks >= ESCALATE_AFTER)
             .then(|| hold.escalate.take())
             .flatten();
+        let serial = hold.serial;
         self.ask(Then::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
@@ -208,7 +242,7 @@ impl HoldBook {
             // Frozen as well, recorded first like any suspension.
             Some(cg) => {
                 let entries = vec![cg.record()];
-                self.ask(Then::RecordedEscalation(key, cg, broken), |req| {
+                self.ask(Then::RecordedEscalation(key, serial, cg, broken), |req| {
                     HoldCmd::RecordAdd { req, entries }
                 });
             }
@@ -216,42 +250,65 @@ impl HoldBook {
         }
     }
 
-    pub(super) fn recorded_escalation(&mut self, key: HoldKey, cg: Target, b: Broken, ok: bool) {
+    pub(super) fn recorded_escalation(
+        &mut self,
+        key: HoldKey,
+        serial: u64,
+        cg: Target,
+        b: Broken,
+        ok: bool,
+    ) {
         if !ok {
             self.notes.push(Note::EscalationNotRecorded);
+            // The next break may try again.
+            if let Some(h) = self.held.get_mut(&key).filter(|h| h.serial == serial) {
+                h.escalate.get_or_insert(cg);
+            }
+            self.broken.push(b);
+            return;
+        }
+        if !self.current(&key, serial) {
+            // Released (or replaced) while the record was written: nothing to freeze; out
+            // of the record again, unless another hold covers it.
+            self.forget(std::slice::from_ref(&cg));
             self.broken.push(b);
             return;
         }
         let targets = vec![cg.clone()];
-        self.ask(Then::StartedEscalation(key, cg, b), |req| HoldCmd::Start {
-            req,
-            op: Op::Suspend,
-            targets,
-            budget: INLINE_BUDGET,
+        self.ask(Then::StartedEscalation(key, serial, cg, b), |req| {
+            HoldCmd::Start {
+                req,
+                op: Op::Suspend,
+                targets,
+                budget: INLINE_BUDGET,
+            }
         });
     }
 
     pub(super) fn started_escalation(
         &mut self,
         key: HoldKey,
+        serial: u64,
         cg: Target,
         mut b: Broken,
         p: Vec<Progress>,
     ) {
         match p.first() {
             Some(Progress::Done | Progress::Pending | Progress::Skipped) => {
-                if let Some(h) = self.held.get_mut(&key) {
-                    h.members.push(cg);
-                    b.escalated = true;
-                } else {
-                    // Released meanwhile: thaw it again.
-                    self.forget(std::slice::from_ref(&cg));
-                    self.ask(Then::Restopped, |req| HoldCmd::Start {
-                        req,
-                        op: Op::Resume,
-                        targets: vec![cg],
-                        budget: INLINE_BUDGET,
-                    });
+                match self.held.get_mut(&key).filter(|h| h.serial == serial) {
+                    Some(h) => {
+                        if let Target::Cgroup { dir, .. } = &cg {
+                            let now = self.now_ns;
+                            self.resumed_itself
+                                .retain(|_, at| now.saturating_sub(*at) < REMEMBER_NS);
+                            self.resumed_itself.insert(dir.clone(), now);
+                        }
+                        h.members.push(cg);
+                        b.escalated = true;
+                    }
+                    // Released meanwhile: thawed again, and out of the record only once
+                    // the thaw is confirmed (unless another hold covers it).
+                    None => self.start_resume(key, b.kind, vec![cg], false),
                 }
             }
             // Out of the record again, unless another hold covers it (one that froze it).

@@ -19,6 +19,8 @@ impl HoldBook {
         self.now_ns = now;
         let mut out = Started::default();
         for (holder, plan) in reqs {
+            // A signalled cgroup that resumed itself recently is frozen at once.
+            let plan = &self.remembered(plan);
             let key = plan.hold_key();
             if let Some(h) = self.held.get_mut(&key) {
                 h.holders.insert(*holder);

@@ -618,3 +618,262 @@ fn a_suspension_never_seen_stopped_is_stopped_again_then_frozen_not_given_up() {
         "the escalation was not reported: {broken:?}"
     );
 }
+
+/// Online goes idle while a freezer escalation is on its way: its record write lands after
+/// the release. Nothing is frozen then, and the cgroup leaves the record again; had the
+/// freeze already started, it is thawed and leaves the record only once the thaw is
+/// confirmed (the review saw a freeze after the release, and the entry dropped before the
+/// thaw).
+#[test]
+fn an_escalation_that_lands_after_the_release_freezes_nothing_and_leaves_nothing_frozen() {
+    use crate::edges::actuator::CgroupVersion;
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+    };
+    let is_cg = |t: &Target| t.record() == cg.record();
+    for freeze_started in [false, true] {
+        let (k, t) = proc_target(10);
+        let plan = Plan::SignalCgroup {
+            dir: dir.clone(),
+            version: CgroupVersion::V2,
+            leader: t.clone(),
+        };
+        let mut b = HoldBook::new(Duration::from_secs(1));
+        b.recheck_ns = MS;
+        let mut rec = std::collections::BTreeSet::new();
+        let members = vec![t.clone()];
+        b.suspend(&[(k, plan)], 0);
+        let mut done = |_: Op, _: &Target, _: bool| Progress::Done;
+        shell(&mut b, 0, &mut rec, &members, &mut done);
+        // Found running at two re-checks: the escalation is asked for.
+        let mut now = 0;
+        let mut held_back = None;
+        for _ in 0..10 {
+            now += 2 * MS;
+            b.recheck(now);
+            let mut obs = Vec::new();
+            for c in b.take_commands() {
+                match c {
+                    HoldCmd::Check { req, targets, .. } => obs.push(HoldObs::Progress {
+                        req,
+                        progress: targets.iter().map(|_| Progress::Pending).collect(),
+                        at_ns: now,
+                    }),
+                    HoldCmd::RecordAdd { req, entries } if entries.contains(&cg.record()) => {
+                        rec.extend(entries);
+                        held_back = Some(req);
+                    }
+                    other => obs.push(match other {
+                        HoldCmd::Start { req, targets, .. } => HoldObs::Progress {
+                            req,
+                            progress: targets.iter().map(|_| Progress::Done).collect(),
+                            at_ns: now,
+                        },
+                        HoldCmd::Members { req, .. } => HoldObs::Members {
+                            req,
+                            members: members.clone(),
+                        },
+                        HoldCmd::RecordAdd { req, entries } => {
+                            rec.extend(entries);
+                            HoldObs::Recorded { req, ok: true }
+                        }
+                        c => panic!("unexpected {c:?}"),
+                    }),
+                }
+            }
+            b.observe(obs, now);
+            if held_back.is_some() {
+                break;
+            }
+        }
+        let req = held_back.expect("no escalation was asked for");
+        let mut freeze = None;
+        if freeze_started {
+            b.observe(vec![HoldObs::Recorded { req, ok: true }], now);
+            let c = b.take_commands();
+            freeze = c.iter().find_map(|c| match c {
+                HoldCmd::Start {
+                    req,
+                    op: Op::Suspend,
+                    targets,
+                    ..
+                } if targets.iter().any(is_cg) => Some(*req),
+                _ => None,
+            });
+            assert!(freeze.is_some(), "{c:?}");
+        }
+        // Online is idle: released.
+        now += MS;
+        b.resume(&[k], now);
+        let mut log = Vec::new();
+        let mut first = true;
+        let mut thaws = 0;
+        let mut thawed = false;
+        loop {
+            let cmds = b.take_commands();
+            let mut obs = Vec::new();
+            if first {
+                first = false;
+                match freeze {
+                    None => obs.push(HoldObs::Recorded { req, ok: true }),
+                    Some(f) => obs.push(HoldObs::Progress {
+                        req: f,
+                        progress: vec![Progress::Done],
+                        at_ns: now,
+                    }),
+                }
+            }
+            if cmds.is_empty() && obs.is_empty() {
+                break;
+            }
+            for c in cmds {
+                match &c {
+                    HoldCmd::Start {
+                        req, op, targets, ..
+                    } => {
+                        if targets.iter().any(is_cg) {
+                            log.push(format!("{op:?} cgroup"));
+                            // The first thaw is not confirmed yet: still recorded.
+                            if *op == Op::Resume && thaws == 0 {
+                                thaws += 1;
+                                assert!(
+                                    rec.contains(&cg.record()),
+                                    "dropped before the thaw: {log:?}"
+                                );
+                                obs.push(HoldObs::Progress {
+                                    req: *req,
+                                    progress: vec![Progress::Pending],
+                                    at_ns: now,
+                                });
+                                continue;
+                            }
+                        }
+                        thawed |= *op == Op::Resume && targets.iter().any(is_cg);
+                        obs.push(HoldObs::Progress {
+                            req: *req,
+                            progress: targets.iter().map(|_| Progress::Done).collect(),
+                            at_ns: now,
+                        });
+                    }
+                    HoldCmd::RecordRemove { entries } => {
+                        if entries.contains(&cg.record()) {
+                            log.push("unrecord cgroup".into());
+                            assert!(
+                                thawed || !freeze_started,
+                                "out of the record before its thaw was confirmed: {log:?}"
+                            );
+                        }
+                        for e in entries {
+                            rec.remove(e);
+                        }
+                    }
+                    HoldCmd::Check { req, targets, .. } => {
+                        thawed |= targets.iter().any(is_cg);
+                        obs.push(HoldObs::Progress {
+                            req: *req,
+                            progress: targets.iter().map(|_| Progress::Done).collect(),
+                            at_ns: now,
+                        })
+                    }
+                    c => panic!("unexpected {c:?}"),
+                }
+            }
+            b.observe(obs, now);
+            now += MS;
+            b.poll(now);
+        }
+        assert!(
+            !log.iter().any(|l| l == "Suspend cgroup"),
+            "frozen after the release: {log:?}"
+        );
+        if freeze_started {
+            assert_eq!(
+                log.first().map(String::as_str),
+                Some("Resume cgroup"),
+                "{log:?}"
+            );
+        }
+        assert!(
+            !rec.contains(&cg.record()),
+            "the cgroup stays in the record (freeze started: {freeze_started}): {log:?} {rec:?}"
+        );
+    }
+}
+
+/// A signalled cgroup that had to be frozen (its processes kept resuming themselves) is
+/// frozen at once by the next suspension, recorded first, instead of giving the job its
+/// first 10 ms of every busy period again; ten minutes later it starts with signals again.
+#[test]
+fn a_cgroup_that_resumed_itself_is_frozen_at_once_next_time() {
+    use crate::edges::actuator::CgroupVersion;
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+    };
+    let (k, t) = proc_target(10);
+    let plan = Plan::SignalCgroup {
+        dir,
+        version: CgroupVersion::V2,
+        leader: t.clone(),
+    };
+    let mut b = HoldBook::new(Duration::from_millis(50));
+    let mut rec = std::collections::BTreeSet::new();
+    let members = vec![t.clone()];
+    // Never seen stopped: frozen within the first 10 ms.
+    let mut tenant = |op: Op, t: &Target, start: bool| match (op, t, start) {
+        (Op::Suspend, Target::Process { .. }, _) => Progress::Pending,
+        _ => Progress::Done,
+    };
+    b.suspend(&[(k, plan.clone())], 0);
+    let mut now = 0;
+    while now <= 20 * MS {
+        shell(&mut b, now, &mut rec, &members, &mut tenant);
+        b.poll(now);
+        now += 100_000;
+    }
+    assert!(b.take_broken().iter().any(|x| x.escalated));
+    b.resume(&[k], now);
+    shell(&mut b, now, &mut rec, &members, &mut tenant);
+    assert!(!b.holds(&k));
+    // The next busy period: the freezer first, after the record.
+    let first_stop = |b: &mut HoldBook,
+                      now: u64,
+                      rec: &mut std::collections::BTreeSet<RecordEntry>| {
+        b.suspend(&[(k, plan.clone())], now);
+        let cmds = shell(b, now, rec, &members, &mut |_, _, _| Progress::Done);
+        let i = cmds
+            .iter()
+            .position(|c| {
+                matches!(
+                    c,
+                    HoldCmd::Start {
+                        op: Op::Suspend,
+                        ..
+                    }
+                )
+            })
+            .expect("nothing started");
+        let recorded = cmds[..i].iter().any(
+            |c| matches!(c, HoldCmd::RecordAdd { entries, .. } if entries.contains(&cg.record())),
+        );
+        let frozen = matches!(&cmds[i], HoldCmd::Start { targets, .. } if targets.iter().any(|t| t.record() == cg.record()));
+        b.resume(&[k], now + MS);
+        shell(b, now + MS, rec, &members, &mut |_, _, _| Progress::Done);
+        (recorded, frozen)
+    };
+    now += 5 * MS;
+    assert_eq!(
+        first_stop(&mut b, now, &mut rec),
+        (true, true),
+        "not frozen at once, recorded first"
+    );
+    now += super::recheck::REMEMBER_NS;
+    assert_eq!(
+        first_stop(&mut b, now, &mut rec),
+        (false, false),
+        "still frozen at once after ten minutes"
+    );
+}

@@ -70,10 +70,33 @@ impl StatCache {
 /// Whether the process is in the state `op` asks for (`None`: gone or replaced).
 pub(super) fn confirmed(key: ProcKey, op: Op, stats: &mut StatCache) -> Option<bool> {
     let stat = stats.read(key).or_else(|| read_stat(key.pid).ok())?;
-    if stat.start != key.start || stat.state == 'Z' || stat.state == 'X' {
+    if stat.start != key.start || stat.state == 'X' {
         return None;
     }
     // `t`: stopped under a tracer (e.g. `strace -f`): stopped all the same.
-    let stopped = stat.state == 'T' || stat.state == 't';
-    Some(stopped == (op == Op::Suspend))
+    let stopped = |state: char| state == 'T' || state == 't';
+    if stat.state == 'Z' {
+        // The main thread has exited (`pthread_exit`); other threads may run on, and
+        // `/proc/<pid>/stat` shows only the leader. Gone only when no thread is left.
+        let live = live_thread_states(key.pid);
+        if live.is_empty() {
+            return None;
+        }
+        return Some(live.iter().all(|s| stopped(*s)) == (op == Op::Suspend));
+    }
+    Some(stopped(stat.state) == (op == Op::Suspend))
+}
+
+/// The states of process `pid`'s threads that have not exited.
+fn live_thread_states(pid: u32) -> Vec<char> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+        .filter_map(|s| crate::edges::procfs::parse_stat(&s))
+        .map(|s| s.state)
+        .filter(|s| *s != 'Z' && *s != 'X')
+        .collect()
 }

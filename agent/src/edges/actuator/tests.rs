@@ -180,3 +180,81 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
         "a process stopped in t is not counted as stopped: {again:?}"
     );
 }
+
+/// A process whose main thread has exited (`pthread_exit`) while its other threads run on
+/// reads `Z` in `/proc/<pid>/stat`: it is not gone. Its suspension is confirmed when its
+/// live threads are stopped, and a check finds it running again after a SIGCONT (the
+/// review's escape: counted gone, never stopped again).
+#[test]
+fn a_process_whose_main_thread_exited_is_held_not_counted_gone() {
+    let dir = std::env::temp_dir().join(format!("coloc-act-leader-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("leader.c");
+    std::fs::write(
+        &src,
+        "#include <pthread.h>\n#include <unistd.h>\n\
+         static void *spin(void *a) { for (;;) usleep(100); return a; }\n\
+         int main(void) { pthread_t t; pthread_create(&t, 0, spin, 0); usleep(20000); pthread_exit(0); }\n",
+    )
+    .unwrap();
+    let exe = dir.join("leader");
+    let cc = std::process::Command::new("cc")
+        .arg("-pthread")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .status()
+        .expect("cc (the C compiler the Rust toolchain links with) is needed");
+    assert!(cc.success());
+    /// Killed however the test ends (its spinning thread would outlive a failed test).
+    struct Reaped(std::process::Child);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reaped(std::process::Command::new(&exe).spawn().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let pid = child.0.id();
+    let t = target_of(&child.0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while read_stat(pid).unwrap().state != 'Z' {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the main thread never exited"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let threads = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+            .filter_map(|s| crate::edges::procfs::parse_stat(&s))
+            .map(|s| s.state)
+            .collect::<Vec<char>>()
+    };
+    let budget = Duration::from_secs(2);
+    let r = Host::default().start(std::slice::from_ref(&t), Op::Suspend, budget);
+    assert!(
+        matches!(r[0], Progress::Done),
+        "{r:?}: threads {:?}",
+        threads()
+    );
+    assert!(threads().iter().filter(|s| **s != 'Z').all(|s| *s == 'T'));
+    // Someone sends SIGCONT: a check finds it running (pending), not gone.
+    // SAFETY: a plain kill(2) of our own child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGCONT) }, 0);
+    std::thread::sleep(Duration::from_millis(20));
+    let r = Host::default().check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
+    assert!(
+        matches!(r[0], Progress::Pending),
+        "{r:?}: threads {:?}",
+        threads()
+    );
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    let r = Host::default().check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
+    assert!(matches!(r[0], Progress::Gone), "{r:?}");
+}

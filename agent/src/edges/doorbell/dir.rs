@@ -73,13 +73,28 @@ const WAKES_PER_PAGE_MAX: u32 = 500;
 /// most this often in a second: a tenant's pages share it, whatever wake gaps they state.
 const WAKES_PER_OWNER_PER_SECOND: u32 = 500;
 
+/// Who shares one wake budget: a pod's pages; in the top directory, the pages of one file
+/// owner (a page's claimed PID is only a name: a user could name pages after many PIDs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Budget {
+    Pod(String),
+    Uid(u32),
+}
+
+fn budget(info: &super::PageInfo) -> Budget {
+    match &info.owner {
+        super::Owner::Pod(uid) => Budget::Pod(uid.clone()),
+        super::Owner::Pid(_) => Budget::Uid(info.file_uid),
+    }
+}
+
 /// Whether `m` may still wake the loop in second `sec`: under its own limit and its
 /// owner's.
-fn calm(m: &Mapped, owners: &HashMap<super::Owner, (u64, u32)>, sec: u64) -> bool {
-    let page = m.wakes.0 != sec || m.wakes.1 <= page_wake_limit(m);
+fn calm(m: &Mapped, owners: &HashMap<Budget, (u64, u32)>, sec: u64) -> bool {
+    let page = m.wakes.0 != sec || m.wakes.1 < page_wake_limit(m);
     let owner = owners
-        .get(&m.info.owner)
-        .is_none_or(|o| o.0 != sec || o.1 <= WAKES_PER_OWNER_PER_SECOND);
+        .get(&budget(&m.info))
+        .is_none_or(|o| o.0 != sec || o.1 < WAKES_PER_OWNER_PER_SECOND);
     page && owner
 }
 
@@ -130,7 +145,7 @@ pub struct DirBells {
     /// The waker's word as of the latest read.
     waker_seen: u32,
     /// Wake-word changes per owner in the current second (the second, the count).
-    owner_wakes: HashMap<super::Owner, (u64, u32)>,
+    owner_wakes: HashMap<Budget, (u64, u32)>,
     /// Pods whose `pods/<uid>` the agent made or found right.
     pod_dirs: std::collections::HashSet<String>,
 }
@@ -581,10 +596,7 @@ impl Doorbells for DirBells {
                     m.wakes = (sec, 0);
                 }
                 m.wakes.1 += 1;
-                let o = self
-                    .owner_wakes
-                    .entry(m.info.owner.clone())
-                    .or_insert((sec, 0));
+                let o = self.owner_wakes.entry(budget(&m.info)).or_insert((sec, 0));
                 if o.0 != sec {
                     *o = (sec, 0);
                 }
@@ -602,7 +614,7 @@ impl Doorbells for DirBells {
         if self.owner_wakes.len() > 2 * self.pages.len() + 16 {
             let pages = &self.pages;
             self.owner_wakes
-                .retain(|o, _| pages.values().any(|m| &m.info.owner == o));
+                .retain(|o, _| pages.values().any(|m| &budget(&m.info) == o));
         }
     }
 

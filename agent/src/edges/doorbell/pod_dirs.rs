@@ -64,15 +64,16 @@ pub(super) fn prepare(d: &Path, layout: Layout) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--doorbell-dir {}: not a directory: {e}", d.display()))?;
     let st = fstat(&fd)?;
     let have = st.st_mode & 0o7777;
-    if have == mode {
-        return Ok(());
-    }
-    if layout == Layout::Kubernetes && st.st_uid != 0 && rustix::process::geteuid().is_root() {
+    let me = rustix::process::geteuid().as_raw();
+    if layout == Layout::Kubernetes && st.st_uid != me {
         anyhow::bail!(
-            "--doorbell-dir {}: owned by UID {}, not root: a tenant could swap pods' directories",
+            "--doorbell-dir {}: owned by UID {}, not the agent's ({me}): its owner could swap pods' directories",
             d.display(),
             st.st_uid
         );
+    }
+    if have == mode {
+        return Ok(());
     }
     // A fresh directory (the umask cut its mode), or one to narrow or widen.
     fchmod(&fd, Mode::from_raw_mode(mode))
@@ -116,12 +117,14 @@ pub(super) fn ensure(pods: &Path, uids: &[String], done: &mut HashSet<String>) -
         };
         let Ok(st) = fstat(&fd) else { continue };
         let have = st.st_mode & 0o7777;
+        if st.st_uid != rustix::process::geteuid().as_raw() {
+            // (Left from when `pods/` was world-writable: the agent neither uses nor
+            // watches it.)
+            warn!(pod_uid = %uid, owner = st.st_uid, "The pod's doorbell directory has another owner: left alone");
+            done.insert(uid.clone());
+            continue;
+        }
         if have != POD_DIR_MODE {
-            if st.st_uid != rustix::process::geteuid().as_raw() {
-                warn!(pod_uid = %uid, owner = st.st_uid, "The pod's doorbell directory has another owner: left alone");
-                done.insert(uid.clone());
-                continue;
-            }
             // A fresh one (the umask cut its mode), or the kubelet's.
             if let Err(err) = fchmod(&fd, Mode::from_raw_mode(POD_DIR_MODE)) {
                 warn!(pod_uid = %uid, %err, "Cannot widen the pod's doorbell directory");

@@ -734,6 +734,57 @@ fn a_page_may_wake_as_often_as_its_wake_gap_allows_and_an_owner_no_more() {
     );
     drop(flood);
     drop(many);
+    // Eight in the top directory, named after eight live processes but of one file owner:
+    // one budget (the PID in a page's name is only a name).
+    struct Kids(Vec<std::process::Child>);
+    impl Drop for Kids {
+        fn drop(&mut self) {
+            for k in &mut self.0 {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+        }
+    }
+    let kids = Kids(
+        (0..8)
+            .map(|_| {
+                std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .unwrap()
+            })
+            .collect(),
+    );
+    let top: Vec<_> = kids
+        .0
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            write_page_waking(
+                &dir.join(format!("{}-{i}.bell", k.id())),
+                [40 + i as u8; 16],
+                1,
+                1,
+            )
+        })
+        .collect();
+    b.rescan(true);
+    b.read(&mut Vec::new());
+    assert_eq!(
+        b.pages()
+            .iter()
+            .filter(|p| matches!(p.owner, Owner::Pid(_)))
+            .count(),
+        8
+    );
+    let pages: Vec<Page<'_>> = top.iter().map(|p| p.page()).collect();
+    let woken = wakes_while_bumped(&mut b, &pages, Duration::ZERO, Duration::from_millis(1500));
+    assert!(
+        woken <= 3 * 510,
+        "one user's 8 flooding pages in the top directory woke the loop {woken} times in 1.5 s"
+    );
+    drop(top);
+    drop(kids);
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -866,6 +917,27 @@ fn on_kubernetes_pods_write_only_in_the_directories_the_agent_makes() {
     // Once made, a pod's directory is not looked at again.
     std::fs::set_permissions(pods.join(fresh), std::fs::Permissions::from_mode(0o755)).unwrap();
     assert_eq!(b.ensure_pod_dirs(&uids), 0);
+    // A pod directory of another owner (a tenant made it while pods/ was 1777) is left
+    // alone, whatever its mode; a doorbell directory of another owner is refused.
+    let theirs = "44444444-2222-3333-4444-555555555555";
+    std::fs::create_dir(pods.join(theirs)).unwrap();
+    std::fs::set_permissions(pods.join(theirs), std::fs::Permissions::from_mode(0o755)).unwrap();
+    if std::os::unix::fs::chown(pods.join(theirs), Some(65534), Some(65534)).is_ok() {
+        assert_eq!(b.ensure_pod_dirs(&[theirs.to_string()]), 0);
+        assert_eq!(
+            mode(&pods.join(theirs)),
+            0o755,
+            "another owner's directory was widened"
+        );
+        let foreign = tmpdir("pod-dirs-foreign");
+        std::fs::create_dir_all(&foreign).unwrap();
+        std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+        let err = DirBells::open(&foreign, Layout::Kubernetes).unwrap_err();
+        assert!(err.to_string().contains("owned by UID 65534"), "{err}");
+        let _ = std::fs::remove_dir_all(&foreign);
+    } else {
+        eprintln!("NOTE: not checked: another owner's directories (chown needs root)");
+    }
     // Standalone: the directory is shared by the host's users.
     let solo = tmpdir("pod-dirs-solo");
     let _b = DirBells::open(&solo, Layout::Standalone).unwrap();
