@@ -46,6 +46,13 @@ PANELS = [
         q(f'sum by (node, gpu) (rate(coloc_offline_reclaimed_seconds_total{{{GPU}}}[{R}]))', "offline running {{node}} GPU {{gpu}}"),
         q(f'sum by (node, gpu) (rate(coloc_offline_suspended_seconds_total{{{GPU}}}[{R}]))', "offline suspended {{node}} GPU {{gpu}}"),
     ], "Share of wall time offline work ran while online was idle (reclaimed), and was held suspended."),
+    ("Releases by rule (and learned ones that did not pay)", "ops", 12, 8, [
+        q(f'sum by (rule) (rate(coloc_releases_total{{{GPU}}}[{R}]))', "releases {{rule}}"),
+        q(f'sum (rate(coloc_releases_wrong_total{{{GPU}}}[{R}])) or vector(0)', "wrong learned releases"),
+    ], "How offline work got the GPU back: rule=fixed after --idle-window, rule=learned after a shorter window learned from the online processes' own gaps (--release learned, only where every online process rings a doorbell with completion stamps and every offline one is gated). Wrong: learned releases after which online came back before offline had run --release-ratio x --release-drain; a steady share of them means the learned windows are too short for this load."),
+    ("Offline time harvested after releases, by rule", "percentunit", 12, 8, [
+        q(f'sum by (node, gpu, rule) (rate(coloc_release_harvest_seconds_sum{{{GPU}}}[{R}]))', "{{node}} GPU {{gpu}} {{rule}}"),
+    ], "Share of wall time offline work ran between a release and the next preemption, by the release's rule: what the learned window adds over the fixed one."),
     ("Fail-open events and actuation errors", "short", 12, 8, [
         q(f'sum by (reason) (increase(coloc_fail_open_total{{{SEL}}}[{R}])) or vector(0)', "fail-open {{reason}}"),
         q(f'sum by (actuator, op, reason) (increase(coloc_actuation_errors_total{{{SEL}}}[{R}])) or vector(0)', "error {{actuator}} {{op}} {{reason}}"),

@@ -313,9 +313,12 @@ fn a_forged_gate_acknowledgement_earns_nothing() {
     a.wait_processes(1);
     let uuid_s = a.state()["gpus"][0]["uuid"].as_str().unwrap().to_string();
     let hex: String = uuid_s.trim_start_matches("GPU-").replace('-', "");
-    let uuid: [u8; 16] = std::array::from_fn(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap());
+    let uuid: [u8; 16] =
+        std::array::from_fn(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap());
     // The helper's page, named for the victim (the agent attributes it to that process).
-    let page_path = a.doorbell_dir.join(format!("{}-f0f0f0f0.bell", victim.pid()));
+    let page_path = a
+        .doorbell_dir
+        .join(format!("{}-f0f0f0f0.bell", victim.pid()));
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -373,7 +376,10 @@ fn a_forged_gate_acknowledgement_earns_nothing() {
                         unsafe { Gates::from_raw(p as *const u8) }
                     });
                 }
-                if let Some(epoch) = gates.and_then(|g| g.find(&uuid)).and_then(|s| s.closed_epoch()) {
+                if let Some(epoch) = gates
+                    .and_then(|g| g.find(&uuid))
+                    .and_then(|s| s.closed_epoch())
+                {
                     if entry.gate_ack.swap(epoch, AcqRel) != epoch {
                         acks.fetch_add(1, Relaxed);
                         page.bump_and_wake();
