@@ -63,7 +63,7 @@ fn init() -> u8 {
             dir.display()
         );
         mode::warn_once(&WAIT_WARNED, &msg);
-        LAST_TRY_NS.store(coloc_doorbell::now_ns(), Relaxed);
+        LAST_TRY_NS.store(mono_ns(), Relaxed);
         let _ = WAITING.set(c);
         // SAFETY: registering a plain extern "C" function.
         unsafe { libc::pthread_atfork(None, None, Some(wait_fork_child)) };
@@ -85,11 +85,23 @@ extern "C" fn wait_fork_child() {
 #[cold]
 #[inline(never)]
 pub fn retry() {
-    let now = coloc_doorbell::now_ns();
-    if now.saturating_sub(LAST_TRY_NS.load(Relaxed)) < RETRY_NS || TRYING.swap(true, Acquire) {
+    let now = mono_ns();
+    let last = LAST_TRY_NS.load(Relaxed);
+    // One ticket per second (the compare-exchange), one thread at a time, and only while
+    // still waiting: a thread that read the old time before another's try made the page
+    // gets no second page.
+    if now.saturating_sub(last) < RETRY_NS
+        || LAST_TRY_NS
+            .compare_exchange(last, now, AcqRel, Relaxed)
+            .is_err()
+        || TRYING.swap(true, Acquire)
+    {
         return;
     }
-    LAST_TRY_NS.store(now, Relaxed);
+    if MODE.load(Acquire) != WAIT {
+        TRYING.store(false, Release);
+        return;
+    }
     let m = std::panic::catch_unwind(|| {
         let c = WAITING.get()?;
         let dir = std::path::Path::new(&c.doorbell_dir);
@@ -101,6 +113,18 @@ pub fn retry() {
         let _ = MODE.compare_exchange(WAIT, m, AcqRel, Acquire);
     }
     TRYING.store(false, Release);
+}
+
+/// `CLOCK_MONOTONIC_COARSE`, ns: the retry timer (no step back with the wall clock, and
+/// the cheapest clock read on the pass-through path).
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The page is made: online rings it; offline starts its gate.

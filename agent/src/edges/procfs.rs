@@ -168,6 +168,8 @@ pub struct Stat {
     pub state: char,
     /// Start time (clock ticks since boot).
     pub start: u64,
+    /// CPU time used, user + system, clock ticks (of every thread, for a process).
+    pub cpu: u64,
 }
 
 /// Parses `/proc/<pid>/stat` content. The command name may contain spaces and
@@ -176,9 +178,16 @@ pub fn parse_stat(s: &str) -> Option<Stat> {
     let after = s.get(s.rfind(')')? + 1..)?.trim_start();
     let mut fields = after.split_ascii_whitespace();
     let state = fields.next()?.chars().next()?;
-    // After the state (field 3) come fields 4..; start time is field 22.
-    let start = fields.nth(18)?.parse().ok()?;
-    Some(Stat { state, start })
+    // After the state (field 3) come fields 4..: utime and stime are fields 14 and 15,
+    // the start time field 22.
+    let utime: u64 = fields.nth(10)?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    let start = fields.nth(6)?.parse().ok()?;
+    Some(Stat {
+        state,
+        start,
+        cpu: utime + stime,
+    })
 }
 
 /// Reads `/proc/<pid>/stat`. This is the hot path (every confirmation and re-check of a
@@ -350,7 +359,8 @@ mod tests {
             parse_stat(s),
             Some(Stat {
                 state: 'T',
-                start: 987654
+                start: 987654,
+                cpu: 5 + 3,
             })
         );
         let me = read_stat(std::process::id()).unwrap();

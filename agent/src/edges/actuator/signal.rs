@@ -30,6 +30,9 @@ pub(super) fn issue(key: ProcKey, pidfd: &OwnedFd, op: Op) -> Result<(), Progres
 #[derive(Debug, Default)]
 pub struct StatCache {
     files: Option<std::collections::HashMap<ProcKey, std::fs::File>>,
+    /// The CPU time of each held process when it was last seen stopped (see
+    /// [`confirmed`]).
+    held_cpu: Option<std::collections::HashMap<ProcKey, u64>>,
 }
 
 /// Files kept at most; past that the cache starts afresh.
@@ -38,7 +41,10 @@ const STAT_CACHE_MAX: usize = 4096;
 impl StatCache {
     /// An empty cache.
     pub const fn new() -> StatCache {
-        StatCache { files: None }
+        StatCache {
+            files: None,
+            held_cpu: None,
+        }
     }
 
     fn read(&mut self, key: ProcKey) -> Option<crate::edges::procfs::Stat> {
@@ -46,6 +52,7 @@ impl StatCache {
         let files = self.files.get_or_insert_with(Default::default);
         if files.len() >= STAT_CACHE_MAX {
             files.clear();
+            self.held_cpu = None;
         }
         if let std::collections::hash_map::Entry::Vacant(v) = files.entry(key) {
             v.insert(std::fs::File::open(format!("/proc/{}/stat", key.pid)).ok()?);
@@ -74,29 +81,64 @@ pub(super) fn confirmed(key: ProcKey, op: Op, stats: &mut StatCache) -> Option<b
         return None;
     }
     // `t`: stopped under a tracer (e.g. `strace -f`): stopped all the same.
-    let stopped = |state: char| state == 'T' || state == 't';
-    if stat.state == 'Z' {
+    let is_stopped = |state: char| state == 'T' || state == 't';
+    let stopped = if stat.state == 'Z' {
         // The main thread has exited (`pthread_exit`); other threads may run on, and
         // `/proc/<pid>/stat` shows only the leader. Gone only when no thread is left.
-        let live = live_thread_states(key.pid);
-        if live.is_empty() {
-            return None;
-        }
-        return Some(live.iter().all(|s| stopped(*s)) == (op == Op::Suspend));
-    }
-    Some(stopped(stat.state) == (op == Op::Suspend))
+        threads_stopped(key.pid)?
+    } else {
+        is_stopped(stat.state)
+    };
+    // `/proc/<pid>/stat` shows the main thread's state, but the CPU time of every thread:
+    // a process seen stopped whose CPU time grew since it was last seen stopped has a
+    // thread that runs (one a tracer resumed after the group stop, for one). It counts as
+    // running: stopped again, and its cgroup frozen if it keeps on.
+    let held = stats.held_cpu.get_or_insert_with(Default::default);
+    let stopped = if op == Op::Suspend && stopped {
+        let grew = held
+            .insert(key, stat.cpu)
+            .is_some_and(|before| stat.cpu > before);
+        !grew
+    } else {
+        held.remove(&key);
+        stopped
+    };
+    Some(stopped == (op == Op::Suspend))
 }
 
-/// The states of process `pid`'s threads that have not exited.
-fn live_thread_states(pid: u32) -> Vec<char> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return Vec::new();
+/// Threads of a process looked at, at most, when its main thread has exited: a process
+/// with more is taken as not stopped (its cgroup is frozen if it stays so).
+const MAX_THREADS_READ: usize = 64;
+
+/// Whether every thread of process `pid` that has not exited is stopped; `None` when no
+/// thread is left. Stops at the first running one, and after [`MAX_THREADS_READ`].
+fn threads_stopped(pid: u32) -> Option<bool> {
+    let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(t) => t,
+        Err(e)
+            if e.raw_os_error() == Some(libc::ESRCH)
+                || e.kind() == std::io::ErrorKind::NotFound =>
+        {
+            return None
+        }
+        // Unreadable: not known to be stopped.
+        Err(_) => return Some(false),
     };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
-        .filter_map(|s| crate::edges::procfs::parse_stat(&s))
-        .map(|s| s.state)
-        .filter(|s| *s != 'Z' && *s != 'X')
-        .collect()
+    let mut live = 0;
+    for t in tasks.flatten() {
+        let Some(s) = std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|s| crate::edges::procfs::parse_stat(&s))
+        else {
+            continue;
+        };
+        if s.state == 'Z' || s.state == 'X' {
+            continue;
+        }
+        live += 1;
+        if !(s.state == 'T' || s.state == 't') || live > MAX_THREADS_READ {
+            return Some(false);
+        }
+    }
+    (live > 0).then_some(true)
 }

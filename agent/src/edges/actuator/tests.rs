@@ -258,3 +258,131 @@ fn a_process_whose_main_thread_exited_is_held_not_counted_gone() {
     let r = Host::default().check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
     assert!(matches!(r[0], Progress::Gone), "{r:?}");
 }
+
+/// A tracer resumes one thread of a stopped process (`PTRACE_SEIZE` on the worker thread,
+/// `PTRACE_CONT` at its group stop): the main thread reads `T`, the worker runs on (the
+/// review's escape: a counter advanced 194 million times in 100 ms while held). The
+/// process's CPU time, which counts every thread, keeps growing: a check finds it running.
+#[test]
+fn a_thread_a_tracer_resumed_is_found_running() {
+    let dir = std::env::temp_dir().join(format!("coloc-act-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("escape.c");
+    std::fs::write(&src, ESCAPE_C).unwrap();
+    let exe = dir.join("escape");
+    let cc = std::process::Command::new("cc")
+        .arg("-pthread")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .status()
+        .expect("cc (the C compiler the Rust toolchain links with) is needed");
+    assert!(cc.success());
+    /// The tracer and its traced child, killed however the test ends.
+    struct Pair(std::process::Child, u32);
+    impl Drop for Pair {
+        fn drop(&mut self) {
+            if self.1 != 0 {
+                // SAFETY: a plain kill(2) of the test's own grandchild; the tracer reaps
+                // it and exits.
+                unsafe { libc::kill(self.1 as i32, libc::SIGKILL) };
+            } else {
+                let _ = self.0.kill();
+            }
+            let _ = self.0.wait();
+        }
+    }
+    let mut pair = Pair(
+        std::process::Command::new(&exe)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+        0,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(pair.0.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let pid: u32 = line
+        .trim()
+        .parse()
+        .expect("the tracer could not seize the thread");
+    pair.1 = pid;
+    let key = ProcKey {
+        pid,
+        start: read_stat(pid).unwrap().start,
+    };
+    let t = Target::Process {
+        key,
+        pidfd: Arc::new(open_pidfd(key).unwrap()),
+    };
+    let mut host = Host::default();
+    let _ = host.start(
+        std::slice::from_ref(&t),
+        Op::Suspend,
+        Duration::from_millis(50),
+    );
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(60));
+        let main = read_stat(pid).unwrap().state;
+        let r = host.check(std::slice::from_ref(&t), Op::Suspend, Duration::ZERO);
+        seen.push((main, matches!(r[0], Progress::Done)));
+    }
+    assert!(
+        seen.iter().any(|(main, _)| *main == 'T'),
+        "the main thread never stopped: the attack was not tried: {seen:?}"
+    );
+    assert!(
+        !seen[1].1 && !seen[2].1,
+        "held while a thread ran on (main thread state, confirmed): {seen:?}"
+    );
+}
+
+/// A process whose worker thread a tracer keeps running through every stop.
+const ESCAPE_C: &str = r#"
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/ptrace.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static volatile int tid;
+static void *spin(void *a) { tid = syscall(SYS_gettid); for (;;) { } return a; }
+int main(void) {
+    int p[2];
+    if (pipe(p)) return 1;
+    pid_t child = fork();
+    if (child == 0) {
+        pthread_t t;
+        pthread_create(&t, 0, spin, 0);
+        while (!tid) usleep(100);
+        int v = tid;
+        if (write(p[1], &v, sizeof v) != sizeof v) return 1;
+        for (;;) pause();
+    }
+    int wt;
+    if (read(p[0], &wt, sizeof wt) != sizeof wt) return 1;
+    if (ptrace(PTRACE_SEIZE, wt, 0, 0) != 0) { perror("seize"); return 1; }
+    printf("%d\n", child);
+    fflush(stdout);
+    for (;;) {
+        int st;
+        /* The child killed: reap it before leaving (nothing is left a zombie). */
+        if (waitpid(wt, &st, __WALL) < 0 || WIFEXITED(st) || WIFSIGNALED(st)) {
+            waitpid(child, 0, 0);
+            return 0;
+        }
+        if (WIFSTOPPED(st)) {
+            int sig = WSTOPSIG(st);
+            if ((st >> 16) == PTRACE_EVENT_STOP || sig == SIGSTOP) ptrace(PTRACE_CONT, wt, 0, 0);
+            else ptrace(PTRACE_CONT, wt, 0, sig);
+        }
+    }
+}
+"#;

@@ -217,6 +217,7 @@ impl ProcFs for FakeProc {
         Ok(Stat {
             state: 'S',
             start: p.key.start,
+            cpu: 0,
         })
     }
     fn self_cgroups(&self) -> Cgroups {
