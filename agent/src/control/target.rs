@@ -167,9 +167,19 @@ mod tests {
         Arc::new(std::fs::File::open("/dev/null").unwrap().into())
     }
 
-    fn setup(own: &str) -> (Chooser, ProcInfo, Classified, PathBuf) {
+    /// Removes the test's cgroup root when dropped, so a failing test leaves nothing behind.
+    struct Root(PathBuf);
+
+    impl Drop for Root {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn setup(own: &str) -> (Chooser, ProcInfo, Classified, PathBuf, Root) {
         let root =
             std::env::temp_dir().join(format!("coloc-target-{}-{}", own.len(), std::process::id()));
+        let guard = Root(root.clone());
         let dir = root.join("batch/job");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
@@ -195,12 +205,12 @@ mod tests {
             owner: "rule:off".into(),
             freeze_cgroup: Some("/batch/job".into()),
         };
-        (chooser, info, cls, dir)
+        (chooser, info, cls, dir, guard)
     }
 
     #[test]
     fn a_declared_cgroup_is_frozen_or_signalled_whole() {
-        let (mut c, info, cls, dir) = setup("0::/system.slice/agent.service\n");
+        let (mut c, info, cls, dir, _root) = setup("0::/system.slice/agent.service\n");
         let (plan, why) = c.choose(&info, &cls, fd());
         assert!(
             matches!(&plan, Plan::Freeze(Target::Cgroup { dir: d, .. }) if *d == dir),
@@ -234,7 +244,7 @@ mod tests {
             "0::/batch/job/agent\n",
             "7:freezer:/batch/job\n0::/\n",
         ] {
-            let (mut c, info, cls, _) = setup(own);
+            let (mut c, info, cls, _, _root) = setup(own);
             let (plan, why) = c.choose(&info, &cls, fd());
             assert!(
                 matches!(plan, Plan::Signal(Target::Process { .. })),
@@ -249,7 +259,7 @@ mod tests {
             );
         }
         // A sibling whose name merely starts the same is not "inside".
-        let (c, info, cls, _) = setup("0::/batch/job2\n");
+        let (c, info, cls, _, _root) = setup("0::/batch/job2\n");
         assert!(matches!(c.choose(&info, &cls, fd()).0, Plan::Freeze(_)));
     }
 }

@@ -50,8 +50,7 @@ fn malformed_rules_are_a_clear_error_and_nothing_is_frozen() {
 
 #[test]
 fn no_driver_is_one_clear_line() {
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-nodrv"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-nodrv");
     std::fs::write(
         dir.join("r.toml"),
         "[[rule]]\nclass = \"offline\"\ncmdline = \"x\"\n",
@@ -163,7 +162,10 @@ fn status_shows_state_and_plots_a_timeline() {
     );
     let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["gpus"][0]["preemption_ms"]["count"], 3);
-    let svg = std::env::temp_dir().join(format!("{}.svg", unique("coloc-e2e-status")));
+    // The timeline, and the picture `render_svg` makes of it beside it.
+    let svg =
+        TempPath::at(std::env::temp_dir().join(format!("{}.svg", unique("coloc-e2e-status"))));
+    let _png = TempPath::at(svg.with_extension("png"));
     let out = output_within(
         std::process::Command::new(bin("coloc-agent"))
             .args(["status", "--url", &url, "--plot"])

@@ -7,7 +7,7 @@ use coloc_e2e::*;
 #[test]
 fn demo_shows_the_difference() {
     let _cpu_latency = cpu_latency_lock();
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-demo"));
+    let dir = TempPath::new("coloc-e2e-demo");
     let json = dir.join("summary.json");
     // One GPU per scenario, 10 requests/s for 6 s: about 60 online requests each, so the
     // medians compared below rest on enough samples.
@@ -101,5 +101,4 @@ fn demo_shows_the_difference() {
         "{s}"
     );
     assert!(stdout.contains("gpu-coloc, + learned release"), "{stdout}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

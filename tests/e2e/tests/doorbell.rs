@@ -4,7 +4,6 @@
 //! samples every 100 ms, as real drivers do, and the agent reads NVML at its defaults.
 
 use coloc_e2e::*;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -23,11 +22,13 @@ fn workload(sim: &Sim, args: &[&str], shim: Option<(&str, &std::path::Path)>) ->
     c
 }
 
-/// The agent at its NVML defaults (100 ms), with an event log.
-fn agent(sim: &Sim) -> (Agent, PathBuf) {
-    let log = std::env::temp_dir()
-        .join(unique("coloc-e2e-events"))
-        .with_extension("jsonl");
+/// The agent at its NVML defaults (100 ms), with an event log (removed when dropped).
+fn agent(sim: &Sim) -> (Agent, TempPath) {
+    let log = TempPath::at(
+        std::env::temp_dir()
+            .join(unique("coloc-e2e-events"))
+            .with_extension("jsonl"),
+    );
     let a = Agent::start(
         sim,
         AgentOpts {
@@ -70,8 +71,9 @@ fn online_args(out: &str) -> Vec<&str> {
     ]
 }
 
-/// A 100 ms simulated driver, the agent, and one offline process it has seen.
-fn node_with_offline() -> (Sim, Agent, PathBuf, Proc) {
+/// A 100 ms simulated driver, the agent (and its event log), and one offline process it
+/// has seen.
+fn node_with_offline() -> (Sim, Agent, TempPath, Proc) {
     let sim = Sim::start(1, &["--sample-period-ms", "100"]);
     let (a, log) = agent(&sim);
     let off = Proc(
@@ -110,19 +112,20 @@ fn short_online(
     )
 }
 
-/// A fresh path for an online workload's JSON summary.
-fn result_file() -> String {
-    std::env::temp_dir()
-        .join(unique("coloc-e2e-online"))
-        .with_extension("json")
-        .display()
-        .to_string()
+/// A fresh path for an online workload's JSON summary (removed when dropped).
+fn result_file() -> TempPath {
+    TempPath::at(
+        std::env::temp_dir()
+            .join(unique("coloc-e2e-online"))
+            .with_extension("json"),
+    )
 }
 
 #[test]
 fn a_launch_under_the_shim_rings_and_offline_is_stopped_from_the_ring() {
     let (sim, a, log, _off) = node_with_offline();
-    let out_s = result_file();
+    let out = result_file();
+    let out_s = out.display().to_string();
     let mut on = Proc(
         workload(
             &sim,
@@ -185,7 +188,8 @@ fn a_launch_under_the_shim_rings_and_offline_is_stopped_from_the_ring() {
 #[test]
 fn without_the_shim_nvml_still_preempts() {
     let (sim, a, log, _off) = node_with_offline();
-    let out_s = result_file();
+    let out = result_file();
+    let out_s = out.display().to_string();
     let mut on = Proc(
         workload(&sim, &online_args(&out_s), None)
             .stdout(Stdio::null())
@@ -244,12 +248,10 @@ fn a_forged_ring_from_an_offline_process_suspends_nothing() {
 #[test]
 fn with_no_agent_the_shim_passes_through() {
     let sim = Sim::start(1, &[]);
-    let out = std::env::temp_dir()
-        .join(unique("coloc-e2e-online"))
-        .with_extension("json");
+    let out = result_file();
     let out_s = out.display().to_string();
     // No doorbell directory at all (no agent on this host).
-    let missing = std::env::temp_dir().join(unique("coloc-e2e-no-agent"));
+    let missing = TempPath::new("coloc-e2e-no-agent");
     let r = output_within(
         short_online(&sim, "1", &out_s, Some(("online", &missing))).stdout(Stdio::null()),
         Duration::from_secs(20),
@@ -301,15 +303,15 @@ fn with_no_agent_the_shim_passes_through() {
 #[test]
 fn the_shim_publishes_its_page_complete_by_rename() {
     let sim = Sim::start(1, &[]);
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-publish"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-publish");
     // SAFETY: plain inotify calls on a fresh descriptor and a valid C path.
     let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
     assert!(fd >= 0);
     let cdir = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
     let mask = libc::IN_CREATE | libc::IN_MOVED_TO | libc::IN_CLOSE_WRITE;
     assert!(unsafe { libc::inotify_add_watch(fd, cdir.as_ptr(), mask) } >= 0);
-    let out_s = result_file();
+    let out = result_file();
+    let out_s = out.display().to_string();
     let r = output_within(
         short_online(&sim, "0.5", &out_s, Some(("online", &dir))).stdout(Stdio::null()),
         Duration::from_secs(20),
@@ -337,7 +339,6 @@ fn the_shim_publishes_its_page_complete_by_rename() {
     }
     // SAFETY: our descriptor, closed once.
     unsafe { libc::close(fd) };
-    std::fs::remove_dir_all(&dir).ok();
     let named = |m: u32, suffix: &str| {
         events
             .iter()
@@ -363,9 +364,9 @@ fn the_shim_publishes_its_page_complete_by_rename() {
 #[test]
 fn the_shim_traces_what_the_process_looks_up() {
     let sim = Sim::start(1, &[]);
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-trace"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out_s = result_file();
+    let dir = TempPath::dir("coloc-e2e-trace");
+    let out = result_file();
+    let out_s = out.display().to_string();
     let run = |trace: &str| {
         let r = output_within(
             short_online(&sim, "0.3", &out_s, Some(("online", &dir)))
@@ -403,7 +404,6 @@ fn the_shim_traces_what_the_process_looks_up() {
     assert_eq!(sorted.len(), lines.len(), "{err}");
     // Off by default (and with 0).
     assert!(!run("0").contains("trace:"));
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// An online process capturing a CUDA graph starts no run: a captured launch runs nothing
@@ -412,8 +412,7 @@ fn the_shim_traces_what_the_process_looks_up() {
 fn captured_launches_do_not_ring_the_graph_launch_does() {
     use std::io::{BufRead, Write};
     let sim = Sim::start(1, &[]);
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-capture-bell"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-capture-bell");
     let mut c = Command::new(bin("coloc-capture"));
     c.env("COLOC_SIM_STATE", &sim.state)
         .env("LD_LIBRARY_PATH", fake_cuda())
@@ -477,7 +476,6 @@ fn captured_launches_do_not_ring_the_graph_launch_does() {
     assert!(p
         .wait_within("coloc-capture", Duration::from_secs(10))
         .success());
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A container can start before the agent has made its pod's doorbell directory: the
@@ -486,11 +484,11 @@ fn captured_launches_do_not_ring_the_graph_launch_does() {
 #[test]
 fn the_shim_makes_its_page_once_the_directory_is_there() {
     let sim = Sim::start(1, &[]);
-    let root = std::env::temp_dir().join(unique("coloc-e2e-late-dir"));
+    let root = TempPath::new("coloc-e2e-late-dir");
     let dir = root
         .join("pods")
         .join("11111111-2222-3333-4444-555555555555");
-    let err = root.with_extension("err");
+    let err = TempPath::at(root.with_extension("err"));
     let mut on = Proc(
         workload(
             &sim,
@@ -538,6 +536,4 @@ fn the_shim_makes_its_page_once_the_directory_is_there() {
         1,
         "{said}"
     );
-    let _ = std::fs::remove_dir_all(&root);
-    let _ = std::fs::remove_file(&err);
 }

@@ -225,8 +225,7 @@ fn agent_on_a_kubernetes_node() {
     let flip_cg = kube_cgroup(&base, "besteffort", flip_uid, "cri-containerd-f1.scope");
 
     let sim = Sim::start(1, &[]);
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-kubecfg"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-kubecfg");
     let kubeconfig = api.kubeconfig(&dir);
     let mut agent = Agent::spawn_with(
         &sim,

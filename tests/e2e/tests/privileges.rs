@@ -193,8 +193,8 @@ fn status_hex(pid: u32, field: &str) -> u64 {
 /// Starts the real agent (same arguments as the harness's) with only `caps`; waits until
 /// it has executed and checks its capability sets; does not wait for readiness.
 fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]) -> Agent {
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-priv"));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Removed if this fails before the agent takes it over (as its scratch).
+    let dir = TempPath::dir("coloc-e2e-priv");
     let state_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-priv-state"));
     let port = free_port();
     let log = dir.join("agent.log");
@@ -229,7 +229,7 @@ fn start_agent(sim: &Sim, caps: &[String], args: &[&str], env: &[(&str, &OsStr)]
     let agent = Agent {
         child: Some(child),
         port,
-        scratch: vec![dir, state_dir.clone()],
+        scratch: vec![dir.keep(), state_dir.clone()],
         state_dir,
         doorbell_dir,
         log,
@@ -272,12 +272,13 @@ fn wait_ready(agent: &Agent) {
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
 }
 
-fn write_rules(text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-priv-rules"));
-    std::fs::create_dir_all(&dir).unwrap();
+/// A rules file `rules.toml` with `text`, in a directory of its own: the directory
+/// (removed when dropped) and the file.
+fn write_rules(text: &str) -> (TempPath, PathBuf) {
+    let dir = TempPath::dir("coloc-e2e-priv-rules");
     let p = dir.join("rules.toml");
     std::fs::write(&p, text).unwrap();
-    p
+    (dir, p)
 }
 
 /// A simulated GPU whose state the other user's workloads can open too.
@@ -451,7 +452,7 @@ fn freezer_works_with_only_the_charts_capabilities() {
     let cg = test_cgroup(test, &unique("coloc-e2e-priv-frz"));
     assert_root_owned_control_file(&cg);
     let sim = shared_sim();
-    let rules = write_rules(&format!(
+    let (_rules_dir, rules) = write_rules(&format!(
         "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n",
         cg.path
     ));
@@ -493,7 +494,7 @@ fn assert_no_permission_error(agent: &Agent) {
 fn signal_to_another_user_needs_kill_and_nothing_else() {
     let caps = chart_caps(&[], CHART_DEFAULT);
     let sim = shared_sim();
-    let rules = write_rules(
+    let (_rules_dir, rules) = write_rules(
         "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*--tag priv-sig*\"\n",
     );
     let run_args = ["--rules", rules.to_str().unwrap(), "--actuator", "signal"];
@@ -553,7 +554,7 @@ fn signal_to_another_user_needs_kill_and_nothing_else() {
 fn exe_rules_need_sys_ptrace_for_other_users() {
     let sim = shared_sim();
     let sim_bin = bin("coloc-sim");
-    let rules = write_rules(&format!(
+    let (_rules_dir, rules) = write_rules(&format!(
         "unmatched = \"unmanaged\"\n[[rule]]\nname = \"by-exe\"\nclass = \"reclaimed_cores\"\nexe = \"{}\"\n",
         sim_bin.display()
     ));
@@ -610,8 +611,7 @@ fn kubernetes_mode_needs_no_sys_ptrace() {
     assert_root_owned_control_file(&off_cg);
 
     let sim = shared_sim();
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-priv-kubecfg"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-priv-kubecfg");
     let kubeconfig = api.kubeconfig(&dir);
     let mut agent = start_agent(
         &sim,

@@ -143,8 +143,7 @@ fn dashboard_and_alerts_against_real_prometheus() {
         .store(0, std::sync::atomic::Ordering::SeqCst);
 
     // Prometheus scraping both every second, with the alert rules loaded.
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-prom"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-prom");
     let cfg = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: gpu-coloc-agent\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n        labels:\n          node: node1\n  - job_name: gpu-coloc-webhook\n    static_configs:\n      - targets: ['127.0.0.1:{}']\n",
         rules_dir.join("rules.yaml").display(),

@@ -51,12 +51,12 @@ fn confirmation_cannot_stall_other_gpus() {
 /// Signals on a cgroup declared offline stop every process in it, not only the GPU one.
 #[test]
 fn the_signal_actuator_stops_every_process_of_an_offline_cgroup() {
-    let root = std::env::temp_dir().join(format!("coloc-loop-cg-{}", std::process::id()));
+    let root = TmpDir::new("coloc-loop-cg");
     let dir = root.join("batch");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
     let mut cfg = default_config();
-    cfg.cgroups.v2 = Some(root.clone());
+    cfg.cgroups.v2 = Some(root.to_path_buf());
     let mut h = harness_with(1, cfg);
     h.procs.add(10, 110, "train", "/batch");
     h.procs.add(12, 112, "loader", "/batch");
@@ -119,7 +119,6 @@ fn the_signal_actuator_stops_every_process_of_an_offline_cgroup() {
         "the child was not resumed: {calls:?}"
     );
     assert_eq!(h.recorded_beyond_ahead(), vec![], "{:?}", h.rec.disk);
-    std::fs::remove_dir_all(root).ok();
 }
 
 /// Samples of a PID that is not in /proc (it exited) are not online demand.

@@ -35,8 +35,7 @@ fn setup(name: &str) -> (H, PathBuf) {
 /// [`setup`], with a cgroup v2 root, and `before` done before the processes are seen (and
 /// written ahead).
 fn setup_with(name: &str, root: Option<PathBuf>, before: impl FnOnce(&mut H)) -> (H, PathBuf) {
-    let dir = std::env::temp_dir().join(format!("coloc-gate-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TmpDir::new(&format!("coloc-gate-{name}"));
     let path = dir.join("gates");
     let mut cfg = default_config();
     cfg.gate_timeout = Duration::from_millis(50);
@@ -44,6 +43,7 @@ fn setup_with(name: &str, root: Option<PathBuf>, before: impl FnOnce(&mut H)) ->
         cfg.cgroups.v2 = root;
     }
     let mut h = harness_edges(1, cfg, Some(path.clone()));
+    h.scratch.push(dir);
     before(&mut h);
     if !h.procs.procs.lock().unwrap().contains_key(&10) {
         h.spawn(0, 10, class(Class::Offline, None));
@@ -271,11 +271,11 @@ fn a_gate_that_cannot_close_falls_back_at_once() {
 /// the gate were written ahead); that write fails.
 #[test]
 fn a_gate_that_cannot_close_and_an_unrecordable_fallback_fail_open() {
-    let root = std::env::temp_dir().join(format!("coloc-gate-cg-{}", std::process::id()));
+    let root = TmpDir::new("coloc-gate-cg");
     std::fs::create_dir_all(root.join("batch")).unwrap();
     std::fs::write(root.join("batch/cgroup.freeze"), "0").unwrap();
     let dir = root.join("batch");
-    let (mut h, path) = setup_with("full-record", Some(root.clone()), |h| {
+    let (mut h, path) = setup_with("full-record", Some(root.to_path_buf()), |h| {
         h.procs.add(10, 110, "train", "/batch");
         h.procs.add(12, 112, "loader", "/batch");
         h.procs
@@ -309,7 +309,6 @@ fn a_gate_that_cannot_close_and_an_unrecordable_fallback_fail_open() {
         }
     }
     assert_eq!(h.suspends_of(10), 1, "the retry did not stop it");
-    std::fs::remove_dir_all(root).ok();
 }
 
 /// Kubernetes: the pod's directory still holds the page of an offline process that was
@@ -318,12 +317,12 @@ fn a_gate_that_cannot_close_and_an_unrecordable_fallback_fail_open() {
 /// for, and nothing escalates.
 #[test]
 fn a_dead_processs_page_in_the_pod_is_not_waited_for() {
-    let dir = std::env::temp_dir().join(format!("coloc-gate-stale-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TmpDir::new("coloc-gate-stale");
     let path = dir.join("gates");
     let mut cfg = default_config();
     cfg.gate_timeout = Duration::from_millis(50);
     let mut h = harness_edges(1, cfg, Some(path.clone()));
+    h.scratch.push(dir);
     let uid = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
     h.procs.add(
         10,
@@ -368,10 +367,10 @@ fn a_dead_processs_page_in_the_pod_is_not_waited_for() {
 /// could be confirmed by the other's acknowledgement): both are stopped.
 #[test]
 fn two_processes_of_a_pod_with_the_same_pid_are_stopped_not_gated() {
-    let dir = std::env::temp_dir().join(format!("coloc-gate-twins-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TmpDir::new("coloc-gate-twins");
     let path = dir.join("gates");
     let mut h = harness_edges(1, default_config(), Some(path.clone()));
+    h.scratch.push(dir);
     let uid = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
     for (pid, container) in [(10, "abc"), (11, "def")] {
         h.procs.add(
@@ -461,6 +460,5 @@ proptest::proptest! {
                 }
             }
         }
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 }

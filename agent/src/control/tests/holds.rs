@@ -41,7 +41,7 @@ const ALONE: RecordEntry = RecordEntry::Process {
 /// online is never frozen or stopped whole; only the offline process is stopped.
 #[test]
 fn a_cgroup_holding_online_work_is_not_stopped_whole() {
-    let root = std::env::temp_dir().join(format!("coloc-loop-mixed-{}", std::process::id()));
+    let root = TmpDir::new("coloc-loop-mixed");
     std::fs::create_dir_all(root.join("batch")).unwrap();
     std::fs::write(root.join("batch/cgroup.freeze"), "0").unwrap();
     for preferred in [Kind::Freezer, Kind::Signal] {
@@ -49,14 +49,13 @@ fn a_cgroup_holding_online_work_is_not_stopped_whole() {
         let targets = first_suspension(&root, preferred, "/batch", "/batch", &members);
         assert_eq!(targets, vec![ALONE], "{preferred:?}");
     }
-    std::fs::remove_dir_all(root).ok();
 }
 
 /// Freezing a cgroup freezes every cgroup beneath it: an online process in a child cgroup
 /// of the offline one makes it mixed as well, and so does a membership that cannot be read.
 #[test]
 fn online_work_in_a_child_cgroup_or_an_unreadable_one_is_not_frozen_with_it() {
-    let root = std::env::temp_dir().join(format!("coloc-loop-mixed-child-{}", std::process::id()));
+    let root = TmpDir::new("coloc-loop-mixed-child");
     std::fs::create_dir_all(root.join("x/mixed/child")).unwrap();
     std::fs::write(root.join("x/mixed/cgroup.freeze"), "0").unwrap();
     let readable = [("/x/mixed", vec![10]), ("/x/mixed/child", vec![13])];
@@ -69,19 +68,18 @@ fn online_work_in_a_child_cgroup_or_an_unreadable_one_is_not_frozen_with_it() {
             !members.is_empty()
         );
     }
-    std::fs::remove_dir_all(root).ok();
 }
 
 /// A held process that something else resumes (a SIGCONT from a sibling in its pod) is
 /// stopped again; a signalled cgroup that keeps doing it is frozen.
 #[test]
 fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
-    let root = std::env::temp_dir().join(format!("coloc-loop-hold-{}", std::process::id()));
+    let root = TmpDir::new("coloc-loop-hold");
     let dir = root.join("batch");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
     let mut cfg = default_config();
-    cfg.cgroups.v2 = Some(root.clone());
+    cfg.cgroups.v2 = Some(root.to_path_buf());
     let mut h = harness_with(1, cfg);
     h.procs.add(10, 110, "train", "/batch");
     h.procs
@@ -145,5 +143,4 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
         "{last:?}"
     );
     assert_eq!(h.recorded_beyond_ahead(), vec![]);
-    std::fs::remove_dir_all(root).ok();
 }

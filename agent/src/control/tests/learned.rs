@@ -18,8 +18,7 @@ fn setup(name: &str, learning: bool) -> (H, PathBuf) {
 
 /// [`setup`], online's page waking after gaps of `wake_gap`.
 fn setup_waking(name: &str, learning: bool, wake_gap: u64) -> (H, PathBuf) {
-    let dir = std::env::temp_dir().join(format!("coloc-learn-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TmpDir::new(&format!("coloc-learn-{name}"));
     let path = dir.join("gates");
     let mut cfg = user_config();
     cfg.gate_timeout = Duration::from_millis(50);
@@ -28,6 +27,7 @@ fn setup_waking(name: &str, learning: bool, wake_gap: u64) -> (H, PathBuf) {
         drain_ns: 2 * MS,
     });
     let mut h = harness_edges(1, cfg, Some(path.clone()));
+    h.scratch.push(dir);
     h.spawn(0, 10, class(Class::Offline, None));
     h.spawn(0, 20, class(Class::Online, None));
     h.bells.offline_page(1, Owner::Pid(10), 0);

@@ -23,7 +23,7 @@ use crate::edges::fake::*;
 use crate::edges::source::Classified;
 use clap::Parser;
 use qos_core::{Class, Share};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,6 +54,32 @@ fn user_config() -> LoopConfig {
     args.loop_config().unwrap()
 }
 
+/// A test's scratch directory, `{prefix}-{pid}` under the temporary directory (what an
+/// earlier run left there is removed first). Removed when dropped, so a test that fails
+/// (panics) leaves nothing behind either.
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn new(prefix: &str) -> TmpDir {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        TmpDir(dir)
+    }
+}
+
+impl std::ops::Deref for TmpDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 struct H {
     lp: Loop,
     clock: FakeClock,
@@ -63,6 +89,9 @@ struct H {
     act: FakeActuator,
     rec: FakeRecord,
     bells: FakeBells,
+    /// Scratch directories the harness's files are in (a gate file): dropped last, after
+    /// the loop that uses them.
+    scratch: Vec<TmpDir>,
 }
 
 fn harness(gpus: u32) -> H {
@@ -116,6 +145,7 @@ fn harness_edges(gpus: u32, mut cfg: LoopConfig, gate: Option<PathBuf>) -> H {
         act,
         rec,
         bells,
+        scratch: Vec::new(),
     }
 }
 

@@ -61,10 +61,34 @@ mod memmap_page {
     }
 }
 
-fn tmpdir(name: &str) -> PathBuf {
+/// A test's scratch directory, `coloc-bells-{name}-{pid}` under the temporary directory
+/// (what an earlier run left there is removed first). Removed when dropped, so a test
+/// that fails (panics) leaves nothing behind either.
+struct TmpDir(PathBuf);
+
+impl std::ops::Deref for TmpDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TmpDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmpdir(name: &str) -> TmpDir {
     let d = std::env::temp_dir().join(format!("coloc-bells-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
-    d
+    TmpDir(d)
 }
 
 #[test]
@@ -136,7 +160,6 @@ fn pages_are_found_read_and_a_run_start_wakes_the_wait() {
         "the run between read and wait was missed"
     );
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -179,7 +202,6 @@ fn a_new_page_wakes_the_wait_through_inotify() {
     }
     assert!(gone, "the removal was seen");
     assert!(b.pages().is_empty());
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// The shim writes a page under `….bell.new` and renames it once complete: the rename
@@ -230,7 +252,6 @@ fn a_page_published_by_rename_is_mapped_at_the_first_wake() {
         "an exited process's unfinished page was left"
     );
     assert_eq!(b.pages().len(), 1);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A tenant truncates its page file while the agent has it mapped: the agent's next read
@@ -262,7 +283,6 @@ fn a_page_truncated_under_the_agent_is_dropped_not_fatal() {
     // Nothing to wait on any more: the wait does not touch the dropped page.
     bells.wait(Duration::from_millis(1));
     drop(writer);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// Kubernetes: the directory of a pod that is gone, untouched for the idle time, is
@@ -328,7 +348,6 @@ fn directories_of_pods_that_are_gone_are_swept() {
         "the removed pod's page is still mapped"
     );
     drop(page);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A tenant who can write to `pods/` swaps a gone pod's directory for a link to another
@@ -368,7 +387,6 @@ fn the_sweep_cannot_be_redirected_by_a_swapped_link() {
             .is_symlink(),
         "the link was followed and its target removed"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A pod that floods its own directory (more pages than its share, files that are not
@@ -498,7 +516,6 @@ fn a_flooded_pod_directory_costs_bounded_work() {
         found < Duration::from_millis(500),
         "the other pod's page was mapped {found:?} after the start (written at 300 ms)"
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// About the most rescans a directory changing in a loop gets in 700 ms: 20 at once, then
@@ -539,8 +556,6 @@ fn only_trusted_pod_directories_are_read() {
     }
     let owners: Vec<Owner> = b.pages().into_iter().map(|p| p.owner).collect();
     assert!(owners.contains(&Owner::Pod(other.into())), "{owners:?}");
-    std::fs::remove_dir_all(&dir).ok();
-    std::fs::remove_dir_all(&elsewhere).ok();
 }
 
 /// More pages than `futex_waitv` takes: the loop sleeps, woken by the pages whose launches
@@ -594,7 +609,6 @@ fn many_pages_that_count_for_nothing_do_not_make_the_loop_poll() {
     b.prefer(&[info.id]);
     let (woken, t) = ring_wakes(&mut b);
     assert!(woken && t < Duration::from_millis(250), "{woken} {t:?}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A page whose wake word is bumped in a loop (no launch, no futex call) wakes the loop
@@ -634,7 +648,6 @@ fn a_page_bumping_its_wake_word_in_a_loop_does_not_spin_the_loop() {
         woken
     });
     assert!(woken <= 3 * 25, "woken {woken} times in 1.5 s");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// Bumps `page`'s wake word every `every` (`ZERO`: in a loop) while `b` reads and waits
@@ -785,7 +798,6 @@ fn a_page_may_wake_as_often_as_its_wake_gap_allows_and_an_owner_no_more() {
     );
     drop(top);
     drop(kids);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// The top directory is shared by every standalone user: one user's pages cannot crowd out
@@ -845,7 +857,6 @@ fn one_user_cannot_crowd_the_shared_top_directory() {
         b.pages().iter().any(|p| p.path == victim),
         "a page already mapped was dropped because the listing was cut short"
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A page refused only because its pod was at its cap is mapped once there is room, even
@@ -876,7 +887,6 @@ fn a_page_refused_for_the_cap_is_mapped_once_there_is_room() {
         super::dir::MAX_PAGES_PER_POD,
         "the refused pages were never looked at again"
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// On Kubernetes no tenant can write to the doorbell directory or `pods/` (root's, 0755;
@@ -934,7 +944,6 @@ fn on_kubernetes_pods_write_only_in_the_directories_the_agent_makes() {
         std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
         let err = DirBells::open(&foreign, Layout::Kubernetes).unwrap_err();
         assert!(err.to_string().contains("owned by UID 65534"), "{err}");
-        let _ = std::fs::remove_dir_all(&foreign);
     } else {
         eprintln!("NOTE: not checked: another owner's directories (chown needs root)");
     }
@@ -942,6 +951,4 @@ fn on_kubernetes_pods_write_only_in_the_directories_the_agent_makes() {
     let solo = tmpdir("pod-dirs-solo");
     let _b = DirBells::open(&solo, Layout::Standalone).unwrap();
     assert_eq!((mode(&solo), mode(&solo.join("pods"))), (0o1777, 0o1777));
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(&solo);
 }

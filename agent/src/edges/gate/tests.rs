@@ -3,10 +3,34 @@ use coloc_doorbell::gate::{DEFAULT_STALE_NS, GATE_MAGIC};
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
-fn tmpdir(name: &str) -> PathBuf {
+/// A test's scratch directory, `coloc-gate-{name}-{pid}` under the temporary directory
+/// (what an earlier run left there is removed first). Removed when dropped, so a test
+/// that fails (panics) leaves nothing behind either.
+struct TmpDir(PathBuf);
+
+impl std::ops::Deref for TmpDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TmpDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmpdir(name: &str) -> TmpDir {
     let d = std::env::temp_dir().join(format!("coloc-gate-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
-    d
+    TmpDir(d)
 }
 
 /// A read-only mapping of the file at `path`, as a shim makes it.
@@ -67,7 +91,6 @@ fn creates_the_directory_and_a_file_readers_see() {
     g.close(&u).unwrap();
     drop(g);
     assert!(!r.is_closed(&u));
-    std::fs::remove_dir_all(&root).ok();
 }
 
 #[test]
@@ -106,7 +129,6 @@ fn replaces_a_file_or_a_link_without_following_it() {
         .map(|e| e.file_name())
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("gates")]);
-    std::fs::remove_dir_all(&root).ok();
 }
 
 #[test]
@@ -145,7 +167,6 @@ fn refuses_an_unsafe_directory() {
         let e = GateFile::create(&theirs.join("gates")).unwrap_err();
         assert!(format!("{e:#}").contains("belongs to user 65534"), "{e:#}");
     }
-    std::fs::remove_dir_all(&root).ok();
 }
 
 #[test]
@@ -184,5 +205,4 @@ fn close_and_open_wake_waiters_at_once() {
         "woken by the open: {waited:?}"
     );
     drop(g);
-    std::fs::remove_dir_all(&root).ok();
 }

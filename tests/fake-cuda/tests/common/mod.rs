@@ -61,8 +61,21 @@ pub unsafe fn f<T: Copy>(name: &CStr) -> T {
     unsafe { std::mem::transmute_copy(&p) }
 }
 
+/// The state file [`sim`] made: it lives as long as the process (the library reads it
+/// from any test, at any time), so it is removed when the process exits.
+static STATE_FILE: OnceLock<PathBuf> = OnceLock::new();
+
+/// Removes [`STATE_FILE`]: an `atexit` handler, run when the test harness exits (through
+/// `exit`, tests that failed included: it catches their panics).
+extern "C" fn remove_state_file() {
+    if let Some(p) = STATE_FILE.get() {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
 /// Creates a state file with `gpus` simulated GPUs, points `COLOC_SIM_STATE` at it and runs
-/// the model in a thread (every 100 µs, like `coloc-sim gpu`). Once per process.
+/// the model in a thread (every 100 µs, like `coloc-sim gpu`). Once per process; the file
+/// is removed when the process exits.
 pub fn sim(gpus: u32) -> &'static SimGpu {
     static SIM: OnceLock<&'static SimGpu> = OnceLock::new();
     SIM.get_or_init(|| {
@@ -74,6 +87,9 @@ pub fn sim(gpus: u32) -> &'static SimGpu {
                 .unwrap_or("t")
                 .replace("::", "-")
         ));
+        STATE_FILE.get_or_init(|| path.clone());
+        // SAFETY: registers a plain function that only unlinks a file.
+        assert_eq!(unsafe { libc::atexit(remove_state_file) }, 0);
         let sim: &'static SimGpu =
             Box::leak(Box::new(SimGpu::create(&path, gpus, 1_000_000).unwrap()));
         // Set before the library's cuInit; this process has no other reader.
