@@ -1090,10 +1090,19 @@ def docs_checks():
     fence = [i for i, l in enumerate(lines) if l.startswith("```")][:2]
     at = lines.index("## Install on a Kubernetes cluster") if "## Install on a Kubernetes cluster" in lines else -1
     check(len(fence) == 2 and at > fence[1] and not any(l.strip() for l in lines[fence[1] + 1:at]),
-          "README: the install guide does not come right after the two commands")
-    install = readme.split("## Install on a Kubernetes cluster", 1)[-1].split("\n## ", 1)[0]
-    for sub in ("Prerequisites", "Compatibility", "Images", "Install, per GPU stack", "Check it works", "Upgrade", "Uninstall", "Troubleshooting"):
-        check(f"### {sub}" in install, f"README's install guide has no {sub!r}")
+          "README: the install section does not come right after the two commands")
+    check(len(lines) <= 250, f"README: {len(lines)} lines, more than 250 (the rest belongs in docs/)")
+    # The operator's guides, each with the sections a user looks for.
+    for doc, subs in (("install.md", ("Prerequisites", "Compatibility", "Images", "Install, per GPU stack", "Check it works",
+                                      "Which pods are offline", "What the agent needs, and why")),
+                      ("operate.md", ("Watching it: status, dashboard, alerts", "Upgrade", "Uninstall",
+                                      "Running on a host without Kubernetes")),
+                      ("troubleshooting.md", ())):
+        text = open(os.path.join(ROOT, "docs", doc)).read()
+        check(f"docs/{doc}" in readme, f"README does not link docs/{doc}")
+        for sub in subs:
+            check(f"\n## {sub}\n" in text, f"docs/{doc} has no section {sub!r}")
+    check(open(os.path.join(ROOT, "docs", "troubleshooting.md")).read().count("\n| ") >= 10, "docs/troubleshooting.md: its table is gone")
     docs = {p: open(p).read() for p in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
             + [os.path.join(CHART, "README.md")]}
     # Chart values.
