@@ -62,6 +62,20 @@ pub struct Broken {
     pub kind: Kind,
 }
 
+impl super::Hold {
+    /// Counts one more break, with `resumed` members found running: the report of it.
+    fn broke(&mut self, resumed: usize) -> Broken {
+        self.breaks += 1;
+        Broken {
+            holders: self.holders.iter().copied().collect(),
+            resumed,
+            breaks: self.breaks,
+            escalated: false,
+            kind: self.kind,
+        }
+    }
+}
+
 impl HoldBook {
     /// Looks at the holds that are due; what runs is stopped again when the answer comes,
     /// and repeat offenders escalated.
@@ -155,17 +169,7 @@ impl HoldBook {
         let escalate = (waited >= ESCALATE_PENDING_NS)
             .then(|| hold.escalate.take())
             .flatten()
-            .map(|cg| {
-                hold.breaks += 1;
-                let broken = Broken {
-                    holders: hold.holders.iter().copied().collect(),
-                    resumed: running.len(),
-                    breaks: hold.breaks,
-                    escalated: false,
-                    kind: hold.kind,
-                };
-                (cg, broken)
-            });
+            .map(|cg| (cg, hold.broke(running.len())));
         self.ask(Then::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
@@ -220,14 +224,7 @@ impl HoldBook {
         if running.is_empty() {
             return;
         }
-        hold.breaks += 1;
-        let broken = Broken {
-            holders: hold.holders.iter().copied().collect(),
-            resumed: running.len(),
-            breaks: hold.breaks,
-            escalated: false,
-            kind: hold.kind,
-        };
+        let broken = hold.broke(running.len());
         let escalate = (hold.breaks >= ESCALATE_AFTER)
             .then(|| hold.escalate.take())
             .flatten();

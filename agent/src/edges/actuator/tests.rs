@@ -181,31 +181,40 @@ fn a_traced_process_stopped_in_t_is_confirmed() {
     );
 }
 
+/// Compiles C program `src` (with `-pthread`) in a scratch directory of its own: (the
+/// directory, the executable). The caller removes the directory once it has started it.
+fn compile_c(name: &str, src: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("coloc-act-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let c = dir.join(format!("{name}.c"));
+    std::fs::write(&c, src).unwrap();
+    let exe = dir.join(name);
+    let cc = std::process::Command::new("cc")
+        .arg("-pthread")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&c)
+        .status()
+        .expect("cc (the C compiler the Rust toolchain links with) is needed");
+    if !cc.success() {
+        let _ = std::fs::remove_dir_all(&dir);
+        panic!("cc failed on {name}.c");
+    }
+    (dir, exe)
+}
+
 /// A process whose main thread has exited (`pthread_exit`) while its other threads run on
 /// reads `Z` in `/proc/<pid>/stat`: it is not gone. Its suspension is confirmed when its
 /// live threads are stopped, and a check finds it running again after a SIGCONT (the
 /// review's escape: counted gone, never stopped again).
 #[test]
 fn a_process_whose_main_thread_exited_is_held_not_counted_gone() {
-    let dir = std::env::temp_dir().join(format!("coloc-act-leader-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("leader.c");
-    std::fs::write(
-        &src,
+    let (dir, exe) = compile_c(
+        "leader",
         "#include <pthread.h>\n#include <unistd.h>\n\
          static void *spin(void *a) { for (;;) usleep(100); return a; }\n\
          int main(void) { pthread_t t; pthread_create(&t, 0, spin, 0); usleep(20000); pthread_exit(0); }\n",
-    )
-    .unwrap();
-    let exe = dir.join("leader");
-    let cc = std::process::Command::new("cc")
-        .arg("-pthread")
-        .arg("-o")
-        .arg(&exe)
-        .arg(&src)
-        .status()
-        .expect("cc (the C compiler the Rust toolchain links with) is needed");
-    assert!(cc.success());
+    );
     /// Killed however the test ends (its spinning thread would outlive a failed test).
     struct Reaped(std::process::Child);
     impl Drop for Reaped {
@@ -265,19 +274,7 @@ fn a_process_whose_main_thread_exited_is_held_not_counted_gone() {
 /// process's CPU time, which counts every thread, keeps growing: a check finds it running.
 #[test]
 fn a_thread_a_tracer_resumed_is_found_running() {
-    let dir = std::env::temp_dir().join(format!("coloc-act-trace-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("escape.c");
-    std::fs::write(&src, ESCAPE_C).unwrap();
-    let exe = dir.join("escape");
-    let cc = std::process::Command::new("cc")
-        .arg("-pthread")
-        .arg("-o")
-        .arg(&exe)
-        .arg(&src)
-        .status()
-        .expect("cc (the C compiler the Rust toolchain links with) is needed");
-    assert!(cc.success());
+    let (dir, exe) = compile_c("escape", ESCAPE_C);
     /// The tracer and its traced child, killed however the test ends.
     struct Pair(std::process::Child, u32);
     impl Drop for Pair {
