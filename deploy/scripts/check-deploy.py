@@ -1073,6 +1073,8 @@ OTHER_TOOLS_FLAGS = {
     "--set", "--create-namespace", "--reuse-values", "--wait", "--for", "--timeout", "--release", "--workspace", "--bench",
     "--target", "--platform", "--push", "--build-arg", "--all-targets", "--all", "--check", "--version", "--help",
     "--certificate-identity-regexp", "--certificate-oidc-issuer", "--show-labels", "--locked", "--lib", "--bin",
+    # scripts/build-images (a shell script: no --help to check against)
+    "--arch", "--base", "--debootstrap",
 }
 
 
