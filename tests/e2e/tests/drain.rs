@@ -65,6 +65,18 @@ struct Syncs {
 
 impl Syncs {
     fn start(sim: &Sim, dir: &Dir, class: &str, args: &[&str], env: &[(&str, &Path)]) -> Syncs {
+        Syncs::spawn(sim, dir, class, args, env, Stdio::inherit())
+    }
+
+    /// [`Syncs::start`], its stderr going to `stderr`.
+    fn spawn(
+        sim: &Sim,
+        dir: &Dir,
+        class: &str,
+        args: &[&str],
+        env: &[(&str, &Path)],
+        stderr: Stdio,
+    ) -> Syncs {
         let mut c = std::process::Command::new(bin("coloc-syncs"));
         c.args(args)
             .env("COLOC_SIM_STATE", &sim.state)
@@ -74,7 +86,7 @@ impl Syncs {
             .env("COLOC_DOORBELL_DIR", &dir.0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(stderr);
         for (k, v) in env {
             c.env(k, v);
         }
@@ -375,32 +387,14 @@ fn the_per_thread_default_stream_variants_stamp_for_their_own_thread() {
     let dir = Dir::new("ptds");
     let trace = Dir::new("ptds-trace");
     let log = trace.0.join("stderr");
-    let mut p = {
-        let mut c = std::process::Command::new(bin("coloc-syncs"));
-        c.arg("--per-thread")
-            .env("COLOC_SIM_STATE", &sim.state)
-            .env("LD_LIBRARY_PATH", fake_cuda())
-            .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
-            .env("COLOC_SHIM_CLASS", "online")
-            .env("COLOC_DOORBELL_DIR", &dir.0)
-            .env("COLOC_SHIM_TRACE", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap());
-        let mut p = Proc(c.spawn().unwrap());
-        let stdin = p.0.stdin.take().unwrap();
-        let mut out = BufReader::new(p.0.stdout.take().unwrap());
-        let mut l = String::new();
-        out.read_line(&mut l).unwrap();
-        assert_eq!(l.trim(), "ready");
-        Syncs {
-            _p: p,
-            stdin,
-            out,
-            dir: dir.0.clone(),
-            page: None,
-        }
-    };
+    let mut p = Syncs::spawn(
+        &sim,
+        &dir,
+        "online",
+        &["--per-thread"],
+        &[("COLOC_SHIM_TRACE", Path::new("1"))],
+        std::fs::File::create(&log).unwrap().into(),
+    );
     p.ok("launch 0 10");
     p.ok("sync 0");
     let (last, first) = p.reading();

@@ -537,12 +537,9 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
     );
 }
 
-/// A sibling sends SIGCONT faster than the agent looks: the stopped state is never seen.
-/// The SIGSTOP is sent again, and the signalled cgroup is frozen (recorded first) instead
-/// of the suspension timing out and being undone (which left the job running, fail open,
-/// for a whole `--confirm-timeout` at a time).
-#[test]
-fn a_suspension_never_seen_stopped_is_stopped_again_then_frozen_not_given_up() {
+/// Process 10 in cgroup `/sys/fs/cgroup/pod/c` (v2), suspended by signals to the cgroup's
+/// processes: (the process, its target, the cgroup's freezer target, the plan).
+fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
     use crate::edges::actuator::CgroupVersion;
     let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
     let cg = Target::Cgroup {
@@ -555,6 +552,16 @@ fn a_suspension_never_seen_stopped_is_stopped_again_then_frozen_not_given_up() {
         version: CgroupVersion::V2,
         leader: t.clone(),
     };
+    (k, t, cg, plan)
+}
+
+/// A sibling sends SIGCONT faster than the agent looks: the stopped state is never seen.
+/// The SIGSTOP is sent again, and the signalled cgroup is frozen (recorded first) instead
+/// of the suspension timing out and being undone (which left the job running, fail open,
+/// for a whole `--confirm-timeout` at a time).
+#[test]
+fn a_suspension_never_seen_stopped_is_stopped_again_then_frozen_not_given_up() {
+    let (k, t, cg, plan) = signalled_cgroup();
     let mut b = HoldBook::new(Duration::from_millis(50));
     let mut rec = std::collections::BTreeSet::new();
     let members = vec![t.clone()];
@@ -626,20 +633,10 @@ fn a_suspension_never_seen_stopped_is_stopped_again_then_frozen_not_given_up() {
 /// thaw).
 #[test]
 fn an_escalation_that_lands_after_the_release_freezes_nothing_and_leaves_nothing_frozen() {
-    use crate::edges::actuator::CgroupVersion;
-    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
-    let cg = Target::Cgroup {
-        dir: dir.clone(),
-        version: CgroupVersion::V2,
-    };
+    let (_, _, cg, _) = signalled_cgroup();
     let is_cg = |t: &Target| t.record() == cg.record();
     for freeze_started in [false, true] {
-        let (k, t) = proc_target(10);
-        let plan = Plan::SignalCgroup {
-            dir: dir.clone(),
-            version: CgroupVersion::V2,
-            leader: t.clone(),
-        };
+        let (k, t, _, plan) = signalled_cgroup();
         let mut b = HoldBook::new(Duration::from_secs(1));
         b.recheck_ns = MS;
         let mut rec = std::collections::BTreeSet::new();
@@ -807,18 +804,7 @@ fn an_escalation_that_lands_after_the_release_freezes_nothing_and_leaves_nothing
 /// first 10 ms of every busy period again; ten minutes later it starts with signals again.
 #[test]
 fn a_cgroup_that_resumed_itself_is_frozen_at_once_next_time() {
-    use crate::edges::actuator::CgroupVersion;
-    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
-    let cg = Target::Cgroup {
-        dir: dir.clone(),
-        version: CgroupVersion::V2,
-    };
-    let (k, t) = proc_target(10);
-    let plan = Plan::SignalCgroup {
-        dir,
-        version: CgroupVersion::V2,
-        leader: t.clone(),
-    };
+    let (k, t, cg, plan) = signalled_cgroup();
     let mut b = HoldBook::new(Duration::from_millis(50));
     let mut rec = std::collections::BTreeSet::new();
     let members = vec![t.clone()];
