@@ -64,7 +64,7 @@ def need(a):
 def ckpt(h, ops, pid, timeout_ms=10000, wait_s=60.0):
     """coloc-bench --cuda-checkpoint OPS --pid PID: its JSON, with "rc"; {"hung": true}
     when it did not return within wait_s (killed then)."""
-    cmd = [os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(pid), "--timeout-ms", str(timeout_ms)]
+    cmd = [os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(pid), "--timeout-ms", str(timeout_ms), "--cuda-lib", h.a.cuda_lib]
     t = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=wait_s, stdin=subprocess.DEVNULL, env=h.env)
@@ -120,13 +120,14 @@ class Train:
     """One ckpt_train.py process."""
 
     def __init__(self, h, tag, gb, extra=(), max_steps=0):
-        self.h, self.tag = h, tag
+        self.h, self.tag, self.gb = h, tag, gb
+        self.mib = None  # the simulated job's memory (a real one's: nvidia-smi)
         self.out = os.path.join(h.art, f"{tag}.json")
         self.ready = os.path.join(h.tmp, f"{tag}-ready")
         self.log = f"{tag}.log"
         if h.sim:
             # A simulated job holding the model's memory plus the extra (no checksums).
-            mib = 1400 + int(gb * 1e9 / 1048576)
+            self.mib = mib = 1400 + int(gb * 1e9 / 1048576)
             cmd = [os.path.join(h.bin, "coloc-sim"), "offline", "--cuda", "--step-ms", "0.5", "--depth", "4", "--mem-mib", str(mib), "--out", self.out]
         else:
             cmd = [sys.executable, TRAIN, "--gb", str(gb), "--out", self.out, "--ready", self.ready] + list(extra)
@@ -239,7 +240,7 @@ def while_stopped(h, pid, ops, stopped_s=5.0, timeout_ms=2000):
     SIGCONT (sent after stopped_s)? The target is running again on return."""
     os.kill(pid, signal.SIGSTOP)
     time.sleep(0.2)
-    cmd = [os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(pid), "--timeout-ms", str(timeout_ms)]
+    cmd = [os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(pid), "--timeout-ms", str(timeout_ms), "--cuda-lib", h.a.cuda_lib]
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=h.env)
     try:
@@ -305,7 +306,7 @@ def parallel(h, P, deadline):
     ts = [Train(h, f"ckpt-par{i}", gb) for i in range(2)]
 
     def together(ops):
-        procs = [(t.p.pid, subprocess.Popen([os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(t.p.pid)],
+        procs = [(t.p.pid, subprocess.Popen([os.path.join(h.bin, "coloc-bench"), "--cuda-checkpoint", ops, "--pid", str(t.p.pid), "--cuda-lib", h.a.cuda_lib],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=h.env)) for t in ts]
         t0 = time.monotonic()
         out = []

@@ -14,7 +14,9 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   | signal (NVML only) | freezer (NVML only; skipped without a cgroup v2 freezer)
   | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
   shim too, K = --gate-inflight) | learned (the gate row with --release learned, online's
-  shim waking the agent after --release-floor-ms gaps): each --duration seconds, one GPU
+  shim waking the agent after --release-floor-ms gaps) | driver-lock (the gate row with
+  --driver-lock: the driver's lock holds offline once its gate drained): each --duration
+  seconds, one GPU
   wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision),
                  with and without a CPU wake-up latency request (--cpu-wake-latency 0)
   nvml-load      burst.py alone (tiny kernels, each waited for) while coloc-bench
@@ -34,9 +36,20 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
                  unlock timed, GPU memory freed, results identical after; the driver's
                  answers out of order (a stopped process included); the lock beside the
                  large model and online kernel latency while offline is locked (ckpt_step.py)
+  memory         the agent's memory preemption and driver's lock end to end (mem_step.py):
+                 training loops holding --memory-runs extra GB, classed offline with
+                 checkpoint = true, and an online process (mem_online.py) that needs more
+                 memory than is free beside them; the agent (--driver-lock, --memory-reserve,
+                 --restore-after) checkpoints them and restores them after online exits:
+                 online's wait for its memory, the agent's events and driver metrics, GPU
+                 memory before / during / after, the loops' checksums against an
+                 uninterrupted run. Then online alone, offline alone and the driver-lock row,
+                 --memory-row-duration s each. Fails at once without the agent's flags or
+                 the driver's checkpoint API
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate learned wake-floor;
-        part3 = preflight drain nvml-load; part4 = preflight checkpoint; all.
+        part3 = preflight drain nvml-load; part4 = preflight checkpoint; all. The step
+        memory runs alone (--only memory, about 3-4 minutes on an H100).
 The parts (part1 ... part4) take about 5-7 minutes each, for machines that are lent
 for short runs; `--merge DIR DIR DIR --out DIR` joins their results (no GPU needed).
 
@@ -63,6 +76,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import shim_check  # noqa: E402  (standard library only: its child-process helpers)
 import ckpt_step  # noqa: E402  (the checkpoint step)
+import mem_step  # noqa: E402  (the memory step)
 
 T0 = time.monotonic()
 PROGRESS = []  # the progress.log file, once --out exists
@@ -77,8 +91,9 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
     ("learned", "both, agent doorbell + gate + learned release", True, True, ("signal", False, "learned")),
+    ("driver-lock", "both, agent doorbell + gate + driver lock", True, True, ("signal", False, "lock")),
 ]
-ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint"]
+ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint", "memory"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
     "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "learned", "wake-floor"],
@@ -454,7 +469,8 @@ class Harness:
         self.shim_ok, self.shim_why = None, None
         self.period, self.period_source = None, None
         self.results = {"complete": False, "meta": {}, "steps": [], "preflight": None, "nvml_probe": None, "shim_check": None,
-                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None}
+                        "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None,
+                        "memory": None}
         self.set_period()
 
     # ---- setup and bookkeeping ----------------------------------------------------------
@@ -462,7 +478,8 @@ class Harness:
     def start_sim(self):
         a = self.a
         self.env["COLOC_SIM_STATE"] = os.path.join("/dev/shm", f"coloc-gpu-bench-{os.getpid()}")
-        self.gpu_daemon = subprocess.Popen([os.path.join(self.bin, "coloc-sim"), "gpu", "--gpus", "1", "--sample-period-ms", str(a.sim_sample_period_ms)],
+        self.gpu_daemon = subprocess.Popen([os.path.join(self.bin, "coloc-sim"), "gpu", "--gpus", "1", "--sample-period-ms", str(a.sim_sample_period_ms),
+                                            "--memory-gib", f"{a.sim_memory_gib:g}"],
                                            env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.art, "sim-gpu.log"), "w"))
         until = time.monotonic() + 10
         while not os.path.exists(self.env["COLOC_SIM_STATE"]):
@@ -572,6 +589,7 @@ class Harness:
                 # those that would not fit its own deadline, one by one.
                 "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)[:2]),
                 "checkpoint": ckpt_step.need(a),
+                "memory": mem_step.need(self),
                 }.get(step, a.duration + start + 10)
 
     def drain_need(self, c):
@@ -584,7 +602,7 @@ class Harness:
             return None
         if self.torch_ok is False:
             return "preflight: PyTorch cannot use the GPU"
-        if step in ("doorbell", "gate", "drain") and self.shim_ok is False:
+        if step in ("doorbell", "gate", "learned", "driver-lock", "drain") and self.shim_ok is False:
             return f"the shim broke PyTorch ({self.shim_why})"
         return None
 
@@ -775,7 +793,7 @@ class Harness:
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{name} still running at the step's deadline") from None
 
-    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline, learned=False):
+    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline, learned=False, extra=()):
         port = free_port()
         events = os.path.join(self.art, f"{tag}-events.jsonl")
         cmd = [os.path.join(self.bin, "coloc-agent"), "run", "--rules", rules, "--nvml-lib", self.nvml,
@@ -788,6 +806,7 @@ class Harness:
             cmd += ["--gate", "--gate-file", self.gate_file]
         if learned:
             cmd += ["--release", "learned", "--release-floor", f"{self.a.release_floor_ms:g}ms", "--release-drain", f"{self.a.release_drain_ms:g}ms"]
+        cmd += list(extra)
         logname = f"{tag}-agent.log"
         ag = self.spawn("agent", f"{tag} agent", cmd, self.env, logname)
         limit, last = min(deadline, time.monotonic() + 15), ""
@@ -973,8 +992,12 @@ class Harness:
             j = json.load(f)
         self.results["warmup"] = {"rc": rc, "requests": j.get("requests"), "p50_ms": j.get("p50_ms"), "p99_ms": j.get("p99_ms"), "startup_s": j.get("startup_s")}
 
-    def scenario(self, row, step, online, offline, agent, deadline):
+    def scenario(self, row, step, online, offline, agent, deadline, duration=None):
+        """One row: the workloads it names, the agent as `agent` says (actuator, dry run, and
+        launch: None (NVML only), doorbell, gate, learned, or lock: the gate's with
+        --driver-lock), for `duration` s (default --duration)."""
         name = row["scenario"]
+        duration = self.a.duration if duration is None else duration
         tag = sanitize(step)
         on_out, off_out = os.path.join(self.art, f"{tag}-online.json"), os.path.join(self.art, f"{tag}-offline.json")
         ready = os.path.join(self.tmp, f"{tag}-offline-ready")
@@ -991,24 +1014,24 @@ class Harness:
         try:
             if agent:
                 t_agent = time.monotonic()
-                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] in ("gate", "learned"), deadline,
-                                                    learned=agent[2] == "learned")
+                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] in ("gate", "learned", "lock"), deadline,
+                                                    learned=agent[2] == "learned", extra=["--driver-lock", "--cuda-lib", self.a.cuda_lib] if agent[2] == "lock" else ())
             if offline:
                 cmd = self.offline_cmd(off_out, ready)
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
-                gated = agent is not None and agent[2] in ("gate", "learned")
+                gated = agent is not None and agent[2] in ("gate", "learned", "lock")
                 off = self.spawn("work", f"{tag} offline", cmd, self.shim_env("offline") if gated else self.env, f"{tag}-offline.log")
                 self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline)
             if self.a.fail_step == step:
                 raise RuntimeError("failure injected with --fail-step (workloads running)")
             if online:
-                rung = agent is not None and agent[2] in ("doorbell", "gate", "learned")
+                rung = agent is not None and agent[2] in ("doorbell", "gate", "learned", "lock")
                 env = self.shim_env("online", wake_gap_ms=self.a.release_floor_ms if agent[2] == "learned" else None) if rung else self.env
-                on = self.spawn("work", f"{tag} online", self.online_cmd(on_out), env, f"{tag}-online.log")
+                on = self.spawn("work", f"{tag} online", self.online_cmd(on_out, duration=duration), env, f"{tag}-online.log")
                 self.wait_exit(on, "online", deadline)
             else:
-                until = time.monotonic() + self.a.duration
+                until = time.monotonic() + duration
                 while time.monotonic() < until:
                     if off.poll() is not None:
                         raise RuntimeError(f"offline exited with {off.returncode} during the run: {tail(os.path.join(self.art, tag + '-offline.log'), 800)}")
@@ -1026,7 +1049,18 @@ class Harness:
                 except (OSError, ValueError) as e:
                     row.setdefault("warnings", []).append(f"cannot read the agent's /metrics or /state: {e!r}")
         finally:
+            lock_rc = None
+            if agent and agent[2] == "lock" and ag is not None:
+                # The agent first (it unlocks what it holds as it exits); a process it left
+                # locked (it died) cannot even take SIGTERM: unlocked here, then ended.
+                lock_rc = self.end(ag, "agent", 75, cont=False)
+                ag = None
+                left = mem_step.unblock(self, off.pid) if off is not None and off.poll() is None else None
+                if left:
+                    row.setdefault("warnings", []).append(f"offline left held by the driver after the agent exited, unlocked by the harness: {json.dumps(left)}")
             row["exit"] = self.teardown(ag, [("offline", off), ("online", on)], cg)
+            if lock_rc is not None:
+                row["exit"]["agent"] = lock_rc
         self.parse(row, tag, online, offline, agent, on_out, off_out, events, metrics, state, off)
 
     def parse(self, row, tag, online, offline, agent, on_out, off_out, events, metrics, state, off):
@@ -1071,14 +1105,20 @@ class Harness:
                     warn.append("no preemption: the agent never acted")
                 elif not acts:
                     warn.append("preemptions without an actuator")
-                if agent[2] in ("gate", "learned") and not acts.get("gate"):
+                if agent[2] in ("gate", "learned", "lock") and not acts.get("gate") and not acts.get("lock"):
                     warn.append("no suspension at the gate")
+                if agent[2] == "lock":
+                    calls = mem_step.driver_metrics(metrics)["calls"]
+                    row["driver_calls"] = {op: c["count"] for op, c in calls.items()}
+                    row["driver_lock_ms_mean"] = (calls.get("lock") or {}).get("mean_ms")
+                    if not acts.get("lock"):
+                        warn.append("no hold by the driver's lock")
                 if agent[2] == "learned":
                     row["learned_releases"] = int(sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
                                                       if l.startswith("coloc_releases_total") and 'rule="learned"' in l))
                     if not row["learned_releases"]:
                         warn.append("no release by a learned window")
-                if agent[2] in ("doorbell", "gate", "learned") and not signals.get("doorbell"):
+                if agent[2] in ("doorbell", "gate", "learned", "lock") and not signals.get("doorbell"):
                     warn.append("no preemption signalled by the doorbell")
             if row.get("exit", {}).get("agent") not in (0, None):
                 warn.append(f"the agent exited {row['exit']['agent']}")
@@ -1086,7 +1126,7 @@ class Harness:
             procs = [dict(p, gpu=g.get("index")) for g in state.get("gpus", []) for p in g.get("processes", [])]
             row["agent_state"] = {"degraded": state.get("degraded"), "degraded_reason": state.get("degraded_reason"),
                                   "gpus_degraded": [g.get("index") for g in state.get("gpus", []) if g.get("degraded")],
-                                  "processes": [{k: p.get(k) for k in ("gpu", "pid", "class", "suspended", "actuator")} for p in procs]}
+                                  "processes": [{k: p.get(k) for k in ("gpu", "pid", "class", "suspended", "actuator", "driver") if k in p} for p in procs]}
             if state.get("degraded"):
                 warn.append(f"agent degraded: {state.get('degraded_reason')}")
             if off is not None:
@@ -1455,6 +1495,8 @@ def render(r, parts=None):
                        f"{fmt(sp)} ({fmt(share)}) | {checks.replace('|', '/')} |")
     if r.get("checkpoint"):
         out.append(ckpt_step.render(r["checkpoint"]))
+    if r.get("memory"):
+        out.append(mem_step.render(r["memory"], scenario_table))
     if r.get("warmup"):
         out += ["", f"Warm-up run (thrown away): {json.dumps(r['warmup'])}"]
     wf = r.get("wake_floor")
@@ -1471,7 +1513,7 @@ def merge(dirs, out):
             docs.append((os.path.basename(os.path.normpath(d)), json.load(f)))
     m = {"complete": all(r.get("complete") for _, r in docs), "meta": dict(docs[0][1].get("meta") or {}), "parts": {},
          "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None,
-         "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None}
+         "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None, "memory": None}
     by_name, drains = {}, []
     for part, r in docs:
         m["parts"][part] = {"meta": r.get("meta"), "complete": r.get("complete"), "interrupted": r.get("interrupted")}
@@ -1488,6 +1530,7 @@ def merge(dirs, out):
         m["nvml_load"] = m["nvml_load"] or r.get("nvml_load")
         m["nvml_view"] = m["nvml_view"] or r.get("nvml_view")
         m["checkpoint"] = m["checkpoint"] or r.get("checkpoint")
+        m["memory"] = m["memory"] or r.get("memory")
         if r.get("drain"):
             drains.append((part, r["drain"]))
         for row in r.get("scenarios") or []:
@@ -1531,6 +1574,7 @@ def main():
     ap.add_argument("--sim", action="store_true", help="simulated GPU (coloc-sim + fake NVML): checks the harness without a GPU")
     ap.add_argument("--bin", default="target/release", help="directory with coloc-agent, coloc-bench, libcoloc_cuda.so (and coloc-sim, libfake_nvml.so, libfake_cuda.so for --sim)")
     ap.add_argument("--nvml-lib", default="libnvidia-ml.so.1")
+    ap.add_argument("--cuda-lib", default="libcuda.so.1", help="the CUDA driver library whose checkpoint API coloc-bench and the agents with --driver-lock use")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--merge", nargs="+", metavar="DIR", help="only join the results of these runs' --out directories into --out")
     ap.add_argument("--only", help="comma-separated steps or groups to run (default all): " + ", ".join(ORDER) + "; groups " + ", ".join(GROUPS))
@@ -1570,6 +1614,13 @@ def main():
     ap.add_argument("--ckpt-parts", default=",".join(ckpt_step.PARTS), help="checkpoint: which parts: " + ", ".join(ckpt_step.PARTS))
     ap.add_argument("--ckpt-parallel-gb", type=float, default=8.0, help="checkpoint, part parallel: extra device memory of each of the two loops")
     ap.add_argument("--ckpt-stop-s", type=float, default=5.0, help="checkpoint, part stopped: how long the process stays stopped under each call")
+    ap.add_argument("--memory-parts", default=",".join(mem_step.PARTS), help="memory: which parts: " + ", ".join(mem_step.PARTS))
+    ap.add_argument("--memory-runs", default="8+32", help="memory, part preempt: runs, comma-separated, each the extra GB of its offline loops joined by '+' (all held at once)")
+    ap.add_argument("--memory-hold-s", type=float, default=3.0, help="memory: how long online holds its memory once it got it")
+    ap.add_argument("--memory-restore-after-s", type=float, default=5.0, help="memory: the agent's --restore-after, s")
+    ap.add_argument("--memory-retry-ms", type=float, default=5.0, help="memory: online's pause between allocation attempts")
+    ap.add_argument("--memory-row-duration", type=float, default=15.0, help="memory, part lock: seconds per row (online alone, offline alone, the driver's lock)")
+    ap.add_argument("--sim-memory-gib", type=float, default=80.0, help="--sim: the simulated GPU's memory, GiB")
     ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
     if a.merge:
@@ -1578,6 +1629,8 @@ def main():
     parse_intervals(a.nvml_load_intervals)  # refuse a bad list before anything starts
     parse_drain(a.drain_configs)
     ckpt_step.parse_parts(a.ckpt_parts)
+    mem_step.parse_parts(a.memory_parts)
+    mem_step.parse_runs(a.memory_runs)
     selected = expand(a.only) if a.only else set(ORDER)
     selected -= expand(a.skip)
     if a.sim:
@@ -1585,6 +1638,7 @@ def main():
     if a.wake_floor_samples <= 0:
         selected.discard("wake-floor")
     ckpt_step.LOG = log
+    mem_step.LOG = log
     h = Harness(a)
     h.selected = [s for s in ORDER if s in selected]
     log(f"gpu-coloc harness: steps {' '.join(h.selected)}; budget {a.budget:g} s; out {h.out}")
@@ -1604,7 +1658,7 @@ def main():
             else:
                 fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor,
                       "nvml-load": h.nvml_load, "drain": h.drain, "nvml-view": h.nvml_view,
-                      "checkpoint": lambda dl: ckpt_step.run(h, dl)}[step]
+                      "checkpoint": lambda dl: ckpt_step.run(h, dl), "memory": lambda dl: mem_step.run(h, dl)}[step]
                 h.run_step(step, fn)
         h.results["complete"] = True
     except Interrupted as e:

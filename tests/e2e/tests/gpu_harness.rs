@@ -110,6 +110,9 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "0123456789abcdef0123456789abcdef01234567",
                 "--fail-step",
                 "no-agent",
+                // The driver's lock and memory preemption: their own test.
+                "--skip",
+                "driver-lock,memory",
             ])
             .arg("--bin")
             .arg(&bindir)
