@@ -1017,6 +1017,24 @@ def monitoring_checks():
     node_var = [v for v in dash["templating"]["list"] if v["name"] == "node"][0]
     check(node_var["query"]["query"].endswith(", node)"), f"the dashboard's node variable lists the node label: {node_var['query']}")
     check(dash.get("__inputs") and dash["__inputs"][0]["pluginId"] == "prometheus", "dashboard __inputs for import")
+    # Every metric the alerts and the panels read is one the agent or the webhook names in
+    # its source: a renamed metric would leave a panel empty and an alert silent for ever.
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = set(re.findall(r"\b(coloc_[a-z0-9_]+)", " ".join(exprs) + rules_text))
+    named = set()
+    for src in glob.glob(os.path.join(ROOT, "agent", "src", "**", "*.rs"), recursive=True) + \
+            glob.glob(os.path.join(ROOT, "webhook", "src", "**", "*.rs"), recursive=True):
+        named |= set(re.findall(r'"(coloc_[a-z0-9_]+)"', open(src).read()))
+    unknown = sorted(n for n in used if n not in named and re.sub(r"_(bucket|sum|count)$", "", n) not in named)
+    check(not unknown, f"alerts or dashboard panels read metrics that no agent or webhook source names: {unknown}")
+    # Every panel query parses (promtool, as recording rules; the variables as the
+    # dashboard's All).
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        sub = lambda e: e.replace("$__rate_interval", "1m").replace("$cluster", ".*").replace("$node", ".*").replace("$gpu", ".*")
+        yaml.safe_dump({"groups": [{"name": "panels", "rules": [{"record": f"panel_{i}", "expr": sub(e)} for i, e in enumerate(exprs)]}]}, f)
+        f.flush()
+        r = subprocess.run(["promtool", "check", "rules", f.name], capture_output=True, text=True)
+        check(r.returncode == 0, f"dashboard queries that do not parse: {r.stdout}{r.stderr}")
     # Every alert has a firing and a silent case in the promtool tests.
     tests = yaml.safe_load(open(os.path.join(DEPLOY, "prometheus", "rules_test.yaml")))
     fire, silent = set(), set()
@@ -1027,7 +1045,8 @@ def monitoring_checks():
     check(alerts <= fire, f"alerts with no firing case: {sorted(alerts - fire)}")
     check(alerts <= silent, f"alerts with no silent case: {sorted(alerts - silent)}")
     run("promtool", "test", "rules", os.path.join(DEPLOY, "prometheus", "rules_test.yaml"))
-    print(f"ok  monitoring: ServiceMonitors, jobs {sorted(jobs)}, node label, {len(alerts)} alerts each firing and silent (promtool test rules)")
+    print(f"ok  monitoring: ServiceMonitors, jobs {sorted(jobs)}, node label, {len(alerts)} alerts each firing and silent (promtool test rules), "
+          f"{len(exprs)} panel queries parse, {len(used)} metrics read, each named by the agent's or the webhook's source")
 
 
 def release_checks():
