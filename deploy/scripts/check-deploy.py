@@ -8,7 +8,8 @@ cel-python) checked on pods, the webhook fixtures' pods after the shim's injecti
 translation (the chart's own webhook settings) validated, the agent pod's resume and shim
 containers, the kustomize base and overlay, the monitoring objects, alerts and dashboard
 agreeing on names, the images' runtime stages built with buildah and run, and the promises
-the README makes about all of it."""
+the README makes about all of it; the CUDA driver's library and capabilities where the
+driver's lock or memory preemption is on."""
 import glob, json, os, re, subprocess, sys, tempfile, tomllib
 import yaml
 
@@ -117,6 +118,20 @@ def helm_checks():
         "shim.learnedRelease=yes": "learnedRelease",
         "shim.releaseFloorMs=0": "releaseFloorMs",
         "agent.settings.COLOC_RELEASE=learned": "COLOC_RELEASE",
+        "agent.driverLock=yes": "driverLock",
+        "agent.settings.COLOC_DRIVER_LOCK=true": "COLOC_DRIVER_LOCK",
+        "agent.settings.COLOC_MEMORY_RESERVE=8GiB": "COLOC_MEMORY_RESERVE",
+        "agent.settings.COLOC_CUDA_LIB=/usr/lib64/libcuda.so.1": "COLOC_CUDA_LIB",
+        "memoryPreemption.enable=true": "enable",
+        "memoryPreemption.reserve=95%": "reserve",
+        "memoryPreemption.reserve=8G": "reserve",
+        "memoryPreemption.reserve=0": "reserve",
+        "memoryPreemption.pods=all": "pods",
+        "memoryPreemption.restoreAfter=30": "restoreAfter",
+        "memoryPreemption.enabled=true,memoryPreemption.restoreAfter=500ms": "memoryPreemption.restoreAfter=500ms: at least 1s",
+        "memoryPreemption.enabled=true,memoryPreemption.interval=5ms": "memoryPreemption.interval=5ms: 10ms to 10s",
+        "memoryPreemption.enabled=true,memoryPreemption.interval=1m": "memoryPreemption.interval=1m: 10ms to 10s",
+        "memoryPreemption.terminationGracePeriodSeconds=10": "terminationGracePeriodSeconds",
     }
     for s, needle in bad.items():
         try:
@@ -128,7 +143,12 @@ def helm_checks():
                  "agent.idleWindow=1m30s", "shim.gateTimeout=1h", "global.cattle.systemDefaultRegistry=registry.example.com",
                  "agent.gpuNodes=custom,agent.nodeSelector.gpu=yes", "image.registry=localhost:5000/mirror",
                  "shim.inflight=0", "shim.inflightMs=1.5", "shim.enabled=false", "agent.deviceAccess=hostNvml,agent.hostNvml.arm64=null",
-                 "shim.gate=false", "shim.gateTimeout=200ms", "shim.learnedRelease=true,shim.releaseFloorMs=0.5"):
+                 "shim.gate=false", "shim.gateTimeout=200ms", "shim.learnedRelease=true,shim.releaseFloorMs=0.5",
+                 "memoryPreemption.enabled=true,memoryPreemption.reserve=8GiB", "memoryPreemption.enabled=true,memoryPreemption.reserve=1.5GB",
+                 "memoryPreemption.enabled=true,memoryPreemption.reserve=4096", "memoryPreemption.enabled=true,memoryPreemption.reserve=90%",
+                 "memoryPreemption.enabled=true,memoryPreemption.restoreAfter=1m30s,memoryPreemption.interval=10s",
+                 "memoryPreemption.enabled=true,memoryPreemption.restoreAfter=1000ms,memoryPreemption.interval=10ms",
+                 "memoryPreemption.restoreAfter=1ms", "agent.driverLock=true,agent.sysPtrace=true"):
         try:
             render(good)
         except h.HelmError as e:
@@ -297,11 +317,15 @@ def resume_checks(pod, c, settings, label):
           f"{label}: resume-guard reads the agent's record and cgroup paths: {args}")
     agent_mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     for m in g["volumeMounts"]:
-        check(agent_mounts.get(m["name"]) == m["mountPath"] and not m.get("readOnly"),
-              f"{label}: resume-guard mounts {m['name']} where the agent does, writable")
+        # Read-only: the CUDA driver library; everything else it writes (thaws, opens gates).
+        check(agent_mounts.get(m["name"]) == m["mountPath"] and bool(m.get("readOnly")) == (m["name"] == "cuda-driver"),
+              f"{label}: resume-guard mounts {m['name']} where the agent does, writable (the driver library read-only)")
     check({m["name"] for m in g["volumeMounts"]} >= {"cgroup", "state"}, f"{label}: resume-guard mounts the cgroups and the record")
     gsc = g["securityContext"]
-    check(gsc.get("runAsUser") == 0 and gsc["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]} and not gsc.get("privileged")
+    # With the driver's lock or memory preemption it also restores and unlocks with the
+    # CUDA driver, which needs SYS_PTRACE and DAC_OVERRIDE (driver_checks).
+    want = ["KILL", *DRIVER_CAPS] if uses_driver(settings) else ["KILL"]
+    check(gsc.get("runAsUser") == 0 and gsc["capabilities"] == {"drop": ["ALL"], "add": want} and not gsc.get("privileged")
           and gsc.get("allowPrivilegeEscalation") is False, f"{label}: resume-guard has the agent's rights, no more: {gsc}")
 
 
@@ -310,6 +334,18 @@ def host_paths(pod):
 
 
 GATE_KEYS = ("COLOC_GATE", "COLOC_GATE_FILE", "COLOC_GATE_TIMEOUT")
+# What the CUDA driver's checkpoint calls on other processes need (measured with driver 580
+# on an H100, root with every other capability dropped and no_new_privs: without SYS_PTRACE
+# every call on a process with capabilities the caller lacks answers
+# CUDA_ERROR_OPERATING_SYSTEM, without DAC_OVERRIDE every call on another user's process).
+DRIVER_CAPS = ["SYS_PTRACE", "DAC_OVERRIDE"]
+MEMORY_KEYS = ("COLOC_MEMORY_RESERVE", "COLOC_RESTORE_AFTER", "COLOC_CHECKPOINT_PODS", "COLOC_MEMORY_INTERVAL")
+CUDA_LIB = "/opt/coloc/cuda/libcuda.so.1"
+
+
+def uses_driver(settings):
+    """Whether the agent's settings turn on the driver's lock or memory preemption."""
+    return settings.get("COLOC_DRIVER_LOCK") == "true" or "COLOC_MEMORY_RESERVE" in settings
 
 
 def webhook_gate_file_name():
@@ -400,6 +436,77 @@ def gate_checks():
                   + ds["spec"]["template"]["spec"].get("initContainers", []) for e in ctr.get("env", [])}
         check(("COLOC_GATE" in names) == (gate is not None), f"{label}: COLOC_GATE {'missing from' if gate else 'in'} the rendered chart")
     print(f"ok  launch gate: on with the shim by default, {len(cases)} other value sets")
+
+
+def driver_checks():
+    """The driver's lock (agent.driverLock) and memory preemption (memoryPreemption): their
+    settings reach the agent's ConfigMap (and so its environment) only when on, exactly as
+    the values say; the agent and its resume-guard then get the CUDA driver library as they
+    get NVML (NVIDIA_DRIVER_CAPABILITIES compute; with hostNvml the host's libcuda.so.1
+    beside libnvidia-ml.so.1, read-only, as COLOC_CUDA_LIB) and SYS_PTRACE and
+    DAC_OVERRIDE; with memory preemption the pod's grace period leaves time for restores."""
+    mp_default = {"COLOC_MEMORY_RESERVE": "10%", "COLOC_RESTORE_AFTER": "30s", "COLOC_CHECKPOINT_PODS": "opt-in", "COLOC_MEMORY_INTERVAL": "200ms"}
+    custom = ("memoryPreemption.enabled=true", "memoryPreemption.reserve=16GiB", "memoryPreemption.restoreAfter=2m",
+              "memoryPreemption.pods=opt-out", "memoryPreemption.interval=500ms", "memoryPreemption.terminationGracePeriodSeconds=300")
+    nvml = {"amd64": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "arm64": "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1"}
+    # (sets, driver lock, memory settings, grace period, extra capabilities, NVML per arch)
+    cases = [((), False, None, 30, (), {}),
+             (("agent.driverLock=true",), True, None, 30, (), {}),
+             (("memoryPreemption.enabled=true",), False, mp_default, 180, (), {}),
+             (custom, False, {"COLOC_MEMORY_RESERVE": "16GiB", "COLOC_RESTORE_AFTER": "2m", "COLOC_CHECKPOINT_PODS": "opt-out",
+                              "COLOC_MEMORY_INTERVAL": "500ms"}, 300, (), {}),
+             (("agent.driverLock=true", "memoryPreemption.enabled=true", "agent.deviceAccess=hostNvml"), True, mp_default, 180, (), nvml),
+             (("agent.driverLock=true", "agent.deviceAccess=runtimeClass", "shim.enabled=false"), True, None, 30, (), {}),
+             (("memoryPreemption.enabled=true", "agent.sysPtrace=true", "agent.raiseLoopPriority=true"), False, mp_default, 180,
+              ("SYS_NICE",), {})]
+    for sets, lock, memory, grace, extra, libs in cases:
+        label = f"chart ({', '.join(sets) or 'defaults'})"
+        driver = lock or memory is not None
+        docs = validate(render(*sets), label) if sets else [x for x in yaml.safe_load_all(render()) if x]
+        caps = ["KILL", *(DRIVER_CAPS if driver else ()), *extra]
+        promises(docs, label, caps=caps, gate=None if "shim.enabled=false" in sets else "50ms")
+        settings = one(docs, "ConfigMap", "-agent")["data"]
+        check(("COLOC_DRIVER_LOCK" in settings) == lock and (not lock or settings["COLOC_DRIVER_LOCK"] == "true"),
+              f"{label}: COLOC_DRIVER_LOCK {settings.get('COLOC_DRIVER_LOCK')!r}, expected {'true' if lock else 'none'}")
+        got = {k: settings[k] for k in MEMORY_KEYS if k in settings}
+        check(got == (memory or {}), f"{label}: memory preemption settings {got}, expected {memory or {}}")
+        dss = by_kind(docs, "DaemonSet")
+        check(len(dss) == max(1, len(libs)), f"{label}: {len(dss)} DaemonSets")
+        for ds in dss:
+            pod = ds["spec"]["template"]["spec"]
+            c = pod["containers"][0]
+            guard = [i for i in pod["initContainers"] if i["name"] == "resume-guard"][0]
+            check(pod["terminationGracePeriodSeconds"] == grace, f"{label}: terminationGracePeriodSeconds {pod['terminationGracePeriodSeconds']}, expected {grace}")
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            genv = {e["name"]: e.get("value") for e in guard.get("env", [])}
+            check(env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == ("compute,utility" if driver else "utility"),
+                  f"{label}: the agent asks the NVIDIA runtime for {env['NVIDIA_DRIVER_CAPABILITIES']}")
+            want = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"} if driver else {}
+            if driver and libs:
+                want["COLOC_CUDA_LIB"] = CUDA_LIB
+            check(genv == want, f"{label}: resume-guard environment {genv}, expected {want}")
+            hp = host_paths(pod)
+            arch = (pod.get("nodeSelector") or {}).get("kubernetes.io/arch")
+            if driver and libs:
+                lib = os.path.join(os.path.dirname(libs[arch]), "libcuda.so.1")
+                check(hp.get("cuda-driver") == {"path": lib, "type": "File"}, f"{label} ({arch}): host CUDA driver library {hp.get('cuda-driver')}, expected {lib}")
+                check(env.get("COLOC_CUDA_LIB") == CUDA_LIB, f"{label} ({arch}): COLOC_CUDA_LIB {env.get('COLOC_CUDA_LIB')}")
+                for ctr in (c, guard):
+                    m = [m for m in ctr["volumeMounts"] if m["name"] == "cuda-driver"]
+                    check(m == [{"name": "cuda-driver", "mountPath": CUDA_LIB, "readOnly": True}],
+                          f"{label} ({arch}): {ctr['name']} mounts the CUDA driver library read-only at {CUDA_LIB}: {m}")
+                check(set(hp) - {"cgroup", "state", "shim-lib", "doorbells", "gate"} == {"nvidia-ml", "cuda-driver"},
+                      f"{label} ({arch}): host paths {sorted(hp)}")
+            else:
+                check("cuda-driver" not in hp and "COLOC_CUDA_LIB" not in env, f"{label}: the host's CUDA driver library is mounted")
+    # The grace period leaves time for restores at exit: 0.2 s per GB (5 GB/s measured on an
+    # H100), eight GPUs holding 80 GB checkpointed each, restored one after another, plus the
+    # 30 s the rest of the exit gets.
+    default = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))["memoryPreemption"]["terminationGracePeriodSeconds"]
+    check(default >= 30 + 8 * 80 * 0.2, f"memoryPreemption.terminationGracePeriodSeconds {default} < {30 + 8 * 80 * 0.2:.0f} s")
+    print(f"ok  CUDA driver: agent.driverLock and memoryPreemption in the agent's settings only when on, {len(cases)} value sets; the driver "
+          "library (NVIDIA runtime, or the host's beside NVML) and SYS_PTRACE/DAC_OVERRIDE for the agent and its resume-guard; "
+          f"grace period {default} s for restores at exit")
 
 
 def host_mode_checks():
@@ -626,7 +733,8 @@ def settings_checks():
     allowed = set(schema["properties"]["agent"]["properties"]["settings"]["propertyNames"]["enum"])
     d = [x for x in yaml.safe_load_all(render("agent.deviceAccess=hostNvml", "shim.enabled=false")) if x] + \
         [x for x in yaml.safe_load_all(render()) if x] + \
-        [x for x in yaml.safe_load_all(render("shim.learnedRelease=true")) if x]
+        [x for x in yaml.safe_load_all(render("shim.learnedRelease=true")) if x] + \
+        [x for x in yaml.safe_load_all(render("agent.driverLock=true", "memoryPreemption.enabled=true", "agent.deviceAccess=hostNvml")) if x]
     set_by_chart = {k for cm in by_kind(d, "ConfigMap") if cm["metadata"]["name"].endswith("-agent") for k in cm["data"]}
     set_by_chart |= {e["name"] for ds in by_kind(d, "DaemonSet") for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
     check(allowed == flags - set_by_chart, f"agent.settings: the schema allows {sorted(allowed ^ (flags - set_by_chart))} differently from "
@@ -1508,6 +1616,7 @@ def main():
     promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
     promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
     gate_checks()
+    driver_checks()
     other_ns = validate(render(namespace="gpu-sharing"), "chart (namespace gpu-sharing)")
     promises(other_ns, "chart (namespace gpu-sharing)", release_ns="gpu-sharing")
     full = validate(render("monitoring.serviceMonitors.enabled=true", "webhook.certManager.enabled=true", "monitoring.prometheusRules.enabled=true"),
@@ -1576,7 +1685,7 @@ def main():
     # The guide's privileges table names exactly the capabilities the chart can grant.
     table = set(re.findall(r"^\| capability `([A-Z_]+)`", guide, flags=re.M))
     granted = set()
-    for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",)):
+    for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",), ("agent.driverLock=true",)):
         ds = one([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")
         granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
     check(table == granted, f"docs/install.md's privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")

@@ -109,6 +109,31 @@ release's agent pod stays Pending there ("didn't match pod anti-affinity rules")
 {{- toYaml $aff }}
 {{- end }}
 
+{{/*
+Whether the agent calls the CUDA driver's checkpoint API (agent.driverLock, memoryPreemption):
+it then needs the driver library (libcuda.so.1) and capabilities SYS_PTRACE and DAC_OVERRIDE,
+and so does its resume-guard, which restores and unlocks what a killed agent left. "true" or "".
+*/}}
+{{- define "gpu-coloc.usesDriver" -}}
+{{- if or .Values.agent.driverLock .Values.memoryPreemption.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+A duration as humantime writes it (the schema's pattern: 500us, 2s, 1m30s, 1h), in ms.
+*/}}
+{{- define "gpu-coloc.durationMs" -}}
+{{- $unit := dict "ns" 0.000001 "nsec" 0.000001 "us" 0.001 "usec" 0.001 "µs" 0.001 "ms" 1 "msec" 1
+  "s" 1000 "sec" 1000 "secs" 1000 "second" 1000 "seconds" 1000
+  "m" 60000 "min" 60000 "mins" 60000 "minute" 60000 "minutes" 60000
+  "h" 3600000 "hr" 3600000 "hrs" 3600000 "hour" 3600000 "hours" 3600000 }}
+{{- $ms := 0.0 }}
+{{- range regexFindAll "[0-9]+ ?[a-zµ]+" (toString .) -1 }}
+{{- $n := regexFind "^[0-9]+" . }}
+{{- $ms = addf $ms (mulf (float64 $n) (get $unit (trimPrefix $n . | trim))) }}
+{{- end }}
+{{- $ms }}
+{{- end }}
+
 {{/* TLS for the webhook: certManager, or the bootstrap Job, or a caBundle given by hand. */}}
 {{- define "gpu-coloc.tlsMode" -}}
 {{- if .Values.webhook.certManager.enabled }}cert-manager{{ else if .Values.webhook.caBundle }}manual{{ else }}bootstrap{{ end }}
