@@ -101,7 +101,7 @@ fn run(args: RunArgs) -> Result<()> {
         let (mut record, leftover) = FileRecord::open(&args.state_dir)?;
         if !leftover.is_empty() {
             warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended, or recorded as suspendable: resuming all of it");
-            resume_leftovers(&mut record, &leftover, args.confirm_timeout);
+            resume_leftovers(&mut record, &leftover, args.confirm_timeout, &args.cuda_lib);
         }
         Box::new(record)
     };
@@ -172,8 +172,11 @@ fn run(args: RunArgs) -> Result<()> {
             }
         }
     };
+    let mut cfg = cfg;
+    let driver = open_driver(&args, &mut cfg);
     let waker = bells.waker();
     let edges = Edges {
+        driver,
         bells,
         gpu: Box::new(sampler),
         procfs: Arc::new(procfs),
@@ -308,13 +311,47 @@ async fn futures_lite_select(
 }
 
 /// Resumes what a previous run left suspended; what cannot be resumed stays recorded.
+/// The CUDA driver's checkpoint API, when `--driver-lock` or `--memory-reserve` asks for
+/// it: a driver without it is named, and the agent goes on with its other holds.
+fn open_driver(
+    args: &RunArgs,
+    cfg: &mut coloc_agent::control::LoopConfig,
+) -> Option<Arc<dyn coloc_agent::edges::checkpoint::DriverApi>> {
+    use coloc_agent::edges::checkpoint::CudaCheckpoint;
+    if !(args.driver_lock || args.memory_reserve.is_some()) {
+        return None;
+    }
+    if cfg.dry_run {
+        warn!("--driver-lock/--memory-reserve with --dry-run: the CUDA driver is never called");
+        return None;
+    }
+    match CudaCheckpoint::open(&args.cuda_lib) {
+        Ok(c) => {
+            info!(lib = c.library(), driver_version = ?c.driver_version(), lock = args.driver_lock,
+                reserve = ?args.memory_reserve.map(|r| r.to_string()), restore_after = ?args.restore_after,
+                pods = ?args.checkpoint_pods,
+                "The CUDA driver's checkpoint API: offline processes are held by its lock{}",
+                if args.memory_reserve.is_some() { ", and checkpointed while online work needs their memory" } else { "" });
+            cfg.vault.api = true;
+            Some(Arc::new(c))
+        }
+        Err(err) => {
+            warn!(error = %err, lib = %args.cuda_lib,
+                "No CUDA driver checkpoint API: offline work is held by --actuator alone, and no memory is given back");
+            metrics::counter!("coloc_driver_call_failures_total", "op" => "load", "reason" => "no_api").increment(1);
+            None
+        }
+    }
+}
+
 fn resume_leftovers(
     record: &mut FileRecord,
     leftover: &[actuator::RecordEntry],
     timeout: std::time::Duration,
+    cuda_lib: &str,
 ) {
     use coloc_agent::cmd::resume::resume_entries;
-    for step in resume_entries(record, leftover, timeout, Clone::clone) {
+    for step in resume_entries(record, leftover, timeout, Clone::clone, cuda_lib) {
         let e = &step.entry;
         match &step.progress {
             Progress::Failed(err) => {

@@ -21,6 +21,12 @@ pub const HARVEST_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// Buckets of `coloc_driver_call_seconds`: a lock takes a fraction of a millisecond, a
+/// checkpoint of a whole GPU's memory tens of seconds (about 0.6 s per GB on an H100).
+pub const DRIVER_BUCKETS: &[f64] = &[
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
 /// Every bounded reason of `coloc_fail_open_total`, present at 0 from the start.
 pub const FAIL_OPEN_REASONS: &[&str] = &["nvml", "nvml_hung", "record", "actuation", "panic"];
 
@@ -38,6 +44,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(
             Matcher::Full("coloc_release_harvest_seconds".into()),
             HARVEST_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full("coloc_driver_call_seconds".into()),
+            DRIVER_BUCKETS,
         )?
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
         .install_recorder()?;
@@ -58,6 +68,43 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 }
 
 fn describe() {
+    describe_histogram!(
+        "coloc_driver_call_seconds",
+        Unit::Seconds,
+        "Calls to the CUDA driver's checkpoint API that succeeded, by op (lock, checkpoint, restore, unlock, state): from the call to its return."
+    );
+    describe_counter!(
+        "coloc_driver_call_failures_total",
+        "Calls to the CUDA driver's checkpoint API that failed, by op and reason (not_supported, illegal_state, timeout, out_of_memory, gone, ...; op=load reason=no_api: the driver has no checkpoint API). A refused lock or checkpoint leaves the process to the other holds."
+    );
+    describe_counter!(
+        "coloc_checkpoint_bytes_total",
+        "Device memory moved by the driver: op=checkpoint to the host (given to online work), op=restore back to the GPU."
+    );
+    describe_gauge!(
+        "coloc_checkpointed_processes",
+        "Offline processes whose GPU memory is checkpointed to the host, per GPU."
+    );
+    describe_gauge!(
+        "coloc_checkpointed_bytes",
+        "GPU memory given back by checkpointed offline processes, per GPU, bytes."
+    );
+    describe_gauge!(
+        "coloc_gpu_memory_free_bytes",
+        "Free GPU memory at the latest read (memory preemption on), bytes."
+    );
+    describe_gauge!(
+        "coloc_gpu_memory_reserve_bytes",
+        "The free memory memory preemption keeps while online work is present (--memory-reserve), bytes."
+    );
+    describe_gauge!(
+        "coloc_memory_pressure",
+        "1 while online work is present on the GPU and its free memory is under the reserve."
+    );
+    describe_gauge!(
+        "coloc_driver_locked_processes",
+        "Offline processes the CUDA driver holds locked or checkpointed for the agent."
+    );
     describe_counter!(
         "coloc_gate_escalations_total",
         "Launch gates not acknowledged within --gate-timeout (or that could not close): the process was stopped without waiting for its drain."
@@ -386,6 +433,7 @@ impl Telemetry {
             Event::Distrust(d) if d.restored => {
                 info!(gpu = d.gpu, page = %d.page, owner = %d.owner, "Doorbell page trusted again: NVML showed its owner at work");
             }
+            Event::Checkpoint(_) | Event::Restore(_) => {}
             Event::Distrust(d) => {
                 warn!(gpu = d.gpu, page = %d.page, owner = %d.owner, claimed_s = d.claimed_s, nvml_seen_ns = d.nvml_seen_ns,
                     "Doorbell page distrusted: it kept the GPU busy while NVML never showed its owner at work; its launches count for nothing until a sample does");

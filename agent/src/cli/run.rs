@@ -141,6 +141,49 @@ pub struct RunArgs {
     /// How offline work is suspended.
     #[arg(long, env = "COLOC_ACTUATOR", value_enum, default_value_t = Kind::Freezer)]
     pub actuator: Kind,
+    /// Hold offline GPU processes with the CUDA driver's lock (`cuCheckpointProcessLock`:
+    /// the driver blocks the process's CUDA calls and completes the work it submitted;
+    /// the process cannot lift it) instead of stopping them: their CPU threads run on.
+    /// With --gate the gate closes first and the lock follows its drain. A process the
+    /// driver refuses is held by --actuator from then on. Needs a driver with the
+    /// checkpoint API (CUDA 12.8, display driver 570 or later); without it the agent says
+    /// so at start and uses --actuator. Recorded before each lock; `coloc-agent resume`
+    /// unlocks.
+    #[arg(long, env = "COLOC_DRIVER_LOCK")]
+    pub driver_lock: bool,
+
+    /// The CUDA driver library whose checkpoint API --driver-lock and --memory-reserve
+    /// use.
+    #[arg(long, env = "COLOC_CUDA_LIB", default_value = "libcuda.so.1")]
+    pub cuda_lib: String,
+
+    /// Memory preemption: while online work is present on a GPU and its free memory
+    /// (NVML) is under this reserve, the agent locks and checkpoints offline processes
+    /// there (their device memory moves to host memory and the GPU's is freed: about 0.6 s
+    /// per GB on an H100), largest first, until what they hold covers the reserve; each
+    /// is recorded first. A size (`8GiB`, `512MiB`, `20GB`) or a percent of the GPU's
+    /// memory (`10%`). Only pods --checkpoint-pods allows. Unset: off.
+    #[arg(long, env = "COLOC_MEMORY_RESERVE", value_parser = crate::control::vault::Reserve::parse)]
+    pub memory_reserve: Option<crate::control::vault::Reserve>,
+
+    /// A checkpointed process is restored (about 0.2 s per GB on an H100), then unlocked,
+    /// once its GPU has been out of memory pressure this long and has room for it and the
+    /// reserve. Long enough that an eviction (seconds) is not undone by a pause in online's
+    /// allocations.
+    #[arg(long, env = "COLOC_RESTORE_AFTER", default_value = "30s", value_parser = parse_duration)]
+    pub restore_after: Duration,
+
+    /// Which offline pods memory preemption may checkpoint: `opt-in`, only pods annotated
+    /// `gpu-coloc.dev/checkpoint: "true"` (a rule's `checkpoint = true`); `opt-out`, every
+    /// offline pod but those annotated `"false"`.
+    #[arg(long, env = "COLOC_CHECKPOINT_PODS", value_enum, default_value_t = crate::control::vault::PodsPolicy::OptIn)]
+    pub checkpoint_pods: crate::control::vault::PodsPolicy,
+
+    /// How often GPU memory is read (NVML) while memory preemption is on and offline work
+    /// is present.
+    #[arg(long, env = "COLOC_MEMORY_INTERVAL", default_value = "200ms", value_parser = parse_duration)]
+    pub memory_interval: Duration,
+
     /// Decide, log and export metrics, but never suspend anything.
     #[arg(long, env = "COLOC_DRY_RUN")]
     pub dry_run: bool,
@@ -355,6 +398,22 @@ impl RunArgs {
                 self.duty_period
             );
         }
+        if self.memory_reserve.is_some() {
+            if self.memory_interval < Duration::from_millis(10)
+                || self.memory_interval > Duration::from_secs(10)
+            {
+                bail!(
+                    "--memory-interval {:?}: allowed 10ms to 10s",
+                    self.memory_interval
+                );
+            }
+            if self.restore_after < Duration::from_secs(1) {
+                bail!(
+                    "--restore-after {:?}: at least 1s (a checkpoint takes seconds; restoring sooner would undo it at once)",
+                    self.restore_after
+                );
+            }
+        }
         let cgroups = CgroupMounts::detect(&self.cgroup_root);
         if self.actuator == Kind::Freezer && cgroups.v2.is_none() && cgroups.v1_freezer.is_none() {
             bail!(
@@ -396,6 +455,16 @@ impl RunArgs {
                 },
                 drain_ns: self.release_drain.as_nanos() as u64,
             }),
+            vault: crate::control::vault::VaultConfig {
+                // Set by the caller once the driver's library is loaded.
+                api: false,
+                lock: self.driver_lock,
+                reserve: self.memory_reserve,
+                restore_after_ns: self.restore_after.as_nanos() as u64,
+                pods: self.checkpoint_pods,
+                memory_interval_ns: self.memory_interval.as_nanos() as u64,
+                lock_timeout: self.confirm_timeout,
+            },
             node: self
                 .node_name
                 .clone()

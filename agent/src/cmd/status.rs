@@ -190,6 +190,8 @@ pub fn run(a: StatusArgs) -> Result<()> {
                     crate::control::events::Event::Release(r) => r.decided_ns,
                     crate::control::events::Event::FailOpen(f) => f.at_ns,
                     crate::control::events::Event::Distrust(d) => d.at_ns,
+                    crate::control::events::Event::Checkpoint(c)
+                    | crate::control::events::Event::Restore(c) => c.at_ns,
                 })
                 .unwrap_or(now)
                 .min(now.saturating_sub(10_000_000_000));
@@ -251,6 +253,8 @@ mod tests {
                         suspended: false,
                         actuator: None,
                         last_active_ms_ago: None,
+                        driver: None,
+                        checkpointed_bytes: None,
                     })
                     .collect(),
                 ..Default::default()

@@ -51,6 +51,8 @@ enum Stage {
     },
     /// The gate holds' acknowledgements.
     Gates,
+    /// GPU memory, if due (memory preemption).
+    Memory,
     /// The hold book's conversation, then the stage in the box.
     Drain(Box<Stage>),
     /// Retries, the heartbeat and the decision.
@@ -131,6 +133,7 @@ impl Controller {
             self.stage = self.run(stage, now);
             self.rooms.flush();
         }
+        self.rooms.vault_round(now);
         if !self.yielding {
             self.rooms.write(now);
         }
@@ -147,6 +150,7 @@ impl Controller {
                 self.stage = Stage::Observe;
             }
             Obs::Written { id, ok } => self.rooms.written(id, ok, now),
+            Obs::Driver(d) => self.rooms.vault.done(d, now),
             Obs::WatchdogTripped => self.rooms.after_watchdog(now),
             Obs::ReleaseAll(reason) => {
                 let n = self.rooms.release_all(reason);
@@ -229,6 +233,23 @@ impl Controller {
             }
             Stage::Gates => {
                 self.rooms.gate_acks();
+                Stage::Memory
+            }
+            Stage::Memory => {
+                let read = self.answer(|o| match o {
+                    Obs::Memory(m) => Ok(m),
+                    o => Err(o),
+                });
+                match read {
+                    Some(m) => self.rooms.memory(t, m),
+                    None => {
+                        if let Some(gpus) = self.rooms.vault.memory_due(t, &self.rooms.seeing.table)
+                        {
+                            self.ask(Cmd::ReadMemory { gpus });
+                            return Stage::Memory;
+                        }
+                    }
+                }
                 Stage::Drain(Box::new(Stage::Decide))
             }
             Stage::Drain(then) => {
@@ -335,11 +356,18 @@ impl Controller {
                 let Some(why) = why else {
                     return after(judge, &mut self.rooms);
                 };
-                let known = self.rooms.seeing.table.known();
+                let mut known = self.rooms.seeing.table.known();
+                // Processes the driver holds checkpointed have left the lists.
+                for (k, pin) in self.rooms.vault.known() {
+                    if !known.iter().any(|(kk, _)| *kk == k) {
+                        known.push((k, pin));
+                    }
+                }
                 self.ask(Cmd::ReadLists { why, known });
                 Stage::Lists { judge }
             }
             (Some((listed, failed, gone, generation)), None) => {
+                self.rooms.vault.gone(&gone);
                 let pids = self
                     .rooms
                     .seeing
@@ -383,6 +411,16 @@ impl Controller {
     /// The hold book.
     pub fn holds(&self) -> &super::holds::HoldBook {
         self.rooms.holds()
+    }
+
+    /// The vault (the driver's lock, memory preemption).
+    pub fn vault(&self) -> &super::vault::Vault {
+        &self.rooms.vault
+    }
+
+    /// Whether the driver holds nothing the vault put there, and no call is in flight.
+    pub fn vault_idle(&self) -> bool {
+        self.rooms.vault.idle()
     }
 
     /// The record book.

@@ -25,6 +25,33 @@ pub enum Event {
     /// A doorbell page's launches stopped counting (NVML never corroborated them), or
     /// count again (NVML showed its owner at work).
     Distrust(Distrust),
+    /// An offline process's GPU memory was checkpointed to the host (or the driver
+    /// refused).
+    Checkpoint(DriverEvent),
+    /// A checkpointed process's GPU memory was restored (or the driver refused).
+    Restore(DriverEvent),
+}
+
+/// A checkpoint or a restore.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DriverEvent {
+    /// When it ended, ns.
+    pub at_ns: u64,
+    /// GPU index.
+    pub gpu: Option<u32>,
+    /// The process.
+    pub pid: u32,
+    /// Its owner (`namespace/pod`, or `rule:<name>`).
+    pub owner: String,
+    /// Device memory moved, bytes.
+    pub bytes: u64,
+    /// How long the driver took, s.
+    pub took_s: f64,
+    /// The driver did it.
+    pub ok: bool,
+    /// Why not (bounded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl Event {
@@ -35,6 +62,7 @@ impl Event {
             Event::Release(r) => Some(r.gpu),
             Event::FailOpen(f) => f.gpu,
             Event::Distrust(d) => Some(d.gpu),
+            Event::Checkpoint(c) | Event::Restore(c) => c.gpu,
         }
     }
 }
@@ -246,7 +274,7 @@ fn finish(w: Waiting) -> Event {
                 r.confirmed_ns = Some(at);
                 r.release_s = Some(secs(at.saturating_sub(r.window_end_ns)));
             }
-            Event::FailOpen(_) | Event::Distrust(_) => {}
+            Event::FailOpen(_) | Event::Distrust(_) | Event::Checkpoint(_) | Event::Restore(_) => {}
         }
     }
     ev

@@ -57,6 +57,7 @@ pub type Planned = (Vec<(ProcKey, Plan)>, Vec<(ProcKey, Reason)>);
 /// plan), with its reason.
 pub fn plans(
     d: &Decision<ProcKey>,
+    vault: &super::vault::Vault,
     table: &Table,
     gates: &Gates,
     bells: &Bells,
@@ -76,6 +77,8 @@ pub fn plans(
             .iter()
             .find(|(k, _)| k == key)
             .map_or(plan, |(_, p)| p.clone());
+        // The driver's lock where it applies (its refusal leaves the table's plan).
+        let plan = vault.plan(table, key, plan);
         let plan = match reason {
             Reason::OnlineBusy { gpu } => gates.plan(table, bells, key, *gpu, plan),
             Reason::ShareCap => plan,

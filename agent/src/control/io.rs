@@ -81,6 +81,14 @@ pub enum Cmd {
     Degraded(Option<String>),
     /// Publish `/state` (the shell adds the event history).
     Publish(Box<StateDoc>),
+    /// Read these GPUs' memory (NVML). Answered by [`Obs::Memory`].
+    ReadMemory {
+        /// The GPUs.
+        gpus: Vec<u32>,
+    },
+    /// Start a call to the driver's checkpoint API, off the loop. Answered, when it ends
+    /// (a later round or tick), by [`Obs::Driver`].
+    Driver(crate::control::vault::Call),
 }
 
 /// What the shell observed.
@@ -139,4 +147,8 @@ pub enum Obs {
     WatchdogTripped,
     /// Resume everything (shutdown, panic).
     ReleaseAll(ReleaseAll),
+    /// Answers [`Cmd::ReadMemory`]: per GPU, its memory, or the error.
+    Memory(Vec<(u32, Result<Option<gpu::GpuMemory>, String>)>),
+    /// A driver call ended.
+    Driver(crate::edges::checkpoint::Done),
 }

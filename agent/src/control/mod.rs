@@ -47,6 +47,7 @@ pub mod state;
 pub mod table;
 pub mod target;
 mod text;
+pub mod vault;
 
 #[cfg(test)]
 mod tests;
@@ -115,6 +116,8 @@ pub struct LoopConfig {
     pub record_off_loop: bool,
     /// The learned release window (`--release learned`); `None`: the fixed idle window.
     pub release: Option<learn::Learning>,
+    /// The driver's lock and memory preemption (`--driver-lock`, `--memory-reserve`).
+    pub vault: vault::VaultConfig,
 }
 
 /// The loop's edges (real ones in `main`, fakes in tests).
@@ -135,6 +138,8 @@ pub struct Edges {
     pub bells: Box<dyn Doorbells>,
     /// The launch gates (`--gate`).
     pub gates: Option<crate::edges::gate::GateKeeper>,
+    /// The CUDA driver's checkpoint API (`--driver-lock`, `--memory-reserve`), when loaded.
+    pub driver: Option<Arc<dyn crate::edges::checkpoint::DriverApi>>,
 }
 
 impl std::fmt::Debug for Edges {

@@ -246,6 +246,71 @@ pub enum Note {
     Uncorroborated,
     /// Owners distrusted now (the gauge).
     Distrusted(usize),
+    /// A GPU's memory could not be read (memory preemption waits for the next read).
+    MemoryUnread {
+        /// GPU.
+        gpu: u32,
+        /// The error.
+        error: String,
+    },
+    /// A GPU came under memory pressure (online present, free under the reserve) or out
+    /// of it.
+    MemoryPressure {
+        /// GPU.
+        gpu: u32,
+        /// Under pressure now.
+        on: bool,
+        /// Free, bytes.
+        free: u64,
+        /// The reserve, bytes.
+        reserve: u64,
+    },
+    /// An offline process is to be checkpointed for online's memory.
+    Evicting {
+        /// GPU.
+        gpu: u32,
+        /// The process.
+        pid: u32,
+        /// What it holds there, bytes.
+        bytes: u64,
+        /// What the reserve misses, bytes.
+        missing: u64,
+    },
+    /// An eviction's record entry could not be written: not evicted.
+    EvictionNotRecorded {
+        /// The process.
+        pid: u32,
+    },
+    /// A call to the driver's checkpoint API ended.
+    DriverCall {
+        /// The operation.
+        op: crate::edges::checkpoint::Op,
+        /// The process.
+        pid: u32,
+        /// Its owner.
+        owner: String,
+        /// How long it took, s.
+        took_s: f64,
+        /// Device memory it concerned, bytes.
+        bytes: u64,
+        /// Failed: the bounded reason.
+        reason: Option<String>,
+        /// Failed: the driver's answer.
+        error: Option<String>,
+        /// The process is held by its other plan from now on.
+        fallback: bool,
+    },
+    /// The driver says a process is in its failed state.
+    DriverFailedState {
+        /// The process.
+        pid: u32,
+        /// Its owner.
+        owner: String,
+    },
+}
+
+fn gib(b: u64) -> f64 {
+    (b as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0
 }
 
 impl Note {
@@ -430,6 +495,83 @@ impl Note {
                 .increment(1),
             Note::Distrusted(n) => {
                 metrics::gauge!("coloc_doorbell_distrusted_pages").set(*n as f64)
+            }
+            Note::MemoryUnread { gpu, error } => {
+                warn!(gpu, %error, "Cannot read the GPU's memory: memory preemption waits for the next read")
+            }
+            Note::MemoryPressure {
+                gpu,
+                on,
+                free,
+                reserve,
+            } => {
+                let (free_gib, reserve_gib) = (gib(*free), gib(*reserve));
+                if *on {
+                    info!(gpu, free_gib, reserve_gib, "Online work needs memory: free memory under the reserve");
+                } else {
+                    info!(gpu, free_gib, reserve_gib, "Free memory back over the reserve (or no online work)");
+                }
+            }
+            Note::Evicting {
+                gpu,
+                pid,
+                bytes,
+                missing,
+            } => info!(
+                gpu,
+                pid,
+                holds_gib = gib(*bytes),
+                missing_gib = gib(*missing),
+                "Checkpointing an offline process to give its GPU memory to online work (recorded first)"
+            ),
+            Note::EvictionNotRecorded { pid } => error!(
+                pid,
+                "Cannot record the checkpoint: not checkpointing the process"
+            ),
+            Note::DriverCall {
+                op,
+                pid,
+                owner,
+                took_s,
+                bytes,
+                reason,
+                error,
+                fallback,
+            } => {
+                let opl = op.as_str();
+                match reason {
+                    None => {
+                        metrics::histogram!("coloc_driver_call_seconds", "op" => opl)
+                            .record(*took_s);
+                        if matches!(
+                            op,
+                            crate::edges::checkpoint::Op::Checkpoint
+                                | crate::edges::checkpoint::Op::Restore
+                        ) {
+                            metrics::counter!("coloc_checkpoint_bytes_total", "op" => opl)
+                                .increment(*bytes);
+                            info!(op = opl, pid, %owner, gib = gib(*bytes), took_s, "Driver call done");
+                        } else {
+                            debug!(op = opl, pid, %owner, took_ms = took_s * 1e3, "Driver call done");
+                        }
+                    }
+                    Some(r) => {
+                        metrics::counter!("coloc_driver_call_failures_total", "op" => opl, "reason" => r.clone())
+                            .increment(1);
+                        if *fallback {
+                            warn!(op = opl, pid, %owner, reason = %r, error = error.as_deref().unwrap_or("-"),
+                                "The CUDA driver refused: this process is held by its other plan (freezer or signal) from now on, and not checkpointed");
+                        } else {
+                            warn!(op = opl, pid, %owner, reason = %r, error = error.as_deref().unwrap_or("-"),
+                                "Driver call failed: asking the driver where the process is, trying again later");
+                        }
+                    }
+                }
+            }
+            Note::DriverFailedState { pid, owner } => {
+                metrics::counter!("coloc_driver_call_failures_total", "op" => "state", "reason" => "failed_state")
+                    .increment(1);
+                error!(pid, %owner, "The CUDA driver reports this process failed (an error during checkpoint or restore): nothing more can be done with it by the agent");
             }
         }
     }

@@ -34,6 +34,8 @@ pub struct Due {
     pub reads: (u64, u64),
     /// The next heartbeat, while a gate is closed.
     pub beat: Option<u64>,
+    /// When the vault looks again (a memory read, a driver call's end).
+    pub vault: Option<u64>,
 }
 
 impl Pacer {
@@ -98,6 +100,9 @@ impl Pacer {
         due = due.min(self.last_publish_ns + PUBLISH_NS);
         if let Some(t) = d.beat {
             // The shims read a stale heartbeat as an open gate.
+            due = due.min(t);
+        }
+        if let Some(t) = d.vault {
             due = due.min(t);
         }
         Duration::from_nanos(due.saturating_sub(now)).max(Duration::from_micros(50))

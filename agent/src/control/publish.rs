@@ -91,6 +91,8 @@ pub fn state_doc(
                     suspended: machine.suspended().contains_key(&e.key),
                     actuator: e.plan.as_ref().map(|p| p.kind()),
                     last_active_ms_ago: e.last_active.get(&g).map(|t| ms_ago(*t)),
+                    driver: None,
+                    checkpointed_bytes: None,
                 })
                 .collect();
             processes.sort_by_key(|p| p.pid);

@@ -17,8 +17,9 @@ use super::record::RecordBook;
 use super::retry::Retries;
 use super::seeing::Seeing;
 use super::target::Plan;
+use super::vault::{RecordAsk, Vault};
 use super::{execute, LoopConfig, ReleaseAll};
-use crate::edges::actuator::RecordEntry;
+use crate::edges::actuator::{RecordEntry, Target};
 use crate::edges::procfs::ProcKey;
 use qos_core::{Decision, Machine};
 use std::collections::{BTreeMap, BTreeSet};
@@ -32,6 +33,8 @@ pub struct Rooms {
     pub(crate) seeing: Seeing,
     pub(crate) machine: Machine<ProcKey>,
     pub(crate) book: HoldBook,
+    /// The driver's lock and memory preemption.
+    pub(crate) vault: Vault,
     record: RecordBook,
     pub(crate) tracker: Tracker,
     retries: Retries,
@@ -48,6 +51,9 @@ pub struct Rooms {
     events: Vec<Event>,
     /// What the rooms say, in order.
     pub(crate) out: Vec<Cmd>,
+    /// Hold commands whose locks the vault answered and whose other targets went to the
+    /// shell: request → (the vault's answers with their places, how many targets).
+    splices: BTreeMap<super::holds::Req, (Vec<(usize, crate::edges::actuator::Progress)>, usize)>,
 }
 
 impl std::fmt::Debug for Rooms {
@@ -88,6 +94,7 @@ impl Rooms {
                 m
             },
             book,
+            vault: Vault::new(cfg.vault.clone()),
             record: RecordBook::new(on_disk),
             tracker: Tracker::default(),
             retries: Retries::default(),
@@ -101,6 +108,7 @@ impl Rooms {
             notes: Vec::new(),
             events: Vec::new(),
             out: Vec::new(),
+            splices: BTreeMap::new(),
         }
     }
 
@@ -112,9 +120,13 @@ impl Rooms {
 
     /// Moves what the rooms said into `out`, in order.
     pub fn flush(&mut self) {
-        if let Some(ahead) = self.seeing.ahead.take() {
+        if let Some(mut ahead) = self.seeing.ahead.take() {
+            ahead.extend(self.vault.ahead(&self.seeing.table));
             self.record.want_ahead(ahead);
         }
+        let (notes, events) = self.vault.take_notes();
+        self.notes.extend(notes);
+        self.events.extend(events);
         self.out.append(&mut self.seeing.out);
         self.notes.append(&mut self.seeing.notes);
         self.events.append(&mut self.seeing.events);
@@ -132,6 +144,7 @@ impl Rooms {
     /// here (at once, or when a write lands); returns what goes to the shell (each
     /// answered), and whether a record write was asked for. Empty: the book asks nothing.
     pub fn hold_round(&mut self, answers: Vec<HoldObs>, now: u64) -> (Vec<Cmd>, bool) {
+        let answers: Vec<HoldObs> = answers.into_iter().map(|a| self.splice(a)).collect();
         if !answers.is_empty() {
             self.book.observe(answers, now);
         }
@@ -150,7 +163,10 @@ impl Rooms {
                         }
                     }
                     HoldCmd::RecordRemove { entries } => self.record.remove(&entries),
-                    c => asks.push(Cmd::Hold(c)),
+                    c => match self.locks(c, now) {
+                        Ok(answer) => at_once.push(answer),
+                        Err(c) => asks.push(Cmd::Hold(c)),
+                    },
                 }
             }
             if !at_once.is_empty() {
@@ -159,6 +175,110 @@ impl Rooms {
             let write = self.write(now);
             if !asks.is_empty() || write {
                 return (asks, write);
+            }
+        }
+    }
+
+    /// A lock hold's `Start` or `Check` is answered by the vault, at once (the driver's
+    /// calls it needs go out as [`Cmd::Driver`]); the hold book checks again as it would
+    /// an actuator's pending work. Other commands go to the shell.
+    fn locks(&mut self, mut c: HoldCmd, now: u64) -> Result<HoldObs, HoldCmd> {
+        let (req, op, targets) = match &mut c {
+            HoldCmd::Start {
+                req, op, targets, ..
+            }
+            | HoldCmd::Check { req, op, targets } => (*req, *op, targets),
+            _ => return Err(c),
+        };
+        if !targets.iter().any(|t| matches!(t, Target::Lock { .. })) {
+            return Err(c);
+        }
+        let total = targets.len();
+        let mut answered = Vec::new();
+        let mut rest = Vec::new();
+        for (i, t) in std::mem::take(targets).into_iter().enumerate() {
+            match t {
+                Target::Lock { key } => {
+                    answered.push((i, self.vault.hold(key, op, &self.seeing.table)))
+                }
+                t => rest.push(t),
+            }
+        }
+        // What the vault claims in the record is asked for before the hold book can let
+        // the lock's entry go.
+        self.vault_records();
+        if rest.is_empty() {
+            return Ok(HoldObs::Progress {
+                req,
+                progress: answered.into_iter().map(|(_, p)| p).collect(),
+                at_ns: now,
+            });
+        }
+        // The other targets go to the shell; its answer gets the vault's spliced in.
+        *targets = rest;
+        self.splices.insert(req, (answered, total));
+        Err(c)
+    }
+
+    /// The shell's answer to a command whose locks the vault answered, made whole.
+    fn splice(&mut self, a: HoldObs) -> HoldObs {
+        let HoldObs::Progress {
+            req,
+            progress,
+            at_ns,
+        } = a
+        else {
+            return a;
+        };
+        let Some((answered, total)) = self.splices.remove(&req) else {
+            return HoldObs::Progress {
+                req,
+                progress,
+                at_ns,
+            };
+        };
+        let mut shell = progress.into_iter();
+        let mut vault = answered.into_iter().peekable();
+        let mut whole = Vec::with_capacity(total);
+        for i in 0..total {
+            match vault.next_if(|(j, _)| *j == i) {
+                Some((_, p)) => whole.push(p),
+                None => whole.extend(shell.next()),
+            }
+        }
+        HoldObs::Progress {
+            req,
+            progress: whole,
+            at_ns,
+        }
+    }
+
+    /// One round of the vault: its record requests to the record book (answered at once
+    /// when on disk already), then the driver calls that can go out now. The hold book
+    /// tells which processes a hold stops (a restore waits for their thaw).
+    pub fn vault_round(&mut self, now: u64) {
+        if !self.vault.active() {
+            return;
+        }
+        for _ in 0..2 {
+            self.vault_records();
+            let book = &self.book;
+            self.vault.calls(now, |k, cg| book.stops(k, cg));
+        }
+        self.out
+            .extend(self.vault.take_calls().into_iter().map(Cmd::Driver));
+    }
+
+    /// The vault's requests to the record book.
+    fn vault_records(&mut self) {
+        for ask in self.vault.take_records() {
+            match ask {
+                RecordAsk::Add(req, entries) => {
+                    if let Some(ok) = self.record.add(req, entries) {
+                        self.vault.recorded(req, ok);
+                    }
+                }
+                RecordAsk::Remove(entries) => self.record.remove(&entries),
             }
         }
     }
@@ -176,12 +296,14 @@ impl Rooms {
 
     /// A record write landed (or failed): the requests it settles, answered.
     pub fn written(&mut self, id: u64, ok: bool, now: u64) {
-        let answers: Vec<HoldObs> = self
-            .record
-            .written(id, ok, now)
-            .into_iter()
-            .map(|(req, ok)| HoldObs::Recorded { req, ok })
-            .collect();
+        let mut answers = Vec::new();
+        for (req, ok) in self.record.written(id, ok, now) {
+            if req >= super::vault::REQ_BASE {
+                self.vault.recorded(req, ok);
+            } else {
+                answers.push(HoldObs::Recorded { req, ok });
+            }
+        }
         if !answers.is_empty() {
             self.book.observe(answers, now);
         }
@@ -317,6 +439,7 @@ impl Rooms {
         self.harvest(&d.transitions);
         let (reqs, reasons) = execute::plans(
             &d,
+            &self.vault,
             &self.seeing.table,
             &self.seeing.gates,
             &self.seeing.bells,
@@ -416,6 +539,10 @@ impl Rooms {
         if reason == ReleaseAll::Shutdown {
             self.record.stop();
         }
+        // The vault first learns that everything goes back to running (the hold book's
+        // resumes of locks are then answered at once, the vault keeping them recorded
+        // until unlocked); its restores wait for the holds' thaw.
+        self.vault.release_all();
         self.book.release_all(reason)
     }
 
@@ -440,6 +567,7 @@ impl Rooms {
         // The watchdog resumed every hold through the hands: the events that waited for
         // those holds end unconfirmed.
         self.book.forget_all();
+        self.vault.forget_holds();
         self.record.forget_holds();
         self.events.extend(self.tracker.abandon());
         self.seeing.forget(now);
@@ -459,7 +587,7 @@ impl Rooms {
         let distrusted = self.seeing.bells.distrusted();
         self.notes.push(Note::Distrusted(distrusted.len()));
         let health = &self.seeing.health;
-        super::publish::state_doc(
+        let mut doc = super::publish::state_doc(
             now,
             &self.header,
             self.seeing.gpus(),
@@ -468,7 +596,55 @@ impl Rooms {
             |g| health.degraded(g),
             self.book.len(),
             distrusted,
-        )
+        );
+        if self.vault.active() {
+            let mem = self.vault.summary();
+            let view = self.vault.view();
+            for g in &mut doc.gpus {
+                g.memory = mem.get(&g.index).cloned();
+                for (key, gpu, st, bytes, owner) in &view {
+                    let checkpointed =
+                        (*st == super::vault::DState::Checkpointed).then_some(*bytes);
+                    match g.processes.iter_mut().find(|p| p.pid == key.pid) {
+                        Some(p) => {
+                            p.driver = Some(st.as_str().into());
+                            p.checkpointed_bytes = checkpointed;
+                        }
+                        // Checkpointed: the driver's lists no longer show it.
+                        None if *gpu == Some(g.index) => g.processes.push(super::state::ProcDoc {
+                            pid: key.pid,
+                            class: qos_core::Class::Offline,
+                            owner: owner.clone(),
+                            cmd: String::new(),
+                            suspended: false,
+                            actuator: Some(crate::edges::actuator::Kind::Lock),
+                            last_active_ms_ago: None,
+                            driver: Some(st.as_str().into()),
+                            checkpointed_bytes: checkpointed,
+                        }),
+                        None => {}
+                    }
+                }
+                g.processes.sort_by_key(|p| p.pid);
+            }
+        }
+        doc
+    }
+
+    /// Memory read: the vault judges pressure and decides evictions and restores.
+    pub fn memory(
+        &mut self,
+        now: u64,
+        reads: Vec<(u32, Result<Option<crate::edges::gpu::GpuMemory>, String>)>,
+    ) {
+        let unmanaged_online = self.machine.config().unmanaged_is_online;
+        let table = &self.seeing.table;
+        let online = |g: u32| {
+            table
+                .entries()
+                .any(|e| e.gpus.contains(&g) && e.cls.class.is_online_demand(unmanaged_online))
+        };
+        self.vault.memory(now, reads, table, online);
     }
 
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
@@ -492,6 +668,7 @@ impl Rooms {
                 .book
                 .gates_closed()
                 .then(|| self.seeing.gates.next_beat_ns()),
+            vault: self.vault.next_due_ns(now),
         };
         let machine = &self.machine;
         self.pacer

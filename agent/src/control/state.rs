@@ -79,6 +79,9 @@ pub struct GpuDoc {
     pub preemption_ms: Summary,
     /// Recent release latencies, ms.
     pub release_ms: Summary,
+    /// Its memory, with memory preemption on (`--memory-reserve`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::control::vault::MemorySummary>,
 }
 
 /// One GPU process in `/state`.
@@ -98,6 +101,13 @@ pub struct ProcDoc {
     pub actuator: Option<Kind>,
     /// Time since its latest activity on this GPU, ms.
     pub last_active_ms_ago: Option<f64>,
+    /// Where the CUDA driver has it (`running`, `locked`, `checkpointed`, `failed`), when
+    /// the agent has called the driver for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<String>,
+    /// Device memory it holds on the host while checkpointed, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpointed_bytes: Option<u64>,
 }
 
 /// State shared between the control loop, its watchdog and the HTTP server.

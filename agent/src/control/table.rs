@@ -262,7 +262,7 @@ impl Table {
                 continue;
             }
             match &e.plan {
-                Some(Plan::Freeze(t) | Plan::Signal(t)) => {
+                Some(Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t)) => {
                     out.insert(t.record());
                 }
                 Some(Plan::SignalCgroup { leader, .. }) => {

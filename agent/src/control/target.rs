@@ -39,6 +39,11 @@ pub enum Plan {
         /// What suspends the process without the gate.
         fallback: Box<Plan>,
     },
+    /// Hold the process with the CUDA driver's lock (a [`Target::Lock`]): its CUDA calls
+    /// block, its CPU threads run on. Chosen at suspension by the vault
+    /// ([`crate::control::vault::Vault::plan`]) in place of the table's plan, which stays
+    /// the fallback where the driver refuses.
+    Lock(Target),
 }
 
 /// What a suspension is held on: two offline processes in one frozen cgroup share one.
@@ -52,6 +57,8 @@ pub enum HoldKey {
     Group(PathBuf),
     /// A process held at a launch gate.
     Gate(ProcKey),
+    /// A process held by the driver's lock.
+    Lock(ProcKey),
 }
 
 impl Plan {
@@ -70,6 +77,10 @@ impl Plan {
                 ..
             } => HoldKey::Gate(*key),
             Plan::Gate { fallback, .. } => fallback.hold_key(),
+            Plan::Lock(Target::Lock { key })
+            | Plan::Freeze(Target::Lock { key })
+            | Plan::Signal(Target::Lock { key }) => HoldKey::Lock(*key),
+            Plan::Lock(t) => Plan::Freeze(t.clone()).hold_key(),
         }
     }
 
@@ -79,6 +90,17 @@ impl Plan {
             Plan::Freeze(t) | Plan::Signal(t) => t.kind(),
             Plan::SignalCgroup { .. } => Kind::Signal,
             Plan::Gate { .. } => Kind::Gate,
+            Plan::Lock(_) => Kind::Lock,
+        }
+    }
+
+    /// The cgroup directory this plan freezes or signals as a whole, if any (a process
+    /// inside it is stopped when the hold is).
+    pub fn cgroup(&self) -> Option<&std::path::Path> {
+        match self {
+            Plan::Freeze(Target::Cgroup { dir, .. }) | Plan::SignalCgroup { dir, .. } => Some(dir),
+            Plan::Gate { fallback, .. } => fallback.cgroup(),
+            _ => None,
         }
     }
 }
@@ -132,7 +154,7 @@ impl Chooser {
         };
         match self.preferred {
             Kind::Freezer => (Plan::Freeze(Target::Cgroup { dir, version }), None),
-            Kind::Signal | Kind::Gate => (
+            Kind::Signal | Kind::Gate | Kind::Lock => (
                 Plan::SignalCgroup {
                     dir,
                     version,
@@ -152,7 +174,7 @@ impl Chooser {
 
 fn alone_target(p: Plan) -> Target {
     match p {
-        Plan::Signal(t) | Plan::Freeze(t) => t,
+        Plan::Signal(t) | Plan::Freeze(t) | Plan::Lock(t) => t,
         Plan::SignalCgroup { leader, .. } => leader,
         Plan::Gate { fallback, .. } => alone_target(*fallback),
     }
@@ -204,6 +226,7 @@ mod tests {
             share: Share::Burst,
             owner: "rule:off".into(),
             freeze_cgroup: Some("/batch/job".into()),
+            checkpoint: None,
         };
         (chooser, info, cls, dir, guard)
     }

@@ -473,6 +473,8 @@ pub struct Done {
     pub op: Op,
     /// How it ended.
     pub end: CallEnd,
+    /// What the driver said the process is in (an [`Op::State`] call that succeeded).
+    pub state: Option<ProcessState>,
     /// How long it took, from the start of the call.
     pub elapsed: Duration,
 }
@@ -532,6 +534,7 @@ impl DriverCalls {
         let (api, procfs, tx) = (self.api.clone(), self.procfs.clone(), self.tx.clone());
         let run = move || {
             // The same process still? Its pidfd is opened only if PID and start time match.
+            let mut state = None;
             let end = match procfs.open_pidfd(key) {
                 Err(_) => CallEnd::Gone,
                 Ok(_pin) => CallEnd::Answered(match op {
@@ -539,7 +542,7 @@ impl DriverCalls {
                     Op::Checkpoint => api.checkpoint(key.pid),
                     Op::Restore => api.restore(key.pid),
                     Op::Unlock => api.unlock(key.pid),
-                    Op::State => api.state(key.pid).map(|_| ()),
+                    Op::State => api.state(key.pid).map(|s| state = Some(s)),
                     Op::RestoreThread => Ok(()),
                 }),
             };
@@ -548,6 +551,7 @@ impl DriverCalls {
                 key,
                 op,
                 end,
+                state,
                 elapsed: started.elapsed(),
             });
         };
@@ -565,6 +569,7 @@ impl DriverCalls {
                     code: -1,
                     name: format!("no thread for the call: {e}"),
                 })),
+                state: None,
                 elapsed: Duration::ZERO,
             });
         }
@@ -588,6 +593,13 @@ impl DriverCalls {
             .collect()
     }
 
+    /// Waits up to `budget` for the next call to end; `None` when none did.
+    pub fn wait_next(&mut self, budget: Duration) -> Option<Done> {
+        let d = self.rx.recv_timeout(budget).ok()?;
+        self.running.remove(&d.id);
+        Some(d)
+    }
+
     /// Waits up to `budget` for every running call to end (shutdown); what ended.
     pub fn wait_all(&mut self, budget: Duration) -> Vec<Done> {
         let until = std::time::Instant::now() + budget;
@@ -603,6 +615,77 @@ impl DriverCalls {
             }
         }
         out
+    }
+}
+
+/// How long one driver call of a resume may take before it is given up (a process stopped
+/// by someone else makes the driver wait for it): a restore of a whole GPU's memory took
+/// up to 6.5 s on an H100 (31 GB).
+pub const RESUME_CALL_BUDGET: Duration = Duration::from_secs(60);
+
+/// Gives back what a lock or checkpoint entry of the record says the driver may hold:
+/// asks the driver where `key` is, restores it if checkpointed (it must run: a caller
+/// resumes every other entry first), then unlocks it. The identity is checked right before
+/// each call. `Done` when it runs; `Gone` when the process exited or the driver does not
+/// know it (no CUDA: nothing held); `Skipped` when the driver reports it failed (nothing
+/// can be done); `Failed` when a call is refused or takes longer than `budget`.
+pub fn resume_recorded(
+    api: std::sync::Arc<dyn DriverApi>,
+    key: crate::edges::procfs::ProcKey,
+    budget: Duration,
+) -> crate::edges::actuator::Progress {
+    use crate::edges::actuator::{ActError, Progress};
+    let call = |op: Op| -> Result<Option<ProcessState>, String> {
+        if crate::edges::procfs::open_pidfd(key).is_err() {
+            return Err("gone".into());
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let api = api.clone();
+        std::thread::Builder::new()
+            .name("coloc-resume-driver".into())
+            .spawn(move || {
+                let r = match op {
+                    Op::State => api.state(key.pid).map(Some),
+                    Op::Restore => api.restore(key.pid).map(|_| None),
+                    Op::Unlock => api.unlock(key.pid).map(|_| None),
+                    _ => Ok(None),
+                };
+                let _ = tx.send(r);
+            })
+            .map_err(|e| format!("no thread for the driver call: {e}"))?;
+        match rx.recv_timeout(budget) {
+            Ok(Ok(s)) => Ok(s),
+            Ok(Err(e)) if e.code == 3 || e.code == 500 => Err("unknown".into()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "{} of pid {} did not return within {budget:?} (is the process stopped or frozen?)",
+                op.symbol().to_string_lossy(),
+                key.pid
+            )),
+        }
+    };
+    let fail = |e: String| Progress::Failed(ActError::Driver(e));
+    let state = match call(Op::State) {
+        Ok(Some(s)) => s,
+        Ok(None) => return fail("the driver gave no state".into()),
+        Err(e) if e == "gone" || e == "unknown" => return Progress::Gone,
+        Err(e) => return fail(e),
+    };
+    if state == ProcessState::Checkpointed {
+        match call(Op::Restore) {
+            Ok(_) => {}
+            Err(e) if e == "gone" => return Progress::Gone,
+            Err(e) => return fail(e),
+        }
+    }
+    match state {
+        ProcessState::Running => Progress::Done,
+        ProcessState::Failed | ProcessState::Other(_) => Progress::Skipped,
+        ProcessState::Locked | ProcessState::Checkpointed => match call(Op::Unlock) {
+            Ok(_) => Progress::Done,
+            Err(e) if e == "gone" => Progress::Gone,
+            Err(e) => fail(e),
+        },
     }
 }
 

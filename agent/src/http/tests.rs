@@ -30,6 +30,8 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
                 suspended: false,
                 actuator: None,
                 last_active_ms_ago: None,
+                driver: None,
+                checkpointed_bytes: None,
             }],
             ..Default::default()
         }],

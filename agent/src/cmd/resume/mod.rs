@@ -63,6 +63,11 @@ pub struct ResumeArgs {
     /// after the agent's: the chart's `resume-guard` sidecar).
     #[arg(long)]
     pub standby: bool,
+    /// The CUDA driver library that restores and unlocks what `--driver-lock` and
+    /// `--memory-reserve` left locked or checkpointed (loaded only when the record holds
+    /// such entries).
+    #[arg(long, env = "COLOC_CUDA_LIB", default_value = "libcuda.so.1")]
+    pub cuda_lib: String,
 }
 
 /// The help text's examples and exit statuses.
@@ -224,11 +229,39 @@ pub fn resume_entries(
     entries: &[RecordEntry],
     timeout: Duration,
     locate: impl Fn(&RecordEntry) -> RecordEntry,
+    cuda_lib: &str,
 ) -> Vec<Step> {
-    entries
-        .iter()
+    // Every stop and freeze first, then what the CUDA driver holds: its restore runs on a
+    // thread inside the process, which must run (thaw first).
+    let (driver, others): (Vec<&RecordEntry>, Vec<&RecordEntry>) =
+        entries.iter().partition(|e| e.driver_process().is_some());
+    let mut api: Option<Result<std::sync::Arc<dyn crate::edges::checkpoint::DriverApi>, String>> =
+        None;
+    others
+        .into_iter()
+        .chain(driver)
         .map(|e| {
-            let progress = actuator::resume_recorded(&locate(e), timeout);
+            let progress = match e.driver_process() {
+                None => actuator::resume_recorded(&locate(e), timeout),
+                Some(key) => {
+                    let api = api.get_or_insert_with(|| {
+                        crate::edges::checkpoint::CudaCheckpoint::open(cuda_lib)
+                            .map(|c| {
+                                std::sync::Arc::new(c)
+                                    as std::sync::Arc<dyn crate::edges::checkpoint::DriverApi>
+                            })
+                            .map_err(|e| format!("--cuda-lib {cuda_lib}: {e}"))
+                    });
+                    match api {
+                        Ok(api) => crate::edges::checkpoint::resume_recorded(
+                            api.clone(),
+                            key,
+                            crate::edges::checkpoint::RESUME_CALL_BUDGET,
+                        ),
+                        Err(err) => Progress::Failed(actuator::ActError::Driver(err.clone())),
+                    }
+                }
+            };
             let record_error = match progress {
                 Progress::Failed(_) => None,
                 _ => record
@@ -256,7 +289,10 @@ fn rebase(from: &Path, to: &Path) -> impl Fn(&RecordEntry) -> RecordEntry {
             },
             _ => e.clone(),
         },
-        RecordEntry::Process { .. } | RecordEntry::Gate { .. } => e.clone(),
+        RecordEntry::Process { .. }
+        | RecordEntry::Gate { .. }
+        | RecordEntry::Lock { .. }
+        | RecordEntry::Checkpoint { .. } => e.clone(),
     }
 }
 
@@ -265,6 +301,12 @@ fn describe(e: &RecordEntry) -> String {
         RecordEntry::Cgroup { dir, version } => format!("cgroup {} ({version:?})", dir.display()),
         RecordEntry::Process { pid, start } => format!("process {pid} (start time {start})"),
         RecordEntry::Gate { file, uuid } => format!("launch gate {uuid} in {}", file.display()),
+        RecordEntry::Lock { pid, start } => {
+            format!("driver lock of process {pid} (start time {start})")
+        }
+        RecordEntry::Checkpoint { pid, start } => {
+            format!("checkpoint of process {pid} (start time {start})")
+        }
     }
 }
 
@@ -343,6 +385,7 @@ pub fn resume(args: &ResumeArgs, out: &mut dyn Write) -> Result<()> {
         &entries,
         args.confirm_timeout,
         rebase(&recorded, &args.cgroup_root),
+        &args.cuda_lib,
     );
     let (mut resumed, mut gone, mut failed) = (0, 0, 0);
     for s in &steps {
@@ -355,6 +398,13 @@ pub fn resume(args: &ResumeArgs, out: &mut dyn Write) -> Result<()> {
             Progress::Gone => {
                 gone += 1;
                 writeln!(out, "gone    {what}: nothing to resume")?;
+            }
+            Progress::Skipped => {
+                gone += 1;
+                writeln!(
+                    out,
+                    "failed  {what}: the CUDA driver reports the process failed; nothing to restore"
+                )?;
             }
             _ => {
                 resumed += 1;

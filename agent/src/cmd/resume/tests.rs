@@ -16,6 +16,7 @@ fn args(dir: &Path) -> ResumeArgs {
         cgroup_root: "/sys/fs/cgroup".into(),
         recorded_cgroup_root: None,
         standby: false,
+        cuda_lib: "libcuda.so.1".into(),
     }
 }
 

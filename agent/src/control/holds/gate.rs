@@ -85,7 +85,7 @@ impl HoldBook {
                     leader,
                 });
             }
-            Plan::Freeze(t) | Plan::Signal(t) | Plan::Gate { gate: t, .. } => {
+            Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
                 let members = vec![t.clone()];
                 self.record_fallback(p, fallback, members);
             }

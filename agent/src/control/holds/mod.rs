@@ -314,6 +314,28 @@ impl HoldBook {
             .any(|h| h.holders.contains(holder))
     }
 
+    /// Whether a hold may have `key` stopped or frozen now — itself, or `cgroup` (a
+    /// directory it is in) or a cgroup above it — held, being started, or resuming and not
+    /// confirmed yet. The driver's restore runs on a thread inside the process: it waits
+    /// for this to end (thaw first).
+    pub fn stops(&self, key: &ProcKey, cgroup: Option<&std::path::Path>) -> bool {
+        let hit = |t: &Target| match t {
+            Target::Process { key: k, .. } => k == key,
+            Target::Cgroup { dir, .. } => cgroup.is_some_and(|c| c.starts_with(dir)),
+            Target::Gate { .. } | Target::Lock { .. } => false,
+        };
+        self.held
+            .values()
+            .chain(self.staged.values())
+            .any(|h| h.members.iter().any(hit) || h.escalate.iter().any(hit))
+            || self.pending.iter().any(|p| p.all.iter().any(hit))
+            || self.waiting.values().any(|t| match t {
+                Then::StartedResume { members, .. } => members.iter().any(hit),
+                Then::ReleasedAll(holds) => holds.iter().any(|(_, m)| m.iter().any(hit)),
+                _ => false,
+            })
+    }
+
     /// Forgets every hold without acting: something else (the NVML watchdog) resumed
     /// them all and cleared the record.
     pub fn forget_all(&mut self) {

@@ -60,7 +60,7 @@ impl HoldBook {
                         leader: leader.clone(),
                     })
                 }
-                Plan::Freeze(t) | Plan::Signal(t) | Plan::Gate { gate: t, .. } => {
+                Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
                     if let Some(h) = self.staged.get_mut(&key) {
                         h.members = vec![t.clone()];
                     }

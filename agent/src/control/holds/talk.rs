@@ -20,6 +20,8 @@ pub enum Failure {
     Signal,
     /// The launch gate could not close (no slot for the GPU, or not this agent's file).
     NoGate,
+    /// The CUDA driver refused its lock (the process falls back to its other hold).
+    Driver,
 }
 
 impl Failure {
@@ -31,6 +33,7 @@ impl Failure {
             Failure::CgroupWrite => "cgroup_write",
             Failure::Signal => "signal",
             Failure::NoGate => "no_gate",
+            Failure::Driver => "driver",
         }
     }
 
@@ -41,6 +44,7 @@ impl Failure {
             ActError::Signal { .. } => Failure::Signal,
             ActError::Timeout { .. } => Failure::Timeout,
             ActError::NoGate(_) => Failure::NoGate,
+            ActError::Driver(_) => Failure::Driver,
         }
     }
 }

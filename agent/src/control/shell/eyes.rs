@@ -59,6 +59,15 @@ impl Eyes {
         }
     }
 
+    /// Each GPU's memory (memory preemption).
+    pub fn memory(&mut self, gpus: &[u32]) -> Obs {
+        Obs::Memory(
+            gpus.iter()
+                .map(|g| (*g, self.gpu.memory(*g).map_err(|e| e.to_string())))
+                .collect(),
+        )
+    }
+
     /// Reads the samples of `gpus` since their timestamps, in order; stops after a GPU
     /// when a doorbell has rung (a launch never waits behind more than one GPU's calls).
     pub fn samples(&mut self, gpus: &[(u32, u64)]) -> Obs {

@@ -166,7 +166,7 @@ impl Hands {
         let me = self.procfs.self_pid();
         let lead = match &leader {
             Target::Process { key, .. } => key.pid,
-            Target::Cgroup { .. } | Target::Gate { .. } => 0,
+            Target::Cgroup { .. } | Target::Gate { .. } | Target::Lock { .. } => 0,
         };
         let mut out = vec![leader];
         match self.procfs.cgroup_members(dir) {

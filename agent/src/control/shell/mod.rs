@@ -45,6 +45,12 @@ use watchdog::Watchdog;
 /// How long the agent waits, on its way out, for the record's last writes.
 const LAST_WRITES: Duration = Duration::from_secs(5);
 
+/// How long the agent waits, on its way out, for the driver to restore and unlock what it
+/// holds (restores were measured at about 0.2 s per GB on an H100, several at once no
+/// slower than one). What is left stays in the record for `coloc-agent resume` and the
+/// next start.
+pub const LAST_RESTORES: Duration = Duration::from_secs(60);
+
 /// The control loop: the controller and the shell around it.
 pub struct Loop {
     pub(crate) cfg: LoopConfig,
@@ -53,6 +59,9 @@ pub struct Loop {
     /// The edges that act, shared with the watchdog.
     pub(crate) hands: Arc<Mutex<Hands>>,
     scribe: Scribe,
+    /// The driver's checkpoint API, called off the loop (`--driver-lock`,
+    /// `--memory-reserve`).
+    driver: Option<crate::edges::checkpoint::DriverCalls>,
     clock: Arc<dyn Clock>,
     pub(crate) watchdog: Arc<Watchdog>,
     pub(crate) telemetry: Telemetry,
@@ -112,6 +121,9 @@ impl Loop {
         };
         let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
         let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser);
+        let driver = edges
+            .driver
+            .map(|api| crate::edges::checkpoint::DriverCalls::new(api, edges.procfs.clone()));
         let hands = Hands::new(
             edges.actuator,
             edges.procfs,
@@ -123,6 +135,7 @@ impl Loop {
             eyes: Eyes::new(edges.gpu, edges.bells, classifier),
             hands: Arc::new(Mutex::new(hands)),
             scribe,
+            driver,
             clock: edges.clock,
             watchdog: Arc::new(Watchdog::default()),
             telemetry: Telemetry::new(&gpus, event_log),
@@ -211,6 +224,9 @@ impl Loop {
     fn converse(&mut self, mut obs: Vec<Obs>) {
         loop {
             obs.extend(self.scribe.landed());
+            if let Some(d) = &mut self.driver {
+                obs.extend(d.finished().into_iter().map(Obs::Driver));
+            }
             let cmds = self.ctl.step(self.clock.now_ns(), obs);
             if cmds.is_empty() {
                 return;
@@ -257,6 +273,32 @@ impl Loop {
                     }
                 }
                 Cmd::Publish(doc) => self.publish(*doc),
+                Cmd::ReadMemory { gpus } => {
+                    self.watchdog.enter(self.clock.now_ns());
+                    out.push(self.eyes.memory(&gpus));
+                    if self.watchdog.leave(&self.hands) {
+                        out.push(Obs::WatchdogTripped);
+                    }
+                }
+                Cmd::Driver(call) => match &mut self.driver {
+                    Some(d) => {
+                        d.start(call.key, call.op, call.timeout);
+                    }
+                    None => out.push(Obs::Driver(crate::edges::checkpoint::Done {
+                        id: 0,
+                        key: call.key,
+                        op: call.op,
+                        end: crate::edges::checkpoint::CallEnd::Answered(Err(
+                            crate::edges::checkpoint::CuError {
+                                op: call.op,
+                                code: -1,
+                                name: "NO_API".into(),
+                            },
+                        )),
+                        state: None,
+                        elapsed: Duration::ZERO,
+                    })),
+                },
             }
         }
         out
@@ -319,6 +361,27 @@ impl Loop {
                 acc.reclaimed += dts;
             }
         }
+        drop(secs);
+        let vault = self.ctl.vault();
+        if vault.active() {
+            metrics::gauge!("coloc_driver_locked_processes").set(vault.locked() as f64);
+            for (gpu, m) in vault.summary() {
+                let g = gpu.to_string();
+                metrics::gauge!("coloc_checkpointed_processes", "gpu" => g.clone())
+                    .set(m.checkpointed as f64);
+                metrics::gauge!("coloc_checkpointed_bytes", "gpu" => g.clone())
+                    .set(m.checkpointed_bytes as f64);
+                metrics::gauge!("coloc_gpu_memory_free_bytes", "gpu" => g.clone())
+                    .set(m.free_bytes as f64);
+                metrics::gauge!("coloc_gpu_memory_reserve_bytes", "gpu" => g.clone())
+                    .set(m.reserve_bytes as f64);
+                metrics::gauge!("coloc_memory_pressure", "gpu" => g).set(if m.pressure {
+                    1.0
+                } else {
+                    0.0
+                });
+            }
+        }
     }
 
     /// Resumes every held target and forgets all suspensions (shutdown, panic); waits for
@@ -336,6 +399,39 @@ impl Loop {
                 }
             }
         }
+        self.last_restores();
+    }
+
+    /// Waits for the driver to restore and unlock what the vault holds (the holds were
+    /// released first: a restore needs its process thawed), and for the record to let
+    /// them go.
+    fn last_restores(&mut self) {
+        if self.ctl.vault_idle() {
+            return;
+        }
+        info!(
+            budget_s = LAST_RESTORES.as_secs(),
+            "Restoring and unlocking what the CUDA driver holds before exit"
+        );
+        let deadline = Instant::now() + LAST_RESTORES;
+        while !self.ctl.vault_idle() || self.ctl.record().writing() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                error!("The CUDA driver still holds offline work: left in the record for `coloc-agent resume` and the next start");
+                break;
+            }
+            let slice = left.min(Duration::from_millis(50));
+            let mut obs: Vec<Obs> = Vec::new();
+            if let Some(d) = self.driver.as_mut().and_then(|d| d.wait_next(slice)) {
+                obs.push(Obs::Driver(d));
+            } else if self.driver.is_none() {
+                break;
+            }
+            if self.ctl.record().writing() {
+                obs.extend(self.scribe.wait(Duration::from_millis(1)));
+            }
+            self.converse(obs);
+        }
     }
 
     /// The handle shared with the HTTP server.
@@ -347,7 +443,7 @@ impl Loop {
 impl Drop for Loop {
     fn drop(&mut self) {
         // Reached on normal exit (already empty) and on a panic unwinding the loop.
-        if !self.ctl.holds().is_empty() {
+        if !self.ctl.holds().is_empty() || !self.ctl.vault_idle() {
             error!("Control loop ending with offline work suspended: resuming it");
             self.release_everything(ReleaseAll::Panic);
         }

@@ -11,6 +11,7 @@ mod props;
 mod props_ctl;
 mod record;
 mod robustness;
+mod vault;
 mod world;
 
 use super::events::Event;
@@ -134,6 +135,7 @@ fn harness_edges(gpus: u32, mut cfg: LoopConfig, gate: Option<PathBuf>) -> H {
         record: Box::new(rec.clone()),
         bells: Box::new(bells.clone()),
         gates,
+        driver: None,
     };
     let lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
     H {
@@ -155,6 +157,7 @@ fn class(c: Class, cgroup: Option<&str>) -> Classified {
         share: Share::Burst,
         owner: format!("test:{c}"),
         freeze_cgroup: cgroup.map(String::from),
+        checkpoint: None,
     }
 }
 

@@ -16,7 +16,21 @@
 //! 5. **a gate never keeps offline work running past its bound:** a gate closed for a
 //!    process that is still busy-held has the process stopped by its fallback within
 //!    `--gate-timeout` (and the writes' delay), whatever the shim acknowledges;
-//! 6. **resume everything on shutdown:** nothing held, no gate closed, nothing recorded.
+//! 6. **resume everything on shutdown:** nothing held, no gate closed, nothing recorded;
+//!    with the driver's checkpoint API, nothing locked or checkpointed either (restored,
+//!    then unlocked).
+//!
+//! With the driver's API (`--driver-lock`, `--memory-reserve`), a driver that refuses some
+//! processes' locks and whose calls wait while their process is stopped, also:
+//!
+//! 7. **record before lock:** no lock is asked of the driver before a write that holds the
+//!    process's lock or checkpoint entry has landed (checked at the command);
+//! 8. **thaw before restore:** no call that changes a process is asked while the process is
+//!    stopped, and no process is stopped while the driver holds it or a call waits for it
+//!    (checked at the command);
+//! 9. **a lock is a hold like the others:** properties 2 and 3 hold for processes the
+//!    driver's lock holds (memory preemption's checkpoints excepted: they end with
+//!    `--restore-after`).
 
 use super::world::{ack, Ack, World};
 use super::*;
@@ -63,6 +77,10 @@ enum Act {
     TenantResumes {
         slot: u32,
     },
+    /// The driver refuses the slot's process's lock from now on.
+    DriverRefuses {
+        slot: u32,
+    },
 }
 
 fn act() -> impl Strategy<Value = Act> {
@@ -77,6 +95,7 @@ fn act() -> impl Strategy<Value = Act> {
         1 => (0..SLOTS).prop_map(|slot| Act::BusyThenFails { slot }),
         1 => (0..SLOTS).prop_map(|slot| Act::SuspendFails { slot }),
         1 => (0..SLOTS).prop_map(|slot| Act::TenantResumes { slot }),
+        1 => (0..SLOTS).prop_map(|slot| Act::DriverRefuses { slot }),
     ]
 }
 
@@ -93,6 +112,8 @@ struct Play {
     /// Busy samples given on this tick: GPU → when each busy process started.
     busy_now: BTreeMap<u32, Vec<u64>>,
     grace: u64,
+    /// The world's driver has the checkpoint API.
+    vault: bool,
 }
 
 impl Play {
@@ -152,6 +173,11 @@ impl Play {
                     self.faulted.insert(p.key);
                 }
             }
+            Act::DriverRefuses { slot } => {
+                if let Some(p) = self.w.procs.get(&slot) {
+                    self.w.refuse.insert(p.key);
+                }
+            }
             Act::TenantResumes { slot } => {
                 if let Some(p) = self.w.procs.get(&slot) {
                     let key = p.key;
@@ -176,19 +202,55 @@ impl Play {
             return Err(TestCaseError::fail(v));
         }
         self.check(at)?;
+        self.no_leaked_lock()?;
         self.busy_now.clear();
+        Ok(())
+    }
+
+    /// Held for online's sake: stopped, or held by the driver for a lock hold.
+    fn held(&self, key: &crate::edges::procfs::ProcKey) -> bool {
+        self.w.stopped.contains(key)
+            || (self.w.driver_state(key) != crate::control::vault::DState::Running
+                && self.w.ctl.rooms.vault.time_held(key))
+    }
+
+    /// Property 9's other half: whatever the driver holds, the vault wants held (a lock
+    /// hold, or memory preemption), or a call that lets it go is on its way.
+    fn no_leaked_lock(&self) -> Result<(), TestCaseError> {
+        for p in self.w.procs.values() {
+            let k = &p.key;
+            let vault = &self.w.ctl.rooms.vault;
+            prop_assert!(
+                self.w.driver_state(k) == crate::control::vault::DState::Running
+                    || vault.time_held(k)
+                    || vault.evicting(k)
+                    || self.w.call_for(k),
+                "pid {} left {:?} by the driver with nothing wanting it so",
+                k.pid,
+                self.w.driver_state(k)
+            );
+        }
         Ok(())
     }
 
     /// Properties 2, 3 and 5, after the tick that started at `at`.
     fn check(&self, at: u64) -> Result<(), TestCaseError> {
         let delay = self.w.write_delay as u64 * MS;
+        // An unlock is a driver call: it ends this much later than a SIGCONT.
+        let unlock = if self.vault {
+            self.w.call_ms * MS + 2 * MS
+        } else {
+            0
+        };
         for p in self.w.procs.values().filter(|p| !p.online) {
             let g = p.gpu;
             // Held again by a re-check (every 10 ms, two targets at a time).
             let resumed = self.tenant.get(&p.key).is_some_and(|t| at < t + 40 * MS);
-            let held = self.w.stopped.contains(&p.key);
-            let quiet = self.last_busy.get(&g).is_none_or(|b| at > b + WINDOW + MS);
+            let held = self.held(&p.key);
+            let quiet = self
+                .last_busy
+                .get(&g)
+                .is_none_or(|b| at > b + WINDOW + MS + unlock);
             prop_assert!(
                 !(held && quiet),
                 "pid {} on GPU {g} still held at {} ms, online last busy at {:?} ms",
@@ -200,7 +262,8 @@ impl Play {
                 let bound = self
                     .grace
                     .max(crate::control::health::MIN_FAILED_TICKS as u64 * MS)
-                    + 2 * MS;
+                    + 2 * MS
+                    + unlock;
                 prop_assert!(
                     !(held && at >= since + bound),
                     "pid {} held on GPU {g}, whose NVML has failed since {} ms",
@@ -221,6 +284,7 @@ impl Play {
                 .get(&g)
                 .is_some_and(|b| b.iter().any(|b| known(*b)));
             if delay == 0
+                && !self.vault
                 && !self.w.gate
                 && self.busy_now.contains_key(&g)
                 && healthy
@@ -261,9 +325,29 @@ impl Play {
 }
 
 fn play(acts: &[Act], gate: bool, ack: Ack, delay: u32) -> Result<(), TestCaseError> {
+    play_in(World::new(GPUS, gate, ack, delay), false, acts)
+}
+
+/// With the driver's checkpoint API: the lock hold (`lock`), memory preemption (`reserve`).
+fn play_vault(
+    acts: &[Act],
+    gate: bool,
+    delay: u32,
+    lock: bool,
+    reserve: Option<crate::control::vault::Reserve>,
+) -> Result<(), TestCaseError> {
+    play_in(
+        World::with_vault(GPUS, gate, delay, lock, reserve),
+        true,
+        acts,
+    )
+}
+
+fn play_in(w: World, vault: bool, acts: &[Act]) -> Result<(), TestCaseError> {
     let grace = default_config().nvml_grace.as_nanos() as u64;
     let mut p = Play {
-        w: World::new(GPUS, gate, ack, delay),
+        w,
+        vault,
         last_busy: BTreeMap::new(),
         nvml_failing: BTreeMap::new(),
         nvml_failed_at: BTreeMap::new(),
@@ -283,9 +367,17 @@ fn play(acts: &[Act], gate: bool, ack: Ack, delay: u32) -> Result<(), TestCaseEr
         crate::control::ReleaseAll::Shutdown,
     )]);
     p.w.land_all();
+    // Restores and unlocks, then their record removals.
+    p.w.drain_driver(5_000);
+    p.w.land_all();
     if let Some(v) = p.w.violation.take() {
         return Err(TestCaseError::fail(v));
     }
+    prop_assert!(
+        p.w.dstate.is_empty(),
+        "the driver still holds after shutdown: {:?}",
+        p.w.dstate
+    );
     prop_assert!(
         p.w.stopped.is_empty(),
         "held after shutdown: {:?}",
@@ -320,6 +412,20 @@ proptest! {
         delay in prop_oneof![Just(0u32), 1u32..8],
     ) {
         play(&acts, false, Ack::Never, delay)?;
+    }
+
+    /// With the driver's lock as the hold of every offline process, memory preemption
+    /// over 16 GiB GPUs (each process holds 4 GiB, the reserve is 8 GiB), or both; some
+    /// locks refused; with and without gates.
+    #[test]
+    fn the_drivers_holds_keep_the_same_promises(
+        acts in proptest::collection::vec(act(), 1..60),
+        delay in prop_oneof![Just(0u32), 1u32..8],
+        gate in any::<bool>(),
+        mode in 0u8..3,
+    ) {
+        let reserve = (mode > 0).then_some(crate::control::vault::Reserve::Bytes(8 << 30));
+        play_vault(&acts, gate, delay, mode != 1, reserve)?;
     }
 
     /// The same with launch gates, whatever the shims acknowledge.

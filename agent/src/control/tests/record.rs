@@ -21,6 +21,7 @@ fn off_loop(gpus: u32) -> H {
         record: Box::new(h.rec.clone()),
         bells: Box::new(h.bells.clone()),
         gates: None,
+        driver: None,
     };
     h.lp = Loop::new(cfg, edges, Arc::new(Shared::default())).unwrap();
     h

@@ -308,6 +308,7 @@ fn a_panic_in_the_hands_resumes_what_was_stopped() {
         record: Box::new(rec.clone()),
         bells: Box::new(bells.clone()),
         gates: None,
+        driver: None,
     };
     let mut cfg = default_config();
     cfg.record_off_loop = false;

@@ -1,7 +1,9 @@
 //! A model of the world that plays the shell for [`Controller::step`]: processes that
 //! start, exit and reuse PIDs, online work, NVML that fails per GPU, a record whose writes
 //! land late or fail, an actuator that fails or whose holds a tenant breaks, launch gates
-//! whose shims acknowledge at once, late, falsely or never. It answers every command as
+//! whose shims acknowledge at once, late, falsely or never, and a CUDA driver with the
+//! checkpoint API whose calls wait while their process is stopped (as the H100's did),
+//! over GPUs whose memory online and offline processes share. It answers every command as
 //! the edges would, and checks at each command what the controller may never ask
 //! (`props_ctl` checks the rest after each tick).
 
@@ -70,7 +72,21 @@ pub(super) struct World {
     pub reported_gone: BTreeSet<ProcKey>,
     /// What went wrong at each command, if anything.
     pub violation: Option<String>,
+    /// Where the driver has each process (absent: running).
+    pub dstate: BTreeMap<ProcKey, DState>,
+    /// Driver calls on their way: (earliest end, call).
+    calls: Vec<(u64, crate::control::vault::Call)>,
+    /// How long a driver call takes once its process runs, ms.
+    pub call_ms: u64,
+    /// Processes whose lock the driver refuses (`CUDA_ERROR_NOT_SUPPORTED`).
+    pub refuse: BTreeSet<ProcKey>,
+    /// Each GPU's memory, bytes.
+    pub mem_total: u64,
+    /// What a process holds on its GPU, bytes (online and offline alike).
+    pub proc_bytes: u64,
 }
+
+use crate::control::vault::DState;
 
 fn uuid(gpu: u32) -> [u8; 16] {
     fake_uuid(gpu)
@@ -106,6 +122,153 @@ impl World {
             pages_changed: true,
             reported_gone: BTreeSet::new(),
             violation: None,
+            dstate: BTreeMap::new(),
+            calls: Vec::new(),
+            call_ms: 2,
+            refuse: BTreeSet::new(),
+            mem_total: 16 << 30,
+            proc_bytes: 4 << 30,
+        }
+    }
+
+    /// A world whose driver has the checkpoint API, with the vault configured: the lock
+    /// hold for every offline process (`lock`), memory preemption with `reserve`
+    /// (every offline process opted in).
+    pub fn with_vault(
+        gpus: u32,
+        gate: bool,
+        write_delay: u32,
+        lock: bool,
+        reserve: Option<crate::control::vault::Reserve>,
+    ) -> World {
+        let mut cfg = default_config();
+        cfg.gate_timeout = Duration::from_millis(50);
+        cfg.vault = crate::control::vault::VaultConfig {
+            api: true,
+            lock,
+            reserve,
+            restore_after_ns: 300 * MS,
+            pods: crate::control::vault::PodsPolicy::OptOut,
+            memory_interval_ns: 5 * MS,
+            lock_timeout: cfg.confirm_timeout,
+        };
+        let ids = (0..gpus)
+            .map(|g| (g, coloc_doorbell::format_uuid(&uuid(g))))
+            .collect();
+        let file = gate.then(|| PathBuf::from("/run/gpu-coloc/gate/gates"));
+        let mut w = World::new(gpus, gate, Ack::AtOnce, write_delay);
+        w.ctl = Controller::new(&cfg, ids, T0, file, BTreeSet::new());
+        w
+    }
+
+    /// Where the driver has `key`.
+    pub fn driver_state(&self, key: &ProcKey) -> DState {
+        self.dstate.get(key).copied().unwrap_or(DState::Running)
+    }
+
+    /// The GPU's free memory: what its processes hold, checkpointed ones excepted.
+    pub fn free(&self, gpu: u32) -> u64 {
+        let used: u64 = self
+            .procs
+            .values()
+            .filter(|p| p.gpu == gpu && self.driver_state(&p.key) != DState::Checkpointed)
+            .map(|_| self.proc_bytes)
+            .sum();
+        self.mem_total.saturating_sub(used)
+    }
+
+    /// Whether a driver call for `key` is on its way.
+    pub fn call_for(&self, key: &ProcKey) -> bool {
+        self.calls.iter().any(|(_, c)| c.key == *key)
+    }
+
+    /// The driver calls that have ended by now (a call on a stopped process waits for it,
+    /// as the real driver's did).
+    fn driver_done(&mut self) -> Vec<Obs> {
+        use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DOp, ProcessState};
+        let mut out = Vec::new();
+        let now = self.now;
+        let mut keep = Vec::new();
+        for (due, call) in std::mem::take(&mut self.calls) {
+            let alive = self.alive(&call.key).is_some();
+            if alive && (due > now || self.stopped.contains(&call.key)) {
+                keep.push((due, call));
+                continue;
+            }
+            let st = self.driver_state(&call.key);
+            let err = |code: i32, name: &str| {
+                CallEnd::Answered(Err(CuError {
+                    op: call.op,
+                    code,
+                    name: name.into(),
+                }))
+            };
+            let illegal = || err(401, "CUDA_ERROR_ILLEGAL_STATE");
+            let mut state = None;
+            let end = if !alive {
+                CallEnd::Gone
+            } else {
+                match (call.op, st) {
+                    (DOp::Lock, _) if self.refuse.contains(&call.key) => {
+                        err(801, "CUDA_ERROR_NOT_SUPPORTED")
+                    }
+                    (DOp::Lock, DState::Running) => {
+                        self.dstate.insert(call.key, DState::Locked);
+                        CallEnd::Answered(Ok(()))
+                    }
+                    (DOp::Checkpoint, DState::Locked) => {
+                        self.dstate.insert(call.key, DState::Checkpointed);
+                        CallEnd::Answered(Ok(()))
+                    }
+                    (DOp::Restore, DState::Checkpointed) => {
+                        let gpu = self.alive(&call.key).map_or(0, |p| p.gpu);
+                        if self.free(gpu) < self.proc_bytes {
+                            err(2, "CUDA_ERROR_OUT_OF_MEMORY")
+                        } else {
+                            self.dstate.insert(call.key, DState::Locked);
+                            CallEnd::Answered(Ok(()))
+                        }
+                    }
+                    (DOp::Unlock, DState::Locked) => {
+                        self.dstate.remove(&call.key);
+                        CallEnd::Answered(Ok(()))
+                    }
+                    (DOp::State, s) => {
+                        state = Some(match s {
+                            DState::Running => ProcessState::Running,
+                            DState::Locked => ProcessState::Locked,
+                            DState::Checkpointed => ProcessState::Checkpointed,
+                            DState::Failed => ProcessState::Failed,
+                        });
+                        CallEnd::Answered(Ok(()))
+                    }
+                    _ => illegal(),
+                }
+            };
+            out.push(Obs::Driver(Done {
+                id: 0,
+                key: call.key,
+                op: call.op,
+                end,
+                state,
+                elapsed: Duration::from_nanos(now.saturating_sub(due) + self.call_ms * MS),
+            }));
+        }
+        self.calls = keep;
+        out
+    }
+
+    /// Ticks until every driver call has ended and the vault holds nothing (the agent on
+    /// its way out), at most `ms` ms.
+    pub fn drain_driver(&mut self, ms: u64) {
+        for _ in 0..ms {
+            if self.calls.is_empty() && self.ctl.vault_idle() {
+                return;
+            }
+            let mut obs = self.landed();
+            obs.extend(self.driver_done());
+            self.converse(obs);
+            self.now += MS;
         }
     }
 
@@ -121,6 +284,9 @@ impl World {
         };
         if !online {
             self.offline.insert(key);
+        }
+        if let Some(old) = self.procs.get(&slot) {
+            self.dstate.remove(&old.key);
         }
         let pin = Arc::new(std::fs::File::open("/dev/null").unwrap().into());
         let born = self.now;
@@ -138,7 +304,9 @@ impl World {
     }
 
     pub fn exit(&mut self, slot: u32) {
-        if self.procs.remove(&slot).is_some() {
+        if let Some(p) = self.procs.remove(&slot) {
+            // An exited process holds nothing in the driver.
+            self.dstate.remove(&p.key);
             self.pages_changed = true;
         }
     }
@@ -167,6 +335,7 @@ impl World {
             generation: self.generation,
         }];
         obs.extend(self.landed());
+        obs.extend(self.driver_done());
         self.converse(obs);
         self.now += MS;
     }
@@ -233,7 +402,10 @@ impl World {
                     failed.insert(*g, "GPU lost".to_string());
                 }
                 for p in self.procs.values() {
-                    if !self.nvml_failing.contains(&p.gpu) {
+                    // A checkpointed process has left the driver's lists.
+                    if !self.nvml_failing.contains(&p.gpu)
+                        && self.driver_state(&p.key) != DState::Checkpointed
+                    {
                         listed.entry(p.key.pid).or_default().insert(p.gpu);
                     }
                 }
@@ -307,6 +479,57 @@ impl World {
                 self.writes.push_back((due, w));
                 return None;
             }
+            Cmd::ReadMemory { gpus } => Obs::Memory(
+                gpus.iter()
+                    .map(|g| {
+                        let processes = self
+                            .procs
+                            .values()
+                            .filter(|p| {
+                                p.gpu == *g && self.driver_state(&p.key) != DState::Checkpointed
+                            })
+                            .map(|p| (p.key.pid, self.proc_bytes))
+                            .collect();
+                        (
+                            *g,
+                            Ok(Some(crate::edges::gpu::GpuMemory {
+                                total: self.mem_total,
+                                free: self.free(*g),
+                                processes,
+                            })),
+                        )
+                    })
+                    .collect(),
+            ),
+            Cmd::Driver(call) => {
+                use crate::edges::checkpoint::Op as DOp;
+                let key = call.key;
+                if self.calls.iter().any(|(_, c)| c.key == key) {
+                    self.flag(format!(
+                        "a second driver call for {key:?} while one is on its way"
+                    ));
+                }
+                if call.op == DOp::Lock {
+                    let lock = Target::Lock { key }.record();
+                    let ckpt = RecordEntry::Checkpoint {
+                        pid: key.pid,
+                        start: key.start,
+                    };
+                    if !self.disk.contains(&lock) && !self.disk.contains(&ckpt) {
+                        self.flag(format!("locked {key:?} before the record held it"));
+                    }
+                    self.may_stop(key, lock, "locked");
+                }
+                if call.op != DOp::State && self.stopped.contains(&key) {
+                    self.flag(format!(
+                        "{} of {key:?} asked of the driver while the process is stopped (thaw first)",
+                        call.op.as_str()
+                    ));
+                }
+                let due = self.now + self.call_ms * MS;
+                self.calls.push((due, call));
+                return None;
+            }
             Cmd::PreferPages(_)
             | Cmd::Beat
             | Cmd::Emit(_)
@@ -352,6 +575,10 @@ impl World {
                 let progress = targets
                     .iter()
                     .map(|t| match (t, op) {
+                        (Target::Lock { .. }, _) => {
+                            self.flag("a lock reached the actuator".into());
+                            Progress::Done
+                        }
                         (Target::Process { key, .. }, Op::Suspend) => {
                             if self.alive(key).is_none() {
                                 Progress::Gone
@@ -392,8 +619,19 @@ impl World {
 
     fn act(&mut self, t: &Target, op: Op) -> Progress {
         match (t, op) {
+            (Target::Lock { .. }, _) => {
+                self.flag("a lock reached the actuator".into());
+                Progress::Done
+            }
             (Target::Process { key, .. }, Op::Suspend) => {
                 self.may_stop(*key, t.record(), "stopped");
+                if self.driver_state(key) != DState::Running
+                    || self.calls.iter().any(|(_, c)| c.key == *key)
+                {
+                    self.flag(format!(
+                        "stopped {key:?} while the driver holds it or a call waits for it"
+                    ));
+                }
                 if self.suspend_fails.contains(key) {
                     return Progress::Failed(ActError::Signal {
                         pid: key.pid,

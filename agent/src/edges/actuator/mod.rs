@@ -40,6 +40,10 @@ pub enum Kind {
     /// The launch gate (`--gate`): not chosen here; a label for holds that close one.
     #[value(skip)]
     Gate,
+    /// The CUDA driver's lock (`--driver-lock`): not chosen here; a label for holds the
+    /// driver keeps.
+    #[value(skip)]
+    Lock,
 }
 
 impl Kind {
@@ -49,6 +53,7 @@ impl Kind {
             Kind::Freezer => "freezer",
             Kind::Signal => "signal",
             Kind::Gate => "gate",
+            Kind::Lock => "lock",
         }
     }
 }
@@ -81,6 +86,12 @@ pub enum Target {
         /// The gate file.
         file: PathBuf,
     },
+    /// One process's CUDA calls, blocked by the driver's lock (`cuCheckpointProcessLock`):
+    /// held by the controller's vault, not by an actuator ([`crate::control::vault`]).
+    Lock {
+        /// Identity (checked right before each driver call: the driver takes a bare PID).
+        key: ProcKey,
+    },
 }
 
 impl Target {
@@ -99,6 +110,10 @@ impl Target {
                 file: file.clone(),
                 uuid: coloc_doorbell::format_uuid(uuid),
             },
+            Target::Lock { key } => RecordEntry::Lock {
+                pid: key.pid,
+                start: key.start,
+            },
         }
     }
 
@@ -108,6 +123,7 @@ impl Target {
             Target::Cgroup { .. } => Kind::Freezer,
             Target::Process { .. } => Kind::Signal,
             Target::Gate { .. } => Kind::Gate,
+            Target::Lock { .. } => Kind::Lock,
         }
     }
 }
@@ -123,6 +139,7 @@ impl std::fmt::Display for Target {
                 coloc_doorbell::format_uuid(uuid),
                 key.pid
             ),
+            Target::Lock { key } => write!(f, "driver lock of pid {}", key.pid),
         }
     }
 }
@@ -152,6 +169,38 @@ pub enum RecordEntry {
         /// The GPU's UUID, as NVML writes it.
         uuid: String,
     },
+    /// A process the CUDA driver may hold locked or checkpointed (PID plus start time).
+    /// Resumed after every other entry: restore (the process must run: thaw first), then
+    /// unlock.
+    Lock {
+        /// PID.
+        pid: u32,
+        /// Start time, clock ticks since boot.
+        start: u64,
+    },
+    /// A process the agent may have locked and checkpointed to give its GPU memory to
+    /// online work: resumed like [`RecordEntry::Lock`].
+    Checkpoint {
+        /// PID.
+        pid: u32,
+        /// Start time, clock ticks since boot.
+        start: u64,
+    },
+}
+
+impl RecordEntry {
+    /// The process the CUDA driver may hold, for a lock or checkpoint entry.
+    pub fn driver_process(&self) -> Option<ProcKey> {
+        match self {
+            RecordEntry::Lock { pid, start } | RecordEntry::Checkpoint { pid, start } => {
+                Some(ProcKey {
+                    pid: *pid,
+                    start: *start,
+                })
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Why an actuation failed (short, bounded names via [`ActError::reason`]).
@@ -178,6 +227,9 @@ pub enum ActError {
     /// The target needs the launch gate, which this actuator does not have.
     #[error("{0}: no launch gate here")]
     NoGate(String),
+    /// The CUDA driver refused a call (or has no checkpoint API).
+    #[error("{0}")]
+    Driver(String),
     /// The new state was not confirmed in time.
     #[error("{what} not confirmed within {timeout:?}")]
     Timeout {
@@ -196,6 +248,7 @@ impl ActError {
             ActError::Signal { .. } => "signal",
             ActError::Timeout { .. } => "timeout",
             ActError::NoGate(_) => "no_gate",
+            ActError::Driver(_) => "driver",
         }
     }
 }
@@ -268,6 +321,9 @@ impl Actuator for Host {
                     r => r.err(),
                 },
                 Target::Gate { .. } => Some(Progress::Failed(ActError::NoGate(t.to_string()))),
+                Target::Lock { .. } => Some(Progress::Failed(ActError::Driver(format!(
+                    "{t}: held by the controller's vault, not by an actuator"
+                )))),
             })
             .collect();
         wait(targets, op, issued, events, start, budget, &mut self.stats)
@@ -288,7 +344,7 @@ fn confirmed(target: &Target, op: Op, stats: &mut signal::StatCache) -> Option<b
         Target::Cgroup { dir, version } => freezer::confirmed(dir, *version, op),
         Target::Process { key, .. } => signal::confirmed(*key, op, stats),
         // Host::start fails these at once; a check has nothing to confirm.
-        Target::Gate { .. } => None,
+        Target::Gate { .. } | Target::Lock { .. } => None,
     }
 }
 
@@ -362,6 +418,12 @@ pub fn resume_recorded(e: &RecordEntry, timeout: Duration) -> Progress {
             version: *version,
         },
         RecordEntry::Gate { file, uuid } => return crate::edges::gate::open_recorded(file, uuid),
+        RecordEntry::Lock { .. } | RecordEntry::Checkpoint { .. } => {
+            return Progress::Failed(ActError::Driver(
+                "a driver entry is resumed through the CUDA driver (checkpoint::resume_recorded)"
+                    .into(),
+            ))
+        }
         RecordEntry::Process { pid, start } => {
             let key = ProcKey {
                 pid: *pid,

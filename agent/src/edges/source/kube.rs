@@ -42,6 +42,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use tracing::{info, warn};
 
+/// A pod's word on memory preemption: `"true"` lets the agent checkpoint its offline
+/// processes' GPU memory while online work needs it (`--checkpoint-pods opt-in`), `"false"`
+/// keeps it from doing so (`opt-out`).
+pub const CHECKPOINT_ANNOTATION: &str = "gpu-coloc.dev/checkpoint";
+
 /// What the agent needs to know about one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodEntry {
@@ -51,6 +56,8 @@ pub struct PodEntry {
     pub class: Class,
     /// Share policy (offline pods).
     pub share: Share,
+    /// `gpu-coloc.dev/checkpoint`: `"true"` or `"false"`; anything else says nothing.
+    pub checkpoint: Option<bool>,
 }
 
 impl PodEntry {
@@ -115,6 +122,13 @@ impl PodEntry {
                 owner,
                 class: c.class,
                 share,
+                checkpoint: ann
+                    .and_then(|a| a.get(CHECKPOINT_ANNOTATION))
+                    .and_then(|v| match v.trim() {
+                        "true" => Some(true),
+                        "false" => Some(false),
+                        _ => None,
+                    }),
             },
             c.warning,
         )
@@ -304,6 +318,7 @@ impl PodSource for KubeSource {
                 owner: e.owner,
                 // The container's own cgroup: every process in it belongs to this pod.
                 freeze_cgroup: Some(path),
+                checkpoint: e.checkpoint,
             },
             None => Classified {
                 owner: format!("pod-uid:{}", pc.uid),

@@ -26,6 +26,9 @@ pub struct Classified {
     /// freeze it. `None`: only the process itself is known to be offline, and only the
     /// `signal` actuator may touch it.
     pub freeze_cgroup: Option<String>,
+    /// What its pod or rule says of memory preemption (`gpu-coloc.dev/checkpoint`, a
+    /// rule's `checkpoint`): `Some(true)` opts in, `Some(false)` out, `None` says nothing.
+    pub checkpoint: Option<bool>,
 }
 
 impl Classified {
@@ -36,6 +39,7 @@ impl Classified {
             share: Share::Burst,
             owner: "-".into(),
             freeze_cgroup: None,
+            checkpoint: None,
         }
     }
 }
@@ -153,6 +157,7 @@ struct RawRule {
     uid: Option<u32>,
     policy: Option<toml::Spanned<String>>,
     share: Option<toml::Spanned<u32>>,
+    checkpoint: Option<bool>,
 }
 
 /// One compiled rule: every matcher given must match.
@@ -167,6 +172,7 @@ pub struct Rule {
     cmdline: Option<Glob>,
     uid: Option<u32>,
     share: Share,
+    checkpoint: Option<bool>,
 }
 
 /// A compiled glob (the `glob` crate): `*` any run of characters, `/` included; `?` one
@@ -392,6 +398,7 @@ impl Rules {
                 class,
                 uid: r.uid,
                 share,
+                checkpoint: r.checkpoint,
             });
         }
         Ok(Rules { rules, unmatched })
@@ -441,6 +448,7 @@ impl PodSource for Rules {
                 owner: format!("rule:{}", rule.name),
                 // Only a cgroup rule declares the whole cgroup offline; the root never is.
                 freeze_cgroup: cgroup.filter(|c| c != "/"),
+                checkpoint: rule.checkpoint,
             },
             None => Classified::unmanaged(self.unmatched),
         }

@@ -1,0 +1,215 @@
+//! The vault through the controller, with the world model as its shell: the driver's lock
+//! as a hold, memory preemption (largest first, recorded before the lock, restored after
+//! `--restore-after` when there is room), refusals that fall back to the other holds, and
+//! everything restored and unlocked at exit. The rule a restore waits for its process's
+//! thaw is tested on the vault alone (the world's processes are never stopped under the
+//! driver: its check flags that at the command).
+
+use super::world::World;
+use super::*;
+use crate::control::vault::{DState, PodsPolicy, Reserve, Vault};
+use crate::edges::checkpoint::Op as DOp;
+use crate::edges::procfs::ProcKey;
+
+fn ticks(w: &mut World, n: u64) {
+    for _ in 0..n {
+        w.tick();
+        if let Some(v) = w.violation.take() {
+            panic!("{v}");
+        }
+    }
+}
+
+fn busy_for(w: &mut World, slot: u32, ms: u64) {
+    for _ in 0..ms {
+        let p = w.procs[&slot].clone();
+        w.busy(p.gpu, p.key.pid);
+        ticks(w, 1);
+    }
+}
+
+fn key(w: &World, slot: u32) -> ProcKey {
+    w.procs[&slot].key
+}
+
+#[test]
+fn the_drivers_lock_holds_offline_while_online_is_busy_and_unlocks_after_the_window() {
+    let mut w = World::with_vault(1, false, 0, true, None);
+    w.start(0, 0, false);
+    w.start(1, 0, true);
+    ticks(&mut w, 80);
+    let off = key(&w, 0);
+    assert_eq!(w.driver_state(&off), DState::Running);
+    busy_for(&mut w, 1, 5);
+    assert_eq!(
+        w.driver_state(&off),
+        DState::Locked,
+        "locked while online is busy"
+    );
+    assert!(w.stopped.is_empty(), "the lock replaces the stop");
+    assert!(
+        w.disk.contains(&RecordEntry::Lock {
+            pid: off.pid,
+            start: off.start
+        }),
+        "the lock is recorded"
+    );
+    ticks(&mut w, 110);
+    assert_eq!(
+        w.driver_state(&off),
+        DState::Running,
+        "unlocked after the window"
+    );
+}
+
+#[test]
+fn a_lock_the_driver_refuses_falls_back_to_the_stop() {
+    let mut w = World::with_vault(1, false, 0, true, None);
+    w.start(0, 0, false);
+    w.start(1, 0, true);
+    ticks(&mut w, 80);
+    let off = key(&w, 0);
+    w.refuse.insert(off);
+    busy_for(&mut w, 1, 60);
+    assert_eq!(w.driver_state(&off), DState::Running);
+    assert!(
+        w.stopped.contains(&off),
+        "stopped by its other plan once the driver refused"
+    );
+    ticks(&mut w, 150);
+    assert!(w.stopped.is_empty());
+}
+
+#[test]
+fn memory_preemption_checkpoints_the_largest_first_until_the_reserve_is_met_and_restores_later() {
+    // 16 GiB, each process 4 GiB: online plus three offline leave nothing free; a reserve
+    // of 6 GiB needs two checkpoints (4 GiB free after the first).
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, false);
+    ticks(&mut w, 80);
+    assert!(w.dstate.is_empty(), "no pressure without online work");
+    w.start(3, 0, true);
+    ticks(&mut w, 100);
+    let checkpointed: Vec<u32> = (0..3)
+        .filter(|s| w.driver_state(&key(&w, *s)) == DState::Checkpointed)
+        .collect();
+    assert_eq!(checkpointed.len(), 2, "two are enough: {:?}", w.dstate);
+    assert!(w.free(0) >= 6 << 30);
+    for s in &checkpointed {
+        let k = key(&w, *s);
+        assert!(
+            w.disk.contains(&RecordEntry::Checkpoint {
+                pid: k.pid,
+                start: k.start
+            }),
+            "a checkpoint is recorded"
+        );
+    }
+    // Online leaves: after --restore-after (300 ms here) both come back, unlocked.
+    w.exit(3);
+    ticks(&mut w, 200);
+    assert_eq!(
+        checkpointed
+            .iter()
+            .filter(|s| w.driver_state(&key(&w, **s)) == DState::Checkpointed)
+            .count(),
+        2,
+        "kept before --restore-after"
+    );
+    ticks(&mut w, 300);
+    assert!(w.dstate.is_empty(), "restored and unlocked: {:?}", w.dstate);
+    ticks(&mut w, 5);
+    assert!(
+        !w.disk
+            .iter()
+            .any(|e| matches!(e, RecordEntry::Checkpoint { .. })),
+        "out of the record: {:?}",
+        w.disk
+    );
+}
+
+#[test]
+fn a_restore_waits_for_room_for_the_process_and_the_reserve() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, true);
+    ticks(&mut w, 100);
+    let held: Vec<ProcKey> = w.dstate.keys().copied().collect();
+    assert_eq!(held.len(), 1, "{:?}", w.dstate);
+    // Online stays (it holds its memory): 16 - 4 (online) - 4 (the other) = 8 free; the
+    // process (4) and the reserve (6) do not fit: it stays checkpointed.
+    ticks(&mut w, 600);
+    assert_eq!(w.driver_state(&held[0]), DState::Checkpointed);
+}
+
+#[test]
+fn memory_preemption_takes_only_the_pods_that_opted_in() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, true);
+    // World entries say nothing of checkpointing: under opt-in, nobody is taken.
+    let mut cfg = w.ctl.rooms.vault.config().clone();
+    cfg.pods = PodsPolicy::OptIn;
+    w.ctl.rooms.vault = Vault::new(cfg);
+    w.proc_bytes = 7 << 30;
+    ticks(&mut w, 100);
+    assert!(w.dstate.is_empty(), "{:?}", w.dstate);
+}
+
+#[test]
+fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
+    let mut w = World::with_vault(1, false, 2, true, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, true);
+    ticks(&mut w, 80);
+    busy_for(&mut w, 2, 40);
+    assert!(
+        w.dstate.values().any(|s| *s == DState::Checkpointed),
+        "{:?}",
+        w.dstate
+    );
+    assert!(
+        w.dstate.values().any(|s| *s == DState::Locked),
+        "{:?}",
+        w.dstate
+    );
+    w.converse(vec![crate::control::io::Obs::ReleaseAll(
+        crate::control::ReleaseAll::Shutdown,
+    )]);
+    w.drain_driver(2_000);
+    w.land_all();
+    assert!(w.violation.is_none(), "{:?}", w.violation);
+    assert!(w.dstate.is_empty(), "{:?}", w.dstate);
+    assert!(w.disk.is_empty(), "{:?}", w.disk);
+}
+
+/// Thaw before restore: the driver restores on a thread inside the process, so a restore
+/// asked while a hold stops the process would wait for it (at exit, behind the thaw it
+/// waits for). The vault asks only once no hold stops it.
+#[test]
+fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, true);
+    ticks(&mut w, 100);
+    let k = *w.dstate.keys().next().expect("one checkpointed");
+    let mut v: Vault = std::mem::take(&mut w.ctl.rooms.vault);
+    v.release_all();
+    v.calls(w.now, |key, _| *key == k);
+    let asked = v.take_calls();
+    assert!(
+        !asked.iter().any(|c| c.key == k),
+        "restore asked while stopped: {asked:?}"
+    );
+    v.calls(w.now, |_, _| false);
+    let asked = v.take_calls();
+    assert!(
+        asked.iter().any(|c| c.key == k && c.op == DOp::Restore),
+        "restore asked once thawed: {asked:?}"
+    );
+}
