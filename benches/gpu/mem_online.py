@@ -9,9 +9,11 @@ whose content is the GiB to allocate (written by the harness once it knows how m
 fit beside offline) -> CUDA context -> allocation attempts -> held -> freed.
 
 The allocation is one PyTorch tensor (one cudaMalloc of the whole amount), written once
-(a fill) and read every 100 ms while held. With --driver-api the process reaches the CUDA
-driver through ctypes (libcuda.so.1: cuInit, the primary context, cuMemAlloc_v2), as on the
-simulated GPU, where PyTorch does not run; nothing is written then.
+(a fill) and read every 100 ms while held; the context's creation runs a first kernel. With
+--driver-api the process reaches the CUDA driver through ctypes (libcuda.so.1: cuInit, the
+primary context, cuMemAlloc_v2), as on the simulated GPU, where PyTorch does not run; its
+kernel is the simulated driver's (busy for the nanoseconds of its first parameter, any
+module image), --touch-ms long, after the context's creation and every 100 ms while held.
 
 Writes JSON (always: in a `finally`, with "error" if it failed), times in CLOCK_MONOTONIC
 seconds: gib, bytes, context_s (the context's creation), first_attempt_mono, ok_mono,
@@ -40,6 +42,7 @@ ap.add_argument("--deadline-s", type=float, default=60.0, help="give up this lon
 ap.add_argument("--hold-s", type=float, default=3.0, help="how long the memory is held once allocated")
 ap.add_argument("--go-timeout-s", type=float, default=300.0, help="give up waiting for --go after this long")
 ap.add_argument("--driver-api", action="store_true", help="ctypes on libcuda.so.1 instead of PyTorch")
+ap.add_argument("--touch-ms", type=float, default=20.0, help="--driver-api: the simulated kernel's length")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 
@@ -65,6 +68,18 @@ class Driver:
         self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(ctx))
         self.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
         self.lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+        image = ctypes.create_string_buffer(b"mem_online kernel")  # any image will do for the simulated driver
+        mod, self.func = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check("cuModuleLoadData", self.lib.cuModuleLoadData(ctypes.byref(mod), image))
+        self.check("cuModuleGetFunction", self.lib.cuModuleGetFunction(ctypes.byref(self.func), mod, b"busy"))
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+
+    def kernel(self, ms):
+        """A kernel busy for `ms` on the default stream, waited for."""
+        ns = ctypes.c_uint64(int(ms * 1e6))
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(ns), ctypes.c_void_p))
+        self.check("cuLaunchKernel", self.lib.cuLaunchKernel(self.func, 1, 1, 1, 1, 1, 1, 0, None, params, None))
+        self.check("cuCtxSynchronize", self.lib.cuCtxSynchronize())
 
     def name(self, code):
         s = ctypes.c_char_p()
@@ -116,6 +131,7 @@ try:
         drv = None
     else:
         drv = Driver()
+        drv.kernel(a.touch_ms)
         mem_info = None
     res["context_s"] = time.monotonic() - t
     res["phase"] = "allocating"
@@ -160,6 +176,8 @@ try:
         while not stop and time.monotonic() < until:
             if torch is not None:
                 res["read_sum"] = int(buf[: 1 << 20].sum().item())  # a read of the memory
+            else:
+                drv.kernel(a.touch_ms)
             time.sleep(0.1)
         res["held_until_mono"] = time.monotonic()
         if torch is not None:

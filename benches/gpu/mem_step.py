@@ -30,7 +30,7 @@ import json, math, os, re, subprocess, sys, time
 
 import ckpt_step
 from ckpt_step import Train, calls, ckpt, smi
-from shim_check import http_get
+from shim_check import http_get, tail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONLINE = os.path.join(HERE, "mem_online.py")
@@ -300,6 +300,7 @@ def preempt_run(h, R, sizes, deadline, idx):
     warn = R["warnings"]
     trains, ag, on, port, events = [], None, None, None, None
     go = os.path.join(h.tmp, f"{tag}-go")
+    agent_log = os.path.join(h.art, f"{tag}-agent.log")
     on_out, on_ready = os.path.join(h.art, f"{tag}-online.json"), os.path.join(h.tmp, f"{tag}-online-ready")
     timeline, unblocked = [], {}
     try:
@@ -354,7 +355,12 @@ def preempt_run(h, R, sizes, deadline, idx):
 
         # While online waits, holds and exits: every 0.25 s the agent's view, about every
         # second nvidia-smi's (its two queries take about 0.35 s on the H100).
+        def agent_alive():
+            if ag.poll() is not None:
+                raise RuntimeError(f"the agent exited {ag.returncode} during the run: {tail(agent_log, 600)}")
+
         while on.poll() is None:
+            agent_alive()
             if time.monotonic() > deadline - 10:
                 raise RuntimeError("the online process was still running at the step's deadline")
             sample()
@@ -365,6 +371,7 @@ def preempt_run(h, R, sizes, deadline, idx):
         # that should take.
         limit = t_exit + a.memory_restore_after_s + sum(R["offline_bytes"]) / 1e9 * RESTORE_S_PER_GB * 3 + 20
         while True:
+            agent_alive()
             s = sample()
             kinds = [e.get("event") or e.get("kind") for e in driver_events(events)]
             if not any(held(s, pid) for pid in R["offline_pids"]) and kinds.count("restore") >= kinds.count("checkpoint"):
@@ -408,9 +415,10 @@ def preempt_run(h, R, sizes, deadline, idx):
                 results[t.p.pid] = {"error": f"no result: {ex!r}"}
             h.end(t.p, t.tag, 10)
         R["timeline"] = timeline
+        R["agent_log"] = agent_lines(agent_log)
     if unblocked:
         warn.append(f"loops left held after the agent exited, restored by the harness: {json.dumps(unblocked)}")
-    summarize(h, R, trains, results, on_out, events, os.path.join(h.art, f"{tag}-agent.log"))
+    summarize(h, R, trains, results, on_out, events, agent_log)
 
 
 def held(sample, pid):
@@ -498,6 +506,9 @@ def summarize(h, R, trains, results, on_out, events, agent_log):
         failed.append("no checkpoint event")
     elif not all(e.get("ok") for e in ck + rs) or len(rs) < len(ck):
         failed.append("a checkpoint or restore failed or is missing")
+    if R.get("agent_exit") not in (0, None):
+        why = [l for l in open(agent_log, errors="replace").read().splitlines() if "panicked at" in l or "ERROR" in l][:2] if os.path.exists(agent_log) else []
+        failed.append(f"the agent exited {R['agent_exit']}" + (f" ({' / '.join(x.strip()[:200] for x in why)})" if why else ""))
     if failed:
         R["error"] = "; ".join(failed)
     # Memory while online held its allocation (the sample where the agent or nvidia-smi saw
@@ -509,8 +520,6 @@ def summarize(h, R, trains, results, on_out, events, agent_log):
     mt = (R.get("metrics") or {}).get("calls") or {}
     if not mt.get("checkpoint", {}).get("count"):
         warn.append("no checkpoint in coloc_driver_call_seconds")
-    if R.get("agent_exit") not in (0, None):
-        warn.append(f"the agent exited {R['agent_exit']}")
     R["timeline"] = tl[:: max(1, len(tl) // 120)]  # a few per second is plenty in results.json
     LOG(f"  memory run {R.get('sizes_gb')}: online wait {on.get('wait_s')} s ({on.get('attempts')} attempts), checkpoints "
         f"{[(e.get('pid'), e.get('bytes'), e.get('took_ms'), e.get('ok')) for e in ck]}, restores {[(e.get('pid'), e.get('took_ms'), e.get('ok')) for e in rs]}, "
