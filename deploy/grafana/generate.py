@@ -63,24 +63,25 @@ PANELS = [
         q(f'sum by (node, reason) (increase(coloc_doorbell_rejected_total{{{SEL}}}[{R}])) or vector(0)', "doorbell pages rejected {{reason}}"),
     ], "Doorbell pages mapped (processes under the CUDA shim); launch gates not acknowledged within --gate-timeout, whose processes were stopped by the fallback instead (a few are normal, many mean drains longer than the timeout); pages whose launches count for nothing (misconfiguration or forgery; see the agent's log)."),
     # GPU memory given back to online work (memory preemption: --memory-reserve) and the
-    # CUDA driver's lock (--driver-lock). `or on () vector(0)`: 0 where the agent exports
-    # nothing of it yet, never a second series beside the real ones.
+    # CUDA driver's lock (--driver-lock). The agent exports these only while one of them
+    # is on (the call histogram from the first call): `or on () vector(0)` draws 0 where
+    # it exports nothing, and never a second series beside the real ones.
     ("GPU memory given back: checkpointed bytes, per GPU", "bytes", 12, 8, [
         q(f'sum by (node, gpu) (coloc_checkpointed_bytes{{{GPU}}}) or on () vector(0)', "checkpointed {{node}} GPU {{gpu}}"),
     ], "Device memory of offline processes that memory preemption checkpointed (moved by the CUDA driver into their own host memory, the GPU's freed for online work), per GPU. 0 while nothing is checkpointed, or with memory preemption off (--memory-reserve unset)."),
     ("Free GPU memory vs the reserve, per GPU", "bytes", 12, 8, [
-        q(f'min by (node, gpu) (coloc_gpu_memory_free_bytes{{{GPU}}})', "free {{node}} GPU {{gpu}}"),
+        q(f'min by (node, gpu) (coloc_gpu_memory_free_bytes{{{GPU}}}) or on () vector(0)', "free {{node}} GPU {{gpu}}"),
         q(f'max by (node, gpu) (coloc_gpu_memory_reserve_bytes{{{GPU}}}) or on () vector(0)', "reserve {{node}} GPU {{gpu}}"),
-    ], "Free memory as NVML reads it, and the reserve online work is kept (--memory-reserve; 0: memory preemption off). While online work is present and free stays under the reserve, offline processes there are checkpointed, largest first; a checkpointed process is restored once free has held it plus the reserve for --restore-after."),
+    ], "Free memory as NVML reads it, and the reserve online work is kept (--memory-reserve). Both read 0 where neither memory preemption nor the driver's lock is on (the agent then reads no memory). While online work is present and free stays under the reserve, offline processes there are checkpointed, largest first; a checkpointed process is restored once free has held it plus the reserve for --restore-after."),
     ("Memory pressure, checkpointed and driver-locked processes", "short", 12, 8, [
         q(f'max by (node, gpu) (coloc_memory_pressure{{{GPU}}}) or on () vector(0)', "pressure {{node}} GPU {{gpu}}"),
         q(f'sum by (node, gpu) (coloc_checkpointed_processes{{{GPU}}}) or on () vector(0)', "checkpointed {{node}} GPU {{gpu}}"),
         q(f'sum by (node) (coloc_driver_locked_processes{{{SEL}}}) or on () vector(0)', "driver-locked {{node}}"),
     ], "Pressure: 1 while online work on the GPU needs memory that offline work holds. Checkpointed: offline processes whose device memory was moved out. Driver-locked: offline processes held by the CUDA driver's lock (--driver-lock, and every checkpointed process)."),
     ("CUDA driver call latency p50/p99, by op", "s", 12, 8, [
-        q(f'histogram_quantile(0.5, sum by (le, op) (rate(coloc_driver_call_seconds_bucket{{{SEL}}}[{R}])))', "p50 {{op}}"),
-        q(f'histogram_quantile(0.99, sum by (le, op) (rate(coloc_driver_call_seconds_bucket{{{SEL}}}[{R}])))', "p99 {{op}}"),
-    ], "The driver's checkpoint calls as the agent makes them: lock (returns once the work the process had submitted has run: what a drain costs), checkpoint (about 0.6 s per GB of device memory on an H100), restore (about 0.2 s per GB), unlock (about a millisecond). A process that is stopped or frozen stalls every call but the state query until it runs."),
+        q(f'histogram_quantile(0.5, sum by (le, op) (rate(coloc_driver_call_seconds_bucket{{{SEL}}}[{R}]))) or on () vector(0)', "p50 {{op}}"),
+        q(f'histogram_quantile(0.99, sum by (le, op) (rate(coloc_driver_call_seconds_bucket{{{SEL}}}[{R}]))) or on () vector(0)', "p99 {{op}}"),
+    ], "The driver's checkpoint calls as the agent makes them: lock (returns once the work the process had submitted has run: what a drain costs), checkpoint (about 0.6 s per GB of device memory on an H100), restore (about 0.2 s per GB), unlock (about a millisecond). A process that is stopped or frozen stalls every call but the state query until it runs. 0 before the agent's first call."),
     ("CUDA driver call failures, by op and reason", "ops", 12, 8, [
         q(f'sum by (op, reason) (rate(coloc_driver_call_failures_total{{{SEL}}}[{R}])) or on () vector(0)', "{{op}} {{reason}}"),
     ], "Driver calls that failed, by call and reason. A lock that fails (not_supported, timeout, ...) leaves the process to --actuator, which stops it instead; a restore that fails leaves the process checkpointed. no_api: the driver has no checkpoint API (570 or later needed); operating_system on every call: the agent lacks capability SYS_PTRACE or DAC_OVERRIDE; gone: the process exited first."),
