@@ -351,7 +351,14 @@ fn resume_leftovers(
     cuda_lib: &str,
 ) {
     use coloc_agent::cmd::resume::resume_entries;
-    for step in resume_entries(record, leftover, timeout, Clone::clone, cuda_lib) {
+    for step in resume_entries(
+        record,
+        leftover,
+        timeout,
+        Clone::clone,
+        cuda_lib,
+        coloc_agent::edges::checkpoint::RESUME_CALL_BUDGET,
+    ) {
         let e = &step.entry;
         match &step.progress {
             Progress::Failed(err) => {

@@ -36,6 +36,7 @@ pub const ACTUATION_ERRORS: &[(&str, &[&str])] = &[
     ("freezer", &["cgroup_write", "signal", "timeout"]),
     ("signal", &["signal", "timeout"]),
     ("gate", &["no_gate", "timeout"]),
+    ("lock", &["driver", "timeout"]),
 ];
 
 /// Installs the global recorder and returns the renderer for `/metrics`.
@@ -243,7 +244,7 @@ impl GpuMetrics {
     fn new(gpu: u32) -> GpuMetrics {
         let g = gpu.to_string();
         let per_actuator = |name: &'static str| {
-            [Kind::Freezer, Kind::Signal, Kind::Gate]
+            [Kind::Freezer, Kind::Signal, Kind::Gate, Kind::Lock]
                 .iter()
                 .map(|k| {
                     (
@@ -267,7 +268,7 @@ impl GpuMetrics {
                 })
                 .collect(),
             actuation: per_actuator("coloc_actuation_latency_seconds"),
-            preemption: [Kind::Freezer, Kind::Signal, Kind::Gate]
+            preemption: [Kind::Freezer, Kind::Signal, Kind::Gate, Kind::Lock]
                 .iter()
                 .flat_map(|k| SIGNALS.iter().map(move |s| (*k, *s)))
                 .map(|(k, s)| {

@@ -300,6 +300,13 @@ pub enum Note {
         /// The process is held by its other plan from now on.
         fallback: bool,
     },
+    /// At exit, the driver refused a restore: left checkpointed and recorded.
+    RestoreGivenUp {
+        /// The process.
+        pid: u32,
+        /// Its owner.
+        owner: String,
+    },
     /// The driver says a process is in its failed state.
     DriverFailedState {
         /// The process.
@@ -568,6 +575,8 @@ impl Note {
                     }
                 }
             }
+            Note::RestoreGivenUp { pid, owner } => error!(pid, %owner,
+                "Cannot restore this checkpointed process before exit (the GPU has no room for it): it stays checkpointed and recorded; run `coloc-agent resume` once the GPU has room"),
             Note::DriverFailedState { pid, owner } => {
                 metrics::counter!("coloc_driver_call_failures_total", "op" => "state", "reason" => "failed_state")
                     .increment(1);

@@ -228,6 +228,9 @@ struct Slot {
     probe: bool,
     /// No restore before this time, ns (after one failed).
     restore_not_before_ns: u64,
+    /// At exit, its restore was refused: left checkpointed, and in the record, for
+    /// `coloc-agent resume` once the GPU has room.
+    given_up: bool,
 }
 
 impl Slot {
@@ -247,6 +250,7 @@ impl Slot {
             checkpointed_ns: 0,
             probe: false,
             restore_not_before_ns: 0,
+            given_up: false,
         }
     }
 
@@ -686,6 +690,7 @@ impl Vault {
                 DState::Running
             };
             let op = match (s.state, want) {
+                _ if s.given_up => None,
                 _ if s.probe => Some(DOp::State),
                 (DState::Failed, _) => None,
                 (DState::Running, DState::Locked) => Some(DOp::Lock),
@@ -794,13 +799,16 @@ impl Vault {
             s.checkpointed_ns = now;
         }
         if let CallEnd::Answered(Err(e)) = &d.end {
-            // At exit a failed restore is tried again every second, while the shell waits.
-            let backoff = if self.stopping {
-                1_000_000_000
-            } else {
-                self.cfg.restore_after_ns
-            };
-            self::failed(s, d.op, e, now, backoff);
+            self::failed(s, d.op, e, now, self.cfg.restore_after_ns);
+            // At exit a restore the driver refuses (no room while online holds the
+            // memory) is not waited for: the process stays checkpointed and recorded.
+            if self.stopping && d.op == DOp::Restore {
+                s.given_up = true;
+                self.notes.push(Note::RestoreGivenUp {
+                    pid: d.key.pid,
+                    owner: s.owner.clone(),
+                });
+            }
         }
         let gone = matches!(d.end, CallEnd::Gone);
         self.notes.push(Note::DriverCall {
@@ -867,9 +875,9 @@ impl Vault {
 
     /// Everything the driver holds was let go (or nothing was ever held).
     pub fn idle(&self) -> bool {
-        self.slots
-            .values()
-            .all(|s| s.call.is_none() && matches!(s.state, DState::Running | DState::Failed))
+        self.slots.values().all(|s| {
+            s.call.is_none() && (s.given_up || matches!(s.state, DState::Running | DState::Failed))
+        })
     }
 
     /// Calls in flight.

@@ -246,6 +246,29 @@ impl CudaGpu {
         Ok(g)
     }
 
+    /// Allocates `bytes` of device memory, trying again every 5 ms while the driver
+    /// answers `CUDA_ERROR_OUT_OF_MEMORY`, for at most `wait`: how long it waited (an
+    /// online service that starts while offline work holds the GPU's memory).
+    pub fn alloc_waiting(
+        &self,
+        bytes: usize,
+        wait: std::time::Duration,
+    ) -> Result<std::time::Duration> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let mut dptr = 0u64;
+            // SAFETY: the driver's entry point with a valid out-pointer.
+            let r = unsafe { (self.api.mem_alloc)(&mut dptr, bytes) };
+            if r == 0 {
+                return Ok(t0.elapsed());
+            }
+            if r != 2 || t0.elapsed() >= wait {
+                return self.check("cuMemAlloc", r).map(|_| t0.elapsed());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// The fake driver's counters for this process (`None` with another driver).
     pub fn stats(&self) -> Option<FakeStats> {
         let f = self.stats?;

@@ -105,6 +105,11 @@ enum Cmd {
         /// Device memory the service holds, MiB.
         #[arg(long, default_value_t = 1024)]
         mem_mib: u64,
+        /// With --cuda: while the GPU has no room for --mem-mib, try the allocation
+        /// again every 5 ms for up to this long (its context already made, so the driver
+        /// lists it), then print `{"memory_wait_s": …}` and serve; 0: fail at once.
+        #[arg(long, default_value_t = 0.0, requires = "cuda")]
+        mem_wait_s: f64,
     },
     /// An offline job: continuous steps, each busy on the GPU for a while.
     Offline {
@@ -415,6 +420,7 @@ fn main() -> Result<()> {
             kernels,
             per_thread_stream,
             mem_mib,
+            mem_wait_s,
         } => {
             let sim = SimGpu::open(&state)?;
             let mem = mem_mib << 20;
@@ -422,10 +428,23 @@ fn main() -> Result<()> {
                 anyhow::ensure!(kernels > 0, "--kernels must be positive");
                 // The driver finds the simulated GPU through the environment.
                 std::env::set_var(STATE_ENV, &state);
-                Gpu::Cuda(
-                    cuda::CudaGpu::open(gpu, per_thread_stream, false, mem as usize)?,
-                    kernels,
-                )
+                let g = if mem_wait_s > 0.0 {
+                    // A context and 1 MiB first (the driver lists the process), then
+                    // the rest, waiting for room.
+                    let first = mem.min(1 << 20);
+                    let g = cuda::CudaGpu::open(gpu, per_thread_stream, false, first as usize)?;
+                    let waited = g.alloc_waiting(
+                        (mem - first).max(1) as usize,
+                        std::time::Duration::from_secs_f64(mem_wait_s),
+                    )?;
+                    println!("{{\"memory_wait_s\": {}}}", waited.as_secs_f64());
+                    use std::io::Write;
+                    std::io::stdout().flush()?;
+                    g
+                } else {
+                    cuda::CudaGpu::open(gpu, per_thread_stream, false, mem as usize)?
+                };
+                Gpu::Cuda(g, kernels)
             } else {
                 Gpu::Slot(sim.register(gpu, mem)?)
             };

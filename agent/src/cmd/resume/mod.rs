@@ -68,6 +68,12 @@ pub struct ResumeArgs {
     /// such entries).
     #[arg(long, env = "COLOC_CUDA_LIB", default_value = "libcuda.so.1")]
     pub cuda_lib: String,
+    /// How long one call to the CUDA driver (its state, a restore, an unlock) may take
+    /// before the entry is given up as failed (it stays recorded): a restore of a whole
+    /// GPU's memory takes seconds, and a process stopped by someone else makes the driver
+    /// wait for it.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub driver_timeout: Duration,
 }
 
 /// The help text's examples and exit statuses.
@@ -75,8 +81,11 @@ pub const AFTER_HELP: &str = "\
 What it does:
   Reads the agent's fail-open record (<state-dir>/suspended.json), thaws every recorded
   cgroup and continues (SIGCONT) every recorded process that still has its recorded start
-  time, through the same code the agent runs at start; removes from the record what it
-  resumed or found gone, and prints one line per entry. Running it again does nothing.
+  time, through the same code the agent runs at start; then, through the CUDA driver
+  (--cuda-lib), restores every process --memory-reserve left checkpointed and unlocks every
+  process --driver-lock or a checkpoint left locked (last: the driver restores on a thread
+  inside the process, which must run). Removes from the record what it resumed or found
+  gone, and prints one line per entry. Running it again does nothing.
   It acts only when no agent is running with that state directory: a running agent holds
   the record, resumes everything itself when it stops (SIGTERM), and would stop again
   whatever was resumed behind its back.
@@ -230,6 +239,7 @@ pub fn resume_entries(
     timeout: Duration,
     locate: impl Fn(&RecordEntry) -> RecordEntry,
     cuda_lib: &str,
+    driver_timeout: Duration,
 ) -> Vec<Step> {
     // Every stop and freeze first, then what the CUDA driver holds: its restore runs on a
     // thread inside the process, which must run (thaw first).
@@ -256,7 +266,7 @@ pub fn resume_entries(
                         Ok(api) => crate::edges::checkpoint::resume_recorded(
                             api.clone(),
                             key,
-                            crate::edges::checkpoint::RESUME_CALL_BUDGET,
+                            driver_timeout,
                         ),
                         Err(err) => Progress::Failed(actuator::ActError::Driver(err.clone())),
                     }
@@ -386,6 +396,7 @@ pub fn resume(args: &ResumeArgs, out: &mut dyn Write) -> Result<()> {
         args.confirm_timeout,
         rebase(&recorded, &args.cgroup_root),
         &args.cuda_lib,
+        args.driver_timeout,
     );
     let (mut resumed, mut gone, mut failed) = (0, 0, 0);
     for s in &steps {

@@ -17,6 +17,7 @@ fn args(dir: &Path) -> ResumeArgs {
         recorded_cgroup_root: None,
         standby: false,
         cuda_lib: "libcuda.so.1".into(),
+        driver_timeout: Duration::from_secs(5),
     }
 }
 
