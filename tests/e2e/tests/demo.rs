@@ -102,3 +102,52 @@ fn demo_shows_the_difference() {
     );
     assert!(stdout.contains("gpu-coloc, + learned release"), "{stdout}");
 }
+
+/// `coloc-demo --memory`: online gets the memory offline holds where the agent runs (the
+/// largest job checkpointed, then restored after online left), and never gets it where
+/// nothing manages the memory. Cheap checkpoints (50 ms per GB) keep it short.
+#[test]
+fn the_memory_demo_shows_online_getting_its_memory() {
+    let dir = TempPath::new("coloc-e2e-demo-memory");
+    let json = dir.join("summary.json");
+    let out = std::process::Command::new(bin("coloc-demo"))
+        .args([
+            "--memory",
+            "--checkpoint-ms-per-gb",
+            "50",
+            "--restore-ms-per-gb",
+            "20",
+        ])
+        .arg("--out-dir")
+        .arg(&dir)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = s["memory"].as_array().unwrap();
+    assert_eq!(rows[0]["scenario"], "no-agent");
+    assert!(rows[0]["online_memory_wait_s"].is_null(), "{s}");
+    assert!(rows[0]["checkpoints"].as_array().unwrap().is_empty(), "{s}");
+    let waited = rows[1]["online_memory_wait_s"].as_f64().unwrap();
+    assert!(waited < 3.0, "online waited {waited} s: {s}");
+    let ck = rows[1]["checkpoints"].as_array().unwrap();
+    assert_eq!(ck.len(), 1, "one job was enough: {s}");
+    assert_eq!(
+        ck[0][1].as_f64(),
+        Some(9.0),
+        "the 9 GiB job, the largest: {s}"
+    );
+    assert_eq!(
+        rows[1]["restores"].as_array().unwrap().len(),
+        1,
+        "restored: {s}"
+    );
+    assert!(stdout.contains("| 1 | the agent |"), "{stdout}");
+}
