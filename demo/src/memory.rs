@@ -178,11 +178,13 @@ pub fn run(a: &super::DemoArgs) -> Result<()> {
     let evs = parse_log(&std::fs::read_to_string(&events).unwrap_or_default());
     let mut rows = Vec::new();
     for gpu in 0..2u32 {
-        let mut r = Row::default();
-        r.waited_s = std::fs::read_to_string(out.join(format!("online-g{gpu}.out")))
-            .ok()
-            .and_then(|t| serde_json::from_str::<Value>(t.lines().next()?).ok())
-            .and_then(|v| v["memory_wait_s"].as_f64());
+        let mut r = Row {
+            waited_s: std::fs::read_to_string(out.join(format!("online-g{gpu}.out")))
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(t.lines().next()?).ok())
+                .and_then(|v| v["memory_wait_s"].as_f64()),
+            ..Row::default()
+        };
         if let Ok(v) = super::read_json(&out.join(format!("online-g{gpu}.json"))) {
             // Records: [arrival, start, done], ns.
             let lat: Vec<f64> = v["records"]
