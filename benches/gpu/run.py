@@ -49,7 +49,7 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate learned wake-floor;
         part3 = preflight drain nvml-load; part4 = preflight checkpoint; all. The step
-        memory runs alone (--only memory, about 3-4 minutes on an H100).
+        memory runs alone (--only memory: 164 s on the H100, --budget 240).
 The parts (part1 ... part4) take about 5-7 minutes each, for machines that are lent
 for short runs; `--merge DIR DIR DIR --out DIR` joins their results (no GPU needed).
 

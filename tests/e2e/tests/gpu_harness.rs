@@ -391,6 +391,164 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// `benches/gpu/run.py --sim` with these arguments, into a fresh output directory: the
+/// results document and the run's output.
+fn run_harness(args: &[&str], limit: Duration) -> (serde_json::Value, String, std::path::PathBuf) {
+    let out = std::env::temp_dir().join(unique("coloc-e2e-gpu-harness"));
+    let bindir = bin("coloc-agent").parent().unwrap().to_path_buf();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/run.py");
+    let r = output_within(
+        std::process::Command::new("python3")
+            .arg(&script)
+            .arg("--sim")
+            .args(args)
+            .args(["--commit", "0123456789abcdef0123456789abcdef01234567"])
+            .arg("--bin")
+            .arg(&bindir)
+            .arg("--out")
+            .arg(&out),
+        limit,
+    );
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    let res: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect(&log)).expect(&log);
+    (res, log, out)
+}
+
+#[test]
+fn gpu_harness_memory_step_checkpoints_offline_for_online_and_restores_it() {
+    // The memory step on the simulated GPU (its memory and the fake driver's checkpoint
+    // API): two offline loops (0.5 and 1 GB extra, classed offline with checkpoint = true)
+    // and an online process that needs more than is free beside them. The agent
+    // (--driver-lock, --memory-reserve, --restore-after 1s) checkpoints both, the larger
+    // first, online's allocation then succeeds, and once online has exited both are
+    // restored. Then the driver-lock row (doorbell + gate + --driver-lock): offline held by
+    // the driver's lock.
+    let (res, log, out) = run_harness(
+        &[
+            "--only",
+            "memory",
+            "--memory-runs",
+            "0.5+1",
+            "--memory-hold-s",
+            "0.5",
+            "--memory-restore-after-s",
+            "1",
+            "--memory-row-duration",
+            "2",
+            "--rate",
+            "5",
+            "--budget",
+            "200",
+        ],
+        Duration::from_secs(240),
+    );
+    let steps = res["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 1, "{log}");
+    assert_eq!(steps[0]["status"], "ok", "{}\n{log}", steps[0]);
+    let m = &res["memory"];
+    let run = &m["runs"][0];
+    assert!(run.get("error").is_none(), "{run}");
+    let online = &run["online"];
+    assert!(
+        online["attempts"].as_u64().unwrap() > 1,
+        "online's first attempts failed: {online}"
+    );
+    assert!(online["wait_s"].as_f64().unwrap() > 0.0, "{online}");
+    let kinds = |k: &str| -> Vec<serde_json::Value> {
+        run["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["event"] == k || e["kind"] == k)
+            .cloned()
+            .collect()
+    };
+    let (ck, rs) = (kinds("checkpoint"), kinds("restore"));
+    assert_eq!(ck.len(), 2, "both loops checkpointed: {run}");
+    assert_eq!(rs.len(), 2, "both loops restored: {run}");
+    assert!(ck.iter().chain(&rs).all(|e| e["ok"] == true), "{run}");
+    assert_eq!(run["largest_first"], true, "{run}");
+    // Restored after online exited, not before --restore-after (1 s; the harness sees the
+    // exit up to a poll late), and not much later either.
+    let again = run["running_again_s_after_online_exit"].as_f64().unwrap();
+    assert!((0.7..10.0).contains(&again), "{run}");
+    let restored = run["restored_s_after_online_exit"].as_f64().unwrap();
+    assert!((0.7..again).contains(&restored), "{run}");
+    for o in run["offline"].as_array().unwrap() {
+        assert!(o["held_s"].is_array(), "seen held in /state: {o}");
+    }
+    let calls = &run["metrics"]["calls"];
+    assert_eq!(calls["checkpoint"]["count"], 2, "{calls}");
+    assert_eq!(calls["restore"]["count"], 2, "{calls}");
+    let rows = m["rows"].as_array().unwrap();
+    let lock = rows
+        .iter()
+        .find(|r| r["scenario"] == "both, agent doorbell + gate + driver lock")
+        .unwrap();
+    assert!(lock.get("error").is_none(), "{lock}");
+    assert!(
+        lock["driver_calls"]["lock"].as_u64().unwrap_or(0) >= 1,
+        "held by the driver's lock: {lock}"
+    );
+    assert!(lock.get("warnings").is_none(), "{lock}");
+    assert_eq!(lock["exit"]["agent"], 0, "{lock}");
+    assert!(lock["online_p99_ms"].as_f64().unwrap() > 0.0, "{lock}");
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(
+        md.contains("## Memory preemption and the driver's lock"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| both, agent doorbell + gate + driver lock |"),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn gpu_harness_memory_step_fails_at_once_without_the_checkpoint_api() {
+    // A driver library without the checkpoint API (here the fake NVML library in its
+    // place): the step fails before it starts anything, saying why.
+    let lib = bin("coloc-agent").parent().unwrap().join("libfake_nvml.so");
+    let t = std::time::Instant::now();
+    let (res, log, out) = run_harness(
+        &[
+            "--only",
+            "memory",
+            "--memory-runs",
+            "0.5",
+            "--memory-row-duration",
+            "2",
+            "--budget",
+            "200",
+            "--cuda-lib",
+            lib.to_str().unwrap(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "{log}");
+    let step = &res["steps"][0];
+    assert_eq!(step["status"], "error", "{step}");
+    assert!(
+        step["error"]
+            .as_str()
+            .unwrap()
+            .contains("checkpoint API cannot be used"),
+        "{step}"
+    );
+    assert!(
+        res["memory"]["runs"].as_array().unwrap().is_empty(),
+        "{res}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn gpu_harness_merge_joins_drain_configurations_and_prefers_a_passing_preflight() {
     // Parts run on a GPU machine are joined with --merge: every drain configuration that
