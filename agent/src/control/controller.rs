@@ -237,11 +237,11 @@ impl Controller {
             }
             Stage::Memory => {
                 let read = self.answer(|o| match o {
-                    Obs::Memory(m) => Ok(m),
+                    Obs::Memory { reads, room } => Ok((reads, room)),
                     o => Err(o),
                 });
                 match read {
-                    Some(m) => self.rooms.memory(t, m),
+                    Some((m, room)) => self.rooms.memory(t, m, room),
                     None => {
                         if let Some(gpus) = self.rooms.vault.memory_due(t, &self.rooms.seeing.table)
                         {

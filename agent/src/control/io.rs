@@ -147,8 +147,14 @@ pub enum Obs {
     WatchdogTripped,
     /// Resume everything (shutdown, panic).
     ReleaseAll(ReleaseAll),
-    /// Answers [`Cmd::ReadMemory`]: per GPU, its memory, or the error.
-    Memory(Vec<(u32, Result<Option<gpu::GpuMemory>, String>)>),
+    /// Answers [`Cmd::ReadMemory`].
+    Memory {
+        /// Per GPU, its memory, or the error.
+        reads: Vec<(u32, Result<Option<gpu::GpuMemory>, String>)>,
+        /// Per process on those GPUs, what its memory limits leave it, bytes (absent: no
+        /// limit): a checkpoint moves its device memory into its own host memory.
+        room: BTreeMap<u32, u64>,
+    },
     /// A driver call ended.
     Driver(crate::edges::checkpoint::Done),
 }

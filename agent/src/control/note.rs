@@ -300,6 +300,15 @@ pub enum Note {
         /// The process is held by its other plan from now on.
         fallback: bool,
     },
+    /// An offline process was not checkpointed: its memory limit has no room for it.
+    NoRoomForCheckpoint {
+        /// The process.
+        pid: u32,
+        /// What its memory limits leave it, bytes.
+        room: u64,
+        /// What its checkpoint would take, bytes.
+        need: u64,
+    },
     /// At exit, the driver refused a restore: left checkpointed and recorded.
     RestoreGivenUp {
         /// The process.
@@ -565,7 +574,10 @@ impl Note {
                     Some(r) => {
                         metrics::counter!("coloc_driver_call_failures_total", "op" => opl, "reason" => r.clone())
                             .increment(1);
-                        if *fallback {
+                        if r == "operating_system" {
+                            warn!(op = opl, pid, %owner, error = error.as_deref().unwrap_or("-"),
+                                "The CUDA driver refused with CUDA_ERROR_OPERATING_SYSTEM: the agent lacks the rights its checkpoint calls need on this process (CAP_SYS_PTRACE, and CAP_DAC_OVERRIDE for a process of another user; the chart adds both with agent.driverLock or memoryPreemption.enabled), or the process was killed by the call (a checkpoint moves its GPU memory into its own memory: check its memory limit)");
+                        } else if *fallback {
                             warn!(op = opl, pid, %owner, reason = %r, error = error.as_deref().unwrap_or("-"),
                                 "The CUDA driver refused: this process is held by its other plan (freezer or signal) from now on, and not checkpointed");
                         } else {
@@ -574,6 +586,11 @@ impl Note {
                         }
                     }
                 }
+            }
+            Note::NoRoomForCheckpoint { pid, room, need } => {
+                metrics::counter!("coloc_checkpoints_skipped_total", "reason" => "memory_limit").increment(1);
+                warn!(pid, room_gib = gib(*room), need_gib = gib(*need),
+                    "Not checkpointing this offline process: the driver keeps its GPU memory in the process's own memory, and its memory limit has no room for it (it would be OOM-killed); raise the pod's memory limit, or annotate it gpu-coloc.dev/checkpoint: \"false\"")
             }
             Note::RestoreGivenUp { pid, owner } => error!(pid, %owner,
                 "Cannot restore this checkpointed process before exit (the GPU has no room for it): it stays checkpointed and recorded; run `coloc-agent resume` once the GPU has room"),

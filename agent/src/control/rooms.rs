@@ -600,8 +600,19 @@ impl Rooms {
         if self.vault.active() {
             let mem = self.vault.summary();
             let view = self.vault.view();
+            let table = &self.seeing.table;
             for g in &mut doc.gpus {
                 g.memory = mem.get(&g.index).cloned();
+                // The actuator a suspension would use now: the driver's lock where it
+                // applies (the table's plan stays its fallback).
+                for p in &mut g.processes {
+                    let lock = table
+                        .by_pid(p.pid)
+                        .is_some_and(|e| self.vault.would_lock(table, &e.key));
+                    if lock {
+                        p.actuator = Some(crate::edges::actuator::Kind::Lock);
+                    }
+                }
                 for (key, gpu, st, bytes, owner) in &view {
                     let checkpointed =
                         (*st == super::vault::DState::Checkpointed).then_some(*bytes);
@@ -610,6 +621,7 @@ impl Rooms {
                             p.driver = Some(st.as_str().into());
                             p.checkpointed_bytes = checkpointed;
                         }
+
                         // Checkpointed: the driver's lists no longer show it.
                         None if *gpu == Some(g.index) => g.processes.push(super::state::ProcDoc {
                             pid: key.pid,
@@ -636,6 +648,7 @@ impl Rooms {
         &mut self,
         now: u64,
         reads: Vec<(u32, Result<Option<crate::edges::gpu::GpuMemory>, String>)>,
+        room: BTreeMap<u32, u64>,
     ) {
         let unmanaged_online = self.machine.config().unmanaged_is_online;
         let table = &self.seeing.table;
@@ -644,7 +657,7 @@ impl Rooms {
                 .entries()
                 .any(|e| e.gpus.contains(&g) && e.cls.class.is_online_demand(unmanaged_online))
         };
-        self.vault.memory(now, reads, table, online);
+        self.vault.memory(now, reads, &room, table, online);
     }
 
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).

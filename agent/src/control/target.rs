@@ -210,6 +210,7 @@ mod tests {
             mounts: CgroupMounts {
                 v2: Some(root),
                 v1_freezer: None,
+                v1_memory: None,
             },
             own: Cgroups::parse(own),
         };

@@ -325,6 +325,15 @@ pub struct Vault {
     events: Vec<Event>,
     /// The agent stops: everything goes back to running.
     stopping: bool,
+    /// Processes passed over for want of room under their memory limit (said once).
+    no_room: BTreeSet<ProcKey>,
+}
+
+/// What a checkpoint of `bytes` of device memory adds to the process's host memory: the
+/// bytes, and an eighth more with 64 MiB (on an H100 with driver 580, 4 GiB of device
+/// memory raised a process's resident memory from 22 MB to about 4.5 GiB).
+pub fn checkpoint_host_bytes(bytes: u64) -> u64 {
+    bytes.saturating_add(bytes / 8).saturating_add(64 << 20)
 }
 
 fn rec_entry(key: ProcKey) -> RecordEntry {
@@ -380,6 +389,11 @@ impl Vault {
     /// Whether a lock hold wants `key` locked.
     pub fn time_held(&self, key: &ProcKey) -> bool {
         self.slots.get(key).is_some_and(|s| s.time_hold)
+    }
+
+    /// Whether a suspension of the table's `key` now would be a lock.
+    pub fn would_lock(&self, table: &Table, key: &ProcKey) -> bool {
+        table.entry(key).is_some_and(|e| self.lockable(key, &e.cls))
     }
 
     /// Whether memory preemption wants `key` checkpointed (or keeps it so).
@@ -513,6 +527,7 @@ impl Vault {
         &mut self,
         now: u64,
         reads: Vec<(u32, Result<Option<GpuMemory>, String>)>,
+        room: &BTreeMap<u32, u64>,
         table: &Table,
         online: impl Fn(u32) -> bool,
     ) {
@@ -553,7 +568,7 @@ impl Vault {
                 }
             }
             if pressure {
-                self.evict(gpu, &m, want, table);
+                self.evict(gpu, &m, want, room, table);
             } else {
                 self.restore_due(gpu, &m, want, now, online(gpu));
             }
@@ -565,13 +580,27 @@ impl Vault {
 
     /// Marks offline processes on `gpu` for eviction, largest first, until what they hold
     /// covers what the reserve misses (evictions on their way count).
-    fn evict(&mut self, gpu: u32, m: &GpuMemory, want: u64, table: &Table) {
+    fn evict(
+        &mut self,
+        gpu: u32,
+        m: &GpuMemory,
+        want: u64,
+        room: &BTreeMap<u32, u64>,
+        table: &Table,
+    ) {
         let missing = want.saturating_sub(m.free);
+        // What evictions on their way will free: those not checkpointed yet, and those
+        // whose memory NVML still counts (its reading may lag the driver's answer).
         let coming: u64 = self
             .slots
-            .values()
-            .filter(|s| s.evict && s.gpu == Some(gpu) && s.state != DState::Checkpointed)
-            .map(|s| s.bytes)
+            .iter()
+            .filter(|(k, s)| {
+                s.evict
+                    && s.gpu == Some(gpu)
+                    && (s.state != DState::Checkpointed
+                        || m.processes.iter().any(|(pid, _)| *pid == k.pid))
+            })
+            .map(|(_, s)| s.bytes)
             .sum();
         if coming >= missing {
             return;
@@ -591,6 +620,24 @@ impl Vault {
                 (ok && *bytes > 0).then_some((*bytes, e.key))
             })
             .collect();
+        // The driver keeps a checkpoint in the process's own memory, charged to its memory
+        // limit: one without room for it would be OOM-killed by it.
+        cands.retain(|(bytes, key)| {
+            let need = checkpoint_host_bytes(*bytes);
+            match room.get(&key.pid) {
+                Some(r) if *r < need => {
+                    if self.no_room.insert(*key) {
+                        self.notes.push(Note::NoRoomForCheckpoint {
+                            pid: key.pid,
+                            room: *r,
+                            need,
+                        });
+                    }
+                    false
+                }
+                _ => true,
+            }
+        });
         cands.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut covered = coming;
         for (bytes, key) in cands {
@@ -846,6 +893,7 @@ impl Vault {
     /// Processes that no longer live: forgotten, their entries let go.
     pub fn gone(&mut self, keys: &[ProcKey]) {
         for k in keys {
+            self.no_room.remove(k);
             if let Some(s) = self.slots.remove(k) {
                 if s.rec != Rec::No {
                     self.records.push(RecordAsk::Remove(vec![rec_entry(*k)]));

@@ -27,6 +27,9 @@ pub struct CgroupMounts {
     pub v2: Option<PathBuf>,
     /// Mount point of the v1 freezer hierarchy, if any.
     pub v1_freezer: Option<PathBuf>,
+    /// Mount point of the v1 memory hierarchy, if any (memory limits where the v2
+    /// hierarchy has no memory controller).
+    pub v1_memory: Option<PathBuf>,
 }
 
 impl CgroupMounts {
@@ -38,7 +41,56 @@ impl CgroupMounts {
             .find(|p| p.join("cgroup.controllers").exists());
         let v1_freezer = Some(root.join("freezer"))
             .filter(|p| p.join("freezer.state").exists() || p.join("tasks").exists());
-        CgroupMounts { v2, v1_freezer }
+        let v1_memory =
+            Some(root.join("memory")).filter(|p| p.join("memory.limit_in_bytes").exists());
+        CgroupMounts {
+            v2,
+            v1_freezer,
+            v1_memory,
+        }
+    }
+
+    /// What a process's memory limits leave it, bytes: the least, over its cgroup and every
+    /// cgroup above it (a pod's limit sits above its containers'), of the limit less what
+    /// is charged there now; `None` when no limit applies or none can be read. `cg`: its
+    /// cgroup paths as seen from the host. The v2 hierarchy where it has the memory
+    /// controller, else the v1 memory hierarchy.
+    pub fn memory_room(&self, cg: &crate::edges::procfs::Cgroups) -> Option<u64> {
+        let walk = |mount: &Path, path: &str, limit_file: &str, usage_file: &str| {
+            let mut dir = mount.join(path.trim_start_matches('/'));
+            let mut room: Option<u64> = None;
+            let mut found = false;
+            while dir.starts_with(mount) {
+                let limit = read(&dir, limit_file).ok();
+                if limit.is_some() {
+                    found = true;
+                }
+                let limit = limit.and_then(|s| s.trim().parse::<u64>().ok());
+                // v1 writes "no limit" as a page-rounded i64::MAX.
+                if let Some(l) = limit.filter(|l| *l < 1 << 60) {
+                    let used = read(&dir, usage_file)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u64>().ok())
+                        .unwrap_or(0);
+                    let r = l.saturating_sub(used);
+                    room = Some(room.map_or(r, |x| x.min(r)));
+                }
+                if dir == mount || !dir.pop() {
+                    break;
+                }
+            }
+            (found, room)
+        };
+        if let (Some(m), Some(p)) = (&self.v2, &cg.v2) {
+            let (found, room) = walk(m, p, "memory.max", "memory.current");
+            if found {
+                return room;
+            }
+        }
+        match (&self.v1_memory, cg.v1.get("memory")) {
+            (Some(m), Some(p)) => walk(m, p, "memory.limit_in_bytes", "memory.usage_in_bytes").1,
+            _ => None,
+        }
     }
 
     /// The directory of a cgroup given by its host path inside the v2 hierarchy or the v1
@@ -232,6 +284,59 @@ pub fn read(dir: &Path, file: &str) -> io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pod's limit above its container's: the least room wins; "max" and v1's
+    /// "no limit" are no limit; the v1 memory hierarchy where v2 has no memory controller.
+    #[test]
+    fn memory_room_is_the_least_room_up_the_tree() {
+        let root = std::env::temp_dir().join(format!("coloc-memroom-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let v2 = root.join("v2");
+        let ctr = v2.join("pod/ctr");
+        std::fs::create_dir_all(&ctr).unwrap();
+        let put = |d: &Path, f: &str, v: &str| std::fs::write(d.join(f), v).unwrap();
+        put(&ctr, "memory.max", "max\n");
+        put(&ctr, "memory.current", "1000\n");
+        put(&v2.join("pod"), "memory.max", "8000\n");
+        put(&v2.join("pod"), "memory.current", "3000\n");
+        let m = CgroupMounts {
+            v2: Some(v2.clone()),
+            v1_freezer: None,
+            v1_memory: Some(root.join("v1")),
+        };
+        let cg = |v2: Option<&str>, mem: Option<&str>| {
+            let mut c = crate::edges::procfs::Cgroups {
+                v2: v2.map(String::from),
+                ..Default::default()
+            };
+            if let Some(p) = mem {
+                c.v1.insert("memory".into(), p.into());
+            }
+            c
+        };
+        assert_eq!(m.memory_room(&cg(Some("/pod/ctr"), None)), Some(5000));
+        put(&ctr, "memory.max", "2500\n");
+        assert_eq!(m.memory_room(&cg(Some("/pod/ctr"), None)), Some(1500));
+        put(&ctr, "memory.max", "max\n");
+        put(&v2.join("pod"), "memory.max", "max\n");
+        assert_eq!(m.memory_room(&cg(Some("/pod/ctr"), None)), None);
+        // No memory controller in v2 (hybrid): the v1 memory hierarchy.
+        let v1 = root.join("v1/kubepods/pod");
+        std::fs::create_dir_all(&v1).unwrap();
+        put(&v1, "memory.limit_in_bytes", "4096\n");
+        put(&v1, "memory.usage_in_bytes", "1024\n");
+        put(
+            &root.join("v1"),
+            "memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
+        put(&root.join("v1"), "memory.usage_in_bytes", "99999\n");
+        assert_eq!(
+            m.memory_room(&cg(Some("/elsewhere"), Some("/kubepods/pod"))),
+            Some(3072)
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
 
     #[test]
     fn rebase_climbs_but_never_out() {

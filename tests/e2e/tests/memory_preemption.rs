@@ -245,22 +245,41 @@ fn online_gets_the_memory_offline_holds_and_offline_comes_back_after_the_hold_ti
         m.contains("coloc_driver_call_seconds_count{op=\"checkpoint\"} 1"),
         "{m}"
     );
-    let st = a.state();
+    // /state is published every 100 ms.
+    let mut st = serde_json::Value::Null;
+    wait_for(
+        "/state after the checkpoint",
+        Duration::from_secs(2),
+        || {
+            st = a.state();
+            // (its memory figures are the latest read's, every 20 ms)
+            let m = &st["gpus"][0]["memory"];
+            m["checkpointed"] == 1 && m["pressure"] == false
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}: {st}\n{}", a.log_text()));
     let g = &st["gpus"][0];
-    assert_eq!(
-        g["memory"]["pressure"],
-        false,
-        "{g}\nonline {:?}\n{}",
-        svc.state(),
-        a.log_text()
-    );
+    assert_eq!(g["memory"]["pressure"], false, "{g}");
     assert_eq!(g["memory"]["reserve_bytes"].as_u64(), Some(6 * GIB), "{g}");
+    assert_eq!(
+        g["memory"]["checkpointed_bytes"].as_u64(),
+        Some(8 * GIB),
+        "{g}"
+    );
     assert!(
         g["processes"]
             .as_array()
             .unwrap()
             .iter()
             .any(|p| p["pid"] == big.pid() && p["driver"] == "checkpointed"),
+        "{g}"
+    );
+    assert!(
+        g["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["pid"] == small.pid() && p["actuator"] == "lock"),
         "{g}"
     );
     // Online leaves: 2 s later the job is restored and unlocked, the other unlocked.

@@ -61,11 +61,21 @@ impl Eyes {
 
     /// Each GPU's memory (memory preemption).
     pub fn memory(&mut self, gpus: &[u32]) -> Obs {
-        Obs::Memory(
-            gpus.iter()
-                .map(|g| (*g, self.gpu.memory(*g).map_err(|e| e.to_string())))
-                .collect(),
-        )
+        let reads: Vec<_> = gpus
+            .iter()
+            .map(|g| (*g, self.gpu.memory(*g).map_err(|e| e.to_string())))
+            .collect();
+        let mut room = std::collections::BTreeMap::new();
+        for (_, r) in &reads {
+            for (pid, _) in r.iter().flatten().flat_map(|m| m.processes.iter()) {
+                if let Ok(info) = self.classifier.procfs.read_proc(*pid) {
+                    if let Some(b) = self.classifier.chooser.mounts.memory_room(&info.cgroups) {
+                        room.insert(*pid, b);
+                    }
+                }
+            }
+        }
+        Obs::Memory { reads, room }
     }
 
     /// Reads the samples of `gpus` since their timestamps, in order; stops after a GPU

@@ -130,6 +130,24 @@ fn memory_preemption_checkpoints_the_largest_first_until_the_reserve_is_met_and_
     );
 }
 
+/// The driver keeps a checkpoint in the process's own memory: a process whose memory limit
+/// has no room for its device memory would be OOM-killed by its checkpoint, so it is passed
+/// over, and the next one taken.
+#[test]
+fn a_process_whose_memory_limit_has_no_room_is_not_checkpointed() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, true);
+    let (a, b) = (key(&w, 0), key(&w, 1));
+    // 4 GiB on the GPU: a needs about 4.6 GiB of room; it has 4.
+    w.room.insert(a.pid, 4 << 30);
+    w.room.insert(b.pid, 8 << 30);
+    ticks(&mut w, 100);
+    assert_eq!(w.driver_state(&a), DState::Running, "{:?}", w.dstate);
+    assert_eq!(w.driver_state(&b), DState::Checkpointed, "{:?}", w.dstate);
+}
+
 #[test]
 fn a_restore_waits_for_room_for_the_process_and_the_reserve() {
     let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));

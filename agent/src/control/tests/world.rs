@@ -84,6 +84,8 @@ pub(super) struct World {
     pub mem_total: u64,
     /// What a process holds on its GPU, bytes (online and offline alike).
     pub proc_bytes: u64,
+    /// What processes' memory limits leave them, bytes (by PID; absent: no limit).
+    pub room: BTreeMap<u32, u64>,
 }
 
 use crate::control::vault::DState;
@@ -128,6 +130,7 @@ impl World {
             refuse: BTreeSet::new(),
             mem_total: 16 << 30,
             proc_bytes: 4 << 30,
+            room: BTreeMap::new(),
         }
     }
 
@@ -479,8 +482,9 @@ impl World {
                 self.writes.push_back((due, w));
                 return None;
             }
-            Cmd::ReadMemory { gpus } => Obs::Memory(
-                gpus.iter()
+            Cmd::ReadMemory { gpus } => Obs::Memory {
+                reads: gpus
+                    .iter()
                     .map(|g| {
                         let processes = self
                             .procs
@@ -500,7 +504,8 @@ impl World {
                         )
                     })
                     .collect(),
-            ),
+                room: self.room.clone(),
+            },
             Cmd::Driver(call) => {
                 use crate::edges::checkpoint::Op as DOp;
                 let key = call.key;
