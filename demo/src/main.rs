@@ -204,6 +204,26 @@ impl Drop for Kill {
     }
 }
 
+/// Starts the simulated GPU (`cmd`: `coloc-sim gpu …`) on `state` and waits until its state
+/// file is written; it is stopped when the answer is dropped.
+fn start_sim(mut cmd: Command, state: &Path) -> Result<Kill> {
+    let procs = Kill(vec![cmd
+        .env("COLOC_SIM_STATE", state)
+        .stderr(Stdio::null())
+        .spawn()?]);
+    let t0 = Instant::now();
+    while std::fs::metadata(state)
+        .map(|m| m.len() == 0)
+        .unwrap_or(true)
+    {
+        if t0.elapsed() > Duration::from_secs(5) {
+            bail!("simulated GPU did not start");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(procs)
+}
+
 fn read_json(p: &Path) -> Result<Value> {
     let b = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
     Ok(serde_json::from_slice(&b)?)
@@ -295,25 +315,10 @@ fn run(a: DemoArgs) -> Result<()> {
         a.actuator.as_str(),
         out.display()
     );
-    let mut procs = Kill(Vec::new());
-    procs.0.push(
-        Command::new(&sim)
-            .args(["gpu", "--gpus", &n_gpus.to_string(), "--sample-period-ms"])
-            .arg(a.sample_period_ms.to_string())
-            .env("COLOC_SIM_STATE", &state)
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
-    let t0 = Instant::now();
-    while std::fs::metadata(&state)
-        .map(|m| m.len() == 0)
-        .unwrap_or(true)
-    {
-        if t0.elapsed() > Duration::from_secs(5) {
-            bail!("simulated GPU did not start");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let mut gpu = Command::new(&sim);
+    gpu.args(["gpu", "--gpus", &n_gpus.to_string(), "--sample-period-ms"])
+        .arg(a.sample_period_ms.to_string());
+    let procs = start_sim(gpu, &state)?;
     std::thread::sleep(Duration::from_millis(100));
 
     let events = out.join("events.jsonl");

@@ -57,30 +57,15 @@ pub fn run(a: &super::DemoArgs) -> Result<()> {
         a.restore_ms_per_gb,
         out.display()
     );
-    let mut procs = super::Kill(Vec::new());
-    procs.0.push(
-        Command::new(&sim)
-            .args(["gpu", "--gpus", "2", "--memory-gib", "16"])
-            .args(["--sample-period-ms", &a.sample_period_ms.to_string()])
-            .args([
-                "--checkpoint-ms-per-gb",
-                &a.checkpoint_ms_per_gb.to_string(),
-            ])
-            .args(["--restore-ms-per-gb", &a.restore_ms_per_gb.to_string()])
-            .env("COLOC_SIM_STATE", &state)
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
-    let t0 = Instant::now();
-    while std::fs::metadata(&state)
-        .map(|m| m.len() == 0)
-        .unwrap_or(true)
-    {
-        if t0.elapsed() > Duration::from_secs(5) {
-            bail!("simulated GPU did not start");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let mut gpu = Command::new(&sim);
+    gpu.args(["gpu", "--gpus", "2", "--memory-gib", "16"])
+        .args(["--sample-period-ms", &a.sample_period_ms.to_string()])
+        .args([
+            "--checkpoint-ms-per-gb",
+            &a.checkpoint_ms_per_gb.to_string(),
+        ])
+        .args(["--restore-ms-per-gb", &a.restore_ms_per_gb.to_string()]);
+    let procs = super::start_sim(gpu, &state)?;
     let cuda = |c: &mut Command| {
         c.arg("--cuda")
             .env("LD_LIBRARY_PATH", &cuda_dir)

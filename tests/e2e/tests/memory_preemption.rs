@@ -301,24 +301,34 @@ fn online_gets_the_memory_offline_holds_and_offline_comes_back_after_the_hold_ti
     .unwrap();
 }
 
+/// Jobs of 8 GiB (in `cg` when given) and 2 GiB, the agent, and an online service of
+/// 1 GiB: 5 GiB free under a 6 GiB reserve, so the 8 GiB job is checkpointed, and there is
+/// room for it again once the service has gone. Returns when it is checkpointed.
+fn eight_checkpointed(
+    sim: &Sim,
+    events: &Path,
+    state_dir: Option<PathBuf>,
+    cg: Option<&Path>,
+) -> (Proc, Proc, Agent, Proc) {
+    let big = offline(sim, 8 * 1024, cg);
+    let small = offline(sim, 2 * 1024, None);
+    let a = agent(sim, events, state_dir);
+    a.wait_processes(2);
+    let (svc, _) = online_waiting(sim, 1024);
+    wait_for(
+        "the largest job checkpointed",
+        Duration::from_secs(10),
+        || cu_state(sim, big.pid()) == STATE_CHECKPOINTED,
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    (big, small, a, svc)
+}
+
 #[test]
 fn the_agents_exit_restores_and_unlocks_everything() {
     let sim = sim();
     let events_path = TempPath::new("coloc-e2e-mem-events");
-    // 8 + 2 GiB of 16 and an online service of 5: room for all once the job is back.
-    let big = offline(&sim, 8 * 1024, None);
-    let small = offline(&sim, 2 * 1024, None);
-    let mut a = agent(&sim, &events_path, None);
-    a.wait_processes(2);
-    // With 6 free and 6 reserved, online needs no memory to be under the reserve: one
-    // more GiB of online makes 5 free.
-    let (_svc, _) = online_waiting(&sim, 1024);
-    wait_for(
-        "the largest job checkpointed",
-        Duration::from_secs(10),
-        || cu_state(&sim, big.pid()) == STATE_CHECKPOINTED,
-    )
-    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    let (big, small, mut a, _svc) = eight_checkpointed(&sim, &events_path, None, None);
     let state_dir = a.state_dir.clone();
     a.signal(libc::SIGTERM);
     assert!(a.wait().success(), "{}", a.log_text());
@@ -348,19 +358,14 @@ fn resume_after_kill_thaws_first_then_restores_and_unlocks() {
             None
         }
     };
-    let big = offline(&sim, 8 * 1024, cg.as_ref().map(|c| c.dir.as_path()));
-    let small = offline(&sim, 2 * 1024, None);
     let state_dir = PathBuf::from("/dev/shm").join(unique("coloc-e2e-mem-state"));
     let _state = TempPath::at(state_dir.clone());
-    let mut a = agent(&sim, &events_path, Some(state_dir.clone()));
-    a.wait_processes(2);
-    let (_svc, _) = online_waiting(&sim, 1024);
-    wait_for(
-        "the largest job checkpointed",
-        Duration::from_secs(10),
-        || cu_state(&sim, big.pid()) == STATE_CHECKPOINTED,
-    )
-    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    let (big, small, mut a, _svc) = eight_checkpointed(
+        &sim,
+        &events_path,
+        Some(state_dir.clone()),
+        cg.as_ref().map(|c| c.dir.as_path()),
+    );
     a.signal(libc::SIGKILL);
     let _ = a.wait();
     assert!(recorded_kind(&state_dir, "checkpoint", big.pid()));
