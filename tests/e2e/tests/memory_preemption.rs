@@ -416,3 +416,51 @@ fn resume_after_kill_thaws_first_then_restores_and_unlocks() {
         record(&state_dir)
     );
 }
+
+/// The driver refuses the largest job's lock (`CUDA_ERROR_NOT_SUPPORTED`, injected in the
+/// simulated driver): the agent names the refusal, counts it, gives online the next job's
+/// memory instead, and holds the refused job while online works with its other hold (a
+/// signal), never locked or checkpointed.
+#[test]
+fn a_lock_the_driver_refuses_falls_back_and_the_next_job_gives_its_memory() {
+    use coloc_sim::checkpoint::{CkFault, CkOp};
+    let sim = sim();
+    let events_path = TempPath::new("coloc-e2e-mem-events");
+    let big = offline(&sim, 8 * 1024, None);
+    let small = offline(&sim, 3 * 1024, None);
+    sim.open().ckpt_inject(CkFault {
+        ops: 1 << CkOp::Lock as u32,
+        code: 801,
+        fail_state: false,
+        pid: big.pid(),
+    });
+    let a = agent(&sim, &events_path, None);
+    a.wait_processes(2);
+    // 5 GiB free, a reserve of 6: online (1 GiB) makes it 4; the 8 GiB job refuses, the
+    // 3 GiB one is taken.
+    let (_svc, waited) = online_waiting(&sim, 1024);
+    wait_for(
+        "the small job checkpointed",
+        Duration::from_secs(10),
+        || cu_state(&sim, small.pid()) == STATE_CHECKPOINTED,
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    assert!(waited < 5.0, "{waited}");
+    assert_eq!(cu_state(&sim, big.pid()), STATE_RUNNING);
+    wait_for("the refusal counted", Duration::from_secs(5), || {
+        a.metrics()
+            .contains("coloc_driver_call_failures_total{op=\"lock\",reason=\"not_supported\"} 1")
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.metrics()));
+    assert!(
+        a.log_text().contains("The CUDA driver refused"),
+        "{}",
+        a.log_text()
+    );
+    // While online works, the refused job is stopped by its other plan.
+    wait_for("the refused job stopped", Duration::from_secs(10), || {
+        big.state() == Some('T')
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    assert_eq!(cu_state(&sim, big.pid()), STATE_RUNNING);
+}
