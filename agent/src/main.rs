@@ -357,7 +357,7 @@ fn resume_leftovers(
         timeout,
         Clone::clone,
         cuda_lib,
-        coloc_agent::edges::checkpoint::RESUME_CALL_BUDGET,
+        coloc_agent::edges::checkpoint::START_CALL_BUDGET,
     ) {
         let e = &step.entry;
         match &step.progress {

@@ -309,6 +309,17 @@ pub enum Note {
         /// What its checkpoint would take, bytes.
         need: u64,
     },
+    /// A driver call has run far longer than it should.
+    DriverCallStuck {
+        /// The operation.
+        op: crate::edges::checkpoint::Op,
+        /// The process.
+        pid: u32,
+        /// Its owner.
+        owner: String,
+        /// How long so far, s.
+        secs: f64,
+    },
     /// At exit, the driver refused a restore: left checkpointed and recorded.
     RestoreGivenUp {
         /// The process.
@@ -591,6 +602,11 @@ impl Note {
                 metrics::counter!("coloc_checkpoints_skipped_total", "reason" => "memory_limit").increment(1);
                 warn!(pid, room_gib = gib(*room), need_gib = gib(*need),
                     "Not checkpointing this offline process: the driver keeps its GPU memory in the process's own memory, and its memory limit has no room for it (it would be OOM-killed); raise the pod's memory limit, or annotate it gpu-coloc.dev/checkpoint: \"false\"")
+            }
+            Note::DriverCallStuck { op, pid, owner, secs } => {
+                metrics::counter!("coloc_driver_calls_stuck_total", "op" => op.as_str()).increment(1);
+                warn!(op = op.as_str(), pid, %owner, secs,
+                    "A CUDA driver call has not returned long after it should: the process is probably stopped (SIGSTOP, a debugger), and the driver waits for it to run; memory preemption takes other processes meanwhile")
             }
             Note::RestoreGivenUp { pid, owner } => error!(pid, %owner,
                 "Cannot restore this checkpointed process before exit (the GPU has no room for it): it stays checkpointed and recorded; run `coloc-agent resume` once the GPU has room"),

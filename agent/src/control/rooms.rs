@@ -657,7 +657,9 @@ impl Rooms {
                 .entries()
                 .any(|e| e.gpus.contains(&g) && e.cls.class.is_online_demand(unmanaged_online))
         };
-        self.vault.memory(now, reads, &room, table, online);
+        let book = &self.book;
+        self.vault
+            .memory(now, reads, &room, table, online, |k, cg| book.stops(k, cg));
     }
 
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).

@@ -231,6 +231,11 @@ struct Slot {
     /// At exit, its restore was refused: left checkpointed, and in the record, for
     /// `coloc-agent resume` once the GPU has room.
     given_up: bool,
+    /// Its call was said to be stuck.
+    said_stuck: bool,
+    /// When to ask the driver next whether a checkpointed process still lives, ns (it has
+    /// left the driver's lists, so its exit is not seen there).
+    next_probe_ns: u64,
 }
 
 impl Slot {
@@ -251,6 +256,8 @@ impl Slot {
             probe: false,
             restore_not_before_ns: 0,
             given_up: false,
+            said_stuck: false,
+            next_probe_ns: 0,
         }
     }
 
@@ -377,13 +384,19 @@ impl Vault {
     /// once the driver refused it, unless the driver holds it still (a stop would make
     /// the unlock wait).
     fn lockable(&self, key: &ProcKey, cls: &crate::edges::source::Classified) -> bool {
-        self.cfg.api
-            && cls.class == Class::Offline
-            && (self.cfg.lock || self.opted_in(cls))
-            && self
-                .slots
-                .get(key)
-                .is_none_or(|s| s.refused.is_none() || s.held() || s.call.is_some())
+        if !self.cfg.api || cls.class != Class::Offline {
+            return false;
+        }
+        // Whatever its pod says now: a stop would make the driver's call on it wait.
+        if self
+            .slots
+            .get(key)
+            .is_some_and(|s| s.held() || s.call.is_some())
+        {
+            return true;
+        }
+        (self.cfg.lock || self.opted_in(cls))
+            && self.slots.get(key).is_none_or(|s| s.refused.is_none())
     }
 
     /// Whether a lock hold wants `key` locked.
@@ -530,6 +543,7 @@ impl Vault {
         room: &BTreeMap<u32, u64>,
         table: &Table,
         online: impl Fn(u32) -> bool,
+        stopped: impl Fn(&ProcKey, Option<&std::path::Path>) -> bool,
     ) {
         self.next_read_ns = now + self.cfg.memory_interval_ns;
         let Some(reserve) = self.cfg.reserve else {
@@ -568,7 +582,7 @@ impl Vault {
                 }
             }
             if pressure {
-                self.evict(gpu, &m, want, room, table);
+                self.evict(gpu, &m, want, room, table, now, &stopped);
             } else {
                 self.restore_due(gpu, &m, want, now, online(gpu));
             }
@@ -580,6 +594,7 @@ impl Vault {
 
     /// Marks offline processes on `gpu` for eviction, largest first, until what they hold
     /// covers what the reserve misses (evictions on their way count).
+    #[allow(clippy::too_many_arguments)]
     fn evict(
         &mut self,
         gpu: u32,
@@ -587,16 +602,21 @@ impl Vault {
         want: u64,
         room: &BTreeMap<u32, u64>,
         table: &Table,
+        now: u64,
+        stopped: &dyn Fn(&ProcKey, Option<&std::path::Path>) -> bool,
     ) {
         let missing = want.saturating_sub(m.free);
         // What evictions on their way will free: those not checkpointed yet, and those
         // whose memory NVML still counts (its reading may lag the driver's answer).
+        // A call that has not returned long after it should (its process stopped by its
+        // owner: the driver waits for it to run) frees nothing: others are taken instead.
         let coming: u64 = self
             .slots
             .iter()
             .filter(|(k, s)| {
                 s.evict
                     && s.gpu == Some(gpu)
+                    && !self.stuck(s, now)
                     && (s.state != DState::Checkpointed
                         || m.processes.iter().any(|(pid, _)| *pid == k.pid))
             })
@@ -612,6 +632,8 @@ impl Vault {
                 let e = table.by_pid(*pid)?;
                 let ok = e.gpus.contains(&gpu)
                     && e.pin.is_some()
+                    // A stopped process cannot be locked until it runs.
+                    && !stopped(&e.key, e.plan.as_ref().and_then(|p| p.cgroup()))
                     && self.opted_in(&e.cls)
                     && self.lockable(&e.key, &e.cls)
                     && self.slots.get(&e.key).is_none_or(|s| {
@@ -662,24 +684,25 @@ impl Vault {
         }
     }
 
-    /// Gives back one checkpointed process of `gpu` when the GPU has been out of pressure
-    /// for `--restore-after` and has room for it and the reserve (the largest that fits;
-    /// one a read, so that the next read sees what it took).
+    /// Gives back checkpointed processes of `gpu` once the GPU has been out of pressure
+    /// for `--restore-after`: the largest first, as many as the free memory holds with the
+    /// reserve (without it when no online work is there), restores on their way counted as
+    /// taken. Side by side: one restore that does not return (its process stopped by its
+    /// owner) keeps no other process checkpointed.
     fn restore_due(&mut self, gpu: u32, m: &GpuMemory, want: u64, now: u64, online: bool) {
         let quiet_since = self.mem.get(&gpu).map_or(0, |e| e.last_pressure_ns);
         if now.saturating_sub(quiet_since) < self.cfg.restore_after_ns {
             return;
         }
-        let restoring = self
+        let keep = if online { want } else { 0 };
+        let restoring: u64 = self
             .slots
             .values()
-            .any(|s| s.gpu == Some(gpu) && matches!(s.call, Some((DOp::Restore, _))));
-        if restoring {
-            return;
-        }
-        // Without online work the reserve need not stay free.
-        let keep = if online { want } else { 0 };
-        let pick = self
+            .filter(|s| s.gpu == Some(gpu) && matches!(s.call, Some((DOp::Restore, _))))
+            .map(|s| s.bytes)
+            .sum();
+        let mut free = m.free.saturating_sub(restoring);
+        let mut cands: Vec<(u64, ProcKey)> = self
             .slots
             .iter()
             .filter(|(_, s)| {
@@ -688,15 +711,34 @@ impl Vault {
                     && s.state == DState::Checkpointed
                     && s.call.is_none()
                     && now >= s.restore_not_before_ns
-                    && s.bytes.saturating_add(keep) <= m.free
             })
-            .max_by_key(|(k, s)| (s.bytes, std::cmp::Reverse(**k)))
-            .map(|(k, _)| *k);
-        if let Some(k) = pick {
-            if let Some(s) = self.slots.get_mut(&k) {
-                s.evict = false;
+            .map(|(k, s)| (s.bytes, *k))
+            .collect();
+        cands.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        for (bytes, k) in cands {
+            if bytes.saturating_add(keep) <= free {
+                free -= bytes;
+                if let Some(s) = self.slots.get_mut(&k) {
+                    s.evict = false;
+                }
             }
         }
+    }
+
+    /// Whether `s`'s call has run far past what it should take (its process stopped by its
+    /// owner, most likely: the driver waits for it to run). Said once.
+    fn stuck(&self, s: &Slot, now: u64) -> bool {
+        let Some((op, at)) = s.call else {
+            return false;
+        };
+        let gib = s.bytes / (1 << 30);
+        let bound = match op {
+            DOp::Lock => self.cfg.lock_timeout.as_nanos() as u64 + 250_000_000,
+            DOp::Checkpoint => 10_000_000_000 + 2_000_000_000 * gib,
+            DOp::Restore => 10_000_000_000 + 1_000_000_000 * gib,
+            _ => 5_000_000_000,
+        };
+        now.saturating_sub(at) > bound
     }
 
     /// The record answered request `req`.
@@ -725,9 +767,36 @@ impl Vault {
     ) {
         let timeout = self.cfg.lock_timeout;
         let mut forget = Vec::new();
+        let stuck: Vec<ProcKey> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| !s.said_stuck && self.stuck(s, now))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stuck {
+            if let Some(s) = self.slots.get_mut(&k) {
+                s.said_stuck = true;
+                if let Some((op, at)) = s.call {
+                    self.notes.push(Note::DriverCallStuck {
+                        op,
+                        pid: k.pid,
+                        owner: s.owner.clone(),
+                        secs: now.saturating_sub(at) as f64 / 1e9,
+                    });
+                }
+            }
+        }
         for (key, s) in self.slots.iter_mut() {
             if s.call.is_some() {
                 continue;
+            }
+            // A checkpointed process has left the driver's lists: whether it still lives
+            // is asked of the driver (the call finds it gone) every 2 s.
+            if s.state == DState::Checkpointed && !s.probe && now >= s.next_probe_ns {
+                if s.next_probe_ns != 0 {
+                    s.probe = true;
+                }
+                s.next_probe_ns = now + 2_000_000_000;
             }
             let want = if s.evict && !self.stopping {
                 DState::Checkpointed
@@ -803,6 +872,7 @@ impl Vault {
             return;
         }
         s.call = None;
+        s.said_stuck = false;
         if d.op == DOp::State {
             s.probe = false;
             match d.state {
@@ -952,11 +1022,17 @@ impl Vault {
         for s in self.slots.values_mut() {
             s.time_hold = false;
         }
-        // The record forgot every hold: what the driver still holds is claimed again.
+        // The record forgot every hold, and every request on its way: what the driver still
+        // holds, and what memory preemption is about to take, is asked for again.
         let held: Vec<ProcKey> = self
             .slots
             .iter()
-            .filter(|(_, s)| s.state != DState::Running || s.call.is_some())
+            .filter(|(_, s)| {
+                s.state != DState::Running
+                    || s.call.is_some()
+                    || s.evict
+                    || matches!(s.rec, Rec::Asked(_))
+            })
             .map(|(k, _)| *k)
             .collect();
         for k in held {
@@ -1029,7 +1105,14 @@ impl Vault {
             .filter(|s| s.state == DState::Checkpointed && s.restore_not_before_ns > now)
             .map(|s| s.restore_not_before_ns)
             .min();
-        let call = (self.in_flight() > 0).then_some(now + 1_000_000).or(retry);
+        // Soon after a call started (a lock ends in a millisecond), then less often.
+        let call = self
+            .slots
+            .values()
+            .filter_map(|s| s.call.map(|(_, at)| now.saturating_sub(at)))
+            .min()
+            .map(|age| now + (age / 10).clamp(1_000_000, 100_000_000))
+            .or(retry);
         let read = (self.cfg.api && self.cfg.reserve.is_some() && !self.mem.is_empty()
             || self.slots.values().any(|s| s.evict))
         .then_some(self.next_read_ns.max(now));

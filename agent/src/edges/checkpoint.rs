@@ -623,6 +623,12 @@ impl DriverCalls {
 /// up to 6.5 s on an H100 (31 GB).
 pub const RESUME_CALL_BUDGET: Duration = Duration::from_secs(60);
 
+/// The same at the agent's start, where it comes before the health file: a process its
+/// owner keeps stopped must not keep the agent from starting (the chart's liveness probe
+/// gives it about 30 s). What does not return in time stays recorded; the call may still
+/// end on its own thread.
+pub const START_CALL_BUDGET: Duration = Duration::from_secs(10);
+
 /// Gives back what a lock or checkpoint entry of the record says the driver may hold:
 /// asks the driver where `key` is, restores it if checkpointed (it must run: a caller
 /// resumes every other entry first), then unlocks it. The identity is checked right before

@@ -242,45 +242,82 @@ pub fn resume_entries(
     driver_timeout: Duration,
 ) -> Vec<Step> {
     // Every stop and freeze first, then what the CUDA driver holds: its restore runs on a
-    // thread inside the process, which must run (thaw first).
+    // thread inside the process, which must run (thaw first). The driver's entries side by
+    // side, each bounded by `driver_timeout`: a process its owner keeps stopped makes the
+    // driver wait, and delays nothing else.
     let (driver, others): (Vec<&RecordEntry>, Vec<&RecordEntry>) =
         entries.iter().partition(|e| e.driver_process().is_some());
-    let mut api: Option<Result<std::sync::Arc<dyn crate::edges::checkpoint::DriverApi>, String>> =
-        None;
-    others
+    let mut progress: Vec<(RecordEntry, Progress)> = others
         .into_iter()
-        .chain(driver)
-        .map(|e| {
-            let progress = match e.driver_process() {
-                None => actuator::resume_recorded(&locate(e), timeout),
-                Some(key) => {
-                    let api = api.get_or_insert_with(|| {
-                        crate::edges::checkpoint::CudaCheckpoint::open(cuda_lib)
-                            .map(|c| {
-                                std::sync::Arc::new(c)
-                                    as std::sync::Arc<dyn crate::edges::checkpoint::DriverApi>
-                            })
-                            .map_err(|e| format!("--cuda-lib {cuda_lib}: {e}"))
+        .map(|e| (e.clone(), actuator::resume_recorded(&locate(e), timeout)))
+        .collect();
+    if !driver.is_empty() {
+        let api = crate::edges::checkpoint::CudaCheckpoint::open(cuda_lib)
+            .map(|c| {
+                std::sync::Arc::new(c) as std::sync::Arc<dyn crate::edges::checkpoint::DriverApi>
+            })
+            .map_err(|e| format!("--cuda-lib {cuda_lib}: {e}"));
+        // One call sequence per process (its lock and checkpoint entries alike).
+        let mut keys: Vec<crate::edges::procfs::ProcKey> =
+            driver.iter().filter_map(|e| e.driver_process()).collect();
+        keys.sort();
+        keys.dedup();
+        let done: Vec<(crate::edges::procfs::ProcKey, Progress)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = keys
+                .iter()
+                .map(|key| {
+                    let api = api.clone();
+                    let key = Some(*key);
+                    scope.spawn(move || match (api, key) {
+                        (Ok(api), Some(key)) => {
+                            crate::edges::checkpoint::resume_recorded(api, key, driver_timeout)
+                        }
+                        (Err(err), _) => Progress::Failed(actuator::ActError::Driver(err)),
+                        (_, None) => Progress::Gone,
+                    })
+                })
+                .collect();
+            keys.iter()
+                .zip(handles)
+                .map(|(k, h)| {
+                    let p = h.join().unwrap_or_else(|_| {
+                        Progress::Failed(actuator::ActError::Driver(
+                            "the driver call's thread panicked".into(),
+                        ))
                     });
-                    match api {
-                        Ok(api) => crate::edges::checkpoint::resume_recorded(
-                            api.clone(),
-                            key,
-                            driver_timeout,
-                        ),
-                        Err(err) => Progress::Failed(actuator::ActError::Driver(err.clone())),
+                    (*k, p)
+                })
+                .collect()
+        });
+        for e in driver {
+            let key = e.driver_process();
+            let p = done
+                .iter()
+                .find(|(k, _)| Some(*k) == key)
+                .map_or(Progress::Gone, |(_, p)| match p {
+                    Progress::Done => Progress::Done,
+                    Progress::Gone => Progress::Gone,
+                    Progress::Skipped => Progress::Skipped,
+                    Progress::Pending => Progress::Pending,
+                    Progress::Failed(err) => {
+                        Progress::Failed(actuator::ActError::Driver(err.to_string()))
                     }
-                }
-            };
+                });
+            progress.push((e.clone(), p));
+        }
+    }
+    progress
+        .into_iter()
+        .map(|(e, progress)| {
             let record_error = match progress {
                 Progress::Failed(_) => None,
                 _ => record
-                    .remove(std::slice::from_ref(e))
+                    .remove(std::slice::from_ref(&e))
                     .err()
                     .map(|err| format!("{err:#}")),
             };
             Step {
-                entry: e.clone(),
+                entry: e,
                 progress,
                 record_error,
             }

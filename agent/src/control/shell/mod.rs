@@ -70,6 +70,8 @@ pub struct Loop {
     last_tick_ns: Option<u64>,
     /// The loop's latest sleep: (went to sleep, woke), ns (`run` only).
     slept: Option<(u64, u64)>,
+    /// Everything was released on the way out once already (its restores waited for).
+    released: bool,
     /// Every note reported (tests).
     #[cfg(test)]
     pub(crate) said: Vec<Note>,
@@ -143,6 +145,7 @@ impl Loop {
             gpus,
             last_tick_ns: None,
             slept: None,
+            released: false,
             #[cfg(test)]
             said: Vec::new(),
             cfg,
@@ -387,6 +390,7 @@ impl Loop {
     /// Resumes every held target and forgets all suspensions (shutdown, panic); waits for
     /// the record's last writes.
     pub fn release_everything(&mut self, reason: ReleaseAll) {
+        self.released = true;
         self.converse(vec![Obs::ReleaseAll(reason)]);
         let deadline = Instant::now() + LAST_WRITES;
         while self.ctl.record().writing() {
@@ -443,7 +447,9 @@ impl Loop {
 impl Drop for Loop {
     fn drop(&mut self) {
         // Reached on normal exit (already empty) and on a panic unwinding the loop.
-        if !self.ctl.holds().is_empty() || !self.ctl.vault_idle() {
+        // (a shutdown that released everything already left only what the driver did not
+        // give back in time: recorded, not waited for twice)
+        if !self.ctl.holds().is_empty() || (!self.released && !self.ctl.vault_idle()) {
             error!("Control loop ending with offline work suspended: resuming it");
             self.release_everything(ReleaseAll::Panic);
         }

@@ -231,3 +231,143 @@ fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
         "restore asked once thawed: {asked:?}"
     );
 }
+
+/// One restore that never returns (its tenant SIGSTOPped the checkpointed process:
+/// its CPU threads run while it is checkpointed) must keep no other checkpointed
+/// process of the GPU checkpointed: restores run side by side.
+#[test]
+fn a_restore_that_never_returns_keeps_no_other_process_checkpointed() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, false);
+    ticks(&mut w, 80);
+    w.start(3, 0, true);
+    ticks(&mut w, 100);
+    let held: Vec<ProcKey> = w
+        .dstate
+        .iter()
+        .filter(|(_, s)| **s == DState::Checkpointed)
+        .map(|(k, _)| *k)
+        .collect();
+    assert_eq!(held.len(), 2, "{:?}", w.dstate);
+    // Equal sizes: the lowest key is restored first. Its tenant stops it.
+    w.tenant_stopped.insert(held[0]);
+    w.exit(3);
+    ticks(&mut w, 2_000);
+    assert_eq!(
+        w.driver_state(&held[1]),
+        DState::Running,
+        "another pod's process stays checkpointed behind a restore that never returns: {:?}",
+        w.dstate
+    );
+}
+
+/// A lock that never returns (the largest offline process, SIGSTOPped by its tenant —
+/// a stopped process keeps its device memory) must not count as memory on its way for
+/// ever: once it is overdue other processes are taken, and online gets its reserve.
+#[test]
+fn a_lock_that_never_returns_does_not_keep_online_from_its_memory() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, false);
+    ticks(&mut w, 80);
+    let k0 = key(&w, 0);
+    w.tenant_stopped.insert(k0);
+    w.start(3, 0, true);
+    ticks(&mut w, 2_000);
+    assert!(
+        w.free(0) >= 6 << 30,
+        "free {} GiB under a 6 GiB reserve after 2 s: {:?}",
+        w.free(0) >> 30,
+        w.dstate
+    );
+}
+
+/// The NVML watchdog trips while the write of an eviction's checkpoint entry is on
+/// its way: the record book drops its waiters; the vault asks again, and the eviction
+/// goes on.
+#[test]
+fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
+    let mut w = World::with_vault(1, false, 5, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, false);
+    ticks(&mut w, 80);
+    w.start(3, 0, true);
+    let mut tripped = false;
+    for _ in 0..200 {
+        ticks(&mut w, 1);
+        let evicting: Vec<ProcKey> = w
+            .offline
+            .iter()
+            .copied()
+            .filter(|k| w.ctl.vault().evicting(k))
+            .collect();
+        let on_disk = evicting.iter().any(|k| {
+            w.disk.contains(&RecordEntry::Checkpoint {
+                pid: k.pid,
+                start: k.start,
+            })
+        });
+        if !evicting.is_empty() && !on_disk && !w.writes.is_empty() {
+            w.converse(vec![crate::control::io::Obs::WatchdogTripped]);
+            tripped = true;
+            break;
+        }
+    }
+    assert!(tripped, "no eviction write seen in flight");
+    ticks(&mut w, 3_000);
+    assert!(
+        w.free(0) >= 6 << 30,
+        "free {} GiB under a 6 GiB reserve 3 s after the trip: {:?}",
+        w.free(0) >> 30,
+        w.dstate
+    );
+}
+
+/// A tenant flips its pod to `gpu-coloc.dev/checkpoint: "false"` while memory
+/// preemption is checkpointing it: the next suspension must still take the lock, not
+/// stop a process with a driver call on its way (the world flags a stop there).
+#[test]
+fn a_pod_that_opts_out_mid_checkpoint_is_not_stopped_while_the_driver_holds_it() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    w.call_ms = 300;
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, false);
+    ticks(&mut w, 80);
+    w.start(3, 0, true);
+    let mut victim = None;
+    for _ in 0..800 {
+        ticks(&mut w, 1);
+        if let Some((k, _)) = w.dstate.iter().find(|(_, s)| **s == DState::Locked) {
+            victim = Some(*k);
+            break;
+        }
+    }
+    let v = victim.expect("one locked");
+    w.opt_out.insert(v);
+    w.generation += 1;
+    ticks(&mut w, 20);
+    for _ in 0..100 {
+        let p = w.procs[&3].clone();
+        w.busy(p.gpu, p.key.pid);
+        ticks(&mut w, 1);
+    }
+}
+
+/// The same trip before any pressure: the same trip with no eviction write on its way; preemption works after it.
+#[test]
+fn a_watchdog_trip_before_any_pressure_leaves_preemption_working() {
+    let mut w = World::with_vault(1, false, 5, false, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, false);
+    ticks(&mut w, 80);
+    w.converse(vec![crate::control::io::Obs::WatchdogTripped]);
+    w.start(3, 0, true);
+    ticks(&mut w, 3_000);
+    assert!(w.free(0) >= 6 << 30, "{:?}", w.dstate);
+}

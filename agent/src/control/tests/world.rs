@@ -57,7 +57,7 @@ pub(super) struct World {
     pub offline: BTreeSet<ProcKey>,
     pub disk: BTreeSet<RecordEntry>,
     pub record_broken: bool,
-    writes: VecDeque<(u64, crate::control::record::Write)>,
+    pub writes: VecDeque<(u64, crate::control::record::Write)>,
     /// What the actuator holds stopped now.
     pub stopped: BTreeSet<ProcKey>,
     /// Closed gates: process → (epoch, when).
@@ -66,8 +66,10 @@ pub(super) struct World {
     samples: BTreeMap<u32, Vec<crate::edges::gpu::Activity>>,
     pub nvml_failing: BTreeSet<u32>,
     pub suspend_fails: BTreeSet<ProcKey>,
-    generation: u64,
+    pub generation: u64,
     pages_changed: bool,
+    /// Processes whose pods are annotated `gpu-coloc.dev/checkpoint: "false"`.
+    pub opt_out: BTreeSet<ProcKey>,
     /// Keys the shell said no longer live (their PID belongs to another process).
     pub reported_gone: BTreeSet<ProcKey>,
     /// What went wrong at each command, if anything.
@@ -80,6 +82,9 @@ pub(super) struct World {
     pub call_ms: u64,
     /// Processes whose lock the driver refuses (`CUDA_ERROR_NOT_SUPPORTED`).
     pub refuse: BTreeSet<ProcKey>,
+    /// Processes their tenant stopped (SIGSTOP): the driver's calls that change them wait
+    /// (state queries answer at once, as on the H100).
+    pub tenant_stopped: BTreeSet<ProcKey>,
     /// Each GPU's memory, bytes.
     pub mem_total: u64,
     /// What a process holds on its GPU, bytes (online and offline alike).
@@ -128,6 +133,8 @@ impl World {
             calls: Vec::new(),
             call_ms: 2,
             refuse: BTreeSet::new(),
+            tenant_stopped: BTreeSet::new(),
+            opt_out: BTreeSet::new(),
             mem_total: 16 << 30,
             proc_bytes: 4 << 30,
             room: BTreeMap::new(),
@@ -194,7 +201,9 @@ impl World {
         let mut keep = Vec::new();
         for (due, call) in std::mem::take(&mut self.calls) {
             let alive = self.alive(&call.key).is_some();
-            if alive && (due > now || self.stopped.contains(&call.key)) {
+            let waits = call.op != crate::edges::checkpoint::Op::State
+                && (self.stopped.contains(&call.key) || self.tenant_stopped.contains(&call.key));
+            if alive && (due > now || waits) {
                 keep.push((due, call));
                 continue;
             }
@@ -432,7 +441,16 @@ impl World {
                 pids.iter()
                     .map(|pid| {
                         let p = self.procs.values().find(|p| p.key.pid == *pid);
-                        (*pid, p.map(|p| entry(p, generation)))
+                        (
+                            *pid,
+                            p.map(|p| {
+                                let mut e = entry(p, generation);
+                                if self.opt_out.contains(&p.key) {
+                                    e.cls.checkpoint = Some(false);
+                                }
+                                e
+                            }),
+                        )
                     })
                     .collect(),
             ),
