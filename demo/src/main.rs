@@ -204,6 +204,27 @@ impl Drop for Kill {
     }
 }
 
+/// The fake NVML library, the agent and the simulated `libcuda.so.1`'s directory, next to
+/// this executable.
+fn agent_binaries() -> Result<(PathBuf, PathBuf, PathBuf)> {
+    let fake = sibling("libfake_nvml.so")?;
+    let me = sibling("coloc-agent")?;
+    let bin_dir = me.parent().context("binary directory")?.to_path_buf();
+    let cuda_dir = coloc_sim::fake_libcuda_dir(&bin_dir)
+        .context("the simulated libcuda.so.1 (cargo build --release --workspace)")?;
+    Ok((fake, me, cuda_dir))
+}
+
+/// `--out-dir`, or a new directory `{prefix}-{pid}` under the temporary directory; made.
+fn out_dir(a: &DemoArgs, prefix: &str) -> Result<PathBuf> {
+    let out = match &a.out_dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("{prefix}-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&out)?;
+    Ok(out)
+}
+
 /// Starts the simulated GPU (`cmd`: `coloc-sim gpu …`) on `state` and waits until its state
 /// file is written; it is stopped when the answer is dropped.
 fn start_sim(mut cmd: Command, state: &Path) -> Result<Kill> {
@@ -247,18 +268,10 @@ fn run(a: DemoArgs) -> Result<()> {
         return memory::run(&a);
     }
     let sim = sibling("coloc-sim")?;
-    let fake = sibling("libfake_nvml.so")?;
     let shim = sibling("libcoloc_cuda.so")?;
-    let me = sibling("coloc-agent")?;
-    let bin_dir = me.parent().context("binary directory")?.to_path_buf();
-    let cuda_dir = coloc_sim::fake_libcuda_dir(&bin_dir)
-        .context("the simulated libcuda.so.1 (cargo build --release --workspace)")?;
+    let (fake, me, cuda_dir) = agent_binaries()?;
     let id = std::process::id();
-    let out = match &a.out_dir {
-        Some(d) => d.clone(),
-        None => std::env::temp_dir().join(format!("coloc-demo-{id}")),
-    };
-    std::fs::create_dir_all(&out)?;
+    let out = out_dir(&a, "coloc-demo")?;
     let shm = Path::new("/dev/shm");
     let state = if shm.is_dir() {
         shm.to_path_buf()

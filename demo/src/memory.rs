@@ -34,17 +34,9 @@ struct Row {
 /// Runs the memory demo and prints its table; `json`: the summary as JSON too.
 pub fn run(a: &super::DemoArgs) -> Result<()> {
     let sim = super::sibling("coloc-sim")?;
-    let fake = super::sibling("libfake_nvml.so")?;
-    let me = super::sibling("coloc-agent")?;
-    let bin_dir = me.parent().context("binary directory")?.to_path_buf();
-    let cuda_dir = coloc_sim::fake_libcuda_dir(&bin_dir)
-        .context("the simulated libcuda.so.1 (cargo build --release --workspace)")?;
+    let (fake, me, cuda_dir) = super::agent_binaries()?;
     let id = std::process::id();
-    let out = match &a.out_dir {
-        Some(d) => d.clone(),
-        None => std::env::temp_dir().join(format!("coloc-demo-memory-{id}")),
-    };
-    std::fs::create_dir_all(&out)?;
+    let out = super::out_dir(a, "coloc-demo-memory")?;
     let state = Path::new("/dev/shm").join(format!("coloc-demo-memory-{id}"));
     let rules = "# coloc-demo --memory\n\
         [[rule]]\nname = \"demo-offline\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\ncheckpoint = true\n\
