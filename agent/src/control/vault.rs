@@ -809,7 +809,9 @@ impl Vault {
                 _ if s.given_up => None,
                 _ if s.probe => Some(DOp::State),
                 (DState::Failed, _) => None,
-                (DState::Running, DState::Locked) => Some(DOp::Lock),
+                // Never again once the driver refused (the hold book learns it at its
+                // next check and falls back).
+                (DState::Running, DState::Locked) => s.refused.is_none().then_some(DOp::Lock),
                 // Memory preemption locks only once its entry is on disk.
                 (DState::Running, DState::Checkpointed) => {
                     (s.rec == Rec::OnDisk).then_some(DOp::Lock)

@@ -76,6 +76,7 @@ fn a_lock_the_driver_refuses_falls_back_to_the_stop() {
         w.stopped.contains(&off),
         "stopped by its other plan once the driver refused"
     );
+    assert_eq!(w.lock_calls[&off], 1, "a refused lock is not asked again");
     ticks(&mut w, 150);
     assert!(w.stopped.is_empty());
 }

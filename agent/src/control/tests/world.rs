@@ -85,6 +85,8 @@ pub(super) struct World {
     /// Processes their tenant stopped (SIGSTOP): the driver's calls that change them wait
     /// (state queries answer at once, as on the H100).
     pub tenant_stopped: BTreeSet<ProcKey>,
+    /// Locks asked of the driver, per process.
+    pub lock_calls: BTreeMap<ProcKey, u32>,
     /// Each GPU's memory, bytes.
     pub mem_total: u64,
     /// What a process holds on its GPU, bytes (online and offline alike).
@@ -134,6 +136,7 @@ impl World {
             call_ms: 2,
             refuse: BTreeSet::new(),
             tenant_stopped: BTreeSet::new(),
+            lock_calls: BTreeMap::new(),
             opt_out: BTreeSet::new(),
             mem_total: 16 << 30,
             proc_bytes: 4 << 30,
@@ -533,6 +536,7 @@ impl World {
                     ));
                 }
                 if call.op == DOp::Lock {
+                    *self.lock_calls.entry(key).or_insert(0) += 1;
                     let lock = Target::Lock { key }.record();
                     let ckpt = RecordEntry::Checkpoint {
                         pid: key.pid,
