@@ -24,3 +24,5 @@ pub mod edges;
 pub mod http;
 pub mod sched;
 pub mod telemetry;
+#[cfg(test)]
+mod testutil;

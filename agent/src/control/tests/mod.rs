@@ -22,9 +22,10 @@ use crate::edges::actuator::{Kind, Op, RecordEntry};
 use crate::edges::clock::Clock;
 use crate::edges::fake::*;
 use crate::edges::source::Classified;
+use crate::testutil::TmpDir;
 use clap::Parser;
 use qos_core::{Class, Share};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,32 +54,6 @@ fn user_config() -> LoopConfig {
         unreachable!()
     };
     args.loop_config().unwrap()
-}
-
-/// A test's scratch directory, `{prefix}-{pid}` under the temporary directory (what an
-/// earlier run left there is removed first). Removed when dropped, so a test that fails
-/// (panics) leaves nothing behind either.
-struct TmpDir(PathBuf);
-
-impl TmpDir {
-    fn new(prefix: &str) -> TmpDir {
-        let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        TmpDir(dir)
-    }
-}
-
-impl std::ops::Deref for TmpDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 struct H {

@@ -1,5 +1,6 @@
 use super::wait::Scope;
 use super::*;
+use crate::testutil::TmpDir;
 use coloc_doorbell::{Page, PAGE};
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -61,34 +62,8 @@ mod memmap_page {
     }
 }
 
-/// A test's scratch directory, `coloc-bells-{name}-{pid}` under the temporary directory
-/// (what an earlier run left there is removed first). Removed when dropped, so a test
-/// that fails (panics) leaves nothing behind either.
-struct TmpDir(PathBuf);
-
-impl std::ops::Deref for TmpDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for TmpDir {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn tmpdir(name: &str) -> TmpDir {
-    let d = std::env::temp_dir().join(format!("coloc-bells-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    TmpDir(d)
+    TmpDir::new(&format!("coloc-bells-{name}"))
 }
 
 #[test]

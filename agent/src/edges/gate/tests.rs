@@ -1,36 +1,11 @@
 use super::*;
+use crate::testutil::TmpDir;
 use coloc_doorbell::gate::{DEFAULT_STALE_NS, GATE_MAGIC};
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
-/// A test's scratch directory, `coloc-gate-{name}-{pid}` under the temporary directory
-/// (what an earlier run left there is removed first). Removed when dropped, so a test
-/// that fails (panics) leaves nothing behind either.
-struct TmpDir(PathBuf);
-
-impl std::ops::Deref for TmpDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for TmpDir {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn tmpdir(name: &str) -> TmpDir {
-    let d = std::env::temp_dir().join(format!("coloc-gate-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    TmpDir(d)
+    TmpDir::new(&format!("coloc-gate-{name}"))
 }
 
 /// A read-only mapping of the file at `path`, as a shim makes it.
