@@ -225,6 +225,38 @@ fn out_dir(a: &DemoArgs, prefix: &str) -> Result<PathBuf> {
     Ok(out)
 }
 
+/// `coloc-agent run` as the demos start it: the fake NVML library, `rules`, its state and
+/// doorbell directories beside the simulated GPU's `state` file, events to `events`.
+fn agent_command(
+    me: &Path,
+    fake: &Path,
+    rules: &Path,
+    state: &Path,
+    events: &Path,
+    actuator: Kind,
+) -> Command {
+    let mut c = Command::new(me);
+    c.args([
+        "run",
+        "--listen",
+        "127.0.0.1:0",
+        "--actuator",
+        actuator.as_str(),
+    ])
+    .arg("--rules")
+    .arg(rules)
+    .arg("--nvml-lib")
+    .arg(fake)
+    .arg("--state-dir")
+    .arg(state.with_extension("agent"))
+    .arg("--event-log")
+    .arg(events)
+    .arg("--doorbell-dir")
+    .arg(state.with_extension("bells"))
+    .env("COLOC_SIM_STATE", state);
+    c
+}
+
 /// Starts the simulated GPU (`cmd`: `coloc-sim gpu …`) on `state` and waits until its state
 /// file is written; it is stopped when the answer is dropped.
 fn start_sim(mut cmd: Command, state: &Path) -> Result<Kill> {
@@ -338,26 +370,9 @@ fn run(a: DemoArgs) -> Result<()> {
     let _ = std::fs::remove_file(&events);
     let agent_log = std::fs::File::create(out.join("agent.log"))?;
     let managed_s: Vec<String> = managed.iter().map(u32::to_string).collect();
-    let agent = Command::new(&me)
-        .args([
-            "run",
-            "--listen",
-            "127.0.0.1:0",
-            "--actuator",
-            a.actuator.as_str(),
-        ])
+    let agent = agent_command(&me, &fake, &rules_path, &state, &events, a.actuator)
         .arg("--gpus")
         .arg(managed_s.join(","))
-        .arg("--rules")
-        .arg(&rules_path)
-        .arg("--nvml-lib")
-        .arg(&fake)
-        .arg("--state-dir")
-        .arg(state.with_extension("agent"))
-        .arg("--event-log")
-        .arg(&events)
-        .arg("--doorbell-dir")
-        .arg(&bells)
         .arg("--gate")
         .arg("--gate-file")
         .arg(&gate_file)

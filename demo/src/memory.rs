@@ -79,28 +79,24 @@ pub fn run(a: &super::DemoArgs) -> Result<()> {
     }
     let events = out.join("events.jsonl");
     let _ = std::fs::remove_file(&events);
-    let agent = Command::new(&me)
-        .args(["run", "--listen", "127.0.0.1:0", "--actuator", "signal"])
-        .args(["--gpus", "1"])
-        .arg("--rules")
-        .arg(&rules_path)
-        .arg("--nvml-lib")
-        .arg(&fake)
-        .arg("--state-dir")
-        .arg(state.with_extension("agent"))
-        .arg("--event-log")
-        .arg(&events)
-        .arg("--doorbell-dir")
-        .arg(state.with_extension("bells"))
-        .arg("--nvml-sample-period")
-        .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
-        .args(["--memory-reserve", "6GiB", "--restore-after", "5s"])
-        .arg("--cuda-lib")
-        .arg(cuda_dir.join("libcuda.so.1"))
-        .env("COLOC_SIM_STATE", &state)
-        .stderr(std::fs::File::create(out.join("agent.log"))?)
-        .spawn()
-        .context("starting the agent")?;
+    let agent = super::agent_command(
+        &me,
+        &fake,
+        &rules_path,
+        &state,
+        &events,
+        coloc_agent::edges::actuator::Kind::Signal,
+    )
+    .args(["--gpus", "1"])
+    .arg("--nvml-sample-period")
+    .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
+    .args(["--memory-reserve", "6GiB", "--restore-after", "5s"])
+    .arg("--cuda-lib")
+    .arg(cuda_dir.join("libcuda.so.1"))
+    .env("COLOC_SIM_STATE", &state)
+    .stderr(std::fs::File::create(out.join("agent.log"))?)
+    .spawn()
+    .context("starting the agent")?;
     let mut agent = super::Kill(vec![agent]);
     std::thread::sleep(Duration::from_secs(3));
     if let Some(st) = agent.0[0].try_wait()? {
