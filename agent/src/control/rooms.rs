@@ -543,7 +543,9 @@ impl Rooms {
         // resumes of locks are then answered at once, the vault keeping them recorded
         // until unlocked); its restores wait for the holds' thaw.
         self.vault.release_all();
-        self.book.release_all(reason)
+        let n = self.book.release_all(reason);
+        self.book.check_resumes_now();
+        n
     }
 
     /// Everything was resumed (`n` holds).

@@ -282,6 +282,19 @@ impl HoldBook {
         }
     }
 
+    /// Looks once more, now, at every resume still pending (the agent stops: no tick will
+    /// look at them again; a driver lock's resume is then answered at once).
+    pub fn check_resumes_now(&mut self) {
+        for p in std::mem::take(&mut self.pending) {
+            if p.op != Op::Resume || p.escalate_ns.is_some() {
+                self.pending.push(p);
+                continue;
+            }
+            let (op, targets) = (p.op, p.members.clone());
+            self.ask(Then::Checked(p), |req| HoldCmd::Check { req, op, targets });
+        }
+    }
+
     /// A pending operation was looked at.
     pub(super) fn checked(&mut self, mut p: Pending, progress: Vec<Progress>, now: u64) {
         let outcome = match members_progress(&progress) {

@@ -525,3 +525,24 @@ fn a_restore_refused_at_shutdown_leaves_the_checkpoint_recorded() {
     )
     .unwrap();
 }
+
+/// A sequence the driver's property found: the lock hold of one offline process while
+/// online is busy, then shutdown: nothing may stay recorded.
+#[test]
+fn a_lock_hold_at_shutdown_leaves_nothing_recorded() {
+    let acts = [
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 4,
+            gpu: 0,
+            online: true,
+        },
+        Act::Busy { slot: 4 },
+        Act::Run { ms: 100 },
+    ];
+    play_vault(&acts, false, 0, true, None).unwrap();
+}
