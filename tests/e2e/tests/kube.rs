@@ -372,3 +372,36 @@ fn agent_on_a_kubernetes_node() {
         let _ = std::fs::remove_dir(base.dir.join(d));
     }
 }
+
+/// `gpu-coloc.dev/checkpoint` is the tenant's own annotation and says only whether its own
+/// memory may be checkpointed: "true" and "false" are read, anything else says nothing,
+/// and a change (a tenant flipping it at any time) is followed. Nothing else of the
+/// pod's classification moves with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checkpoint_annotation_is_read_and_followed_and_changes_nothing_else() {
+    let api = FakeApi::start().await;
+    let with = |v: &str| {
+        let mut p = pod(UA, "a", "node1", Some("reclaimed_cores"));
+        p["metadata"]["annotations"]["gpu-coloc.dev/checkpoint"] = serde_json::json!(v);
+        p["metadata"]["resourceVersion"] = serde_json::json!(format!("{}", v.len() + 1));
+        p
+    };
+    api.apply(with("true"));
+    let src = KubeSource::start(api.client(), "node1");
+    until("first list", Duration::from_secs(10), || src.ready()).await;
+    assert_eq!(src.get(UA).and_then(|e| e.checkpoint), Some(true));
+    for (v, want) in [
+        ("false", Some(false)),
+        ("yes please", None),
+        ("true", Some(true)),
+    ] {
+        api.apply(with(v));
+        until(
+            &format!("the annotation {v:?} read"),
+            Duration::from_secs(5),
+            || src.get(UA).is_some_and(|e| e.checkpoint == want),
+        )
+        .await;
+        assert_eq!(class(&src, UA), Some(Class::Offline), "{v:?}");
+    }
+}
