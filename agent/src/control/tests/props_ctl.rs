@@ -546,3 +546,55 @@ fn a_lock_hold_at_shutdown_leaves_nothing_recorded() {
     ];
     play_vault(&acts, false, 0, true, None).unwrap();
 }
+
+/// A sequence the driver's property found: memory preemption's lock of a process whose
+/// lock entry, written ahead, was lost while the record was broken. Its checkpoint entry
+/// is on disk before the lock, as memory preemption records it, and that is what the world
+/// must accept (it wanted the lock entry alone, and failed this case at random).
+#[test]
+fn an_eviction_is_locked_under_its_checkpoint_entry() {
+    let acts = [
+        Act::Spawn {
+            slot: 3,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: true,
+        },
+        Act::Spawn {
+            slot: 2,
+            gpu: 0,
+            online: true,
+        },
+        Act::Run { ms: 77 },
+        Act::Exit { slot: 2 },
+        Act::Run { ms: 121 },
+        Act::RecordBroken(true),
+        Act::Spawn {
+            slot: 2,
+            gpu: 0,
+            online: true,
+        },
+        Act::Run { ms: 75 },
+        Act::Exit { slot: 0 },
+        Act::Run { ms: 66 },
+        Act::Run { ms: 37 },
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: true,
+        },
+        Act::Run { ms: 30 },
+    ];
+    play_vault(
+        &acts,
+        false,
+        0,
+        false,
+        Some(crate::control::vault::Reserve::Bytes(8 << 30)),
+    )
+    .unwrap();
+}

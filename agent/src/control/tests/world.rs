@@ -542,10 +542,14 @@ impl World {
                         pid: key.pid,
                         start: key.start,
                     };
-                    if !self.disk.contains(&lock) && !self.disk.contains(&ckpt) {
-                        self.flag(format!("locked {key:?} before the record held it"));
-                    }
-                    self.may_stop(key, lock, "locked");
+                    // Memory preemption records the checkpoint entry before its lock; a
+                    // lock hold, the lock entry (ahead).
+                    let entry = if self.disk.contains(&lock) {
+                        lock
+                    } else {
+                        ckpt
+                    };
+                    self.may_stop(key, entry, "locked");
                 }
                 if call.op != DOp::State && self.stopped.contains(&key) {
                     self.flag(format!(
