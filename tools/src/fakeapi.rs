@@ -1,6 +1,12 @@
 //! A small fake Kubernetes API server on 127.0.0.1:0, for the real client path: pod list
 //! and watch (`/api/v1/pods`), with the failures a real API server produces: `410 Gone`
 //! (expired resource version), dropped connections, failing lists.
+//!
+//! Like kube-apiserver, a watch from a resource version first sends every change made
+//! after it, so a change a test makes between a client's list and its watch is not lost
+//! (the client would otherwise never see it, and the test would wait for nothing). Only
+//! [`FakeApi::apply_silently`] and a silent [`FakeApi::delete`] stay out of that history:
+//! they model changes the watch missed, which a relist alone sees.
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
@@ -32,6 +38,8 @@ struct ApiState {
     list_requests: u64,
     /// Pod UID → when its latest event was handed to a watch connection's body.
     written: HashMap<String, Instant>,
+    /// Every change sent to watches: (resource version, the event's line).
+    history: Vec<(u64, String)>,
 }
 
 /// The server; stops with the runtime it was started on.
@@ -107,22 +115,25 @@ impl FakeApi {
         kube::Client::try_from(cfg).unwrap()
     }
 
-    fn send(&self, kind: &str, obj: &Value) {
+    /// Sends a change to open watches and keeps it for watches opened later from an
+    /// older resource version. Under the state's lock, so that a watch being opened gets
+    /// each change once: from the history or live.
+    fn send(&self, s: &mut ApiState, kind: &str, obj: &Value) {
         let line = json!({"type": kind, "object": obj}).to_string() + "\n";
-        self.state.lock().unwrap().last_sent = Some(Instant::now());
+        s.last_sent = Some(Instant::now());
+        s.history.push((s.rv, line.clone()));
         let _ = self.tx.send(Msg::Line(line));
     }
 
-    /// Adds or replaces a pod (ADDED / MODIFIED to open watches).
+    /// Adds or replaces a pod (ADDED / MODIFIED to watches, open or opened later from an
+    /// older resource version).
     pub fn apply(&self, mut p: Value) {
         let uid = p["metadata"]["uid"].as_str().unwrap().to_string();
-        let existed = {
-            let mut s = self.state.lock().unwrap();
-            s.rv += 1;
-            p["metadata"]["resourceVersion"] = json!(s.rv.to_string());
-            s.pods.insert(uid, p.clone()).is_some()
-        };
-        self.send(if existed { "MODIFIED" } else { "ADDED" }, &p);
+        let mut s = self.state.lock().unwrap();
+        s.rv += 1;
+        p["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+        let existed = s.pods.insert(uid, p.clone()).is_some();
+        self.send(&mut s, if existed { "MODIFIED" } else { "ADDED" }, &p);
     }
 
     /// Changes a pod without telling open watches (as if the change happened while the
@@ -136,13 +147,11 @@ impl FakeApi {
 
     /// Deletes a pod (DELETED to open watches); `silently`: only a relist sees it.
     pub fn delete(&self, uid: &str, silently: bool) {
-        let p = {
-            let mut s = self.state.lock().unwrap();
-            s.rv += 1;
-            s.pods.remove(uid)
-        };
+        let mut s = self.state.lock().unwrap();
+        s.rv += 1;
+        let p = s.pods.remove(uid);
         if let (Some(p), false) = (p, silently) {
-            self.send("DELETED", &p);
+            self.send(&mut s, "DELETED", &p);
         }
     }
 
@@ -189,6 +198,22 @@ impl FakeApi {
         self.state.lock().unwrap().watches_open
     }
 
+    /// Waits until a watch is open, or panics after `timeout`. A test calls it before it
+    /// changes a pod whose change it asserts on, so that the change reaches the client
+    /// through the watch it means to test (a change made earlier would be replayed at the
+    /// watch's start, or seen by a relist).
+    pub async fn watching(&self, timeout: std::time::Duration) {
+        let t = Instant::now();
+        while self.watches_open() == 0 {
+            assert!(
+                t.elapsed() < timeout,
+                "no watch opened on the fake API server within {timeout:?} ({} lists served)",
+                self.lists()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// When the latest event was written to the watches.
     pub fn last_sent(&self) -> Option<Instant> {
         self.state.lock().unwrap().last_sent
@@ -209,11 +234,26 @@ async fn pods(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String
         .map(str::to_string);
     let on_node = move |p: &Value| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n);
     if q.get("watch").map(String::as_str) == Some("true") {
-        let rx = api.tx.subscribe();
-        api.state.lock().unwrap().watches_open += 1;
+        // From the resource version asked for: the changes since, then live ones.
+        let since: u64 = q
+            .get("resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(u64::MAX);
+        let (rx, backlog) = {
+            let mut s = api.state.lock().unwrap();
+            s.watches_open += 1;
+            let backlog: std::collections::VecDeque<String> = s
+                .history
+                .iter()
+                .filter(|(rv, _)| *rv > since)
+                .map(|(_, l)| l.clone())
+                .collect();
+            (api.tx.subscribe(), backlog)
+        };
         let guard = WatchGuard(api.state.clone());
         let state = api.state.clone();
-        let stream = futures::stream::unfold((rx, guard, false), move |(mut rx, g, done)| {
+        let start = (rx, backlog, guard, false);
+        let stream = futures::stream::unfold(start, move |(mut rx, mut backlog, g, done)| {
             let on_node = on_node.clone();
             let state = state.clone();
             async move {
@@ -221,7 +261,11 @@ async fn pods(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String
                     return None;
                 }
                 loop {
-                    match rx.recv().await {
+                    let next = match backlog.pop_front() {
+                        Some(l) => Ok(Msg::Line(l)),
+                        None => rx.recv().await,
+                    };
+                    match next {
                         Ok(Msg::Line(l)) => {
                             let v: Value = serde_json::from_str(&l).unwrap();
                             if on_node(&v["object"]) {
@@ -234,14 +278,17 @@ async fn pods(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String
                                 }
                                 return Some((
                                     Ok::<_, std::convert::Infallible>(Bytes::from(l)),
-                                    (rx, g, false),
+                                    (rx, backlog, g, false),
                                 ));
                             }
                         }
                         Ok(Msg::Expire) => {
                             let e = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                 "message": "too old resource version", "reason": "Expired", "code": 410}});
-                            return Some((Ok(Bytes::from(e.to_string() + "\n")), (rx, g, true)));
+                            return Some((
+                                Ok(Bytes::from(e.to_string() + "\n")),
+                                (rx, backlog, g, true),
+                            ));
                         }
                         Ok(Msg::Close) | Err(broadcast::error::RecvError::Closed) => return None,
                         Err(broadcast::error::RecvError::Lagged(_)) => {}

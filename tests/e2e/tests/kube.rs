@@ -53,10 +53,7 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     assert_eq!(class(&src, UB), Some(Class::Online));
     assert_eq!(class(&src, UC), None, "pods of other nodes are not listed");
     assert!(!src.pod_gone(UA) && src.pod_gone(UC));
-    until("watch open", Duration::from_secs(5), || {
-        api.watches_open() > 0
-    })
-    .await;
+    api.watching(Duration::from_secs(10)).await;
 
     // Add, then a process in that pod's (systemd, containerd) cgroup is classified by it.
     api.apply(pod(UD, "d", "node1", Some("reclaimed_cores")));
@@ -128,10 +125,7 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     );
     api.fail_lists(false);
     // A dropped watch is re-opened from the last resource version (no relist needed).
-    until("watch reopened", Duration::from_secs(30), || {
-        api.watches_open() > 0
-    })
-    .await;
+    api.watching(Duration::from_secs(30)).await;
     api.apply(pod(UA, "a2", "node1", Some("system_cores")));
     until("events after recovery", Duration::from_secs(5), || {
         class(&src, UA) == Some(Class::System)
@@ -144,10 +138,7 @@ async fn event_to_classification_latency() {
     let api = FakeApi::start().await;
     let src = KubeSource::start(api.client(), "node1");
     until("first list", Duration::from_secs(10), || src.ready()).await;
-    until("watch open", Duration::from_secs(5), || {
-        api.watches_open() > 0
-    })
-    .await;
+    api.watching(Duration::from_secs(10)).await;
     let mut rx = src.subscribe().unwrap();
     let mut lat = Vec::new();
     for i in 0..200u32 {
@@ -329,6 +320,7 @@ fn agent_on_a_kubernetes_node() {
     .unwrap();
 
     // Its annotation flips to reclaimed_cores: frozen at once (GPU is busy).
+    rt.block_on(api.watching(Duration::from_secs(10)));
     api.apply(pod(flip_uid, "flipper", "node1", Some("reclaimed_cores")));
     wait_for("flipped pod frozen", Duration::from_secs(3), || {
         flip_cg.frozen()
@@ -389,6 +381,7 @@ async fn the_checkpoint_annotation_is_read_and_followed_and_changes_nothing_else
     api.apply(with("true"));
     let src = KubeSource::start(api.client(), "node1");
     until("first list", Duration::from_secs(10), || src.ready()).await;
+    api.watching(Duration::from_secs(10)).await;
     assert_eq!(src.get(UA).and_then(|e| e.checkpoint), Some(true));
     for (v, want) in [
         ("false", Some(false)),
