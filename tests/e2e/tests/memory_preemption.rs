@@ -463,4 +463,13 @@ fn a_lock_the_driver_refuses_falls_back_and_the_next_job_gives_its_memory() {
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
     assert_eq!(cu_state(&sim, big.pid()), STATE_RUNNING);
+    // Exactly one refusal: the driver is not asked again for the job its stop now holds
+    // (it was, once, when the driver's state answer came before the hold book's check).
+    let refused = "coloc_driver_call_failures_total{op=\"lock\",reason=\"not_supported\"} 1\n";
+    holds_for(
+        "one refusal, the lock not asked again",
+        Duration::from_millis(500),
+        || a.metrics().contains(refused),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.metrics()));
 }

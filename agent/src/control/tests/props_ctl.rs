@@ -336,11 +336,23 @@ fn play_vault(
     lock: bool,
     reserve: Option<crate::control::vault::Reserve>,
 ) -> Result<(), TestCaseError> {
-    play_in(
-        World::with_vault(GPUS, gate, delay, lock, reserve),
-        true,
-        acts,
-    )
+    play_vault_timed(acts, gate, delay, lock, reserve, (None, None))
+}
+
+/// [`play_vault`] with the driver's lock and state query taking `(lock_ms, state_ms)`
+/// (unset: as long as every other call).
+fn play_vault_timed(
+    acts: &[Act],
+    gate: bool,
+    delay: u32,
+    lock: bool,
+    reserve: Option<crate::control::vault::Reserve>,
+    (lock_ms, state_ms): (Option<u64>, Option<u64>),
+) -> Result<(), TestCaseError> {
+    let mut w = World::with_vault(GPUS, gate, delay, lock, reserve);
+    w.lock_ms = lock_ms;
+    w.state_ms = state_ms;
+    play_in(w, true, acts)
 }
 
 fn play_in(w: World, vault: bool, acts: &[Act]) -> Result<(), TestCaseError> {
@@ -432,16 +444,19 @@ proptest! {
 
     /// With the driver's lock as the hold of every offline process, memory preemption
     /// over 16 GiB GPUs (each process holds 4 GiB, the reserve is 8 GiB), or both; some
-    /// locks refused; with and without gates.
+    /// locks refused, never asked again; with and without gates; locks and state queries
+    /// that answer before or after the hold book's next check.
     #[test]
     fn the_drivers_holds_keep_the_same_promises(
         acts in proptest::collection::vec(act(), 1..60),
         delay in prop_oneof![Just(0u32), 1u32..8],
         gate in any::<bool>(),
         mode in 0u8..3,
+        lock_ms in prop_oneof![Just(None), Just(Some(0u64)), (1u64..25).prop_map(Some)],
+        state_ms in prop_oneof![Just(None), Just(Some(0u64)), Just(Some(1u64))],
     ) {
         let reserve = (mode > 0).then_some(crate::control::vault::Reserve::Bytes(8 << 30));
-        play_vault(&acts, gate, delay, mode != 1, reserve)?;
+        play_vault_timed(&acts, gate, delay, mode != 1, reserve, (lock_ms, state_ms))?;
     }
 
     /// The same with launch gates, whatever the shims acknowledge.

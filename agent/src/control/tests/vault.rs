@@ -62,23 +62,40 @@ fn the_drivers_lock_holds_offline_while_online_is_busy_and_unlocks_after_the_win
     );
 }
 
+/// Whatever the order in which the driver's answers and the hold book's checks come: the
+/// refusal, then the state query, both answered within the tick (0 ms) or ticks later, a
+/// lock slower than a re-check of the holds.
 #[test]
 fn a_lock_the_driver_refuses_falls_back_to_the_stop() {
-    let mut w = World::with_vault(1, false, 0, true, None);
-    w.start(0, 0, false);
-    w.start(1, 0, true);
-    ticks(&mut w, 80);
-    let off = key(&w, 0);
-    w.refuse.insert(off);
-    busy_for(&mut w, 1, 60);
-    assert_eq!(w.driver_state(&off), DState::Running);
-    assert!(
-        w.stopped.contains(&off),
-        "stopped by its other plan once the driver refused"
-    );
-    assert_eq!(w.lock_calls[&off], 1, "a refused lock is not asked again");
-    ticks(&mut w, 150);
-    assert!(w.stopped.is_empty());
+    for (lock_ms, state_ms) in [
+        (None, None),
+        (Some(0), Some(0)),
+        (Some(0), Some(3)),
+        (Some(15), Some(0)),
+    ] {
+        let mut w = World::with_vault(1, false, 0, true, None);
+        w.lock_ms = lock_ms;
+        w.state_ms = state_ms;
+        w.start(0, 0, false);
+        w.start(1, 0, true);
+        ticks(&mut w, 80);
+        let off = key(&w, 0);
+        w.refuse.insert(off);
+        busy_for(&mut w, 1, 60);
+        let when = format!("lock {lock_ms:?} ms, state query {state_ms:?} ms");
+        assert_eq!(w.driver_state(&off), DState::Running, "{when}");
+        assert!(
+            w.stopped.contains(&off),
+            "stopped by its other plan once the driver refused ({when})"
+        );
+        assert_eq!(
+            w.lock_calls[&off], 1,
+            "a refused lock is asked again ({when})"
+        );
+        assert_eq!(w.violation, None, "{when}");
+        ticks(&mut w, 150);
+        assert!(w.stopped.is_empty(), "{when}");
+    }
 }
 
 #[test]

@@ -80,6 +80,14 @@ pub(super) struct World {
     calls: Vec<(u64, crate::control::vault::Call)>,
     /// How long a driver call takes once its process runs, ms.
     pub call_ms: u64,
+    /// How long a lock takes instead, ms, where set: slower than a re-check of the holds
+    /// (10 ms) or quicker than a state query, so that the driver's answers come in any
+    /// order relative to the hold book's checks.
+    pub lock_ms: Option<u64>,
+    /// How long a state query takes instead, ms, where set.
+    pub state_ms: Option<u64>,
+    /// Processes whose lock the driver has refused (answered): none may be asked again.
+    pub refused: BTreeSet<ProcKey>,
     /// Processes whose lock the driver refuses (`CUDA_ERROR_NOT_SUPPORTED`).
     pub refuse: BTreeSet<ProcKey>,
     /// Processes their tenant stopped (SIGSTOP): the driver's calls that change them wait
@@ -134,6 +142,9 @@ impl World {
             dstate: BTreeMap::new(),
             calls: Vec::new(),
             call_ms: 2,
+            lock_ms: None,
+            state_ms: None,
+            refused: BTreeSet::new(),
             refuse: BTreeSet::new(),
             tenant_stopped: BTreeSet::new(),
             lock_calls: BTreeMap::new(),
@@ -225,6 +236,7 @@ impl World {
             } else {
                 match (call.op, st) {
                     (DOp::Lock, _) if self.refuse.contains(&call.key) => {
+                        self.refused.insert(call.key);
                         err(801, "CUDA_ERROR_NOT_SUPPORTED")
                     }
                     (DOp::Lock, DState::Running) => {
@@ -266,11 +278,21 @@ impl World {
                 op: call.op,
                 end,
                 state,
-                elapsed: Duration::from_nanos(now.saturating_sub(due) + self.call_ms * MS),
+                elapsed: Duration::from_nanos(now.saturating_sub(due) + self.call_ms(call.op) * MS),
             }));
         }
         self.calls = keep;
         out
+    }
+
+    /// How long a call of `op` takes once its process runs, ms.
+    fn call_ms(&self, op: crate::edges::checkpoint::Op) -> u64 {
+        use crate::edges::checkpoint::Op as DOp;
+        match op {
+            DOp::Lock => self.lock_ms.unwrap_or(self.call_ms),
+            DOp::State => self.state_ms.unwrap_or(self.call_ms),
+            _ => self.call_ms,
+        }
     }
 
     /// Ticks until every driver call has ended and the vault holds nothing (the agent on
@@ -355,14 +377,24 @@ impl World {
         self.now += MS;
     }
 
+    /// Steps the controller until it asks for nothing more. A driver call that ends at
+    /// once (a call of 0 ms) is answered in the next round of the same tick, as the shell
+    /// hands in what ended while it performed a round: before or after the hold book's
+    /// checks, whichever the controller does first.
+    /// A tick that takes more rounds than this never ends: a violation, not a hang.
     pub fn converse(&mut self, mut obs: Vec<Obs>) {
-        loop {
+        for _ in 0..10_000 {
             let cmds = self.ctl.step(self.now, obs);
             if cmds.is_empty() {
                 return;
             }
             obs = cmds.into_iter().filter_map(|c| self.perform(c)).collect();
+            obs.extend(self.driver_done());
         }
+        self.flag(format!(
+            "the controller's conversation at {} ms did not end in 10,000 rounds",
+            self.now / MS
+        ));
     }
 
     /// The writes due now, landed (or failed).
@@ -537,6 +569,11 @@ impl World {
                 }
                 if call.op == DOp::Lock {
                     *self.lock_calls.entry(key).or_insert(0) += 1;
+                    if self.refused.contains(&key) {
+                        self.flag(format!(
+                            "asked the driver to lock {key:?} again after it refused (its other plan holds it)"
+                        ));
+                    }
                     let lock = Target::Lock { key }.record();
                     let ckpt = RecordEntry::Checkpoint {
                         pid: key.pid,
@@ -557,7 +594,7 @@ impl World {
                         call.op.as_str()
                     ));
                 }
-                let due = self.now + self.call_ms * MS;
+                let due = self.now + self.call_ms(call.op) * MS;
                 self.calls.push((due, call));
                 return None;
             }
