@@ -47,6 +47,17 @@ use tracing::{info, warn};
 /// keeps it from doing so (`opt-out`).
 pub const CHECKPOINT_ANNOTATION: &str = "gpu-coloc.dev/checkpoint";
 
+/// What a value of [`CHECKPOINT_ANNOTATION`] says: `"true"` or `"false"` (surrounding
+/// whitespace ignored, nothing else: not `"TRUE"`, `"yes"` nor `""`); anything else says
+/// nothing, and the agent's `--checkpoint-pods` default applies.
+pub fn checkpoint_word(value: &str) -> Option<bool> {
+    match value.trim() {
+        "true" => Some(true),
+        "false" => Some(false),
+        _ => None,
+    }
+}
+
 /// What the agent needs to know about one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodEntry {
@@ -124,11 +135,7 @@ impl PodEntry {
                 share,
                 checkpoint: ann
                     .and_then(|a| a.get(CHECKPOINT_ANNOTATION))
-                    .and_then(|v| match v.trim() {
-                        "true" => Some(true),
-                        "false" => Some(false),
-                        _ => None,
-                    }),
+                    .and_then(|v| checkpoint_word(v)),
             },
             c.warning,
         )
@@ -358,5 +365,41 @@ impl PodSource for KubeSource {
     fn whole_cgroups(&self) -> bool {
         // The container's cgroup holds that container's processes only.
         true
+    }
+}
+
+#[cfg(test)]
+mod checkpoint_word_tests {
+    use super::checkpoint_word;
+
+    #[test]
+    fn only_true_and_false_say_anything() {
+        for (v, want) in [
+            ("true", Some(true)),
+            ("false", Some(false)),
+            (" true\n", Some(true)),
+            ("\tfalse ", Some(false)),
+        ] {
+            assert_eq!(checkpoint_word(v), want, "{v:?}");
+        }
+        for v in [
+            "yes please",
+            "TRUE",
+            "True",
+            "FALSE",
+            "",
+            " ",
+            "1",
+            "0",
+            "yes",
+            "no",
+            "on",
+            "truee",
+            "\"true\"",
+            "true,false",
+            "t rue",
+        ] {
+            assert_eq!(checkpoint_word(v), None, "{v:?} says something");
+        }
     }
 }
