@@ -168,7 +168,7 @@ mod tests {
 
     #[test]
     fn a_cpu_latency_request_is_written_as_the_kernel_reads_it() {
-        let dir = std::env::temp_dir().join(format!("coloc-cpu-latency-{}", std::process::id()));
+        let dir = crate::testutil::TmpDir::new("coloc-cpu-latency");
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("device");
         for (latency, want) in [
@@ -186,7 +186,6 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
         let err = CpuWakeLatency::hold(&dir.join("missing"), Duration::ZERO).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// On the real device: the request is in force while held and gone when dropped.

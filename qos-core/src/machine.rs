@@ -873,6 +873,12 @@ mod tests {
     }
 
     proptest! {
+        // A failing case is printed, never written into the tree.
+        #![proptest_config(ProptestConfig {
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
         /// Over random histories: only offline processes are ever suspended, and an
         /// offline process on GPU g is suspended iff online activity on g was observed
         /// less than g's release window ago: the idle window, or a learned window set

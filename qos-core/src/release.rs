@@ -185,6 +185,12 @@ mod tests {
     }
 
     proptest! {
+        // A failing case is printed, never written into the tree.
+        #![proptest_config(ProptestConfig {
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
         /// A learned window is never under the floor nor at or over the ceiling, never
         /// before `min_gaps` gaps, and the rule holds for it: the gaps it would release in
         /// pay `ratio` × `drain`.

@@ -312,7 +312,7 @@ mod tests {
 
     #[test]
     fn plot_of_a_gpu_the_agent_does_not_have_fails_and_says_which_it_has() {
-        let dir = std::env::temp_dir().join(format!("coloc-status-plot-{}", std::process::id()));
+        let dir = crate::testutil::TmpDir::new("coloc-status-plot");
         let args = StatusArgs {
             url: serve(doc(&["train.py"])),
             plot: Some(dir.with_extension("svg")),

@@ -216,6 +216,12 @@ mod tests {
     }
 
     proptest::proptest! {
+        // A failing case is printed, never written into the tree.
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            failure_persistence: None,
+            ..Default::default()
+        })]
+
         /// Over random readings (launches, run starts, stamps, wake gaps): a window is
         /// never under the floor nor at the idle window, and there is none while a
         /// process's latest launch is not stamped complete or its page would not wake the

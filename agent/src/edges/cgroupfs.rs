@@ -289,8 +289,7 @@ mod tests {
     /// "no limit" are no limit; the v1 memory hierarchy where v2 has no memory controller.
     #[test]
     fn memory_room_is_the_least_room_up_the_tree() {
-        let root = std::env::temp_dir().join(format!("coloc-memroom-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
+        let root = crate::testutil::TmpDir::new("coloc-memroom");
         let v2 = root.join("v2");
         let ctr = v2.join("pod/ctr");
         std::fs::create_dir_all(&ctr).unwrap();
@@ -335,7 +334,6 @@ mod tests {
             m.memory_room(&cg(Some("/elsewhere"), Some("/kubepods/pod"))),
             Some(3072)
         );
-        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]
@@ -354,7 +352,7 @@ mod tests {
 
     #[test]
     fn namespace_root_is_found_by_the_agents_pid() {
-        let mount = std::env::temp_dir().join(format!("coloc-cgfs-{}", std::process::id()));
+        let mount = crate::testutil::TmpDir::new("coloc-cgfs");
         let me = mount.join("kubepods/pod1/agent");
         std::fs::create_dir_all(&me).unwrap();
         std::fs::create_dir_all(mount.join("kubepods/pod2/job")).unwrap();
@@ -371,12 +369,11 @@ mod tests {
             Some("/kubepods/pod2/job")
         );
         assert_eq!(r.to_host("/../../../../x", false), None);
-        std::fs::remove_dir_all(mount).ok();
     }
 
     #[test]
     fn open_refuses_symlinks_and_never_creates() {
-        let base = std::env::temp_dir().join(format!("coloc-cgfs-open-{}", std::process::id()));
+        let base = crate::testutil::TmpDir::new("coloc-cgfs-open");
         let real = base.join("real");
         let outside = base.join("outside");
         std::fs::create_dir_all(&real).unwrap();
@@ -399,6 +396,5 @@ mod tests {
         );
         assert!(write(&real, "cgroup.nonexistent", b"1").is_err());
         assert!(!real.join("cgroup.nonexistent").exists(), "created a file");
-        std::fs::remove_dir_all(base).ok();
     }
 }

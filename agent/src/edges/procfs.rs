@@ -421,8 +421,7 @@ mod tests {
     /// cannot be read is an error, not an empty list.
     #[test]
     fn tree_members_include_every_cgroup_beneath() {
-        let root = std::env::temp_dir().join(format!("coloc-tree-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
+        let root = crate::testutil::TmpDir::new("coloc-tree");
         std::fs::create_dir_all(root.join("a/b")).unwrap();
         std::fs::create_dir_all(root.join("c")).unwrap();
         std::fs::write(root.join("cgroup.procs"), "1\n2\n").unwrap();
@@ -436,6 +435,5 @@ mod tests {
         assert_eq!(p.cgroup_members(&root).unwrap(), vec![1, 2]);
         std::fs::remove_file(root.join("a/b/cgroup.procs")).unwrap();
         assert!(p.cgroup_tree_members(&root).is_err());
-        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -187,10 +187,8 @@ mod tests {
     use super::*;
     use crate::edges::actuator::CgroupVersion;
 
-    fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("coloc-record-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        d
+    fn tmpdir(name: &str) -> crate::testutil::TmpDir {
+        crate::testutil::TmpDir::new(&format!("coloc-record-{name}"))
     }
 
     #[test]
@@ -210,7 +208,6 @@ mod tests {
         std::fs::write(dir.join("suspended.json"), b"{not json").unwrap();
         let e = FileRecord::open(&dir).unwrap_err();
         assert!(format!("{e:#}").contains("corrupt"), "{e:#}");
-        std::fs::remove_dir_all(dir).ok();
     }
 
     /// A write that fails leaves nothing in memory, so the next add writes again.
@@ -230,7 +227,6 @@ mod tests {
         r.add(std::slice::from_ref(&a)).unwrap();
         let (_, left) = FileRecord::open(&dir).unwrap();
         assert_eq!(left, vec![a], "the retried add reached the disk");
-        std::fs::remove_dir_all(dir).ok();
     }
 
     /// A symlink planted where the temporary file goes is replaced, not followed.
@@ -243,7 +239,6 @@ mod tests {
         std::os::unix::fs::symlink(&victim, dir.join("suspended.json.tmp")).unwrap();
         r.add(&[RecordEntry::Process { pid: 1, start: 1 }]).unwrap();
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
-        std::fs::remove_dir_all(dir).ok();
     }
 
     #[test]
@@ -256,6 +251,5 @@ mod tests {
             msg.contains("not writable") && msg.contains(&dir.display().to_string()),
             "{msg}"
         );
-        std::fs::remove_dir_all(dir).ok();
     }
 }

@@ -121,7 +121,7 @@ mod tests {
 
     #[test]
     fn a_probe_reads_what_was_written_and_fails_when_it_is_stale_or_missing() {
-        let dir = std::env::temp_dir().join(format!("coloc-health-{}", std::process::id()));
+        let dir = crate::testutil::TmpDir::new("coloc-health");
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(FILE);
         let max = Duration::from_secs(10);
@@ -148,6 +148,5 @@ mod tests {
             .contains("stopped writing"));
         let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
         assert_eq!(leftovers.len(), 1, "a temporary file stayed: {leftovers:?}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

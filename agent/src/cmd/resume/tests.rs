@@ -2,10 +2,8 @@ use super::*;
 use crate::edges::actuator::CgroupVersion;
 use std::process::{Child, Command};
 
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("coloc-resume-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmpdir(name: &str) -> crate::testutil::TmpDir {
+    crate::testutil::TmpDir::new(&format!("coloc-resume-{name}"))
 }
 
 fn args(dir: &Path) -> ResumeArgs {
@@ -98,7 +96,6 @@ fn resumes_a_recorded_process_once_and_empties_the_record() {
     // Idempotent.
     let (r, text) = run_resume(&args(&dir));
     assert!(r.is_ok() && text.contains("nothing suspended"), "{text}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A PID reused by another process is never continued: the entry is gone.
@@ -121,7 +118,6 @@ fn a_reused_pid_is_not_continued() {
         'T',
         "a process the record does not name was continued"
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// While an agent holds the state directory, nothing is touched and the record stays.
@@ -161,7 +157,6 @@ fn a_running_agent_is_left_alone() {
     assert!(r.is_ok() && text.contains("waiting up to"), "{text}");
     assert!(text.contains("1 resumed"), "{text}");
     assert_ne!(state(pid), 'T');
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -172,7 +167,6 @@ fn the_lock_is_exclusive_and_released_on_drop() {
     assert_eq!(lock_holder(&dir), Some(std::process::id()));
     drop(a);
     assert!(StateLock::try_acquire(&dir).unwrap().is_some());
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// What cannot be resumed stays recorded and makes the exit status 1.
@@ -194,7 +188,6 @@ fn a_failure_stays_recorded_and_fails_the_command() {
         "{text}\n{err}"
     );
     assert_eq!(FileRecord::open(&dir).unwrap().1, vec![entry]);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -292,7 +285,6 @@ fn thaws_recorded_cgroups() {
         assert_eq!(got.trim(), *thawed, "{} not thawed:\n{text}", dir.display());
     }
     assert!(text.contains(&format!("{} resumed", cases.len())), "{text}");
-    std::fs::remove_dir_all(&state).ok();
 }
 
 #[test]

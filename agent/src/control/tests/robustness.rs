@@ -5,18 +5,20 @@
 use super::*;
 use crate::edges::actuator::{Actuator, Progress, Target};
 use crate::edges::doorbell::Owner;
+use crate::testutil::TmpDir;
 
 fn gate_closed(path: &std::path::Path, gpu: u32) -> bool {
     super::gates::closed(path, gpu).is_some()
 }
 
-fn gate_setup(name: &str, gpus: u32, mut cfg: LoopConfig) -> (H, PathBuf) {
-    let dir = std::env::temp_dir().join(format!("coloc-robust-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+/// The harness with a gate file in a scratch directory, removed when the guard drops
+/// (passing or failing).
+fn gate_setup(name: &str, gpus: u32, mut cfg: LoopConfig) -> (H, PathBuf, TmpDir) {
+    let dir = TmpDir::new(&format!("coloc-robust-{name}"));
     let path = dir.join("gates");
     cfg.gate_timeout = Duration::from_millis(50);
     let h = harness_edges(gpus, cfg, Some(path.clone()));
-    (h, path)
+    (h, path, dir)
 }
 
 /// The NVML watchdog trips while a gate hold waits for its acknowledgement (or any
@@ -26,7 +28,7 @@ fn gate_setup(name: &str, gpus: u32, mut cfg: LoopConfig) -> (H, PathBuf) {
 /// emitted.
 #[test]
 fn a_watchdog_trip_leaves_no_event_waiting_forever() {
-    let (mut h, path) = gate_setup("wd", 1, default_config());
+    let (mut h, path, _dir) = gate_setup("wd", 1, default_config());
     h.spawn(0, 10, class(Class::Offline, None));
     h.spawn(0, 20, class(Class::Online, None));
     h.bells.offline_page(1, Owner::Pid(10), 0);
@@ -56,14 +58,13 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
         h.lp.ctl.rooms.tracker,
         h.lp.next_wait(h.now())
     );
-    std::fs::remove_dir_all(path.parent().unwrap()).ok();
 }
 
 /// While a gate waits for its acknowledgement the loop sleeps its minimum (50 µs) every
 /// time, although the acknowledgement itself wakes it (the page's wake word).
 #[test]
 fn the_loop_does_not_spin_while_a_gate_waits_for_its_ack() {
-    let (mut h, path) = gate_setup("spin", 1, user_config());
+    let (mut h, path, _dir) = gate_setup("spin", 1, user_config());
     h.spawn(0, 10, class(Class::Offline, None));
     h.spawn(0, 20, class(Class::Online, None));
     h.bells.offline_page(1, Owner::Pid(10), 0);
@@ -89,7 +90,6 @@ fn the_loop_does_not_spin_while_a_gate_waits_for_its_ack() {
         short == 0,
         "the loop sleeps 50 µs at a time while it waits for the ack: {waits:?}"
     );
-    std::fs::remove_dir_all(path.parent().unwrap()).ok();
 }
 
 /// A data-parallel offline job: one container (one cgroup), one process per GPU, each
@@ -101,18 +101,18 @@ fn the_loop_does_not_spin_while_a_gate_waits_for_its_ack() {
 #[test]
 fn two_gate_holds_sharing_a_cgroup_fallback_do_not_thaw_each_other() {
     for gate in [false, true] {
-        let root =
-            std::env::temp_dir().join(format!("coloc-robust-ddp-{gate}-{}", std::process::id()));
+        let root = TmpDir::new(&format!("coloc-robust-ddp-{gate}"));
         let dir = root.join("batch");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
         let mut cfg = default_config();
-        cfg.cgroups.v2 = Some(root.clone());
+        cfg.cgroups.v2 = Some(root.to_path_buf());
         cfg.actuator = Kind::Freezer;
-        let (mut h, path) = if gate {
-            gate_setup("ddp", 2, cfg)
+        let (mut h, path, _gates) = if gate {
+            let (h, path, dir) = gate_setup("ddp", 2, cfg);
+            (h, path, Some(dir))
         } else {
-            (harness_with(2, cfg), PathBuf::new())
+            (harness_with(2, cfg), PathBuf::new(), None)
         };
         for (gpu, pid) in [(0, 10), (1, 11)] {
             h.procs.add(pid, 100 + pid as u64, "train", "/batch");
@@ -184,10 +184,6 @@ fn two_gate_holds_sharing_a_cgroup_fallback_do_not_thaw_each_other() {
             thaws.is_empty(),
             "gate={gate}: the cgroup holding 10 was thawed while online on GPU 0 was busy: {thaws:?}"
         );
-        std::fs::remove_dir_all(&root).ok();
-        if gate {
-            std::fs::remove_dir_all(path.parent().unwrap()).ok();
-        }
     }
 }
 

@@ -89,12 +89,11 @@ fn errors_name_file_line_and_column() {
         e.starts_with("rules file r.toml:5:1: ") && e.contains("colour"),
         "{e}"
     );
-    let dir = std::env::temp_dir().join(format!("coloc-rules-utf8-{}", std::process::id()));
+    let dir = crate::testutil::TmpDir::new("coloc-rules-utf8");
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("r.toml");
     std::fs::write(&f, b"[[rule]]\nname = \"a\"\nclass = \"off\xffline\"\n").unwrap();
     let e = Rules::load(&f).unwrap_err().to_string();
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(e.ends_with("r.toml:3:13: not UTF-8 text"), "{e}");
 }
 
