@@ -250,7 +250,10 @@ impl Drop for Agent {
         }
         let _ = std::fs::remove_dir_all(&self.doorbell_dir);
         if std::thread::panicking() {
-            eprintln!("NOTE: the agent's files are kept: {:?}", self.scratch);
+            eprintln!(
+                "NOTE: the agent's files are kept for this failure: {:?} (removed by the next run of the end-to-end tests)",
+                self.scratch
+            );
         } else {
             for p in &self.scratch {
                 let _ = std::fs::remove_dir_all(p);

@@ -31,7 +31,7 @@ pub use agent::{test_agent_env, Agent, AgentOpts};
 pub use cgroups::{cgroup_v2_root, offline_rules, thaw_cgroups_of, TestCgroup};
 pub use http::{free_port, http_get, metric};
 pub use page::MappedPage;
-pub use paths::{bin, fake_cuda, unique, TempPath};
+pub use paths::{bin, fake_cuda, sweep_leftovers, unique, TempPath};
 pub use poll::{holds_for, wait_for};
 pub(crate) use procs::reap_within;
 pub use procs::{output_within, proc_state, Proc};

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Once;
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
@@ -23,6 +24,54 @@ pub fn bin(name: &str) -> PathBuf {
         p.display()
     );
     p
+}
+
+/// Where an end-to-end test keeps files: `/tmp` (or `TMPDIR`) and `/dev/shm`.
+fn scratch_roots() -> [PathBuf; 2] {
+    [std::env::temp_dir(), PathBuf::from("/dev/shm")]
+}
+
+/// Removes what earlier end-to-end test processes kept when a test failed (an agent's
+/// state, record and log, named in that test's failure output): every `coloc-e2e-*` entry
+/// in the scratch roots whose [`unique`] name carries the PID of a process that is gone.
+/// Once per test process, before its first agent or simulated GPU; entries of a run still
+/// going (its PID alive) are left alone. Returns what it removed.
+pub fn sweep_leftovers() -> Vec<PathBuf> {
+    static SWEPT: Once = Once::new();
+    let mut removed = Vec::new();
+    SWEPT.call_once(|| {
+        for root in scratch_roots() {
+            let Ok(dir) = std::fs::read_dir(&root) else {
+                continue;
+            };
+            for e in dir.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if let Some(pid) = leftover_pid(&name) {
+                    if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                        remove_path(&e.path());
+                        removed.push(e.path());
+                    }
+                }
+            }
+        }
+        if !removed.is_empty() {
+            eprintln!(
+                "NOTE: removed {} files kept by earlier failed end-to-end tests: {removed:?}",
+                removed.len()
+            );
+        }
+    });
+    removed
+}
+
+/// The PID in a [`unique`] name of the end-to-end tests (`coloc-e2e…-<pid>-<n>`).
+fn leftover_pid(name: &str) -> Option<u32> {
+    if !name.starts_with("coloc-e2e") {
+        return None;
+    }
+    let mut parts = name.rsplit('-');
+    parts.next()?.parse::<u32>().ok()?;
+    parts.next()?.parse().ok()
 }
 
 /// A unique name for this test process.
@@ -111,5 +160,28 @@ fn remove_path(path: &Path) {
             let _ = std::fs::remove_file(path);
         }
         Err(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leftovers_of_gone_processes_are_swept_and_live_ones_kept() {
+        assert_eq!(leftover_pid("coloc-e2e-state-123-4"), Some(123));
+        assert_eq!(leftover_pid("coloc-e2e-123-0"), Some(123));
+        assert_eq!(leftover_pid("coloc-robust-123-0"), None);
+        assert_eq!(leftover_pid("coloc-e2e-state"), None);
+        // A PID above the kernel's limit is never alive; ours is.
+        let gone = std::env::temp_dir().join("coloc-e2e-sweep-4194305-0");
+        let live = std::env::temp_dir().join(unique("coloc-e2e-sweep"));
+        std::fs::create_dir_all(gone.join("state")).unwrap();
+        std::fs::write(&live, b"x").unwrap();
+        let _live = TempPath::at(&live);
+        let removed = sweep_leftovers();
+        assert!(removed.contains(&gone), "{removed:?}");
+        assert!(!gone.exists());
+        assert!(live.exists(), "a file of a live process was swept");
     }
 }

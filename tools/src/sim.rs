@@ -17,6 +17,7 @@ impl Sim {
     /// Starts `gpus` simulated GPUs, with a 1 ms sample period unless `extra` names one
     /// (most tests model a fast driver; the doorbell tests a realistic one).
     pub fn start(gpus: u32, extra: &[&str]) -> Sim {
+        crate::paths::sweep_leftovers();
         let state = PathBuf::from("/dev/shm").join(unique("coloc-e2e"));
         let period: &[&str] = if extra.contains(&"--sample-period-ms") {
             &[]
