@@ -199,7 +199,9 @@ impl Rooms {
         for (i, t) in std::mem::take(targets).into_iter().enumerate() {
             match t {
                 Target::Lock { key } => {
-                    answered.push((i, self.vault.hold(key, op, &self.seeing.table)))
+                    let book = &self.book;
+                    let stops = |k: &ProcKey, cg: Option<&std::path::Path>| book.stops(k, cg);
+                    answered.push((i, self.vault.hold(key, op, &self.seeing.table, stops)))
                 }
                 t => rest.push(t),
             }

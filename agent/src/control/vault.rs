@@ -449,12 +449,16 @@ impl Vault {
         s
     }
 
-    /// A lock hold's `Start` or `Check` of `op` on `key`: where it stands.
+    /// A lock hold's `Start` or `Check` of `op` on `key`: where it stands. `stopped(key,
+    /// cgroup)`: another hold stops the process (its cgroup shared with a process held by
+    /// a stop): it is held already, and its lock waits until it runs again (a lock asked
+    /// of a stopped process would wait in the driver for it to run).
     pub fn hold(
         &mut self,
         key: ProcKey,
         op: crate::edges::actuator::Op,
         table: &Table,
+        stopped: impl Fn(&ProcKey, Option<&std::path::Path>) -> bool,
     ) -> Progress {
         use crate::edges::actuator::Op;
         if !self.cfg.api {
@@ -474,6 +478,9 @@ impl Vault {
                     Progress::Done
                 } else if let Some(why) = &s.refused {
                     Progress::Failed(ActError::Driver(why.clone()))
+                } else if s.call.is_none() && stopped(&key, s.cgroup.as_deref()) {
+                    // Held by that stop; locked at a re-check once it runs again.
+                    Progress::Done
                 } else {
                     Progress::Pending
                 }
@@ -811,11 +818,14 @@ impl Vault {
                 (DState::Failed, _) => None,
                 // Never again once the driver refused (the hold book learns it at its
                 // next check and falls back).
-                (DState::Running, DState::Locked) => s.refused.is_none().then_some(DOp::Lock),
-                // Memory preemption locks only once its entry is on disk.
-                (DState::Running, DState::Checkpointed) => {
-                    (s.rec == Rec::OnDisk).then_some(DOp::Lock)
+                // Not while another hold stops it: the driver would wait for it to run.
+                (DState::Running, DState::Locked) => {
+                    (s.refused.is_none() && !stopped(key, s.cgroup.as_deref())).then_some(DOp::Lock)
                 }
+                // Memory preemption locks only once its entry is on disk.
+                (DState::Running, DState::Checkpointed) => (s.rec == Rec::OnDisk
+                    && !stopped(key, s.cgroup.as_deref()))
+                .then_some(DOp::Lock),
                 (DState::Locked, DState::Checkpointed) => {
                     (s.rec == Rec::OnDisk).then_some(DOp::Checkpoint)
                 }

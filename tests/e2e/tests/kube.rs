@@ -133,8 +133,35 @@ async fn watch_list_events_gone_disconnect_and_flip() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn event_to_classification_latency() {
+/// Raises the calling thread's priority to nice -10, as the agent's loop runs, so that a
+/// latency measured beside other CPU-bound work (the rest of the suite, a loaded CI
+/// machine) is the code's, not the scheduler's. Says so where the host refuses.
+fn nice_thread() {
+    // SAFETY: setpriority(2) on the calling thread (PRIO_PROCESS with 0 is the caller's
+    // thread on Linux); no memory is passed.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, -10) } != 0 {
+        eprintln!(
+            "NOTE: cannot raise this thread's priority ({}): the latency is measured at normal priority",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// The pod source's own latency, from the API server's write to the index: the test's
+/// runtime (the fake API server and the kube-rs client alike) runs at nice -10.
+#[test]
+fn event_to_classification_latency() {
+    nice_thread();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .on_thread_start(nice_thread)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(event_to_classification_latency_in())
+}
+
+async fn event_to_classification_latency_in() {
     let api = FakeApi::start().await;
     let src = KubeSource::start(api.client(), "node1");
     until("first list", Duration::from_secs(10), || src.ready()).await;

@@ -389,3 +389,50 @@ fn a_watchdog_trip_before_any_pressure_leaves_preemption_working() {
     ticks(&mut w, 3_000);
     assert!(w.free(0) >= 6 << 30, "{:?}", w.dstate);
 }
+
+/// Thaw before restore inside the loop: three offline processes of 4 GiB share their
+/// GPU's cgroup, stopped as a whole by a hold (16 GiB, a reserve of 4 GiB). Online arrives,
+/// one is checkpointed; another exits, so the GPU has room to restore it while online
+/// works. The hold of the third (opted out of memory preemption, so not held by the
+/// driver's lock) stops the cgroup, the checkpointed process in it: its restore waits for
+/// the thaw, then runs.
+#[test]
+fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
+    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(4 << 30)));
+    w.shared_cgroups = true;
+    for s in 0..3 {
+        w.start(s, 0, false);
+    }
+    // The third opted out of memory preemption: held by its plan, the cgroup's stop.
+    let held = key(&w, 2);
+    w.opt_out.insert(held);
+    w.start(3, 0, true);
+    ticks(&mut w, 100);
+    let ck: Vec<u32> = (0..3)
+        .filter(|s| w.driver_state(&key(&w, *s)) == DState::Checkpointed)
+        .collect();
+    assert_eq!(ck.len(), 1, "one is enough: {:?}", w.dstate);
+    let ck = key(&w, ck[0]);
+    let gone = (0..2).find(|s| key(&w, *s) != ck).unwrap();
+    w.exit(gone);
+    let mut stopped_ms = 0;
+    for _ in 0..600 {
+        busy_for(&mut w, 3, 1);
+        if w.stopped.contains(&ck) {
+            stopped_ms += 1;
+            assert_eq!(
+                w.driver_state(&ck),
+                DState::Checkpointed,
+                "restored while its cgroup is stopped"
+            );
+        }
+    }
+    assert!(
+        stopped_ms > 400,
+        "the checkpointed process was stopped with its cgroup for {stopped_ms} ms only"
+    );
+    // Online idle: the cgroup thaws, then the restore runs (--restore-after has passed).
+    ticks(&mut w, 300);
+    assert!(w.stopped.is_empty(), "{:?}", w.stopped);
+    assert_eq!(w.driver_state(&ck), DState::Running, "{:?}", w.dstate);
+}

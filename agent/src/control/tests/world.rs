@@ -88,6 +88,10 @@ pub(super) struct World {
     pub state_ms: Option<u64>,
     /// Processes whose lock the driver has refused (answered): none may be asked again.
     pub refused: BTreeSet<ProcKey>,
+    /// The offline processes of each GPU share one cgroup (`/cg/gpu<N>`), suspended by
+    /// stopping all its processes (`Plan::SignalCgroup`): one process's hold stops the
+    /// others, a checkpointed one among them, and their restore must wait for the thaw.
+    pub shared_cgroups: bool,
     /// Processes whose lock the driver refuses (`CUDA_ERROR_NOT_SUPPORTED`).
     pub refuse: BTreeSet<ProcKey>,
     /// Processes their tenant stopped (SIGSTOP): the driver's calls that change them wait
@@ -144,6 +148,7 @@ impl World {
             call_ms: 2,
             lock_ms: None,
             state_ms: None,
+            shared_cgroups: false,
             refused: BTreeSet::new(),
             refuse: BTreeSet::new(),
             tenant_stopped: BTreeSet::new(),
@@ -283,6 +288,12 @@ impl World {
         }
         self.calls = keep;
         out
+    }
+
+    /// The cgroup `p` shares with the other offline processes of its GPU, if they share
+    /// one.
+    fn cgroup_of(&self, p: &Proc) -> Option<PathBuf> {
+        (self.shared_cgroups && !p.online).then(|| PathBuf::from(format!("/cg/gpu{}", p.gpu)))
     }
 
     /// How long a call of `op` takes once its process runs, ms.
@@ -479,7 +490,7 @@ impl World {
                         (
                             *pid,
                             p.map(|p| {
-                                let mut e = entry(p, generation);
+                                let mut e = entry(p, generation, self.cgroup_of(p));
                                 if self.opt_out.contains(&p.key) {
                                     e.cls.checkpoint = Some(false);
                                 }
@@ -609,10 +620,23 @@ impl World {
 
     fn hold(&mut self, h: HoldCmd) -> Option<HoldObs> {
         Some(match h {
-            HoldCmd::Members { req, leader, .. } => HoldObs::Members {
-                req,
-                members: vec![leader],
-            },
+            HoldCmd::Members { req, leader, dir } => {
+                // The leader, then every other live process of its cgroup.
+                let mut members = vec![leader.clone()];
+                members.extend(
+                    self.procs
+                        .values()
+                        .filter(|p| self.cgroup_of(p).as_deref() == Some(dir.as_path()))
+                        .filter(
+                            |p| !matches!(&leader, Target::Process { key, .. } if *key == p.key),
+                        )
+                        .map(|p| Target::Process {
+                            key: p.key,
+                            pidfd: p.pin.clone(),
+                        }),
+                );
+                HoldObs::Members { req, members }
+            }
             HoldCmd::RecordAdd { .. } | HoldCmd::RecordRemove { .. } => {
                 self.flag("the record book's own commands reached the shell".into());
                 return None;
@@ -693,8 +717,12 @@ impl World {
             }
             (Target::Process { key, .. }, Op::Suspend) => {
                 self.may_stop(*key, t.record(), "stopped");
-                if self.driver_state(key) != DState::Running
-                    || self.calls.iter().any(|(_, c)| c.key == *key)
+                // A cgroup's stop takes every process in it, whatever the driver holds
+                // there: only a process's own plan must wait for the driver.
+                let cgroup = self.shared_cgroups && self.offline.contains(key);
+                if !cgroup
+                    && (self.driver_state(key) != DState::Running
+                        || self.calls.iter().any(|(_, c)| c.key == *key))
                 {
                     self.flag(format!(
                         "stopped {key:?} while the driver holds it or a call waits for it"
@@ -731,17 +759,23 @@ impl World {
     }
 }
 
-fn entry(p: &Proc, generation: u64) -> Entry {
+fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
     let class = if p.online {
         Class::Online
     } else {
         Class::Offline
     };
-    let plan = (!p.online).then(|| {
-        Plan::Signal(Target::Process {
-            key: p.key,
-            pidfd: p.pin.clone(),
-        })
+    let leader = Target::Process {
+        key: p.key,
+        pidfd: p.pin.clone(),
+    };
+    let plan = (!p.online).then(|| match cgroup {
+        Some(dir) => Plan::SignalCgroup {
+            dir,
+            version: crate::edges::actuator::CgroupVersion::V2,
+            leader,
+        },
+        None => Plan::Signal(leader),
     });
     Entry {
         key: p.key,
