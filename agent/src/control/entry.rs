@@ -43,6 +43,9 @@ pub struct Entry {
     pub plan: Option<Plan>,
     /// A pidfd pinning it (tells cheaply when it has exited).
     pub pin: Option<Arc<OwnedFd>>,
+    /// Its own cgroup's directory in the freezer hierarchy, if there is one: a hold that
+    /// freezes or stops a cgroup at or above it stops it too, whatever its own plan.
+    pub home: Option<std::path::PathBuf>,
     /// The pod source's generation when it was classified.
     pub generation: u64,
 }
@@ -64,6 +67,14 @@ pub struct Activity {
 }
 
 impl Entry {
+    /// The cgroup directory whose holds stop it: its plan's cgroup, else its own.
+    pub fn stopped_with(&self) -> Option<&std::path::Path> {
+        self.plan
+            .as_ref()
+            .and_then(|p| p.cgroup())
+            .or(self.home.as_deref())
+    }
+
     /// Records activity on `gpu`. Within a run the onset only moves earlier, except that
     /// a doorbell's launch time (exact) replaces a sampled period's start (a bound).
     ///

@@ -442,9 +442,7 @@ impl Vault {
             if let Some(g) = e.gpus.iter().next() {
                 s.gpu = Some(*g);
             }
-            if let Some(p) = &e.plan {
-                s.cgroup = p.cgroup().map(std::path::Path::to_path_buf);
-            }
+            s.cgroup = e.stopped_with().map(std::path::Path::to_path_buf);
         }
         s
     }
@@ -640,7 +638,7 @@ impl Vault {
                 let ok = e.gpus.contains(&gpu)
                     && e.pin.is_some()
                     // A stopped process cannot be locked until it runs.
-                    && !stopped(&e.key, e.plan.as_ref().and_then(|p| p.cgroup()))
+                    && !stopped(&e.key, e.stopped_with())
                     && self.opted_in(&e.cls)
                     && self.lockable(&e.key, &e.cls)
                     && self.slots.get(&e.key).is_none_or(|s| {

@@ -473,3 +473,96 @@ fn a_lock_the_driver_refuses_falls_back_and_the_next_job_gives_its_memory() {
     )
     .unwrap_or_else(|e| panic!("{e}\n{}", a.metrics()));
 }
+
+/// Thaw before restore inside the running agent: a checkpointed job shares its container's
+/// cgroup with a job held by freezing that cgroup. While online works, the hold freezes the
+/// checkpointed job too; the GPU then has room for its restore (online's memory and a third
+/// job gone) and `--restore-after` passes, but the restore waits for the thaw: it is asked
+/// once online is idle and the cgroup thawed, and takes its own time (about 0.2 s for
+/// 8 GiB here), not the freeze's.
+#[test]
+fn a_restore_waits_for_the_thaw_of_the_cgroup_a_hold_froze() {
+    let name = unique("coloc-e2e-mem-thaw");
+    let cg = TestCgroup::try_v2(&name)
+        .or_else(|v2| TestCgroup::try_v1(&name).map_err(|v1| format!("v2: {v2}; v1: {v1}")))
+        .unwrap_or_else(|why| panic!("a cgroup freezer is required (run as root): {why}"));
+    eprintln!("exercising the cgroup {} freezer", cg.version);
+    let sim = sim();
+    let events_path = TempPath::new("coloc-e2e-mem-events");
+    // The 8 GiB job may be checkpointed; every other job in the cgroup is held by its
+    // freezer; the 4 GiB job outside it, by its stop.
+    let rules = format!(
+        "[[rule]]\nname = \"ckpt\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*--mem-mib 8192*\"\ncheckpoint = true\n\
+         [[rule]]\nname = \"ctr\"\nclass = \"reclaimed_cores\"\ncgroup = \"{}\"\n\
+         [[rule]]\nname = \"other\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\
+         [[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n\
+         [[rule]]\nname = \"busy\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim busy*\"\n",
+        cg.path
+    );
+    let big = offline(&sim, 8 * 1024, Some(&cg.dir));
+    let held = offline(&sim, 1024, Some(&cg.dir));
+    let third = offline(&sim, 4 * 1024, None);
+    let a = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: &rules,
+            actuator: "freezer",
+            extra: vec![
+                "--memory-reserve".into(),
+                "6GiB".into(),
+                "--restore-after".into(),
+                "1s".into(),
+                "--memory-interval".into(),
+                "20ms".into(),
+                "--cuda-lib".into(),
+                fake_libcuda(),
+                "--event-log".into(),
+                events_path.display().to_string(),
+            ],
+            ..Default::default()
+        },
+    );
+    a.wait_processes(3);
+    // 13 GiB of 16 held: online's 4 GiB waits, the 8 GiB job is checkpointed.
+    let (svc, _) = online_waiting(&sim, 4 * 1024);
+    assert_eq!(
+        cu_state(&sim, big.pid()),
+        STATE_CHECKPOINTED,
+        "{}",
+        a.log_text()
+    );
+    // Online keeps working with no memory of its own; the service and the third job go:
+    // 15 GiB free, room for the restore beside the reserve.
+    let busy = sim.spawn(&["busy", "--ms", "4000"]);
+    wait_for(
+        "the cgroup frozen by the hold",
+        Duration::from_secs(5),
+        || cg.frozen(),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    drop((svc, third));
+    // Past --restore-after, while online works and the cgroup stays frozen: no restore.
+    holds_for(
+        "the checkpointed job left checkpointed while its cgroup is frozen",
+        Duration::from_millis(2500),
+        || cg.frozen() && cu_state(&sim, big.pid()) == STATE_CHECKPOINTED,
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    drop(busy);
+    wait_for("the cgroup thawed", Duration::from_secs(5), || !cg.frozen())
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log_text()));
+    wait_running(&sim, big.pid(), Duration::from_secs(10));
+    let ev = events(&events_path);
+    let restore = ev
+        .iter()
+        .find(|e| e["event"] == "restore" && e["pid"] == big.pid())
+        .unwrap_or_else(|| panic!("no restore event: {ev:?}"));
+    assert_eq!(restore["ok"], true, "{restore}");
+    let took = restore["took_s"].as_f64().unwrap();
+    assert!(
+        took < 1.0,
+        "the restore took {took:.2} s: it was asked while the cgroup was frozen and waited for the thaw\n{}",
+        a.log_text()
+    );
+    assert_ne!(held.state(), Some('T'));
+}

@@ -149,6 +149,14 @@ impl Classifier {
             rung: false,
             plan,
             pin: pin.ok(),
+            home: self
+                .chooser
+                .mounts
+                .dir_for(
+                    info.cgroups.v2.as_deref(),
+                    info.cgroups.v1.get("freezer").map(String::as_str),
+                )
+                .map(|(dir, _)| dir),
             generation,
         })
     }

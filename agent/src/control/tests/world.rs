@@ -792,6 +792,7 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
         rung: false,
         plan,
         pin: Some(p.pin.clone()),
+        home: None,
         generation,
     }
 }
