@@ -1,9 +1,9 @@
 //! The vault through the controller, with the world model as its shell: the driver's lock
 //! as a hold, memory preemption (largest first, recorded before the lock, restored after
 //! `--restore-after` when there is room), refusals that fall back to the other holds, and
-//! everything restored and unlocked at exit. The rule a restore waits for its process's
-//! thaw is tested on the vault alone (the world's processes are never stopped under the
-//! driver: its check flags that at the command).
+//! everything restored and unlocked at exit; a restore that waits for the thaw of the
+//! cgroup another process's hold stops, and a refused lock that is never asked again,
+//! whatever the order of the driver's answers and the hold book's checks.
 
 use super::world::World;
 use super::*;
