@@ -181,12 +181,12 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn dir(name: &str) -> std::path::PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("coloc-doorbell-file-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A scratch directory, removed when dropped (passing or failing).
+    fn dir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("coloc-doorbell-file-{name}-"))
+            .tempdir()
+            .unwrap()
     }
 
     fn unmap(p: NonNull<u8>, len: usize) {
@@ -197,7 +197,7 @@ mod tests {
     #[test]
     fn the_file_appears_complete_with_its_mode_whatever_the_umask() {
         let d = dir("complete");
-        let (tmp, path) = (d.join("x.new"), d.join("x"));
+        let (tmp, path) = (d.path().join("x.new"), d.path().join("x"));
         // SAFETY: umask has no preconditions (restored below).
         let old = unsafe { libc::umask(0o077) };
         let p = create_mapped(&tmp, &path, 4096, Place::NoReplace, |b| {
@@ -214,13 +214,12 @@ mod tests {
         assert_eq!(md.permissions().mode() & 0o777, 0o644);
         assert_eq!(std::fs::read(&path).unwrap()[0], 7);
         unmap(p, 4096);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn no_replace_keeps_the_file_that_has_the_name_and_leaves_nothing() {
         let d = dir("noreplace");
-        let (tmp, path) = (d.join("x.new"), d.join("x"));
+        let (tmp, path) = (d.path().join("x.new"), d.path().join("x"));
         std::fs::write(&path, b"theirs").unwrap();
         let e = create_mapped(&tmp, &path, 4096, Place::NoReplace, |_| {}).unwrap_err();
         assert_eq!(e.step, Step::Place);
@@ -230,14 +229,13 @@ mod tests {
         let p = create_mapped(&tmp, &path, 4096, Place::Replace, |_| {}).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 4096);
         unmap(p, 4096);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_link_or_a_file_at_the_temporary_name_is_refused() {
         let d = dir("link");
-        let (tmp, path) = (d.join("x.new"), d.join("x"));
-        let target = d.join("target");
+        let (tmp, path) = (d.path().join("x.new"), d.path().join("x"));
+        let target = d.path().join("target");
         std::os::unix::fs::symlink(&target, &tmp).unwrap();
         let e = create_mapped(&tmp, &path, 4096, Place::Replace, |_| {}).unwrap_err();
         assert_eq!(e.step, Step::Create);
@@ -247,6 +245,5 @@ mod tests {
         std::fs::write(&tmp, b"x").unwrap();
         let e = create_mapped(&tmp, &path, 4096, Place::Replace, |_| {}).unwrap_err();
         assert_eq!(e.err.raw_os_error(), Some(libc::EEXIST));
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -593,8 +593,14 @@ impl SimGpu {
 mod tests {
     use super::*;
 
-    fn sim(name: &str) -> (SimGpu, std::path::PathBuf) {
-        let p = std::env::temp_dir().join(format!("coloc-sim-nvml-{name}-{}", std::process::id()));
+    /// A simulated GPU in a scratch file, removed when the guard drops (passing or
+    /// failing).
+    fn sim(name: &str) -> (SimGpu, tempfile::TempPath) {
+        let p = tempfile::Builder::new()
+            .prefix(&format!("coloc-sim-nvml-{name}-"))
+            .tempfile()
+            .unwrap()
+            .into_temp_path();
         (SimGpu::create(&p, 2, 1_000_000).unwrap(), p)
     }
 
@@ -643,7 +649,6 @@ mod tests {
         assert!(s
             .nvml_inject(NvmlFunc::DeviceGetCount, Some(0), 7, 1, false)
             .is_err());
-        std::fs::remove_file(p).ok();
     }
 
     #[test]
@@ -661,6 +666,5 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(10));
         assert_eq!(call.fault, None);
         assert_eq!(s.nvml_hung_count(NvmlFunc::DeviceGetCount), 0);
-        std::fs::remove_file(p).ok();
     }
 }
