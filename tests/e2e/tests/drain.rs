@@ -345,7 +345,11 @@ fn an_event_covers_the_work_before_its_record() {
         if r != 600 {
             break r;
         }
-        assert_eq!(p.drained(), second, "a query that found the work running stamped");
+        assert_eq!(
+            p.drained(),
+            second,
+            "a query that found the work running stamped"
+        );
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "the 200 ms kernel not complete after 10 s"
