@@ -626,7 +626,7 @@ mod tests {
 
     #[test]
     fn injection_counts_down_and_status_reports_it() {
-        let (s, p) = sim("inject");
+        let (s, _path) = sim("inject");
         let uuid = NvmlFunc::DeviceGetUUID;
         s.nvml_inject(uuid, Some(1), 15, 2, false).unwrap();
         s.nvml_inject(uuid, None, 10, 1, false).unwrap();
@@ -653,7 +653,7 @@ mod tests {
 
     #[test]
     fn hang_is_capped() {
-        let (s, p) = sim("cap");
+        let (s, _path) = sim("cap");
         s.nvml_hang(NvmlFunc::DeviceGetCount, true);
         let t = Instant::now();
         let call = s.nvml_enter_capped(
