@@ -22,6 +22,7 @@ pub mod cmd;
 pub mod control;
 pub mod edges;
 pub mod http;
+pub mod logbudget;
 pub mod sched;
 pub mod telemetry;
 #[cfg(test)]

@@ -342,6 +342,30 @@ fn gib(b: u64) -> f64 {
 
 impl Note {
     /// Writes the log line and the counter of this note.
+    /// A line its tenant can cause at will (its doorbell pages), limited per owner
+    /// ([`crate::logbudget`]): what it is about and whose it is.
+    pub fn tenant_line(&self) -> Option<(&'static str, String)> {
+        match self {
+            Note::PageRejected { owner, .. } => {
+                Some(("doorbell page not attributed", format!("{owner:?}")))
+            }
+            Note::PageAttributed { page, .. } => Some((
+                "doorbell page attributed",
+                page.parent()
+                    .map_or_else(String::new, |d| d.display().to_string()),
+            )),
+            _ => None,
+        }
+    }
+
+    /// What a note whose line is held back still counts.
+    pub fn count_only(&self) {
+        if let Note::PageRejected { reason, .. } = self {
+            metrics::counter!("coloc_doorbell_rejected_total", "reason" => reason.as_str())
+                .increment(1);
+        }
+    }
+
     pub fn report(&self) {
         match self {
             Note::FailedOpen(why) => {

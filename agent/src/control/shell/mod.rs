@@ -72,6 +72,8 @@ pub struct Loop {
     slept: Option<(u64, u64)>,
     /// Everything was released on the way out once already (its restores waited for).
     released: bool,
+    /// Lines tenants can cause, limited per owner.
+    lines: crate::logbudget::LogBudget,
     /// Every note reported (tests).
     #[cfg(test)]
     pub(crate) said: Vec<Note>,
@@ -146,6 +148,7 @@ impl Loop {
             last_tick_ns: None,
             slept: None,
             released: false,
+            lines: crate::logbudget::LogBudget::default(),
             #[cfg(test)]
             said: Vec::new(),
             cfg,
@@ -203,6 +206,7 @@ impl Loop {
             self.telemetry.lag.record(lag as f64 / 1e9);
         }
         self.last_tick_ns = Some(now);
+        crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
         let generation = self.eyes.classifier.source.generation();
         self.converse(vec![Obs::Tick {
             slept: self.slept,
@@ -310,6 +314,17 @@ impl Loop {
     fn report(&mut self, n: Note) {
         #[cfg(test)]
         self.said.push(n.clone());
+        if let Some((kind, owner)) = n.tenant_line() {
+            let mut held = Vec::new();
+            let verdict = self
+                .lines
+                .allow(kind, &owner, std::time::Instant::now(), &mut held);
+            crate::logbudget::say(&held);
+            if verdict == crate::logbudget::Verdict::Hold {
+                n.count_only();
+                return;
+            }
+        }
         match n {
             Note::Detected {
                 gpu,

@@ -135,6 +135,9 @@ pub struct DirBells {
     scanned: HashMap<Scope, (std::time::Instant, std::time::Instant, u32)>,
     /// Rate limit of the invalid-page warnings: the second and how many so far.
     warned: (u64, u32),
+    /// "Doorbell page found" lines, limited per owner (a page rewritten in a loop is a new
+    /// page each time).
+    lines: crate::logbudget::LogBudget,
     /// Pages to wait on first (see [`Doorbells::prefer`]).
     preferred: std::collections::HashSet<u64>,
     /// Files opened to be mapped, and directory rescans, since the start (for tests).
@@ -189,6 +192,7 @@ impl DirBells {
             pending: HashMap::new(),
             scanned: HashMap::new(),
             warned: (0, 0),
+            lines: Default::default(),
             preferred: Default::default(),
             opened: 0,
             rescans: HashMap::new(),
@@ -366,7 +370,16 @@ impl DirBells {
             };
             match result {
                 Ok(m) => {
-                    info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
+                    let mut held = Vec::new();
+                    let owner = format!("{:?}", m.info.owner);
+                    if self
+                        .lines
+                        .allow("doorbell page found", &owner, now, &mut held)
+                        == crate::logbudget::Verdict::Say
+                    {
+                        info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
+                    }
+                    crate::logbudget::say(&held);
                     self.rejected.remove(&path);
                     if *scope == Scope::Top {
                         *per_uid.entry(m.info.file_uid).or_default() += 1;
@@ -474,6 +487,7 @@ pub(super) fn is_pod_uid(s: &str) -> bool {
 
 impl Doorbells for DirBells {
     fn rescan(&mut self, force: bool) -> bool {
+        crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
         // A page that stopped being valid (its file shrunk and the guard replaced it with
         // zeros, or it was rewritten): dropped now, its file looked at again below.
         let before = self.pages.len();
