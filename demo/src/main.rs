@@ -20,8 +20,8 @@
 //! elsewhere it releases after the idle window as before.
 //! Offline keeps `--offline-queue-depth` kernels queued (16 by default: training
 //! frameworks run far ahead of the GPU), so what runs after a stop is up to that many
-//! kernels; the gate bounds it to K (`--gate-inflight`) and the shim's in-flight budget
-//! (`COLOC_SHIM_INFLIGHT_MS` in the environment, 3 ms by default).
+//! kernels; the gate bounds it by the shim's in-flight budget (`COLOC_SHIM_INFLIGHT_MS` in
+//! the environment, 0.5 ms per process and GPU by default) under K (`--gate-inflight`).
 //!
 //! Every workload submits through the CUDA driver API (`coloc-sim … --cuda`: `dlopen` of
 //! the simulated `libcuda.so.1`, entry points through `cuGetProcAddress_v2`), offline work
@@ -76,10 +76,10 @@ pub struct DemoArgs {
     /// SIGSTOP or a freeze; the gate lets at most K run).
     #[arg(long, default_value_t = 16)]
     pub offline_queue_depth: u32,
-    /// K for the `gate` scenario: submissions in flight per stream (0 = unbounded). The
-    /// shim's time budget also applies (`COLOC_SHIM_INFLIGHT_MS` in the environment, 3 ms
-    /// unless set; 0: K alone).
-    #[arg(long, default_value_t = 4)]
+    /// K for the `gate` scenario: a ceiling on submissions in flight per stream (0 =
+    /// unbounded; the shim's default 64). The shim's time budget sets the bound
+    /// (`COLOC_SHIM_INFLIGHT_MS` in the environment, 0.5 ms unless set; 0: K alone).
+    #[arg(long, default_value_t = 64)]
     pub gate_inflight: u32,
     /// Simulated driver sample period, ms (also the agent's --nvml-sample-period); 200 ms
     /// as measured on an H100 (driver 580).
@@ -381,11 +381,11 @@ fn run(a: DemoArgs) -> Result<()> {
         .arg("--idle-window")
         .arg(format!("{}us", a.idle_window.as_micros()))
         // A wrong release costs online what the gate leaves in flight: the shim's budget
-        // (3 ms), or one kernel when kernels are longer.
+        // (0.5 ms), or one kernel when kernels are longer.
         .args(["--release", "learned", "--release-floor"])
         .arg(format!("{}us", (RELEASE_FLOOR_MS * 1e3) as u64))
         .arg("--release-drain")
-        .arg(format!("{}us", (a.offline_step_ms.max(3.0) * 1e3) as u64))
+        .arg(format!("{}us", (a.offline_step_ms.max(0.5) * 1e3) as u64))
         .args(match a.cpu_wake_latency {
             WakeRequest::Off => vec![],
             WakeRequest::Within(d) => {

@@ -836,6 +836,7 @@ fn run_offline_cuda(
         "idle_stream_submissions": stats.map(|s| s.idle_stream_submissions),
         "max_outstanding_gpu": stats.map(|s| s.max_outstanding_gpu),
         "driver_submissions": stats.map(|s| s.submissions),
+        "driver_calls": stats.map(|s| s.driver_calls),
     });
     write_out(out, &summary)
 }
