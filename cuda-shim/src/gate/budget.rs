@@ -110,28 +110,38 @@ fn wait_for(r: &mut Ring, entry: &Entry, target: u64) {
 }
 
 /// Retires event `x` (`(event, seq covered, when recorded)`), found complete at `now`:
-/// its submissions are done, its time a sample.
+/// its submissions are done, its time a sample. A sample is exact when the wait blocked
+/// (it ends at the completion, a wake-up late) and it starts at a known point: the
+/// previous completion found while the stream stayed backlogged, or the submission that
+/// found the stream idle. Any other sample (an event found complete some time after its
+/// completion, or one starting at its record while earlier work was queued) is an upper
+/// bound on the time per submission: it may bring the estimate down, or settle a new one,
+/// never raise it.
 fn retire(r: &mut Ring, entry: &Entry, x: (usize, u64, u64), now: u64, blocked: bool) {
-    let (e, seq, _) = x;
+    let (e, seq, recorded) = x;
     let n = seq.saturating_sub(r.done_seq);
-    let start = if r.prev_done_ns != 0 {
-        r.prev_done_ns
+    let (start, known) = if r.prev_done_ns != 0 {
+        (r.prev_done_ns, true)
     } else {
-        r.batch_start_ns
+        (r.batch_start_ns, r.start_known)
     };
     r.done_seq = r.done_seq.max(seq);
     r.free.push(e);
     entry.inflight.fetch_sub(n as u32, Relaxed);
     if r.share_ns != 0 && n > 0 && start != 0 && now > start {
-        r.est_ns = estimate(r.est_ns, (now - start) / n);
-        r.samples = (r.samples + 1).min(FIRST_SAMPLES);
+        let t = (now - start) / n;
+        if (blocked && known) || r.samples < FIRST_SAMPLES || t < r.est_ns {
+            r.est_ns = estimate(r.est_ns, t);
+            r.samples = (r.samples + 1).min(FIRST_SAMPLES);
+        }
     }
     // The next batch starts from here if the stream stays backlogged; a query found
-    // complete (not blocked) may have been idle since: the next sample starts at the
-    // next batch's first submission instead.
+    // complete (not blocked) may have been idle since: the next sample starts at this
+    // event's record (every submission of the next batch came after it), an upper bound.
     r.prev_done_ns = if blocked && r.in_flight() > 0 { now } else { 0 };
     if r.prev_done_ns == 0 {
-        r.batch_start_ns = r.events.front().map_or(0, |x| x.2);
+        r.batch_start_ns = recorded;
+        r.start_known = false;
     }
 }
 

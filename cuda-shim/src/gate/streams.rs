@@ -58,6 +58,9 @@ pub(super) struct Ring {
     pub(super) share_ns: u64,
     pub(super) prev_done_ns: u64,
     pub(super) batch_start_ns: u64,
+    /// `batch_start_ns` is the submission that found the stream idle (not a record made
+    /// while earlier work was queued).
+    pub(super) start_known: bool,
     /// Samples in `est_ns` so far (up to [`FIRST_SAMPLES`]).
     pub(super) samples: u32,
 }
@@ -76,6 +79,7 @@ impl Ring {
         share_ns: 0,
         prev_done_ns: 0,
         batch_start_ns: 0,
+        start_known: false,
         samples: 0,
     };
 
@@ -252,6 +256,7 @@ pub(super) fn record(r: &mut Ring, entry: &Entry, batch: u64, now: bool) -> Resu
     if r.seq == r.done_seq && r.share_ns != 0 {
         // The first submission of a run: its batch's sample starts here.
         r.batch_start_ns = mono_ns();
+        r.start_known = true;
         r.prev_done_ns = 0;
     }
     r.seq += 1;
