@@ -14,7 +14,9 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
   | signal (NVML only) | freezer (NVML only; skipped without a cgroup v2 freezer)
   | doorbell (online under libcoloc_cuda.so) | gate (doorbell + --gate, offline under the
   shim too, K = --gate-inflight) | learned (the gate row with --release learned, online's
-  shim waking the agent after --release-floor-ms gaps) | driver-lock (the gate row with
+  shim waking the agent after --release-floor-ms gaps) | at-once (the gate row with
+  --release at-once, online's shim waking the agent after --at-once-wake-ms gaps, the
+  agent polling every 100us while it awaits a completion stamp) | driver-lock (the gate row with
   --driver-lock: the driver's lock holds offline once its gate drained): each --duration
   seconds, one GPU
   wake-floor     coloc-bench --wake-floor (CPU only: the floor under launch -> decision),
@@ -91,12 +93,13 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("doorbell", "both, agent doorbell", True, True, ("signal", False, "doorbell")),
     ("gate", "both, agent doorbell + gate", True, True, ("signal", False, "gate")),
     ("learned", "both, agent doorbell + gate + learned release", True, True, ("signal", False, "learned")),
+    ("at-once", "both, agent doorbell + gate + release at once", True, True, ("signal", False, "at-once")),
     ("driver-lock", "both, agent doorbell + gate + driver lock", True, True, ("signal", False, "lock")),
 ]
 ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint", "memory"]
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
-    "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "learned", "wake-floor"],
+    "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "learned", "at-once", "wake-floor"],
     "part3": ["preflight", "drain", "nvml-load"],
     "part4": ["preflight", "checkpoint"],
     "rows": [r[0] for r in ROWS],
@@ -602,7 +605,7 @@ class Harness:
             return None
         if self.torch_ok is False:
             return "preflight: PyTorch cannot use the GPU"
-        if step in ("doorbell", "gate", "learned", "driver-lock", "drain") and self.shim_ok is False:
+        if step in ("doorbell", "gate", "learned", "at-once", "driver-lock", "drain") and self.shim_ok is False:
             return f"the shim broke PyTorch ({self.shim_why})"
         return None
 
@@ -793,19 +796,24 @@ class Harness:
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{name} still running at the step's deadline") from None
 
-    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline, learned=False, extra=()):
+    def start_agent(self, tag, rules, actuator, dry_run, gate, deadline, release=None, extra=()):
         port = free_port()
         events = os.path.join(self.art, f"{tag}-events.jsonl")
         cmd = [os.path.join(self.bin, "coloc-agent"), "run", "--rules", rules, "--nvml-lib", self.nvml,
                "--actuator", actuator, "--listen", f"127.0.0.1:{port}", "--state-dir", os.path.join(self.tmp, tag + "-state"),
-               "--event-log", events, "--idle-window", self.a.idle_window, "--poll-interval", self.a.poll_interval,
+               "--event-log", events, "--idle-window", self.a.idle_window,
+               # At once: the agent looks at the pages every 100us while it awaits a stamp.
+               "--poll-interval", "100us" if release == "at-once" else self.a.poll_interval,
                "--doorbell-dir", self.bells, "--nvml-sample-period", self.period]
         if dry_run:
             cmd.append("--dry-run")
         if gate:
             cmd += ["--gate", "--gate-file", self.gate_file]
-        if learned:
+        if release == "learned":
             cmd += ["--release", "learned", "--release-floor", f"{self.a.release_floor_ms:g}ms", "--release-drain", f"{self.a.release_drain_ms:g}ms"]
+        elif release == "at-once":
+            # The floor is what online's page must wake the agent within.
+            cmd += ["--release", "at-once", "--release-floor", f"{self.a.at_once_wake_ms * 1000:g}us"]
         cmd += list(extra)
         logname = f"{tag}-agent.log"
         ag = self.spawn("agent", f"{tag} agent", cmd, self.env, logname)
@@ -1014,20 +1022,21 @@ class Harness:
         try:
             if agent:
                 t_agent = time.monotonic()
-                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] in ("gate", "learned", "lock"), deadline,
-                                                    learned=agent[2] == "learned", extra=["--driver-lock", "--cuda-lib", self.a.cuda_lib] if agent[2] == "lock" else ())
+                ag, port, events = self.start_agent(tag, self.rules(tag, cg), agent[0], agent[1], agent[2] in ("gate", "learned", "at-once", "lock"), deadline,
+                                                    release=agent[2] if agent[2] in ("learned", "at-once") else None, extra=["--driver-lock", "--cuda-lib", self.a.cuda_lib] if agent[2] == "lock" else ())
             if offline:
                 cmd = self.offline_cmd(off_out, ready)
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
-                gated = agent is not None and agent[2] in ("gate", "learned", "lock")
+                gated = agent is not None and agent[2] in ("gate", "learned", "at-once", "lock")
                 off = self.spawn("work", f"{tag} offline", cmd, self.shim_env("offline") if gated else self.env, f"{tag}-offline.log")
                 self.wait_ready(off, ready, "offline", f"{tag}-offline.log", deadline)
             if self.a.fail_step == step:
                 raise RuntimeError("failure injected with --fail-step (workloads running)")
             if online:
-                rung = agent is not None and agent[2] in ("doorbell", "gate", "learned", "lock")
-                env = self.shim_env("online", wake_gap_ms=self.a.release_floor_ms if agent[2] == "learned" else None) if rung else self.env
+                rung = agent is not None and agent[2] in ("doorbell", "gate", "learned", "at-once", "lock")
+                wake = {"learned": self.a.release_floor_ms, "at-once": self.a.at_once_wake_ms}.get(agent[2]) if rung else None
+                env = self.shim_env("online", wake_gap_ms=wake) if rung else self.env
                 on = self.spawn("work", f"{tag} online", self.online_cmd(on_out, duration=duration), env, f"{tag}-online.log")
                 self.wait_exit(on, "online", deadline)
             else:
@@ -1105,7 +1114,7 @@ class Harness:
                     warn.append("no preemption: the agent never acted")
                 elif not acts:
                     warn.append("preemptions without an actuator")
-                if agent[2] in ("gate", "learned", "lock") and not acts.get("gate") and not acts.get("lock"):
+                if agent[2] in ("gate", "learned", "at-once", "lock") and not acts.get("gate") and not acts.get("lock"):
                     warn.append("no suspension at the gate")
                 if agent[2] == "lock":
                     calls = mem_step.driver_metrics(metrics)["calls"]
@@ -1115,12 +1124,12 @@ class Harness:
                     # confirmation, which may be the gate's).
                     if not row["driver_calls"].get("lock") and not acts.get("lock"):
                         warn.append("no hold by the driver's lock")
-                if agent[2] == "learned":
+                if agent[2] in ("learned", "at-once"):
                     row["learned_releases"] = int(sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
                                                       if l.startswith("coloc_releases_total") and 'rule="learned"' in l))
                     if not row["learned_releases"]:
                         warn.append("no release by a learned window")
-                if agent[2] in ("doorbell", "gate", "learned", "lock") and not signals.get("doorbell"):
+                if agent[2] in ("doorbell", "gate", "learned", "at-once", "lock") and not signals.get("doorbell"):
                     warn.append("no preemption signalled by the doorbell")
             if row.get("exit", {}).get("agent") not in (0, None):
                 warn.append(f"the agent exited {row['exit']['agent']}")
@@ -1604,13 +1613,14 @@ def main():
     ap.add_argument("--nvml-view-seconds", type=float, default=10.0, help="nvml-view: seconds of online work per rate")
     ap.add_argument("--nvml-load-intervals", default="none,1,10,100,none", help="nvml-load: poll intervals in ms, 'none' for a run without polling")
     ap.add_argument("--nvml-load-duration", type=float, default=6.0, help="nvml-load: seconds of the probe's bursts per interval")
-    ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK[+Bms]:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded; B: COLOC_SHIM_INFLIGHT_MS, the shim's default 3 when not given, 0 none); M: " + ", ".join(MODELS))
+    ap.add_argument("--drain-configs", default=DRAIN_CONFIGS, help="drain: alone, share:M (no agent), signal:M, freezer:M, gateK[+Bms]:M (K: COLOC_SHIM_INFLIGHT, 0 unbounded; B: COLOC_SHIM_INFLIGHT_MS, the shim's default 0.5 when not given, 0 none); M: " + ", ".join(MODELS))
     ap.add_argument("--drain-bursts", type=int, default=5, help="drain: bursts per configuration")
     ap.add_argument("--drain-burst-ms", type=float, default=300.0, help="drain: length of a burst")
     ap.add_argument("--drain-gap-ms", type=float, default=700.0, help="drain: idle time before each burst (longer than --idle-window)")
     ap.add_argument("--drain-open", type=float, default=4.0, help="drain: seconds of offline work with no online before the probe (throughput with the gate open)")
     ap.add_argument("--release-floor-ms", type=float, default=2.0, help="learned row: the agent's --release-floor and online's shim wake gap")
-    ap.add_argument("--release-drain-ms", type=float, default=3.0, help="learned row: the agent's --release-drain (the offline shim's in-flight budget)")
+    ap.add_argument("--release-drain-ms", type=float, default=0.5, help="learned row: the agent's --release-drain (the offline shim's in-flight budget, 0.5 ms by default)")
+    ap.add_argument("--at-once-wake-ms", type=float, default=0.2, help="at-once row: online's shim wake gap (COLOC_SHIM_WAKE_GAP_MS) and the agent's --release-floor")
     ap.add_argument("--ckpt-gb", default="0,8,32", help="checkpoint: extra device memory (GB) of each training loop checkpointed and restored")
     ap.add_argument("--ckpt-lock-reps", type=int, default=5, help="checkpoint: locks and unlocks of the large training model")
     ap.add_argument("--ckpt-parts", default=",".join(ckpt_step.PARTS), help="checkpoint: which parts: " + ", ".join(ckpt_step.PARTS))

@@ -12,12 +12,13 @@ use coloc_doorbell::gate::{DEFAULT_GATE_FILE, DEFAULT_STALE_NS};
 use coloc_doorbell::{CLASS_OFFLINE, CLASS_ONLINE, DEFAULT_WAKE_GAP_NS};
 use std::ffi::{CString, OsString};
 
-/// Default in-flight bound per stream (`COLOC_SHIM_INFLIGHT`). See the crate docs for the
-/// measurement behind it.
-pub const DEFAULT_INFLIGHT: u32 = 4;
-/// Default in-flight budget per stream, ms of estimated GPU time (`COLOC_SHIM_INFLIGHT_MS`;
-/// see the crate docs).
-pub const DEFAULT_INFLIGHT_MS: u64 = 3;
+/// Default ceiling on submissions in flight per stream (`COLOC_SHIM_INFLIGHT`): the budget
+/// sets the bound; K only caps it where kernels are so short that the budget would let
+/// hundreds in. See the crate docs for the measurement behind it.
+pub const DEFAULT_INFLIGHT: u32 = 64;
+/// Default in-flight budget per process and GPU, µs of estimated GPU time
+/// (`COLOC_SHIM_INFLIGHT_MS` = 0.5; see the crate docs).
+pub const DEFAULT_INFLIGHT_US: u64 = 500;
 
 /// What the environment asks of the shim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,7 +50,7 @@ impl Default for GateConfig {
     fn default() -> Self {
         GateConfig {
             inflight: DEFAULT_INFLIGHT,
-            budget_ns: DEFAULT_INFLIGHT_MS * 1_000_000,
+            budget_ns: DEFAULT_INFLIGHT_US * 1_000,
             stale_ns: DEFAULT_STALE_NS,
             gate_file: CString::new(DEFAULT_GATE_FILE).expect("no NUL"),
         }

@@ -6,8 +6,9 @@
 //!   GPU a submission targets) and, optionally, `cuStreamIsCapturing` ([`resolve_helpers`]).
 //! - For the launch gate: streams, contexts and events ([`GateFns`]).
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::OnceLock;
 
 /// A real getter (`cuGetProcAddress[_v2]`) seen so far (set by [`crate::hooks`]).
@@ -72,9 +73,57 @@ pub fn resolve_helpers() -> bool {
     cur != 0 && dev != 0 && uuid != 0
 }
 
-/// The calling thread's current context (0: none, or the driver failed).
+/// Bumped after every call that may change some thread's current context
+/// (`cuCtxSetCurrent`, `…PushCurrent`, `…PopCurrent`, `…Create`, `…Destroy`,
+/// `cuDevicePrimaryCtxRelease`, `…Reset`: [`crate::watch::W_CTX_SWITCH`]): a thread's cached
+/// context is good while this has not moved.
+pub static CTX_GEN: AtomicU64 = AtomicU64::new(1);
+
+/// Off once a thread's context was seen to change without a call the shim saw (a driver
+/// reached by another path): every [`current_ctx`] asks the driver from then on.
+static CTX_CACHE_ON: AtomicBool = AtomicBool::new(true);
+
+/// A cached context is checked against the driver's answer once per this many uses: a
+/// change the shim did not see is found within this many submissions.
+pub const CTX_CHECK_EVERY: u32 = 256;
+
+thread_local! {
+    /// (CTX_GEN when asked, the context then, uses left before the next check).
+    static CTX_CACHE: Cell<(u64, usize, u32)> = const { Cell::new((0, 0, 0)) };
+}
+
+/// The calling thread's current context (0: none, or the driver failed): cached per
+/// thread while no call that can change a context was made ([`CTX_GEN`]), so that the
+/// steady state makes no driver call for it; checked against the driver every
+/// [`CTX_CHECK_EVERY`] uses.
 #[inline]
 pub fn current_ctx() -> usize {
+    let gen = CTX_GEN.load(Acquire);
+    if let Ok((g, c, left)) = CTX_CACHE.try_with(|x| x.get()) {
+        if g == gen && c != 0 && left > 0 && CTX_CACHE_ON.load(Relaxed) {
+            let _ = CTX_CACHE.try_with(|x| x.set((g, c, left - 1)));
+            return c;
+        }
+        let now = ask_current_ctx();
+        if g == gen && c != 0 && now != c {
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            CTX_CACHE_ON.store(false, Relaxed);
+            crate::mode::warn_once(
+                &WARNED,
+                "a thread's CUDA context changed through a call the shim did not see: the \
+                 context is asked of the driver at every submission from now on",
+            );
+        }
+        if now != 0 {
+            let _ = CTX_CACHE.try_with(|x| x.set((gen, now, CTX_CHECK_EVERY)));
+        }
+        return now;
+    }
+    ask_current_ctx()
+}
+
+/// The driver's `cuCtxGetCurrent` (0: none, or the driver failed).
+fn ask_current_ctx() -> usize {
     let mut ctx = 0usize;
     // SAFETY: the driver's cuCtxGetCurrent (resolved before any mode that calls this is
     // set) with a valid out-pointer.
@@ -87,6 +136,12 @@ pub fn current_ctx() -> usize {
         ctx
     }
 }
+
+/// Stream captures in progress in this process (begun through a call the shim saw and
+/// not yet ended: [`crate::watch::W_CAPTURE_BEGIN`], [`crate::watch::W_CAPTURE_END`]).
+/// Counted up before the driver's call, so a submission that reads 0 made its check
+/// before any capture of ours began.
+pub static CAPTURES: AtomicI64 = AtomicI64::new(0);
 
 /// The current context's GPU UUID.
 pub fn current_uuid() -> Option<[u8; 16]> {
@@ -108,6 +163,8 @@ pub fn current_uuid() -> Option<[u8; 16]> {
     Some(uuid)
 }
 
+/// No argument, a `CUresult` out.
+pub type Fn0 = unsafe extern "C" fn() -> c_int;
 /// One machine word in, a `CUresult` out.
 pub type Fn1 = unsafe extern "C" fn(usize) -> c_int;
 /// Two machine words in, a `CUresult` out.
@@ -132,6 +189,8 @@ pub struct GateFns {
     pub event_sync: Fn1,
     /// `cuEventDestroy_v2`.
     pub event_destroy: Fn1,
+    /// `cuCtxSynchronize` (the ABI without a context argument).
+    pub ctx_sync: Fn0,
     /// `cuThreadExchangeStreamCaptureMode` (CUDA 10.1; `None`: no capture modes).
     pub exchange_capture_mode: Option<Fn1>,
 }
@@ -174,6 +233,10 @@ pub fn resolve_gate_fns() -> Result<(), String> {
         event_query: f1(c"cuEventQuery", c"cuEventQuery")?,
         event_sync: f1(c"cuEventSynchronize", c"cuEventSynchronize")?,
         event_destroy: f1(c"cuEventDestroy", c"cuEventDestroy_v2")?,
+        // SAFETY: `cuCtxSynchronize` asked for at version 12000 (`lookup`), the ABI
+        // without arguments.
+        ctx_sync: get(c"cuCtxSynchronize", c"cuCtxSynchronize")
+            .map(|p| unsafe { std::mem::transmute::<usize, Fn0>(p) })?,
         exchange_capture_mode: f1(
             c"cuThreadExchangeStreamCaptureMode",
             c"cuThreadExchangeStreamCaptureMode",

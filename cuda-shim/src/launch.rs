@@ -249,10 +249,18 @@ pub fn captured(kind: u32, a: &[usize; 12]) -> bool {
 /// the graph, which runs later through `cuGraphLaunch`, itself a gated submission. So it
 /// is neither held at the gate nor tracked: an event of ours recorded there would become
 /// a node of the application's graph, and waiting for it is illegal. The legacy default
-/// stream cannot be captured (not asked); a failed query counts as not capturing.
+/// stream cannot be captured (not asked); a failed query counts as not capturing. Asked
+/// only while some capture is in progress ([`crate::driver::CAPTURES`]): a capture begun
+/// through an entry point the shim does not wrap goes unseen, and an event of ours
+/// recorded into it answers as complete.
 pub fn capturing(h: usize, kind: u32) -> bool {
     let f = STREAM_IS_CAPTURING.load(Relaxed);
     if f == 0 {
+        return false;
+    }
+    // No capture begun (through the entry points the shim wraps): nothing to ask, so
+    // the steady state makes no driver call for it.
+    if crate::driver::CAPTURES.load(SeqCst) <= 0 {
         return false;
     }
     // SAFETY: a non-zero value is the driver's cuStreamIsCapturing.

@@ -47,9 +47,10 @@
 //!   Pass-through (no class, no `COLOC_DOORBELL_DIR`, or offline without a gate file) costs
 //!   one load and a branch beyond the forwarding; the online busy path a clock read, a few
 //!   loads and stores and one atomic swap (the thread's mark that it is inside a
-//!   submission, [`threads`]); the gated path (gate open) two atomic read-modify-writes, a
-//!   per-stream lock and one `cuEventRecord` (plus a wait for the oldest event once K are
-//!   in flight): about 170 ns over pass-through on the simulated driver.
+//!   submission, [`threads`]); the gated path (gate open) three atomic read-modify-writes
+//!   and a per-stream lock, and no driver call in the steady state (one `cuEventRecord`
+//!   per batch of submissions, one `cuEventQuery` each time the bound is reached; the
+//!   context cached): about 60–70 ns over no shim on the fake driver (legacy stream).
 //! - **Never breaks its host process**: any internal failure turns the shim into a
 //!   pass-through and prints one line on stderr; nothing panics across the C boundary. A
 //!   forked child passes through (it must not ring or gate on its parent's page). A page
@@ -77,49 +78,47 @@
 //!   word; closed: `in_submit -= 1`, note `blocked_ns`, `FUTEX_WAIT` on the word (50 ms at
 //!   a time, re-checking), and go on when it opens — or when the agent's heartbeat is
 //!   older than `COLOC_GATE_STALE_MS` (fail-open, one stderr line). Only the calling thread
-//!   waits. Then, with the bound reached on the stream (K events, or fewer under the
-//!   budget), wait for the oldest
-//!   (`cuEventSynchronize`) and recycle it, go back to the gate if it closed meanwhile;
-//!   the driver's submission; `cuEventRecord` after it; `inflight += 1`, `in_submit -= 1`.
+//!   waits. Then, with the bound reached on the stream (the budget's share, at least one
+//!   submission, at most K), ask the event that brings it under the bound and wait for it
+//!   if it is not complete (`cuEventSynchronize`), retiring it and those before; go back
+//!   to the gate if it closed meanwhile; the driver's submission; `cuEventRecord` after
+//!   it when its batch is full or the gate is closing (`inflight += ` the batch),
+//!   `in_submit -= 1`.
 //! - The watcher thread (started at the first submission, never in a constructor or a
 //!   fork child) sleeps on the gate file's generation word. For a GPU of this process
 //!   closed with an epoch it has not acknowledged (in this file): it waits until
-//!   `in_submit == 0`, then for the newest event of every stream on that GPU, then writes
+//!   `in_submit == 0`, then for every stream on that GPU to drain (its newest event; with
+//!   submissions since its last event, `cuCtxSynchronize` of its context, the newest
+//!   event where the driver refuses that), then writes
 //!   `gate_ack = epoch` and bumps and wakes the page's `wake` word. An idle process
 //!   acknowledges at once; a busy one once its in-flight work has drained.
-//! - **K** (`COLOC_SHIM_INFLIGHT`, default 4; 0 = unbounded): on the simulated GPU with
-//!   an application keeping 16 kernels queued, K = 4 keeps what runs after a close to
-//!   about 4 kernels (8 ms with 2 ms kernels, under 1 ms with 0.2 ms ones) and costs
-//!   0–1 % of throughput with 2 ms and 0.2 ms kernels; K = 1 costs 2 % at 2 ms, 16 % at
-//!   0.2 ms and half at 0.05 ms (`coloc-bench --gate`, figures in `benches/RESULTS.md`;
-//!   simulated, real CUDA unchecked).
-//! - **The budget** (`COLOC_SHIM_INFLIGHT_MS`, default 3; 0 = none): K counts submissions,
-//!   whatever they last; the budget bounds them in time. Each wait for the oldest event
-//!   that blocks times the submission it waited for (from its submission when it was
-//!   alone in flight, else from the previous wait's return, the stream having stayed
-//!   backlogged): the wall-clock time the stream took for it, wake-ups and other
-//!   contexts' time slices included. The estimate moves a quarter of the way up to a
-//!   longer sample and an eighth of the way down to a shorter one (samples are noisy
+//! - **K** (`COLOC_SHIM_INFLIGHT`, default 64; 0 = unbounded): a ceiling on submissions
+//!   in flight per stream. The budget sets the bound; K only caps it where kernels are so
+//!   short that the budget would let hundreds in (the driver blocks a stream at about a
+//!   thousand), and sets it alone with the budget off.
+//! - **The budget** (`COLOC_SHIM_INFLIGHT_MS`, default 0.5; 0 = none): estimated GPU time
+//!   in flight per process and GPU, shared evenly among the process's streams on that GPU
+//!   (at least one submission per stream, at most K): 0.5 ms, half of a 1 ms inference
+//!   request, so that the work a release leaves in flight when the next request comes is
+//!   a fraction of it (the H100's drain step measured 6.1 ms of queued work at the old
+//!   K = 4 / 3 ms per stream; `benches/RESULTS.md`). Completions are tracked one event per
+//!   batch of submissions (half the bound, at most 32): every completion found at the
+//!   bound times the submissions its event covers, from the previous completion found
+//!   while the stream stayed backlogged (or its batch's first submission) to when it was
+//!   found, over their number: the wall-clock time the stream took for each, wake-ups
+//!   and other contexts' time slices included. The estimate moves a quarter of the way up
+//!   to a longer sample and an eighth of the way down to a shorter one (samples are noisy
 //!   both ways; leaning long keeps the bound near the budget on a loaded host), a sample
 //!   counting at most 8 times the estimate (so that a stall of the thread itself does not
-//!   throttle short kernels); the bound is the number of submissions that
-//!   fit in the budget, at least 1 and at most K (1 until four samples). It is never
-//!   looser than K alone. What the budget leaves beyond those whole submissions (3 ms,
-//!   kernels of 2 ms: 1 ms; at most 0.5 ms, and only where one submission is the bound)
-//!   is a lead: at the bound, the next submission goes in when
+//!   throttle short kernels); the bound is the number of submissions whose estimate fits
+//!   the stream's share, at least 1 and at most K (1 until four samples). Where one
+//!   submission is the bound, a lead (what the share leaves beyond it, or the share itself
+//!   for a submission longer than it; at most 0.5 ms): the next submission goes in when
 //!   the oldest is due (by the estimate) to have that much left, instead of after it
-//!   ends, so the GPU does not wait for the thread's wake-up between two kernels; the
-//!   work in flight stays within the budget by the estimate. A sleep that overshot (the
-//!   oldest was done already) brings the estimate down. For kernels of similar length, those under budget / K keep K
-//!   and longer ones get fewer in flight, so what runs on after a close is about
-//!   max(budget, one kernel) instead of K kernels; a stream that mixes short kernels with
-//!   a few long ones keeps an estimate near the short ones' and K of the long ones can
-//!   still be in flight. On the simulated GPU with 2 ms kernels (the demo's gate row,
-//!   three runs), K = 4 with the budget and its lead gives online p99 1.01–1.05× alone
-//!   and offline 84–85 % of the idle time, where K = 4 alone gives 1.17× and 87 %; with
-//!   the gate open it costs 0.3–1.4 % at 2 ms kernels and under 1 % at 0.2 ms
-//!   (simulated, the host's gap between a completion and the next launch charged;
-//!   real CUDA unchecked).
+//!   ends, so the GPU does not wait for the thread's wake-up between two kernels. A sleep
+//!   that overshot (the oldest was done already) brings the estimate down. What runs on
+//!   after a close is then about max(budget, one kernel + the lead) per process and GPU;
+//!   figures in `benches/RESULTS.md` (simulated; real CUDA unchecked).
 //! - **Not gated**: the synchronous copies and memsets, `cuStreamWaitEvent`, and work
 //!   that `cuLaunchCooperativeKernelMultiDevice` queues (gated on the current GPU, its
 //!   work not tracked). A submission already past the mode check when the gate file first

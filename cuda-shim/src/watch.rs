@@ -39,6 +39,14 @@ pub const W_COPY: u32 = 9;
 /// A watched entry point whose ABI is not known (a context synchronize handed out for a
 /// version that may take its context as an argument): forwarded, nothing stamped.
 pub const W_OPAQUE: u32 = 10;
+/// A call that may change a thread's current context: forwarded in every mode, then the
+/// cached contexts are stale ([`crate::driver::CTX_GEN`]).
+pub const W_CTX_SWITCH: u32 = 11;
+/// A stream capture's beginning: forwarded in every mode, counted
+/// ([`crate::driver::CAPTURES`]).
+pub const W_CAPTURE_BEGIN: u32 = 12;
+/// A stream capture's end: forwarded in every mode, counted down.
+pub const W_CAPTURE_END: u32 = 13;
 
 /// Base names of the watched entry points, and what each is.
 pub const WATCH_BASES: &[(&str, u32)] = &[
@@ -71,7 +79,61 @@ pub const WATCH_BASES: &[(&str, u32)] = &[
     ("cuMemsetD2D8", W_COPY),
     ("cuMemsetD2D16", W_COPY),
     ("cuMemsetD2D32", W_COPY),
+    ("cuCtxSetCurrent", W_CTX_SWITCH),
+    ("cuCtxPushCurrent", W_CTX_SWITCH),
+    ("cuCtxPopCurrent", W_CTX_SWITCH),
+    ("cuCtxCreate", W_CTX_SWITCH),
+    ("cuCtxCreate_v4", W_CTX_SWITCH),
+    ("cuCtxDestroy", W_CTX_SWITCH),
+    ("cuDevicePrimaryCtxRelease", W_CTX_SWITCH),
+    ("cuDevicePrimaryCtxReset", W_CTX_SWITCH),
+    ("cuStreamBeginCapture", W_CAPTURE_BEGIN),
+    ("cuStreamBeginCaptureToGraph", W_CAPTURE_BEGIN),
+    ("cuStreamEndCapture", W_CAPTURE_END),
 ];
+
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture ended, invalidated.
+const CAPTURE_INVALIDATED: i32 = 901;
+
+/// Whether a watched kind is one that every mode forwards and then notes
+/// ([`bookkeeping`]).
+#[inline(always)]
+pub fn is_bookkeeping(kind: u32) -> bool {
+    matches!(what(kind), W_CTX_SWITCH | W_CAPTURE_BEGIN | W_CAPTURE_END)
+}
+
+/// Calls `f` (the driver's entry point) for a bookkeeping kind and notes what it did: a
+/// context switch moves [`crate::driver::CTX_GEN`] (whatever the answer: a failed pop may
+/// still have changed nothing, and a spurious move only costs one `cuCtxGetCurrent`); a
+/// capture is counted from before its beginning (so that a submission that reads no
+/// capture made its check before the capture began) until its end (an invalidated capture
+/// ends too).
+pub fn bookkeeping(kind: u32, f: impl FnOnce() -> i32) -> i32 {
+    use crate::driver::{CAPTURES, CTX_GEN};
+    use std::sync::atomic::Ordering::*;
+    match what(kind) {
+        W_CTX_SWITCH => {
+            let r = f();
+            CTX_GEN.fetch_add(1, Release);
+            r
+        }
+        W_CAPTURE_BEGIN => {
+            CAPTURES.fetch_add(1, SeqCst);
+            let r = f();
+            if r != 0 {
+                CAPTURES.fetch_sub(1, SeqCst);
+            }
+            r
+        }
+        _ => {
+            let r = f();
+            if r == 0 || r == CAPTURE_INVALIDATED {
+                let _ = CAPTURES.fetch_update(SeqCst, SeqCst, |n| (n > 0).then(|| n - 1));
+            }
+            r
+        }
+    }
+}
 
 /// The CUDA version from which a getter asked for `cuCtxSynchronize` may answer with the
 /// ABI that takes a context (`cuCtxSynchronize_v2`).

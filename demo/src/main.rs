@@ -20,8 +20,8 @@
 //! elsewhere it releases after the idle window as before.
 //! Offline keeps `--offline-queue-depth` kernels queued (16 by default: training
 //! frameworks run far ahead of the GPU), so what runs after a stop is up to that many
-//! kernels; the gate bounds it to K (`--gate-inflight`) and the shim's in-flight budget
-//! (`COLOC_SHIM_INFLIGHT_MS` in the environment, 3 ms by default).
+//! kernels; the gate bounds it by the shim's in-flight budget (`COLOC_SHIM_INFLIGHT_MS` in
+//! the environment, 0.5 ms per process and GPU by default) under K (`--gate-inflight`).
 //!
 //! Every workload submits through the CUDA driver API (`coloc-sim … --cuda`: `dlopen` of
 //! the simulated `libcuda.so.1`, entry points through `cuGetProcAddress_v2`), offline work
@@ -58,6 +58,13 @@ pub struct DemoArgs {
     /// the simulator has 24 GPUs).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
     pub replicas: u32,
+    /// The release of the `learned` scenario: `learned` (the agent's `--release learned`,
+    /// a window learned from online's gaps, online waking the agent after 2 ms gaps) or
+    /// `at-once` (`--release at-once`: release as soon as online's work is stamped
+    /// complete, the agent polling pages every 100 µs while it awaits a stamp, online
+    /// waking it after 0.2 ms gaps). Elsewhere the idle window.
+    #[arg(long, value_enum, default_value_t = DemoRelease::Learned)]
+    pub release: DemoRelease,
     /// Actuator the agent uses (freezer puts offline work in cgroups of its own; needs root).
     #[arg(long, value_enum, default_value_t = Kind::Signal)]
     pub actuator: Kind,
@@ -76,10 +83,10 @@ pub struct DemoArgs {
     /// SIGSTOP or a freeze; the gate lets at most K run).
     #[arg(long, default_value_t = 16)]
     pub offline_queue_depth: u32,
-    /// K for the `gate` scenario: submissions in flight per stream (0 = unbounded). The
-    /// shim's time budget also applies (`COLOC_SHIM_INFLIGHT_MS` in the environment, 3 ms
-    /// unless set; 0: K alone).
-    #[arg(long, default_value_t = 4)]
+    /// K for the `gate` scenario: a ceiling on submissions in flight per stream (0 =
+    /// unbounded; the shim's default 64). The shim's time budget sets the bound
+    /// (`COLOC_SHIM_INFLIGHT_MS` in the environment, 0.5 ms unless set; 0: K alone).
+    #[arg(long, default_value_t = 64)]
     pub gate_inflight: u32,
     /// Simulated driver sample period, ms (also the agent's --nvml-sample-period); 200 ms
     /// as measured on an H100 (driver 580).
@@ -149,6 +156,29 @@ const SCENARIOS: [&str; 7] = [
 /// The learned window's floor the demo gives the agent (its default), and the wake gap of
 /// the `learned` scenario's online shim.
 const RELEASE_FLOOR_MS: f64 = 2.0;
+
+/// With `--release at-once`: the wake gap of the `learned` scenario's online shim, and the
+/// floor the agent checks it against.
+const AT_ONCE_WAKE_MS: f64 = 0.2;
+
+/// The `learned` scenario's release (`--release`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DemoRelease {
+    /// A window learned from online's own gaps.
+    Learned,
+    /// At once, where the doorbell and the gate make it safe.
+    AtOnce,
+}
+
+impl DemoRelease {
+    /// The online shim's wake gap in the `learned` scenario, ms (also the agent's floor).
+    fn wake_ms(self) -> f64 {
+        match self {
+            DemoRelease::Learned => RELEASE_FLOOR_MS,
+            DemoRelease::AtOnce => AT_ONCE_WAKE_MS,
+        }
+    }
+}
 
 /// GPUs of each scenario.
 fn layout(replicas: u32) -> Vec<(&'static str, Vec<u32>)> {
@@ -381,11 +411,22 @@ fn run(a: DemoArgs) -> Result<()> {
         .arg("--idle-window")
         .arg(format!("{}us", a.idle_window.as_micros()))
         // A wrong release costs online what the gate leaves in flight: the shim's budget
-        // (3 ms), or one kernel when kernels are longer.
-        .args(["--release", "learned", "--release-floor"])
-        .arg(format!("{}us", (RELEASE_FLOOR_MS * 1e3) as u64))
+        // (0.5 ms), or one kernel when kernels are longer.
+        .args([
+            "--release",
+            match a.release {
+                DemoRelease::Learned => "learned",
+                DemoRelease::AtOnce => "at-once",
+            },
+            "--release-floor",
+        ])
+        .arg(format!("{}us", (a.release.wake_ms() * 1e3) as u64))
+        .args(match a.release {
+            DemoRelease::Learned => vec![],
+            DemoRelease::AtOnce => vec!["--poll-interval", "100us"],
+        })
         .arg("--release-drain")
-        .arg(format!("{}us", (a.offline_step_ms.max(3.0) * 1e3) as u64))
+        .arg(format!("{}us", (a.offline_step_ms.max(0.5) * 1e3) as u64))
         .args(match a.cpu_wake_latency {
             WakeRequest::Off => vec![],
             WakeRequest::Within(d) => {
@@ -489,7 +530,7 @@ fn run(a: DemoArgs) -> Result<()> {
                 let window_ms = a.idle_window.as_secs_f64() * 1e3;
                 let wake_gap = match *scenario {
                     "doorbell" | "gate" => Some(window_ms),
-                    "learned" => Some(RELEASE_FLOOR_MS),
+                    "learned" => Some(a.release.wake_ms()),
                     _ => None,
                 };
                 work.push(online(
@@ -575,7 +616,7 @@ fn run(a: DemoArgs) -> Result<()> {
     };
     summary["cpu_wake_latency_in_force_us"] = serde_json::json!(in_force);
 
-    print_table(&summary);
+    print_table(&summary, a.release);
     println!(
         "timeline (online busy, offline suspended, request latency): {}",
         svg.display()
@@ -711,7 +752,7 @@ fn summarize(
     }))
 }
 
-fn print_table(s: &Value) {
+fn print_table(s: &Value, release: DemoRelease) {
     let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
     let r = |name: &str| &s["scenarios"][name];
     println!();
@@ -726,7 +767,13 @@ fn print_table(s: &Value) {
         ("nvml", "gpu-coloc, NVML only"),
         ("doorbell", "gpu-coloc, doorbell (shim)"),
         ("gate", "gpu-coloc, doorbell + gate"),
-        ("learned", "gpu-coloc, + learned release"),
+        (
+            "learned",
+            match release {
+                DemoRelease::Learned => "gpu-coloc, + learned release",
+                DemoRelease::AtOnce => "gpu-coloc, + release at once",
+            },
+        ),
     ];
     for (k, label) in labels {
         let row = r(k);

@@ -19,6 +19,8 @@ pub enum ReleaseRule {
     /// After a window learned per online process, where the doorbell and the gate make it
     /// safe.
     Learned,
+    /// At once (window 0) where the doorbell and the gate make it safe.
+    AtOnce,
 }
 
 /// `coloc-agent run`.
@@ -122,11 +124,17 @@ pub struct RunArgs {
     /// seen complete to its next launch): the shortest one, from --release-floor up,
     /// whose gaps give offline on average --release-ratio times what a wrong release costs
     /// online (--release-drain); elsewhere, and until enough gaps were seen, --idle-window.
+    /// `at-once`: under the same conditions, as soon as every online process's work there
+    /// is stamped complete (within one --poll-interval of the stamp; 100us for the
+    /// fastest), no gaps to learn first: with random arrivals the time since the last
+    /// request says nothing about the next one, and the gate bounds what a release costs;
+    /// elsewhere --idle-window.
     #[arg(long, env = "COLOC_RELEASE", value_enum, default_value_t = ReleaseRule::Fixed)]
     pub release: ReleaseRule,
     /// --release learned: no window is shorter than this (about ten times a release's and
     /// a re-preemption's own cost, and longer than the host's gaps between one request's
-    /// launches).
+    /// launches). Both learned and at-once: an online page must wake the agent after gaps
+    /// this short (COLOC_SHIM_WAKE_GAP_MS at most this).
     #[arg(long, env = "COLOC_RELEASE_FLOOR", default_value = "2ms", value_parser = parse_duration)]
     pub release_floor: Duration,
     /// --release learned: idle time offline must gain per unit of delay a wrong release
@@ -135,7 +143,7 @@ pub struct RunArgs {
     pub release_ratio: u32,
     /// --release learned: what a wrong release costs online at most: the offline
     /// processes' in-flight budget behind their gate (the shim's COLOC_SHIM_INFLIGHT_MS,
-    /// 3 ms by default; set it to the longest kernel if kernels are longer).
+    /// 0.5 ms by default; set it to the longest kernel if kernels are longer).
     #[arg(long, env = "COLOC_RELEASE_DRAIN", default_value = "3ms", value_parser = parse_duration)]
     pub release_drain: Duration,
     /// How offline work is suspended.
@@ -350,9 +358,10 @@ impl RunArgs {
                 self.nvml_hang_timeout
             );
         }
-        if self.release == ReleaseRule::Learned {
+        if self.release != ReleaseRule::Fixed {
             if !self.gate {
-                bail!("--release learned needs --gate (the gate bounds what a release too early costs online)");
+                bail!("--release {} needs --gate (the gate bounds what a release too early costs online)",
+                    if self.release == ReleaseRule::AtOnce { "at-once" } else { "learned" });
             }
             if self.release_floor.is_zero() || self.release_floor > self.idle_window {
                 bail!(
@@ -447,13 +456,14 @@ impl RunArgs {
             gate_timeout: self.gate_timeout,
             doorbell_trust_window: self.doorbell_trust_window,
             record_off_loop: true,
-            release: (self.release == ReleaseRule::Learned).then(|| Learning {
+            release: (self.release != ReleaseRule::Fixed).then(|| Learning {
                 adaptive: qos_core::release::Adaptive {
                     floor: self.release_floor.as_nanos() as u64,
                     ratio: self.release_ratio,
                     ..qos_core::release::Adaptive::default()
                 },
                 drain_ns: self.release_drain.as_nanos() as u64,
+                at_once: self.release == ReleaseRule::AtOnce,
             }),
             vault: crate::control::vault::VaultConfig {
                 // Set by the caller once the driver's library is loaded.

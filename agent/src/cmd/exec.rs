@@ -54,12 +54,13 @@ pub struct ExecArgs {
     /// The agent's gate file (`coloc-agent run --gate-file`; offline only).
     #[arg(long, env = "COLOC_GATE_FILE", default_value = coloc_doorbell::gate::DEFAULT_GATE_FILE)]
     pub gate_file: PathBuf,
-    /// Offline: at most this many submissions in flight per stream (K; 0 = unbounded).
-    /// Unset: the shim's default (4).
+    /// Offline: at most this many submissions in flight per stream (K, a ceiling under the
+    /// budget; 0 = unbounded). Unset: the shim's default (64).
     #[arg(long)]
     pub inflight: Option<u32>,
-    /// Offline: at most this much estimated GPU time in flight per stream, ms (the budget;
-    /// at least one submission, at most K; 0 = none). Unset: the shim's default (3).
+    /// Offline: at most this much estimated GPU time in flight per process and GPU, ms
+    /// (the budget, shared among the process's streams there; at least one submission per
+    /// stream, at most K; 0 = none). Unset: the shim's default (0.5).
     #[arg(long, value_parser = parse_ms)]
     pub inflight_ms: Option<f64>,
     /// The command and its arguments.

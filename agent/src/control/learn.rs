@@ -14,6 +14,10 @@
 //!   what a wrong release costs: the drain, `--release-drain`);
 //! - no online work there is seen through NVML alone.
 //!
+//! With `--release at-once` the window is 0 under the same conditions, with no gaps to
+//! learn: offline resumes at the first tick that sees every online process's work
+//! stamped complete (within one `--poll-interval` of the stamp while the agent awaits it).
+//!
 //! A gap is the time from a completion stamp to the first launch after it (the page's
 //! run start), counted when the stamp came after the previous launch. What the online
 //! process writes is its own word: it can only bring offline work beside itself sooner
@@ -31,6 +35,11 @@ pub struct Learning {
     /// What a wrong release costs online at most, ns: the offline processes' in-flight
     /// budget behind their gate (`COLOC_SHIM_INFLIGHT_MS`).
     pub drain_ns: u64,
+    /// `--release at-once`: where the conditions hold, release as soon as every online
+    /// process's work is seen complete (window 0), with no gaps to learn first: with
+    /// random arrivals the time since the last request says nothing about the next one,
+    /// so no window beats releasing at once, and the gate bounds what it costs.
+    pub at_once: bool,
 }
 
 #[derive(Debug, Default)]
@@ -104,6 +113,29 @@ impl Learner {
         }
     }
 
+    /// The window of `gpu` (`None`: the fixed window): [`Learner::window`] of its
+    /// online-demand processes `online`, only where every offline process there is gated
+    /// (`offline_gated`) and no work there is seen through NVML alone (`sampled_busy`: a
+    /// sample shows a process busy that no doorbell speaks for).
+    pub fn gpu_window(
+        &self,
+        gpu: u32,
+        online: &[ProcKey],
+        offline_gated: bool,
+        sampled_busy: bool,
+    ) -> Option<u64> {
+        if !offline_gated || sampled_busy {
+            return None;
+        }
+        self.window(gpu, online)
+    }
+
+    /// The shortest window the machine may be given: 0 with `at_once`, else the floor.
+    pub fn floor(&self) -> Option<u64> {
+        self.cfg
+            .map(|c| if c.at_once { 0 } else { c.adaptive.floor })
+    }
+
     /// Forgets the processes `alive` does not know.
     pub fn retain(&mut self, alive: impl Fn(&ProcKey) -> bool) {
         self.tracks.retain(|(k, _), _| alive(k));
@@ -117,10 +149,14 @@ impl Learner {
         let mut w = None;
         for k in online {
             let t = self.tracks.get(&(*k, gpu))?;
-            if !t.wakes || t.drained < t.last {
+            if !t.wakes || t.last == 0 || t.drained < t.last {
                 return None;
             }
-            let mine = t.model.window(&cfg.adaptive, cfg.drain_ns, self.ceiling)?;
+            let mine = if cfg.at_once {
+                0
+            } else {
+                t.model.window(&cfg.adaptive, cfg.drain_ns, self.ceiling)?
+            };
             w = Some(w.map_or(mine, |x: u64| x.max(mine)));
         }
         w
@@ -134,7 +170,10 @@ impl Learner {
             return false;
         };
         self.tracks.iter().any(|((_, g), t)| {
-            *g == gpu && t.wakes && t.model.len() >= cfg.adaptive.min_gaps && t.drained < t.last
+            *g == gpu
+                && t.wakes
+                && (cfg.at_once || t.model.len() >= cfg.adaptive.min_gaps)
+                && t.drained < t.last
         })
     }
 
@@ -156,9 +195,51 @@ mod tests {
             Some(Learning {
                 adaptive: Adaptive::default(),
                 drain_ns: 2 * MS,
+                at_once: false,
             }),
             100 * MS,
         )
+    }
+
+    fn at_once() -> Learner {
+        Learner::new(
+            Some(Learning {
+                adaptive: Adaptive::default(),
+                drain_ns: MS / 2,
+                at_once: true,
+            }),
+            100 * MS,
+        )
+    }
+
+    #[test]
+    fn at_once_releases_at_the_stamp_without_gaps_to_learn() {
+        let mut l = at_once();
+        assert_eq!(l.floor(), Some(0));
+        assert_eq!(learner().floor(), Some(2 * MS));
+        // Never seen: no window.
+        assert_eq!(l.window(0, &[key(1)]), None);
+        let end = serve(&mut l, key(1), 1, MS);
+        assert_eq!(end, T0 + 20 * MS, "activity ends at the stamp");
+        assert_eq!(l.window(0, &[key(1)]), Some(0), "one request is enough");
+        assert!(!l.awaits_stamp(0));
+        // The next request launches: outstanding until stamped.
+        let t = T0 + 50 * MS;
+        l.observe(key(1), 0, (t, t, 0), MS);
+        assert_eq!(l.window(0, &[key(1)]), None);
+        assert!(l.awaits_stamp(0), "the loop looks for the stamp");
+        l.observe(key(1), 0, (t, t, t + MS), MS);
+        assert_eq!(l.window(0, &[key(1)]), Some(0));
+        // Gated and no NVML-only work: the window; otherwise the fixed one.
+        assert_eq!(l.gpu_window(0, &[key(1)], true, false), Some(0));
+        assert_eq!(l.gpu_window(0, &[key(1)], false, false), None);
+        assert_eq!(l.gpu_window(0, &[key(1)], true, true), None);
+        // A second online process with no doorbell (seen through NVML alone): none.
+        assert_eq!(l.gpu_window(0, &[key(1), key(2)], true, false), None);
+        // A page that would not wake the agent after a short gap: none.
+        let mut l = at_once();
+        serve(&mut l, key(1), 1, 100 * MS);
+        assert_eq!(l.window(0, &[key(1)]), None);
     }
 
     fn key(pid: u32) -> ProcKey {
@@ -246,6 +327,46 @@ mod tests {
                     proptest::prop_assert!((2 * MS..100 * MS).contains(&w), "{}", w);
                     proptest::prop_assert!(s.1 >= s.0, "a window while work was outstanding");
                     proptest::prop_assert!(s.2 <= 2 * MS, "a window for a page that would not wake");
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// `--release at-once` over random readings of two online processes (launches,
+        /// stamps, wake gaps), one of which may have no doorbell at all (seen through NVML
+        /// alone), the offline side gated or not, NVML showing unattributed work or not: a
+        /// window (0) only where every online process's latest launch is stamped complete
+        /// and its page wakes the agent, every offline process is gated, nothing is seen
+        /// through NVML alone; never while a doorbell shows work outstanding.
+        #[test]
+        fn at_once_never_releases_beside_outstanding_or_unseen_work(
+            steps in proptest::collection::vec((0u64..80, proptest::option::of(0u64..60), proptest::bool::ANY, 0u8..2, proptest::bool::ANY, proptest::bool::ANY), 1..120),
+            second_has_doorbell in proptest::bool::ANY,
+        ) {
+            let mut l = at_once();
+            let mut now = T0;
+            let mut seen: [(u64, u64, u64); 2] = [(0, 0, 0); 2];
+            let online = [key(0), key(1)];
+            for (adv, drain_after, short_wake, who, gated, sampled_busy) in steps {
+                now += adv * MS / 4;
+                if who == 1 && !second_has_doorbell {
+                    continue;
+                }
+                let k = key(u32::from(who));
+                let drained = drain_after.map_or(0, |d| now + d * MS / 4);
+                let wake = if short_wake { MS } else { 100 * MS };
+                l.observe(k, 0, (now, now, drained), wake);
+                let s = &mut seen[usize::from(who)];
+                *s = (s.0.max(now), s.1.max(drained), wake);
+                if let Some(w) = l.gpu_window(0, &online, gated, sampled_busy) {
+                    proptest::prop_assert_eq!(w, 0);
+                    proptest::prop_assert!(gated && !sampled_busy);
+                    proptest::prop_assert!(second_has_doorbell, "a window beside a process seen through NVML alone");
+                    for s in &seen {
+                        proptest::prop_assert!(s.0 > 0 && s.1 >= s.0, "a window while work was outstanding");
+                        proptest::prop_assert!(s.2 <= 2 * MS, "a window for a page that would not wake");
+                    }
                 }
             }
         }

@@ -89,7 +89,7 @@ impl Rooms {
             machine: {
                 let mut m = Machine::new(cfg.machine);
                 if let Some(l) = &cfg.release {
-                    m.set_release_floor(l.adaptive.floor);
+                    m.set_release_floor(if l.at_once { 0 } else { l.adaptive.floor });
                 }
                 m
             },
@@ -380,11 +380,9 @@ impl Rooms {
                 .iter()
                 .filter(|p| p.class.is_suspendable())
                 .all(|p| s.gates.gated(&s.table, &s.bells, &p.key, input.gpu));
-            let w = if gated && !input.sampled_busy {
-                s.learner.window(input.gpu, &online)
-            } else {
-                None
-            };
+            let w = s
+                .learner
+                .gpu_window(input.gpu, &online, gated, input.sampled_busy);
             self.machine.set_release_window(input.gpu, w);
         }
     }

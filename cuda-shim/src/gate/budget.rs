@@ -23,103 +23,146 @@ pub(super) fn mono_ns() -> u64 {
 /// the bound.
 pub(super) const FIRST_SAMPLES: u32 = 4;
 
+/// At most this many submissions share one event of ours: completions are tracked in
+/// batches, so that a stream of short kernels makes one `cuEventRecord` per this many
+/// launches and no other driver call while it stays under its bound.
+pub(super) const BATCH_MAX: u64 = 32;
+
 /// The ring's bound now: K (`UNBOUNDED_CAP` for 0), and with a budget B the number of
-/// submissions whose estimated time fits in B, at least 1 and at most that (1 until
-/// [`FIRST_SAMPLES`] samples).
-fn limit(r: &Ring) -> usize {
-    let k = INFLIGHT.load(Relaxed) as usize;
+/// submissions whose estimated time fits in this ring's share of B (B split evenly among
+/// the process's streams on the ring's GPU, `rings`), at least 1 and at most that (1
+/// until [`FIRST_SAMPLES`] samples).
+pub(super) fn limit(r: &Ring) -> u64 {
+    let k = INFLIGHT.load(Relaxed) as u64;
     let cap = if k == 0 { UNBOUNDED_CAP } else { k };
-    match BUDGET_NS.load(Relaxed) {
+    match r.share_ns {
         0 => cap,
         _ if r.samples < FIRST_SAMPLES => 1,
-        b => ((b / r.est_ns) as usize).clamp(1, cap),
+        b => (b / r.est_ns.max(1)).clamp(1, cap),
     }
 }
 
-/// Keeps the ring within the in-flight bound before a submission: waits for the oldest
-/// event while the bound is reached (K = 0 without a budget: only recycles those already
-/// complete). With a budget, each wait that blocks also times the submission it waited
-/// for: from its start (its submission when it was alone in flight, else the previous
-/// wait's return, the stream having stayed backlogged since) to the wait's return. That is
-/// the wall-clock time the stream took for it, wake-ups and other contexts' time slices
-/// included, not its GPU time alone. (When the bound is never reached, nothing is timed
-/// and the estimate stays: the application itself keeps fewer in flight than the budget
-/// allows. Time held at the gate breaks the run.)
-pub(super) fn bound(r: &mut Ring, entry: &Entry, closed: Option<&AtomicU32>) {
-    let budget = BUDGET_NS.load(Relaxed) != 0;
-    if INFLIGHT.load(Relaxed) == 0 && !budget {
-        while let Some(&e) = r.events.front() {
-            if !event_done(e) {
-                break;
-            }
-            r.events.pop_front();
-            r.free.push(e);
-            entry.inflight.fetch_sub(1, Relaxed);
-        }
-    }
+/// This ring's share of the budget with `rings` streams on its GPU (0: no budget).
+pub(super) fn share_ns(rings: u32) -> u64 {
+    BUDGET_NS.load(Relaxed) / u64::from(rings.max(1))
+}
+
+/// Submissions per event at bound `limit`: half the bound (so that waiting for events can
+/// always bring the work in flight under it), at most [`BATCH_MAX`], at least 1.
+pub(super) fn batch(limit: u64) -> u64 {
+    (limit / 2).clamp(1, BATCH_MAX)
+}
+
+/// Keeps the ring within the in-flight bound before a submission. Under the bound:
+/// nothing (no driver call). At the bound: the oldest event that brings the stream under
+/// the bound is asked (one query; with short kernels it is complete) and waited for if it
+/// is not, retiring the events before it too. Each completion found is a
+/// sample of the time per submission: from its start (the previous completion found while
+/// the stream stayed backlogged, or the first submission it covers) to when it was found,
+/// over the submissions it covers. A wait that blocked ends at the completion (a wake-up
+/// late); a query found complete ends some time after it, so its sample leans long, which
+/// errs towards less in flight. (When the bound is never reached, nothing is timed and the
+/// estimate stays: the application itself keeps less in flight than the budget allows.
+/// Time held at the gate breaks the run.)
+pub(super) fn bound(r: &mut Ring, entry: &Entry, rings: u32, closed: Option<&AtomicU32>) {
+    r.share_ns = share_ns(rings);
     let limit = limit(r);
-    if r.events.len() < limit {
-        // Not backlogged at the bound: the next wait has no previous one to start from.
-        r.prev_done_ns = 0;
+    if r.in_flight() < limit {
         return;
     }
     let lead = lead_ns(r, limit);
     let keep = if lead > 0 { limit + 1 } else { limit };
-    while r.events.len() >= keep {
-        wait_oldest(r, entry, budget);
+    while r.in_flight() >= keep {
+        wait_for(r, entry, r.seq + 1 - keep);
     }
-    if lead > 0 && r.events.len() == limit && !submit_ahead(r, lead, closed) {
-        wait_oldest(r, entry, budget);
+    if lead > 0 && r.in_flight() == limit && !submit_ahead(r, lead, closed) {
+        wait_for(r, entry, r.seq + 1 - limit);
     }
 }
 
-/// Waits for the oldest submission in flight and recycles its event; with a budget, a
-/// wait that blocks times it (see [`bound`]).
-fn wait_oldest(r: &mut Ring, entry: &Entry, budget: bool) {
-    let start = if r.events.len() == 1 {
-        r.last_sub_ns.max(r.prev_done_ns)
-    } else {
-        r.prev_done_ns
-    };
-    let Some(e) = r.events.pop_front() else {
+/// Waits until the submissions up to `target` (a sequence number) are complete: waits
+/// for the oldest event that covers it (or the newest) and retires it and those before.
+fn wait_for(r: &mut Ring, entry: &Entry, target: u64) {
+    let Some(i) = r
+        .events
+        .iter()
+        .position(|x| x.1 >= target)
+        .or(r.events.len().checked_sub(1))
+    else {
+        // Nothing recorded covers it (a submission left untracked): count it done.
+        r.done_seq = r.done_seq.max(target.min(r.seq));
+        r.prev_done_ns = 0;
         return;
     };
-    // Only a wait that blocks times anything: an event already complete finished at
-    // some unknown time before (and breaks the run for the next one).
-    let done_already = budget && event_done(e);
-    if !done_already {
+    let (e, _, _) = r.events[i];
+    // Only a wait that blocks times anything: an event already complete finished at some
+    // unknown time before (its sample then ends now, leaning long).
+    let blocked = !event_done(e);
+    if blocked {
         sync_event(e);
     }
-    r.free.push(e);
-    entry.inflight.fetch_sub(1, Relaxed);
-    if done_already {
-        r.prev_done_ns = 0;
-    } else if budget {
-        let done = mono_ns();
-        if start != 0 && done > start {
-            r.est_ns = estimate(r.est_ns, done - start);
-            r.samples = (r.samples + 1).min(FIRST_SAMPLES);
+    let now = mono_ns();
+    for _ in 0..=i {
+        if let Some(x) = r.events.pop_front() {
+            retire(r, entry, x, now, blocked);
         }
-        r.prev_done_ns = done;
     }
 }
 
-/// Where the budget holds a stream to one submission in flight and has room for part of
-/// one more (3 ms, kernels of 2 ms: 1 ms), that part (ns, at most [`LEAD_MAX_NS`]), else
-/// 0: the next submission may go in when the one in flight has about that much left, so
-/// the GPU has it queued when the first ends instead of waiting for this thread to wake
-/// and submit it. Work in flight by the estimate stays within the budget. Only at a
-/// bound of one (with two or more in flight, one is always queued behind the running
-/// one), under a budget (not K = 1), once the estimate is settled.
-fn lead_ns(r: &Ring, limit: usize) -> u64 {
-    let (b, k) = (BUDGET_NS.load(Relaxed), INFLIGHT.load(Relaxed) as usize);
+/// Retires event `x` (`(event, seq covered, when recorded)`), found complete at `now`:
+/// its submissions are done, its time a sample. A sample is exact when the wait blocked
+/// (it ends at the completion, a wake-up late) and it starts at a known point: the
+/// previous completion found while the stream stayed backlogged, or the submission that
+/// found the stream idle. Any other sample (an event found complete some time after its
+/// completion, or one starting at its record while earlier work was queued) is an upper
+/// bound on the time per submission: it may bring the estimate down, or settle a new one,
+/// never raise it.
+fn retire(r: &mut Ring, entry: &Entry, x: (usize, u64, u64), now: u64, blocked: bool) {
+    let (e, seq, recorded) = x;
+    let n = seq.saturating_sub(r.done_seq);
+    let (start, known) = if r.prev_done_ns != 0 {
+        (r.prev_done_ns, true)
+    } else {
+        (r.batch_start_ns, r.start_known)
+    };
+    r.done_seq = r.done_seq.max(seq);
+    r.free.push(e);
+    entry.inflight.fetch_sub(n as u32, Relaxed);
+    if r.share_ns != 0 && n > 0 && start != 0 && now > start {
+        let t = (now - start) / n;
+        if (blocked && known) || r.samples < FIRST_SAMPLES || t < r.est_ns {
+            r.est_ns = estimate(r.est_ns, t);
+            r.samples = (r.samples + 1).min(FIRST_SAMPLES);
+        }
+    }
+    // The next batch starts from here if the stream stays backlogged; a query found
+    // complete (not blocked) may have been idle since: the next sample starts at this
+    // event's record (every submission of the next batch came after it), an upper bound.
+    r.prev_done_ns = if blocked && r.in_flight() > 0 { now } else { 0 };
+    if r.prev_done_ns == 0 {
+        r.batch_start_ns = recorded;
+        r.start_known = false;
+    }
+}
+
+/// Where the budget holds a stream to one submission in flight, a lead (ns, at most
+/// [`LEAD_MAX_NS`] and at most the submission's estimate), else 0: the next submission
+/// may go in when the one in flight has about that much left, so the GPU has it queued
+/// when the first ends instead of waiting for this thread to wake and submit it. The lead
+/// is what the budget leaves beyond the one submission (budget 0.8 ms, kernels of 0.6 ms:
+/// 0.2 ms), or, for a submission longer than the budget, the budget itself: work in flight
+/// by the estimate stays within max(budget, one submission + the budget). Only at a bound
+/// of one (with two or more in flight, one is always queued behind the running one),
+/// under a budget (not K = 1), once the estimate is settled.
+fn lead_ns(r: &Ring, limit: u64) -> u64 {
+    let (b, k) = (r.share_ns, INFLIGHT.load(Relaxed) as u64);
     let cap = if k == 0 { UNBOUNDED_CAP } else { k };
     if b == 0 || r.samples < FIRST_SAMPLES || limit != 1 || cap == 1 || r.est_ns == 0 {
         return 0;
     }
-    b.saturating_sub(r.est_ns.saturating_mul(limit as u64))
-        .min(r.est_ns)
-        .min(LEAD_MAX_NS)
+    // A submission longer than the budget: the budget's worth of it.
+    let room = if b > r.est_ns { b - r.est_ns } else { b };
+    room.min(r.est_ns).min(LEAD_MAX_NS)
 }
 
 /// The most a lead may be: enough to cover the submitting thread's wake-up on a loaded
@@ -128,15 +171,14 @@ fn lead_ns(r: &Ring, limit: usize) -> u64 {
 const LEAD_MAX_NS: u64 = 500_000;
 
 /// At the bound with a lead: waits until the oldest submission in flight is expected to
-/// have `lead` left (its start, the previous wait's return or its submission when it was
-/// alone, plus the estimate), or the gate closes, then lets the next one in (true).
-/// Without a start (the run broke), false: the caller waits for the oldest as without a
-/// lead.
+/// have `lead` left (its start plus the estimate), or the gate closes, then lets the next
+/// one in (true). Without a start (the run broke), false: the caller waits for the oldest
+/// as without a lead.
 fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) -> bool {
-    let start = if r.events.len() == 1 {
-        r.last_sub_ns.max(r.prev_done_ns)
-    } else {
+    let start = if r.prev_done_ns != 0 {
         r.prev_done_ns
+    } else {
+        r.batch_start_ns
     };
     let now = mono_ns();
     if start == 0 {
@@ -160,18 +202,18 @@ fn submit_ahead(r: &mut Ring, lead: u64, closed: Option<&AtomicU32>) -> bool {
     // is too long (it leans long, and a stall can lift it). The one place it comes down
     // outside the timed waits: the wait for this event will find it complete and time
     // nothing, so without this a long estimate would never be corrected.
-    if r.events.front().is_some_and(|&e| event_done(e)) {
+    if r.events.front().is_some_and(|x| event_done(x.0)) {
         shorten(r, mono_ns().saturating_sub(start));
     }
     true
 }
 
-/// The submission in flight ended within `t` (ns) of the previous wait's return: the
-/// estimate comes down an eighth of itself towards `t` if over. Not to `t` at once: the
-/// previous wait returned a wake-up after the true end, so `t` may be short by that much;
-/// and never so far that the bound grows (only the timed waits may do that).
+/// The submission in flight ended within `t` (ns) of its start: the estimate comes down
+/// an eighth of itself towards `t` if over. Not to `t` at once: the start was a wake-up
+/// after the true end of the one before, so `t` may be short by that much; and never so
+/// far that two fit the budget (only the timed waits may do that).
 fn shorten(r: &mut Ring, t: u64) {
-    let floor = BUDGET_NS.load(Relaxed) / (limit(r) as u64 + 1) + 1;
+    let floor = r.share_ns / 2 + 1;
     let next = t.max(r.est_ns - r.est_ns / 8).max(floor);
     if next < r.est_ns {
         r.est_ns = next;
@@ -202,55 +244,83 @@ pub(super) fn estimate(est: u64, t: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{DEFAULT_INFLIGHT, DEFAULT_INFLIGHT_MS};
-    use std::collections::VecDeque;
+    use crate::config::{DEFAULT_INFLIGHT, DEFAULT_INFLIGHT_US};
 
-    fn ring(est_ns: u64, samples: u32) -> Ring {
+    /// The tests that set K and the budget run one at a time.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn ring(est_ns: u64, samples: u32, share_ns: u64) -> Ring {
         Ring {
-            key: None,
-            ctx: 0,
-            record_on: 0,
-            events: VecDeque::new(),
-            free: Vec::new(),
             est_ns,
-            last_sub_ns: 0,
-            prev_done_ns: 0,
             samples,
+            share_ns,
+            ..Ring::EMPTY
         }
     }
 
-    /// The lead is what the budget leaves beyond the one submission it allows, at most
-    /// `LEAD_MAX_NS`, and none where K sets the bound, two or more fit, or the estimate
-    /// is not settled;
-    /// an overshot sleep brings the estimate down an eighth, never so far that the
-    /// bound grows. (The only test here that sets the budget and K.)
+    /// The bound is the number of submissions whose estimate fits the ring's share of the
+    /// budget (the budget split among the process's streams on the GPU), at least one, at
+    /// most K; events are recorded every half bound, at most every `BATCH_MAX`.
+    #[test]
+    fn the_bound_and_the_batch() {
+        let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        INFLIGHT.store(32, Relaxed);
+        BUDGET_NS.store(500_000, Relaxed);
+        assert_eq!(share_ns(1), 500_000);
+        assert_eq!(share_ns(4), 125_000, "four streams share the budget");
+        assert_eq!(limit(&ring(2_000_000, FIRST_SAMPLES, 500_000)), 1, "2 ms");
+        assert_eq!(limit(&ring(200_000, FIRST_SAMPLES, 500_000)), 2, "0.2 ms");
+        assert_eq!(limit(&ring(50_000, FIRST_SAMPLES, 500_000)), 10, "0.05 ms");
+        assert_eq!(limit(&ring(50_000, FIRST_SAMPLES, 125_000)), 2, "a quarter");
+        assert_eq!(limit(&ring(1_000, FIRST_SAMPLES, 500_000)), 32, "K caps it");
+        INFLIGHT.store(64, Relaxed);
+        assert_eq!(limit(&ring(1_000, 1, 500_000)), 1, "not settled");
+        assert_eq!(limit(&ring(1_000, 0, 0)), 64, "no budget: K");
+        assert_eq!(batch(1), 1);
+        assert_eq!(batch(2), 1);
+        assert_eq!(batch(10), 5);
+        assert_eq!(batch(32), 16);
+        assert_eq!(batch(64), BATCH_MAX);
+        assert_eq!(batch(4096), BATCH_MAX);
+        INFLIGHT.store(DEFAULT_INFLIGHT, Relaxed);
+        BUDGET_NS.store(DEFAULT_INFLIGHT_US * 1_000, Relaxed);
+    }
+
+    /// The lead is what the share leaves beyond the one submission it allows (or the share
+    /// itself for a longer submission), at most `LEAD_MAX_NS` and the estimate, and none
+    /// where K sets the bound, two or more fit, or the estimate is not settled; an
+    /// overshot sleep brings the estimate down an eighth, never so far that two fit.
     #[test]
     fn the_lead_and_its_correction() {
-        BUDGET_NS.store(3_000_000, Relaxed);
+        let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         INFLIGHT.store(4, Relaxed);
-        let r = ring(2_000_000, FIRST_SAMPLES);
+        let r = ring(2_000_000, FIRST_SAMPLES, 3_000_000);
         assert_eq!(limit(&r), 1);
         assert_eq!(lead_ns(&r, 1), LEAD_MAX_NS, "1 ms left over, capped");
-        let r = ring(2_800_000, FIRST_SAMPLES);
+        let r = ring(2_800_000, FIRST_SAMPLES, 3_000_000);
         assert_eq!(lead_ns(&r, 1), 200_000, "what is left when under the cap");
-        assert_eq!(lead_ns(&ring(2_000_000, 1), 1), 0, "not settled");
-        let r = ring(500_000, FIRST_SAMPLES);
+        let r = ring(2_000_000, FIRST_SAMPLES, 300_000);
+        assert_eq!(lead_ns(&r, 1), 300_000, "longer than the share: the share");
+        assert_eq!(lead_ns(&ring(2_000_000, 1, 3_000_000), 1), 0, "not settled");
+        let r = ring(500_000, FIRST_SAMPLES, 3_000_000);
         assert_eq!(limit(&r), 4);
         assert_eq!(lead_ns(&r, 4), 0, "K sets the bound");
-        let r = ring(1_200_000, FIRST_SAMPLES);
+        let r = ring(1_200_000, FIRST_SAMPLES, 3_000_000);
         assert_eq!(limit(&r), 2);
         assert_eq!(lead_ns(&r, 2), 0, "two in flight: one is always queued");
         INFLIGHT.store(1, Relaxed);
         assert_eq!(
-            lead_ns(&ring(2_000_000, FIRST_SAMPLES), 1),
+            lead_ns(&ring(2_000_000, FIRST_SAMPLES, 3_000_000), 1),
             0,
             "K = 1 sets it"
         );
         INFLIGHT.store(4, Relaxed);
-        BUDGET_NS.store(0, Relaxed);
-        assert_eq!(lead_ns(&ring(2_000_000, FIRST_SAMPLES), 1), 0, "no budget");
-        BUDGET_NS.store(3_000_000, Relaxed);
-        let mut r = ring(2_000_000, FIRST_SAMPLES);
+        assert_eq!(
+            lead_ns(&ring(2_000_000, FIRST_SAMPLES, 0), 1),
+            0,
+            "no budget"
+        );
+        let mut r = ring(2_000_000, FIRST_SAMPLES, 3_000_000);
         shorten(&mut r, 100_000);
         assert_eq!(r.est_ns, 1_750_000, "an eighth at a time");
         for _ in 0..20 {
@@ -260,7 +330,6 @@ mod tests {
         assert_eq!(limit(&r), 1);
         shorten(&mut r, 1_600_000);
         assert_eq!(r.est_ns, 1_500_001, "never up");
-        BUDGET_NS.store(DEFAULT_INFLIGHT_MS * 1_000_000, Relaxed);
         INFLIGHT.store(DEFAULT_INFLIGHT, Relaxed);
     }
 

@@ -37,10 +37,19 @@ pub(super) fn with_ctx<T>(ctx: usize, f: impl FnOnce() -> T) -> T {
 /// GLOBAL (PyTorch's default), a query or wait from a thread in another mode fails with
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates that capture. Our events are
 /// never recorded on a capturing stream ([`capturing`]), so the wait itself is legal.
+/// Only while some capture is in progress ([`crate::driver::CAPTURES`], counted up before
+/// the driver's `cuStreamBeginCapture` is called): a capture begun through an entry point
+/// the shim does not wrap, or one that begins on another thread between this check and
+/// the query, is not relaxed for.
 pub(super) fn relaxed<T>(f: impl FnOnce() -> T) -> T {
     let Some(exchange) = gate_fns().exchange_capture_mode else {
         return f();
     };
+    // No capture in progress (counted from before its beginning): nothing to relax, and
+    // no driver call for it.
+    if crate::driver::CAPTURES.load(std::sync::atomic::Ordering::SeqCst) <= 0 {
+        return f();
+    }
     let mut mode = CAPTURE_MODE_RELAXED;
     // SAFETY: the driver's cuThreadExchangeStreamCaptureMode with a valid in/out pointer.
     let swapped = unsafe { exchange(&mut mode as *mut c_int as usize) } == CUDA_SUCCESS;
@@ -56,6 +65,12 @@ pub(super) fn relaxed<T>(f: impl FnOnce() -> T) -> T {
 pub(super) fn sync_event(e: usize) {
     // SAFETY: the driver's cuEventSynchronize on an event of ours.
     relaxed(|| unsafe { (gate_fns().event_sync)(e) });
+}
+
+/// Waits for everything of the current context (`cuCtxSynchronize`); the driver's answer.
+pub(super) fn sync_ctx() -> c_int {
+    // SAFETY: the driver's cuCtxSynchronize (no arguments: the current context's ABI).
+    relaxed(|| unsafe { (gate_fns().ctx_sync)() })
 }
 
 pub(super) fn event_done(e: usize) -> bool {

@@ -5,7 +5,7 @@ use super::events::with_ctx;
 use super::map::{mapping, Mapping};
 use coloc_doorbell::gate::Slot;
 use coloc_doorbell::{Entry, MAX_GPUS};
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::OnceLock;
 
 pub(super) struct Gpu {
@@ -14,6 +14,8 @@ pub(super) struct Gpu {
     pub(super) uuid: OnceLock<[u8; 16]>,
     /// `mapping epoch (24 bits) | generation (32) | slot index (8, 0xff: none)`, or 0.
     pub(super) slot: AtomicU64,
+    /// Stream rings of this process on this GPU (the budget's share of each).
+    pub(super) rings: AtomicU32,
 }
 
 pub(super) static GPUS: [Gpu; MAX_GPUS] = [const {
@@ -21,6 +23,7 @@ pub(super) static GPUS: [Gpu; MAX_GPUS] = [const {
         entry: AtomicPtr::new(std::ptr::null_mut()),
         uuid: OnceLock::new(),
         slot: AtomicU64::new(0),
+        rings: AtomicU32::new(0),
     }
 }; MAX_GPUS];
 

@@ -2,17 +2,20 @@
 //!
 //! ```text
 //!  submission (any wrapped entry point), mode gated:
-//!    stream → pool (ring of events) and GPU (page entry, gate slot)
+//!    stream → pool (ring) and GPU (page entry, gate slot); context cached per thread
 //!    in_submit += 1; closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
-//!    the bound reached on this stream (K events, or fewer: the budget)? wait for the oldest
-//!      (cuEventSynchronize; with a budget, time it), recycle it; where the budget has room
-//!      for part of one more (the lead), wait instead until the oldest is due to have
-//!      that part left (FUTEX_WAIT on the gate word, so a close wakes it) and let one
-//!      more in
-//!    the driver's submission; cuEventRecord after it; inflight += 1; in_submit -= 1
+//!    the bound reached on this stream (the budget's share in estimated GPU time, at
+//!    least one submission, at most K)? ask the event that brings it under the bound
+//!    (cuEventQuery), wait for it if not complete (cuEventSynchronize; timed), retire it
+//!    and those before; at a bound of one with a lead, wait instead until the oldest is
+//!    due to have that much left (FUTEX_WAIT on the gate word) and let one more in
+//!    the driver's submission; seq += 1; a batch full (half the bound, at most 32) or
+//!    the gate closing: cuEventRecord after it; in_submit -= 1
+//!  under the bound with the gate open and no capture in progress: no driver call
 //!  watcher thread (FUTEX_WAIT on the gate file's generation, 100 ms):
 //!    a GPU of ours closed with an epoch not yet acknowledged (in this file):
-//!    in_submit == 0 → the newest event of every stream on that GPU completes
+//!    in_submit == 0 → every stream on that GPU drained (its newest event, or, with
+//!    submissions since its last event, cuCtxSynchronize of its context)
 //!    → entry.gate_ack = epoch; page wake += 1, FUTEX_WAKE
 //! ```
 //!
@@ -30,9 +33,17 @@
 //!   `CU_STREAM_LEGACY`) is one per context; the per-thread default stream (`0` in a
 //!   `_ptsz` entry point, or `CU_STREAM_PER_THREAD`) one per thread and context; any other
 //!   handle is a stream of its own. Each has a ring of events (created with the driver's
-//!   own functions, flags `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`), at most
-//!   [`MAX_POOLS`] rings at once (the least recently assigned idle ring is drained and
-//!   reused beyond that).
+//!   own functions, flags `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`), one event
+//!   per batch of submissions, at most [`MAX_POOLS`] rings at once (the least recently
+//!   assigned idle ring is drained and reused beyond that).
+//! - **Driver calls**: none per launch in the steady state with the gate open. The calling
+//!   thread's context is cached until a call that can change a context (`cuCtxSetCurrent`,
+//!   push, pop, create, destroy, the primary context's release and reset, all wrapped:
+//!   `crate::watch::W_CTX_SWITCH`), and checked against the driver every 256 uses (a
+//!   change made out of the shim's sight turns the cache off, with one line on stderr);
+//!   whether a stream captures is asked only while a capture begun through
+//!   `cuStreamBeginCapture[ToGraph]` has not ended; an event is recorded once per batch
+//!   (half the stream's bound, at most 32 submissions) and asked when the bound is reached.
 //! - **CUDA graph capture**: a submission to a stream in capture (`cuStreamIsCapturing`;
 //!   `CU_STREAM_PER_THREAD` for stream 0 of a `_ptsz` entry point; never asked of the
 //!   legacy stream, which cannot be captured) runs nothing on the GPU: it adds a node to the
@@ -40,7 +51,8 @@
 //!   it is forwarded untouched: no wait at the gate, no ring, no event (recorded there, our
 //!   event would become a node of the graph, and waiting for it is illegal), not counted.
 //!   Every event query or wait of the shim's own ([`relaxed`]: the bound, the watcher,
-//!   ring reclaim) runs with the thread's capture mode exchanged to RELAXED and restored:
+//!   ring reclaim) runs, while some capture is in progress, with the thread's capture mode
+//!   exchanged to RELAXED and restored:
 //!   while another thread captures in mode GLOBAL (PyTorch's default), the driver refuses
 //!   such a call from a thread in another mode (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`)
 //!   and invalidates that capture. Both entry points are optional (a driver older than
@@ -58,7 +70,7 @@ mod watch;
 pub use submit::{submit, submitting};
 pub use watch::{map_at_start, start_watcher};
 
-use crate::config::{GateConfig, DEFAULT_INFLIGHT, DEFAULT_INFLIGHT_MS};
+use crate::config::{GateConfig, DEFAULT_INFLIGHT, DEFAULT_INFLIGHT_US};
 use coloc_doorbell::gate::DEFAULT_STALE_NS;
 use std::ffi::{c_int, CString};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
@@ -70,8 +82,9 @@ const CUDA_SUCCESS: c_int = 0;
 /// K: submissions in flight per stream (`COLOC_SHIM_INFLIGHT`; 0: unbounded).
 static INFLIGHT: AtomicU32 = AtomicU32::new(DEFAULT_INFLIGHT);
 
-/// In-flight budget per stream, ns of estimated GPU time (`COLOC_SHIM_INFLIGHT_MS`; 0: off).
-static BUDGET_NS: AtomicU64 = AtomicU64::new(DEFAULT_INFLIGHT_MS * 1_000_000);
+/// In-flight budget per process and GPU, ns of estimated GPU time
+/// (`COLOC_SHIM_INFLIGHT_MS`; 0: off), shared evenly among the process's streams there.
+static BUDGET_NS: AtomicU64 = AtomicU64::new(DEFAULT_INFLIGHT_US * 1_000);
 
 /// An agent heartbeat older than this opens the gate (`COLOC_GATE_STALE_MS`).
 static STALE_NS: AtomicU64 = AtomicU64::new(DEFAULT_STALE_NS);

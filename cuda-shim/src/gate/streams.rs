@@ -5,7 +5,7 @@
 use super::budget::mono_ns;
 use super::events::{create_event, sync_event, with_ctx};
 use super::gpus::{gpu_of_ctx, gpu_of_current, GPUS};
-use super::{BUDGET_NS, CUDA_SUCCESS};
+use super::CUDA_SUCCESS;
 use crate::driver::gate_fns;
 use crate::launch::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD};
 use coloc_doorbell::Entry;
@@ -20,7 +20,7 @@ pub const MAX_POOLS: usize = 256;
 
 /// With `COLOC_SHIM_INFLIGHT=0` (unbounded), a ring still holds at most this many events
 /// (the driver itself blocks a stream at about a thousand queued submissions).
-pub(super) const UNBOUNDED_CAP: usize = 4096;
+pub(super) const UNBOUNDED_CAP: u64 = 4096;
 
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900) to `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`
 /// (908): an operation refused because of a stream capture.
@@ -41,27 +41,67 @@ pub(super) struct Ring {
     pub(super) ctx: usize,
     /// The stream handle to record on.
     pub(super) record_on: usize,
-    /// Recorded after a submission, not yet known complete; oldest first.
-    pub(super) events: VecDeque<usize>,
+    /// Recorded after a submission, not yet known complete, oldest first: (event, the
+    /// sequence number of the last submission it covers, when it was recorded).
+    pub(super) events: VecDeque<(usize, u64, u64)>,
     pub(super) free: Vec<usize>,
+    /// Submissions made on the ring (tracked ones), the last known complete, the last
+    /// covered by an event.
+    pub(super) seq: u64,
+    pub(super) done_seq: u64,
+    pub(super) recorded_seq: u64,
     /// With a budget: the estimated wall-clock time of one submission on this stream (ns;
-    /// 0: none yet), when the last submission alone in flight was made, and when the last
-    /// timed wait for the oldest event returned while the stream stayed backlogged (0:
-    /// the run broke).
+    /// 0: none yet), this ring's share of the budget (ns; 0: no budget), when the last
+    /// completion was found while the stream stayed backlogged (0: the run broke), and
+    /// when the first submission of the oldest batch in flight was made (0: unknown).
     pub(super) est_ns: u64,
-    pub(super) last_sub_ns: u64,
+    pub(super) share_ns: u64,
     pub(super) prev_done_ns: u64,
+    pub(super) batch_start_ns: u64,
+    /// `batch_start_ns` is the submission that found the stream idle (not a record made
+    /// while earlier work was queued).
+    pub(super) start_known: bool,
     /// Samples in `est_ns` so far (up to [`FIRST_SAMPLES`]).
     pub(super) samples: u32,
 }
 
 impl Ring {
+    pub(super) const EMPTY: Ring = Ring {
+        key: None,
+        ctx: 0,
+        record_on: 0,
+        events: VecDeque::new(),
+        free: Vec::new(),
+        seq: 0,
+        done_seq: 0,
+        recorded_seq: 0,
+        est_ns: 0,
+        share_ns: 0,
+        prev_done_ns: 0,
+        batch_start_ns: 0,
+        start_known: false,
+        samples: 0,
+    };
+
+    /// Submissions made and not known complete (those not yet covered by an event too).
+    pub(super) fn in_flight(&self) -> u64 {
+        self.seq - self.done_seq
+    }
+
     /// Forgets the timing (a new stream, a drained ring).
     fn reset_timing(&mut self) {
         self.est_ns = 0;
-        self.last_sub_ns = 0;
         self.prev_done_ns = 0;
+        self.batch_start_ns = 0;
         self.samples = 0;
+    }
+
+    /// Everything submitted is complete (drained, or given up on).
+    pub(super) fn all_done(&mut self) {
+        self.done_seq = self.seq;
+        self.recorded_seq = self.seq;
+        self.prev_done_ns = 0;
+        self.batch_start_ns = 0;
     }
 }
 
@@ -74,17 +114,7 @@ pub(super) struct Pool {
 pub(super) static POOLS: [Pool; MAX_POOLS] = [const {
     Pool {
         gpu: AtomicUsize::new(usize::MAX),
-        ring: Mutex::new(Ring {
-            key: None,
-            ctx: 0,
-            record_on: 0,
-            events: VecDeque::new(),
-            free: Vec::new(),
-            est_ns: 0,
-            last_sub_ns: 0,
-            prev_done_ns: 0,
-            samples: 0,
-        }),
+        ring: Mutex::new(Ring::EMPTY),
     }
 }; MAX_POOLS];
 
@@ -169,7 +199,9 @@ fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
     r.ctx = ctx;
     r.record_on = record_on;
     r.reset_timing();
+    r.all_done();
     POOLS[idx].gpu.store(gpu, Release);
+    GPUS[gpu].rings.fetch_add(1, Relaxed);
     dir.push((key, idx as u16, gpu as u16));
     Some((idx, gpu))
 }
@@ -185,19 +217,28 @@ pub(super) fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
         let r = &mut *guard;
         let gpu = POOLS[i].gpu.load(Acquire);
         let ctx = r.ctx;
-        let n = r.events.len();
-        if let Some(&newest) = r.events.back() {
+        if let Some(&(newest, _, _)) = r.events.back() {
             with_ctx(ctx, || sync_event(newest));
         }
-        let all: Vec<usize> = r.events.drain(..).chain(r.free.drain(..)).collect();
+        let n: u64 = r.recorded_seq - r.done_seq;
+        r.all_done();
+        let all: Vec<usize> = r
+            .events
+            .drain(..)
+            .map(|x| x.0)
+            .chain(r.free.drain(..))
+            .collect();
         with_ctx(ctx, || {
             for e in all {
                 // SAFETY: an event of ours, destroyed once.
                 unsafe { (gate_fns().event_destroy)(e) };
             }
         });
-        if let Some(e) = GPUS.get(gpu).and_then(|g| g.entry()) {
-            e.inflight.fetch_sub(n as u32, Relaxed);
+        if let Some(g) = GPUS.get(gpu) {
+            g.rings.fetch_sub(1, Relaxed);
+            if let Some(e) = g.entry() {
+                e.inflight.fetch_sub(n as u32, Relaxed);
+            }
         }
         if let Some(k) = r.key.take() {
             dir.retain(|x| x.0 != k);
@@ -208,8 +249,20 @@ pub(super) fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
     None
 }
 
-/// Records an event after a submission on the ring's stream.
-pub(super) fn record(r: &mut Ring, entry: &Entry) -> Result<(), String> {
+/// Counts a submission made on the ring's stream, and records an event after it where a
+/// batch is full (`batch` submissions since the last event) or `now` says so (the gate is
+/// closing: its drain waits for events).
+pub(super) fn record(r: &mut Ring, entry: &Entry, batch: u64, now: bool) -> Result<(), String> {
+    if r.seq == r.done_seq && r.share_ns != 0 {
+        // The first submission of a run: its batch's sample starts here.
+        r.batch_start_ns = mono_ns();
+        r.start_known = true;
+        r.prev_done_ns = 0;
+    }
+    r.seq += 1;
+    if r.seq - r.recorded_seq < batch && !now {
+        return Ok(());
+    }
     for attempt in 0..2 {
         let e = match r.free.pop() {
             Some(e) => e,
@@ -218,29 +271,32 @@ pub(super) fn record(r: &mut Ring, entry: &Entry) -> Result<(), String> {
         // SAFETY: the driver's cuEventRecord with our event and the ring's stream.
         let res = unsafe { (gate_fns().event_record)(e, r.record_on) };
         if res == CUDA_SUCCESS {
-            // The start of a submission alone in flight (what `bound` times from then).
-            if r.events.is_empty() && BUDGET_NS.load(Relaxed) != 0 {
-                r.last_sub_ns = mono_ns();
-            }
-            r.events.push_back(e);
-            entry.inflight.fetch_add(1, Relaxed);
+            let n = r.seq - r.recorded_seq;
+            r.recorded_seq = r.seq;
+            let at = if r.share_ns != 0 { mono_ns() } else { 0 };
+            r.events.push_back((e, r.seq, at));
+            entry.inflight.fetch_add(n as u32, Relaxed);
             return Ok(());
         }
         // A stream capture began meanwhile (on this stream after the check in `enter`, or
-        // on a blocking stream while this is the legacy one): this one submission goes
-        // untracked; the ring and the gate stay as they are.
+        // on a blocking stream while this is the legacy one): the submissions since the
+        // last event go untracked; the ring and the gate stay as they are.
         if CAPTURE_ERRORS.contains(&res) {
             r.free.push(e);
+            r.done_seq = r.done_seq.max(r.recorded_seq);
             return Ok(());
         }
         // The ring's events may be gone with a destroyed context, or a stream handle
         // reused in another: start the ring afresh once.
         if attempt == 0 {
             r.reset_timing();
-            entry.inflight.fetch_sub(r.events.len() as u32, Relaxed);
+            entry
+                .inflight
+                .fetch_sub((r.recorded_seq - r.done_seq) as u32, Relaxed);
+            r.done_seq = r.recorded_seq;
             let dead: Vec<usize> = std::iter::once(e)
                 .chain(r.free.drain(..))
-                .chain(r.events.drain(..))
+                .chain(r.events.drain(..).map(|x| x.0))
                 .collect();
             for d in dead {
                 // SAFETY: events of ours, destroyed once (errors ignored).

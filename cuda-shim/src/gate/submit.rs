@@ -1,6 +1,6 @@
 //! The submission path: the gate, the in-flight bound, the driver's call, the event.
 
-use super::budget::bound;
+use super::budget::{batch, bound, limit};
 use super::gpus::{gpu_of_current, Gpu, GPUS};
 use super::map::stale;
 use super::streams::{pool_for, record, ring_for, thread_tag, Key, Ring};
@@ -98,7 +98,8 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
                         // The time held at the gate is no submission's GPU time.
                         r.prev_done_ns = 0;
                     }
-                    bound(&mut r, entry, g.gate().map(|(_, s)| &s.closed));
+                    let rings = g.rings.load(Relaxed);
+                    bound(&mut r, entry, rings, g.gate().map(|(_, s)| &s.closed));
                     Some(r)
                 }
                 // Lost the ring twice: this one submission goes untracked.
@@ -169,7 +170,13 @@ fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
     let mut res = Ok(());
     if r == CUDA_SUCCESS {
         if let Some(ring) = t.ring.as_mut() {
-            res = record(ring, t.entry);
+            // Closing now: the drain waits for an event covering this submission.
+            let closing = t
+                .gpu
+                .gate()
+                .is_some_and(|(_, s)| s.closed.load(SeqCst) != 0);
+            let b = batch(limit(ring));
+            res = record(ring, t.entry, b, closing);
         }
         t.entry.submitted.fetch_add(1, Relaxed);
     }

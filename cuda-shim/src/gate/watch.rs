@@ -1,10 +1,11 @@
 //! The watcher thread: finds the gate file, and acknowledges each close of a GPU of this
 //! process once its submissions are blocked and its work in flight is complete.
 
-use super::events::{sync_event, with_ctx};
+use super::events::{sync_ctx, sync_event, with_ctx};
 use super::gpus::{Gpu, GPUS};
 use super::map::{map_gate_file, mapping, stale};
 use super::streams::{lock, POOLS};
+use super::CUDA_SUCCESS;
 use crate::mode::{self, GATED, OFF, OPEN};
 use coloc_doorbell::{futex_wait, now_ns, MAX_GPUS};
 use std::panic::catch_unwind;
@@ -107,13 +108,24 @@ fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
         if p.gpu.load(Acquire) != i {
             continue;
         }
-        if let Some(&newest) = r.events.back() {
-            with_ctx(r.ctx, || sync_event(newest));
+        // Submissions since the last event (fewer than a batch) are covered by no event:
+        // the context's own synchronisation waits for them (every stream of this process
+        // in that context; nothing else of ours runs there while the gate is closed),
+        // with the newest event as the fallback where the driver refuses it.
+        let newest = r.events.back().map(|x| x.0);
+        if r.seq > r.recorded_seq {
+            if with_ctx(r.ctx, sync_ctx) != CUDA_SUCCESS {
+                if let Some(e) = newest {
+                    with_ctx(r.ctx, || sync_event(e));
+                }
+            }
+        } else if let Some(e) = newest {
+            with_ctx(r.ctx, || sync_event(e));
         }
-        let n = r.events.len();
-        let done: Vec<usize> = r.events.drain(..).collect();
+        let n = r.recorded_seq - r.done_seq;
+        let done: Vec<usize> = r.events.drain(..).map(|x| x.0).collect();
         // Held at the gate: the stream's run is broken (its estimate stays).
-        r.prev_done_ns = 0;
+        r.all_done();
         r.free.extend(done);
         entry.inflight.fetch_sub(n as u32, Relaxed);
     }

@@ -121,6 +121,9 @@ exported_watch!(
     cuMemsetD8_v2 cuMemsetD8_v2_ptds cuMemsetD16_v2 cuMemsetD16_v2_ptds cuMemsetD32_v2 cuMemsetD32_v2_ptds
     cuMemsetD2D8_v2 cuMemsetD2D8_v2_ptds cuMemsetD2D16_v2 cuMemsetD2D16_v2_ptds
     cuMemsetD2D32_v2 cuMemsetD2D32_v2_ptds
+    cuCtxSetCurrent cuCtxPushCurrent_v2 cuCtxPopCurrent_v2 cuCtxCreate_v2 cuCtxDestroy_v2
+    cuDevicePrimaryCtxRelease_v2 cuDevicePrimaryCtxReset_v2
+    cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture cuStreamEndCapture_ptsz
 );
 
 macro_rules! exported_getter {

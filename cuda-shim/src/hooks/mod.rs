@@ -49,6 +49,12 @@ macro_rules! dispatch {
 macro_rules! observe {
     ($f:expr, $kind:expr, $($a:ident),*) => {{
         let k = $kind.load(Relaxed);
+        if crate::watch::is_bookkeeping(k) {
+            // SAFETY: the caller's contract, as below.
+            return crate::watch::bookkeeping(k, || unsafe {
+                std::mem::transmute::<usize, Fwd>($f)($($a),*)
+            });
+        }
         let copies = matches!(crate::watch::what(k), crate::watch::W_COPY | crate::watch::W_COPY_DRAINS);
         let m = if copies { crate::setup::mode() } else { crate::mode::MODE.load(Acquire) };
         if m == mode::ON {

@@ -537,3 +537,63 @@ fn the_shim_makes_its_page_once_the_directory_is_there() {
         "{said}"
     );
 }
+
+/// The doorbell's online path makes no driver call after a run's first launch: the same
+/// requests (8 kernels and a stream synchronize each) with the shim ringing its page and
+/// without the shim make the same driver calls, but for a handful (the shim's setup at the
+/// first submission, the context checked against the driver every 256 uses).
+#[test]
+fn the_online_path_makes_no_driver_call_per_launch() {
+    let sim = Sim::start(1, &[]);
+    let bells = TempPath::dir("coloc-e2e-bells");
+    let dir = bells.to_path_buf();
+    let run = |shim: Option<(&str, &std::path::Path)>| {
+        let out = TempPath::at(
+            std::env::temp_dir()
+                .join(unique("coloc-e2e-online"))
+                .with_extension("json"),
+        );
+        let out_s = out.display().to_string();
+        let args = [
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            "100",
+            "--work-ms",
+            "0.5",
+            "--kernels",
+            "8",
+            "--duration-s",
+            "3",
+            "--seed",
+            "7",
+            "--out",
+            &out_s,
+        ];
+        let mut p = Proc(
+            workload(&sim, &args, shim)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        assert!(p.wait_within("online", Duration::from_secs(20)).success());
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&*out).unwrap()).unwrap();
+        (
+            v["driver_calls"].as_u64().unwrap(),
+            v["requests"].as_u64().unwrap(),
+        )
+    };
+    let (with, n_with) = run(Some(("online", &dir)));
+    let (without, n_without) = run(None);
+    assert!(
+        n_with > 100 && n_with == n_without,
+        "{n_with} / {n_without} requests"
+    );
+    let launches = n_with * 8;
+    assert!(
+        with <= without + 16 + launches / 256,
+        "the doorbell made {} driver calls over {launches} launches",
+        with.saturating_sub(without)
+    );
+}

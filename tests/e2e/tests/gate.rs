@@ -704,3 +704,42 @@ fn batched_copies_are_gated_in_both_abis() {
         "the shim passed through (an internal failure)"
     );
 }
+
+/// With the gate open, the gate makes no driver call per launch in the steady state:
+/// completions are tracked one event per batch, the context is cached, and the stream is
+/// asked whether it captures only while some capture is in progress. The shim's calls are
+/// the fake driver's count with the gate against the same program without a gate file
+/// (pass-through), per launch: tiny kernels (1 µs: the bound is K = 64, a batch 32
+/// submissions) make at most one call per 8 launches (per batch an event record, a query
+/// of the event that brings the stream under the bound and, while the application keeps
+/// more queued than K, a wait for it), on a created stream and on the legacy default
+/// stream (whose context the shim must know).
+#[test]
+fn with_the_gate_open_the_steady_state_makes_no_driver_call_per_launch() {
+    let n = Node::new(true);
+    // The slot exists and is open (a close and an open, as the agent does).
+    n.gate().close(&gpu0()).unwrap();
+    assert!(n.gate().open(&gpu0()));
+    let per_launch = |v: &serde_json::Value| {
+        v["driver_calls"].as_u64().unwrap() as f64 / v["launches"].as_u64().unwrap() as f64
+    };
+    for (what, extra) in [
+        ("created stream", vec![]),
+        ("legacy default stream", vec!["--default-stream"]),
+    ] {
+        let gated = n.offline_step(0.001, 64, 1.0, &[], &extra).summary();
+        assert!(
+            gated["launches"].as_u64().unwrap() > 2_000,
+            "{what}: {gated}"
+        );
+        let bare = Node::new(false)
+            .offline_step(0.001, 64, 1.0, &[], &extra)
+            .summary();
+        let shim = per_launch(&gated) - per_launch(&bare);
+        assert!(
+            shim <= 1.0 / 8.0,
+            "{what}: the gate made {shim:.3} driver calls per launch (gated {gated}, \
+             pass-through {bare})"
+        );
+    }
+}

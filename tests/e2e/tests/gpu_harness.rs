@@ -177,6 +177,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
             "doorbell",
             "gate",
             "learned",
+            "at-once",
             "wake-floor",
             "drain",
             "nvml-load",
@@ -192,7 +193,7 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         assert_eq!(s["status"], want, "{s}");
     }
     let rows = res["scenarios"].as_array().unwrap();
-    assert_eq!(rows.len(), 9);
+    assert_eq!(rows.len(), 10);
     let get = |name: &str| rows.iter().find(|r| r["scenario"] == name).unwrap().clone();
     let failed = get("both, no agent");
     assert!(
@@ -244,6 +245,13 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
         "{learned}"
     );
     assert_eq!(learned["exit"]["agent"], 0, "{learned}");
+    // The release-at-once row needs no gaps learned: it releases at once after requests.
+    let at_once = get("both, agent doorbell + gate + release at once");
+    assert!(
+        at_once["learned_releases"].as_u64().unwrap_or(0) >= 1,
+        "{at_once}"
+    );
+    assert_eq!(at_once["exit"]["agent"], 0, "{at_once}");
     assert!(
         res["wake_floor"]["rows"].as_array().unwrap().len() >= 2,
         "{}",

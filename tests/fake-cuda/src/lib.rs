@@ -66,7 +66,9 @@
 //! - **Counters**: `coloc_fake_stats` (an extra export) fills a [`FakeStats`]: submissions
 //!   accepted, and the most submissions outstanding at once on one stream (the default
 //!   streams of a GPU count as one) and on one GPU, counted at each submission. This is how
-//!   tests see an in-flight bound (`COLOC_SHIM_INFLIGHT`) from outside the shim.
+//!   tests see an in-flight bound (`COLOC_SHIM_INFLIGHT`) from outside the shim. It also
+//!   counts every call of a `cuda.h` entry point (`driver_calls`), so that a test can hold
+//!   a shim to a number of driver calls per launch.
 //! - Events capture the completion target of their stream at `cuEventRecord`
 //!   (`cuEventQuery`: `CUDA_SUCCESS` or `CUDA_ERROR_NOT_READY`; never recorded:
 //!   `CUDA_SUCCESS`). `cuEventSynchronize`, `cuStreamSynchronize`, `cuCtxSynchronize` wait
@@ -320,7 +322,14 @@ pub struct FakeStats {
     /// Submissions that found their stream with nothing outstanding: the GPU had run dry
     /// for that stream and waited for this one.
     pub idle_stream_submissions: u64,
+    /// Entry points of `cuda.h` called in this process so far (every call, whatever it
+    /// answered; the test helpers `coloc_fake_*` excepted). A shim's own calls are the
+    /// difference to the same program without it.
+    pub driver_calls: u64,
 }
+
+/// Calls of `cuda.h` entry points in this process ([`FakeStats::driver_calls`]).
+static DRIVER_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
 
@@ -578,6 +587,7 @@ fn with_stack<T>(f: impl FnOnce(&mut Vec<usize>) -> T) -> Result<T, CUresult> {
 
 /// Runs an entry point's body: no panic crosses the C boundary.
 fn ffi(f: impl FnOnce() -> R) -> CUresult {
+    DRIVER_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => CUDA_SUCCESS,
         Ok(Err(e)) => e,
@@ -1702,7 +1712,14 @@ pub extern "C" fn cuGraphExecDestroy(g: CUgraphExec) -> CUresult {
 /// `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
 #[no_mangle]
 pub unsafe extern "C" fn coloc_fake_stats(out: *mut FakeStats) -> CUresult {
-    ffi(|| put(out, drv()?.lock().stats))
+    // Not a driver call itself: read first, then undo the count `ffi` adds.
+    let r = ffi(|| {
+        let mut st = drv()?.lock().stats;
+        st.driver_calls = DRIVER_CALLS.load(std::sync::atomic::Ordering::Relaxed);
+        put(out, st)
+    });
+    DRIVER_CALLS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    r
 }
 
 /// Test helper (not in `cuda.h`): a `CUgraphExec` whose `cuGraphLaunch` is busy on the GPU

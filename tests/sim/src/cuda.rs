@@ -97,6 +97,9 @@ pub struct FakeStats {
     pub max_outstanding_gpu: u64,
     /// Submissions that found their stream with nothing outstanding.
     pub idle_stream_submissions: u64,
+    /// Calls of the driver's entry points in this process (the application's and a
+    /// shim's).
+    pub driver_calls: u64,
 }
 
 /// A recorded event.

@@ -682,7 +682,14 @@ fn run_online(
     }
     let mut lat: Vec<f64> = records.iter().map(|r| (r.2 - r.0) as f64 / 1e6).collect();
     lat.sort_by(f64::total_cmp);
+    // With --cuda on the fake driver: every driver call the process made (the
+    // application's and a shim's).
+    let driver_calls = match gpu {
+        Gpu::Cuda(g, _) => g.stats().map(|s| s.driver_calls),
+        Gpu::Slot(_) => None,
+    };
     let summary = serde_json::json!({
+        "driver_calls": driver_calls,
         "requests": lat.len(),
         "p50_ms": percentile(&lat, 50.0),
         "p99_ms": percentile(&lat, 99.0),
@@ -836,6 +843,7 @@ fn run_offline_cuda(
         "idle_stream_submissions": stats.map(|s| s.idle_stream_submissions),
         "max_outstanding_gpu": stats.map(|s| s.max_outstanding_gpu),
         "driver_submissions": stats.map(|s| s.submissions),
+        "driver_calls": stats.map(|s| s.driver_calls),
     });
     write_out(out, &summary)
 }

@@ -25,6 +25,7 @@ fn setup_waking(name: &str, learning: bool, wake_gap: u64) -> (H, PathBuf) {
     cfg.release = learning.then_some(Learning {
         adaptive: Adaptive::default(),
         drain_ns: 2 * MS,
+        at_once: false,
     });
     let mut h = harness_edges(1, cfg, Some(path.clone()));
     h.scratch.push(dir);
