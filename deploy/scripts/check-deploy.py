@@ -734,6 +734,7 @@ def settings_checks():
     d = [x for x in yaml.safe_load_all(render("agent.deviceAccess=hostNvml", "shim.enabled=false")) if x] + \
         [x for x in yaml.safe_load_all(render()) if x] + \
         [x for x in yaml.safe_load_all(render("shim.learnedRelease=true")) if x] + \
+        [x for x in yaml.safe_load_all(chart.render({"classes": {"offlinePriorityClasses": ["batch-low"], "offlinePriorityBelow": 1000}})) if x] + \
         [x for x in yaml.safe_load_all(render("agent.driverLock=true", "memoryPreemption.enabled=true", "agent.deviceAccess=hostNvml")) if x]
     set_by_chart = {k for cm in by_kind(d, "ConfigMap") if cm["metadata"]["name"].endswith("-agent") for k in cm["data"]}
     set_by_chart |= {e["name"] for ds in by_kind(d, "DaemonSet") for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -741,6 +742,16 @@ def settings_checks():
           f"`coloc-agent run --help` less what the chart sets")
     check(len(flags) > 30 and set_by_chart & flags and not allowed & set_by_chart, f"agent.settings: {len(flags)} flags, {sorted(set_by_chart & flags)} set by the chart")
     print(f"ok  agent.settings: the {len(allowed)} flags of coloc-agent run that no other value sets (its --help), nothing else")
+    # The PriorityClass mapping reaches the webhook and the agent alike.
+    c = [x for x in yaml.safe_load_all(chart.render({"classes": {"offlinePriorityClasses": ["batch-low", "spot"], "offlinePriorityBelow": -5}})) if x]
+    wh = tomllib.loads(one(c, "ConfigMap", "-webhook")["data"]["config.toml"])
+    ag = one(c, "ConfigMap", "-agent")["data"]
+    check(wh.get("classes") == {"offline_priority_classes": ["batch-low", "spot"], "offline_priority_below": -5}
+          and ag.get("COLOC_OFFLINE_PRIORITY_CLASS") == "batch-low,spot" and ag.get("COLOC_OFFLINE_PRIORITY_BELOW") == "-5",
+          f"classes: the webhook's [classes] {wh.get('classes')} and the agent's {ag.get('COLOC_OFFLINE_PRIORITY_CLASS')!r}/{ag.get('COLOC_OFFLINE_PRIORITY_BELOW')!r} agree")
+    d = [x for x in yaml.safe_load_all(render()) if x]
+    check("classes" not in tomllib.loads(one(d, "ConfigMap", "-webhook")["data"]["config.toml"]), "classes: none by default")
+    print("ok  classes: the PriorityClass mapping is given to the webhook and the agent alike")
 
 
 # --- The webhooks' routing: namespace selectors and matchConditions ------------------
@@ -828,7 +839,7 @@ def match_condition_checks(docs):
     import celpy
     env = celpy.Environment()
     exprs = {w["matchConditions"][0]["expression"] for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
-             for c in by_kind(docs, k) for w in c["webhooks"] if w["clientConfig"]["service"]["path"] != "/validate-mounts"}
+             for c in by_kind(docs, k) for w in c["webhooks"] if w["clientConfig"]["service"]["path"] not in ("/validate-mounts", "/inject")}
     mounts_cel_checks(env)
     check(len(exprs) == 1, f"every webhook has the same matchCondition ({len(exprs)} differ)")
     prg = env.program(env.compile(exprs.pop()))
@@ -844,7 +855,7 @@ def match_condition_checks(docs):
         if req["operation"] not in ("CREATE", "UPDATE") or not req.get("object"):
             continue
         base = os.path.basename(path)
-        expected = base != "plain-pod.json"
+        expected = base != "plain-pod.json" and not base.startswith("nvidia-gpu-")
         check(matches(req["object"], req["operation"], req.get("oldObject")) == expected,
               f"matchConditions on {base}: expected {'sent' if expected else 'not sent'}")
         n += 1
@@ -864,6 +875,41 @@ def match_condition_checks(docs):
     for what, obj, op, old, expected in cases:
         check(matches(obj, op, old) == expected, f"matchConditions, {what}: expected {'sent' if expected else 'not sent'}")
     print(f"ok  matchConditions (CEL): {n} webhook fixtures and {len(cases)} pods")
+    inject_condition_checks(docs, env, pod, lim)
+
+
+def inject_condition_checks(docs, env, pod, lim):
+    """/inject's matchCondition: every pod that asks for a GPU resource, any vocabulary."""
+    import celpy
+    exprs = [w["matchConditions"][0]["expression"] for c in by_kind(docs, "MutatingWebhookConfiguration")
+             for w in c["webhooks"] if w["clientConfig"]["service"]["path"] == "/inject"]
+    if not exprs:
+        return
+    prg = env.program(env.compile(exprs[0]))
+    claim = {"name": "c", "image": "x", "resources": {"claims": [{"name": "gpu"}]}}
+    cases = [
+        ("no resources", pod({"name": "c", "image": "x"}), False),
+        ("cpu only", pod(lim("cpu", "1")), False),
+        ("nvidia.com/gpu", pod(lim("nvidia.com/gpu", "1")), True),
+        ("nvidia.com/gpu in an init container", pod({"name": "c", "image": "x"}, init=[lim("nvidia.com/gpu", "1")]), True),
+        ("HAMi gpucores", pod(lim("nvidia.com/gpucores", "30")), True),
+        ("HAMi gpumem", pod(lim("nvidia.com/gpumem", "4000")), True),
+        ("MIG", pod(lim("nvidia.com/mig-1g.10gb", "1")), True),
+        ("mgpu", pod(lim("vke.volcengine.com/reclaimed-mgpu-core", "30")), True),
+        ("amd.com/gpu", pod(lim("amd.com/gpu", "1")), False),
+        ("resource claim", pod(claim), False),
+        ("resource claim, opted in", pod(claim, ann={"gpu-coloc.dev/shim": "enabled"}), True),
+    ]
+    for what, obj, expected in cases:
+        got = bool(prg.evaluate({"object": celpy.json_to_cel(obj), "request": celpy.json_to_cel({"operation": "CREATE"})}))
+        check(got == expected, f"/inject matchConditions, {what}: expected {'sent' if expected else 'not sent'}")
+    n = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "webhook", "tests", "data", "nvidia-gpu-*.json"))):
+        req = json.load(open(path))["request"]
+        got = bool(prg.evaluate({"object": celpy.json_to_cel(req["object"]), "request": celpy.json_to_cel({"operation": "CREATE"})}))
+        check(got, f"/inject matchConditions on {os.path.basename(path)}: expected sent")
+        n += 1
+    print(f"ok  /inject matchConditions (CEL): {len(cases)} pods and {n} fixtures")
 
 
 # --- The CUDA shim in GPU pods -------------------------------------------------------
@@ -906,7 +952,11 @@ def injection_checks(docs, label):
                     json.dump(req["object"], f)
                 pod = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
                 name = os.path.basename(path)
-                asks = any(k.startswith("vke.volcengine.com/") for l in ("containers", "initContainers")
+                # Every GPU resource (mGPU's, nvidia.com/gpu, HAMi's, MIG): the webhook
+                # classifies the pod, and no admitted fixture is a system pod.
+                gpu = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/gpucores", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage")
+                asks = any((k.startswith("vke.volcengine.com/") or k in gpu or k.startswith("nvidia.com/mig-"))
+                           for l in ("containers", "initContainers")
                            for c in req["object"]["spec"].get(l, []) for part in ("limits", "requests")
                            for k in c.get("resources", {}).get(part, {}))
                 ann = (pod["metadata"].get("annotations") or {})

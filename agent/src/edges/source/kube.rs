@@ -36,7 +36,7 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 use qos_core::pod::KOORDINATOR_QOS_LABEL;
 use qos_core::resources::{CorePercent, RECLAIMED_MGPU_CORE};
-use qos_core::{classify_pod, Class, ComputePolicy, PodFacts, Share};
+use qos_core::{classify_pod_with, Class, ComputePolicy, PodFacts, PriorityMapping, Share};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -64,7 +64,7 @@ impl PodEntry {
     /// Reads a pod: its class from every vocabulary, what it cannot change after
     /// admission first (`qos_core::classify_pod`). Unknown values are online (and logged
     /// by the caller).
-    pub fn from_pod(pod: &Pod) -> (PodEntry, Option<String>) {
+    pub fn from_pod(pod: &Pod, map: &PriorityMapping) -> (PodEntry, Option<String>) {
         let ann = pod.metadata.annotations.as_ref();
         let spec = pod.spec.as_ref();
         let resources = spec
@@ -78,19 +78,26 @@ impl PodEntry {
             .flat_map(|r| r.requests.iter().flatten().chain(r.limits.iter().flatten()))
             .map(|(k, q)| (k.as_str(), q.0.as_str()))
             .collect();
-        let c = classify_pod(&PodFacts {
-            qos_level: ann
-                .and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
-                .map(String::as_str),
-            koordinator_qos: pod
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(KOORDINATOR_QOS_LABEL))
-                .map(String::as_str),
-            priority_class: spec.and_then(|s| s.priority_class_name.as_deref()),
-            resources,
-        });
+        let c = classify_pod_with(
+            &PodFacts {
+                qos_level: ann
+                    .and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
+                    .map(String::as_str),
+                coloc_class: ann
+                    .and_then(|a| a.get(qos_core::pod::COLOC_CLASS_ANNOTATION))
+                    .map(String::as_str),
+                priority: spec.and_then(|s| s.priority),
+                koordinator_qos: pod
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(KOORDINATOR_QOS_LABEL))
+                    .map(String::as_str),
+                priority_class: spec.and_then(|s| s.priority_class_name.as_deref()),
+                resources,
+            },
+            map,
+        );
         let policy = ComputePolicy::from_annotation(
             ann.and_then(|a| a.get(qos_core::resources::COMPUTE_POLICY_ANNOTATION))
                 .map(String::as_str),
@@ -137,6 +144,8 @@ impl PodEntry {
 
 #[derive(Debug, Default)]
 struct Inner {
+    /// The PriorityClass mapping (`--offline-priority-class`, `--offline-priority-below`).
+    mapping: PriorityMapping,
     index: RwLock<HashMap<String, PodEntry>>,
     /// UIDs of the pods seen offline (until they are deleted).
     offline_seen: RwLock<HashSet<String>>,
@@ -154,9 +163,18 @@ pub struct KubeSource {
 impl KubeSource {
     /// Starts watching the pods of `node` on the current tokio runtime.
     pub fn start(client: Client, node: &str) -> KubeSource {
+        KubeSource::start_with(client, node, PriorityMapping::default())
+    }
+
+    /// Starts watching the pods of `node`, classifying them with `mapping`'s priority
+    /// classes and threshold besides Koordinator's.
+    pub fn start_with(client: Client, node: &str, mapping: PriorityMapping) -> KubeSource {
         let (tx, _) = tokio::sync::watch::channel(0);
         let src = KubeSource {
-            inner: Arc::default(),
+            inner: Arc::new(Inner {
+                mapping,
+                ..Inner::default()
+            }),
             changed: Some(tx),
         };
         let api: Api<Pod> = Api::all(client);
@@ -196,7 +214,7 @@ impl KubeSource {
 
     fn entry(&self, pod: &Pod) -> Option<(String, PodEntry)> {
         let uid = pod.metadata.uid.clone()?;
-        let (mut e, warning) = PodEntry::from_pod(pod);
+        let (mut e, warning) = PodEntry::from_pod(pod, &self.inner.mapping);
         if let Some(w) = warning {
             warn!(pod = %e.owner, "{w}");
             metrics::counter!("coloc_unknown_qos_level_total").increment(1);
