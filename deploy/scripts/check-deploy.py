@@ -95,7 +95,7 @@ def helm_checks():
         "agent.hostNvml.amd64=/usr/lib64": "amd64",
         "agent.hostNvml.x86=/usr/lib/libnvidia-ml.so.1": "x86",
         "agent.deviceAccess=hostNvml,agent.hostNvml=null": "hostNvml",
-        "agent.deviceAccess=cdi": "deviceAccess",
+        "agent.deviceAccess=nvidia": "deviceAccess",
         "agent.gpuNodes=nvidia": "gpuNodes",
         "agent.gpuNodes=custom": "agent.gpuNodes=custom needs agent.nodeSelector",
         "agent.settings.COLOC_BOGUS=1": "COLOC_BOGUS",
@@ -536,7 +536,8 @@ def host_mode_checks():
                 check(not v["path"].startswith(("/usr", "/lib", "/opt")) or v["path"] in libs.values(),
                       f"host NVML, {what}: {ds['metadata']['name']} mounts host {v['path']}")
             if not libs:
-                rc = "agent.deviceAccess=runtimeClass" in sets
+                # auto (the default): the GPU operator's nodes through its RuntimeClass.
+                rc = "agent.deviceAccess=runtimeClass" in sets or ds["metadata"]["name"].endswith("-operator")
                 check(pod.get("runtimeClassName") == ("nvidia" if rc else None) and "COLOC_NVML_LIB" not in env,
                       f"{sets}: runtimeClassName {pod.get('runtimeClassName')}, nothing of the host's driver mounted")
                 continue
@@ -610,16 +611,20 @@ def device_access(pod, node):
 
 
 # Nodes as each stack leaves them (kind-like: one GPU worker each, plus a CPU node). The
-# GPU operator's feature discovery labels nvidia.com/gpu.present=true and its toolkit
-# makes the NVIDIA runtime the default (and adds RuntimeClass nvidia); HAMi's install asks
-# for gpu=on and the NVIDIA runtime as the default; the plain device plugin labels nothing
-# and needs the NVIDIA runtime as the default: with Node Feature Discovery its nodes carry
-# NVIDIA's PCI vendor label, without it the README's one label.
+# GPU operator's feature discovery labels nvidia.com/gpu.present=true; before v25.10 its
+# toolkit makes the NVIDIA runtime the default (and adds RuntimeClass nvidia); from v25.10
+# CDI is the default: the node's default runtime stays runc, and RuntimeClasses nvidia,
+# nvidia-cdi and nvidia-legacy are added. HAMi's install asks for gpu=on and the NVIDIA
+# runtime as the default; the plain device plugin labels nothing and needs the NVIDIA
+# runtime as the default: with Node Feature Discovery its nodes carry NVIDIA's PCI vendor
+# label, without it the README's one label.
 BASE = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
+OPERATOR_LABELS = {**BASE, "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                   "feature.node.kubernetes.io/pci-10de.present": "true"}
 STACKS = {
-    "gpu-operator": {"labels": {**BASE, "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                                "feature.node.kubernetes.io/pci-10de.present": "true"},
-                     "default_runtime": "nvidia", "runtime_classes": {"nvidia"}},
+    "gpu-operator": {"labels": OPERATOR_LABELS, "default_runtime": "nvidia", "runtime_classes": {"nvidia"}},
+    "gpu-operator v25.10+ (CDI default)": {"labels": OPERATOR_LABELS, "default_runtime": "runc",
+                                           "runtime_classes": {"nvidia", "nvidia-cdi", "nvidia-legacy"}},
     "hami": {"labels": {**BASE, "gpu": "on"}, "default_runtime": "nvidia", "runtime_classes": set(),
              "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
     "device-plugin (Node Feature Discovery)": {"labels": {**BASE, "feature.node.kubernetes.io/pci-10de.present": "true"},
@@ -637,26 +642,50 @@ def stack_checks():
     default = render()
     for k8s in K8S_RANGE:
         validate(default, f"chart (defaults, every GPU stack)", k8s=k8s)
-    pod = one([x for x in yaml.safe_load_all(default) if x], "DaemonSet")["spec"]["template"]["spec"]
+
+    def pods(text):
+        return [d["spec"]["template"]["spec"] for d in by_kind([x for x in yaml.safe_load_all(text) if x], "DaemonSet")]
+
+    def landing(ps, node):
+        """The agent pod specs that land on `node` (one DaemonSet per node at most)."""
+        return [p for p in ps if schedulable(p, node) is None]
+
+    ps = pods(default)
     for name, node in STACKS.items():
-        why = schedulable(pod, node)
-        check(why is None, f"default install, {name}: the agent is not scheduled on the GPU node ({why})")
-        check(device_access(pod, node), f"default install, {name}: the agent does not get the GPUs")
-    check(schedulable(pod, CPU_NODE) == "node affinity", "default install: the agent is scheduled on a CPU node")
-    presets = {"gpu-operator": ["gpu-operator"], "hami": ["hami"],
+        on = landing(ps, node)
+        check(len(on) == 1, f"default install, {name}: {len(on)} agent DaemonSets scheduled on the GPU node "
+                            f"({[schedulable(p, node) for p in ps]})")
+        check(all(device_access(p, node) for p in on), f"default install, {name}: the agent does not get the GPUs "
+                                                       f"(runtimeClassName {[p.get('runtimeClassName') for p in on]})")
+    check(not landing(ps, CPU_NODE), "default install: the agent is scheduled on a CPU node")
+    # The model catches the old default: the node's default runtime on a CDI-default
+    # operator node leaves the agent without the driver.
+    p = pods(render("agent.deviceAccess=defaultRuntime"))
+    check(len(p) == 1 and not device_access(p[0], STACKS["gpu-operator v25.10+ (CDI default)"]),
+          "agent.deviceAccess=defaultRuntime: the model says it reaches the GPUs on a CDI-default GPU operator node")
+    # CDI: the operator's nvidia-cdi RuntimeClass, on every GPU node, where it exists.
+    cdi_text = render("agent.deviceAccess=cdi")
+    validate(cdi_text, "chart (agent.deviceAccess=cdi)", k8s=K8S_RANGE[1])
+    p = pods(cdi_text)
+    check(len(p) == 1 and p[0].get("runtimeClassName") == "nvidia-cdi"
+          and device_access(p[0], STACKS["gpu-operator v25.10+ (CDI default)"]) and not device_access(p[0], STACKS["gpu-operator"]),
+          "agent.deviceAccess=cdi: RuntimeClass nvidia-cdi, the GPUs where it exists and only there")
+    presets = {"gpu-operator": ["gpu-operator", "gpu-operator v25.10+ (CDI default)"], "hami": ["hami"],
                # The GPU operator deploys Node Feature Discovery too: its nodes carry the label.
-               "device-plugin": ["gpu-operator", "device-plugin (Node Feature Discovery)", "device-plugin (labelled as the README says)"]}
+               "device-plugin": ["gpu-operator", "gpu-operator v25.10+ (CDI default)", "device-plugin (Node Feature Discovery)",
+                                 "device-plugin (labelled as the README says)"]}
     for preset, stacks in presets.items():
         text = render(f"agent.gpuNodes={preset}")
         validate(text, f"chart (agent.gpuNodes={preset})", k8s=K8S_RANGE[1])
-        p = one([x for x in yaml.safe_load_all(text) if x], "DaemonSet")["spec"]["template"]["spec"]
+        ps = pods(text)
         for name, node in STACKS.items():
-            got = schedulable(p, node) is None
-            check(got == (name in stacks), f"agent.gpuNodes={preset} on {name}: {'scheduled' if got else 'not scheduled'}")
-        check(schedulable(p, CPU_NODE) is not None, f"agent.gpuNodes={preset}: scheduled on a CPU node")
+            on = landing(ps, node)
+            check(len(on) == (name in stacks), f"agent.gpuNodes={preset} on {name}: {len(on)} agents scheduled")
+            check(all(device_access(p, node) for p in on), f"agent.gpuNodes={preset} on {name}: the agent does not get the GPUs")
+        check(not landing(ps, CPU_NODE), f"agent.gpuNodes={preset}: scheduled on a CPU node")
     # RuntimeClass mode: where the class exists only.
-    p = one([x for x in yaml.safe_load_all(render("agent.deviceAccess=runtimeClass")) if x], "DaemonSet")["spec"]["template"]["spec"]
-    check(device_access(p, STACKS["gpu-operator"]) and not device_access(p, STACKS["hami"]),
+    p = pods(render("agent.deviceAccess=runtimeClass"))
+    check(len(p) == 1 and device_access(p[0], STACKS["gpu-operator"]) and not device_access(p[0], STACKS["hami"]),
           "agent.deviceAccess=runtimeClass: the GPUs where RuntimeClass nvidia exists, and only there")
     # custom: the user's selector alone; their own nodeAffinity replaces the preset's.
     p = one([x for x in yaml.safe_load_all(render("agent.gpuNodes=custom", "agent.nodeSelector.accelerator=nvidia")) if x], "DaemonSet")["spec"]["template"]["spec"]
@@ -664,13 +693,13 @@ def stack_checks():
           f"agent.gpuNodes=custom with a nodeSelector: {p.get('nodeSelector')}, {p.get('affinity')}")
     aff = {"agent": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}}}}
-    p = one([x for x in yaml.safe_load_all(chart.render(aff)) if x], "DaemonSet")["spec"]["template"]["spec"]
+    p = one([x for x in yaml.safe_load_all(chart.render({**aff, "agent": {**aff["agent"], "deviceAccess": "defaultRuntime"}})) if x], "DaemonSet")["spec"]["template"]["spec"]
     check(p["affinity"]["nodeAffinity"] == aff["agent"]["affinity"]["nodeAffinity"] and p["affinity"]["podAntiAffinity"],
           f"agent.affinity's nodeAffinity replaces the preset's, the one-release-per-node rule stays: {p['affinity']}")
     # Two releases: the second release's agent stays off a node where the first one runs
     # (one state directory, one set of GPUs), its own rolling update is not blocked.
-    a = one([x for x in yaml.safe_load_all(render(name="team-a")) if x], "DaemonSet")["spec"]["template"]
-    b = one([x for x in yaml.safe_load_all(render(name="team-b")) if x], "DaemonSet")["spec"]["template"]
+    a = one([x for x in yaml.safe_load_all(render(name="team-a")) if x], "DaemonSet", "-operator")["spec"]["template"]
+    b = one([x for x in yaml.safe_load_all(render(name="team-b")) if x], "DaemonSet", "-operator")["spec"]["template"]
     node = STACKS["gpu-operator"]
     check(schedulable(b["spec"], node, running=[a["metadata"]["labels"]]) == "pod anti-affinity",
           "two releases: the second release's agent is scheduled beside the first's (they would share the state directory and the GPUs)")
@@ -680,12 +709,12 @@ def stack_checks():
                        "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
                        "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}]}}
     docs = validate(chart.render(extra), "chart (extraEnv, extraVolumes)")
-    p = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    p = by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
     c = p["containers"][0]
     check({"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"] and {"name": "ca", "configMap": {"name": "corp-ca"}} in p["volumes"]
           and {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in c["volumeMounts"], "agent.extraEnv, extraVolumes, extraVolumeMounts")
     print(f"ok  GPU stacks: a default install schedules the agent with the GPUs on {len(STACKS)} kinds of GPU node and not on a CPU node; "
-          f"presets {sorted(presets)}, custom, RuntimeClass mode, two releases, extraEnv/extraVolumes; validated at Kubernetes {' and '.join(K8S_RANGE)}")
+          f"presets {sorted(presets)}, custom, RuntimeClass and CDI modes, two releases, extraEnv/extraVolumes; validated at Kubernetes {' and '.join(K8S_RANGE)}")
 
 
 def composition_checks():
@@ -698,9 +727,9 @@ def composition_checks():
               for c in d["spec"]["template"]["spec"]["containers"] + d["spec"]["template"]["spec"].get("initContainers", [])}
     check(images == {"mirror.example.com/gpu-coloc/coloc-agent:0.1.0", "mirror.example.com/gpu-coloc/coloc-webhook:0.1.0"}, f"global.imageRegistry: {images}")
     d = [x for x in yaml.safe_load_all(render()) if x]
-    check(one(d, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/gpu-coloc/coloc-agent:0.1.0", "default image")
+    check(all(ds["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/gpu-coloc/coloc-agent:0.1.0" for ds in by_kind(d, "DaemonSet")), "default image")
     local = [x for x in yaml.safe_load_all(render("image.registry=localhost", "image.pullPolicy=Never")) if x]
-    c = one(local, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    c = by_kind(local, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]
     check(c["image"] == "localhost/gpu-coloc/coloc-agent:0.1.0" and c["imagePullPolicy"] == "Never", f"local images: {c['image']}")
     tol = [{"operator": "Exists"}]
     vals = {"webhook": {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}, "tolerations": tol, "priorityClassName": "system-cluster-critical",
@@ -1736,8 +1765,8 @@ def main():
     table = set(re.findall(r"^\| capability `([A-Z_]+)`", guide, flags=re.M))
     granted = set()
     for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",), ("agent.driverLock=true",)):
-        ds = one([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")
-        granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
+        for ds in by_kind([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet"):
+            granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
     check(table == granted, f"docs/install.md's privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")
 
     if failures:
