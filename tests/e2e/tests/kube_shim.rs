@@ -6,7 +6,9 @@
 //! environment as the pod spec gives it, its paths resolved through the pod's volumes
 //! (`hostPath` plus `subPathExpr: $(COLOC_POD_UID)`), in a kubelet-style cgroup of the pod,
 //! and listed by the fake API server the agent watches. The agent must see the online
-//! pod's doorbell in its own directory and hold the offline pod at its gate.
+//! pod's doorbell in its own directory and hold the offline pod at its gate. A third pod,
+//! offline by the same label but opted out (`gpu-coloc.dev/shim: disabled`), runs without
+//! the shim, and the agent's coverage says so, per process and as a metric.
 
 use coloc_e2e::fakeapi::FakeApi;
 use coloc_e2e::*;
@@ -18,6 +20,7 @@ use std::time::Duration;
 
 const OFF_UID: &str = "5b1f0c2e-7a43-4d6b-9e21-0c3d4e5f6a7b";
 const ON_UID: &str = "5b1f0c2e-7a43-4d6b-9e21-0c3d4e5f6a7c";
+const OUT_UID: &str = "5b1f0c2e-7a43-4d6b-9e21-0c3d4e5f6a7d";
 
 /// The pod as a user writes it (what the API server sends the webhook at CREATE).
 fn user_pod(name: &str, label: Option<(&str, &str)>) -> Value {
@@ -151,6 +154,7 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
             .unwrap_or_else(|why1| panic!("a cgroup hierarchy is required: v2: {why}; v1: {why1}"))
     });
     let off_cg = kube_cgroup(&base, OFF_UID, "cri-containerd-0ff.scope");
+    let out_cg = kube_cgroup(&base, OUT_UID, "cri-containerd-00d.scope");
     let on_cg = kube_cgroup(&base, ON_UID, "cri-containerd-0a.scope");
 
     let sim = Sim::start(1, &["--sample-period-ms", "100"]);
@@ -196,6 +200,13 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
         &user_pod("trainer", Some(("koordinator.sh/qosClass", "BE"))),
     );
     let online = through_the_webhook(&dir, &settings, &user_pod("server", None));
+    let mut opted = user_pod("batch", Some(("koordinator.sh/qosClass", "BE")));
+    opted["metadata"]["annotations"] = json!({"gpu-coloc.dev/shim": "disabled"});
+    let opted = through_the_webhook(&dir, &settings, &opted);
+    assert!(
+        opted["spec"]["containers"][0]["env"].is_null(),
+        "opted out, yet injected: {opted}"
+    );
     for (p, class) in [(&offline, "offline"), (&online, "online")] {
         assert_eq!(
             p["metadata"]["annotations"]["gpu-coloc.dev/shim-injected"], "main",
@@ -213,7 +224,7 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
     }
 
     // Stored by the API server, scheduled to node1, running.
-    for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID)] {
+    for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID), (&opted, OUT_UID)] {
         let mut stored = p.clone();
         stored["metadata"]["uid"] = json!(uid);
         stored["metadata"]["resourceVersion"] = json!("1");
@@ -251,19 +262,42 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
             "16",
         ],
     );
+    let _out = spawn(
+        &sim,
+        &out_cg,
+        &HashMap::new(),
+        &["offline", "--gpu", "0", "--step-ms", "2"],
+    );
+    // Coverage: the gated pod's process has its page; the opted-out one has none, and
+    // says why.
+    let shim_of = |owner: &str| -> Option<String> {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["owner"] == owner && p["class"] == "offline")
+            .and_then(|p| p["shim"].as_str().map(String::from))
+    };
     wait_for(
-        "the agent sees the offline pod",
+        "the agent's coverage of both offline pods",
         Duration::from_secs(5),
         || {
-            agent.state()["gpus"][0]["processes"]
-                .as_array()
-                .is_some_and(|p| {
-                    p.iter()
-                        .any(|p| p["owner"] == "ml/trainer" && p["class"] == "offline")
-                })
+            shim_of("ml/trainer").as_deref() == Some("page")
+                && shim_of("ml/batch").as_deref() == Some("opted_out")
         },
     )
-    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    .unwrap_or_else(|e| panic!("{e}: {}\n{}", agent.state(), agent.log_text()));
+    wait_for("the coverage metric", Duration::from_secs(5), || {
+        let m = agent.metrics();
+        let n = |shim: &str| {
+            metric(
+                &m,
+                "coloc_shim_coverage_processes",
+                &["class=\"offline\"", &format!("shim=\"{shim}\"")],
+            )
+        };
+        n("opted_out") == 1.0 && n("page") == 1.0 && n("not_injected") == 0.0
+    })
+    .unwrap_or_else(|e| panic!("{e}: {}", agent.metrics()));
     let out = dir.join("online.json");
     let mut on = spawn(
         &sim,
@@ -310,10 +344,11 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
     drop(off);
     drop(agent);
-    drop((off_cg, on_cg));
+    drop((off_cg, on_cg, out_cg));
     for d in [
         format!("kubepods/besteffort/pod{OFF_UID}"),
         format!("kubepods/besteffort/pod{ON_UID}"),
+        format!("kubepods/besteffort/pod{OUT_UID}"),
         "kubepods/besteffort".into(),
         "kubepods".into(),
     ] {

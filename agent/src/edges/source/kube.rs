@@ -28,7 +28,7 @@
 //! May touch: the Kubernetes API (get/list/watch pods).
 
 use crate::edges::procfs::ProcInfo;
-use crate::edges::source::{Classified, PodSource};
+use crate::edges::source::{Classified, PodSource, ShimNote};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
@@ -58,6 +58,8 @@ pub struct PodEntry {
     pub share: Share,
     /// `gpu-coloc.dev/checkpoint`: `"true"` or `"false"`; anything else says nothing.
     pub checkpoint: Option<bool>,
+    /// What the webhook wrote about the CUDA shim (reported, never decides).
+    pub shim: ShimNote,
 }
 
 impl PodEntry {
@@ -129,6 +131,9 @@ impl PodEntry {
                 owner,
                 class: c.class,
                 share,
+                shim: ShimNote::from_annotations(|k| {
+                    ann.and_then(|a| a.get(k)).map(String::as_str)
+                }),
                 checkpoint: ann
                     .and_then(|a| a.get(CHECKPOINT_ANNOTATION))
                     .and_then(|v| match v.trim() {
@@ -337,6 +342,7 @@ impl PodSource for KubeSource {
                 // The container's own cgroup: every process in it belongs to this pod.
                 freeze_cgroup: Some(path),
                 checkpoint: e.checkpoint,
+                shim: Some(e.shim),
             },
             None => Classified {
                 owner: format!("pod-uid:{}", pc.uid),
