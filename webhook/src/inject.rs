@@ -526,7 +526,12 @@ pub fn inject(pod: &Value, s: &ShimSettings, map: &qos_core::PriorityMapping) ->
     let Some((gpus, class)) = gpu_containers(pod, map) else {
         return Injection::default();
     };
-    let mut warnings = Vec::new();
+    // What the classifier had to say (an unknown value, vocabularies that disagree).
+    let mut warnings: Vec<String> = qos_core::classify_pod_with(&translate::pod_facts(pod), map)
+        .warning
+        .map(|w| format!("gpu-coloc: {w}"))
+        .into_iter()
+        .collect();
     let volumes = [
         (SHIM_VOLUME, s.library_dir().to_string()),
         (DOORBELL_VOLUME, format!("{}/pods", s.doorbell_dir)),

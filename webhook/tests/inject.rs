@@ -897,5 +897,10 @@ async fn system_pods_claims_and_disagreements() {
     let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
     assert_injected(&injected, "train", "online");
     assert_untouched(&pod, &injected, "sidecar");
+    let warned = r["response"]["warnings"].to_string();
+    assert!(
+        warned.contains("koordinator.sh/qosClass=BE") && warned.contains("qos_level=shared_cores"),
+        "the warning names both: {r}"
+    );
     assert!(r["response"]["patch"].is_string());
 }
