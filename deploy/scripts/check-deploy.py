@@ -471,7 +471,9 @@ def driver_checks():
         got = {k: settings[k] for k in MEMORY_KEYS if k in settings}
         check(got == (memory or {}), f"{label}: memory preemption settings {got}, expected {memory or {}}")
         dss = by_kind(docs, "DaemonSet")
-        check(len(dss) == max(1, len(libs)), f"{label}: {len(dss)} DaemonSets")
+        # deviceAccess=auto (the default): the default-runtime and the GPU operator's one.
+        auto = not any(s.startswith("agent.deviceAccess=") for s in sets)
+        check(len(dss) == (2 if auto else max(1, len(libs))), f"{label}: {len(dss)} DaemonSets")
         for ds in dss:
             pod = ds["spec"]["template"]["spec"]
             c = pod["containers"][0]
@@ -923,7 +925,7 @@ def inject_condition_checks(docs, env, pod, lim):
         ("nvidia.com/gpu in an init container", pod({"name": "c", "image": "x"}, init=[lim("nvidia.com/gpu", "1")]), True),
         ("HAMi gpucores", pod(lim("nvidia.com/gpucores", "30")), True),
         ("HAMi gpumem", pod(lim("nvidia.com/gpumem", "4000")), True),
-        ("MIG", pod(lim("nvidia.com/mig-1g.10gb", "1")), True),
+        ("MIG (not managed)", pod(lim("nvidia.com/mig-1g.10gb", "1")), False),
         ("mgpu", pod(lim("vke.volcengine.com/reclaimed-mgpu-core", "30")), True),
         ("amd.com/gpu", pod(lim("amd.com/gpu", "1")), False),
         ("resource claim", pod(claim), False),
@@ -981,10 +983,10 @@ def injection_checks(docs, label):
                     json.dump(req["object"], f)
                 pod = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
                 name = os.path.basename(path)
-                # Every GPU resource (mGPU's, nvidia.com/gpu, HAMi's, MIG): the webhook
+                # Every GPU resource (mGPU's, nvidia.com/gpu, HAMi's): the webhook
                 # classifies the pod, and no admitted fixture is a system pod.
                 gpu = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/gpucores", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage")
-                asks = any((k.startswith("vke.volcengine.com/") or k in gpu or k.startswith("nvidia.com/mig-"))
+                asks = any((k.startswith("vke.volcengine.com/") or k in gpu)
                            for l in ("containers", "initContainers")
                            for c in req["object"]["spec"].get(l, []) for part in ("limits", "requests")
                            for k in c.get("resources", {}).get(part, {}))

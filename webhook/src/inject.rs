@@ -4,7 +4,7 @@
 //! the list, CREATE only, so a namespace can opt out by label alone). For a pod that
 //! `qos_core::classify_pod_with` calls online or offline (every vocabulary, with the
 //! `[classes]` PriorityClass mapping), each container that asks for a GPU
-//! ([`is_gpu_resource`]: `nvidia.com/gpu`, MIG, HAMi's, mGPU's; or a DRA resource claim in
+//! ([`is_gpu_resource`]: `nvidia.com/gpu`, HAMi's, mGPU's; or a DRA resource claim in
 //! a pod annotated `gpu-coloc.dev/shim: enabled`) gets:
 //!
 //! | what | online | offline |
@@ -186,9 +186,9 @@ struct Gpu {
 
 /// Resources that give a container an NVIDIA GPU (or a share of one): the device
 /// plugin's `nvidia.com/gpu` (and its renamed shared replicas `nvidia.com/gpu.shared`),
-/// MIG slices `nvidia.com/mig-*`, HAMi's `nvidia.com/gpucores`, `nvidia.com/gpumem`,
-/// `nvidia.com/gpumem-percentage`, and mGPU's `vke.volcengine.com/mgpu-core`,
-/// `reclaimed-mgpu-core`.
+/// HAMi's `nvidia.com/gpucores`, `nvidia.com/gpumem`, `nvidia.com/gpumem-percentage`, and
+/// mGPU's `vke.volcengine.com/mgpu-core`, `reclaimed-mgpu-core`. Not MIG slices
+/// (`nvidia.com/mig-*`): the agent does not manage MIG.
 pub fn is_gpu_resource(name: &str) -> bool {
     matches!(
         name,
@@ -199,7 +199,7 @@ pub fn is_gpu_resource(name: &str) -> bool {
             | "nvidia.com/gpumem-percentage"
             | qos_core::resources::MGPU_CORE
             | qos_core::resources::RECLAIMED_MGPU_CORE
-    ) || name.starts_with("nvidia.com/mig-")
+    )
 }
 
 /// Pod annotation value of [`OPT_OUT`] that opts a pod in where the webhook cannot see

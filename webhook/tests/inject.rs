@@ -794,7 +794,6 @@ async fn every_vocabulary_and_gpu_resource_gets_the_shim_on_every_backend() {
                 "hami",
                 json!({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30", "nvidia.com/gpumem": "4000"}),
             ),
-            ("mig", json!({"nvidia.com/mig-1g.10gb": "1"})),
             ("mgpu", mgpu),
         ]
     };
@@ -871,6 +870,12 @@ async fn system_pods_claims_and_disagreements() {
     });
     let (r, _) = review(&app, "/inject", &envelope, &pod).await;
     assert!(r["response"]["patch"].is_null(), "no GPU: {r}");
+    // MIG slices: the agent does not manage MIG.
+    let (envelope, pod) = classified_pod(&json!({"nvidia.com/mig-1g.10gb": "1"}), &|p| {
+        p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("BE")
+    });
+    let (r, _) = review(&app, "/inject", &envelope, &pod).await;
+    assert!(r["response"]["patch"].is_null(), "MIG: {r}");
     let claim = |p: &mut Value| {
         p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("BE");
         p["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": "one-gpu"}]);

@@ -155,7 +155,7 @@ UPDATE, the old pod's record counts too (removing it is refused). CEL, Kubernete
 
 {{/*
 Which pods /inject sees at CREATE: those that ask for a GPU resource (nvidia.com/gpu or its
-shared replicas, MIG slices, HAMi's gpucores/gpumem, mGPU), carry the mGPU record, or name
+shared replicas, HAMi's gpucores/gpumem, mGPU; not MIG, which the agent does not manage), carry the mGPU record, or name
 a DRA resource claim with the annotation gpu-coloc.dev/shim: enabled. The webhook itself
 decides the class. CEL, Kubernetes >= 1.30.
 */}}
@@ -163,8 +163,8 @@ decides the class. CEL, Kubernetes >= 1.30.
 {{- include "gpu-coloc.asksForMgpu" "object" }}
 {{- range $list := list "containers" "initContainers" }} ||
 (has(object.spec.{{ $list }}) && object.spec.{{ $list }}.exists(c, has(c.resources) && (
-(has(c.resources.limits) && c.resources.limits.exists(k, k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared', 'nvidia.com/gpucores', 'nvidia.com/gpumem', 'nvidia.com/gpumem-percentage'] || k.startsWith('nvidia.com/mig-'))) ||
-(has(c.resources.requests) && c.resources.requests.exists(k, k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared', 'nvidia.com/gpucores', 'nvidia.com/gpumem', 'nvidia.com/gpumem-percentage'] || k.startsWith('nvidia.com/mig-'))) ||
+(has(c.resources.limits) && c.resources.limits.exists(k, k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared', 'nvidia.com/gpucores', 'nvidia.com/gpumem', 'nvidia.com/gpumem-percentage'])) ||
+(has(c.resources.requests) && c.resources.requests.exists(k, k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared', 'nvidia.com/gpucores', 'nvidia.com/gpumem', 'nvidia.com/gpumem-percentage'])) ||
 (has(c.resources.claims) && size(c.resources.claims) > 0 && has(object.metadata.annotations) && 'gpu-coloc.dev/shim' in object.metadata.annotations && object.metadata.annotations['gpu-coloc.dev/shim'] == 'enabled'))))
 {{- end }}
 {{- end }}
