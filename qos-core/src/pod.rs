@@ -455,9 +455,18 @@ mod tests {
                 Some("system_cores"),
             ] {
                 for koord in [None, Some("LS"), Some("LSE"), Some("SYSTEM")] {
-                    let c = classify_pod(&facts(qos, koord, *pc, res));
-                    assert_eq!(c.class, Class::Offline, "{res:?} {pc:?} {qos:?} {koord:?}");
-                    assert!(c.evidence.immutable(), "{:?}", c.evidence);
+                    for ours in [None, Some("online"), Some("system")] {
+                        let c = classify_pod(&PodFacts {
+                            coloc_class: ours,
+                            ..facts(qos, koord, *pc, res)
+                        });
+                        assert_eq!(
+                            c.class,
+                            Class::Offline,
+                            "{res:?} {pc:?} {qos:?} {koord:?} {ours:?}"
+                        );
+                        assert!(c.evidence.immutable(), "{:?}", c.evidence);
+                    }
                 }
             }
         }

@@ -384,3 +384,58 @@ impl PodSource for KubeSource {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// `--offline-priority-class` and `--offline-priority-below` read what a pod cannot
+    /// change (its class name, and the priority the API server set from it), whatever its
+    /// annotations say; the webhook's notes on the shim are read, never decide.
+    #[test]
+    fn the_priority_mapping_and_the_shim_notes() {
+        let map = PriorityMapping {
+            offline_classes: vec!["batch-low".into()],
+            offline_below: Some(1000),
+        };
+        let p = |pc: &str, prio: i32, ann: serde_json::Value| {
+            pod(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ml", "uid": "u", "annotations": ann},
+                "spec": {"containers": [{"name": "main"}], "priorityClassName": pc, "priority": prio}
+            }))
+        };
+        let online = serde_json::json!({"katalyst.kubewharf.io/qos_level": "shared_cores",
+            "gpu-coloc.dev/class": "online"});
+        let (e, _) = PodEntry::from_pod(&p("batch-low", 5000, online.clone()), &map);
+        assert_eq!(e.class, Class::Offline);
+        let (e, _) = PodEntry::from_pod(&p("cheap", 10, online.clone()), &map);
+        assert_eq!(e.class, Class::Offline);
+        let (e, _) =
+            PodEntry::from_pod(&p("cheap", 10, online.clone()), &PriorityMapping::default());
+        assert_eq!(e.class, Class::Online, "without the flags");
+        let (e, _) = PodEntry::from_pod(&p("prod", 100000, online), &map);
+        assert_eq!((e.class, e.shim), (Class::Online, ShimNote::NotInjected));
+        let (e, _) = PodEntry::from_pod(
+            &p(
+                "prod",
+                100000,
+                serde_json::json!({"gpu-coloc.dev/shim-injected": "main"}),
+            ),
+            &map,
+        );
+        assert_eq!(e.shim, ShimNote::Injected);
+        let (e, _) = PodEntry::from_pod(
+            &p(
+                "prod",
+                100000,
+                serde_json::json!({"gpu-coloc.dev/shim": "disabled"}),
+            ),
+            &map,
+        );
+        assert_eq!(e.shim, ShimNote::OptedOut);
+    }
+}
