@@ -124,7 +124,11 @@ fn run(args: RunArgs) -> Result<()> {
                 .context("Kubernetes client (in-cluster service account, or KUBECONFIG)")?;
             let _guard = rt.enter();
             info!(node, "Watching this node's pods");
-            Arc::new(KubeSource::start(client, node))
+            let mapping = qos_core::PriorityMapping {
+                offline_classes: args.offline_priority_class.clone(),
+                offline_below: args.offline_priority_below,
+            };
+            Arc::new(KubeSource::start_with(client, node, mapping))
         }
     };
     let sampler = gpu::Nvml::open(&args.nvml_lib, &args.gpus)?;

@@ -212,6 +212,7 @@ fn describe() {
         "coloc_offline_suspended_processes",
         "Offline processes on the GPU currently suspended."
     );
+    describe_gauge!("coloc_shim_coverage_processes", "GPU processes of online and offline pods on this node by the CUDA shim: shim=page when its doorbell page is seen, else why not (not_injected: the webhook did not see the pod; refused: it left a container out; opted_out: the pod asked; not_loaded: injected, no page).");
     describe_gauge!("coloc_invisible_gpu_processes", "GPU processes the driver has listed for over 1 s that are not visible in /proc (agent outside the host PID namespace?).");
     describe_counter!(
         "coloc_suspensions_total",

@@ -88,6 +88,10 @@ PANELS = [
     ("GPU memory moved by checkpoints and restores", "binBps", 12, 8, [
         q(f'sum by (node, op) (rate(coloc_checkpoint_bytes_total{{{SEL}}}[{R}])) or on () vector(0)', "{{op}} {{node}}"),
     ], "Device memory moved to host memory (checkpoint) and back (restore), per node. Steady traffic both ways means offline work is evicted and brought back over and over: raise --restore-after or the reserve."),
+    ("GPU processes without the CUDA shim, by class and why", "short", 12, 8, [
+        q(f'sum by (node, class, shim) (coloc_shim_coverage_processes{{{SEL}, shim!="page"}})', "{{node}} {{class}} {{shim}}"),
+        q(f'sum by (node, class) (coloc_shim_coverage_processes{{{SEL}, shim="page"}})', "{{node}} {{class}} with the shim"),
+    ], "GPU processes of online and offline pods on each node, by whether the CUDA shim's doorbell page is seen. Without it their work is seen through NVML only (later; offline held by its fallback, not its gate). not_injected: the webhook did not see the pod (namespace opted out or enforcing Pod Security baseline, webhook down, a GPU resource it does not know); refused: it left a container out (gpu-coloc.dev/shim-skipped says why); opted_out: gpu-coloc.dev/shim: disabled; not_loaded: injected, but the process has no page (a static binary, LD_PRELOAD replaced at start, no CUDA launch yet)."),
     ("Agent health", "s", 12, 8, [
         q(f'max by (node) (rate(coloc_loop_lag_seconds_sum{{{SEL}}}[{R}]) / rate(coloc_loop_lag_seconds_count{{{SEL}}}[{R}]))', "loop lag {{node}}"),
         q(f'histogram_quantile(0.99, sum by (le, function) (rate(coloc_nvml_call_duration_seconds_bucket{{{SEL}}}[{R}])))', "NVML p99 {{function}}"),

@@ -95,7 +95,7 @@ def helm_checks():
         "agent.hostNvml.amd64=/usr/lib64": "amd64",
         "agent.hostNvml.x86=/usr/lib/libnvidia-ml.so.1": "x86",
         "agent.deviceAccess=hostNvml,agent.hostNvml=null": "hostNvml",
-        "agent.deviceAccess=cdi": "deviceAccess",
+        "agent.deviceAccess=nvidia": "deviceAccess",
         "agent.gpuNodes=nvidia": "gpuNodes",
         "agent.gpuNodes=custom": "agent.gpuNodes=custom needs agent.nodeSelector",
         "agent.settings.COLOC_BOGUS=1": "COLOC_BOGUS",
@@ -471,7 +471,9 @@ def driver_checks():
         got = {k: settings[k] for k in MEMORY_KEYS if k in settings}
         check(got == (memory or {}), f"{label}: memory preemption settings {got}, expected {memory or {}}")
         dss = by_kind(docs, "DaemonSet")
-        check(len(dss) == max(1, len(libs)), f"{label}: {len(dss)} DaemonSets")
+        # deviceAccess=auto (the default): the default-runtime and the GPU operator's one.
+        auto = not any(s.startswith("agent.deviceAccess=") for s in sets)
+        check(len(dss) == (2 if auto else max(1, len(libs))), f"{label}: {len(dss)} DaemonSets")
         for ds in dss:
             pod = ds["spec"]["template"]["spec"]
             c = pod["containers"][0]
@@ -536,7 +538,8 @@ def host_mode_checks():
                 check(not v["path"].startswith(("/usr", "/lib", "/opt")) or v["path"] in libs.values(),
                       f"host NVML, {what}: {ds['metadata']['name']} mounts host {v['path']}")
             if not libs:
-                rc = "agent.deviceAccess=runtimeClass" in sets
+                # auto (the default): the GPU operator's nodes through its RuntimeClass.
+                rc = "agent.deviceAccess=runtimeClass" in sets or ds["metadata"]["name"].endswith("-operator")
                 check(pod.get("runtimeClassName") == ("nvidia" if rc else None) and "COLOC_NVML_LIB" not in env,
                       f"{sets}: runtimeClassName {pod.get('runtimeClassName')}, nothing of the host's driver mounted")
                 continue
@@ -610,16 +613,20 @@ def device_access(pod, node):
 
 
 # Nodes as each stack leaves them (kind-like: one GPU worker each, plus a CPU node). The
-# GPU operator's feature discovery labels nvidia.com/gpu.present=true and its toolkit
-# makes the NVIDIA runtime the default (and adds RuntimeClass nvidia); HAMi's install asks
-# for gpu=on and the NVIDIA runtime as the default; the plain device plugin labels nothing
-# and needs the NVIDIA runtime as the default: with Node Feature Discovery its nodes carry
-# NVIDIA's PCI vendor label, without it the README's one label.
+# GPU operator's feature discovery labels nvidia.com/gpu.present=true; before v25.10 its
+# toolkit makes the NVIDIA runtime the default (and adds RuntimeClass nvidia); from v25.10
+# CDI is the default: the node's default runtime stays runc, and RuntimeClasses nvidia,
+# nvidia-cdi and nvidia-legacy are added. HAMi's install asks for gpu=on and the NVIDIA
+# runtime as the default; the plain device plugin labels nothing and needs the NVIDIA
+# runtime as the default: with Node Feature Discovery its nodes carry NVIDIA's PCI vendor
+# label, without it the README's one label.
 BASE = {"kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}
+OPERATOR_LABELS = {**BASE, "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                   "feature.node.kubernetes.io/pci-10de.present": "true"}
 STACKS = {
-    "gpu-operator": {"labels": {**BASE, "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                                "feature.node.kubernetes.io/pci-10de.present": "true"},
-                     "default_runtime": "nvidia", "runtime_classes": {"nvidia"}},
+    "gpu-operator": {"labels": OPERATOR_LABELS, "default_runtime": "nvidia", "runtime_classes": {"nvidia"}},
+    "gpu-operator v25.10+ (CDI default)": {"labels": OPERATOR_LABELS, "default_runtime": "runc",
+                                           "runtime_classes": {"nvidia", "nvidia-cdi", "nvidia-legacy"}},
     "hami": {"labels": {**BASE, "gpu": "on"}, "default_runtime": "nvidia", "runtime_classes": set(),
              "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
     "device-plugin (Node Feature Discovery)": {"labels": {**BASE, "feature.node.kubernetes.io/pci-10de.present": "true"},
@@ -637,26 +644,50 @@ def stack_checks():
     default = render()
     for k8s in K8S_RANGE:
         validate(default, f"chart (defaults, every GPU stack)", k8s=k8s)
-    pod = one([x for x in yaml.safe_load_all(default) if x], "DaemonSet")["spec"]["template"]["spec"]
+
+    def pods(text):
+        return [d["spec"]["template"]["spec"] for d in by_kind([x for x in yaml.safe_load_all(text) if x], "DaemonSet")]
+
+    def landing(ps, node):
+        """The agent pod specs that land on `node` (one DaemonSet per node at most)."""
+        return [p for p in ps if schedulable(p, node) is None]
+
+    ps = pods(default)
     for name, node in STACKS.items():
-        why = schedulable(pod, node)
-        check(why is None, f"default install, {name}: the agent is not scheduled on the GPU node ({why})")
-        check(device_access(pod, node), f"default install, {name}: the agent does not get the GPUs")
-    check(schedulable(pod, CPU_NODE) == "node affinity", "default install: the agent is scheduled on a CPU node")
-    presets = {"gpu-operator": ["gpu-operator"], "hami": ["hami"],
+        on = landing(ps, node)
+        check(len(on) == 1, f"default install, {name}: {len(on)} agent DaemonSets scheduled on the GPU node "
+                            f"({[schedulable(p, node) for p in ps]})")
+        check(all(device_access(p, node) for p in on), f"default install, {name}: the agent does not get the GPUs "
+                                                       f"(runtimeClassName {[p.get('runtimeClassName') for p in on]})")
+    check(not landing(ps, CPU_NODE), "default install: the agent is scheduled on a CPU node")
+    # The model catches the old default: the node's default runtime on a CDI-default
+    # operator node leaves the agent without the driver.
+    p = pods(render("agent.deviceAccess=defaultRuntime"))
+    check(len(p) == 1 and not device_access(p[0], STACKS["gpu-operator v25.10+ (CDI default)"]),
+          "agent.deviceAccess=defaultRuntime: the model says it reaches the GPUs on a CDI-default GPU operator node")
+    # CDI: the operator's nvidia-cdi RuntimeClass, on every GPU node, where it exists.
+    cdi_text = render("agent.deviceAccess=cdi")
+    validate(cdi_text, "chart (agent.deviceAccess=cdi)", k8s=K8S_RANGE[1])
+    p = pods(cdi_text)
+    check(len(p) == 1 and p[0].get("runtimeClassName") == "nvidia-cdi"
+          and device_access(p[0], STACKS["gpu-operator v25.10+ (CDI default)"]) and not device_access(p[0], STACKS["gpu-operator"]),
+          "agent.deviceAccess=cdi: RuntimeClass nvidia-cdi, the GPUs where it exists and only there")
+    presets = {"gpu-operator": ["gpu-operator", "gpu-operator v25.10+ (CDI default)"], "hami": ["hami"],
                # The GPU operator deploys Node Feature Discovery too: its nodes carry the label.
-               "device-plugin": ["gpu-operator", "device-plugin (Node Feature Discovery)", "device-plugin (labelled as the README says)"]}
+               "device-plugin": ["gpu-operator", "gpu-operator v25.10+ (CDI default)", "device-plugin (Node Feature Discovery)",
+                                 "device-plugin (labelled as the README says)"]}
     for preset, stacks in presets.items():
         text = render(f"agent.gpuNodes={preset}")
         validate(text, f"chart (agent.gpuNodes={preset})", k8s=K8S_RANGE[1])
-        p = one([x for x in yaml.safe_load_all(text) if x], "DaemonSet")["spec"]["template"]["spec"]
+        ps = pods(text)
         for name, node in STACKS.items():
-            got = schedulable(p, node) is None
-            check(got == (name in stacks), f"agent.gpuNodes={preset} on {name}: {'scheduled' if got else 'not scheduled'}")
-        check(schedulable(p, CPU_NODE) is not None, f"agent.gpuNodes={preset}: scheduled on a CPU node")
+            on = landing(ps, node)
+            check(len(on) == (name in stacks), f"agent.gpuNodes={preset} on {name}: {len(on)} agents scheduled")
+            check(all(device_access(p, node) for p in on), f"agent.gpuNodes={preset} on {name}: the agent does not get the GPUs")
+        check(not landing(ps, CPU_NODE), f"agent.gpuNodes={preset}: scheduled on a CPU node")
     # RuntimeClass mode: where the class exists only.
-    p = one([x for x in yaml.safe_load_all(render("agent.deviceAccess=runtimeClass")) if x], "DaemonSet")["spec"]["template"]["spec"]
-    check(device_access(p, STACKS["gpu-operator"]) and not device_access(p, STACKS["hami"]),
+    p = pods(render("agent.deviceAccess=runtimeClass"))
+    check(len(p) == 1 and device_access(p[0], STACKS["gpu-operator"]) and not device_access(p[0], STACKS["hami"]),
           "agent.deviceAccess=runtimeClass: the GPUs where RuntimeClass nvidia exists, and only there")
     # custom: the user's selector alone; their own nodeAffinity replaces the preset's.
     p = one([x for x in yaml.safe_load_all(render("agent.gpuNodes=custom", "agent.nodeSelector.accelerator=nvidia")) if x], "DaemonSet")["spec"]["template"]["spec"]
@@ -664,13 +695,13 @@ def stack_checks():
           f"agent.gpuNodes=custom with a nodeSelector: {p.get('nodeSelector')}, {p.get('affinity')}")
     aff = {"agent": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}}}}
-    p = one([x for x in yaml.safe_load_all(chart.render(aff)) if x], "DaemonSet")["spec"]["template"]["spec"]
+    p = one([x for x in yaml.safe_load_all(chart.render({**aff, "agent": {**aff["agent"], "deviceAccess": "defaultRuntime"}})) if x], "DaemonSet")["spec"]["template"]["spec"]
     check(p["affinity"]["nodeAffinity"] == aff["agent"]["affinity"]["nodeAffinity"] and p["affinity"]["podAntiAffinity"],
           f"agent.affinity's nodeAffinity replaces the preset's, the one-release-per-node rule stays: {p['affinity']}")
     # Two releases: the second release's agent stays off a node where the first one runs
     # (one state directory, one set of GPUs), its own rolling update is not blocked.
-    a = one([x for x in yaml.safe_load_all(render(name="team-a")) if x], "DaemonSet")["spec"]["template"]
-    b = one([x for x in yaml.safe_load_all(render(name="team-b")) if x], "DaemonSet")["spec"]["template"]
+    a = one([x for x in yaml.safe_load_all(render(name="team-a")) if x], "DaemonSet", "-operator")["spec"]["template"]
+    b = one([x for x in yaml.safe_load_all(render(name="team-b")) if x], "DaemonSet", "-operator")["spec"]["template"]
     node = STACKS["gpu-operator"]
     check(schedulable(b["spec"], node, running=[a["metadata"]["labels"]]) == "pod anti-affinity",
           "two releases: the second release's agent is scheduled beside the first's (they would share the state directory and the GPUs)")
@@ -680,12 +711,12 @@ def stack_checks():
                        "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
                        "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}]}}
     docs = validate(chart.render(extra), "chart (extraEnv, extraVolumes)")
-    p = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    p = by_kind(docs, "DaemonSet")[0]["spec"]["template"]["spec"]
     c = p["containers"][0]
     check({"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"] and {"name": "ca", "configMap": {"name": "corp-ca"}} in p["volumes"]
           and {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in c["volumeMounts"], "agent.extraEnv, extraVolumes, extraVolumeMounts")
     print(f"ok  GPU stacks: a default install schedules the agent with the GPUs on {len(STACKS)} kinds of GPU node and not on a CPU node; "
-          f"presets {sorted(presets)}, custom, RuntimeClass mode, two releases, extraEnv/extraVolumes; validated at Kubernetes {' and '.join(K8S_RANGE)}")
+          f"presets {sorted(presets)}, custom, RuntimeClass and CDI modes, two releases, extraEnv/extraVolumes; validated at Kubernetes {' and '.join(K8S_RANGE)}")
 
 
 def composition_checks():
@@ -698,9 +729,9 @@ def composition_checks():
               for c in d["spec"]["template"]["spec"]["containers"] + d["spec"]["template"]["spec"].get("initContainers", [])}
     check(images == {"mirror.example.com/gpu-coloc/coloc-agent:0.1.0", "mirror.example.com/gpu-coloc/coloc-webhook:0.1.0"}, f"global.imageRegistry: {images}")
     d = [x for x in yaml.safe_load_all(render()) if x]
-    check(one(d, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/gpu-coloc/coloc-agent:0.1.0", "default image")
+    check(all(ds["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/gpu-coloc/coloc-agent:0.1.0" for ds in by_kind(d, "DaemonSet")), "default image")
     local = [x for x in yaml.safe_load_all(render("image.registry=localhost", "image.pullPolicy=Never")) if x]
-    c = one(local, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    c = by_kind(local, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]
     check(c["image"] == "localhost/gpu-coloc/coloc-agent:0.1.0" and c["imagePullPolicy"] == "Never", f"local images: {c['image']}")
     tol = [{"operator": "Exists"}]
     vals = {"webhook": {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}, "tolerations": tol, "priorityClassName": "system-cluster-critical",
@@ -734,6 +765,7 @@ def settings_checks():
     d = [x for x in yaml.safe_load_all(render("agent.deviceAccess=hostNvml", "shim.enabled=false")) if x] + \
         [x for x in yaml.safe_load_all(render()) if x] + \
         [x for x in yaml.safe_load_all(render("shim.learnedRelease=true")) if x] + \
+        [x for x in yaml.safe_load_all(chart.render({"classes": {"offlinePriorityClasses": ["batch-low"], "offlinePriorityBelow": 1000}})) if x] + \
         [x for x in yaml.safe_load_all(render("agent.driverLock=true", "memoryPreemption.enabled=true", "agent.deviceAccess=hostNvml")) if x]
     set_by_chart = {k for cm in by_kind(d, "ConfigMap") if cm["metadata"]["name"].endswith("-agent") for k in cm["data"]}
     set_by_chart |= {e["name"] for ds in by_kind(d, "DaemonSet") for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -741,6 +773,16 @@ def settings_checks():
           f"`coloc-agent run --help` less what the chart sets")
     check(len(flags) > 30 and set_by_chart & flags and not allowed & set_by_chart, f"agent.settings: {len(flags)} flags, {sorted(set_by_chart & flags)} set by the chart")
     print(f"ok  agent.settings: the {len(allowed)} flags of coloc-agent run that no other value sets (its --help), nothing else")
+    # The PriorityClass mapping reaches the webhook and the agent alike.
+    c = [x for x in yaml.safe_load_all(chart.render({"classes": {"offlinePriorityClasses": ["batch-low", "spot"], "offlinePriorityBelow": -5}})) if x]
+    wh = tomllib.loads(one(c, "ConfigMap", "-webhook")["data"]["config.toml"])
+    ag = one(c, "ConfigMap", "-agent")["data"]
+    check(wh.get("classes") == {"offline_priority_classes": ["batch-low", "spot"], "offline_priority_below": -5}
+          and ag.get("COLOC_OFFLINE_PRIORITY_CLASS") == "batch-low,spot" and ag.get("COLOC_OFFLINE_PRIORITY_BELOW") == "-5",
+          f"classes: the webhook's [classes] {wh.get('classes')} and the agent's {ag.get('COLOC_OFFLINE_PRIORITY_CLASS')!r}/{ag.get('COLOC_OFFLINE_PRIORITY_BELOW')!r} agree")
+    d = [x for x in yaml.safe_load_all(render()) if x]
+    check("classes" not in tomllib.loads(one(d, "ConfigMap", "-webhook")["data"]["config.toml"]), "classes: none by default")
+    print("ok  classes: the PriorityClass mapping is given to the webhook and the agent alike")
 
 
 # --- The webhooks' routing: namespace selectors and matchConditions ------------------
@@ -828,7 +870,7 @@ def match_condition_checks(docs):
     import celpy
     env = celpy.Environment()
     exprs = {w["matchConditions"][0]["expression"] for k in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
-             for c in by_kind(docs, k) for w in c["webhooks"] if w["clientConfig"]["service"]["path"] != "/validate-mounts"}
+             for c in by_kind(docs, k) for w in c["webhooks"] if w["clientConfig"]["service"]["path"] not in ("/validate-mounts", "/inject")}
     mounts_cel_checks(env)
     check(len(exprs) == 1, f"every webhook has the same matchCondition ({len(exprs)} differ)")
     prg = env.program(env.compile(exprs.pop()))
@@ -844,7 +886,7 @@ def match_condition_checks(docs):
         if req["operation"] not in ("CREATE", "UPDATE") or not req.get("object"):
             continue
         base = os.path.basename(path)
-        expected = base != "plain-pod.json"
+        expected = base != "plain-pod.json" and not base.startswith("nvidia-gpu-")
         check(matches(req["object"], req["operation"], req.get("oldObject")) == expected,
               f"matchConditions on {base}: expected {'sent' if expected else 'not sent'}")
         n += 1
@@ -864,6 +906,41 @@ def match_condition_checks(docs):
     for what, obj, op, old, expected in cases:
         check(matches(obj, op, old) == expected, f"matchConditions, {what}: expected {'sent' if expected else 'not sent'}")
     print(f"ok  matchConditions (CEL): {n} webhook fixtures and {len(cases)} pods")
+    inject_condition_checks(docs, env, pod, lim)
+
+
+def inject_condition_checks(docs, env, pod, lim):
+    """/inject's matchCondition: every pod that asks for a GPU resource, any vocabulary."""
+    import celpy
+    exprs = [w["matchConditions"][0]["expression"] for c in by_kind(docs, "MutatingWebhookConfiguration")
+             for w in c["webhooks"] if w["clientConfig"]["service"]["path"] == "/inject"]
+    if not exprs:
+        return
+    prg = env.program(env.compile(exprs[0]))
+    claim = {"name": "c", "image": "x", "resources": {"claims": [{"name": "gpu"}]}}
+    cases = [
+        ("no resources", pod({"name": "c", "image": "x"}), False),
+        ("cpu only", pod(lim("cpu", "1")), False),
+        ("nvidia.com/gpu", pod(lim("nvidia.com/gpu", "1")), True),
+        ("nvidia.com/gpu in an init container", pod({"name": "c", "image": "x"}, init=[lim("nvidia.com/gpu", "1")]), True),
+        ("HAMi gpucores", pod(lim("nvidia.com/gpucores", "30")), True),
+        ("HAMi gpumem", pod(lim("nvidia.com/gpumem", "4000")), True),
+        ("MIG (not managed)", pod(lim("nvidia.com/mig-1g.10gb", "1")), False),
+        ("mgpu", pod(lim("vke.volcengine.com/reclaimed-mgpu-core", "30")), True),
+        ("amd.com/gpu", pod(lim("amd.com/gpu", "1")), False),
+        ("resource claim", pod(claim), False),
+        ("resource claim, opted in", pod(claim, ann={"gpu-coloc.dev/shim": "enabled"}), True),
+    ]
+    for what, obj, expected in cases:
+        got = bool(prg.evaluate({"object": celpy.json_to_cel(obj), "request": celpy.json_to_cel({"operation": "CREATE"})}))
+        check(got == expected, f"/inject matchConditions, {what}: expected {'sent' if expected else 'not sent'}")
+    n = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "webhook", "tests", "data", "nvidia-gpu-*.json"))):
+        req = json.load(open(path))["request"]
+        got = bool(prg.evaluate({"object": celpy.json_to_cel(req["object"]), "request": celpy.json_to_cel({"operation": "CREATE"})}))
+        check(got, f"/inject matchConditions on {os.path.basename(path)}: expected sent")
+        n += 1
+    print(f"ok  /inject matchConditions (CEL): {len(cases)} pods and {n} fixtures")
 
 
 # --- The CUDA shim in GPU pods -------------------------------------------------------
@@ -906,7 +983,11 @@ def injection_checks(docs, label):
                     json.dump(req["object"], f)
                 pod = json.loads(run(binary, "--config", conf, "--backend", backend, "--translate", src))
                 name = os.path.basename(path)
-                asks = any(k.startswith("vke.volcengine.com/") for l in ("containers", "initContainers")
+                # Every GPU resource (mGPU's, nvidia.com/gpu, HAMi's): the webhook
+                # classifies the pod, and no admitted fixture is a system pod.
+                gpu = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/gpucores", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage")
+                asks = any((k.startswith("vke.volcengine.com/") or k in gpu)
+                           for l in ("containers", "initContainers")
                            for c in req["object"]["spec"].get(l, []) for part in ("limits", "requests")
                            for k in c.get("resources", {}).get(part, {}))
                 ann = (pod["metadata"].get("annotations") or {})
@@ -1686,8 +1767,8 @@ def main():
     table = set(re.findall(r"^\| capability `([A-Z_]+)`", guide, flags=re.M))
     granted = set()
     for sets in ((), ("agent.sysPtrace=true",), ("agent.raiseLoopPriority=true",), ("agent.driverLock=true",)):
-        ds = one([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet")
-        granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
+        for ds in by_kind([d for d in yaml.safe_load_all(render(*sets)) if d], "DaemonSet"):
+            granted |= set(ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"])
     check(table == granted, f"docs/install.md's privileges table lists capabilities {sorted(table)}, the chart can grant {sorted(granted)}")
 
     if failures:

@@ -37,7 +37,9 @@ pub use class::{classify, Class, Classification, QosLevel, QOS_LEVEL_ANNOTATION}
 pub use machine::{
     Config, Decision, GpuInput, GpuState, Machine, ProcessObs, Share, Signal, Transition,
 };
-pub use pod::{classify_pod, Evidence, PodClassification, PodFacts};
+pub use pod::{
+    classify_pod, classify_pod_with, Evidence, PodClassification, PodFacts, PriorityMapping,
+};
 pub use resources::{ComputePolicy, ResourceError};
 
 /// Nanoseconds on the clock shared by NVML sample timestamps and the agent.

@@ -5,27 +5,33 @@
 //!  immutable (the API server refuses changes after creation)     mutable (the tenant's)
 //!  ─────────────────────────────────────────────────────────     ──────────────────────
 //!  extended resources a container asks for                       annotation katalyst.kubewharf.io/qos_level
-//!    vke.volcengine.com/reclaimed-mgpu-core                      label koordinator.sh/qosClass
-//!    resource.katalyst.kubewharf.io/reclaimed_millicpu|_memory
+//!    vke.volcengine.com/reclaimed-mgpu-core                      annotation gpu-coloc.dev/class
+//!    resource.katalyst.kubewharf.io/reclaimed_millicpu|_memory   label koordinator.sh/qosClass
 //!    kubernetes.io/batch-cpu|batch-memory   (Koordinator)
 //!    nvidia.com/priority = 1                (HAMi: low priority)
-//!  spec.priorityClassName koord-batch, koord-free (Koordinator)
+//!  spec.priorityClassName koord-batch, koord-free, or configured
+//!  spec.priority below a configured value
 //!          │                                                             │
-//!          └──── any of these says offline ──► Offline ◄── or any says offline
-//!                                                 otherwise: qos_level, else qosClass, else online
+//!          └── any of these says offline ──► Offline        all that speak agree ──► their class
+//!                                                           one offline, one not ──► Online + warning
+//!                                                           none speaks          ──► Online
 //! ```
 //!
-//! **Offline wins.** A pod is offline when anything it says, immutable or not, says offline:
-//! offline only gives up protection, so a tenant gains nothing by claiming it, while a pod
-//! that could make itself online would never be suspended and would suspend others. The
-//! immutable evidence makes the class right even for a pod whose annotation or label was
-//! changed before the agent first saw it; the agent also keeps a pod it has seen offline
-//! offline until the pod is deleted (`agent/src/edges/source/kube.rs`).
+//! **Immutable offline wins.** A pod whose immutable fields say offline is offline whatever
+//! its annotations and labels say: a pod that could make itself online would never be
+//! suspended and would suspend others. The immutable evidence makes the class right even
+//! for a pod whose annotation or label was changed before the agent first saw it; the agent
+//! also keeps a pod it has seen offline offline until the pod is deleted
+//! (`agent/src/edges/source/kube.rs`).
+//!
+//! **Disagreement is online.** Where the mutable vocabularies disagree (one says offline,
+//! another online or system), the pod is online, never suspended, and the warning names
+//! both: only a pod positively identified as offline is ever touched.
 //!
 //! Extended resources (everything but `cpu`, `memory`, `hugepages-*` and
-//! `ephemeral-storage`) cannot be resized in place, and `spec.priorityClassName` cannot be
-//! changed after creation: that is why they are trusted. Labels and annotations can be
-//! changed by whoever may update the pod.
+//! `ephemeral-storage`) cannot be resized in place, and `spec.priorityClassName` and
+//! `spec.priority` cannot be changed after creation: that is why they are trusted. Labels
+//! and annotations can be changed by whoever may update the pod.
 
 use crate::class::{classify, Class, QOS_LEVEL_ANNOTATION};
 use crate::resources::RECLAIMED_MGPU_CORE;
@@ -46,6 +52,21 @@ pub const KATALYST_RECLAIMED_RESOURCES: [&str; 2] = [
 /// HAMi's task priority resource: `0` high (online), `1` low (offline).
 pub const HAMI_PRIORITY_RESOURCE: &str = "nvidia.com/priority";
 
+/// Our own, neutral annotation: `online`, `offline` or `system` (mutable).
+pub const COLOC_CLASS_ANNOTATION: &str = "gpu-coloc.dev/class";
+
+/// Which priority classes are offline, beyond Koordinator's (`--offline-priority-class`,
+/// `--offline-priority-below` on the agent; `[classes]` in the webhook's settings file).
+/// Both read what a pod cannot change after creation: `spec.priorityClassName`, and
+/// `spec.priority`, which the API server sets from the class at admission.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PriorityMapping {
+    /// Priority classes whose pods are offline (besides `koord-batch` and `koord-free`).
+    pub offline_classes: Vec<String>,
+    /// Pods whose `spec.priority` is below this value are offline.
+    pub offline_below: Option<i32>,
+}
+
 /// What decided a pod's class (for logs and `/state`; bounded).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Evidence {
@@ -53,10 +74,18 @@ pub enum Evidence {
     Resource(&'static str),
     /// `spec.priorityClassName` (immutable).
     PriorityClass(String),
+    /// `spec.priority` below the configured threshold (immutable).
+    Priority(i32),
     /// The `katalyst.kubewharf.io/qos_level` annotation (mutable).
     QosLevel,
     /// The `koordinator.sh/qosClass` label (mutable).
     KoordinatorQos,
+    /// The `gpu-coloc.dev/class` annotation (mutable).
+    ColocClass,
+    /// HAMi's `nvidia.com/priority: 0` (high priority).
+    HamiPriority,
+    /// Vocabularies disagreed: online, never suspended.
+    Disagreement,
     /// Nothing said anything: online by default.
     Default,
 }
@@ -64,7 +93,18 @@ pub enum Evidence {
 impl Evidence {
     /// Whether the API server keeps this fixed for the pod's life.
     pub fn immutable(&self) -> bool {
-        matches!(self, Evidence::Resource(_) | Evidence::PriorityClass(_))
+        matches!(
+            self,
+            Evidence::Resource(_)
+                | Evidence::PriorityClass(_)
+                | Evidence::Priority(_)
+                | Evidence::HamiPriority
+        )
+    }
+
+    /// Whether some vocabulary named the class (not the default).
+    pub fn explicit(&self) -> bool {
+        !matches!(self, Evidence::Default)
     }
 }
 
@@ -73,8 +113,12 @@ impl std::fmt::Display for Evidence {
         match self {
             Evidence::Resource(r) => write!(f, "resource {r}"),
             Evidence::PriorityClass(p) => write!(f, "priorityClassName {p}"),
+            Evidence::Priority(v) => write!(f, "priority {v}"),
             Evidence::QosLevel => write!(f, "annotation {QOS_LEVEL_ANNOTATION}"),
             Evidence::KoordinatorQos => write!(f, "label {KOORDINATOR_QOS_LABEL}"),
+            Evidence::ColocClass => write!(f, "annotation {COLOC_CLASS_ANNOTATION}"),
+            Evidence::HamiPriority => write!(f, "resource {HAMI_PRIORITY_RESOURCE}"),
+            Evidence::Disagreement => f.write_str("disagreement"),
             Evidence::Default => f.write_str("default"),
         }
     }
@@ -88,8 +132,12 @@ pub struct PodFacts<'a> {
     pub qos_level: Option<&'a str>,
     /// The `koordinator.sh/qosClass` label.
     pub koordinator_qos: Option<&'a str>,
+    /// The `gpu-coloc.dev/class` annotation.
+    pub coloc_class: Option<&'a str>,
     /// `spec.priorityClassName`.
     pub priority_class: Option<&'a str>,
+    /// `spec.priority` (set by the API server from the priority class).
+    pub priority: Option<i32>,
     /// Every resource a container or init container asks for, in `requests` or `limits`:
     /// (name, quantity as written).
     pub resources: Vec<(&'a str, &'a str)>,
@@ -102,13 +150,20 @@ pub struct PodClassification {
     pub class: Class,
     /// What decided it.
     pub evidence: Evidence,
-    /// An unknown value was read (treated as online); the caller logs it and counts it
-    /// (`coloc_unknown_qos_level_total`).
+    /// An unknown value was read (treated as online), or two vocabularies disagreed; the
+    /// caller logs it and counts it (`coloc_unknown_qos_level_total`).
     pub warning: Option<String>,
 }
 
-/// The first immutable fact that makes the pod offline, if any.
+/// The first immutable fact that makes the pod offline, if any (Koordinator's priority
+/// classes only).
 pub fn immutable_offline(f: &PodFacts) -> Option<Evidence> {
+    immutable_offline_with(f, &PriorityMapping::default())
+}
+
+/// The first immutable fact that makes the pod offline, if any, with `map`'s priority
+/// classes and threshold.
+pub fn immutable_offline_with(f: &PodFacts, map: &PriorityMapping) -> Option<Evidence> {
     for (name, value) in &f.resources {
         let quantity_set = !value.trim().is_empty() && value.trim() != "0";
         let offline_resource = [RECLAIMED_MGPU_CORE]
@@ -123,10 +178,17 @@ pub fn immutable_offline(f: &PodFacts) -> Option<Evidence> {
             return Some(Evidence::Resource(HAMI_PRIORITY_RESOURCE));
         }
     }
-    let pc = f.priority_class.map(str::trim)?;
-    KOORDINATOR_OFFLINE_PRIORITY_CLASSES
-        .contains(&pc)
-        .then(|| Evidence::PriorityClass(pc.to_string()))
+    if let Some(pc) = f.priority_class.map(str::trim) {
+        if KOORDINATOR_OFFLINE_PRIORITY_CLASSES.contains(&pc)
+            || map.offline_classes.iter().any(|c| c == pc)
+        {
+            return Some(Evidence::PriorityClass(pc.to_string()));
+        }
+    }
+    match (f.priority, map.offline_below) {
+        (Some(p), Some(below)) if p < below => Some(Evidence::Priority(p)),
+        _ => None,
+    }
 }
 
 /// Koordinator's label as a class; `Err` with a warning for an unknown value.
@@ -143,38 +205,110 @@ fn koordinator(value: &str) -> Result<Class, String> {
     }
 }
 
-/// Classifies a pod (DESIGN.md §2, "Classification"). Never fails: unknown values are
-/// online, with a warning; anything that says offline makes the pod offline.
+/// Our neutral annotation as a class; `Err` with a warning for an unknown value.
+fn coloc_class(value: &str) -> Result<Class, String> {
+    match value.trim() {
+        "online" => Ok(Class::Online),
+        "offline" => Ok(Class::Offline),
+        "system" => Ok(Class::System),
+        other => Err(format!(
+            "unknown {COLOC_CLASS_ANNOTATION} value {other:?}: treated as online \
+             (expected online, offline or system)"
+        )),
+    }
+}
+
+/// Classifies a pod (DESIGN.md, "Classification") with Koordinator's offline priority
+/// classes only.
 pub fn classify_pod(f: &PodFacts) -> PodClassification {
-    if let Some(evidence) = immutable_offline(f) {
+    classify_pod_with(f, &PriorityMapping::default())
+}
+
+/// Classifies a pod (DESIGN.md, "Classification"). Never fails: unknown values are
+/// online, with a warning.
+///
+/// 1. What the pod cannot change after creation and says offline decides: an offline
+///    resource, HAMi's `nvidia.com/priority: 1`, an offline priority class or a priority
+///    below `map.offline_below`.
+/// 2. Otherwise the mutable vocabularies vote (`qos_level`, `gpu-coloc.dev/class`,
+///    Koordinator's label; HAMi's `nvidia.com/priority: 0` votes online). Where one says
+///    offline and another says anything else, the pod is online (never suspended) and the
+///    warning names both. Between online classes, the first in that order decides.
+/// 3. Nothing said anything: online.
+pub fn classify_pod_with(f: &PodFacts, map: &PriorityMapping) -> PodClassification {
+    if let Some(evidence) = immutable_offline_with(f, map) {
         return PodClassification {
             class: Class::Offline,
             evidence,
             warning: None,
         };
     }
-    let katalyst = f.qos_level.map(|v| classify(Some(v)));
-    let koord = f.koordinator_qos.map(koordinator);
-    let mut warning = None;
-    let mut decided: Option<(Class, Evidence)> = None;
-    if let Some(c) = &katalyst {
-        warning = c.warning.clone();
-        if c.warning.is_none() {
-            decided = Some((c.class, Evidence::QosLevel));
+    let mut warning: Option<String> = None;
+    let mut votes: Vec<(Class, Evidence, String)> = Vec::new();
+    if let Some(v) = f.qos_level {
+        let c = classify(Some(v));
+        match c.warning {
+            Some(w) => warning = Some(w),
+            None => votes.push((
+                c.class,
+                Evidence::QosLevel,
+                format!("{QOS_LEVEL_ANNOTATION}={}", v.trim()),
+            )),
         }
     }
-    match koord {
-        Some(Ok(Class::Offline)) => decided = Some((Class::Offline, Evidence::KoordinatorQos)),
-        Some(Ok(c)) if decided.is_none() => decided = Some((c, Evidence::KoordinatorQos)),
-        Some(Err(w)) => warning = warning.or(Some(w)),
-        _ => {}
+    for (value, read, evidence, name) in [
+        (
+            f.coloc_class,
+            coloc_class as fn(&str) -> Result<Class, String>,
+            Evidence::ColocClass,
+            COLOC_CLASS_ANNOTATION,
+        ),
+        (
+            f.koordinator_qos,
+            koordinator,
+            Evidence::KoordinatorQos,
+            KOORDINATOR_QOS_LABEL,
+        ),
+    ] {
+        match value.map(read) {
+            Some(Ok(c)) => votes.push((
+                c,
+                evidence,
+                format!("{name}={}", value.unwrap_or("").trim()),
+            )),
+            Some(Err(w)) => warning = warning.or(Some(w)),
+            None => {}
+        }
     }
-    let (class, evidence) = decided.unwrap_or(match katalyst {
-        // Unknown qos_level: online, said by the annotation.
-        Some(_) => (Class::Online, Evidence::QosLevel),
+    if f.resources
+        .iter()
+        .any(|(n, v)| *n == HAMI_PRIORITY_RESOURCE && v.trim() == "0")
+    {
+        votes.push((
+            Class::Online,
+            Evidence::HamiPriority,
+            format!("{HAMI_PRIORITY_RESOURCE}=0"),
+        ));
+    }
+    let offline = votes.iter().find(|v| v.0 == Class::Offline);
+    let other = votes.iter().find(|v| v.0 != Class::Offline);
+    if let (Some(off), Some(on)) = (offline, other) {
+        return PodClassification {
+            class: Class::Online,
+            evidence: Evidence::Disagreement,
+            warning: Some(format!(
+                "{} says offline but {} says {}: treated as online (never suspended); make them agree",
+                off.2, on.2, on.0
+            )),
+        };
+    }
+    let (class, evidence) = match votes.into_iter().next() {
+        Some((c, e, _)) => (c, e),
+        None if f.qos_level.is_some() => (Class::Online, Evidence::QosLevel),
+        None if f.coloc_class.is_some() => (Class::Online, Evidence::ColocClass),
         None if f.koordinator_qos.is_some() => (Class::Online, Evidence::KoordinatorQos),
         None => (Class::Online, Evidence::Default),
-    });
+    };
     PodClassification {
         class,
         evidence,
@@ -197,6 +331,7 @@ mod tests {
             koordinator_qos: koord,
             priority_class: pc,
             resources: res.to_vec(),
+            ..PodFacts::default()
         }
     }
 
@@ -320,25 +455,49 @@ mod tests {
                 Some("system_cores"),
             ] {
                 for koord in [None, Some("LS"), Some("LSE"), Some("SYSTEM")] {
-                    let c = classify_pod(&facts(qos, koord, *pc, res));
-                    assert_eq!(c.class, Class::Offline, "{res:?} {pc:?} {qos:?} {koord:?}");
-                    assert!(c.evidence.immutable(), "{:?}", c.evidence);
+                    for ours in [None, Some("online"), Some("system")] {
+                        let c = classify_pod(&PodFacts {
+                            coloc_class: ours,
+                            ..facts(qos, koord, *pc, res)
+                        });
+                        assert_eq!(
+                            c.class,
+                            Class::Offline,
+                            "{res:?} {pc:?} {qos:?} {koord:?} {ours:?}"
+                        );
+                        assert!(c.evidence.immutable(), "{:?}", c.evidence);
+                    }
                 }
             }
         }
     }
 
-    /// Any mutable offline claim makes the pod offline too (it only gives up protection),
-    /// whatever another vocabulary says.
+    /// Mutable vocabularies that disagree about offline make the pod online (never
+    /// suspended), with a warning that names both; agreeing ones decide.
     #[test]
-    fn any_offline_claim_wins() {
+    fn disagreement_is_online_and_named() {
         let c = classify_pod(&facts(Some("shared_cores"), Some("BE"), None, &[]));
         assert_eq!(
-            (c.class, c.evidence),
-            (Class::Offline, Evidence::KoordinatorQos)
+            (c.class, c.evidence.clone()),
+            (Class::Online, Evidence::Disagreement)
+        );
+        let w = c.warning.unwrap();
+        assert!(
+            w.contains("koordinator.sh/qosClass=BE") && w.contains("qos_level=shared_cores"),
+            "{w}"
         );
         let c = classify_pod(&facts(Some("reclaimed_cores"), Some("LS"), None, &[]));
-        assert_eq!((c.class, c.evidence), (Class::Offline, Evidence::QosLevel));
+        assert_eq!(c.class, Class::Online);
+        let c = classify_pod(&PodFacts {
+            coloc_class: Some("offline"),
+            resources: vec![("nvidia.com/gpu", "1"), ("nvidia.com/priority", "0")],
+            ..PodFacts::default()
+        });
+        assert_eq!(c.class, Class::Online);
+        assert!(c.warning.unwrap().contains("nvidia.com/priority=0"));
+        // Agreeing vocabularies decide.
+        let c = classify_pod(&facts(Some("reclaimed_cores"), Some("BE"), None, &[]));
+        assert_eq!((c.class, c.warning), (Class::Offline, None));
         // qos_level decides between the online classes when both are present.
         let c = classify_pod(&facts(Some("system_cores"), Some("LS"), None, &[]));
         assert_eq!(c.class, Class::System);
@@ -346,6 +505,74 @@ mod tests {
         let c = classify_pod(&facts(Some("bogus"), Some("LSR"), None, &[]));
         assert_eq!(c.class, Class::OnlineExclusive);
         assert!(c.warning.is_some());
+    }
+
+    /// Our neutral annotation, alone and with the others.
+    #[test]
+    fn neutral_annotation() {
+        for (v, class, warns) in [
+            ("offline", Class::Offline, false),
+            ("online", Class::Online, false),
+            ("system", Class::System, false),
+            ("Offline", Class::Online, true),
+            ("reclaimed_cores", Class::Online, true),
+        ] {
+            let c = classify_pod(&PodFacts {
+                coloc_class: Some(v),
+                ..PodFacts::default()
+            });
+            assert_eq!((c.class, c.warning.is_some()), (class, warns), "{v}");
+        }
+        let c = classify_pod(&PodFacts {
+            coloc_class: Some("offline"),
+            koordinator_qos: Some("BE"),
+            qos_level: Some("reclaimed_cores"),
+            ..PodFacts::default()
+        });
+        assert_eq!((c.class, c.evidence), (Class::Offline, Evidence::QosLevel));
+    }
+
+    /// The PriorityClass mapping: configured names and a value threshold, both immutable,
+    /// both beating an online annotation.
+    #[test]
+    fn priority_mapping() {
+        let map = PriorityMapping {
+            offline_classes: vec!["batch-low".into()],
+            offline_below: Some(1000),
+        };
+        let pod = |pc: Option<&'static str>, p: Option<i32>| PodFacts {
+            priority_class: pc,
+            priority: p,
+            qos_level: Some("shared_cores"),
+            ..PodFacts::default()
+        };
+        let c = classify_pod_with(&pod(Some("batch-low"), Some(5000)), &map);
+        assert_eq!(
+            (c.class, c.evidence),
+            (Class::Offline, Evidence::PriorityClass("batch-low".into()))
+        );
+        let c = classify_pod_with(&pod(Some("whatever"), Some(999)), &map);
+        assert_eq!(
+            (c.class, c.evidence),
+            (Class::Offline, Evidence::Priority(999))
+        );
+        assert!(Evidence::Priority(1).immutable());
+        for (pc, p) in [
+            (Some("whatever"), Some(1000)),
+            (None, None),
+            (Some("batch-low2"), Some(1000)),
+        ] {
+            assert_eq!(
+                classify_pod_with(&pod(pc, p), &map).class,
+                Class::Online,
+                "{pc:?} {p:?}"
+            );
+        }
+        // Without the mapping neither says anything.
+        assert_eq!(
+            classify_pod(&pod(Some("batch-low"), Some(0))).class,
+            Class::Online
+        );
     }
 
     /// A zero or empty quantity asks for nothing; HAMi's priority is exactly "1".

@@ -1,9 +1,11 @@
 //! Pure injection of the CUDA shim (`libcoloc_cuda.so`) into GPU pods, at CREATE. No I/O.
 //!
 //! Served on `/inject` (its own entry in the chart's MutatingWebhookConfiguration, first in
-//! the list, CREATE only, so a namespace can opt out by label alone). For a pod that asks
-//! for mGPU — online (`mgpu-core`: `shared_cores` or `dedicated_cores`) or offline
-//! (`reclaimed-mgpu-core`) — each container that asks for it gets:
+//! the list, CREATE only, so a namespace can opt out by label alone). For a pod that
+//! `qos_core::classify_pod_with` calls online or offline (every vocabulary, with the
+//! `[classes]` PriorityClass mapping), each container that asks for a GPU
+//! ([`is_gpu_resource`]: `nvidia.com/gpu`, HAMi's, mGPU's; or a DRA resource claim in
+//! a pod annotated `gpu-coloc.dev/shim: enabled`) gets:
 //!
 //! | what | online | offline |
 //! |---|---|---|
@@ -35,8 +37,8 @@
 //! the gate, or of the whole doorbell directory, never survives the injection.
 //! Idempotent: a container that already mounts [`SHIM_VOLUME`] as injected is done, so a second
 //! review (reinvocation, or after the translation webhook changed the pod) adds nothing.
-//! The pod's containers are found by their `vke.volcengine.com/*` requests or, once
-//! translated for another backend, by the per-container record `gpu-coloc.dev/requests`.
+//! The pod's containers are found by their GPU requests or, once translated for another
+//! backend, by the per-container record `gpu-coloc.dev/requests`.
 
 use crate::translate::{self, esc, PodClass};
 use serde::{Deserialize, Serialize};
@@ -182,15 +184,68 @@ struct Gpu {
     name: String,
 }
 
-/// The containers (init containers first) that ask for mGPU, and the pod's class; `None`
-/// for a pod that asks for none (or cannot be read: the translation webhook denies it).
-fn gpu_containers(pod: &Value) -> Option<(Vec<Gpu>, PodClass)> {
+/// Resources that give a container an NVIDIA GPU (or a share of one): the device
+/// plugin's `nvidia.com/gpu` (and its renamed shared replicas `nvidia.com/gpu.shared`),
+/// HAMi's `nvidia.com/gpucores`, `nvidia.com/gpumem`, `nvidia.com/gpumem-percentage`, and
+/// mGPU's `vke.volcengine.com/mgpu-core`, `reclaimed-mgpu-core`. Not MIG slices
+/// (`nvidia.com/mig-*`): the agent does not manage MIG.
+pub fn is_gpu_resource(name: &str) -> bool {
+    matches!(
+        name,
+        "nvidia.com/gpu"
+            | "nvidia.com/gpu.shared"
+            | "nvidia.com/gpucores"
+            | "nvidia.com/gpumem"
+            | "nvidia.com/gpumem-percentage"
+            | qos_core::resources::MGPU_CORE
+            | qos_core::resources::RECLAIMED_MGPU_CORE
+    )
+}
+
+/// Pod annotation value of [`OPT_OUT`] that opts a pod in where the webhook cannot see
+/// a GPU: containers that name a DRA resource claim (`resources.claims`) get the shim.
+pub const OPT_IN: &str = "enabled";
+
+/// Container `c` asks for a GPU resource (a quantity other than 0), or names a resource
+/// claim in a pod that opted in.
+fn asks_for_gpu(c: &Value, claims_opted_in: bool) -> bool {
+    let asks = ["requests", "limits"].iter().any(|part| {
+        c["resources"][*part].as_object().is_some_and(|m| {
+            m.iter().any(|(k, v)| {
+                is_gpu_resource(k)
+                    && match v {
+                        Value::String(q) => !q.trim().is_empty() && q.trim() != "0",
+                        Value::Number(n) => n.as_f64().is_some_and(|n| n != 0.0),
+                        _ => false,
+                    }
+            })
+        })
+    });
+    asks || (claims_opted_in
+        && c["resources"]["claims"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty()))
+}
+
+/// The containers (init containers first) that ask for a GPU, and the class they get;
+/// `None` for a pod with none, one the classifier does not call online or offline, or one
+/// the translation webhook denies (unreadable or mixed mGPU requests).
+///
+/// The class is the pod's (`qos_core::classify_pod_with`: every vocabulary, what the pod
+/// cannot change first); a container's own mGPU request must agree with it (the
+/// translation webhook denies those that do not).
+fn gpu_containers(pod: &Value, map: &qos_core::PriorityMapping) -> Option<(Vec<Gpu>, PodClass)> {
+    let pod_class = match qos_core::classify_pod_with(&translate::pod_facts(pod), map).class {
+        qos_core::Class::Online | qos_core::Class::OnlineExclusive => PodClass::Online,
+        qos_core::Class::Offline => PodClass::Offline,
+        qos_core::Class::System | qos_core::Class::Unmanaged => return None,
+    };
+    let opted_in = pod["metadata"]["annotations"][OPT_OUT].as_str() == Some(OPT_IN);
     let mut out = Vec::new();
     let recorded: Option<Map<String, Value>> = pod["metadata"]["annotations"]
         [translate::REQUESTS_ANNOTATION]
         .as_str()
         .and_then(|t| serde_json::from_str(t).ok());
-    let mut classes = Vec::new();
     for list in ["initContainers", "containers"] {
         for (i, c) in pod["spec"][list]
             .as_array()
@@ -199,7 +254,7 @@ fn gpu_containers(pod: &Value) -> Option<(Vec<Gpu>, PodClass)> {
             .enumerate()
         {
             let name = c["name"].as_str().unwrap_or("?").to_string();
-            let class = match translate::container_class(c) {
+            let own = match translate::container_class(c) {
                 Ok(Some(class)) => Some(class),
                 Ok(None) => recorded.as_ref().and_then(|r| r.get(&name)).and_then(|e| {
                     match e["class"].as_str() {
@@ -210,18 +265,21 @@ fn gpu_containers(pod: &Value) -> Option<(Vec<Gpu>, PodClass)> {
                 }),
                 Err(_) => return None,
             };
-            if let Some(class) = class {
-                classes.push(class);
-                out.push(Gpu {
-                    path: format!("/spec/{list}/{i}"),
-                    name,
-                });
+            match own {
+                // A pod that mixes the two, or whose request contradicts its class, is
+                // denied by the translation webhook.
+                Some(class) if class != pod_class => return None,
+                Some(_) => {}
+                None if asks_for_gpu(c, opted_in) => {}
+                None => continue,
             }
+            out.push(Gpu {
+                path: format!("/spec/{list}/{i}"),
+                name,
+            });
         }
     }
-    let class = *classes.first()?;
-    // A pod that mixes the two is denied by the translation webhook.
-    classes.iter().all(|c| *c == class).then_some((out, class))
+    (!out.is_empty()).then_some((out, pod_class))
 }
 
 fn env_named<'a>(c: &'a Value, name: &str) -> Vec<(usize, &'a Value)> {
@@ -456,7 +514,7 @@ fn sanitise(
 }
 
 /// The injection for `pod` at CREATE (see the module documentation).
-pub fn inject(pod: &Value, s: &ShimSettings) -> Injection {
+pub fn inject(pod: &Value, s: &ShimSettings, map: &qos_core::PriorityMapping) -> Injection {
     let annotations = pod["metadata"]["annotations"].as_object();
     if annotations
         .and_then(|a| a.get(OPT_OUT))
@@ -465,10 +523,15 @@ pub fn inject(pod: &Value, s: &ShimSettings) -> Injection {
     {
         return Injection::default();
     }
-    let Some((gpus, class)) = gpu_containers(pod) else {
+    let Some((gpus, class)) = gpu_containers(pod, map) else {
         return Injection::default();
     };
-    let mut warnings = Vec::new();
+    // What the classifier had to say (an unknown value, vocabularies that disagree).
+    let mut warnings: Vec<String> = qos_core::classify_pod_with(&translate::pod_facts(pod), map)
+        .warning
+        .map(|w| format!("gpu-coloc: {w}"))
+        .into_iter()
+        .collect();
     let volumes = [
         (SHIM_VOLUME, s.library_dir().to_string()),
         (DOORBELL_VOLUME, format!("{}/pods", s.doorbell_dir)),

@@ -211,7 +211,7 @@ fn translate_file(a: &Args, settings: &Settings, path: &std::path::Path) -> Resu
     // As the API server calls them: /inject (first in the chart's configuration), then
     // /mutate.
     if let Some(shim) = &settings.shim {
-        let inj = coloc_webhook::inject::inject(&pod, shim);
+        let inj = coloc_webhook::inject::inject(&pod, shim, &settings.classes.mapping());
         for w in &inj.warnings {
             eprintln!("warning: {w}");
         }

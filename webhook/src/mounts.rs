@@ -12,10 +12,13 @@
 //! - a volume named [`SHIM_VOLUME`], [`DOORBELL_VOLUME`] or [`GATE_VOLUME`] is exactly
 //!   the injected one: nothing but its `hostPath`, at the injected path, of type
 //!   `DirectoryOrCreate` (or `Directory`, or none);
-//! - any other `hostPath` volume whose path (normalised: `.`, `..`, `//`, a trailing `/`,
-//!   `/var/run` for `/run`) is one of the node's gpu-coloc directories or inside one is
-//!   denied; one that contains one (`/run`, `/var/lib`, `/`) is allowed only when every
-//!   mount of it is read-only (a writable `/run` reaches every pod's doorbell page);
+//! - any other `hostPath` volume whose path ([`normalise`]d: `.`, `..`, `//`, a trailing
+//!   `/`, `/proc/<pid>/root` as `/`, `/var/run` as `/run`, …) is one of the node's gpu-coloc
+//!   directories or inside one is denied; one that only contains one (`/`, `/run`, `/var`,
+//!   `/proc`) is not gpu-coloc's to refuse (`kubectl debug node/…`, HAMi's vgpu-monitor:
+//!   a pod with a writable `/` owns the node whatever this webhook says; Pod Security
+//!   `baseline` refuses it), except where a container mounts it with a `subPath` that
+//!   resolves into the gpu-coloc directories, or a `subPathExpr` (not resolvable here);
 //! - in every container (containers, init containers, ephemeral containers), a mount of
 //!   one of our volumes is exactly the injected one: the shim's directory read-only at its
 //!   path; the gate directory read-only at its path; the doorbell volume at the doorbell
@@ -28,7 +31,8 @@
 //! containers and the volumes cannot change after CREATE).
 //!
 //! The node's gpu-coloc directories: the `[shim]` settings' library directory, doorbell
-//! directory and gate directory (their defaults where the settings have no `[shim]`), and
+//! directory and gate directory (their defaults where the settings have no `[shim]`),
+//! each with its gpu-coloc parent (`/run/gpu-coloc`, `/var/lib/gpu-coloc`), and
 //! `protected_host_paths` (the chart: the agent's state directory).
 
 use crate::inject::{ShimSettings, DOORBELL_VOLUME, GATE_VOLUME, SHIM_VOLUME};
@@ -48,23 +52,34 @@ fn deny(message: String) -> Denial {
     }
 }
 
-/// `path` with `.`, `..`, repeated and trailing `/` resolved as the kernel would on a
-/// tree without symbolic links, and `/var/run` (a link to `/run` on every current
-/// distribution) read as `/run`. A relative path is taken from `/` (the kubelet's working
-/// directory).
+/// `path` as the kernel would resolve it on the node, where that can be known without
+/// reading the node: `.`, `..`, repeated and trailing `/`; `/proc/<pid>/root`,
+/// `/proc/<pid>/cwd` and `/proc/<pid>/task/<tid>/root|cwd` read as `/` (the host's root
+/// seen through a process: PID 1's is the node's); `/var/run` and `/var/lock` read as
+/// `/run` and `/run/lock` (links on every current distribution); `/lib`, `/lib64`, `/bin`
+/// and `/sbin` read as their `/usr` directories (merged `/usr`). Each rule applies as the
+/// walk meets it, so `/proc/1/root/../run` is `/run`. A relative path is taken from `/`
+/// (the kubelet's working directory).
 pub fn normalise(path: &str) -> String {
-    let mut parts: Vec<&str> = Vec::new();
+    let mut parts: Vec<String> = Vec::new();
     for seg in path.split('/') {
         match seg {
             "" | "." => {}
             ".." => {
                 parts.pop();
             }
-            s => parts.push(s),
+            s => parts.push(s.to_string()),
         }
-    }
-    if parts.len() >= 2 && parts[0] == "var" && parts[1] == "run" {
-        parts.remove(0);
+        let p: Vec<&str> = parts.iter().map(String::as_str).collect();
+        match p.as_slice() {
+            ["proc", _, "root" | "cwd"] | ["proc", _, "task", _, "root" | "cwd"] => parts.clear(),
+            ["var", "run"] => parts = vec!["run".into()],
+            ["var", "lock"] => parts = vec!["run".into(), "lock".into()],
+            [top @ ("lib" | "lib64" | "bin" | "sbin")] => {
+                parts = vec!["usr".into(), top.to_string()]
+            }
+            _ => {}
+        }
     }
     format!("/{}", parts.join("/"))
 }
@@ -76,19 +91,36 @@ fn within(inner: &str, outer: &str) -> bool {
         || (inner.starts_with(outer) && inner.as_bytes().get(outer.len()) == Some(&b'/'))
 }
 
-/// The node's gpu-coloc directories, normalised.
+/// A host path that reaches other processes' roots below it (`/proc`, `/proc/<pid>`):
+/// a `subPathExpr` there may name any directory of the node.
+fn reaches_roots(path: &str) -> bool {
+    path == "/proc" || (path.starts_with("/proc/") && path[6..].split('/').count() <= 3)
+}
+
+/// The node's gpu-coloc directories, normalised: the `[shim]` settings' three, each with
+/// its gpu-coloc parent (the nearest directory above it whose name has `gpu-coloc` or
+/// `coloc` in it, e.g. `/run/gpu-coloc`), and `extra`.
 fn node_dirs(s: &ShimSettings, extra: &[String]) -> Vec<String> {
-    let mut v: Vec<String> = [
+    let mut v: Vec<String> = Vec::new();
+    for p in [
         s.library_dir(),
         s.doorbell_dir.as_str(),
         s.gate_dir.as_str(),
-    ]
-    .iter()
-    .map(|p| normalise(p))
-    .chain(extra.iter().map(|p| normalise(p)))
-    .collect();
+    ] {
+        let n = normalise(p);
+        let segs: Vec<&str> = n.split('/').collect();
+        let family = (1..segs.len())
+            .find(|&i| segs[i].contains("coloc"))
+            .map(|i| segs[..=i].join("/"));
+        v.extend(family);
+        v.push(n);
+    }
+    v.extend(extra.iter().map(|p| normalise(p)));
     v.sort();
     v.dedup();
+    // Only the outermost of nested directories matters.
+    let all = v.clone();
+    v.retain(|d| !all.iter().any(|o| o != d && within(d, o)));
     v
 }
 
@@ -225,6 +257,38 @@ fn kind(list: &str) -> &'static str {
     }
 }
 
+/// Why container `c`'s mounts of volume `name` (host path `raw`, normalised `path`) reach
+/// one of `dirs` through a `subPath` or `subPathExpr`, if they do.
+fn sub_path_problem(
+    c: &Value,
+    name: &str,
+    raw: &str,
+    path: &str,
+    dirs: &[String],
+) -> Option<String> {
+    for m in c["volumeMounts"].as_array().into_iter().flatten() {
+        if m["name"] != name {
+            continue;
+        }
+        let sub = m["subPath"].as_str().unwrap_or_default();
+        if !sub.is_empty() {
+            let full = normalise(&format!("{raw}/{sub}"));
+            if let Some(d) = dirs.iter().find(|d| within(&full, d)) {
+                return Some(format!(
+                    "mounts hostPath {raw:?} (volume {name:?}) with subPath {sub:?}, which is the node's gpu-coloc directory {d} or inside it"
+                ));
+            }
+        }
+        let expr = m["subPathExpr"].as_str().unwrap_or_default();
+        if !expr.is_empty() && (dirs.iter().any(|d| within(d, path)) || reaches_roots(path)) {
+            return Some(format!(
+                "mounts hostPath {raw:?} (volume {name:?}), which contains the node's gpu-coloc directories, with subPathExpr {expr:?}, which the webhook cannot resolve; use subPath or a narrower hostPath"
+            ));
+        }
+    }
+    None
+}
+
 /// The CREATE rule (module documentation). `extra`: more protected host directories.
 pub fn check_pod(pod: &Value, s: &ShimSettings, extra: &[String]) -> Result<(), Denial> {
     let dirs = node_dirs(s, extra);
@@ -245,21 +309,17 @@ pub fn check_pod(pod: &Value, s: &ShimSettings, extra: &[String]) -> Result<(), 
         let path = normalise(raw);
         if let Some(d) = dirs.iter().find(|d| within(&path, d)) {
             return Err(deny(format!(
-                "volume {name:?}: hostPath {raw:?} is inside the node's gpu-coloc directory {d}; pods get what they need of it from the gpu-coloc webhook"
+                "volume {name:?}: hostPath {raw:?} is the node's gpu-coloc directory {d} or inside it; pods get what they need of it from the gpu-coloc webhook"
             )));
         }
-        if let Some(d) = dirs.iter().find(|d| within(d, &path)) {
-            for list in CONTAINER_LISTS {
-                for c in pod["spec"][list].as_array().into_iter().flatten() {
-                    for m in c["volumeMounts"].as_array().into_iter().flatten() {
-                        if m["name"] == name && m["readOnly"].as_bool() != Some(true) {
-                            return Err(deny(format!(
-                                "{} {:?} mounts hostPath {raw:?} (volume {name:?}) writable; it contains the node's gpu-coloc directory {d}: mount it read-only",
-                                kind(list),
-                                c["name"].as_str().unwrap_or("?")
-                            )));
-                        }
-                    }
+        for list in CONTAINER_LISTS {
+            for c in pod["spec"][list].as_array().into_iter().flatten() {
+                if let Some(why) = sub_path_problem(c, name, raw, &path, &dirs) {
+                    return Err(deny(format!(
+                        "{} {:?}: {why}",
+                        kind(list),
+                        c["name"].as_str().unwrap_or("?")
+                    )));
                 }
             }
         }
@@ -294,22 +354,28 @@ pub fn check_ephemeral(pod: &Value, s: &ShimSettings, extra: &[String]) -> Resul
         }
         let path = normalise(raw);
         let inside = dirs.iter().any(|d| within(&path, d));
-        let contains = dirs.iter().any(|d| within(d, &path));
-        if !(inside || contains) {
-            continue;
-        }
         for c in only["spec"]["ephemeralContainers"]
             .as_array()
             .into_iter()
             .flatten()
         {
-            for m in c["volumeMounts"].as_array().into_iter().flatten() {
-                if m["name"] == name && (inside || m["readOnly"].as_bool() != Some(true)) {
-                    return Err(deny(format!(
-                        "ephemeral container {:?} mounts hostPath {raw:?} (volume {name:?}), which reaches the node's gpu-coloc directories",
-                        c["name"].as_str().unwrap_or("?")
-                    )));
-                }
+            let mounted = c["volumeMounts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|m| m["name"] == name);
+            let why = if inside && mounted {
+                Some(format!(
+                    "mounts hostPath {raw:?} (volume {name:?}), the node's gpu-coloc directory or inside it"
+                ))
+            } else {
+                sub_path_problem(c, name, raw, &path, &dirs)
+            };
+            if let Some(why) = why {
+                return Err(deny(format!(
+                    "ephemeral container {:?} {why}",
+                    c["name"].as_str().unwrap_or("?")
+                )));
             }
         }
     }
@@ -340,6 +406,19 @@ mod tests {
             ("run/gpu-coloc", "/run/gpu-coloc"),
             ("/", "/"),
             ("", "/"),
+            ("/proc/1/root/run/gpu-coloc/gate", "/run/gpu-coloc/gate"),
+            ("/proc/self/root//var/run/./gpu-coloc", "/run/gpu-coloc"),
+            (
+                "/proc/1/task/1/root/var/lib/gpu-coloc",
+                "/var/lib/gpu-coloc",
+            ),
+            ("/proc/1/cwd/run", "/run"),
+            ("/proc/1/root/../run/gpu-coloc", "/run/gpu-coloc"),
+            ("/proc/1/root/proc/1/root/run", "/run"),
+            ("/proc/1", "/proc/1"),
+            ("/var/lock/x", "/run/lock/x"),
+            ("/lib/gpu-coloc", "/usr/lib/gpu-coloc"),
+            ("/run/../var/run/gpu-coloc", "/run/gpu-coloc"),
         ] {
             assert_eq!(normalise(raw), want, "{raw}");
         }
@@ -370,14 +449,27 @@ mod tests {
             ("//run/gpu-coloc//gate/", true, false),
             ("/var/run/gpu-coloc/gate", true, false),
             ("/var/lib/gpu-coloc/lib", true, false),
+            ("/var/lib/gpu-coloc", false, false),
             ("/run/coloc-agent", true, false),
-            ("/run", false, false),
+            ("/run/gpu-coloc", true, false),
             ("/run/gpu-coloc", false, false),
-            ("/", false, false),
+            ("/proc/1/root/run/gpu-coloc/gate", true, false),
+            ("/proc/self/root/run/gpu-coloc/doorbells/pods", false, false),
+            ("/proc/1/root/../run/gpu-coloc", false, false),
+            ("/var/lock/../gpu-coloc/gate", false, false),
+            // Unrelated host paths, and those that merely contain ours: allowed, writable
+            // or not (`kubectl debug node/…` mounts `/`; HAMi's vgpu-monitor `/var`).
+            ("/run", false, true),
             ("/run", true, true),
+            ("/", false, true),
             ("/", true, true),
+            ("/var", false, true),
+            ("/var/lib", false, true),
+            ("/proc", false, true),
+            ("/proc/1/root", false, true),
             ("/run/gpu-coloc-other", false, true),
             ("/data", false, true),
+            ("/run/containerd", false, true),
         ] {
             let p = pod(json!([{"name": "h", "hostPath": {"path": path}}]), c(ro));
             assert_eq!(
@@ -385,6 +477,56 @@ mod tests {
                 ok,
                 "{path} ro={ro}: {:?}",
                 check_pod(&p, &s, &extra)
+            );
+        }
+    }
+
+    /// A containing host path reaches ours through a subPath (resolved) or a subPathExpr
+    /// (which cannot be resolved at admission): denied; elsewhere allowed.
+    #[test]
+    fn sub_paths_into_the_node_directories() {
+        let s = ShimSettings::default();
+        let m = |path: &str, mount: Value| {
+            let mut mount = mount;
+            mount["name"] = json!("h");
+            mount["mountPath"] = json!("/h");
+            pod(
+                json!([{"name": "h", "hostPath": {"path": path}}]),
+                json!([{"name": "c", "volumeMounts": [mount]}]),
+            )
+        };
+        for (path, mount, ok) in [
+            ("/", json!({"subPath": "run/gpu-coloc/doorbells"}), false),
+            ("/run", json!({"subPath": "gpu-coloc"}), false),
+            (
+                "/proc",
+                json!({"subPath": "1/root/run/gpu-coloc/gate"}),
+                false,
+            ),
+            (
+                "/var",
+                json!({"subPath": "run/gpu-coloc", "readOnly": true}),
+                false,
+            ),
+            ("/run", json!({"subPathExpr": "$(X)"}), false),
+            ("/proc/1", json!({"subPathExpr": "root/$(X)"}), false),
+            ("/", json!({"subPath": "etc"}), true),
+            ("/run", json!({"subPath": "containerd"}), true),
+            ("/data", json!({"subPathExpr": "$(POD)"}), true),
+        ] {
+            let p = m(path, mount.clone());
+            assert_eq!(
+                check_pod(&p, &s, &[]).is_ok(),
+                ok,
+                "{path} {mount}: {:?}",
+                check_pod(&p, &s, &[])
+            );
+            let mut e = p.clone();
+            e["spec"]["ephemeralContainers"] = e["spec"]["containers"].take();
+            assert_eq!(
+                check_ephemeral(&e, &s, &[]).is_ok(),
+                ok,
+                "ephemeral {path} {mount}"
             );
         }
     }

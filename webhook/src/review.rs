@@ -123,7 +123,9 @@ pub fn review(body: &[u8], mode: Mode, backend: Option<Backend>, settings: &Sett
             let pod = &raw["request"]["object"];
             // Only at CREATE: a pod's containers, env and volumes cannot change later.
             let inj = match (&settings.shim, req.operation) {
-                (Some(shim), Operation::Create) => crate::inject::inject(pod, shim),
+                (Some(shim), Operation::Create) => {
+                    crate::inject::inject(pod, shim, &settings.classes.mapping())
+                }
                 _ => crate::inject::Injection::default(),
             };
             let mut resp = resp;

@@ -162,6 +162,33 @@ pub struct Settings {
     /// ([`crate::mounts`]; the chart: the agent's state directory).
     #[serde(default)]
     pub protected_host_paths: Vec<String>,
+    /// Which priority classes make a pod offline (`[classes]`; the agent's
+    /// `--offline-priority-class` and `--offline-priority-below` must say the same).
+    #[serde(default)]
+    pub classes: ClassSettings,
+}
+
+/// `[classes]` in the settings file: the PriorityClass mapping of `qos_core::classify_pod_with`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassSettings {
+    /// Priority classes whose pods are offline, besides Koordinator's `koord-batch` and
+    /// `koord-free`.
+    #[serde(default)]
+    pub offline_priority_classes: Vec<String>,
+    /// Pods whose `spec.priority` is below this value are offline.
+    #[serde(default)]
+    pub offline_priority_below: Option<i32>,
+}
+
+impl ClassSettings {
+    /// The mapping the classifier takes.
+    pub fn mapping(&self) -> qos_core::PriorityMapping {
+        qos_core::PriorityMapping {
+            offline_classes: self.offline_priority_classes.clone(),
+            offline_below: self.offline_priority_below,
+        }
+    }
 }
 
 impl Settings {
@@ -174,6 +201,7 @@ impl Settings {
             offline_preemption_policy: None,
             shim: None,
             protected_host_paths: Vec::new(),
+            classes: ClassSettings::default(),
         }
     }
 
@@ -618,7 +646,9 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     // reclaimed resources) is a contradiction. The agent would hold it as offline; the
     // `hami` translation would even overwrite its low priority with a high one.
     if class == PodClass::Online {
-        if let Some(evidence) = qos_core::pod::immutable_offline(&pod_facts(pod)) {
+        if let Some(evidence) =
+            qos_core::pod::immutable_offline_with(&pod_facts(pod), &s.classes.mapping())
+        {
             return Err(deny(
                 "qos_contradiction",
                 format!(
@@ -689,9 +719,9 @@ pub fn translate(pod: &Value, backend: Backend, s: &Settings) -> Result<Vec<Valu
     Ok(finish_ops(ops))
 }
 
-/// What `pod` says about its class, for `qos_core::classify_pod`: its `qos_level`
-/// annotation, Koordinator's label, its priority class and every resource its containers
-/// and init containers ask for.
+/// What `pod` says about its class, for `qos_core::classify_pod`: its `qos_level` and
+/// `gpu-coloc.dev/class` annotations, Koordinator's label, its priority class and
+/// priority, and every resource its containers and init containers ask for.
 pub fn pod_facts(pod: &Value) -> qos_core::PodFacts<'_> {
     let mut resources = Vec::new();
     for list in ["initContainers", "containers"] {
@@ -709,7 +739,11 @@ pub fn pod_facts(pod: &Value) -> qos_core::PodFacts<'_> {
     qos_core::PodFacts {
         qos_level: pod["metadata"]["annotations"][QOS_LEVEL_ANNOTATION].as_str(),
         koordinator_qos: pod["metadata"]["labels"][qos_core::pod::KOORDINATOR_QOS_LABEL].as_str(),
+        coloc_class: pod["metadata"]["annotations"][qos_core::pod::COLOC_CLASS_ANNOTATION].as_str(),
         priority_class: pod["spec"]["priorityClassName"].as_str(),
+        priority: pod["spec"]["priority"]
+            .as_i64()
+            .and_then(|p| i32::try_from(p).ok()),
         resources,
     }
 }

@@ -679,3 +679,233 @@ fn shim_settings_are_checked_at_start() {
         toml::from_str::<Settings>("backend = \"vke\"\n[shim]\nlibary = \"/x/y.so\"\n").is_err()
     );
 }
+
+/// Settings with the PriorityClass mapping of `[classes]`.
+fn settings_with_classes(backend: Backend) -> Settings {
+    let mut s = settings(backend, shim());
+    s.classes.offline_priority_classes = vec!["batch-low".into()];
+    s.classes.offline_priority_below = Some(1000);
+    s
+}
+
+/// `fixture`'s pod with its GPU container `train` asking for `gpu` and saying its class
+/// through `say`.
+fn classified_pod(gpu: &Value, say: &dyn Fn(&mut Value)) -> (Value, Value) {
+    let envelope = fixture("offline-deployment-create");
+    let mut pod = envelope["request"]["object"].clone();
+    let mut res = json!({"cpu": "4", "memory": "16Gi"});
+    for (k, v) in gpu.as_object().unwrap() {
+        res[k] = v.clone();
+    }
+    pod["spec"]["containers"][0]["resources"] = json!({"limits": res, "requests": res});
+    say(&mut pod);
+    (envelope, pod)
+}
+
+/// Every vocabulary × every GPU resource × every backend: the GPU container gets the shim
+/// for its class, the translation admits the result, a second `/inject` adds nothing and
+/// `/validate-mounts` allows it.
+#[tokio::test]
+async fn every_vocabulary_and_gpu_resource_gets_the_shim_on_every_backend() {
+    type Say = Box<dyn Fn(&mut Value)>;
+    let ann = |k: &'static str, v: &'static str| -> Say {
+        Box::new(move |p: &mut Value| p["metadata"]["annotations"][k] = json!(v))
+    };
+    let label = |k: &'static str, v: &'static str| -> Say {
+        Box::new(move |p: &mut Value| p["metadata"]["labels"][k] = json!(v))
+    };
+    let hami = |v: &'static str| -> Say {
+        Box::new(move |p: &mut Value| {
+            for part in ["limits", "requests"] {
+                p["spec"]["containers"][0]["resources"][part]["nvidia.com/priority"] = json!(v);
+            }
+        })
+    };
+    let priority = |name: &'static str, value: i64| -> Say {
+        Box::new(move |p: &mut Value| {
+            p["spec"]["priorityClassName"] = json!(name);
+            p["spec"]["priority"] = json!(value);
+        })
+    };
+    let vocabularies: Vec<(&str, Say, &str)> = vec![
+        (
+            "katalyst reclaimed_cores",
+            ann("katalyst.kubewharf.io/qos_level", "reclaimed_cores"),
+            "offline",
+        ),
+        (
+            "katalyst shared_cores",
+            ann("katalyst.kubewharf.io/qos_level", "shared_cores"),
+            "online",
+        ),
+        (
+            "katalyst dedicated_cores",
+            ann("katalyst.kubewharf.io/qos_level", "dedicated_cores"),
+            "online",
+        ),
+        (
+            "koordinator BE",
+            label("koordinator.sh/qosClass", "BE"),
+            "offline",
+        ),
+        (
+            "koordinator LS",
+            label("koordinator.sh/qosClass", "LS"),
+            "online",
+        ),
+        ("hami priority 1", hami("1"), "offline"),
+        ("hami priority 0", hami("0"), "online"),
+        (
+            "priority class by name",
+            priority("batch-low", 5000),
+            "offline",
+        ),
+        ("priority class by value", priority("cheap", 100), "offline"),
+        (
+            "priority class above the threshold",
+            priority("prod", 100000),
+            "online",
+        ),
+        (
+            "gpu-coloc.dev/class offline",
+            ann("gpu-coloc.dev/class", "offline"),
+            "offline",
+        ),
+        (
+            "gpu-coloc.dev/class online",
+            ann("gpu-coloc.dev/class", "online"),
+            "online",
+        ),
+        (
+            "nothing said (online by default)",
+            Box::new(|_: &mut Value| {}),
+            "online",
+        ),
+    ];
+    let resources = |class: &str| {
+        let mgpu = if class == "offline" {
+            json!({"vke.volcengine.com/reclaimed-mgpu-core": "30"})
+        } else {
+            json!({"vke.volcengine.com/mgpu-core": "30"})
+        };
+        vec![
+            ("nvidia.com/gpu", json!({"nvidia.com/gpu": "1"})),
+            (
+                "hami",
+                json!({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30", "nvidia.com/gpumem": "4000"}),
+            ),
+            ("mgpu", mgpu),
+        ]
+    };
+    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
+        let app = app(settings_with_classes(backend));
+        for (vocab, say, class) in &vocabularies {
+            for (rname, gpu) in resources(class) {
+                // mGPU online requests contradict HAMi's low priority; offline ones with
+                // HAMi's high priority make a pod the translation denies: both covered by
+                // the translation's own tests.
+                if rname == "mgpu" && vocab.starts_with("hami") {
+                    continue;
+                }
+                let what = format!("{vocab} × {rname} × {backend}");
+                let (envelope, pod) = classified_pod(&gpu, say.as_ref());
+                let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
+                assert!(
+                    r["response"]["patch"].is_string(),
+                    "{what}: not patched: {r}"
+                );
+                assert_injected(&injected, "train", class);
+                assert_eq!(
+                    injected["metadata"]["annotations"]["gpu-coloc.dev/shim-injected"], "train",
+                    "{what}"
+                );
+                assert_valid_pod(&injected, &what);
+                let (r, translated) =
+                    review(&app, "/mutate", &envelope, &as_stored(&injected)).await;
+                assert_eq!(r["response"]["allowed"], true, "{what}: {r}");
+                let (r, _) = review(&app, "/inject", &envelope, &as_stored(&translated)).await;
+                assert!(r["response"]["patch"].is_null(), "{what}: reinjected: {r}");
+                let (r, _) =
+                    review(&app, "/validate-mounts", &envelope, &as_stored(&translated)).await;
+                assert_eq!(r["response"]["allowed"], true, "{what}: {r}");
+            }
+        }
+    }
+}
+
+/// The two pods, as the CLI reads them: `nvidia.com/gpu: 1` with Katalyst's
+/// `reclaimed_cores` or Koordinator's `BE` get the offline shim on `nvidia-shared`.
+#[tokio::test]
+async fn nvidia_gpu_pods_classified_offline_get_the_shim() {
+    for name in ["nvidia-gpu-katalyst-reclaimed", "nvidia-gpu-koordinator-be"] {
+        let envelope = fixture(name);
+        let pod = envelope["request"]["object"].clone();
+        let (r, injected) = review(
+            &app(settings(Backend::NvidiaShared, shim())),
+            "/inject",
+            &envelope,
+            &pod,
+        )
+        .await;
+        assert!(r["response"]["patch"].is_string(), "{name}: {r}");
+        assert_injected(&injected, "train", "offline");
+    }
+}
+
+/// What the shim does not go into: a system pod, a pod without a GPU, a DRA resource
+/// claim (the webhook cannot see the claim's device class) unless the pod opts in, and a
+/// container without a GPU beside one with it. Vocabularies that disagree make the pod
+/// online.
+#[tokio::test]
+async fn system_pods_claims_and_disagreements() {
+    let app = app(settings(Backend::NvidiaShared, shim()));
+    let gpu = json!({"nvidia.com/gpu": "1"});
+    let (envelope, pod) = classified_pod(&gpu, &|p| {
+        p["metadata"]["annotations"]["katalyst.kubewharf.io/qos_level"] = json!("system_cores")
+    });
+    let (r, _) = review(&app, "/inject", &envelope, &pod).await;
+    assert!(r["response"]["patch"].is_null(), "system: {r}");
+    let (envelope, pod) = classified_pod(&json!({"nvidia.com/gpu": "0"}), &|p| {
+        p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("BE")
+    });
+    let (r, _) = review(&app, "/inject", &envelope, &pod).await;
+    assert!(r["response"]["patch"].is_null(), "no GPU: {r}");
+    // MIG slices: the agent does not manage MIG.
+    let (envelope, pod) = classified_pod(&json!({"nvidia.com/mig-1g.10gb": "1"}), &|p| {
+        p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("BE")
+    });
+    let (r, _) = review(&app, "/inject", &envelope, &pod).await;
+    assert!(r["response"]["patch"].is_null(), "MIG: {r}");
+    let claim = |p: &mut Value| {
+        p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("BE");
+        p["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": "one-gpu"}]);
+        p["spec"]["containers"][0]["resources"]["claims"] = json!([{"name": "gpu"}]);
+    };
+    let (envelope, pod) = classified_pod(&json!({}), &claim);
+    let (r, _) = review(&app, "/inject", &envelope, &pod).await;
+    assert!(r["response"]["patch"].is_null(), "claim: {r}");
+    let (envelope, pod) = classified_pod(&json!({}), &|p| {
+        claim(p);
+        p["metadata"]["annotations"]["gpu-coloc.dev/shim"] = json!("enabled");
+    });
+    let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
+    assert!(r["response"]["patch"].is_string(), "claim, opted in: {r}");
+    assert_injected(&injected, "train", "offline");
+    let (envelope, pod) = classified_pod(&gpu, &|p| {
+        p["metadata"]["labels"]["koordinator.sh/qosClass"] = json!("BE");
+        p["metadata"]["annotations"]["katalyst.kubewharf.io/qos_level"] = json!("shared_cores");
+        let mut side = p["spec"]["containers"][0].clone();
+        side["name"] = json!("sidecar");
+        side["resources"] = json!({});
+        p["spec"]["containers"].as_array_mut().unwrap().push(side);
+    });
+    let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
+    assert_injected(&injected, "train", "online");
+    assert_untouched(&pod, &injected, "sidecar");
+    let warned = r["response"]["warnings"].to_string();
+    assert!(
+        warned.contains("koordinator.sh/qosClass=BE") && warned.contains("qos_level=shared_cores"),
+        "the warning names both: {r}"
+    );
+    assert!(r["response"]["patch"].is_string());
+}

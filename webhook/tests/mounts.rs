@@ -292,10 +292,24 @@ async fn host_paths_at_or_under_the_node_directories_are_refused() {
             ("/var/lib/gpu-coloc/lib/", true, false),
             ("/var/lib/gpu-coloc/lib/../lib", false, false),
             ("/run/coloc-agent", true, false),
-            // Containing them: read-only only.
-            ("/run", false, false),
-            ("/", false, false),
+            // Other spellings of the same directories.
+            ("/proc/1/root/run/gpu-coloc/gate", true, false),
+            (
+                "/proc/self/root//var/run/./gpu-coloc/doorbells",
+                false,
+                false,
+            ),
+            ("/proc/1/task/1/root/var/lib/gpu-coloc/lib", true, false),
+            ("/proc/1/root/../run/gpu-coloc/gate", false, false),
+            // The gpu-coloc parents are ours too.
             ("/var/lib/gpu-coloc", false, false),
+            ("/run/gpu-coloc", true, false),
+            // Containing them only: not ours to refuse, writable or not (`kubectl debug
+            // node/…` mounts `/`; HAMi's vgpu-monitor `/var`).
+            ("/run", false, true),
+            ("/", false, true),
+            ("/var", false, true),
+            ("/proc", false, true),
             ("/run", true, true),
             ("/", true, true),
             // Elsewhere: not ours to judge.
@@ -344,5 +358,44 @@ async fn injected_pods_pass_and_a_second_pass_changes_nothing() {
         let (r, again) = call(&app(), "/inject", &with_object(&e, &pod)).await;
         assert!(r["response"]["patch"].is_null(), "{name}: {r}");
         assert_eq!(again, pod);
+    }
+}
+
+/// The pods the issue names, as their tools write them: `kubectl debug node/…` (the node's
+/// `/` at `/host`, writable) and HAMi's vgpu-monitor (`/var` writable, outside
+/// `kube-system`) are allowed; the same pod reaching the gate through `/proc/1/root` is
+/// not.
+#[tokio::test]
+async fn node_debuggers_and_monitors_are_not_ours_to_refuse() {
+    let app = app();
+    let debug = json!({
+        "name": "node-debugger-node1-abcde", "namespace": "default",
+        "spec": {"hostPID": true, "hostNetwork": true, "hostIPC": true, "nodeName": "node1",
+            "containers": [{"name": "debugger", "image": "busybox", "stdin": true, "tty": true,
+                "volumeMounts": [{"name": "host-root", "mountPath": "/host"}]}],
+            "volumes": [{"name": "host-root", "hostPath": {"path": "/"}}]}
+    });
+    let monitor = json!({
+        "name": "hami-device-plugin-x", "namespace": "hami-system",
+        "spec": {"containers": [{"name": "vgpu-monitor", "image": "projecthami/hami",
+                "volumeMounts": [{"name": "hosttmp", "mountPath": "/hostvar"}]}],
+            "volumes": [{"name": "hosttmp", "hostPath": {"path": "/var"}}]}
+    });
+    let mut reach = debug.clone();
+    reach["spec"]["volumes"][0]["hostPath"]["path"] = json!("/proc/1/root/run/gpu-coloc/gate");
+    let mut sub = debug.clone();
+    sub["spec"]["containers"][0]["volumeMounts"][0]["subPath"] = json!("run/gpu-coloc/doorbells");
+    for (what, pod, ok) in [
+        ("kubectl debug node", debug, true),
+        ("HAMi vgpu-monitor", monitor, true),
+        ("the gate through /proc/1/root", reach, false),
+        ("the doorbells through a subPath of /", sub, false),
+    ] {
+        let mut e = fixture("plain-pod");
+        e["request"]["namespace"] = pod["namespace"].clone();
+        e["request"]["object"]["metadata"]["name"] = pod["name"].clone();
+        e["request"]["object"]["spec"] = pod["spec"].clone();
+        let (r, _) = call(&app, "/validate-mounts", &e).await;
+        assert_eq!(allowed(&r), ok, "{what}: {r}");
     }
 }

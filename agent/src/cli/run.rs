@@ -35,6 +35,17 @@ pub struct RunArgs {
     /// spec.nodeName=<name> (set from the downward API in the DaemonSet).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
+    /// A PriorityClass whose pods are offline, besides Koordinator's koord-batch and
+    /// koord-free (repeat, or comma-separated). Read from spec.priorityClassName, which a
+    /// pod cannot change; the webhook's [classes] offline_priority_classes must say the
+    /// same.
+    #[arg(long, env = "COLOC_OFFLINE_PRIORITY_CLASS", value_delimiter = ',')]
+    pub offline_priority_class: Vec<String>,
+    /// Pods whose spec.priority (set by the API server from their PriorityClass) is below
+    /// this value are offline; the webhook's [classes] offline_priority_below must say the
+    /// same.
+    #[arg(long, env = "COLOC_OFFLINE_PRIORITY_BELOW", allow_hyphen_values = true)]
+    pub offline_priority_below: Option<i32>,
     /// NVML library to load (the driver's libnvidia-ml.so.1, or the test fake).
     #[arg(long, env = "COLOC_NVML_LIB", default_value = "libnvidia-ml.so.1")]
     pub nvml_lib: String,

@@ -119,8 +119,12 @@ pub fn render(st: &StateDoc) -> String {
             out += "  no GPU processes\n";
         }
         for p in &g.processes {
+            let shim = match p.shim.as_deref() {
+                Some("page") | None => String::new(),
+                Some(why) => format!("  [no shim: {}]", sanitize(why)),
+            };
             out += &format!(
-                "  {:>8}  {:<10} {:<9} {:<28} {}\n",
+                "  {:>8}  {:<10} {:<9} {:<28} {}{shim}\n",
                 p.pid,
                 p.class.to_string(),
                 if p.suspended { "SUSPENDED" } else { "running" },
@@ -132,6 +136,42 @@ pub fn render(st: &StateDoc) -> String {
                 },
             );
         }
+    }
+    // The CUDA shim's coverage: online and offline processes with it, and why not.
+    for class in ["online", "offline"] {
+        let rows: Vec<_> = st
+            .shim_coverage
+            .iter()
+            .filter(|r| r.class == class)
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let with: usize = rows
+            .iter()
+            .filter(|r| r.shim == "page")
+            .map(|r| r.processes)
+            .sum();
+        let without: Vec<String> = rows
+            .iter()
+            .filter(|r| r.shim != "page")
+            .map(|r| format!("{} {}", sanitize(&r.shim), r.processes))
+            .collect();
+        out += &format!(
+            "\nCUDA shim, {class} processes: {with} with it{}",
+            if without.is_empty() {
+                "\n".to_string()
+            } else {
+                format!(
+                    ", {} without ({})\n",
+                    rows.iter()
+                        .filter(|r| r.shim != "page")
+                        .map(|r| r.processes)
+                        .sum::<usize>(),
+                    without.join(", ")
+                )
+            }
+        );
     }
     out
 }
@@ -246,6 +286,7 @@ mod tests {
                     .iter()
                     .enumerate()
                     .map(|(i, c)| ProcDoc {
+                        shim: None,
                         pid: 100 + i as u32,
                         class: Class::Offline,
                         owner: "rule:off\n".into(),
@@ -279,6 +320,38 @@ mod tests {
         // One line per process: the newline in the command line did not start another.
         assert_eq!(out.lines().filter(|l| l.contains("FAKE LINE")).count(), 1);
         assert!(!out.lines().any(|l| l.starts_with("FAKE")));
+    }
+
+    #[test]
+    fn shim_coverage_is_shown_with_its_reasons() {
+        let mut d = doc(&["train.py", "serve.py"]);
+        d.gpus[0].processes[0].shim = Some("refused".into());
+        d.gpus[0].processes[1].shim = Some("page".into());
+        d.shim_coverage = vec![
+            crate::control::state::CoverageRow {
+                class: "offline".into(),
+                shim: "page".into(),
+                processes: 1,
+            },
+            crate::control::state::CoverageRow {
+                class: "offline".into(),
+                shim: "refused".into(),
+                processes: 1,
+            },
+        ];
+        let out = render(&d);
+        assert!(
+            out.lines()
+                .any(|l| l.contains("train.py") && l.ends_with("[no shim: refused]")),
+            "{out}"
+        );
+        assert!(!out
+            .lines()
+            .any(|l| l.contains("serve.py") && l.contains("no shim")));
+        assert!(
+            out.contains("CUDA shim, offline processes: 1 with it, 1 without (refused 1)"),
+            "{out}"
+        );
     }
 
     #[test]

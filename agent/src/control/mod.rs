@@ -25,6 +25,7 @@
 pub mod bells;
 pub mod claims;
 pub mod controller;
+pub mod coverage;
 pub mod entry;
 pub mod events;
 pub mod execute;

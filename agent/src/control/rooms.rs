@@ -635,6 +635,7 @@ impl Rooms {
                             last_active_ms_ago: None,
                             driver: Some(st.as_str().into()),
                             checkpointed_bytes: checkpointed,
+                            shim: None,
                         }),
                         None => {}
                     }
@@ -642,6 +643,7 @@ impl Rooms {
                 g.processes.sort_by_key(|p| p.pid);
             }
         }
+        super::coverage::mark(&mut doc, &self.seeing.table, &self.seeing.bells);
         doc
     }
 

@@ -37,6 +37,10 @@ pub struct StateDoc {
     /// Doorbell pages whose launches do not count: NVML did not corroborate them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub distrusted_pages: Vec<DistrustedPage>,
+    /// GPU processes of online and offline pods by whether they run with the CUDA shim,
+    /// and why not (`control::coverage`).
+    #[serde(default)]
+    pub shim_coverage: Vec<CoverageRow>,
 }
 
 /// An owner of doorbell pages distrusted on a GPU, in `/state`.
@@ -108,6 +112,22 @@ pub struct ProcDoc {
     /// Device memory it holds on the host while checkpointed, bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpointed_bytes: Option<u64>,
+    /// The CUDA shim (online and offline processes): `page` when its doorbell page is
+    /// seen, else why not (`not_injected`, `refused`, `opted_out`, `not_loaded`;
+    /// `control::coverage`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shim: Option<String>,
+}
+
+/// GPU processes of one class by their coverage (`/state`'s `shim_coverage`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoverageRow {
+    /// `online` or `offline`.
+    pub class: String,
+    /// `page`, or why not.
+    pub shim: String,
+    /// How many processes.
+    pub processes: usize,
 }
 
 /// State shared between the control loop, its watchdog and the HTTP server.

@@ -228,6 +228,7 @@ mod tests {
             owner: "rule:off".into(),
             freeze_cgroup: Some("/batch/job".into()),
             checkpoint: None,
+            shim: None,
         };
         (chooser, info, cls, dir, guard)
     }

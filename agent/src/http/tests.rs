@@ -23,6 +23,7 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
     *shared.state.lock().unwrap() = StateDoc {
         gpus: vec![GpuDoc {
             processes: vec![ProcDoc {
+                shim: None,
                 pid: 7,
                 class: qos_core::Class::Offline,
                 owner: "rule:off".into(),

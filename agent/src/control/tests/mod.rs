@@ -133,6 +133,7 @@ fn class(c: Class, cgroup: Option<&str>) -> Classified {
         owner: format!("test:{c}"),
         freeze_cgroup: cgroup.map(String::from),
         checkpoint: None,
+        shim: None,
     }
 }
 

@@ -28,7 +28,7 @@
 //! May touch: the Kubernetes API (get/list/watch pods).
 
 use crate::edges::procfs::ProcInfo;
-use crate::edges::source::{Classified, PodSource};
+use crate::edges::source::{Classified, PodSource, ShimNote};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
@@ -36,7 +36,7 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
 use qos_core::pod::KOORDINATOR_QOS_LABEL;
 use qos_core::resources::{CorePercent, RECLAIMED_MGPU_CORE};
-use qos_core::{classify_pod, Class, ComputePolicy, PodFacts, Share};
+use qos_core::{classify_pod_with, Class, ComputePolicy, PodFacts, PriorityMapping, Share};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -69,13 +69,15 @@ pub struct PodEntry {
     pub share: Share,
     /// `gpu-coloc.dev/checkpoint`: `"true"` or `"false"`; anything else says nothing.
     pub checkpoint: Option<bool>,
+    /// What the webhook wrote about the CUDA shim (reported, never decides).
+    pub shim: ShimNote,
 }
 
 impl PodEntry {
     /// Reads a pod: its class from every vocabulary, what it cannot change after
     /// admission first (`qos_core::classify_pod`). Unknown values are online (and logged
     /// by the caller).
-    pub fn from_pod(pod: &Pod) -> (PodEntry, Option<String>) {
+    pub fn from_pod(pod: &Pod, map: &PriorityMapping) -> (PodEntry, Option<String>) {
         let ann = pod.metadata.annotations.as_ref();
         let spec = pod.spec.as_ref();
         let resources = spec
@@ -89,19 +91,26 @@ impl PodEntry {
             .flat_map(|r| r.requests.iter().flatten().chain(r.limits.iter().flatten()))
             .map(|(k, q)| (k.as_str(), q.0.as_str()))
             .collect();
-        let c = classify_pod(&PodFacts {
-            qos_level: ann
-                .and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
-                .map(String::as_str),
-            koordinator_qos: pod
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(KOORDINATOR_QOS_LABEL))
-                .map(String::as_str),
-            priority_class: spec.and_then(|s| s.priority_class_name.as_deref()),
-            resources,
-        });
+        let c = classify_pod_with(
+            &PodFacts {
+                qos_level: ann
+                    .and_then(|a| a.get(qos_core::QOS_LEVEL_ANNOTATION))
+                    .map(String::as_str),
+                coloc_class: ann
+                    .and_then(|a| a.get(qos_core::pod::COLOC_CLASS_ANNOTATION))
+                    .map(String::as_str),
+                priority: spec.and_then(|s| s.priority),
+                koordinator_qos: pod
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(KOORDINATOR_QOS_LABEL))
+                    .map(String::as_str),
+                priority_class: spec.and_then(|s| s.priority_class_name.as_deref()),
+                resources,
+            },
+            map,
+        );
         let policy = ComputePolicy::from_annotation(
             ann.and_then(|a| a.get(qos_core::resources::COMPUTE_POLICY_ANNOTATION))
                 .map(String::as_str),
@@ -133,6 +142,9 @@ impl PodEntry {
                 owner,
                 class: c.class,
                 share,
+                shim: ShimNote::from_annotations(|k| {
+                    ann.and_then(|a| a.get(k)).map(String::as_str)
+                }),
                 checkpoint: ann
                     .and_then(|a| a.get(CHECKPOINT_ANNOTATION))
                     .and_then(|v| checkpoint_word(v)),
@@ -144,6 +156,8 @@ impl PodEntry {
 
 #[derive(Debug, Default)]
 struct Inner {
+    /// The PriorityClass mapping (`--offline-priority-class`, `--offline-priority-below`).
+    mapping: PriorityMapping,
     index: RwLock<HashMap<String, PodEntry>>,
     /// UIDs of the pods seen offline (until they are deleted).
     offline_seen: RwLock<HashSet<String>>,
@@ -161,9 +175,18 @@ pub struct KubeSource {
 impl KubeSource {
     /// Starts watching the pods of `node` on the current tokio runtime.
     pub fn start(client: Client, node: &str) -> KubeSource {
+        KubeSource::start_with(client, node, PriorityMapping::default())
+    }
+
+    /// Starts watching the pods of `node`, classifying them with `mapping`'s priority
+    /// classes and threshold besides Koordinator's.
+    pub fn start_with(client: Client, node: &str, mapping: PriorityMapping) -> KubeSource {
         let (tx, _) = tokio::sync::watch::channel(0);
         let src = KubeSource {
-            inner: Arc::default(),
+            inner: Arc::new(Inner {
+                mapping,
+                ..Inner::default()
+            }),
             changed: Some(tx),
         };
         let api: Api<Pod> = Api::all(client);
@@ -203,7 +226,7 @@ impl KubeSource {
 
     fn entry(&self, pod: &Pod) -> Option<(String, PodEntry)> {
         let uid = pod.metadata.uid.clone()?;
-        let (mut e, warning) = PodEntry::from_pod(pod);
+        let (mut e, warning) = PodEntry::from_pod(pod, &self.inner.mapping);
         if let Some(w) = warning {
             warn!(pod = %e.owner, "{w}");
             metrics::counter!("coloc_unknown_qos_level_total").increment(1);
@@ -326,6 +349,7 @@ impl PodSource for KubeSource {
                 // The container's own cgroup: every process in it belongs to this pod.
                 freeze_cgroup: Some(path),
                 checkpoint: e.checkpoint,
+                shim: Some(e.shim),
             },
             None => Classified {
                 owner: format!("pod-uid:{}", pc.uid),
@@ -401,5 +425,60 @@ mod checkpoint_word_tests {
         ] {
             assert_eq!(checkpoint_word(v), None, "{v:?} says something");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// `--offline-priority-class` and `--offline-priority-below` read what a pod cannot
+    /// change (its class name, and the priority the API server set from it), whatever its
+    /// annotations say; the webhook's notes on the shim are read, never decide.
+    #[test]
+    fn the_priority_mapping_and_the_shim_notes() {
+        let map = PriorityMapping {
+            offline_classes: vec!["batch-low".into()],
+            offline_below: Some(1000),
+        };
+        let p = |pc: &str, prio: i32, ann: serde_json::Value| {
+            pod(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ml", "uid": "u", "annotations": ann},
+                "spec": {"containers": [{"name": "main"}], "priorityClassName": pc, "priority": prio}
+            }))
+        };
+        let online = serde_json::json!({"katalyst.kubewharf.io/qos_level": "shared_cores",
+            "gpu-coloc.dev/class": "online"});
+        let (e, _) = PodEntry::from_pod(&p("batch-low", 5000, online.clone()), &map);
+        assert_eq!(e.class, Class::Offline);
+        let (e, _) = PodEntry::from_pod(&p("cheap", 10, online.clone()), &map);
+        assert_eq!(e.class, Class::Offline);
+        let (e, _) =
+            PodEntry::from_pod(&p("cheap", 10, online.clone()), &PriorityMapping::default());
+        assert_eq!(e.class, Class::Online, "without the flags");
+        let (e, _) = PodEntry::from_pod(&p("prod", 100000, online), &map);
+        assert_eq!((e.class, e.shim), (Class::Online, ShimNote::NotInjected));
+        let (e, _) = PodEntry::from_pod(
+            &p(
+                "prod",
+                100000,
+                serde_json::json!({"gpu-coloc.dev/shim-injected": "main"}),
+            ),
+            &map,
+        );
+        assert_eq!(e.shim, ShimNote::Injected);
+        let (e, _) = PodEntry::from_pod(
+            &p(
+                "prod",
+                100000,
+                serde_json::json!({"gpu-coloc.dev/shim": "disabled"}),
+            ),
+            &map,
+        );
+        assert_eq!(e.shim, ShimNote::OptedOut);
     }
 }

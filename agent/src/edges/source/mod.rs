@@ -29,6 +29,42 @@ pub struct Classified {
     /// What its pod or rule says of memory preemption (`gpu-coloc.dev/checkpoint`, a
     /// rule's `checkpoint`): `Some(true)` opts in, `Some(false)` out, `None` says nothing.
     pub checkpoint: Option<bool>,
+    /// What the webhook did about the CUDA shim in its pod (the pod's annotations); `None`
+    /// where the source knows no pod (standalone rules, unknown processes).
+    pub shim: Option<ShimNote>,
+}
+
+/// What the webhook wrote on a pod about the CUDA shim (`gpu-coloc.dev/shim-injected`,
+/// `gpu-coloc.dev/shim-skipped`, `gpu-coloc.dev/shim: disabled`). The agent reports it
+/// for GPU processes that run without the shim's page; it decides nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShimNote {
+    /// Injected into every GPU container.
+    Injected,
+    /// At least one container was left out (its `LD_PRELOAD` could not be appended to, a
+    /// path was taken).
+    Refused,
+    /// The pod opted out (`gpu-coloc.dev/shim: disabled`).
+    OptedOut,
+    /// No word from the webhook: it did not see the pod (namespace opted out or refusing
+    /// `hostPath`, webhook down, no GPU resource it knows, a `system` pod).
+    NotInjected,
+}
+
+impl ShimNote {
+    /// Reads the webhook's annotations of a pod (`get` looks one up).
+    pub fn from_annotations<'a>(get: impl Fn(&str) -> Option<&'a str>) -> ShimNote {
+        let nonempty = |k: &str| get(k).is_some_and(|v| !v.trim().is_empty());
+        if get("gpu-coloc.dev/shim").map(str::trim) == Some("disabled") {
+            ShimNote::OptedOut
+        } else if nonempty("gpu-coloc.dev/shim-skipped") {
+            ShimNote::Refused
+        } else if nonempty("gpu-coloc.dev/shim-injected") {
+            ShimNote::Injected
+        } else {
+            ShimNote::NotInjected
+        }
+    }
 }
 
 impl Classified {
@@ -40,6 +76,7 @@ impl Classified {
             owner: "-".into(),
             freeze_cgroup: None,
             checkpoint: None,
+            shim: None,
         }
     }
 }
@@ -449,6 +486,7 @@ impl PodSource for Rules {
                 // Only a cgroup rule declares the whole cgroup offline; the root never is.
                 freeze_cgroup: cgroup.filter(|c| c != "/"),
                 checkpoint: rule.checkpoint,
+                shim: None,
             },
             None => Classified::unmanaged(self.unmatched),
         }

@@ -153,6 +153,22 @@ UPDATE, the old pod's record counts too (removing it is refused). CEL, Kubernete
 {{- end }}
 {{- end }}
 
+{{/*
+Which pods /inject sees at CREATE: those that ask for a GPU resource (nvidia.com/gpu or its
+shared replicas, HAMi's gpucores/gpumem, mGPU; not MIG, which the agent does not manage), carry the mGPU record, or name
+a DRA resource claim with the annotation gpu-coloc.dev/shim: enabled. The webhook itself
+decides the class. CEL, Kubernetes >= 1.30.
+*/}}
+{{- define "gpu-coloc.asksForGpu" -}}
+{{- include "gpu-coloc.asksForMgpu" "object" }}
+{{- range $list := list "containers" "initContainers" }} ||
+(has(object.spec.{{ $list }}) && object.spec.{{ $list }}.exists(c, has(c.resources) && (
+(has(c.resources.limits) && c.resources.limits.exists(k, k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared', 'nvidia.com/gpucores', 'nvidia.com/gpumem', 'nvidia.com/gpumem-percentage'])) ||
+(has(c.resources.requests) && c.resources.requests.exists(k, k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared', 'nvidia.com/gpucores', 'nvidia.com/gpumem', 'nvidia.com/gpumem-percentage'])) ||
+(has(c.resources.claims) && size(c.resources.claims) > 0 && has(object.metadata.annotations) && 'gpu-coloc.dev/shim' in object.metadata.annotations && object.metadata.annotations['gpu-coloc.dev/shim'] == 'enabled'))))
+{{- end }}
+{{- end }}
+
 {{- define "gpu-coloc.matchConditions" -}}
 - name: asks-for-mgpu
   expression: |-
@@ -193,6 +209,16 @@ offline_preemption_policy = "Never"
 # /validate-mounts: host directories no pod may mount writable (besides the [shim] ones):
 # the agent's fail-open record.
 protected_host_paths = [{{ .Values.agent.stateDir | quote }}]
+{{- with .Values.classes }}
+{{- if or .offlinePriorityClasses (not (kindIs "invalid" .offlinePriorityBelow)) }}
+# The PriorityClass mapping (the agent's COLOC_OFFLINE_PRIORITY_CLASS/_BELOW say the same).
+[classes]
+offline_priority_classes = {{ .offlinePriorityClasses | default list | toJson }}
+{{- if not (kindIs "invalid" .offlinePriorityBelow) }}
+offline_priority_below = {{ int .offlinePriorityBelow }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if .Values.shim.enabled }}
 # /inject: the CUDA shim into GPU pods (the same paths the agent's pods use on the nodes).
 [shim]

@@ -1,0 +1,354 @@
+//! The fast path for a pod that asks for `nvidia.com/gpu`, not mGPU: two pods go through
+//! the webhook's own output (`coloc-webhook --translate`, backend `nvidia-shared`, with
+//! `[shim]` pointing at the agent's directories) — an offline one classified by
+//! Koordinator's `koordinator.sh/qosClass: BE` alone, and an online one that says nothing
+//! (online by default). They are then run as a kubelet would run them: each container's
+//! environment as the pod spec gives it, its paths resolved through the pod's volumes
+//! (`hostPath` plus `subPathExpr: $(COLOC_POD_UID)`), in a kubelet-style cgroup of the pod,
+//! and listed by the fake API server the agent watches. The agent must see the online
+//! pod's doorbell in its own directory and hold the offline pod at its gate. A third pod,
+//! offline by the same label but opted out (`gpu-coloc.dev/shim: disabled`), runs without
+//! the shim, and the agent's coverage says so, per process and as a metric.
+
+use coloc_e2e::fakeapi::FakeApi;
+use coloc_e2e::*;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const OFF_UID: &str = "5b1f0c2e-7a43-4d6b-9e21-0c3d4e5f6a7b";
+const ON_UID: &str = "5b1f0c2e-7a43-4d6b-9e21-0c3d4e5f6a7c";
+const OUT_UID: &str = "5b1f0c2e-7a43-4d6b-9e21-0c3d4e5f6a7d";
+
+/// The pod as a user writes it (what the API server sends the webhook at CREATE).
+fn user_pod(name: &str, label: Option<(&str, &str)>) -> Value {
+    let mut p = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml", "labels": {"app": name}},
+        "spec": {"containers": [{
+            "name": "main", "image": "registry.example.com/cuda-app:1",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}
+        }]}
+    });
+    if let Some((k, v)) = label {
+        p["metadata"]["labels"][k] = json!(v);
+    }
+    p
+}
+
+/// `coloc-webhook --translate` of `pod` with `settings`: /inject, /mutate,
+/// /validate-mounts, as the API server calls them.
+fn through_the_webhook(dir: &Path, settings: &str, pod: &Value) -> Value {
+    let conf = dir.join("webhook.toml");
+    std::fs::write(&conf, settings).unwrap();
+    let file = dir.join(unique("pod")).with_extension("json");
+    std::fs::write(&file, pod.to_string()).unwrap();
+    let out = output_within(
+        Command::new(bin("coloc-webhook"))
+            .arg("--config")
+            .arg(&conf)
+            .arg("--translate")
+            .arg(&file),
+        Duration::from_secs(20),
+    );
+    assert!(
+        out.status.success(),
+        "coloc-webhook --translate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// What a kubelet gives container `main` of `pod` (stored with `uid`): its environment,
+/// with `fieldRef metadata.uid` resolved and every path that lies under a volume mount
+/// mapped to the host path the mount shows there.
+fn kubelet_env(pod: &Value, uid: &str) -> HashMap<String, String> {
+    let c = &pod["spec"]["containers"][0];
+    let mut env = HashMap::new();
+    for e in c["env"].as_array().into_iter().flatten() {
+        let name = e["name"].as_str().unwrap().to_string();
+        let value = if e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid" {
+            uid.to_string()
+        } else {
+            e["value"].as_str().unwrap_or_default().to_string()
+        };
+        env.insert(name, value);
+    }
+    let volumes: HashMap<&str, &str> = pod["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| Some((v["name"].as_str()?, v["hostPath"]["path"].as_str()?)))
+        .collect();
+    // (container path, host path), longest first.
+    let mut mounts: Vec<(String, PathBuf)> = Vec::new();
+    for m in c["volumeMounts"].as_array().into_iter().flatten() {
+        let host = volumes[m["name"].as_str().unwrap()];
+        let mut host = PathBuf::from(host);
+        if let Some(expr) = m["subPathExpr"].as_str() {
+            let mut sub = expr.to_string();
+            for (k, v) in &env {
+                sub = sub.replace(&format!("$({k})"), v);
+            }
+            host = host.join(sub);
+            std::fs::create_dir_all(&host).unwrap();
+        }
+        mounts.push((m["mountPath"].as_str().unwrap().to_string(), host));
+    }
+    mounts.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+    let map = |v: &str| -> String {
+        for (inside, host) in &mounts {
+            if v == inside {
+                return host.display().to_string();
+            }
+            if let Some(rest) = v.strip_prefix(&format!("{inside}/")) {
+                return host.join(rest).display().to_string();
+            }
+        }
+        v.to_string()
+    };
+    for key in ["LD_PRELOAD", "COLOC_DOORBELL_DIR", "COLOC_GATE_FILE"] {
+        if let Some(v) = env.get(key).cloned() {
+            let mapped: Vec<String> = v.split(':').map(map).collect();
+            env.insert(key.to_string(), mapped.join(":"));
+        }
+    }
+    env
+}
+
+fn kube_cgroup(base: &TestCgroup, uid: &str, cid: &str) -> TestCgroup {
+    let rel = format!(
+        "{}/kubepods/besteffort/pod{uid}/{cid}",
+        base.path.trim_start_matches('/')
+    );
+    match base.version {
+        "v2" => TestCgroup::v2(&rel),
+        _ => TestCgroup::v1(&rel),
+    }
+    .expect("nested cgroup")
+}
+
+/// A `coloc-sim` workload on the fake driver in `cg` with the kubelet's environment.
+fn spawn(sim: &Sim, cg: &TestCgroup, env: &HashMap<String, String>, args: &[&str]) -> Proc {
+    let mut c = coloc_sim::command_in_cgroup(&cg.dir, &bin("coloc-sim"));
+    c.args(args)
+        .arg("--cuda")
+        .envs(env)
+        .env("COLOC_SIM_STATE", &sim.state)
+        .env("LD_LIBRARY_PATH", fake_cuda())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    Proc(c.spawn().expect("spawn workload"))
+}
+
+#[test]
+fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(FakeApi::start());
+    let name = unique("coloc-e2e-kshim");
+    let base = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
+        eprintln!("NOTE: cgroup v2 not usable ({why}): using the v1 freezer hierarchy");
+        TestCgroup::try_v1(&name)
+            .unwrap_or_else(|why1| panic!("a cgroup hierarchy is required: v2: {why}; v1: {why1}"))
+    });
+    let off_cg = kube_cgroup(&base, OFF_UID, "cri-containerd-0ff.scope");
+    let out_cg = kube_cgroup(&base, OUT_UID, "cri-containerd-00d.scope");
+    let on_cg = kube_cgroup(&base, ON_UID, "cri-containerd-0a.scope");
+
+    let sim = Sim::start(1, &["--sample-period-ms", "100"]);
+    let dir = TempPath::dir("coloc-e2e-kshim");
+    let kubeconfig = api.kubeconfig(&dir);
+    let gate_dir = dir.join("gate");
+    let events = dir.join("events.jsonl");
+    let (gd, ev) = (gate_dir.display().to_string(), events.display().to_string());
+    let gate_file = format!("{gd}/gates");
+    let agent = Agent::spawn_with(
+        &sim,
+        &[
+            "--node-name",
+            "node1",
+            "--actuator",
+            "freezer",
+            "--gate",
+            "--gate-file",
+            &gate_file,
+            "--event-log",
+            &ev,
+        ],
+        &[
+            ("KUBECONFIG", kubeconfig.as_os_str()),
+            ("COLOC_NVML_INTERVAL", "100ms".as_ref()),
+            ("COLOC_NVML_SAMPLE_PERIOD", "100ms".as_ref()),
+        ],
+    );
+    rt.block_on(api.watching(Duration::from_secs(15)));
+
+    // The webhook's settings: the chart's [shim], on this node's directories.
+    let settings = format!(
+        "backend = \"nvidia-shared\"\n[shim]\nlibrary = \"{}\"\ndoorbell_dir = \"{}\"\ngate_dir = \"{gd}\"\n",
+        bin("libcoloc_cuda.so").display(),
+        agent.doorbell_dir.display()
+    );
+    let offline = through_the_webhook(
+        &dir,
+        &settings,
+        &user_pod("trainer", Some(("koordinator.sh/qosClass", "BE"))),
+    );
+    let online = through_the_webhook(&dir, &settings, &user_pod("server", None));
+    let mut opted = user_pod("batch", Some(("koordinator.sh/qosClass", "BE")));
+    opted["metadata"]["annotations"] = json!({"gpu-coloc.dev/shim": "disabled"});
+    let opted = through_the_webhook(&dir, &settings, &opted);
+    assert!(
+        opted["spec"]["containers"][0]["env"].is_null(),
+        "opted out, yet injected: {opted}"
+    );
+    for (p, class) in [(&offline, "offline"), (&online, "online")] {
+        assert_eq!(
+            p["metadata"]["annotations"]["gpu-coloc.dev/shim-injected"], "main",
+            "{p}"
+        );
+        let c = &p["spec"]["containers"][0];
+        let shim_class = c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "COLOC_SHIM_CLASS")
+            .map(|e| e["value"].clone());
+        assert_eq!(shim_class, Some(json!(class)), "{p}");
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1", "unchanged");
+    }
+
+    // Stored by the API server, scheduled to node1, running.
+    for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID), (&opted, OUT_UID)] {
+        let mut stored = p.clone();
+        stored["metadata"]["uid"] = json!(uid);
+        stored["metadata"]["resourceVersion"] = json!("1");
+        stored["spec"]["nodeName"] = json!("node1");
+        stored["status"] = json!({"phase": "Running"});
+        api.apply(stored);
+    }
+    let pods = agent.doorbell_dir.join("pods");
+    wait_for(
+        "the pods' doorbell directories",
+        Duration::from_secs(5),
+        || pods.join(OFF_UID).is_dir() && pods.join(ON_UID).is_dir(),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+
+    let off_env = kubelet_env(&offline, OFF_UID);
+    let on_env = kubelet_env(&online, ON_UID);
+    assert_eq!(
+        PathBuf::from(&on_env["COLOC_DOORBELL_DIR"]),
+        pods.join(ON_UID),
+        "the online pod writes to its own directory only"
+    );
+    assert_eq!(off_env["COLOC_GATE_FILE"], gate_file);
+    let off = spawn(
+        &sim,
+        &off_cg,
+        &off_env,
+        &[
+            "offline",
+            "--gpu",
+            "0",
+            "--step-ms",
+            "2",
+            "--queue-depth",
+            "16",
+        ],
+    );
+    let _out = spawn(
+        &sim,
+        &out_cg,
+        &HashMap::new(),
+        &["offline", "--gpu", "0", "--step-ms", "2"],
+    );
+    // Coverage: the gated pod's process has its page; the opted-out one has none, and
+    // says why.
+    let shim_of = |owner: &str| -> Option<String> {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["owner"] == owner && p["class"] == "offline")
+            .and_then(|p| p["shim"].as_str().map(String::from))
+    };
+    wait_for(
+        "the agent's coverage of both offline pods",
+        Duration::from_secs(5),
+        || {
+            shim_of("ml/trainer").as_deref() == Some("page")
+                && shim_of("ml/batch").as_deref() == Some("opted_out")
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}\n{}", agent.state(), agent.log_text()));
+    wait_for("the coverage metric", Duration::from_secs(5), || {
+        let m = agent.metrics();
+        let n = |shim: &str| {
+            metric(
+                &m,
+                "coloc_shim_coverage_processes",
+                &["class=\"offline\"", &format!("shim=\"{shim}\"")],
+            )
+        };
+        n("opted_out") == 1.0 && n("page") == 1.0 && n("not_injected") == 0.0
+    })
+    .unwrap_or_else(|e| panic!("{e}: {}", agent.metrics()));
+    let out = dir.join("online.json");
+    let mut on = spawn(
+        &sim,
+        &on_cg,
+        &on_env,
+        &[
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            "4",
+            "--work-ms",
+            "20",
+            "--duration-s",
+            "3",
+            "--seed",
+            "3",
+            "--out",
+            &out.display().to_string(),
+        ],
+    );
+    assert!(on.wait_within("online", Duration::from_secs(20)).success());
+    let preempts: Vec<Value> = std::fs::read_to_string(&events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "preempt")
+        .collect();
+    let gated: Vec<&Value> = preempts
+        .iter()
+        .filter(|e| e["signal"] == "doorbell" && e["actuator"] == "gate")
+        .collect();
+    assert!(
+        !gated.is_empty(),
+        "no preemption seen by the online pod's doorbell and drained at the offline pod's gate: {preempts:?}\n{}",
+        agent.log_text()
+    );
+    for e in &gated {
+        assert!(e["confirmed_ns"].as_u64().is_some(), "not confirmed: {e}");
+    }
+    wait_for("nothing suspended", Duration::from_secs(3), || {
+        agent.state()["suspended_targets"] == 0
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    drop(off);
+    drop(agent);
+    drop((off_cg, on_cg, out_cg));
+    for d in [
+        format!("kubepods/besteffort/pod{OFF_UID}"),
+        format!("kubepods/besteffort/pod{ON_UID}"),
+        format!("kubepods/besteffort/pod{OUT_UID}"),
+        "kubepods/besteffort".into(),
+        "kubepods".into(),
+    ] {
+        let _ = std::fs::remove_dir(base.dir.join(d));
+    }
+}
