@@ -45,6 +45,19 @@ fn watched(name: &str) -> bool {
             | "cuEventRecordWithFlags"
             | "cuEventCreate"
             | "cuEventDestroy"
+            // Watched so that the shim's cached current context and its count of open
+            // captures follow them.
+            | "cuCtxSetCurrent"
+            | "cuCtxPushCurrent"
+            | "cuCtxPopCurrent"
+            | "cuCtxCreate"
+            | "cuCtxCreate_v4"
+            | "cuCtxDestroy"
+            | "cuDevicePrimaryCtxRelease"
+            | "cuDevicePrimaryCtxReset"
+            | "cuStreamBeginCapture"
+            | "cuStreamBeginCaptureToGraph"
+            | "cuStreamEndCapture"
     ) || ((name.starts_with("cuMemcpy") || name.starts_with("cuMemset")) && !name.contains("Async"))
 }
 
