@@ -24,43 +24,6 @@ fn wheel_lib() -> Option<PathBuf> {
     (out.status.success() && dir.join("libnccl.so.2").exists()).then_some(dir)
 }
 
-/// A submission entry point by the shim's rule of thumb (its list, by prefix).
-fn submits(name: &str) -> bool {
-    name.starts_with("cuLaunch")
-        || name.starts_with("cuGraphLaunch")
-        || ((name.starts_with("cuMemcpy") || name.starts_with("cuMemset"))
-            && name.contains("Async"))
-}
-
-/// A watched entry point by the shim's rule of thumb (its list in `watch.rs`).
-fn watched(name: &str) -> bool {
-    matches!(
-        name,
-        "cuStreamSynchronize"
-            | "cuStreamQuery"
-            | "cuCtxSynchronize"
-            | "cuEventSynchronize"
-            | "cuEventQuery"
-            | "cuEventRecord"
-            | "cuEventRecordWithFlags"
-            | "cuEventCreate"
-            | "cuEventDestroy"
-            // Watched so that the shim's cached current context and its count of open
-            // captures follow them.
-            | "cuCtxSetCurrent"
-            | "cuCtxPushCurrent"
-            | "cuCtxPopCurrent"
-            | "cuCtxCreate"
-            | "cuCtxCreate_v4"
-            | "cuCtxDestroy"
-            | "cuDevicePrimaryCtxRelease"
-            | "cuDevicePrimaryCtxReset"
-            | "cuStreamBeginCapture"
-            | "cuStreamBeginCaptureToGraph"
-            | "cuStreamEndCapture"
-    ) || ((name.starts_with("cuMemcpy") || name.starts_with("cuMemset")) && !name.contains("Async"))
-}
-
 #[test]
 fn every_submission_and_synchronising_entry_point_nccl_looks_up_comes_back_wrapped() {
     let Some(lib) = wheel_lib() else {
