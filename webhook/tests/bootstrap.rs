@@ -338,8 +338,12 @@ impl Drop for Server {
 
 #[test]
 fn bootstrap_creates_keeps_and_renews_the_certificate_and_sets_every_ca_bundle() {
-    let dir = std::env::temp_dir().join(format!("coloc-webhook-bootstrap-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Removed when dropped, passing or failing.
+    let scratch = tempfile::Builder::new()
+        .prefix("coloc-webhook-bootstrap-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path().to_path_buf();
     let (port, store) = fake_api();
     seed_configs(&store);
     let kc = kubeconfig(&dir, port);
@@ -444,7 +448,6 @@ fn bootstrap_creates_keeps_and_renews_the_certificate_and_sets_every_ca_bundle()
         !ok && text.contains("ValidatingWebhookConfiguration missing"),
         "{text}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The chart's two hook Jobs: before the release's objects exist, the Secret alone (no
@@ -452,8 +455,12 @@ fn bootstrap_creates_keeps_and_renews_the_certificate_and_sets_every_ca_bundle()
 /// which is read and never written.
 #[test]
 fn secret_only_before_the_configurations_then_patch_only_after() {
-    let dir = std::env::temp_dir().join(format!("coloc-webhook-steps-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Removed when dropped, passing or failing.
+    let scratch = tempfile::Builder::new()
+        .prefix("coloc-webhook-steps-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path().to_path_buf();
     let (port, store) = fake_api();
     let kc = kubeconfig(&dir, port);
 
@@ -524,5 +531,4 @@ fn secret_only_before_the_configurations_then_patch_only_after() {
     }
     let (ok, text) = bootstrap_cert(&kc, &patch);
     assert!(!ok && text.contains("other names"), "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

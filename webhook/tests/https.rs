@@ -102,8 +102,12 @@ impl Drop for Server {
 
 #[test]
 fn https_with_verified_certificate_and_rotation() {
-    let dir = std::env::temp_dir().join(format!("coloc-webhook-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Removed when dropped, passing or failing.
+    let scratch = tempfile::Builder::new()
+        .prefix("coloc-webhook-tls-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path().to_path_buf();
     let first = pki();
     write(&dir, &first);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -199,7 +203,6 @@ fn https_with_verified_certificate_and_rotation() {
         &failed[..failed.len().min(3)]
     );
     assert!(ok > 10, "the load ran ({ok} requests)");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

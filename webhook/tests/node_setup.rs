@@ -8,11 +8,12 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("coloc-node-setup-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch directory, removed when dropped (passing or failing).
+fn tmpdir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("coloc-node-setup-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn setup(args: &[&str]) -> (bool, String) {
@@ -55,7 +56,8 @@ fn sha256_file(dir: &Path, content: &[u8]) -> PathBuf {
 
 #[test]
 fn installs_the_shim_atomically_and_once() {
-    let d = tmpdir("install");
+    let dir = tmpdir("install");
+    let d = dir.path();
     let (image, host) = (d.join("image"), d.join("host/var/lib/gpu-coloc/lib"));
     std::fs::create_dir_all(&image).unwrap();
     let src = image.join("libcoloc_cuda.so");
@@ -111,12 +113,12 @@ fn installs_the_shim_atomically_and_once() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("libcoloc_cuda.so")]);
-    std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]
 fn a_shim_that_does_not_match_its_digest_is_refused() {
-    let d = tmpdir("digest");
+    let dir = tmpdir("digest");
+    let d = dir.path();
     let (image, host) = (d.join("image"), d.join("host/lib"));
     std::fs::create_dir_all(&image).unwrap();
     let src = image.join("libcoloc_cuda.so");
@@ -153,12 +155,12 @@ fn a_shim_that_does_not_match_its_digest_is_refused() {
             .collect::<Vec<_>>(),
     );
     assert!(!ok && text.contains("--sha256"), "{text}");
-    std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]
 fn the_shims_directory_is_its_owners_alone() {
-    let d = tmpdir("shimdir");
+    let dir = tmpdir("shimdir");
+    let d = dir.path();
     let image = d.join("image");
     std::fs::create_dir_all(&image).unwrap();
     let src = image.join("libcoloc_cuda.so");
@@ -205,12 +207,12 @@ fn the_shims_directory_is_its_owners_alone() {
     } else {
         eprintln!("NOTE: not checked: a directory of another owner is refused (needs root)");
     }
-    std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]
 fn doorbell_directories_let_any_user_of_a_pod_add_its_page() {
-    let d = tmpdir("bells");
+    let dir = tmpdir("bells");
+    let d = dir.path();
     let bells = d.join("run/gpu-coloc/doorbells");
     // What the kubelet leaves when a GPU pod started before the agent: pods/ made by the
     // hostPath volume (0755), and the pod's directory with the same mode.
@@ -297,12 +299,12 @@ fn doorbell_directories_let_any_user_of_a_pod_add_its_page() {
         let (ok, text) = setup(&["--doorbell-dir", fresh.to_str().unwrap()]);
         assert!(!ok && text.contains("owned by uid 65534"), "{text}");
     }
-    std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]
 fn the_gate_directory_is_writable_by_its_owner_only() {
-    let d = tmpdir("gate");
+    let dir = tmpdir("gate");
+    let d = dir.path();
     let gate = d.join("gate");
     let (ok, text) = setup(&["--gate-dir", gate.to_str().unwrap()]);
     assert!(ok && text.contains("created"), "{text}");
@@ -311,16 +313,15 @@ fn the_gate_directory_is_writable_by_its_owner_only() {
     let (ok, text) = setup(&["--gate-dir", gate.to_str().unwrap()]);
     assert!(ok && text.contains("0777 -> 0755"), "{text}");
     assert_eq!(mode(&gate), 0o755);
-    std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]
 fn refuses_to_do_nothing_and_a_file_where_a_directory_belongs() {
     let (ok, text) = setup(&[]);
     assert!(!ok && text.contains("nothing to do"), "{text}");
-    let d = tmpdir("file");
+    let dir = tmpdir("file");
+    let d = dir.path();
     std::fs::write(d.join("gate"), b"").unwrap();
     let (ok, text) = setup(&["--gate-dir", d.join("gate").to_str().unwrap()]);
     assert!(!ok && text.contains("not a directory"), "{text}");
-    std::fs::remove_dir_all(&d).ok();
 }

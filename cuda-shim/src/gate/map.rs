@@ -110,9 +110,12 @@ mod tests {
     /// The only test that sets the gate file's path.
     #[test]
     fn a_fresh_file_is_mapped_once_and_a_new_one_replaces_it() {
-        let dir = std::env::temp_dir().join(format!("coloc-shim-map-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("gates");
+        // Removed when dropped, passing or failing.
+        let dir = tempfile::Builder::new()
+            .prefix("coloc-shim-map-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("gates");
         GATE_PATH
             .set(CString::new(path.as_os_str().as_bytes()).unwrap())
             .unwrap();
@@ -130,6 +133,5 @@ mod tests {
         let second = map_gate_file(Some(first)).expect("a restarted agent's file");
         assert_eq!(second.epoch, first.epoch + 1);
         assert!(std::ptr::eq(mapping().unwrap(), second));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -442,18 +442,20 @@ pub fn wait_until(deadline: Option<Instant>, mut done: impl FnMut() -> bool) -> 
 mod tests {
     use super::*;
 
-    fn sim() -> (SimGpu, std::path::PathBuf) {
-        let p = std::env::temp_dir().join(format!(
-            "coloc-sim-ckpt-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
+    /// A simulated GPU in a scratch file, removed when the guard drops (passing or
+    /// failing).
+    fn sim() -> (SimGpu, tempfile::TempPath) {
+        let p = tempfile::Builder::new()
+            .prefix("coloc-sim-ckpt-")
+            .tempfile()
+            .unwrap()
+            .into_temp_path();
         (SimGpu::create(&p, 1, 100_000_000).unwrap(), p)
     }
 
     #[test]
     fn a_call_waits_for_the_restore_thread_and_gets_its_answer() {
-        let (s, p) = sim();
+        let (s, _path) = sim();
         let e = s.register_proc().unwrap();
         let pid = std::process::id();
         std::thread::scope(|sc| {
@@ -476,12 +478,11 @@ mod tests {
         s.unregister_proc(pid);
         assert_eq!(s.ckpt_state(pid), Err(ERR_NOT_INITIALIZED));
         assert_eq!(s.ckpt_state(u32::MAX - 1), Err(ERR_OPERATING_SYSTEM));
-        let _ = std::fs::remove_file(p);
     }
 
     #[test]
     fn faults_hit_their_operations_and_pid_only() {
-        let (s, p) = sim();
+        let (s, _path) = sim();
         s.ckpt_inject(CkFault {
             ops: 1 << CkOp::Checkpoint as u32,
             code: ERR_NOT_SUPPORTED,
@@ -500,6 +501,5 @@ mod tests {
             Duration::from_millis(1200)
         );
         assert_eq!(s.ckpt_cost(500_000_000, true), Duration::from_millis(100));
-        let _ = std::fs::remove_file(p);
     }
 }

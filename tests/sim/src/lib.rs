@@ -931,8 +931,13 @@ pub fn command_in_cgroup(cg: &std::path::Path, program: &std::path::Path) -> std
 mod tests {
     use super::*;
 
-    fn tmp(name: &str) -> std::path::PathBuf {
-        std::env::temp_dir().join(format!("coloc-sim-test-{name}-{}", std::process::id()))
+    /// A scratch file's path, removed when dropped (passing or failing).
+    fn tmp(name: &str) -> tempfile::TempPath {
+        tempfile::Builder::new()
+            .prefix(&format!("coloc-sim-test-{name}-"))
+            .tempfile()
+            .unwrap()
+            .into_temp_path()
     }
 
     #[test]
@@ -961,7 +966,6 @@ mod tests {
         assert_eq!(sim.samples(0, (t0 + 4_000_000) / 1000).len(), 1);
         drop((a, b));
         assert!(sim.processes(0).is_empty());
-        std::fs::remove_file(path).ok();
     }
 
     /// Light work reads 0 %: the driver's per-process figure is whole percent of the period,
@@ -981,7 +985,6 @@ mod tests {
         let util: Vec<u32> = sim.samples(0, 0).iter().map(|s| s.sm_util).collect();
         assert_eq!(util, [0, 15]);
         drop(a);
-        std::fs::remove_file(path).ok();
     }
 
     /// Work starts when it was submitted, however late the daemon wakes: a slot that ran
@@ -1016,7 +1019,6 @@ mod tests {
         assert_eq!(a.completed(), 3_000_000);
         assert_eq!(b.completed(), 500_000);
         drop((a, b));
-        std::fs::remove_file(path).ok();
     }
 
     /// A waiter woken late by the daemon is charged its own wake-up, not the daemon's:
@@ -1045,7 +1047,6 @@ mod tests {
         d.advance(t0 + 2_200_000);
         assert_eq!(a.completed(), 2_100_000);
         drop(a);
-        std::fs::remove_file(path).ok();
     }
 
     /// The daemon sleeps until a waiter's target is due under the current sharing, or
@@ -1067,7 +1068,6 @@ mod tests {
         a.slot().wake_at.store(1_000_000, Release);
         assert_eq!(d.next_event_ns(), Some(t0 + 2_000_000));
         drop((a, b));
-        std::fs::remove_file(path).ok();
     }
 
     #[test]

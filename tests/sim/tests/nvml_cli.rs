@@ -25,7 +25,12 @@ fn ok(state: &std::path::Path, args: &[&str]) -> String {
 
 #[test]
 fn nvml_subcommand_drives_the_switches() {
-    let p = std::env::temp_dir().join(format!("coloc-sim-nvml-cli-{}", std::process::id()));
+    // Removed when dropped, passing or failing.
+    let p = tempfile::Builder::new()
+        .prefix("coloc-sim-nvml-cli-")
+        .tempfile()
+        .unwrap()
+        .into_temp_path();
     let sim = SimGpu::create(&p, 2, 1_000_000).unwrap();
     let util = NvmlFunc::DeviceGetProcessUtilization;
 
@@ -74,7 +79,7 @@ fn nvml_subcommand_drives_the_switches() {
     let o = run(&p, &["wait-hung", "processes", "--timeout-s", "0.1"]);
     assert!(!o.status.success());
     let t = std::thread::spawn({
-        let p = p.clone();
+        let p = p.to_path_buf();
         move || {
             let sim = SimGpu::open(&p).unwrap();
             let fault = sim
@@ -110,5 +115,4 @@ fn nvml_subcommand_drives_the_switches() {
         assert!(!o.status.success(), "{bad:?} accepted");
         assert!(!o.stderr.is_empty());
     }
-    std::fs::remove_file(p).ok();
 }
