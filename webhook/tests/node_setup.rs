@@ -79,7 +79,7 @@ fn installs_the_shim_atomically_and_once() {
     // installing user (root in the chart).
     assert_eq!(mode(&dest), 0o444);
     assert_eq!(mode(&host), 0o755);
-    let me = std::fs::metadata(&d).unwrap().uid();
+    let me = std::fs::metadata(d).unwrap().uid();
     assert_eq!(std::fs::metadata(&dest).unwrap().uid(), me);
     assert_eq!(std::fs::metadata(&host).unwrap().uid(), me);
 
@@ -199,7 +199,7 @@ fn the_shims_directory_is_its_owners_alone() {
     // Owned by someone else: refused (needs root to make such a directory here).
     let theirs = d.join("theirs");
     std::fs::create_dir_all(&theirs).unwrap();
-    let root = std::fs::metadata(&d).unwrap().uid() == 0;
+    let root = std::fs::metadata(d).unwrap().uid() == 0;
     if root && std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).is_ok() {
         std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
         let (ok, text) = run(&theirs);
