@@ -4,36 +4,46 @@
 use coloc_e2e::agent_tests::*;
 use coloc_e2e::*;
 
+/// Runs `coloc-demo` with `args`, its output and summary in `dir`; fails with its output
+/// unless it succeeds. Returns what it printed and its JSON summary.
+fn run_demo(dir: &std::path::Path, args: &[&str]) -> (String, serde_json::Value) {
+    let json = dir.join("summary.json");
+    let out = std::process::Command::new(bin("coloc-demo"))
+        .args(args)
+        .arg("--out-dir")
+        .arg(dir)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    (stdout, s)
+}
+
 #[test]
 fn demo_shows_the_difference() {
     let _cpu_latency = cpu_latency_lock();
     let dir = TempPath::new("coloc-e2e-demo");
-    let json = dir.join("summary.json");
     // One GPU per scenario, 10 requests/s for 6 s: about 60 online requests each, so the
     // medians compared below rest on enough samples.
-    let out = std::process::Command::new(bin("coloc-demo"))
-        .args([
+    let (stdout, s) = run_demo(
+        &dir,
+        &[
             "--duration-s",
             "6",
             "--online-rate",
             "10",
             "--replicas",
             "1",
-        ])
-        .arg("--out-dir")
-        .arg(&dir)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
     assert!(stdout.contains("gpu-coloc, doorbell (shim)"), "{stdout}");
-    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let f = |p: &str| s.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
     let alone = f("/scenarios/alone/p50_ms");
     // Without the agent a typical online request takes longer (the GPU is shared with
@@ -112,9 +122,9 @@ fn demo_shows_the_difference() {
 fn the_demo_releases_at_once_where_the_doorbell_and_the_gate_make_it_safe() {
     let _cpu_latency = cpu_latency_lock();
     let dir = TempPath::new("coloc-e2e-demo-at-once");
-    let json = dir.join("summary.json");
-    let out = std::process::Command::new(bin("coloc-demo"))
-        .args([
+    let (stdout, s) = run_demo(
+        &dir,
+        &[
             "--duration-s",
             "6",
             "--online-rate",
@@ -127,21 +137,9 @@ fn the_demo_releases_at_once_where_the_doorbell_and_the_gate_make_it_safe() {
             "1",
             "--release",
             "at-once",
-        ])
-        .arg("--out-dir")
-        .arg(&dir)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
     assert!(stdout.contains("gpu-coloc, + release at once"), "{stdout}");
-    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let f = |p: &str| s.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
     let rel = &s["scenarios"]["learned"]["releases"];
     assert!(rel["learned"].as_u64().unwrap() >= 50, "{s}");
@@ -162,28 +160,16 @@ fn the_demo_releases_at_once_where_the_doorbell_and_the_gate_make_it_safe() {
 #[test]
 fn the_memory_demo_shows_online_getting_its_memory() {
     let dir = TempPath::new("coloc-e2e-demo-memory");
-    let json = dir.join("summary.json");
-    let out = std::process::Command::new(bin("coloc-demo"))
-        .args([
+    let (stdout, s) = run_demo(
+        &dir,
+        &[
             "--memory",
             "--checkpoint-ms-per-gb",
             "50",
             "--restore-ms-per-gb",
             "20",
-        ])
-        .arg("--out-dir")
-        .arg(&dir)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = s["memory"].as_array().unwrap();
     assert_eq!(rows[0]["scenario"], "no-agent");
     assert!(rows[0]["online_memory_wait_s"].is_null(), "{s}");
