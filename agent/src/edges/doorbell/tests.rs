@@ -3,7 +3,7 @@ use super::*;
 use crate::testutil::TmpDir;
 use coloc_doorbell::{Page, PAGE};
 use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 fn write_page(path: &Path, uuid: [u8; 16], at: u64) -> memmap_page::Owned {
     memmap_page::Owned::create(path, uuid, at)
@@ -60,6 +60,18 @@ mod memmap_page {
             unsafe { libc::munmap(self.0, PAGE) };
         }
     }
+}
+
+/// Two pods' doorbell directories under `dir`: (UID, directory) each.
+fn two_pod_dirs(dir: &Path) -> ((&'static str, PathBuf), (&'static str, PathBuf)) {
+    let (a, other) = (
+        "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11",
+        "11111111-2222-3333-4444-555555555555",
+    );
+    let (da, dother) = (dir.join("pods").join(a), dir.join("pods").join(other));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&dother).unwrap();
+    ((a, da), (other, dother))
 }
 
 fn tmpdir(name: &str) -> TmpDir {
@@ -373,13 +385,7 @@ fn the_sweep_cannot_be_redirected_by_a_swapped_link() {
 fn a_flooded_pod_directory_costs_bounded_work() {
     let dir = tmpdir("flood");
     let mut b = DirBells::new(&dir).unwrap();
-    let (a, other) = (
-        "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11",
-        "11111111-2222-3333-4444-555555555555",
-    );
-    let (da, dother) = (dir.join("pods").join(a), dir.join("pods").join(other));
-    std::fs::create_dir_all(&da).unwrap();
-    std::fs::create_dir_all(&dother).unwrap();
+    let ((a, da), (other, dother)) = two_pod_dirs(&dir);
     let _pages: Vec<_> = (0..40)
         .map(|i| write_page(&da.join(format!("{i}-1.bell")), [7; 16], 1))
         .collect();
@@ -957,13 +963,7 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
 fn a_page_rewritten_in_a_loop_does_not_flood_the_log() {
     let dir = tmpdir("rewrite");
     let mut b = DirBells::new(&dir).unwrap();
-    let (a, other) = (
-        "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11",
-        "11111111-2222-3333-4444-555555555555",
-    );
-    let (da, dother) = (dir.join("pods").join(a), dir.join("pods").join(other));
-    std::fs::create_dir_all(&da).unwrap();
-    std::fs::create_dir_all(&dother).unwrap();
+    let ((a, da), (other, dother)) = two_pod_dirs(&dir);
     let lines = Lines::default();
     let sub = tracing_subscriber::fmt()
         .with_writer(lines.clone())
