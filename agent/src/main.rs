@@ -5,6 +5,7 @@ use coloc_agent::cli::{Cli, Command, LogFormat, RunArgs};
 use coloc_agent::control::state::Shared;
 use coloc_agent::control::{Edges, Loop};
 use coloc_agent::edges::actuator::{self, dry_run::DryRun, Actuator, Host, Progress};
+use coloc_agent::edges::deviceplugin::{self, SlotOwners};
 use coloc_agent::edges::doorbell::{DirBells, Doorbells, Layout, NoBells};
 use coloc_agent::edges::gate::{GateFile, GateKeeper};
 use coloc_agent::edges::record::{FileRecord, MemRecord, RecordStore};
@@ -112,6 +113,8 @@ fn run(args: RunArgs) -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
+    // The pod watch, also the device plugin's index of pods by name.
+    let mut kube_pods: Option<Arc<dyn deviceplugin::PodIndex>> = None;
     let source: Arc<dyn PodSource> = match &args.rules {
         Some(path) => Arc::new(Rules::load(path)?),
         None => {
@@ -128,7 +131,9 @@ fn run(args: RunArgs) -> Result<()> {
                 offline_classes: args.offline_priority_class.clone(),
                 offline_below: args.offline_priority_below,
             };
-            Arc::new(KubeSource::start_with(client, node, mapping))
+            let kube = KubeSource::start_with(client, node, mapping);
+            kube_pods = Some(Arc::new(kube.clone()));
+            Arc::new(kube)
         }
     };
     let sampler = gpu::Nvml::open(&args.nvml_lib, &args.gpus)?;
@@ -168,7 +173,41 @@ fn run(args: RunArgs) -> Result<()> {
         match DirBells::open(&args.doorbell_dir, layout) {
             Ok(b) => {
                 info!(dir = %args.doorbell_dir.display(), "Watching CUDA shim doorbells");
-                Box::new(b)
+                match (args.device_plugin, &kube_pods) {
+                    (Some(delivery), Some(pods)) => {
+                        let owners = Arc::new(SlotOwners::default());
+                        let b = b.with_slots(owners.clone());
+                        let cfg = deviceplugin::Config {
+                            plugin_dir: args.device_plugin_dir.clone(),
+                            pod_resources: args.pod_resources_socket.clone(),
+                            slots: args.shim_slots,
+                            delivery,
+                            paths: qos_core::cdi::ShimPaths {
+                                library_dir: args
+                                    .shim_library
+                                    .parent()
+                                    .map(|p| p.display().to_string())
+                                    .unwrap_or_default(),
+                                doorbell_dir: args.doorbell_dir.display().to_string(),
+                                gate_dir: args
+                                    .gate_file
+                                    .parent()
+                                    .map(|p| p.display().to_string())
+                                    .unwrap_or_default(),
+                            },
+                        };
+                        let _guard = rt.enter();
+                        deviceplugin::start(
+                            cfg,
+                            args.doorbell_dir.clone(),
+                            owners,
+                            pods.clone(),
+                            b.waker(),
+                        );
+                        Box::new(b)
+                    }
+                    _ => Box::new(b),
+                }
             }
             Err(err) => {
                 warn!(error = %format!("{err:#}"), "No doorbells: online work is seen through NVML alone (later)");

@@ -12,6 +12,7 @@
 //!  share policy (resources, duty) ────────┘                                    transitions)
 //! ```
 //!
+//! - [`cdi`]: the shim as a node device (slots, the CDI spec, the extended resources).
 //! - [`class`]: the `katalyst.kubewharf.io/qos_level` annotation → online/offline/system.
 //! - [`pod`]: a whole pod in every vocabulary (Katalyst, Koordinator, HAMi, vke), what it
 //!   cannot change after admission first; shared by the agent and the webhook.
@@ -26,6 +27,7 @@
 //! timestamps (the agent uses wall-clock nanoseconds since the Unix epoch).
 #![forbid(unsafe_code)]
 
+pub mod cdi;
 pub mod class;
 pub mod machine;
 pub mod pod;

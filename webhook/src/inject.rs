@@ -87,6 +87,26 @@ pub struct ShimSettings {
     /// `--release learned`); unset: the shim's default (100 ms, the idle window).
     #[serde(default)]
     pub online_wake_gap_ms: Option<f64>,
+    /// How the shim's directories reach the container (the environment is the same
+    /// either way).
+    #[serde(default)]
+    pub delivery: Delivery,
+}
+
+/// How the shim's host directories reach a container (`[shim] delivery`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Delivery {
+    /// Three `hostPath` volumes in the pod spec (`DirectoryOrCreate`: a node without the
+    /// agent still starts the pod). Refused by Pod Security `baseline` and by policies
+    /// that forbid `hostPath`.
+    #[default]
+    HostPath,
+    /// One `gpu-coloc.dev/shim-online` or `gpu-coloc.dev/shim-offline` per container, a
+    /// device the agent offers (`coloc-agent run --device-plugin`): the kubelet mounts the
+    /// same directories (a CDI device, or the plugin's mounts); nothing in the pod spec
+    /// names a host path. The pod then runs only on nodes whose agent offers the slots.
+    Device,
 }
 
 fn default_library() -> String {
@@ -108,6 +128,7 @@ impl Default for ShimSettings {
             inflight: None,
             inflight_ms: None,
             online_wake_gap_ms: None,
+            delivery: Delivery::default(),
         }
     }
 }
@@ -418,6 +439,10 @@ fn container_ops(ops: &mut Vec<Value>, path: &str, c: &Value, class: PodClass, s
     }
     append(ops, &format!("{path}/env"), c["env"].is_array(), add);
 
+    if s.delivery == Delivery::Device {
+        slot_ops(ops, path, c, class);
+        return;
+    }
     let mut mounts = vec![
         json!({"name": SHIM_VOLUME, "mountPath": s.library_dir(), "readOnly": true}),
         json!({"name": DOORBELL_VOLUME, "mountPath": s.doorbell_dir, "subPathExpr": "$(COLOC_POD_UID)"}),
@@ -438,6 +463,66 @@ fn container_ops(ops: &mut Vec<Value>, path: &str, c: &Value, class: PodClass, s
         c["volumeMounts"].is_array(),
         mounts,
     );
+}
+
+/// Whether container `c`'s effective `LD_PRELOAD` names `lib`.
+fn preloads(c: &Value, lib: &str) -> bool {
+    env_named(c, "LD_PRELOAD")
+        .last()
+        .and_then(|(_, e)| e["value"].as_str())
+        .is_some_and(|v| v.split([':', ' ']).any(|p| p == lib))
+}
+
+/// The slot resource of `class`.
+fn slot_resource(class: PodClass) -> &'static str {
+    match class {
+        PodClass::Online => qos_core::cdi::RESOURCE_ONLINE,
+        PodClass::Offline => qos_core::cdi::RESOURCE_OFFLINE,
+    }
+}
+
+/// Whether container `c` already asks for exactly its one slot of `class` (and no other).
+fn has_slot(c: &Value, class: PodClass) -> bool {
+    let want = slot_resource(class);
+    ["limits", "requests"].iter().all(|k| {
+        c["resources"][*k]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .all(|(name, q)| {
+                let ours = qos_core::cdi::SlotClass::of_resource(name).is_some();
+                !ours || (name == want && (q == "1" || q == 1))
+            })
+    }) && c["resources"]["limits"][want].as_str() == Some("1")
+}
+
+/// Operations that give container `c` (at `path`) one slot of `class`, and take away any
+/// other amount or class of slot it asked for itself (its pod's class decides).
+fn slot_ops(ops: &mut Vec<Value>, path: &str, c: &Value, class: PodClass) {
+    let want = slot_resource(class);
+    for k in ["limits", "requests"] {
+        for (name, q) in c["resources"][k].as_object().into_iter().flatten() {
+            if qos_core::cdi::SlotClass::of_resource(name).is_some()
+                && (name != want || (q != "1" && q != 1))
+            {
+                ops.push(
+                    json!({"op": "remove", "path": format!("{path}/resources/{k}/{}", esc(name))}),
+                );
+            }
+        }
+    }
+    if c["resources"]["limits"][want].as_str() == Some("1") {
+        return;
+    }
+    if !c["resources"].is_object() {
+        ops.push(json!({"op": "add", "path": format!("{path}/resources"), "value": {"limits": {want: "1"}}}));
+    } else if !c["resources"]["limits"].is_object() {
+        ops.push(
+            json!({"op": "add", "path": format!("{path}/resources/limits"), "value": {want: "1"}}),
+        );
+    } else {
+        ops.push(json!({"op": "add", "path": format!("{path}/resources/limits/{}", esc(want)), "value": "1"}));
+    }
 }
 
 /// Adds `items` to the array at `path` (creating it when `exists` is false).
@@ -542,7 +627,7 @@ pub fn inject(pod: &Value, s: &ShimSettings, map: &qos_core::PriorityMapping) ->
         .into_iter()
         .flatten()
         .collect();
-    for (name, host) in &volumes {
+    for (name, host) in volumes.iter().filter(|_| s.delivery == Delivery::HostPath) {
         if let Some(v) = pod_volumes.iter().find(|v| v["name"] == *name) {
             if v["hostPath"]["path"].as_str() != Some(host.as_str()) {
                 return Injection {
@@ -562,11 +647,14 @@ pub fn inject(pod: &Value, s: &ShimSettings, map: &qos_core::PriorityMapping) ->
             .iter()
             .find(|(p, _)| *p == g.path)
             .map_or(&Value::Null, |(_, c)| c);
-        let done = c["volumeMounts"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|m| m["name"] == SHIM_VOLUME);
+        let done = match s.delivery {
+            Delivery::HostPath => c["volumeMounts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|m| m["name"] == SHIM_VOLUME),
+            Delivery::Device => has_slot(c, class) && preloads(c, &s.library),
+        };
         if done {
             continue;
         }
@@ -584,7 +672,7 @@ pub fn inject(pod: &Value, s: &ShimSettings, map: &qos_core::PriorityMapping) ->
     if injected.is_empty() && skipped.is_empty() {
         return Injection { ops, warnings };
     }
-    if !injected.is_empty() {
+    if !injected.is_empty() && s.delivery == Delivery::HostPath {
         let mut wanted: Vec<Value> = vec![
             json!({"name": SHIM_VOLUME, "hostPath": {"path": volumes[0].1, "type": "DirectoryOrCreate"}}),
             json!({"name": DOORBELL_VOLUME, "hostPath": {"path": volumes[1].1, "type": "DirectoryOrCreate"}}),

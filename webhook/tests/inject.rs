@@ -8,7 +8,7 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use coloc_webhook::inject::ShimSettings;
+use coloc_webhook::inject::{Delivery, ShimSettings};
 use coloc_webhook::server::{router, AppState, Limits};
 use coloc_webhook::translate::{Backend, Settings};
 use http_body_util::BodyExt;
@@ -238,6 +238,7 @@ fn assert_injected(pod: &Value, name: &str, class: &str) {
         env(c, "COLOC_DOORBELL_DIR").unwrap()["value"],
         "/run/gpu-coloc/doorbells"
     );
+    assert_env(c, name, class);
     let shim = mount(c, "gpu-coloc-shim").unwrap();
     assert_eq!(shim["mountPath"], "/var/lib/gpu-coloc/lib");
     assert_eq!(shim["readOnly"], true);
@@ -252,22 +253,8 @@ fn assert_injected(pod: &Value, name: &str, class: &str) {
     if class == "offline" {
         assert_eq!(gate.unwrap()["readOnly"], true);
         assert_eq!(gate.unwrap()["mountPath"], "/run/gpu-coloc/gate");
-        assert_eq!(
-            env(c, "COLOC_GATE_FILE").unwrap()["value"],
-            "/run/gpu-coloc/gate/gates"
-        );
-        assert_eq!(env(c, "COLOC_SHIM_INFLIGHT").unwrap()["value"], "2");
-        assert_eq!(env(c, "COLOC_SHIM_INFLIGHT_MS").unwrap()["value"], "1.5");
-        assert!(
-            env(c, "COLOC_SHIM_WAKE_GAP_MS").is_none(),
-            "{name}: the wake gap is online's"
-        );
     } else {
-        assert!(
-            gate.is_none() && env(c, "COLOC_GATE_FILE").is_none(),
-            "{name}: online has no gate"
-        );
-        assert_eq!(env(c, "COLOC_SHIM_WAKE_GAP_MS").unwrap()["value"], "2");
+        assert!(gate.is_none(), "{name}: online has no gate");
     }
     let vols: Vec<(&str, &str)> = pod["spec"]["volumes"]
         .as_array()
@@ -286,6 +273,58 @@ fn assert_injected(pod: &Value, name: &str, class: &str) {
     assert_eq!(
         vols.contains(&("gpu-coloc-gate", "/run/gpu-coloc/gate")),
         class == "offline"
+    );
+}
+
+/// The shim's environment in container `name` of class `class` (either delivery).
+fn assert_env(c: &Value, name: &str, class: &str) {
+    if class == "offline" {
+        assert_eq!(
+            env(c, "COLOC_GATE_FILE").unwrap()["value"],
+            "/run/gpu-coloc/gate/gates"
+        );
+        assert_eq!(env(c, "COLOC_SHIM_INFLIGHT").unwrap()["value"], "2");
+        assert_eq!(env(c, "COLOC_SHIM_INFLIGHT_MS").unwrap()["value"], "1.5");
+        assert!(
+            env(c, "COLOC_SHIM_WAKE_GAP_MS").is_none(),
+            "{name}: the wake gap is online's"
+        );
+    } else {
+        assert!(
+            env(c, "COLOC_GATE_FILE").is_none(),
+            "{name}: online has no gate"
+        );
+        assert_eq!(env(c, "COLOC_SHIM_WAKE_GAP_MS").unwrap()["value"], "2");
+    }
+}
+
+/// The shim delivered as a device: the environment, exactly one slot of the class asked
+/// for in the container, and no host path anywhere in the pod.
+fn assert_injected_as_device(pod: &Value, name: &str, class: &str) {
+    let c = container(pod, name);
+    let preload = env(c, "LD_PRELOAD").unwrap()["value"].as_str().unwrap();
+    assert!(
+        preload.split([':', ' ']).any(|p| p == SHIM),
+        "{name}: LD_PRELOAD {preload}"
+    );
+    assert_eq!(env(c, "COLOC_SHIM_CLASS").unwrap()["value"], class);
+    assert_eq!(
+        env(c, "COLOC_DOORBELL_DIR").unwrap()["value"],
+        "/run/gpu-coloc/doorbells"
+    );
+    assert_env(c, name, class);
+    let want = format!("gpu-coloc.dev/shim-{class}");
+    assert_eq!(c["resources"]["limits"][&want], "1", "{name}: {c}");
+    for k in ["limits", "requests"] {
+        for (r, q) in c["resources"][k].as_object().into_iter().flatten() {
+            if r.starts_with("gpu-coloc.dev/") {
+                assert!(*r == want && q == "1", "{name}: {k} {r}: {q}");
+            }
+        }
+    }
+    assert!(
+        !pod.to_string().contains("hostPath"),
+        "{name}: a host path in the pod: {pod}"
     );
 }
 
@@ -797,8 +836,13 @@ async fn every_vocabulary_and_gpu_resource_gets_the_shim_on_every_backend() {
             ("mgpu", mgpu),
         ]
     };
-    for backend in [Backend::Vke, Backend::NvidiaShared, Backend::Hami] {
-        let app = app(settings_with_classes(backend));
+    for (backend, delivery) in [Backend::Vke, Backend::NvidiaShared, Backend::Hami]
+        .into_iter()
+        .flat_map(|b| [(b, Delivery::HostPath), (b, Delivery::Device)])
+    {
+        let mut settings = settings_with_classes(backend);
+        settings.shim.as_mut().unwrap().delivery = delivery;
+        let app = app(settings);
         for (vocab, say, class) in &vocabularies {
             for (rname, gpu) in resources(class) {
                 // mGPU online requests contradict HAMi's low priority; offline ones with
@@ -807,14 +851,17 @@ async fn every_vocabulary_and_gpu_resource_gets_the_shim_on_every_backend() {
                 if rname == "mgpu" && vocab.starts_with("hami") {
                     continue;
                 }
-                let what = format!("{vocab} × {rname} × {backend}");
+                let what = format!("{vocab} × {rname} × {backend} × {delivery:?}");
                 let (envelope, pod) = classified_pod(&gpu, say.as_ref());
                 let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
                 assert!(
                     r["response"]["patch"].is_string(),
                     "{what}: not patched: {r}"
                 );
-                assert_injected(&injected, "train", class);
+                match delivery {
+                    Delivery::HostPath => assert_injected(&injected, "train", class),
+                    Delivery::Device => assert_injected_as_device(&injected, "train", class),
+                }
                 assert_eq!(
                     injected["metadata"]["annotations"]["gpu-coloc.dev/shim-injected"], "train",
                     "{what}"
@@ -825,6 +872,10 @@ async fn every_vocabulary_and_gpu_resource_gets_the_shim_on_every_backend() {
                 assert_eq!(r["response"]["allowed"], true, "{what}: {r}");
                 let (r, _) = review(&app, "/inject", &envelope, &as_stored(&translated)).await;
                 assert!(r["response"]["patch"].is_null(), "{what}: reinjected: {r}");
+                if delivery == Delivery::Device {
+                    // The translation kept the slot.
+                    assert_injected_as_device(&translated, "train", class);
+                }
                 let (r, _) =
                     review(&app, "/validate-mounts", &envelope, &as_stored(&translated)).await;
                 assert_eq!(r["response"]["allowed"], true, "{what}: {r}");
@@ -908,4 +959,38 @@ async fn system_pods_claims_and_disagreements() {
         "the warning names both: {r}"
     );
     assert!(r["response"]["patch"].is_string());
+}
+
+/// A tenant asking for slots itself: an offline pod's container that asks for the online
+/// slot, or for several, gets exactly one slot of its own class (its pod's class decides,
+/// not the request); a container without a GPU that asks for a slot keeps its request (the
+/// device plugin refuses more than one per container, and a slot gives no class).
+#[tokio::test]
+async fn a_pod_asking_for_slots_itself_gets_one_of_its_class() {
+    let mut settings = settings(Backend::NvidiaShared, shim());
+    settings.shim.as_mut().unwrap().delivery = Delivery::Device;
+    let app = app(settings);
+    for (asked, requests) in [
+        (json!({"gpu-coloc.dev/shim-online": "1"}), true),
+        (json!({"gpu-coloc.dev/shim-offline": "3"}), false),
+        (
+            json!({"gpu-coloc.dev/shim-online": "2", "gpu-coloc.dev/shim-offline": "1"}),
+            true,
+        ),
+    ] {
+        let envelope = fixture("nvidia-gpu-koordinator-be");
+        let mut pod = envelope["request"]["object"].clone();
+        for (k, v) in asked.as_object().unwrap() {
+            pod["spec"]["containers"][0]["resources"]["limits"][k] = v.clone();
+            if requests {
+                pod["spec"]["containers"][0]["resources"]["requests"][k] = v.clone();
+            }
+        }
+        let (r, injected) = review(&app, "/inject", &envelope, &pod).await;
+        assert!(r["response"]["patch"].is_string(), "{asked}: {r}");
+        assert_injected_as_device(&injected, "train", "offline");
+        assert_valid_pod(&injected, &asked.to_string());
+        let (r, _) = review(&app, "/inject", &envelope, &as_stored(&injected)).await;
+        assert!(r["response"]["patch"].is_null(), "{asked}: reinjected: {r}");
+    }
 }

@@ -325,3 +325,95 @@ fn refuses_to_do_nothing_and_a_file_where_a_directory_belongs() {
     let (ok, text) = setup(&["--gate-dir", d.join("gate").to_str().unwrap()]);
     assert!(!ok && text.contains("not a directory"), "{text}");
 }
+
+/// The CDI spec of the shim's slots: every slot of both classes, each mounting its own
+/// doorbell directory read-write at the doorbell path and the rest read-only; the slots'
+/// directories made 1777; a slot directory someone replaced with a link is replaced, and
+/// what the link pointed at is left alone; a second run changes nothing.
+#[test]
+fn writes_the_cdi_spec_of_the_slots_and_makes_their_directories() {
+    let dir = tmpdir("cdi");
+    let d = dir.path();
+    let src = d.join("libcoloc_cuda.so");
+    std::fs::write(&src, b"shim").unwrap();
+    let sum = sha256_file(d, b"shim");
+    let (lib, bells, gate) = (d.join("lib"), d.join("bells"), d.join("gate"));
+    let spec = d.join("cdi").join("gpu-coloc.json");
+    let victim = d.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("keep"), b"x").unwrap();
+    std::fs::create_dir_all(bells.join("pods")).unwrap();
+    std::os::unix::fs::symlink(&victim, bells.join("pods/slot-online-1")).unwrap();
+    let args = [
+        "--install",
+        src.to_str().unwrap(),
+        "--sha256",
+        sum.to_str().unwrap(),
+        "--into",
+        lib.to_str().unwrap(),
+        "--doorbell-dir",
+        bells.to_str().unwrap(),
+        "--gate-dir",
+        gate.to_str().unwrap(),
+        "--cdi-spec",
+        spec.to_str().unwrap(),
+        "--slots",
+        "3",
+    ];
+    let (ok, out) = setup(&args);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("wrote") && out.contains("3 slots per class"),
+        "{out}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap();
+    assert_eq!(v["kind"], "gpu-coloc.dev/shim");
+    assert_eq!(mode(&spec), 0o644);
+    let devices = v["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 6);
+    let off2 = devices.iter().find(|d| d["name"] == "offline-2").unwrap();
+    let mounts = off2["containerEdits"]["mounts"].as_array().unwrap();
+    let rw: Vec<&serde_json::Value> = mounts
+        .iter()
+        .filter(|m| m["options"].as_array().unwrap().contains(&"rw".into()))
+        .collect();
+    assert_eq!(
+        rw.len(),
+        1,
+        "only its own doorbell directory is writable: {mounts:?}"
+    );
+    assert_eq!(
+        rw[0]["hostPath"],
+        bells.join("pods/slot-offline-2").to_str().unwrap()
+    );
+    assert_eq!(rw[0]["containerPath"], bells.to_str().unwrap());
+    assert!(mounts
+        .iter()
+        .any(|m| m["hostPath"] == gate.to_str().unwrap()));
+    let on0 = devices.iter().find(|d| d["name"] == "online-0").unwrap();
+    assert!(
+        !on0.to_string().contains(gate.to_str().unwrap()),
+        "online slots have no gate: {on0}"
+    );
+    for name in ["slot-online-0", "slot-online-1", "slot-offline-2"] {
+        let p = bells.join("pods").join(name);
+        assert!(std::fs::symlink_metadata(&p).unwrap().is_dir(), "{name}");
+        assert_eq!(mode(&p), 0o1777, "{name}");
+    }
+    assert!(
+        victim.join("keep").exists(),
+        "the link's target was touched"
+    );
+    let (ok, out) = setup(&args);
+    assert!(
+        ok && out.contains("unchanged") && out.contains("0 made"),
+        "{out}"
+    );
+    // Paths the CDI spec cannot carry are refused, naming the flag.
+    let odd = d.join("odd,gate");
+    let mut bad = args;
+    bad[9] = odd.to_str().unwrap();
+    let (ok, out) = setup(&bad);
+    assert!(!ok && out.contains("--gate-dir"), "{out}");
+    assert!(!odd.exists(), "made before the paths were checked");
+}

@@ -91,6 +91,43 @@ pub struct RunArgs {
     /// after it starts).
     #[arg(long, env = "COLOC_NO_DOORBELLS")]
     pub no_doorbells: bool,
+    /// Offer the CUDA shim to pods as a device (Kubernetes only): the agent registers a
+    /// device plugin for gpu-coloc.dev/shim-online and gpu-coloc.dev/shim-offline, which
+    /// the webhook asks for (its [shim] delivery = "device") instead of adding hostPath
+    /// volumes. Each container gets a slot: `cdi` names the CDI device
+    /// gpu-coloc.dev/shim=<slot> (the spec `coloc-node-setup --cdi-spec` writes; needs
+    /// containerd >= 1.7 with CDI on, or CRI-O); `mounts` hands the same mounts and
+    /// environment to the kubelet directly (any runtime). The agent reads a slot's
+    /// doorbell pages as the pod's that the kubelet's pod-resources API says holds it.
+    #[arg(long, env = "COLOC_DEVICE_PLUGIN", value_enum)]
+    pub device_plugin: Option<crate::edges::deviceplugin::Delivery>,
+    /// The kubelet's device-plugin directory (its registration socket, kubelet.sock,
+    /// and the agent's two sockets).
+    #[arg(
+        long,
+        env = "COLOC_DEVICE_PLUGIN_DIR",
+        default_value = "/var/lib/kubelet/device-plugins"
+    )]
+    pub device_plugin_dir: PathBuf,
+    /// The kubelet's pod-resources socket (which pod holds which slot).
+    #[arg(
+        long,
+        env = "COLOC_POD_RESOURCES_SOCKET",
+        default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    )]
+    pub pod_resources_socket: PathBuf,
+    /// Slots per class offered to the kubelet (containers with the shim on this node at
+    /// once); must match `coloc-node-setup --slots`.
+    #[arg(long, env = "COLOC_SHIM_SLOTS", default_value_t = qos_core::cdi::DEFAULT_SLOTS,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(qos_core::cdi::MAX_SLOTS)))]
+    pub shim_slots: u32,
+    /// The shim on the node (its directory is what slots mount read-only).
+    #[arg(
+        long,
+        env = "COLOC_SHIM_LIBRARY",
+        default_value = "/var/lib/gpu-coloc/lib/libcoloc_cuda.so"
+    )]
+    pub shim_library: PathBuf,
     /// Close the launch gate of offline processes that run the CUDA shim before stopping
     /// them: while online work is busy on a GPU, the gate of that GPU is closed, the
     /// process's next submission there blocks and at most K kernels per stream are left
@@ -386,6 +423,26 @@ impl RunArgs {
             }
             if self.release_drain.is_zero() {
                 bail!("--release-drain must be positive");
+            }
+        }
+        if let Some(d) = self.device_plugin {
+            let how = format!(
+                "--device-plugin {}",
+                if d == crate::edges::deviceplugin::Delivery::Cdi {
+                    "cdi"
+                } else {
+                    "mounts"
+                }
+            );
+            if self.rules.is_some() {
+                bail!("{how} is for Kubernetes nodes (the kubelet asks for the slots): drop it with --rules");
+            }
+            if self.no_doorbells {
+                bail!("{how} delivers the doorbell directories: drop --no-doorbells");
+            }
+            let lib = &self.shim_library;
+            if !lib.is_absolute() || lib.parent().is_none_or(|p| p == std::path::Path::new("/")) {
+                bail!("--shim-library {}: an absolute path of a file in a directory of its own (the directory is mounted into pods)", lib.display());
             }
         }
         if self.gate && self.no_doorbells {

@@ -19,6 +19,7 @@ pub mod actuator;
 pub mod cgroupfs;
 pub mod checkpoint;
 pub mod clock;
+pub mod deviceplugin;
 pub mod doorbell;
 pub mod gate;
 pub mod gpu;

@@ -21,6 +21,12 @@
 //!   agent widens it.
 //! - `--gate-dir DIR`: makes `DIR` (root, 0755; the agent writes the gate file in it,
 //!   offline pods mount it read-only), and narrows a group- or world-writable one.
+//! - `--cdi-spec FILE --slots N` (with `--into`, `--doorbell-dir`, `--gate-dir`): writes
+//!   the CDI spec of the shim's slots (`gpu-coloc.dev/shim=online-<i>`, `offline-<i>`,
+//!   `i < N`; what the agent's device plugin names when the kubelet allocates a slot):
+//!   each mounts the shim's directory read-only, its own `<doorbell dir>/pods/slot-…`
+//!   read-write at the doorbell directory and, offline, the gate directory read-only;
+//!   written atomically, mode 0644; and makes each slot's directory (root's, 1777).
 //!
 //! Everything it does is printed, one line each; it is idempotent.
 #![forbid(unsafe_code)]
@@ -61,6 +67,15 @@ struct Args {
     /// The node's gate directory: created root 0755 (never group- or world-writable).
     #[arg(long)]
     gate_dir: Option<PathBuf>,
+    /// Write the CDI spec of the shim's slots here (e.g. /var/run/cdi/gpu-coloc.json; the
+    /// runtime reads /etc/cdi and /var/run/cdi), for `coloc-agent run --device-plugin cdi`.
+    /// Needs --into (the shim's directory), --doorbell-dir and --gate-dir.
+    #[arg(long, requires_all = ["into", "doorbell_dir", "gate_dir"])]
+    cdi_spec: Option<PathBuf>,
+    /// Slots per class in the CDI spec (the agent's --shim-slots).
+    #[arg(long, default_value_t = qos_core::cdi::DEFAULT_SLOTS,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(qos_core::cdi::MAX_SLOTS)))]
+    slots: u32,
 }
 
 fn main() {
@@ -73,11 +88,24 @@ fn main() {
 }
 
 fn run(a: &Args, out: &mut dyn Write) -> Result<()> {
-    if a.install.is_none() && a.doorbell_dir.is_none() && a.gate_dir.is_none() {
+    if a.install.is_none()
+        && a.doorbell_dir.is_none()
+        && a.gate_dir.is_none()
+        && a.cdi_spec.is_none()
+    {
         bail!(
             "nothing to do: pass --install/--into, --doorbell-dir and/or --gate-dir (see --help)"
         );
     }
+    // The CDI spec's paths are checked before anything is made.
+    let cdi_paths = match (&a.cdi_spec, &a.into, &a.doorbell_dir, &a.gate_dir) {
+        (Some(_), Some(lib), Some(bells), Some(gate)) => Some(qos_core::cdi::ShimPaths {
+            library_dir: abs_text(lib, "--into")?,
+            doorbell_dir: abs_text(bells, "--doorbell-dir")?,
+            gate_dir: abs_text(gate, "--gate-dir")?,
+        }),
+        _ => None,
+    };
     if let (Some(src), Some(dir), Some(sum)) = (&a.install, &a.into, &a.sha256) {
         install(src, sum, dir, out)?;
     }
@@ -87,6 +115,118 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<()> {
     if let Some(dir) = &a.gate_dir {
         gate(dir, out)?;
     }
+    if let (Some(spec), Some(paths), Some(bells)) = (&a.cdi_spec, &cdi_paths, &a.doorbell_dir) {
+        cdi(spec, paths, bells, a.slots, out)?;
+    }
+    Ok(())
+}
+
+fn abs_text(p: &Path, what: &str) -> Result<String> {
+    let t = p
+        .to_str()
+        .with_context(|| format!("{what} {}: not UTF-8", p.display()))?;
+    if !p.is_absolute() || t.contains(',') || t.contains(':') {
+        bail!("{what} {t}: an absolute path without ',' or ':' (CDI mount paths)");
+    }
+    Ok(t.trim_end_matches('/').to_string())
+}
+
+/// Writes the CDI spec of the slots and makes their doorbell directories.
+fn cdi(
+    spec: &Path,
+    paths: &qos_core::cdi::ShimPaths,
+    bells: &Path,
+    slots: u32,
+    out: &mut dyn Write,
+) -> Result<()> {
+    let ext_ok = matches!(
+        spec.extension().and_then(|e| e.to_str()),
+        Some("json" | "yaml")
+    );
+    if !ext_ok {
+        bail!(
+            "--cdi-spec {}: a .json or .yaml file (the runtime reads no other)",
+            spec.display()
+        );
+    }
+    let parent = spec
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if ensure_dir(parent, 0o755)? {
+        writeln!(out, "created {} (0755)", parent.display())?;
+    }
+    let body = serde_json::to_vec_pretty(&paths.cdi_spec(slots))?;
+    if fs::read(spec).is_ok_and(|old| old == body) {
+        writeln!(
+            out,
+            "kept {} ({} slots per class, unchanged)",
+            spec.display(),
+            slots
+        )?;
+    } else {
+        let tmp = parent.join(format!(
+            ".{}.{}.tmp",
+            spec.file_name().and_then(|n| n.to_str()).unwrap_or("spec"),
+            std::process::id()
+        ));
+        let _ = fs::remove_file(&tmp);
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&tmp)
+            .with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(&body)?;
+        f.sync_all()?;
+        drop(f);
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o644))?;
+        fs::rename(&tmp, spec)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), spec.display()))?;
+        writeln!(
+            out,
+            "wrote {} (CDI kind {}, {} slots per class)",
+            spec.display(),
+            qos_core::cdi::CDI_KIND,
+            slots
+        )?;
+    }
+    let pods = bells.join("pods");
+    let me = own_uid(&pods)?;
+    let mut made = 0;
+    for class in qos_core::cdi::SlotClass::ALL {
+        for index in 0..slots {
+            let d = pods.join(qos_core::cdi::Slot { class, index }.dir_name());
+            match fs::symlink_metadata(&d) {
+                Ok(m) if m.is_dir() && m.uid() == me => {
+                    if m.permissions().mode() & 0o7777 != 0o1777 {
+                        fs::set_permissions(&d, fs::Permissions::from_mode(0o1777))?;
+                        made += 1;
+                    }
+                }
+                Ok(_) => {
+                    // Not ours or not a directory: the agent replaces it at allocation;
+                    // here it goes, never followed.
+                    if fs::symlink_metadata(&d)?.is_dir() {
+                        fs::remove_dir_all(&d)?;
+                    } else {
+                        fs::remove_file(&d)?;
+                    }
+                    ensure_dir(&d, 0o1777)?;
+                    made += 1;
+                }
+                Err(_) => {
+                    ensure_dir(&d, 0o1777)?;
+                    made += 1;
+                }
+            }
+        }
+    }
+    writeln!(
+        out,
+        "slot directories in {}: {made} made or fixed (1777)",
+        pods.display()
+    )?;
     Ok(())
 }
 

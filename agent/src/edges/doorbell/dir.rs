@@ -151,6 +151,9 @@ pub struct DirBells {
     owner_wakes: HashMap<Budget, (u64, u32)>,
     /// Pods whose `pods/<uid>` the agent made or found right.
     pod_dirs: std::collections::HashSet<String>,
+    /// Which pod holds each slot directory `pods/slot-<class>-<n>` (the device plugin's
+    /// delivery), and the generation last read.
+    slots: Option<(Arc<crate::edges::deviceplugin::SlotOwners>, u64)>,
 }
 
 impl std::fmt::Debug for DirBells {
@@ -200,7 +203,25 @@ impl DirBells {
             waker_seen: 0,
             owner_wakes: HashMap::new(),
             pod_dirs: Default::default(),
+            slots: None,
         })
+    }
+
+    /// Reads the slot directories `pods/slot-<class>-<n>` too, each as the pages of the pod
+    /// `owners` says holds the slot (from the kubelet); a slot no pod holds is not read.
+    pub fn with_slots(mut self, owners: Arc<crate::edges::deviceplugin::SlotOwners>) -> DirBells {
+        self.slots = Some((owners, u64::MAX));
+        self
+    }
+
+    /// The pod whose pages a directory of `pods/` holds: its own (named by its UID), or the
+    /// one holding the slot.
+    fn owner_of_dir(&self, name: &str) -> Option<String> {
+        if is_pod_uid(name) {
+            return Some(name.to_string());
+        }
+        qos_core::cdi::Slot::of_dir_name(name)?;
+        self.slots.as_ref()?.0.owner(name)
     }
 
     /// The pages a directory offers: at most [`MAX_ENTRIES_PER_DIR`] entries looked at.
@@ -251,9 +272,12 @@ impl DirBells {
                     }
                 }
             }
-            Scope::Pod(uid) => {
-                let d = self.dir.join("pods").join(uid);
-                if !is_pod_uid(uid) || !trusted_pod_dir(&d) {
+            Scope::Pod(name) => {
+                let d = self.dir.join("pods").join(name);
+                let Some(uid) = self.owner_of_dir(name) else {
+                    return (out, false);
+                };
+                if !trusted_pod_dir(&d) {
                     return (out, false);
                 }
                 if let Ok(rd) = std::fs::read_dir(&d) {
@@ -282,7 +306,7 @@ impl DirBells {
                     continue;
                 }
                 if let Some(uid) = pod.file_name().to_str() {
-                    if is_pod_uid(uid) && trusted_pod_dir(&pod.path()) {
+                    if is_pod_dir_name(uid) && trusted_pod_dir(&pod.path()) {
                         out.push(Scope::Pod(uid.to_string()));
                         if out.len() > MAX_POD_DIRS {
                             break;
@@ -311,20 +335,25 @@ impl DirBells {
     fn rescan_scope(&mut self, scope: &Scope) -> bool {
         *self.rescans.entry(scope.clone()).or_default() += 1;
         let (found, truncated) = self.candidates(scope);
-        let live: std::collections::HashSet<&PathBuf> = found.iter().map(|(p, _)| p).collect();
+        let live: HashMap<&PathBuf, &Owner> = found.iter().map(|(p, o)| (p, o)).collect();
         // A listing cut short (a directory full of names) does not say a page is gone:
         // then only a page whose file is gone is dropped.
-        let listed =
-            |p: &PathBuf| live.contains(p) || (truncated && std::fs::symlink_metadata(p).is_ok());
+        let listed = |p: &PathBuf| {
+            live.contains_key(p) || (truncated && std::fs::symlink_metadata(p).is_ok())
+        };
         let before = self.pages.len();
         let dir = self.dir.clone();
         let of_scope = |p: &Path| match scope {
             Scope::Top => p.parent() == Some(dir.as_path()),
             Scope::Pod(uid) => p.parent() == Some(dir.join("pods").join(uid).as_path()),
         };
-        self.pages.retain(|p, _| !of_scope(p) || listed(p));
+        // A page whose directory now belongs to another pod (a slot changed hands) is
+        // dropped, and mapped again as the new holder's.
+        self.pages.retain(|p, m| {
+            !of_scope(p) || (listed(p) && live.get(p).is_none_or(|o| **o == m.info.owner))
+        });
         self.rejected
-            .retain(|p, _| !of_scope(p) || live.contains(p));
+            .retain(|p, _| !of_scope(p) || live.contains_key(p));
         let mut changed = self.pages.len() != before;
         let cap = match scope {
             Scope::Top => MAX_PAGES_TOP,
@@ -485,6 +514,11 @@ pub(super) fn is_pod_uid(s: &str) -> bool {
     s.len() == 36 && s.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
 
+/// A directory of `pods/` the agent reads: a pod's own (its UID) or a slot's.
+pub(super) fn is_pod_dir_name(s: &str) -> bool {
+    is_pod_uid(s) || qos_core::cdi::Slot::of_dir_name(s).is_some()
+}
+
 impl Doorbells for DirBells {
     fn rescan(&mut self, force: bool) -> bool {
         crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
@@ -525,6 +559,20 @@ impl Doorbells for DirBells {
         if force {
             // Once a second: every directory.
             scopes.extend(self.all_scopes());
+        }
+        // A slot changed hands: its directory is read as the new holder's (or not at all).
+        let slots_now = self.slots.as_ref().map(|(o, seen)| (o.generation(), *seen));
+        if let Some((now_gen, seen)) = slots_now {
+            if now_gen != seen {
+                if let Some(s) = self.slots.as_mut() {
+                    s.1 = now_gen;
+                }
+                scopes.extend(
+                    self.all_scopes()
+                        .into_iter()
+                        .filter(|s| matches!(s, Scope::Pod(n) if !is_pod_uid(n))),
+                );
+            }
         }
         // Directories rescanned less than the gap ago wait their turn; others go ahead.
         let mut due: Vec<Scope> = Vec::new();

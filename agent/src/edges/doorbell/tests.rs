@@ -1010,3 +1010,48 @@ fn a_page_rewritten_in_a_loop_does_not_flood_the_log() {
         );
     });
 }
+
+/// A slot's directory (the device plugin's delivery) is read as the pages of the pod the
+/// kubelet says holds the slot: not at all while no pod holds it, as the new holder's
+/// once it changes hands (a page mapped as the old holder's is dropped), never as a pod
+/// named in the directory's own name. The loop notices a change without a forced rescan.
+#[test]
+fn a_slot_directory_is_read_as_the_pages_of_the_pod_the_kubelet_says_holds_it() {
+    let dir = tmpdir("slots");
+    let owners = std::sync::Arc::new(crate::edges::deviceplugin::SlotOwners::default());
+    let mut b = DirBells::open(&dir, Layout::Kubernetes)
+        .unwrap()
+        .with_slots(owners.clone());
+    let slot = dir.join("pods").join("slot-offline-3");
+    std::fs::create_dir_all(&slot).unwrap();
+    let _p = write_page(&slot.join("7-1.bell"), [4; 16], 5);
+    // A directory named like a slot the plugin never offers, and one with a pod UID that
+    // holds nothing: neither names an owner.
+    let fake = dir.join("pods").join("slot-offline-03");
+    std::fs::create_dir_all(&fake).unwrap();
+    let _q = write_page(&fake.join("8-1.bell"), [4; 16], 5);
+    b.rescan(true);
+    assert!(
+        b.pages().is_empty(),
+        "read before any pod holds the slot: {:?}",
+        b.pages()
+    );
+    let (a, other) = (
+        "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11",
+        "11111111-2222-3333-4444-555555555555",
+    );
+    let held = |uid: &str| {
+        std::collections::HashMap::from([("slot-offline-3".to_string(), uid.to_string())])
+    };
+    assert!(owners.set(held(a)));
+    b.rescan(false);
+    let got: Vec<Owner> = b.pages().into_iter().map(|p| p.owner).collect();
+    assert_eq!(got, vec![Owner::Pod(a.into())]);
+    assert!(owners.set(held(other)));
+    b.rescan(false);
+    let got: Vec<Owner> = b.pages().into_iter().map(|p| p.owner).collect();
+    assert_eq!(got, vec![Owner::Pod(other.into())], "not re-attributed");
+    assert!(owners.set(Default::default()));
+    b.rescan(false);
+    assert!(b.pages().is_empty(), "still read once no pod holds it");
+}

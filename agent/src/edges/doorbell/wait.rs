@@ -195,7 +195,7 @@ impl Watcher {
         // Pod directories no longer watched because they changed too fast (never again).
         let mut throttled: std::collections::HashSet<String> = Default::default();
         let watch_pod = move |watched: &mut std::collections::HashMap<i32, String>, uid: &str| {
-            if watched.len() >= MAX_WATCHED_PODS || !super::dir::is_pod_uid(uid) {
+            if watched.len() >= MAX_WATCHED_PODS || !super::dir::is_pod_dir_name(uid) {
                 return false;
             }
             let path = pods.join(uid);

@@ -217,6 +217,15 @@ impl KubeSource {
         self.inner.index.read().ok()?.get(uid).cloned()
     }
 
+    /// The UID of the pod `namespace/name`, if it is on this node.
+    pub fn uid_of(&self, owner: &str) -> Option<String> {
+        let index = self.inner.index.read().ok()?;
+        index
+            .iter()
+            .find(|(_, e)| e.owner == owner)
+            .map(|(uid, _)| uid.clone())
+    }
+
     fn bump(&self) {
         let g = self.inner.generation.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some(tx) = &self.changed {
