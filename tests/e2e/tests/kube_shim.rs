@@ -352,3 +352,361 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
         let _ = std::fs::remove_dir(base.dir.join(d));
     }
 }
+
+/// The kubelet's side of the device plugin (`tests/e2e/kubelet/kubelet.py`: real gRPC from
+/// grpcio, real protobuf from the kubelet's field numbers), its events as they come.
+struct Kubelet {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    events: std::sync::mpsc::Receiver<Value>,
+}
+
+impl Kubelet {
+    fn start(plugin_dir: &Path, pod_resources: &Path) -> Kubelet {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("kubelet/kubelet.py");
+        let mut child = Command::new("python3")
+            .arg(&script)
+            .arg("--dir")
+            .arg(plugin_dir)
+            .arg("--pod-resources")
+            .arg(pod_resources)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        let mut k = Kubelet {
+            child,
+            stdin,
+            events,
+        };
+        k.next("ready", Duration::from_secs(30)).unwrap_or_else(|| {
+            panic!("{} did not start: it needs grpcio and grpcio-tools (PyPI; scripts/test-all installs them)", script.display())
+        });
+        k
+    }
+
+    /// The next event named `name` (others skipped), within `timeout`.
+    fn next(&mut self, name: &str, timeout: Duration) -> Option<Value> {
+        let end = std::time::Instant::now() + timeout;
+        while let Some(left) = end.checked_duration_since(std::time::Instant::now()) {
+            match self.events.recv_timeout(left) {
+                Ok(v) if v["event"] == name => return Some(v),
+                Ok(_) => continue,
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+
+    fn send(&mut self, cmd: Value) {
+        use std::io::Write;
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// Allocates `ids` of `resource` to container `main` of pod `pod`: the plugin's answer.
+    fn allocate(&mut self, resource: &str, ids: &[&str], pod: &str) -> Value {
+        self.send(json!({"allocate": {"resource": resource, "ids": ids, "pod": pod, "container": "main"}}));
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while let Some(left) = end.checked_duration_since(std::time::Instant::now()) {
+            match self.events.recv_timeout(left) {
+                Ok(v) if v["event"] == "allocated" || v["event"] == "refused" => return v,
+                Ok(_) => continue,
+                Err(_) => break,
+            }
+        }
+        panic!("no answer to the allocation of {ids:?}");
+    }
+
+    /// The two classes' registrations, by resource.
+    fn registrations(&mut self) -> HashMap<String, Value> {
+        let mut out = HashMap::new();
+        while out.len() < 2 {
+            let v = self
+                .next("registered", Duration::from_secs(15))
+                .expect("the agent registered both classes with the kubelet");
+            out.insert(v["resource"].as_str().unwrap().to_string(), v);
+        }
+        out
+    }
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The environment a container gets from its pod spec and from the device plugin's
+/// allocation (`mounts` delivery): paths under an allocated mount mapped to its host path.
+fn device_env(pod: &Value, uid: &str, allocation: &Value) -> HashMap<String, String> {
+    let mut env = kubelet_env(pod, uid);
+    for (k, v) in allocation["envs"].as_object().into_iter().flatten() {
+        env.insert(k.clone(), v.as_str().unwrap().to_string());
+    }
+    let mut mounts: Vec<(String, PathBuf)> = allocation["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["container_path"].as_str().unwrap().to_string(),
+                PathBuf::from(m["host_path"].as_str().unwrap()),
+            )
+        })
+        .collect();
+    mounts.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+    for key in ["COLOC_DOORBELL_DIR", "COLOC_GATE_FILE"] {
+        if let Some(v) = env.get(key).cloned() {
+            for (inside, host) in &mounts {
+                if v == *inside {
+                    env.insert(key.into(), host.display().to_string());
+                    break;
+                }
+                if let Some(rest) = v.strip_prefix(&format!("{inside}/")) {
+                    env.insert(key.into(), host.join(rest).display().to_string());
+                    break;
+                }
+            }
+        }
+    }
+    env
+}
+
+/// The shim as a device, with no host path in the pod: the webhook (`delivery =
+/// "device"`) gives an `nvidia.com/gpu` pod classified BE by Koordinator one offline slot
+/// and an unclassified one an online slot; the agent registers both classes with a kubelet
+/// that speaks real gRPC, answers its allocations (and refuses two slots in a container),
+/// learns from the pod-resources API which pod holds which slot, reads the online pod's
+/// doorbell from its slot and holds the offline pod at its gate. When the kubelet
+/// restarts, the agent registers again.
+#[test]
+fn an_nvidia_gpu_pod_gets_the_shim_as_a_device_and_is_held_at_its_gate() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(FakeApi::start());
+    let name = unique("coloc-e2e-kdev");
+    let base = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
+        eprintln!("NOTE: cgroup v2 not usable ({why}): using the v1 freezer hierarchy");
+        TestCgroup::try_v1(&name)
+            .unwrap_or_else(|why1| panic!("a cgroup hierarchy is required: v2: {why}; v1: {why1}"))
+    });
+    let off_cg = kube_cgroup(&base, OFF_UID, "cri-containerd-1ff.scope");
+    let on_cg = kube_cgroup(&base, ON_UID, "cri-containerd-1a.scope");
+    let sim = Sim::start(1, &["--sample-period-ms", "100"]);
+    let dir = TempPath::dir("coloc-e2e-kdev");
+    let plugin_dir = dir.join("device-plugins");
+    let pod_resources = dir.join("pod-resources.sock");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let mut kubelet = Kubelet::start(&plugin_dir, &pod_resources);
+    let kubeconfig = api.kubeconfig(&dir);
+    let gate_dir = dir.join("gate");
+    let events = dir.join("events.jsonl");
+    let (gd, ev) = (gate_dir.display().to_string(), events.display().to_string());
+    let gate_file = format!("{gd}/gates");
+    let lib = bin("libcoloc_cuda.so").display().to_string();
+    let (pd, prs) = (
+        plugin_dir.display().to_string(),
+        pod_resources.display().to_string(),
+    );
+    let agent = Agent::spawn_with(
+        &sim,
+        &[
+            "--node-name",
+            "node1",
+            "--actuator",
+            "freezer",
+            "--gate",
+            "--gate-file",
+            &gate_file,
+            "--event-log",
+            &ev,
+            "--device-plugin",
+            "mounts",
+            "--device-plugin-dir",
+            &pd,
+            "--pod-resources-socket",
+            &prs,
+            "--shim-slots",
+            "8",
+            "--shim-library",
+            &lib,
+        ],
+        &[
+            ("KUBECONFIG", kubeconfig.as_os_str()),
+            ("COLOC_NVML_INTERVAL", "100ms".as_ref()),
+            ("COLOC_NVML_SAMPLE_PERIOD", "100ms".as_ref()),
+        ],
+    );
+    rt.block_on(api.watching(Duration::from_secs(15)));
+    let regs = kubelet.registrations();
+    for class in ["online", "offline"] {
+        let r = &regs[&format!("gpu-coloc.dev/shim-{class}")];
+        let ids: Vec<&str> = r["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| {
+                assert_eq!(d["health"], "Healthy");
+                d["id"].as_str().unwrap()
+            })
+            .collect();
+        let want: Vec<String> = (0..8).map(|i| format!("{class}-{i}")).collect();
+        assert_eq!(ids, want, "{r}");
+        assert_eq!(r["options"]["pre_start_required"], false);
+    }
+
+    let settings = format!(
+        "backend = \"nvidia-shared\"\n[shim]\ndelivery = \"device\"\nlibrary = \"{lib}\"\ndoorbell_dir = \"{}\"\ngate_dir = \"{gd}\"\n",
+        agent.doorbell_dir.display()
+    );
+    let offline = through_the_webhook(
+        &dir,
+        &settings,
+        &user_pod("trainer", Some(("koordinator.sh/qosClass", "BE"))),
+    );
+    let online = through_the_webhook(&dir, &settings, &user_pod("server", None));
+    for (p, class) in [(&offline, "offline"), (&online, "online")] {
+        assert!(!p.to_string().contains("hostPath"), "{p}");
+        assert_eq!(
+            p["spec"]["containers"][0]["resources"]["limits"]
+                [format!("gpu-coloc.dev/shim-{class}")],
+            "1",
+            "{p}"
+        );
+    }
+    for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID)] {
+        let mut stored = p.clone();
+        stored["metadata"]["uid"] = json!(uid);
+        stored["metadata"]["resourceVersion"] = json!("1");
+        stored["spec"]["nodeName"] = json!("node1");
+        stored["status"] = json!({"phase": "Running"});
+        api.apply(stored);
+    }
+
+    // Two slots in one container: refused (their mounts would collide).
+    let r = kubelet.allocate(
+        "gpu-coloc.dev/shim-offline",
+        &["offline-1", "offline-2"],
+        "ml/trainer",
+    );
+    assert_eq!(r["event"], "refused", "{r}");
+    assert_eq!(r["code"], 9, "FAILED_PRECONDITION: {r}");
+    let off_alloc = kubelet.allocate("gpu-coloc.dev/shim-offline", &["offline-5"], "ml/trainer");
+    assert_eq!(off_alloc["event"], "allocated", "{off_alloc}");
+    let on_alloc = kubelet.allocate("gpu-coloc.dev/shim-online", &["online-2"], "ml/server");
+    assert_eq!(on_alloc["event"], "allocated", "{on_alloc}");
+    let slot_dir = agent.doorbell_dir.join("pods/slot-offline-5");
+    let m = off_alloc["response"]["mounts"].as_array().unwrap();
+    assert!(
+        m.iter()
+            .any(|m| m["host_path"] == slot_dir.display().to_string()
+                && m["container_path"] == agent.doorbell_dir.display().to_string()
+                && m["read_only"] == false),
+        "{m:?}"
+    );
+    assert!(
+        m.iter()
+            .any(|m| m["host_path"] == gd.as_str() && m["read_only"] == true),
+        "{m:?}"
+    );
+
+    let off_env = device_env(&offline, OFF_UID, &off_alloc["response"]);
+    let on_env = device_env(&online, ON_UID, &on_alloc["response"]);
+    assert_eq!(PathBuf::from(&off_env["COLOC_DOORBELL_DIR"]), slot_dir);
+    assert_eq!(off_env["COLOC_GATE_FILE"], gate_file);
+    let off = spawn(
+        &sim,
+        &off_cg,
+        &off_env,
+        &[
+            "offline",
+            "--gpu",
+            "0",
+            "--step-ms",
+            "2",
+            "--queue-depth",
+            "16",
+        ],
+    );
+    let shim_of = |owner: &str| -> Option<String> {
+        agent.state()["gpus"][0]["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["owner"] == owner && p["class"] == "offline")
+            .and_then(|p| p["shim"].as_str().map(String::from))
+    };
+    wait_for(
+        "the offline pod's page, read from its slot",
+        Duration::from_secs(8),
+        || shim_of("ml/trainer").as_deref() == Some("page"),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}\n{}", agent.state(), agent.log_text()));
+    let out = dir.join("online.json");
+    let mut on = spawn(
+        &sim,
+        &on_cg,
+        &on_env,
+        &[
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            "4",
+            "--work-ms",
+            "20",
+            "--duration-s",
+            "3",
+            "--seed",
+            "3",
+            "--out",
+            &out.display().to_string(),
+        ],
+    );
+    assert!(on.wait_within("online", Duration::from_secs(20)).success());
+    let gated = std::fs::read_to_string(&events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "preempt" && v["signal"] == "doorbell" && v["actuator"] == "gate")
+        .count();
+    assert!(
+        gated > 0,
+        "no preemption seen by the online pod's doorbell (in its slot) and drained at the offline pod's gate\n{}",
+        agent.log_text()
+    );
+
+    // The kubelet restarts: its sockets are gone, the agent registers again.
+    kubelet.send(json!({"restart": true}));
+    kubelet
+        .next("restarted", Duration::from_secs(10))
+        .expect("restarted");
+    let again = kubelet.registrations();
+    assert_eq!(again.len(), 2);
+    drop(off);
+    drop(agent);
+    drop(kubelet);
+    drop((off_cg, on_cg));
+    for d in [
+        format!("kubepods/besteffort/pod{OFF_UID}"),
+        format!("kubepods/besteffort/pod{ON_UID}"),
+        "kubepods/besteffort".into(),
+        "kubepods".into(),
+    ] {
+        let _ = std::fs::remove_dir(base.dir.join(d));
+    }
+}

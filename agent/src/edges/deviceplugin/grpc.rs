@@ -180,8 +180,25 @@ async fn call(
     }
 }
 
-/// Calls `path` on the gRPC server at `socket` with `msg`; the answer's message.
+/// How long a call may take (the kubelet answers in milliseconds).
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Calls `path` on the gRPC server at `socket` with `msg`; the answer's message. Gives up
+/// after [`CALL_TIMEOUT`] (status 4, deadline exceeded).
 pub async fn unary(socket: &Path, path: &str, msg: &[u8]) -> Result<Vec<u8>, Status> {
+    match tokio::time::timeout(CALL_TIMEOUT, unary_now(socket, path, msg)).await {
+        Ok(r) => r,
+        Err(_) => Err(Status::new(
+            4,
+            format!(
+                "{path} on {}: no answer within {CALL_TIMEOUT:?}",
+                socket.display()
+            ),
+        )),
+    }
+}
+
+async fn unary_now(socket: &Path, path: &str, msg: &[u8]) -> Result<Vec<u8>, Status> {
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
         Status::new(14, format!("{what} {}: {e}", socket.display()))
     };
