@@ -418,6 +418,79 @@ def shim_agent_checks(docs, pod, c, settings, label, gate="50ms"):
                   f"({settings.get('COLOC_GATE_FILE')})")
 
 
+def delivery_checks():
+    """shim.delivery=cdi and mounts: the agent offers the kubelet its slots (device-plugin
+    and pod-resources sockets mounted from the host), the init container writes the CDI
+    spec where the runtime reads it (cdi only), the webhook asks for one slot per GPU
+    container and puts no host path in any pod; slot counts and paths agree."""
+    shim_lib = yaml.safe_load(open(os.path.join(DEPLOY, "helm", "gpu-coloc", "values.yaml")))["shim"]["library"]
+    for delivery in ("cdi", "mounts"):
+        label = f"chart (shim.delivery={delivery})"
+        docs = validate(render(f"shim.delivery={delivery}"), label)
+        promises(docs, label)
+        settings = one(docs, "ConfigMap", "-agent")["data"]
+        check(settings.get("COLOC_DEVICE_PLUGIN") == delivery and settings.get("COLOC_SHIM_SLOTS") == "128"
+              and settings.get("COLOC_SHIM_LIBRARY") == shim_lib,
+              f"{label}: the agent offers 128 slots of {shim_lib} as {delivery}: {settings}")
+        cfg = tomllib.loads(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"])
+        check(cfg["shim"].get("delivery") == "device", f"{label}: the webhook asks for slots: {cfg['shim']}")
+        inject = [w for c in by_kind(docs, "MutatingWebhookConfiguration") for w in c["webhooks"]
+                  if w["clientConfig"]["service"]["path"] == "/inject"]
+        check(inject and not any(e["key"] == "pod-security.kubernetes.io/enforce" for e in inject[0]["namespaceSelector"]["matchExpressions"]),
+              f"{label}: namespaces enforcing Pod Security baseline or restricted get the shim too (no hostPath)")
+        for ds in by_kind(docs, "DaemonSet"):
+            pod = ds["spec"]["template"]["spec"]
+            hp = host_paths(pod)
+            am = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+            for d in ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"):
+                check(d in am and hp[am[d]["name"]]["path"] == d, f"{label}: the agent mounts the kubelet's {d}")
+            check(not am["/var/lib/kubelet/device-plugins"].get("readOnly"), f"{label}: the agent's sockets go in the device-plugin directory")
+            init = [i for i in pod["initContainers"] if i["name"] == "install-shim"][0]
+            args = dict(a.split("=", 1) for a in init["args"])
+            im = {m["mountPath"]: m for m in init["volumeMounts"]}
+            if delivery == "cdi":
+                spec = args.get("--cdi-spec", "")
+                check(spec == "/var/run/cdi/gpu-coloc.json" and args.get("--slots") == settings["COLOC_SHIM_SLOTS"],
+                      f"{label}: the init container writes the CDI spec of the agent's slots where the runtime reads it: {args}")
+                check(os.path.dirname(spec) in im and hp[im[os.path.dirname(spec)]["name"]]["path"] == os.path.dirname(spec),
+                      f"{label}: the CDI spec directory is the host's")
+            else:
+                check("--cdi-spec" not in args, f"{label}: no CDI spec without CDI: {args}")
+        if delivery == "mounts":
+            # The webhook's settings are the same as with cdi (delivery = "device").
+            continue
+        # The pods the webhook makes with this chart's settings.
+        binary = webhook_binary()
+        with tempfile.TemporaryDirectory() as tmp:
+            conf = os.path.join(tmp, "config.toml")
+            with open(conf, "w") as f:
+                f.write(one(docs, "ConfigMap", "-webhook")["data"]["config.toml"])
+            out, slots = [], 0
+            for path in sorted(glob.glob(os.path.join(ROOT, "webhook", "tests", "data", "*.json"))):
+                req = json.load(open(path))["request"]
+                if req["operation"] != "CREATE" or not req.get("object") or os.path.basename(path).startswith("deny-"):
+                    continue
+                src = os.path.join(tmp, "pod.json")
+                with open(src, "w") as f:
+                    json.dump(req["object"], f)
+                pod = json.loads(run(binary, "--config", conf, "--backend", "nvidia-shared", "--translate", src))
+                check("hostPath" not in json.dumps(pod) or "hostPath" in json.dumps(req["object"]),
+                      f"{label}: {os.path.basename(path)}: the webhook added a host path")
+                for ctr in pod["spec"].get("containers", []) + pod["spec"].get("initContainers", []):
+                    env = {e["name"]: e.get("value") for e in ctr.get("env", [])}
+                    if "COLOC_SHIM_CLASS" in env:
+                        lim = ctr.get("resources", {}).get("limits", {})
+                        check(lim.get(f"gpu-coloc.dev/shim-{env['COLOC_SHIM_CLASS']}") == "1",
+                              f"{label}: {os.path.basename(path)}: {ctr['name']} has the shim but no slot: {lim}")
+                        slots += 1
+                pod.setdefault("metadata", {})["name"] = f"{pod['metadata'].get('name', 'pod')}-{len(out)}"
+                out.append(pod)
+        check(slots, f"{label}: no container got a slot")
+        validate(yaml.safe_dump_all(out), f"{label}: {len(out)} pods after /inject and /mutate ({slots} containers with a slot)")
+    cfg = tomllib.loads(one([x for x in yaml.safe_load_all(render()) if x], "ConfigMap", "-webhook")["data"]["config.toml"])
+    check("delivery" not in cfg["shim"], f"chart (defaults): hostPath delivery: {cfg['shim']}")
+
+
 def gate_checks():
     """The launch gate follows shim.gate and shim.enabled: with the defaults the agent gets
     COLOC_GATE, COLOC_GATE_FILE and COLOC_GATE_TIMEOUT (promises on the defaults and the
@@ -1697,6 +1770,7 @@ def main():
     promises(validate(render("agent.sysPtrace=true"), "chart (SYS_PTRACE)"), "chart (SYS_PTRACE)", caps=("KILL", "SYS_PTRACE"))
     promises(validate(render("agent.raiseLoopPriority=true"), "chart (SYS_NICE)"), "chart (SYS_NICE)", caps=("KILL", "SYS_NICE"))
     gate_checks()
+    delivery_checks()
     driver_checks()
     other_ns = validate(render(namespace="gpu-sharing"), "chart (namespace gpu-sharing)")
     promises(other_ns, "chart (namespace gpu-sharing)", release_ns="gpu-sharing")

@@ -225,6 +225,10 @@ offline_priority_below = {{ int .offlinePriorityBelow }}
 library = {{ .Values.shim.library | quote }}
 doorbell_dir = {{ .Values.shim.doorbellDir | quote }}
 gate_dir = {{ .Values.shim.gateDir | quote }}
+{{- if ne .Values.shim.delivery "hostPath" }}
+# A slot of the agent's device plugin per GPU container, no hostPath in the pod.
+delivery = "device"
+{{- end }}
 {{- if not (kindIs "invalid" .Values.shim.inflight) }}
 inflight = {{ int .Values.shim.inflight }}
 {{- end }}
