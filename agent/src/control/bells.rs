@@ -203,6 +203,7 @@ impl Bells {
                 start,
                 end: last,
                 seen: nvml_seen_by(table, &page.info.owner, gpu),
+                gpu_seen: nvml_seen_online(table, gpu),
             };
             if !self.claims.judge(claimed, now, events, notes) {
                 continue;
@@ -319,6 +320,15 @@ fn nvml_seen_by(table: &Table, owner: &Owner, gpu: u32) -> Option<u64> {
     table
         .entries()
         .filter(of)
+        .filter_map(|e| e.nvml_seen.get(&gpu).copied())
+        .max()
+}
+
+/// End of the latest sampled period that showed any online process at work on `gpu`.
+fn nvml_seen_online(table: &Table, gpu: u32) -> Option<u64> {
+    table
+        .entries()
+        .filter(|e| e.cls.class == qos_core::Class::Online)
         .filter_map(|e| e.nvml_seen.get(&gpu).copied())
         .max()
 }

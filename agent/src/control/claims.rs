@@ -6,6 +6,13 @@
 //! run has lasted `--doorbell-trust-window` while no NVML sample of its processes on that
 //! GPU showed work in that time is distrusted there: its launches count for nothing until
 //! a sample shows it at work again.
+//!
+//! Per GPU as well, across owners: the run that all owners' claims keep going together. A
+//! pause of one owner covered by another's claims lets no offline work run, so it does not
+//! end the GPU's run. Once that run has lasted the trust window while no NVML sample showed
+//! any online process at work on the GPU, every owner that claims in it is distrusted
+//! there: claims relayed between two processes (or pods) that each pause in turn hold
+//! offline work no longer than one alone.
 
 use crate::control::events::{Distrust, Event};
 use crate::control::note::Note;
@@ -23,10 +30,19 @@ struct Claim {
     distrusted_at: Option<u64>,
 }
 
+/// A GPU's claims, all owners together.
+#[derive(Debug, Clone, Copy)]
+struct GpuRun {
+    /// Start and end of the run the claims of every owner keep going.
+    start: u64,
+    end: u64,
+}
+
 /// Every owner's claims.
 #[derive(Debug, Default)]
 pub struct Claims {
     claims: HashMap<(Owner, u32), Claim>,
+    gpus: HashMap<u32, GpuRun>,
     window_ns: u64,
     /// `--doorbell-trust-window`, ns (0: never distrust).
     trust_ns: u64,
@@ -48,6 +64,9 @@ pub struct Claimed<'a> {
     /// End of the latest sampled period that showed any process of the owner at work on
     /// that GPU.
     pub seen: Option<u64>,
+    /// End of the latest sampled period that showed any online process at work on that
+    /// GPU.
+    pub gpu_seen: Option<u64>,
 }
 
 impl Claims {
@@ -55,6 +74,7 @@ impl Claims {
     pub fn new(window_ns: u64, trust_ns: u64) -> Claims {
         Claims {
             claims: HashMap::new(),
+            gpus: HashMap::new(),
             window_ns,
             trust_ns,
         }
@@ -75,6 +95,20 @@ impl Claims {
         notes: &mut Vec<Note>,
     ) -> bool {
         let (window, trust) = (self.window_ns, self.trust_ns);
+        // The GPU's run, every owner's claims together: only a pause no claim covers lets
+        // offline work run.
+        let run = self.gpus.entry(c.gpu).or_insert(GpuRun {
+            start: c.start,
+            end: c.end,
+        });
+        if c.start >= run.end.saturating_add(2 * window) {
+            run.start = c.start;
+        }
+        run.end = run.end.max(c.end);
+        let gpu_uncorroborated = trust > 0
+            && run.end.saturating_sub(run.start) >= trust
+            && c.gpu_seen.is_none_or(|s| s.saturating_add(trust) < now);
+        let gpu_claimed_s = run.end.saturating_sub(run.start) as f64 / 1e9;
         let claim = self
             .claims
             .entry((c.owner.clone(), c.gpu))
@@ -90,7 +124,7 @@ impl Claims {
             claim.run_start = c.start;
         }
         claim.run_end = claim.run_end.max(c.end);
-        let claimed_s = claim.run_end.saturating_sub(claim.run_start) as f64 / 1e9;
+        let mut claimed_s = claim.run_end.saturating_sub(claim.run_start) as f64 / 1e9;
         let restored = match claim.distrusted_at {
             Some(at) if c.seen.is_some_and(|s| s > at) => {
                 claim.distrusted_at = None;
@@ -103,6 +137,13 @@ impl Claims {
                 && c.seen.is_none_or(|s| s.saturating_add(trust) < now) =>
             {
                 claim.distrusted_at = Some(now);
+                false
+            }
+            // Relayed: the GPU's claims, all owners together, lasted the trust window
+            // with no online work seen there.
+            None if gpu_uncorroborated => {
+                claim.distrusted_at = Some(now);
+                claimed_s = gpu_claimed_s;
                 false
             }
             None => return true,

@@ -307,6 +307,51 @@ fn corroborated_or_interrupted_claims_stay_trusted() {
     assert!(distrusts(&h).is_empty(), "{:?}", distrusts(&h));
 }
 
+/// Claims relayed between two online processes that do no GPU work, each pausing in turn
+/// while the other covers the pause (the pauses are long enough to start each one's own
+/// run again), hold offline work no longer than one process alone: the GPU's claims,
+/// together, are judged against the trust window, and each relaying owner is distrusted.
+/// A sample showing either at work restores it.
+#[test]
+fn relayed_claims_hold_offline_work_no_longer_than_one_owner() {
+    let mut h = setup_trust();
+    h.spawn(0, 21, class(Class::Online, None));
+    h.ticks(3);
+    h.bells.page(2, Owner::Pid(21), 0);
+    let t0 = h.now();
+    let mut freed_at = None;
+    // Each rings 700 ms and pauses 500 ms; the other starts 100 ms before it stops.
+    while h.now() < t0 + 3_000 * MS {
+        let now = h.now();
+        let phase = (now - t0) % (1_200 * MS);
+        if phase < 700 * MS {
+            h.bells.ring(1, 0, now, now);
+        }
+        if phase >= 600 * MS || (now - t0 >= 1_200 * MS && phase < 100 * MS) {
+            h.bells.ring(2, 0, now, now);
+        }
+        h.tick();
+        if freed_at.is_none() && !h.suspended(10) && now > t0 + 10 * MS {
+            freed_at = Some(now);
+        }
+    }
+    let freed = freed_at.expect("relayed claims held offline work for 3 s");
+    assert!(
+        freed <= t0 + 1_000 * MS + 110 * MS,
+        "held {} ms by relayed claims (trust window 1 s)",
+        (freed - t0) / MS
+    );
+    let d = distrusts(&h);
+    let owners: std::collections::BTreeSet<&str> = d.iter().map(|d| d.owner.as_str()).collect();
+    assert!(
+        owners.contains("pid:20") && owners.contains("pid:21"),
+        "both relaying owners distrusted: {d:?}"
+    );
+    assert!(d.iter().all(|d| !d.restored && d.claimed_s >= 1.0), "{d:?}");
+    // Trusted again once the driver shows it at work.
+    distrusted_until_seen(&mut h, 2, 21);
+}
+
 /// A pod is one owner: distrust earned by one of its processes stays with the pod when a
 /// new process of it maps a new page.
 #[test]
