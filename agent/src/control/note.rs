@@ -35,6 +35,11 @@ pub enum Note {
         /// How many.
         processes: usize,
     },
+    /// A held signalled cgroup is gone (its processes exited): its hold ends.
+    HoldGone {
+        /// The hold.
+        hold: HoldKey,
+    },
     /// Processes that joined a held cgroup are stopped too.
     NewcomersStopped {
         /// The hold.
@@ -385,6 +390,8 @@ impl Note {
                 processes,
                 "Cannot record processes that joined a held cgroup: not stopping them"
             ),
+            // The shell said it once, at info.
+            Note::HoldGone { hold } => tracing::debug!(?hold, "Hold of a gone cgroup ended"),
             Note::NewcomersStopped { hold, processes } => info!(
                 ?hold,
                 processes, "Processes joined a held cgroup: stopping them too"

@@ -237,7 +237,7 @@ impl HoldBook {
         started
     }
 
-    fn release(&mut self, key: HoldKey, now: u64) {
+    pub(super) fn release(&mut self, key: HoldKey, now: u64) {
         let Some(hold) = self.held.remove(&key) else {
             return;
         };

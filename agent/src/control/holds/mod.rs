@@ -401,8 +401,8 @@ impl HoldBook {
                     self.rechecked(key, progress)
                 }
                 (Then::Restopped, HoldObs::Progress { .. }) => {}
-                (Then::Regrouped(key), HoldObs::Members { members, .. }) => {
-                    self.regrouped(key, members)
+                (Then::Regrouped(key), HoldObs::Members { members, gone, .. }) => {
+                    self.regrouped(key, members, gone, now)
                 }
                 (Then::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_newcomers(key, newcomers, ok)

@@ -316,10 +316,19 @@ impl HoldBook {
 
     /// A held signalled cgroup's processes now: those not held yet are recorded, then
     /// stopped.
-    pub(super) fn regrouped(&mut self, key: HoldKey, members: Vec<Target>) {
+    pub(super) fn regrouped(&mut self, key: HoldKey, members: Vec<Target>, gone: bool, now: u64) {
         let Some(hold) = self.held.get(&key) else {
             return;
         };
+        if gone {
+            // Removed once its last process exited: nothing is left to hold or to look
+            // for again. The hold ends (its resume finds every member gone) and leaves the
+            // record.
+            self.notes.push(Note::HoldGone { hold: key.clone() });
+            self.release(key, now);
+            self.flush_forgotten();
+            return;
+        }
         let known: std::collections::BTreeSet<_> =
             hold.members.iter().map(Target::record).collect();
         let newcomers: Vec<Target> = members

@@ -169,6 +169,8 @@ pub enum HoldObs {
         req: Req,
         /// The processes.
         members: Vec<Target>,
+        /// The cgroup's directory is gone (removed once its last process exited).
+        gone: bool,
     },
     /// Whether the record holds the entries now.
     Recorded {

@@ -419,6 +419,18 @@ fn shell(
     members: &[Target],
     progress: &mut dyn FnMut(Op, &Target, bool) -> Progress,
 ) -> Vec<HoldCmd> {
+    shell_with(b, now, record, members, false, progress)
+}
+
+/// [`shell`], the signalled cgroup's directory gone when `gone`.
+fn shell_with(
+    b: &mut HoldBook,
+    now: u64,
+    record: &mut std::collections::BTreeSet<RecordEntry>,
+    members: &[Target],
+    gone: bool,
+    progress: &mut dyn FnMut(Op, &Target, bool) -> Progress,
+) -> Vec<HoldCmd> {
     let mut all = Vec::new();
     loop {
         let cmds = b.take_commands();
@@ -431,6 +443,7 @@ fn shell(
                 HoldCmd::Members { req, .. } => obs.push(HoldObs::Members {
                     req: *req,
                     members: members.to_vec(),
+                    gone,
                 }),
                 HoldCmd::RecordAdd { req, entries } => {
                     record.extend(entries.iter().cloned());
@@ -671,6 +684,7 @@ fn an_escalation_that_lands_after_the_release_freezes_nothing_and_leaves_nothing
                         HoldCmd::Members { req, .. } => HoldObs::Members {
                             req,
                             members: members.clone(),
+                            gone: false,
                         },
                         HoldCmd::RecordAdd { req, entries } => {
                             rec.extend(entries);
@@ -862,4 +876,41 @@ fn a_cgroup_that_resumed_itself_is_frozen_at_once_next_time() {
         (false, false),
         "still frozen at once after ten minutes"
     );
+}
+
+/// A held signalled cgroup whose processes were killed and whose directory the runtime
+/// removed: the hold ends at the first look that finds it gone (its resume finds nothing,
+/// it leaves the record), and the directory is not asked for again (the review saw it
+/// asked every re-check, with a warning each time, until the process list was read).
+#[test]
+fn a_cgroup_that_is_gone_ends_its_hold_and_is_not_asked_for_again() {
+    let (k, t, _cg, plan) = signalled_cgroup();
+    let mut b = HoldBook::new(Duration::from_millis(50));
+    let mut rec = std::collections::BTreeSet::new();
+    let members = vec![t.clone()];
+    b.suspend(&[(k, plan)], 0);
+    let mut alive = |_: Op, _: &Target, _: bool| Progress::Done;
+    shell(&mut b, 0, &mut rec, &members, &mut alive);
+    assert!(b.holds(&k) && !rec.is_empty(), "held and recorded");
+    // Killed; its cgroup removed.
+    let mut dead = |_: Op, _: &Target, _: bool| Progress::Gone;
+    let mut asked = 0;
+    let mut now = 0;
+    while now <= 200 * MS {
+        now += MS;
+        b.recheck(now);
+        b.poll(now);
+        let cmds = shell_with(&mut b, now, &mut rec, &members, true, &mut dead);
+        asked += cmds
+            .iter()
+            .filter(|c| matches!(c, HoldCmd::Members { .. }))
+            .count();
+    }
+    assert_eq!(asked, 1, "the gone cgroup was asked for {asked} times");
+    assert!(!b.holds(&k), "still held");
+    assert!(rec.is_empty(), "left in the record: {rec:?}");
+    assert!(b
+        .take_notes()
+        .iter()
+        .any(|n| matches!(n, Note::HoldGone { .. })));
 }

@@ -17,7 +17,7 @@ use crate::edges::procfs::{ProcFs, ProcKey};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::warn;
+use tracing::{info, warn};
 
 /// The edges that act.
 pub struct Hands {
@@ -27,6 +27,8 @@ pub struct Hands {
     gates: Option<GateKeeper>,
     /// Every target suspended through these hands and not confirmed resumed.
     ledger: BTreeMap<RecordEntry, Target>,
+    /// Signalled cgroups found gone, said once each (bounded: cleared past 4096).
+    gone_said: std::collections::HashSet<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Hands {
@@ -51,16 +53,17 @@ impl Hands {
             clock,
             gates,
             ledger: BTreeMap::new(),
+            gone_said: Default::default(),
         }
     }
 
     /// Performs `cmd`; returns its answer (`None`: a record command, which is not theirs).
     pub fn perform(&mut self, cmd: HoldCmd) -> Option<HoldObs> {
         Some(match cmd {
-            HoldCmd::Members { req, dir, leader } => HoldObs::Members {
-                req,
-                members: self.members(&dir, leader),
-            },
+            HoldCmd::Members { req, dir, leader } => {
+                let (members, gone) = self.members(&dir, leader);
+                HoldObs::Members { req, members, gone }
+            }
             HoldCmd::RecordAdd { .. } | HoldCmd::RecordRemove { .. } => return None,
             HoldCmd::CloseGate { req, gate } => {
                 self.ledger.insert(gate.record(), gate.clone());
@@ -161,8 +164,9 @@ impl Hands {
     }
 
     /// The processes of signalled cgroup `dir` now, `leader` first, each pinned by a
-    /// pidfd; the agent is never among them.
-    fn members(&self, dir: &std::path::Path, leader: Target) -> Vec<Target> {
+    /// pidfd; the agent is never among them. True when the cgroup is gone (its processes
+    /// all exited and it was removed): said once per directory.
+    fn members(&mut self, dir: &std::path::Path, leader: Target) -> (Vec<Target>, bool) {
         let me = self.procfs.self_pid();
         let lead = match &leader {
             Target::Process { key, .. } => key.pid,
@@ -187,11 +191,20 @@ impl Hands {
                     }
                 }
             }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                if self.gone_said.len() > 4096 {
+                    self.gone_said.clear();
+                }
+                if self.gone_said.insert(dir.to_path_buf()) {
+                    info!(dir = %dir.display(), "The offline cgroup is gone (its processes exited): its hold ends");
+                }
+                return (out, true);
+            }
             Err(err) => {
                 warn!(dir = %dir.display(), %err, "Cannot list the offline cgroup: stopping only its GPU process")
             }
         }
-        out
+        (out, false)
     }
 
     /// Resumes every target suspended through these hands, waiting up to `budget` (the

@@ -635,7 +635,13 @@ impl World {
                             pidfd: p.pin.clone(),
                         }),
                 );
-                HoldObs::Members { req, members }
+                // Its runtime removes a cgroup once its last process has exited.
+                let leader_lives = self
+                    .procs
+                    .values()
+                    .any(|p| matches!(&leader, Target::Process { key, .. } if *key == p.key));
+                let gone = members.len() == 1 && !leader_lives;
+                HoldObs::Members { req, members, gone }
             }
             HoldCmd::RecordAdd { .. } | HoldCmd::RecordRemove { .. } => {
                 self.flag("the record book's own commands reached the shell".into());

@@ -138,6 +138,10 @@ pub struct DirBells {
     /// "Doorbell page found" lines, limited per owner (a page rewritten in a loop is a new
     /// page each time).
     lines: crate::logbudget::LogBudget,
+    /// "Doorbell page found" lines said, and lines held back and summarised, per owner
+    /// (for tests: what the log says, without a log).
+    pub(super) said: HashMap<String, u64>,
+    pub(super) held_back: HashMap<String, u64>,
     /// Pages to wait on first (see [`Doorbells::prefer`]).
     preferred: std::collections::HashSet<u64>,
     /// Files opened to be mapped, and directory rescans, since the start (for tests).
@@ -196,6 +200,8 @@ impl DirBells {
             scanned: HashMap::new(),
             warned: (0, 0),
             lines: Default::default(),
+            said: HashMap::new(),
+            held_back: HashMap::new(),
             preferred: Default::default(),
             opened: 0,
             rescans: HashMap::new(),
@@ -205,6 +211,12 @@ impl DirBells {
             pod_dirs: Default::default(),
             slots: None,
         })
+    }
+
+    fn note_held(&mut self, held: &[crate::logbudget::Held]) {
+        for h in held {
+            *self.held_back.entry(h.owner.clone()).or_default() += h.held;
+        }
     }
 
     /// Reads the slot directories `pods/slot-<class>-<n>` too, each as the pages of the pod
@@ -406,8 +418,10 @@ impl DirBells {
                         .allow("doorbell page found", &owner, now, &mut held)
                         == crate::logbudget::Verdict::Say
                     {
+                        *self.said.entry(owner.clone()).or_default() += 1;
                         info!(page = %path.display(), owner = ?m.info.owner, uid = m.info.file_uid, "Doorbell page found");
                     }
+                    self.note_held(&held);
                     crate::logbudget::say(&held);
                     self.rejected.remove(&path);
                     if *scope == Scope::Top {
@@ -521,7 +535,9 @@ pub(super) fn is_pod_dir_name(s: &str) -> bool {
 
 impl Doorbells for DirBells {
     fn rescan(&mut self, force: bool) -> bool {
-        crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
+        let held = self.lines.flush(std::time::Instant::now());
+        self.note_held(&held);
+        crate::logbudget::say(&held);
         // A page that stopped being valid (its file shrunk and the guard replaced it with
         // zeros, or it was rewritten): dropped now, its file looked at again below.
         let before = self.pages.len();
