@@ -38,6 +38,10 @@ pub struct Opts {
     /// Online submits through the CUDA driver API under `libcoloc_cuda.so`, the driver
     /// samples every 100 ms and the agent reads NVML at its default interval.
     pub doorbell: bool,
+    /// `--nvml-only`: the shipped defaults seen through NVML alone: the simulated driver
+    /// samples every 200 ms (an H100's period), the agent runs at its own defaults
+    /// (nothing overridden), online submits without the shim.
+    pub nvml_only: bool,
     /// `--flood N`: one pod's doorbell directory holds N files that are not pages, and a
     /// thread creates and removes files there in a loop for the whole run (a tenant
     /// flooding its own directory); 0: none.
@@ -51,7 +55,7 @@ pub const USAGE: &str = "\
 coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
             [--actuator signal|freezer] [--step-ms 2] [--burst-ms 5-20]
             [--gap-mean-ms 200] [--seed 1] [--json FILE] [--keep-logs DIR] [--doorbell]
-            [--flood N] [--state-dir DIR]
+            [--nvml-only] [--flood N] [--state-dir DIR]
     Agent cost on a busy node: GPUS simulated GPUs (1 ms sample period), OFFLINE-PER-GPU
     offline processes per GPU (continuous STEP-MS steps; with the freezer actuator each
     GPU's offline processes share one cgroup, declared offline by a rules `cgroup`
@@ -64,6 +68,9 @@ coloc-bench --multi-gpu [--gpus 8] [--offline-per-gpu 8] [--duration-s 60]
     reads NVML at its defaults (every 100 ms), and each online process submits through the
     simulated libcuda.so.1 under libcoloc_cuda.so (class online), so online work is seen
     at the launch.
+    --nvml-only: the shipped defaults seen through NVML alone: the simulated driver samples
+    every 200 ms, the agent runs at its own defaults (no --poll-interval), online work
+    without the shim (e.g. --burst-ms 5-5 --gap-mean-ms 100: 10 bursts/s of 5 ms).
     --flood N (with --doorbell): a pod directory under the agent's doorbell directory
     holds N files named like pages that are not, and a thread creates and removes files
     there in a loop for the whole run: what a tenant flooding its own directory costs the
@@ -117,6 +124,7 @@ impl Opts {
             json: opt(args, "--json").map(PathBuf::from),
             keep_logs: opt(args, "--keep-logs").map(PathBuf::from),
             doorbell: args.iter().any(|a| a == "--doorbell"),
+            nvml_only: args.iter().any(|a| a == "--nvml-only"),
             flood: num(args, "--flood", 0),
             state_dir: opt(args, "--state-dir").map(PathBuf::from),
         }
@@ -263,19 +271,27 @@ fn series(text: &str, name: &str) -> Vec<(String, f64)> {
 
 pub fn run(o: &Opts) -> serde_json::Value {
     let load_before = loadavg();
-    let period = if o.doorbell { "100" } else { "1" };
+    assert!(
+        !(o.doorbell && o.nvml_only),
+        "--doorbell and --nvml-only exclude each other\n\n{USAGE}"
+    );
+    let period = if o.nvml_only {
+        "200"
+    } else if o.doorbell {
+        "100"
+    } else {
+        "1"
+    };
     let sim = Sim::start(o.gpus, &["--sample-period-ms", period]);
     let group = unique("coloc-bench-mgpu");
     // Freezer: one cgroup per GPU holding that GPU's offline processes.
     let children: Vec<String> = (0..o.gpus).map(|g| format!("gpu{g}")).collect();
     let (cgroups, rules) = coloc_tools::offline_rules(&group, &children, o.actuator == "freezer");
     let events = std::env::temp_dir().join(format!("{group}-events.jsonl"));
-    let agent_args = vec![
-        "--event-log".to_string(),
-        events.display().to_string(),
-        "--poll-interval".into(),
-        "1ms".into(),
-    ];
+    let mut agent_args = vec!["--event-log".to_string(), events.display().to_string()];
+    if !o.nvml_only {
+        agent_args.extend(["--poll-interval".into(), "1ms".into()]);
+    }
     let (rules, env) = if o.doorbell {
         (
             rules + "[[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*--online-worker*\"\n",
@@ -535,6 +551,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
     });
     r["state_dir"] = serde_json::json!(o.state_dir.as_ref().map(|d| d.display().to_string()));
     r["doorbell"] = serde_json::json!(o.doorbell);
+    r["nvml_only"] = serde_json::json!(o.nvml_only);
     r["flood_files"] = serde_json::json!(o.flood);
     r["flood_rewrites"] = serde_json::json!(flood_rewrites);
     if o.flood > 0 {
