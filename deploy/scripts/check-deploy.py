@@ -838,6 +838,7 @@ def settings_checks():
     d = [x for x in yaml.safe_load_all(render("agent.deviceAccess=hostNvml", "shim.enabled=false")) if x] + \
         [x for x in yaml.safe_load_all(render()) if x] + \
         [x for x in yaml.safe_load_all(render("shim.learnedRelease=true")) if x] + \
+        [x for x in yaml.safe_load_all(render("shim.delivery=cdi")) if x] + \
         [x for x in yaml.safe_load_all(chart.render({"classes": {"offlinePriorityClasses": ["batch-low"], "offlinePriorityBelow": 1000}})) if x] + \
         [x for x in yaml.safe_load_all(render("agent.driverLock=true", "memoryPreemption.enabled=true", "agent.deviceAccess=hostNvml")) if x]
     set_by_chart = {k for cm in by_kind(d, "ConfigMap") if cm["metadata"]["name"].endswith("-agent") for k in cm["data"]}
