@@ -224,20 +224,6 @@ fn mount<'a>(c: &'a Value, volume: &str) -> Option<&'a Value> {
 /// What every injected container carries.
 fn assert_injected(pod: &Value, name: &str, class: &str) {
     let c = container(pod, name);
-    let preload = env(c, "LD_PRELOAD").unwrap()["value"].as_str().unwrap();
-    assert!(
-        preload.split([':', ' ']).any(|p| p == SHIM),
-        "{name}: LD_PRELOAD {preload}"
-    );
-    assert_eq!(env(c, "COLOC_SHIM_CLASS").unwrap()["value"], class);
-    assert_eq!(
-        env(c, "COLOC_POD_UID").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
-        "metadata.uid"
-    );
-    assert_eq!(
-        env(c, "COLOC_DOORBELL_DIR").unwrap()["value"],
-        "/run/gpu-coloc/doorbells"
-    );
     assert_env(c, name, class);
     let shim = mount(c, "gpu-coloc-shim").unwrap();
     assert_eq!(shim["mountPath"], "/var/lib/gpu-coloc/lib");
@@ -278,6 +264,20 @@ fn assert_injected(pod: &Value, name: &str, class: &str) {
 
 /// The shim's environment in container `name` of class `class` (either delivery).
 fn assert_env(c: &Value, name: &str, class: &str) {
+    let preload = env(c, "LD_PRELOAD").unwrap()["value"].as_str().unwrap();
+    assert!(
+        preload.split([':', ' ']).any(|p| p == SHIM),
+        "{name}: LD_PRELOAD {preload}"
+    );
+    assert_eq!(env(c, "COLOC_SHIM_CLASS").unwrap()["value"], class);
+    assert_eq!(
+        env(c, "COLOC_POD_UID").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.uid"
+    );
+    assert_eq!(
+        env(c, "COLOC_DOORBELL_DIR").unwrap()["value"],
+        "/run/gpu-coloc/doorbells"
+    );
     if class == "offline" {
         assert_eq!(
             env(c, "COLOC_GATE_FILE").unwrap()["value"],
@@ -302,16 +302,6 @@ fn assert_env(c: &Value, name: &str, class: &str) {
 /// for in the container, and no host path anywhere in the pod.
 fn assert_injected_as_device(pod: &Value, name: &str, class: &str) {
     let c = container(pod, name);
-    let preload = env(c, "LD_PRELOAD").unwrap()["value"].as_str().unwrap();
-    assert!(
-        preload.split([':', ' ']).any(|p| p == SHIM),
-        "{name}: LD_PRELOAD {preload}"
-    );
-    assert_eq!(env(c, "COLOC_SHIM_CLASS").unwrap()["value"], class);
-    assert_eq!(
-        env(c, "COLOC_DOORBELL_DIR").unwrap()["value"],
-        "/run/gpu-coloc/doorbells"
-    );
     assert_env(c, name, class);
     let want = format!("gpu-coloc.dev/shim-{class}");
     assert_eq!(c["resources"]["limits"][&want], "1", "{name}: {c}");

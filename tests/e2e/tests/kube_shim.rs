@@ -143,6 +143,43 @@ fn spawn(sim: &Sim, cg: &TestCgroup, env: &HashMap<String, String>, args: &[&str
     Proc(c.spawn().expect("spawn workload"))
 }
 
+/// Runs the online pod's process (4 requests/s of 20 ms for 3 s) and checks that the agent
+/// saw it through its doorbell and held the offline pod at its gate, confirmed.
+fn online_is_seen_and_offline_gated(
+    sim: &Sim,
+    on_cg: &TestCgroup,
+    on_env: &HashMap<String, String>,
+    dir: &Path,
+    events: &Path,
+    agent: &Agent,
+) {
+    let out = dir.join("online.json");
+    let args = "online --gpu 0 --rate 4 --work-ms 20 --duration-s 3 --seed 3 --out";
+    let mut args: Vec<&str> = args.split(' ').collect();
+    let out_s = out.display().to_string();
+    args.push(&out_s);
+    let mut on = spawn(sim, on_cg, on_env, &args);
+    assert!(on.wait_within("online", Duration::from_secs(20)).success());
+    let preempts: Vec<Value> = std::fs::read_to_string(events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "preempt")
+        .collect();
+    let gated: Vec<&Value> = preempts
+        .iter()
+        .filter(|e| e["signal"] == "doorbell" && e["actuator"] == "gate")
+        .collect();
+    assert!(
+        !gated.is_empty(),
+        "no preemption seen by the online pod's doorbell and drained at the offline pod's gate: {preempts:?}\n{}",
+        agent.log_text()
+    );
+    for e in &gated {
+        assert!(e["confirmed_ns"].as_u64().is_some(), "not confirmed: {e}");
+    }
+}
+
 #[test]
 fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -295,46 +332,7 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
         n("opted_out") == 1.0 && n("page") == 1.0 && n("not_injected") == 0.0
     })
     .unwrap_or_else(|e| panic!("{e}: {}", agent.metrics()));
-    let out = dir.join("online.json");
-    let mut on = spawn(
-        &sim,
-        &on_cg,
-        &on_env,
-        &[
-            "online",
-            "--gpu",
-            "0",
-            "--rate",
-            "4",
-            "--work-ms",
-            "20",
-            "--duration-s",
-            "3",
-            "--seed",
-            "3",
-            "--out",
-            &out.display().to_string(),
-        ],
-    );
-    assert!(on.wait_within("online", Duration::from_secs(20)).success());
-    let preempts: Vec<Value> = std::fs::read_to_string(&events)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["event"] == "preempt")
-        .collect();
-    let gated: Vec<&Value> = preempts
-        .iter()
-        .filter(|e| e["signal"] == "doorbell" && e["actuator"] == "gate")
-        .collect();
-    assert!(
-        !gated.is_empty(),
-        "no preemption seen by the online pod's doorbell and drained at the offline pod's gate: {preempts:?}\n{}",
-        agent.log_text()
-    );
-    for e in &gated {
-        assert!(e["confirmed_ns"].as_u64().is_some(), "not confirmed: {e}");
-    }
+    online_is_seen_and_offline_gated(&sim, &on_cg, &on_env, &dir, &events, &agent);
     wait_for("nothing suspended", Duration::from_secs(3), || {
         agent.state()["suspended_targets"] == 0
     })
@@ -656,39 +654,7 @@ fn an_nvidia_gpu_pod_gets_the_shim_as_a_device_and_is_held_at_its_gate() {
         || shim_of("ml/trainer").as_deref() == Some("page"),
     )
     .unwrap_or_else(|e| panic!("{e}: {}\n{}", agent.state(), agent.log_text()));
-    let out = dir.join("online.json");
-    let mut on = spawn(
-        &sim,
-        &on_cg,
-        &on_env,
-        &[
-            "online",
-            "--gpu",
-            "0",
-            "--rate",
-            "4",
-            "--work-ms",
-            "20",
-            "--duration-s",
-            "3",
-            "--seed",
-            "3",
-            "--out",
-            &out.display().to_string(),
-        ],
-    );
-    assert!(on.wait_within("online", Duration::from_secs(20)).success());
-    let gated = std::fs::read_to_string(&events)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["event"] == "preempt" && v["signal"] == "doorbell" && v["actuator"] == "gate")
-        .count();
-    assert!(
-        gated > 0,
-        "no preemption seen by the online pod's doorbell (in its slot) and drained at the offline pod's gate\n{}",
-        agent.log_text()
-    );
+    online_is_seen_and_offline_gated(&sim, &on_cg, &on_env, &dir, &events, &agent);
 
     // The kubelet restarts: its sockets are gone, the agent registers again.
     kubelet.send(json!({"restart": true}));
