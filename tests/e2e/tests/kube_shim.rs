@@ -143,6 +143,35 @@ fn spawn(sim: &Sim, cg: &TestCgroup, env: &HashMap<String, String>, args: &[&str
     Proc(c.spawn().expect("spawn workload"))
 }
 
+/// The test's cgroup: v2 where usable, else the v1 freezer hierarchy (said).
+fn base_cgroup(name: &str) -> TestCgroup {
+    TestCgroup::try_v2(name).unwrap_or_else(|why| {
+        eprintln!("NOTE: cgroup v2 not usable ({why}): using the v1 freezer hierarchy");
+        TestCgroup::try_v1(name)
+            .unwrap_or_else(|why1| panic!("a cgroup hierarchy is required: v2: {why}; v1: {why1}"))
+    })
+}
+
+/// The kubelet-style directories the pods' cgroups left under `base`.
+fn remove_kube_cgroups(base: &TestCgroup) {
+    for uid in [OFF_UID, ON_UID, OUT_UID] {
+        let _ = std::fs::remove_dir(base.dir.join(format!("kubepods/besteffort/pod{uid}")));
+    }
+    for d in ["kubepods/besteffort", "kubepods"] {
+        let _ = std::fs::remove_dir(base.dir.join(d));
+    }
+}
+
+/// `pod` as the API server stores it (with `uid`), scheduled to node1 and running.
+fn store(api: &FakeApi, pod: &Value, uid: &str) {
+    let mut stored = pod.clone();
+    stored["metadata"]["uid"] = json!(uid);
+    stored["metadata"]["resourceVersion"] = json!("1");
+    stored["spec"]["nodeName"] = json!("node1");
+    stored["status"] = json!({"phase": "Running"});
+    api.apply(stored);
+}
+
 /// Runs the online pod's process (4 requests/s of 20 ms for 3 s) and checks that the agent
 /// saw it through its doorbell and held the offline pod at its gate, confirmed.
 fn online_is_seen_and_offline_gated(
@@ -185,11 +214,7 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let api = rt.block_on(FakeApi::start());
     let name = unique("coloc-e2e-kshim");
-    let base = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
-        eprintln!("NOTE: cgroup v2 not usable ({why}): using the v1 freezer hierarchy");
-        TestCgroup::try_v1(&name)
-            .unwrap_or_else(|why1| panic!("a cgroup hierarchy is required: v2: {why}; v1: {why1}"))
-    });
+    let base = base_cgroup(&name);
     let off_cg = kube_cgroup(&base, OFF_UID, "cri-containerd-0ff.scope");
     let out_cg = kube_cgroup(&base, OUT_UID, "cri-containerd-00d.scope");
     let on_cg = kube_cgroup(&base, ON_UID, "cri-containerd-0a.scope");
@@ -259,12 +284,7 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
 
     // Stored by the API server, scheduled to node1, running.
     for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID), (&opted, OUT_UID)] {
-        let mut stored = p.clone();
-        stored["metadata"]["uid"] = json!(uid);
-        stored["metadata"]["resourceVersion"] = json!("1");
-        stored["spec"]["nodeName"] = json!("node1");
-        stored["status"] = json!({"phase": "Running"});
-        api.apply(stored);
+        store(&api, p, uid);
     }
     let pods = agent.doorbell_dir.join("pods");
     wait_for(
@@ -340,15 +360,7 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
     drop(off);
     drop(agent);
     drop((off_cg, on_cg, out_cg));
-    for d in [
-        format!("kubepods/besteffort/pod{OFF_UID}"),
-        format!("kubepods/besteffort/pod{ON_UID}"),
-        format!("kubepods/besteffort/pod{OUT_UID}"),
-        "kubepods/besteffort".into(),
-        "kubepods".into(),
-    ] {
-        let _ = std::fs::remove_dir(base.dir.join(d));
-    }
+    remove_kube_cgroups(&base);
 }
 
 /// The kubelet's side of the device plugin (`tests/e2e/kubelet/kubelet.py`: real gRPC from
@@ -498,11 +510,7 @@ fn an_nvidia_gpu_pod_gets_the_shim_as_a_device_and_is_held_at_its_gate() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let api = rt.block_on(FakeApi::start());
     let name = unique("coloc-e2e-kdev");
-    let base = TestCgroup::try_v2(&name).unwrap_or_else(|why| {
-        eprintln!("NOTE: cgroup v2 not usable ({why}): using the v1 freezer hierarchy");
-        TestCgroup::try_v1(&name)
-            .unwrap_or_else(|why1| panic!("a cgroup hierarchy is required: v2: {why}; v1: {why1}"))
-    });
+    let base = base_cgroup(&name);
     let off_cg = kube_cgroup(&base, OFF_UID, "cri-containerd-1ff.scope");
     let on_cg = kube_cgroup(&base, ON_UID, "cri-containerd-1a.scope");
     let sim = Sim::start(1, &["--sample-period-ms", "100"]);
@@ -588,12 +596,7 @@ fn an_nvidia_gpu_pod_gets_the_shim_as_a_device_and_is_held_at_its_gate() {
         );
     }
     for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID)] {
-        let mut stored = p.clone();
-        stored["metadata"]["uid"] = json!(uid);
-        stored["metadata"]["resourceVersion"] = json!("1");
-        stored["spec"]["nodeName"] = json!("node1");
-        stored["status"] = json!({"phase": "Running"});
-        api.apply(stored);
+        store(&api, p, uid);
     }
 
     // Two slots in one container: refused (their mounts would collide).
@@ -667,12 +670,5 @@ fn an_nvidia_gpu_pod_gets_the_shim_as_a_device_and_is_held_at_its_gate() {
     drop(agent);
     drop(kubelet);
     drop((off_cg, on_cg));
-    for d in [
-        format!("kubepods/besteffort/pod{OFF_UID}"),
-        format!("kubepods/besteffort/pod{ON_UID}"),
-        "kubepods/besteffort".into(),
-        "kubepods".into(),
-    ] {
-        let _ = std::fs::remove_dir(base.dir.join(d));
-    }
+    remove_kube_cgroups(&base);
 }
