@@ -185,7 +185,7 @@ fn describe() {
         "End of the idle window to every offline process confirmed running again, by the actuator that acted.");
     describe_counter!(
         "coloc_releases_total",
-        "Offline work released on a GPU, by rule: fixed (after --idle-window) or learned (--release learned: a shorter window learned from the online processes' own gaps)."
+        "Offline work released on a GPU, by rule: fixed (after --idle-window), learned (--release learned: a shorter window learned from the online processes' own gaps) or at_once (--release at-once: as soon as online's work was seen complete)."
     );
     describe_histogram!("coloc_release_harvest_seconds", Unit::Seconds,
         "How long offline work ran between a release and the next preemption on that GPU, by the release's rule (the sum: offline time harvested).");

@@ -1126,7 +1126,8 @@ class Harness:
                         warn.append("no hold by the driver's lock")
                 if agent[2] in ("learned", "at-once"):
                     row["learned_releases"] = int(sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
-                                                      if l.startswith("coloc_releases_total") and 'rule="learned"' in l))
+                                                      if l.startswith("coloc_releases_total")
+                                                      and ('rule="learned"' in l or 'rule="at_once"' in l)))
                     if not row["learned_releases"]:
                         warn.append("no release by a learned window")
                 if agent[2] in ("doorbell", "gate", "learned", "at-once", "lock") and not signals.get("doorbell"):

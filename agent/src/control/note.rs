@@ -16,6 +16,38 @@ use tracing::{debug, error, info, warn};
 
 pub use super::reason::{FailWhy, Reject};
 
+/// The rule by which offline work was released on a GPU (the `rule` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseRule {
+    /// After the idle window (`--idle-window`).
+    Fixed,
+    /// After a shorter window learned from the online processes' gaps (`--release learned`).
+    Learned,
+    /// As soon as every online process's work was seen complete (`--release at-once`).
+    AtOnce,
+}
+
+impl ReleaseRule {
+    /// The rule of a release after `window` where the idle window is `idle_window`, with
+    /// `--release at-once` or not.
+    pub fn of(window: u64, idle_window: u64, at_once: bool) -> ReleaseRule {
+        match (window < idle_window, at_once) {
+            (false, _) => ReleaseRule::Fixed,
+            (true, false) => ReleaseRule::Learned,
+            (true, true) => ReleaseRule::AtOnce,
+        }
+    }
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseRule::Fixed => "fixed",
+            ReleaseRule::Learned => "learned",
+            ReleaseRule::AtOnce => "at_once",
+        }
+    }
+}
+
 /// One thing worth a log line or a counter.
 #[derive(Debug, Clone)]
 pub enum Note {
@@ -146,8 +178,8 @@ pub enum Note {
     Released {
         /// The GPU.
         gpu: u32,
-        /// The window was learned (shorter than the idle window).
-        learned: bool,
+        /// The rule that released it.
+        rule: ReleaseRule,
         /// The window, ns.
         window_ns: u64,
     },
@@ -157,8 +189,8 @@ pub enum Note {
     Harvested {
         /// The GPU.
         gpu: u32,
-        /// The release was by a learned window.
-        learned: bool,
+        /// The rule of the release.
+        rule: ReleaseRule,
         /// Offline ran this long, ns.
         ran_ns: u64,
         /// A learned release that did not pay.
@@ -472,21 +504,21 @@ impl Note {
             }
             Note::Released {
                 gpu,
-                learned,
+                rule,
                 window_ns,
             } => {
-                let rule = if *learned { "learned" } else { "fixed" };
+                let rule = rule.as_str();
                 metrics::counter!("coloc_releases_total", "gpu" => gpu.to_string(), "rule" => rule)
                     .increment(1);
                 debug!(gpu, rule, window_ms = *window_ns as f64 / 1e6, "Released");
             }
             Note::Harvested {
                 gpu,
-                learned,
+                rule,
                 ran_ns,
                 wrong,
             } => {
-                let rule = if *learned { "learned" } else { "fixed" };
+                let rule = rule.as_str();
                 metrics::histogram!("coloc_release_harvest_seconds", "gpu" => gpu.to_string(), "rule" => rule)
                     .record(*ran_ns as f64 / 1e9);
                 if *wrong {
@@ -647,5 +679,21 @@ impl Note {
                 error!(pid, %owner, "The CUDA driver reports this process failed (an error during checkpoint or restore): nothing more can be done with it by the agent");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReleaseRule;
+
+    /// `coloc_releases_total{rule}` says which policy released: the idle window, a learned
+    /// window, or at once (it said "learned" for every release of `--release at-once`).
+    #[test]
+    fn a_release_is_labelled_by_the_policy_that_made_it() {
+        let idle = 100_000_000;
+        assert_eq!(ReleaseRule::of(idle, idle, false).as_str(), "fixed");
+        assert_eq!(ReleaseRule::of(idle, idle, true).as_str(), "fixed");
+        assert_eq!(ReleaseRule::of(2_000_000, idle, false).as_str(), "learned");
+        assert_eq!(ReleaseRule::of(0, idle, true).as_str(), "at_once");
     }
 }

@@ -10,7 +10,7 @@
 use super::events::{Event, FailOpen, Tracker};
 use super::holds::{HoldBook, HoldCmd, HoldObs};
 use super::io::Cmd;
-use super::note::{FailWhy, Note};
+use super::note::{FailWhy, Note, ReleaseRule};
 use super::pace::{Due, Pacer};
 use super::publish::{GpuSummary, Header};
 use super::record::RecordBook;
@@ -41,7 +41,7 @@ pub struct Rooms {
     pacer: Pacer,
     summary: Vec<GpuSummary>,
     /// Per GPU, the latest release not yet followed by a preemption: (when, learned).
-    released_at: BTreeMap<u32, (u64, bool)>,
+    released_at: BTreeMap<u32, (u64, ReleaseRule)>,
     /// What a learned release must give offline to pay, ns (`--release-ratio` ×
     /// `--release-drain`).
     pays_ns: u64,
@@ -398,22 +398,23 @@ impl Rooms {
                     decided_at,
                     ..
                 } => {
-                    let learned = window < idle_window;
+                    let at_once = self.seeing.learner.settings().is_some_and(|l| l.at_once);
+                    let rule = ReleaseRule::of(window, idle_window, at_once);
                     self.notes.push(Note::Released {
                         gpu,
-                        learned,
+                        rule,
                         window_ns: window,
                     });
-                    self.released_at.insert(gpu, (decided_at, learned));
+                    self.released_at.insert(gpu, (decided_at, rule));
                 }
                 qos_core::Transition::Preempt { gpu, onset, .. } => {
-                    if let Some((at, learned)) = self.released_at.remove(&gpu) {
+                    if let Some((at, rule)) = self.released_at.remove(&gpu) {
                         let ran_ns = onset.saturating_sub(at);
                         self.notes.push(Note::Harvested {
                             gpu,
-                            learned,
+                            rule,
                             ran_ns,
-                            wrong: learned && ran_ns < self.pays_ns,
+                            wrong: rule != ReleaseRule::Fixed && ran_ns < self.pays_ns,
                         });
                     }
                 }
