@@ -99,6 +99,11 @@ pub struct DemoArgs {
     /// as measured on an H100 (driver 580).
     #[arg(long, default_value_t = 200.0)]
     pub sample_period_ms: f64,
+    /// The simulated GPU's time slice, µs: a context with work keeps the GPU this long
+    /// once another has work (2400: an H100's measured wait of a tiny kernel beside a
+    /// training loop); 0: processor sharing instead (`coloc-sim gpu --timeslice-us`).
+    #[arg(long, default_value_t = 2400)]
+    pub timeslice_us: u64,
     /// Agent idle window.
     #[arg(long, default_value = "100ms", value_parser = coloc_agent::cli::parse_duration)]
     pub idle_window: Duration,
@@ -467,7 +472,9 @@ fn run(a: DemoArgs) -> Result<Value> {
     );
     let mut gpu = Command::new(&sim);
     gpu.args(["gpu", "--gpus", &n_gpus.to_string(), "--sample-period-ms"])
-        .arg(a.sample_period_ms.to_string());
+        .arg(a.sample_period_ms.to_string())
+        .arg("--timeslice-us")
+        .arg(a.timeslice_us.to_string());
     let procs = start_sim(gpu, &state)?;
     std::thread::sleep(Duration::from_millis(100));
 

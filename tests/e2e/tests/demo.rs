@@ -168,6 +168,8 @@ fn the_demo_shows_both_worlds() {
     let _cpu_latency = cpu_latency_lock();
     let dir = TempPath::new("coloc-e2e-demo-both");
     let (stdout, s) = run_demo(&dir, &["--duration-s", "5", "--replicas", "1"]);
+    // (With `--timeslice-us 0`, processor sharing, the no-agent median below is about
+    // 2x alone and this test fails.)
     assert!(
         stdout.contains("== the demo's world: 2/s x 20 ms"),
         "{stdout}"
@@ -185,7 +187,8 @@ fn the_demo_shows_both_worlds() {
     assert_eq!(f("/demo/online_rate"), 2.0, "{s}");
     assert_eq!(f("/harness/online_rate"), 30.0, "{s}");
     assert_eq!(f("/harness/online_work_ms"), 1.0, "{s}");
-    assert!(f("/demo/scenarios/alone/p50_ms") >= 20.0, "{s}");
+    // A 20 ms request against a 1 ms one.
+    assert!(f("/demo/scenarios/alone/p50_ms") > 15.0, "{s}");
     assert!(f("/harness/scenarios/alone/p50_ms") < 5.0, "{s}");
     assert!(
         f("/harness/scenarios/alone/requests") > 5.0 * f("/demo/scenarios/alone/requests"),

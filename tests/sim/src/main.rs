@@ -71,7 +71,7 @@ enum Cmd {
         /// another has work, then the next takes its turn (2400: the wait of a tiny kernel
         /// beside a training loop on an H100, p50 2.41 ms). 0: processor sharing instead
         /// (n busy contexts each at 1/n speed).
-        #[arg(long, env = "COLOC_SIM_TIMESLICE_US", default_value_t = 2400)]
+        #[arg(long, default_value_t = 2400)]
         timeslice_us: u64,
     },
     /// An online service: requests arrive at random; each is busy on the GPU for a while.
