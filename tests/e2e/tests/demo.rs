@@ -205,6 +205,9 @@ fn the_demo_shows_both_worlds() {
 /// nothing manages the memory. Cheap checkpoints (50 ms per GB) keep it short.
 #[test]
 fn the_memory_demo_shows_online_getting_its_memory() {
+    // One demo at a time: each runs dozens of processes, and the others time requests
+    // of 1 ms.
+    let _one_demo = cpu_latency_lock();
     let dir = TempPath::new("coloc-e2e-demo-memory");
     let (stdout, s) = run_demo(
         &dir,
