@@ -51,9 +51,16 @@ use std::time::{Duration, Instant};
 #[derive(Parser, Debug, Clone)]
 #[command(version, about, long_about = None)]
 pub struct DemoArgs {
-    /// How long each workload runs, seconds.
-    #[arg(long, default_value_t = 90.0)]
-    pub duration_s: f64,
+    /// Which world to run: `demo` (online at `--online-rate` × `--online-work-ms`, 2/s ×
+    /// 20 ms by default), `harness` (the GPU harness's online service: 30/s × 1 ms, beside
+    /// offline kernels of `--offline-step-ms`), or `both`, one after the other, each with
+    /// its table.
+    #[arg(long, value_enum, default_value_t = World::Both)]
+    pub world: World,
+    /// How long each workload runs, seconds (default: 90 for one world, 45 per world with
+    /// `--world both`).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
     /// GPUs per scenario (the scenarios' request counts add up over them; at most 3, as
     /// the simulator has 24 GPUs).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
@@ -92,6 +99,11 @@ pub struct DemoArgs {
     /// as measured on an H100 (driver 580).
     #[arg(long, default_value_t = 200.0)]
     pub sample_period_ms: f64,
+    /// The simulated GPU's time slice, µs: a context with work keeps the GPU this long
+    /// once another has work (2400: an H100's measured wait of a tiny kernel beside a
+    /// training loop); 0: processor sharing instead (`coloc-sim gpu --timeslice-us`).
+    #[arg(long, default_value_t = 2400)]
+    pub timeslice_us: u64,
     /// Agent idle window.
     #[arg(long, default_value = "100ms", value_parser = coloc_agent::cli::parse_duration)]
     pub idle_window: Duration,
@@ -123,6 +135,48 @@ pub struct DemoArgs {
     /// With --memory: what a restore costs, ms per GB (0.2 s per GB on an H100).
     #[arg(long, default_value_t = 200, requires = "memory")]
     pub restore_ms_per_gb: u64,
+}
+
+/// `--world`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum World {
+    /// Online at --online-rate × --online-work-ms.
+    Demo,
+    /// Online at 30 requests/s × 1 ms, as the GPU harness runs it.
+    Harness,
+    /// The demo's world, then the harness's.
+    Both,
+}
+
+impl DemoArgs {
+    /// How long each workload runs, seconds.
+    pub fn duration(&self) -> f64 {
+        self.duration_s.unwrap_or(if self.world == World::Both {
+            45.0
+        } else {
+            90.0
+        })
+    }
+
+    /// These arguments for one world: the harness's sets online's rate and work.
+    fn for_world(&self, world: World) -> DemoArgs {
+        let mut a = self.clone();
+        a.duration_s = Some(self.duration());
+        a.world = world;
+        if world == World::Harness {
+            a.online_rate = 30.0;
+            a.online_work_ms = 1.0;
+        }
+        if self.world == World::Both {
+            let name = if world == World::Harness {
+                "harness"
+            } else {
+                "demo"
+            };
+            a.out_dir = self.out_dir.as_ref().map(|d| d.join(name));
+        }
+        a
+    }
 }
 
 /// `--cpu-wake-latency`: a duration, or `off`.
@@ -318,17 +372,43 @@ fn pct(mut v: Vec<f64>, q: f64) -> f64 {
 }
 
 fn main() {
-    if let Err(err) = run(DemoArgs::parse()) {
+    if let Err(err) = run_worlds(DemoArgs::parse()) {
         eprintln!("coloc-demo: {err:#}");
         std::process::exit(1);
     }
 }
 
-/// Runs the demo and prints the table.
-fn run(a: DemoArgs) -> Result<()> {
+/// Runs the world or worlds `--world` names; with `--json`, one summary (one world) or
+/// `{"demo": …, "harness": …}` (both).
+fn run_worlds(a: DemoArgs) -> Result<()> {
     if a.memory {
         return memory::run(&a);
     }
+    let summary = match a.world {
+        World::Both => {
+            println!(
+                "== the demo's world: {}/s x {} ms online beside {} ms offline kernels",
+                a.online_rate, a.online_work_ms, a.offline_step_ms
+            );
+            let demo = run(a.for_world(World::Demo))?;
+            println!();
+            println!(
+                "== the GPU harness's world: 30/s x 1 ms online beside {} ms offline kernels",
+                a.offline_step_ms
+            );
+            let harness = run(a.for_world(World::Harness))?;
+            serde_json::json!({ "demo": demo, "harness": harness })
+        }
+        w => run(a.for_world(w))?,
+    };
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&summary)?)?;
+    }
+    Ok(())
+}
+
+/// Runs one world of the demo, prints its table and returns its summary.
+fn run(a: DemoArgs) -> Result<Value> {
     let sim = sibling("coloc-sim")?;
     let shim = sibling("libcoloc_cuda.so")?;
     let (fake, me, cuda_dir) = agent_binaries()?;
@@ -386,13 +466,15 @@ fn run(a: DemoArgs) -> Result<()> {
     println!(
         "gpu-coloc demo: {n_gpus} simulated GPUs (driver samples every {} ms), {} s, actuator {}, results in {}",
         a.sample_period_ms,
-        a.duration_s,
+        a.duration(),
         a.actuator.as_str(),
         out.display()
     );
     let mut gpu = Command::new(&sim);
     gpu.args(["gpu", "--gpus", &n_gpus.to_string(), "--sample-period-ms"])
-        .arg(a.sample_period_ms.to_string());
+        .arg(a.sample_period_ms.to_string())
+        .arg("--timeslice-us")
+        .arg(a.timeslice_us.to_string());
     let procs = start_sim(gpu, &state)?;
     std::thread::sleep(Duration::from_millis(100));
 
@@ -479,7 +561,7 @@ fn run(a: DemoArgs) -> Result<()> {
         ),
     }
 
-    let dur = a.duration_s.to_string();
+    let dur = a.duration().to_string();
     let cuda = |c: &mut Command| {
         c.arg("--cuda")
             .env("LD_LIBRARY_PATH", &cuda_dir)
@@ -562,7 +644,7 @@ fn run(a: DemoArgs) -> Result<()> {
         }
     }
     // Workloads end by themselves after the duration; never wait forever on one.
-    let deadline = Instant::now() + Duration::from_secs_f64(a.duration_s + 30.0);
+    let deadline = Instant::now() + Duration::from_secs_f64(a.duration() + 30.0);
     for w in &mut work {
         loop {
             if let Some(st) = w.try_wait()? {
@@ -577,7 +659,7 @@ fn run(a: DemoArgs) -> Result<()> {
                 }
                 bail!(
                     "workloads did not finish within {} s; results in {}",
-                    a.duration_s + 30.0,
+                    a.duration() + 30.0,
                     out.display()
                 );
             }
@@ -606,7 +688,10 @@ fn run(a: DemoArgs) -> Result<()> {
         );
     }
 
-    let mut summary = summarize(&out, &events, &lay, a.duration_s)?;
+    let mut summary = summarize(&out, &events, &lay, a.duration())?;
+    summary["online_rate"] = serde_json::json!(a.online_rate);
+    summary["online_work_ms"] = serde_json::json!(a.online_work_ms);
+    summary["offline_step_ms"] = serde_json::json!(a.offline_step_ms);
     let svg = out.join("timeline.svg");
     write_timeline(&out, &events, &lay, &svg)?;
     summary["timeline"] = serde_json::json!(svg.display().to_string());
@@ -621,10 +706,7 @@ fn run(a: DemoArgs) -> Result<()> {
         "timeline (online busy, offline suspended, request latency): {}",
         svg.display()
     );
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&summary)?)?;
-    }
-    Ok(())
+    Ok(summary)
 }
 
 /// Request latencies (ms) and busy time (ns) of a scenario's online workloads.

@@ -26,7 +26,7 @@ const EARLY_US: u64 = 10_000;
 const LATE_US: u64 = 150_000;
 
 /// Offline's queued work still runs after it is suspended (its drain: at most one 2 ms
-/// step, at half speed beside online, so about 4 ms); offline samples up to this long
+/// step, in time slices beside online, so at most about 5 ms); offline samples up to this long
 /// after the test saw it suspended are that drain, not a resumption.
 const DRAIN_US: u64 = 20_000;
 

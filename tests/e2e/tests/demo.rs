@@ -35,6 +35,8 @@ fn demo_shows_the_difference() {
     let (stdout, s) = run_demo(
         &dir,
         &[
+            "--world",
+            "demo",
             "--duration-s",
             "6",
             "--online-rate",
@@ -125,6 +127,8 @@ fn the_demo_releases_at_once_where_the_doorbell_and_the_gate_make_it_safe() {
     let (stdout, s) = run_demo(
         &dir,
         &[
+            "--world",
+            "demo",
             "--duration-s",
             "6",
             "--online-rate",
@@ -154,11 +158,56 @@ fn the_demo_releases_at_once_where_the_doorbell_and_the_gate_make_it_safe() {
     );
 }
 
+/// `coloc-demo` with no `--world` runs both worlds, each with its table: the demo's
+/// (2/s × 20 ms) and the GPU harness's (30/s × 1 ms beside 2 ms offline kernels). In the
+/// harness's world, without the agent, a 1 ms request that meets offline's kernels waits
+/// for offline's time slice (2.4 ms) on the simulated GPU, as on an H100, so its median
+/// is several times the request's own time.
+#[test]
+fn the_demo_shows_both_worlds() {
+    let _cpu_latency = cpu_latency_lock();
+    let dir = TempPath::new("coloc-e2e-demo-both");
+    let (stdout, s) = run_demo(&dir, &["--duration-s", "5", "--replicas", "1"]);
+    // (With `--timeslice-us 0`, processor sharing, the no-agent median below is about
+    // 2x alone and this test fails.)
+    assert!(
+        stdout.contains("== the demo's world: 2/s x 20 ms"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("== the GPU harness's world: 30/s x 1 ms"),
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.matches("online + offline, no agent").count(),
+        2,
+        "{stdout}"
+    );
+    let f = |p: &str| s.pointer(p).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+    assert_eq!(f("/demo/online_rate"), 2.0, "{s}");
+    assert_eq!(f("/harness/online_rate"), 30.0, "{s}");
+    assert_eq!(f("/harness/online_work_ms"), 1.0, "{s}");
+    // A 20 ms request against a 1 ms one.
+    assert!(f("/demo/scenarios/alone/p50_ms") > 15.0, "{s}");
+    assert!(f("/harness/scenarios/alone/p50_ms") < 5.0, "{s}");
+    assert!(
+        f("/harness/scenarios/alone/requests") > 5.0 * f("/demo/scenarios/alone/requests"),
+        "{s}"
+    );
+    assert!(
+        f("/harness/scenarios/no-agent/p50_ms") > 2.5 * f("/harness/scenarios/alone/p50_ms"),
+        "{s}"
+    );
+}
+
 /// `coloc-demo --memory`: online gets the memory offline holds where the agent runs (the
 /// largest job checkpointed, then restored after online left), and never gets it where
 /// nothing manages the memory. Cheap checkpoints (50 ms per GB) keep it short.
 #[test]
 fn the_memory_demo_shows_online_getting_its_memory() {
+    // One demo at a time: each runs dozens of processes, and the others time requests
+    // of 1 ms.
+    let _one_demo = cpu_latency_lock();
     let dir = TempPath::new("coloc-e2e-demo-memory");
     let (stdout, s) = run_demo(
         &dir,
