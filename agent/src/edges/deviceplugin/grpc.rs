@@ -117,15 +117,33 @@ fn status_headers(code: u32, message: &str) -> HeaderMap {
     h
 }
 
-/// Serves `handler` on `listener` until the listener fails.
+/// Connections served at once (the kubelet keeps one or two).
+pub const MAX_CONNECTIONS: usize = 8;
+/// Calls in flight per connection.
+pub const MAX_STREAMS: u32 = 16;
+/// How long a new connection may take to say hello.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `handler` on `listener` until the listener fails: at most [`MAX_CONNECTIONS`]
+/// connections (more wait), [`MAX_STREAMS`] calls each; the handler runs on a blocking
+/// thread (it may touch the file system).
 pub async fn serve(listener: UnixListener, handler: Handler) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
         let Ok((stream, _)) = listener.accept().await else {
             return;
         };
         let handler = handler.clone();
         tokio::spawn(async move {
-            let Ok(mut conn) = h2::server::handshake(stream).await else {
+            let _permit = permit;
+            let hello = h2::server::Builder::new()
+                .max_concurrent_streams(MAX_STREAMS)
+                .max_header_list_size(16 << 10)
+                .handshake(stream);
+            let Ok(Ok(mut conn)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await else {
                 return;
             };
             while let Some(Ok((req, respond))) = conn.accept().await {
@@ -144,7 +162,12 @@ async fn call(
     let path = req.uri().path().to_string();
     let mut body = req.into_body();
     let reply = match one_message(&mut body).await {
-        Ok(msg) => handler(&path, &msg),
+        Ok(msg) => {
+            let p = path.clone();
+            tokio::task::spawn_blocking(move || handler(&p, &msg))
+                .await
+                .unwrap_or_else(|e| Err(Status::new(13, format!("the call failed: {e}"))))
+        }
         Err(s) => Err(s),
     };
     let head = |end| {
@@ -172,7 +195,12 @@ async fn call(
         Ok(Reply::Hold(msg, until)) => {
             if let Ok(mut send) = respond.send_response(head(None), false) {
                 if send.send_data(frame(&msg), false).is_ok() {
-                    until.await;
+                    // Until the plugin stops, or the kubelet drops the stream.
+                    let dropped = std::future::poll_fn(|cx| send.poll_reset(cx));
+                    tokio::select! {
+                        _ = until => {}
+                        _ = dropped => return,
+                    }
                     let _ = send.send_trailers(status_headers(0, ""));
                 }
             }

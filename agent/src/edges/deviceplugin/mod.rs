@@ -118,7 +118,10 @@ impl PodIndex for crate::edges::source::kube::KubeSource {
 pub fn reset_slot_dir(doorbell_dir: &Path, slot: Slot) -> std::io::Result<PathBuf> {
     let d = doorbell_dir.join("pods").join(slot.dir_name());
     match std::fs::symlink_metadata(&d) {
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&d)?,
+        Ok(m) if m.is_dir() => {
+            empty_tree(&d)?;
+            std::fs::remove_dir(&d)?
+        }
         Ok(_) => std::fs::remove_file(&d)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
@@ -134,6 +137,79 @@ pub fn reset_slot_dir(doorbell_dir: &Path, slot: Slot) -> std::io::Result<PathBu
         ));
     }
     Ok(d)
+}
+
+/// Empties directory `top` (a tenant's: any depth, any number of entries) without
+/// recursion and without following a link: every entry that is not a directory is
+/// unlinked; an empty subdirectory is removed; a subdirectory with entries has them moved
+/// up into `top` and is then removed. Each round lifts every chain by one level, so a
+/// chain of any depth costs one round per level, with two directory descriptors open and
+/// no path longer than one name (`std::fs::remove_dir_all` recurses per level: a chain of
+/// 50,000 directories overflows a 2 MiB stack).
+pub fn empty_tree(top: &Path) -> std::io::Result<()> {
+    use rustix::fs::{
+        openat, renameat_with, statat, unlinkat, AtFlags, Dir, FileType, Mode, OFlags, RenameFlags,
+    };
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let topfd = openat(rustix::fs::CWD, top, flags, Mode::empty())?;
+    let mut lifted = 0u64;
+    let kind = |fd: &std::os::fd::OwnedFd, e: &rustix::fs::DirEntry| match e.file_type() {
+        FileType::Unknown => statat(fd, e.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+            .map(|st| FileType::from_raw_mode(st.st_mode))
+            .unwrap_or(FileType::Unknown),
+        t => t,
+    };
+    loop {
+        let mut subdirs = Vec::new();
+        let mut dir = Dir::read_from(&topfd)?;
+        while let Some(e) = dir.read() {
+            let e = e?;
+            let name = e.file_name();
+            if name.to_bytes() == b"." || name.to_bytes() == b".." {
+                continue;
+            }
+            if kind(&topfd, &e) == FileType::Directory {
+                subdirs.push(name.to_owned());
+            } else {
+                unlinkat(&topfd, name, AtFlags::empty())?;
+            }
+        }
+        if subdirs.is_empty() {
+            return Ok(());
+        }
+        for sub in subdirs {
+            match unlinkat(&topfd, &sub, AtFlags::REMOVEDIR) {
+                Ok(()) => continue,
+                Err(e) if e == rustix::io::Errno::NOTEMPTY || e == rustix::io::Errno::EXIST => {}
+                Err(e) => return Err(e.into()),
+            }
+            let subfd = openat(&topfd, &sub, flags, Mode::empty())?;
+            let mut inner = Dir::read_from(&subfd)?;
+            while let Some(e) = inner.read() {
+                let e = e?;
+                let name = e.file_name();
+                if name.to_bytes() == b"." || name.to_bytes() == b".." {
+                    continue;
+                }
+                // A name of the tenant's own may be taken already: never replaced.
+                loop {
+                    lifted += 1;
+                    match renameat_with(
+                        &subfd,
+                        name,
+                        &topfd,
+                        format!(".lifted-{lifted}"),
+                        RenameFlags::NOREPLACE,
+                    ) {
+                        Ok(()) => break,
+                        Err(rustix::io::Errno::EXIST) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            unlinkat(&topfd, &sub, AtFlags::REMOVEDIR)?;
+        }
+    }
 }
 
 /// What `Allocate` answers for one container asking for `ids` of `class`.
@@ -238,18 +314,24 @@ fn handler(
     })
 }
 
-/// Asks the kubelet which pod holds which slot.
-async fn owners_now(cfg: &Config, pods: &dyn PodIndex) -> Result<HashMap<String, String>, Status> {
+/// Asks the kubelet which pod holds which slot; true besides when a holder is not in the
+/// pod watch yet (asked again soon).
+async fn owners_now(
+    cfg: &Config,
+    pods: &dyn PodIndex,
+) -> Result<(HashMap<String, String>, bool), Status> {
     let resp = grpc::unary(&cfg.pod_resources, "/v1.PodResourcesLister/List", &[]).await?;
     let assigned =
         wire::list_pod_resources_response(&resp).map_err(|e| Status::new(13, e.to_string()))?;
     let mut out = HashMap::new();
+    let mut unresolved = false;
     for a in assigned {
         let Some(class) = SlotClass::of_resource(&a.resource) else {
             continue;
         };
         let Some(uid) = pods.uid_of(&a.pod) else {
             debug!(pod = %a.pod, "A pod holding a slot is not in the pod watch yet");
+            unresolved = true;
             continue;
         };
         for id in &a.ids {
@@ -258,7 +340,7 @@ async fn owners_now(cfg: &Config, pods: &dyn PodIndex) -> Result<HashMap<String,
             }
         }
     }
-    Ok(out)
+    Ok((out, unresolved))
 }
 
 /// Starts the plugin on the current tokio runtime: registers both classes with the kubelet
@@ -376,7 +458,13 @@ async fn run(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 match owners_now(&cfg, pods.as_ref()).await {
-                    Ok(map) => {
+                    Ok((map, unresolved)) => {
+                        if unresolved {
+                            // The pod watch lags the kubelet: look again soon, not in 10 s.
+                            recheck.get_or_insert(
+                                tokio::time::Instant::now() + Duration::from_millis(500),
+                            );
+                        }
                         if !listed_ok {
                             info!("The kubelet's pod-resources API answers again");
                         }
@@ -518,6 +606,46 @@ mod tests {
         reset_slot_dir(&dir, slot).unwrap();
         assert!(std::fs::symlink_metadata(&d).unwrap().is_dir());
         assert!(victim.join("keep").exists(), "a link was followed");
+    }
+
+    /// A tenant holding a slot leaves a chain of 20,000 directories in it (and a name of
+    /// the kind the reset lifts entries to): the next allocation empties it on a 2 MiB
+    /// stack, as a runtime worker has (with `remove_dir_all` the agent aborted with a
+    /// stack overflow, and again at every later allocation of that slot).
+    #[test]
+    fn a_deep_tree_left_in_a_slot_is_emptied_without_recursion() {
+        use rustix::fs::{mkdirat, openat, Mode, OFlags};
+        let dir = TmpDir::new("coloc-dp-deep");
+        let slot = Slot {
+            class: SlotClass::Offline,
+            index: 0,
+        };
+        let d = dir.join("pods").join(slot.dir_name());
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(".lifted-1"), b"mine").unwrap();
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let mut fd = openat(rustix::fs::CWD, &d, flags, Mode::empty()).unwrap();
+        for _ in 0..20_000 {
+            mkdirat(&fd, "a", Mode::from_raw_mode(0o755)).unwrap();
+            fd = openat(&fd, "a", flags, Mode::empty()).unwrap();
+        }
+        rustix::fs::openat(
+            &fd,
+            "f",
+            OFlags::CREATE | OFlags::WRONLY,
+            Mode::from_raw_mode(0o644),
+        )
+        .unwrap();
+        drop(fd);
+        let root: PathBuf = dir.to_path_buf();
+        let r = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || reset_slot_dir(&root, slot))
+            .unwrap()
+            .join()
+            .expect("the reset thread panicked");
+        assert_eq!(r.unwrap(), d);
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "not emptied");
     }
 
     #[test]
