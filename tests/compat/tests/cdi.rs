@@ -29,8 +29,9 @@ fn have(cmd: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Runs `script` in a container of `root` with CDI device `device`; (success, output).
-fn podman(root: &Path, device: &str, script: &str) -> (bool, String) {
+/// Runs `script` in a container of `root`, with CDI device `device` if any; (success,
+/// output).
+fn podman(root: &Path, device: Option<&str>, script: &str) -> (bool, String) {
     let out = Command::new("timeout")
         .arg("120")
         .args([
@@ -49,7 +50,8 @@ fn podman(root: &Path, device: &str, script: &str) -> (bool, String) {
             "--ulimit",
             "nproc=1024:1024",
         ])
-        .args(["--device", device, "--rootfs"])
+        .args(device.map(|d| vec!["--device", d]).unwrap_or_default())
+        .arg("--rootfs")
         // An overlay on the cached userland: the mount points runc makes stay out of it.
         .arg(format!("{}:O", root.display()))
         .args(["/bin/sh", "-c", script])
@@ -74,6 +76,13 @@ fn a_real_runtime_mounts_a_slot_as_the_spec_says() {
     let Some(root) = userland("bullseye") else {
         return;
     };
+    // A host where Podman cannot run a container at all (no runtime support for its
+    // cgroups or overlays) says nothing about the spec: said, and the JSON check stands.
+    let (ok, text) = podman(&root, None, "true");
+    if !ok {
+        eprintln!("NOTE: Podman cannot run a container on this host ({}): the CDI spec is checked as JSON only (webhook/tests/node_setup.rs)", text.trim());
+        return;
+    }
     let cdi_dir = Path::new("/var/run/cdi");
     std::fs::create_dir_all(cdi_dir).unwrap();
     // Another spec of the kind (an installed agent's) would make the devices ambiguous.
@@ -123,7 +132,7 @@ fn a_real_runtime_mounts_a_slot_as_the_spec_says() {
     let (b, l, g) = (bells.display(), lib.display(), gate.display());
     let (ok, text) = podman(
         &root,
-        "gpu-coloc.dev/shim=offline-1",
+        Some("gpu-coloc.dev/shim=offline-1"),
         &format!(
             "env | grep ^COLOC_; echo x > {b}/1-1.bell && echo bell-written; \
              touch {l}/x 2>/dev/null || echo lib-read-only; touch {g}/x 2>/dev/null || echo gate-read-only; \
@@ -156,7 +165,7 @@ fn a_real_runtime_mounts_a_slot_as_the_spec_says() {
     );
     let (ok, text) = podman(
         &root,
-        "gpu-coloc.dev/shim=online-0",
+        Some("gpu-coloc.dev/shim=online-0"),
         &format!("env | grep ^COLOC_; grep -q ' {g} ' /proc/self/mountinfo && echo has-gate; touch {b}/2-2.bell && echo bell-written"),
     );
     assert!(ok, "podman: {text}");
@@ -170,6 +179,6 @@ fn a_real_runtime_mounts_a_slot_as_the_spec_says() {
     );
     assert!(bells.join("pods/slot-online-0/2-2.bell").exists());
     // A device the spec does not define is refused by the runtime.
-    let (ok, text) = podman(&root, "gpu-coloc.dev/shim=offline-2", "true");
+    let (ok, text) = podman(&root, Some("gpu-coloc.dev/shim=offline-2"), "true");
     assert!(!ok, "an undefined slot was accepted: {text}");
 }
