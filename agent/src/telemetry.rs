@@ -159,6 +159,14 @@ fn describe() {
         "coloc_doorbell_distrusted_pages",
         "Doorbell pages whose launches do not count now because NVML never corroborated them (see coloc_doorbell_rejected_total{reason=\"uncorroborated\"})."
     );
+    describe_gauge!(
+        "coloc_escaping_processes",
+        "Offline processes held suspended that were found running at their latest check with nothing they cannot undo holding them (no freezer, no cell of the agent's own, no driver lock): their work may run beside online work. Nonzero only where a cell cannot be made (see the agent's log and /state `escaping`)."
+    );
+    describe_gauge!(
+        "coloc_gate_silent_processes",
+        "Offline processes with the CUDA shim whose launch gate did not acknowledge its latest close within --gate-timeout (the shim follows another gate file, e.g. a COLOC_GATE_FILE set by the tenant, or found none): each preemption of them waited the whole timeout, so they are stopped at once without the gate for a minute, then the gate is tried again."
+    );
     describe_counter!(
         "coloc_doorbell_pod_dirs_made_total",
         "Pods' doorbell directories (pods/<uid>, mode 1777) the agent made from its pod watch, or widened when the kubelet had made them first."
@@ -448,7 +456,8 @@ impl Telemetry {
             Event::Distrust(d) if d.restored => {
                 info!(gpu = d.gpu, page = %d.page, owner = %d.owner, "Doorbell page trusted again: NVML showed its owner at work");
             }
-            Event::Checkpoint(_) | Event::Restore(_) => {}
+            // Logged by their notes.
+            Event::Checkpoint(_) | Event::Restore(_) | Event::Escape(_) => {}
             Event::Distrust(d) => {
                 warn!(gpu = d.gpu, page = %d.page, owner = %d.owner, claimed_s = d.claimed_s, nvml_seen_ns = d.nvml_seen_ns,
                     "Doorbell page distrusted: it kept the GPU busy while NVML never showed its owner at work; its launches count for nothing until a sample does");

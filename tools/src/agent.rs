@@ -136,8 +136,12 @@ impl Agent {
             .arg(&state_dir)
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
-            .arg("--cgroup-root")
-            .arg("/sys/fs/cgroup")
+            .args(
+                (!args.contains(&"--cgroup-root"))
+                    .then_some(["--cgroup-root", "/sys/fs/cgroup"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(args)
             .stderr(std::fs::File::create(&log).unwrap());
         test_agent_env(&mut cmd, sim, &doorbell_dir);

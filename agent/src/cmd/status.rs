@@ -230,6 +230,7 @@ pub fn run(a: StatusArgs) -> Result<()> {
                     crate::control::events::Event::Release(r) => r.decided_ns,
                     crate::control::events::Event::FailOpen(f) => f.at_ns,
                     crate::control::events::Event::Distrust(d) => d.at_ns,
+                    crate::control::events::Event::Escape(x) => x.at_ns,
                     crate::control::events::Event::Checkpoint(c)
                     | crate::control::events::Event::Restore(c) => c.at_ns,
                 })
@@ -296,6 +297,8 @@ mod tests {
                         last_active_ms_ago: None,
                         driver: None,
                         checkpointed_bytes: None,
+                        escaping: false,
+                        gate: None,
                     })
                     .collect(),
                 ..Default::default()

@@ -30,6 +30,31 @@ pub enum Event {
     Checkpoint(DriverEvent),
     /// A checkpointed process's GPU memory was restored (or the driver refused).
     Restore(DriverEvent),
+    /// Suspended offline work was found running (something resumed it): its first
+    /// time, when something it cannot undo holds it from then on, or when nothing can.
+    Escape(Escape),
+}
+
+/// Suspended offline work found running.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Escape {
+    /// When, ns.
+    pub at_ns: u64,
+    /// The offline GPU processes of the hold.
+    pub pids: Vec<u32>,
+    /// Their owners (`namespace/pod`, or `rule:<name>`).
+    pub owners: Vec<String>,
+    /// The actuator that held it (`signal`, `gate`, ...).
+    pub actuator: Kind,
+    /// Times it was found running in this hold.
+    pub breaks: u32,
+    /// What holds it now: `stopped_again` (signalled again: it may resume itself again),
+    /// `frozen` (its cgroup, or a cell of the agent's own: it cannot), `unheld` (nothing
+    /// it cannot undo can hold it on this host; see `reason`).
+    pub now: String,
+    /// Why it is `unheld`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// A checkpoint or a restore.
@@ -63,6 +88,7 @@ impl Event {
             Event::FailOpen(f) => f.gpu,
             Event::Distrust(d) => Some(d.gpu),
             Event::Checkpoint(c) | Event::Restore(c) => c.gpu,
+            Event::Escape(_) => None,
         }
     }
 }
@@ -274,7 +300,11 @@ fn finish(w: Waiting) -> Event {
                 r.confirmed_ns = Some(at);
                 r.release_s = Some(secs(at.saturating_sub(r.window_end_ns)));
             }
-            Event::FailOpen(_) | Event::Distrust(_) | Event::Checkpoint(_) | Event::Restore(_) => {}
+            Event::FailOpen(_)
+            | Event::Distrust(_)
+            | Event::Checkpoint(_)
+            | Event::Restore(_)
+            | Event::Escape(_) => {}
         }
     }
     ev

@@ -15,6 +15,12 @@
 //!   live processes of one pod with the same PID (in two containers' namespaces) are
 //!   stopped, never gated: a page could not tell whose it is.
 //!
+//! - its gate has not stayed silent: a process whose gate did not acknowledge a close
+//!   within `--gate-timeout` (its shim follows another gate file, `COLOC_GATE_FILE` being
+//!   the tenant's to set, or found none) is stopped at once for [`SILENT_NS`], and
+//!   counted (`/state`'s `gate`, `coloc_gate_silent_processes`); then its gate is tried
+//!   again (a shim looks for the gate file once a second).
+//!
 //! Otherwise the process is stopped as without `--gate`. A closed gate only bounds the
 //! drain: the process is stopped by its fallback (freezer or signal) as soon as its pages
 //! acknowledge the close, or when `--gate-timeout` passes without that (`holds::gate`).
@@ -36,9 +42,14 @@ use std::path::PathBuf;
 /// default; the file promises at most `coloc_doorbell::gate::HEARTBEAT_NS`).
 pub const BEAT_NS: u64 = 20_000_000;
 
+/// How long a process whose gate stayed silent is stopped without closing its gate, ns.
+pub const SILENT_NS: u64 = 60_000_000_000;
+
 /// See the module.
 #[derive(Debug, Default)]
 pub struct Gates {
+    /// Processes whose gate stayed silent at its latest close, with when.
+    silent: HashMap<ProcKey, u64>,
     /// The gate file (`--gate`), if any.
     file: Option<PathBuf>,
     /// The gate fields of every offline page, as of the latest read.
@@ -69,6 +80,25 @@ impl Gates {
     /// The offline pages' gate fields read now.
     pub fn read(&mut self, readings: Vec<(u64, Vec<GateReading>)>) {
         self.readings = readings.into_iter().collect();
+    }
+
+    /// How processes' gates answered their latest closes (true: acknowledged in time),
+    /// at `now`; silences older than [`SILENT_NS`] are forgotten.
+    pub fn answered(&mut self, answers: Vec<(ProcKey, bool)>, now: u64) {
+        for (k, acked) in answers {
+            if acked {
+                self.silent.remove(&k);
+            } else {
+                self.silent.insert(k, now);
+            }
+        }
+        self.silent
+            .retain(|_, at| now.saturating_sub(*at) < SILENT_NS);
+    }
+
+    /// Whether `key`'s gate stayed silent at its latest close (it is stopped without it).
+    pub fn silent(&self, key: &ProcKey) -> bool {
+        self.silent.contains_key(key)
     }
 
     /// Whether the heartbeat is due at `now` (and, if so, it is taken as done).
@@ -138,6 +168,9 @@ impl Gates {
     /// The gate of `key` on `gpu`, when the module's rules give one.
     fn gate(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> Option<Target> {
         let file = self.file.as_ref()?;
+        if self.silent(key) {
+            return None;
+        }
         let e = table.entry(key)?;
         if e.gpus.len() != 1 || !e.gpus.contains(&gpu) {
             return None;

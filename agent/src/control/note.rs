@@ -283,6 +283,14 @@ pub enum Note {
     Uncorroborated,
     /// Owners distrusted now (the gauge).
     Distrusted(usize),
+    /// Offline processes escaping their hold now, and whose gate stayed silent (the
+    /// gauges).
+    HoldGauges {
+        /// Held, found running, nothing they cannot undo holding them.
+        escaping: usize,
+        /// Their gate did not acknowledge its latest close in time.
+        gate_silent: usize,
+    },
     /// A GPU's memory could not be read (memory preemption waits for the next read).
     MemoryUnread {
         /// GPU.
@@ -530,7 +538,9 @@ impl Note {
                 metrics::counter!("coloc_suspension_breaks_total", "actuator" => b.kind.as_str())
                     .increment(1);
                 if b.escalated {
-                    warn!(?owners, breaks = b.breaks, "Offline work keeps resuming itself while suspended: its cgroup is now frozen");
+                    warn!(?owners, breaks = b.breaks, "Offline work keeps resuming itself while suspended: now frozen (its cgroup, or a cell of the agent's own)");
+                } else if let Some(why) = &b.unheld {
+                    error!(?owners, breaks = b.breaks, %why, "Offline work keeps resuming itself while suspended, and nothing it cannot undo can hold it here: it may run beside online work (see /state `escaping`)");
                 } else if b.breaks == 1 || b.breaks.is_multiple_of(100) {
                     warn!(?owners, breaks = b.breaks, resumed = b.resumed, "Offline work was resumed by something else while suspended: stopped again");
                 }
@@ -585,6 +595,13 @@ impl Note {
                 .increment(1),
             Note::Distrusted(n) => {
                 metrics::gauge!("coloc_doorbell_distrusted_pages").set(*n as f64)
+            }
+            Note::HoldGauges {
+                escaping,
+                gate_silent,
+            } => {
+                metrics::gauge!("coloc_escaping_processes").set(*escaping as f64);
+                metrics::gauge!("coloc_gate_silent_processes").set(*gate_silent as f64);
             }
             Note::MemoryUnread { gpu, error } => {
                 warn!(gpu, %error, "Cannot read the GPU's memory: memory preemption waits for the next read")

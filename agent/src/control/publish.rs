@@ -94,6 +94,8 @@ pub fn state_doc(
                     driver: None,
                     checkpointed_bytes: None,
                     shim: None,
+                    escaping: false,
+                    gate: None,
                 })
                 .collect();
             processes.sort_by_key(|p| p.pid);

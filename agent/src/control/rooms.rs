@@ -515,12 +515,32 @@ impl Rooms {
     /// failed suspensions retried later.
     pub fn settle(&mut self, t: u64) {
         self.complete();
+        let answers = self.book.take_gate_answers();
+        self.seeing.gates.answered(answers, t);
         for broken in self.book.take_broken() {
-            let owners = broken
+            let owners: Vec<String> = broken
                 .holders
                 .iter()
                 .filter_map(|k| self.seeing.table.entry(k).map(|e| e.cls.owner.clone()))
                 .collect();
+            if broken.breaks == 1 || broken.escalated || broken.unheld.is_some() {
+                let now = if broken.escalated {
+                    "frozen"
+                } else if broken.unheld.is_some() {
+                    "unheld"
+                } else {
+                    "stopped_again"
+                };
+                self.events.push(Event::Escape(super::events::Escape {
+                    at_ns: t,
+                    pids: broken.holders.iter().map(|k| k.pid).collect(),
+                    owners: owners.clone(),
+                    actuator: broken.kind,
+                    breaks: broken.breaks,
+                    now: now.into(),
+                    reason: broken.unheld.clone(),
+                }));
+            }
             self.notes.push(Note::Broken { broken, owners });
         }
         for key in self.book.take_failed() {
@@ -600,6 +620,26 @@ impl Rooms {
             self.book.len(),
             distrusted,
         );
+        let escaping: std::collections::HashSet<_> = self.book.escaping().copied().collect();
+        let mut silent = std::collections::HashSet::new();
+        for g in &mut doc.gpus {
+            for p in &mut g.processes {
+                let Some(e) = self.seeing.table.by_pid(p.pid) else {
+                    continue;
+                };
+                p.escaping = escaping.contains(&e.key);
+                if self.seeing.gates.silent(&e.key) {
+                    p.gate = Some("silent".into());
+                    silent.insert(e.key);
+                }
+            }
+        }
+        doc.escaping_processes = escaping.len();
+        doc.gate_silent_processes = silent.len();
+        self.notes.push(Note::HoldGauges {
+            escaping: escaping.len(),
+            gate_silent: silent.len(),
+        });
         if self.vault.active() {
             let mem = self.vault.summary();
             let view = self.vault.view();
@@ -637,6 +677,8 @@ impl Rooms {
                             driver: Some(st.as_str().into()),
                             checkpointed_bytes: checkpointed,
                             shim: None,
+                            escaping: false,
+                            gate: None,
                         }),
                         None => {}
                     }

@@ -28,6 +28,12 @@ pub struct StateDoc {
     pub degraded_reason: Option<String>,
     /// Targets (cgroups, processes) currently held suspended.
     pub suspended_targets: usize,
+    /// Offline processes held suspended but found running (see [`ProcDoc::escaping`]).
+    #[serde(default)]
+    pub escaping_processes: usize,
+    /// Offline processes whose launch gate stayed silent (see [`ProcDoc::gate`]).
+    #[serde(default)]
+    pub gate_silent_processes: usize,
     /// When the document was built, ns since the epoch.
     pub updated_ns: u64,
     /// Per GPU.
@@ -117,6 +123,16 @@ pub struct ProcDoc {
     /// `control::coverage`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shim: Option<String>,
+    /// Suspended, but found running at its latest check with nothing it cannot undo
+    /// holding it (no freezer, no cell of the agent's own, no driver lock): its work may
+    /// run beside online work.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub escaping: bool,
+    /// `silent` (offline, with `--gate`): its launch gate did not acknowledge its latest
+    /// close within `--gate-timeout` (its shim follows another gate file, or none); it is
+    /// stopped without the gate for a minute, then tried again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<String>,
 }
 
 /// GPU processes of one class by their coverage (`/state`'s `shim_coverage`).

@@ -153,7 +153,14 @@ impl Chooser {
             return (alone, why);
         };
         match self.preferred {
-            Kind::Freezer => (Plan::Freeze(Target::Cgroup { dir, version }), None),
+            Kind::Freezer => (
+                Plan::Freeze(Target::Cgroup {
+                    dir,
+                    version,
+                    cell: None,
+                }),
+                None,
+            ),
             Kind::Signal | Kind::Gate | Kind::Lock => (
                 Plan::SignalCgroup {
                     dir,

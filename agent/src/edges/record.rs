@@ -200,6 +200,7 @@ mod tests {
         let b = RecordEntry::Cgroup {
             dir: "/sys/fs/cgroup/x".into(),
             version: CgroupVersion::V2,
+            cell: None,
         };
         r.add(&[a.clone(), b.clone()]).unwrap();
         r.remove(&[a]).unwrap();

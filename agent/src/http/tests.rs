@@ -33,6 +33,8 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
                 last_active_ms_ago: None,
                 driver: None,
                 checkpointed_bytes: None,
+                escaping: false,
+                gate: None,
             }],
             ..Default::default()
         }],

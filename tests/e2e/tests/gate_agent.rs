@@ -415,3 +415,104 @@ fn a_forged_gate_acknowledgement_earns_nothing() {
     );
     let _ = std::fs::remove_file(&page_path);
 }
+
+/// The tenant's environment is the tenant's: an offline process whose `COLOC_GATE_FILE`
+/// points at a file of its own (the real shim, through the dynamic linker) never
+/// acknowledges the agent's close. The first busy period waits `--gate-timeout` for it;
+/// from then on the agent knows its gate is silent, says so (`/state`'s `gate`,
+/// `coloc_gate_silent_processes`) and stops it at once, without waiting again.
+#[test]
+fn a_gate_file_pointed_elsewhere_is_found_silent_counted_and_not_waited_for_again() {
+    let n = Node::new();
+    let a = n.agent(None);
+    // The tenant's own gate file, kept fresh the way an agent keeps its own: the shim
+    // takes it for a live gate, makes its entries, and follows it alone.
+    let elsewhere = n.root.join("mine").join("gates");
+    let own = std::sync::Arc::new(coloc_agent::edges::gate::GateFile::create(&elsewhere).unwrap());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let beater = {
+        let (own, stop) = (own.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                own.beat();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    struct Stop(
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+        Option<std::thread::JoinHandle<()>>,
+    );
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = self.1.take().map(|h| h.join());
+        }
+    }
+    let _beating = Stop(stop, Some(beater));
+    let args = [
+        "offline",
+        "--gpu",
+        "0",
+        "--step-ms",
+        "2",
+        "--queue-depth",
+        "16",
+    ];
+    let off = Proc(
+        n.workload(&a, &args, Some("offline"), 300)
+            .env("COLOC_GATE_FILE", &elsewhere)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    a.wait_processes(1);
+    // Requests 500 ms apart, each its own busy period (the idle window is 100 ms).
+    let mut on = n.online(&a, 2, 30, 3);
+    let mut silent_seen = false;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(20) && on.0.try_wait().unwrap().is_none() {
+        let st = a.state();
+        silent_seen |= st["gate_silent_processes"] == 1
+            && st["gpus"][0]["processes"].as_array().is_some_and(|ps| {
+                ps.iter()
+                    .any(|p| p["pid"] == off.pid() && p["gate"] == "silent")
+            });
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(on.wait_within("online", Duration::from_secs(5)).success());
+    let ev: Vec<_> = n
+        .preempts()
+        .into_iter()
+        .filter(|e| e["confirmed_ns"].as_u64().is_some())
+        .collect();
+    assert!(ev.len() >= 3, "{ev:?}\nlog:\n{}", a.log_text());
+    let took_ms = |e: &serde_json::Value| e["actuation_s"].as_f64().unwrap() * 1e3;
+    assert!(
+        took_ms(&ev[0]) >= 45.0,
+        "the first preemption did not wait for the gate: {}",
+        ev[0]
+    );
+    for e in &ev[1..] {
+        assert!(
+            took_ms(e) < 45.0 && e["actuator"] == "signal",
+            "waited for a gate already found silent: {e}\nlog:\n{}",
+            a.log_text()
+        );
+    }
+    assert!(
+        silent_seen,
+        "/state never said the gate was silent: {}",
+        a.state()
+    );
+    assert_eq!(
+        metric(&a.metrics(), "coloc_gate_silent_processes", &[]),
+        1.0
+    );
+    assert_eq!(
+        metric(&a.metrics(), "coloc_gate_escalations_total", &[]),
+        1.0,
+        "waited for the silent gate more than once"
+    );
+}

@@ -378,6 +378,7 @@ fn resume_after_kill_thaws_first_then_restores_and_unlocks() {
         let entry = serde_json::to_value(coloc_agent::edges::actuator::RecordEntry::Cgroup {
             dir: cg.dir.clone(),
             version: coloc_agent::edges::actuator::CgroupVersion::V2,
+            cell: None,
         })
         .unwrap();
         // Written last, so that an order taken from the file would restore first.

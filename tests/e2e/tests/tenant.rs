@@ -284,3 +284,310 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
         agent.log_text()
     );
 }
+
+/// Starts the ptrace tenant (`tests/e2e/tenant/ptrace_parent.py`): a parent that cancels
+/// every SIGSTOP sent to its child, an offline `coloc-sim` job matched by the default
+/// cmdline rule (no cgroup of its own to freeze). Returns the tracer and the child's PID.
+fn ptrace_tenant(sim: &Sim) -> (Proc, u32) {
+    use std::io::BufRead;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tenant/ptrace_parent.py");
+    let mut tracer = std::process::Command::new("python3")
+        .arg(script)
+        .arg(bin("coloc-sim"))
+        .args(["offline", "--gpu", "0", "--step-ms", "2"])
+        .env("COLOC_SIM_STATE", &sim.state)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs the ptrace tenant");
+    let mut line = String::new();
+    std::io::BufReader::new(tracer.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let child: u32 = line
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the ptrace tenant printed {line:?}, not its child's PID"));
+    (Proc(tracer), child)
+}
+
+/// Removes what a failed run may leave of the agent's cells for `pid` (thawed first).
+struct Cells(PathBuf, u32);
+impl Drop for Cells {
+    fn drop(&mut self) {
+        let Ok(rd) = std::fs::read_dir(self.0.join("gpu-coloc.held")) else {
+            return;
+        };
+        for e in rd.flatten() {
+            if e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("{}-", self.1))
+            {
+                let _ = std::fs::write(e.path().join("cgroup.freeze"), "0");
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+}
+
+/// The intervals, ns, in which the agent held GPU 0 busy: from each preemption's
+/// confirmation to the next release's decision, read from its event log.
+fn busy_periods(events: &Path) -> Vec<(u64, u64)> {
+    let mut busy: Vec<(u64, u64)> = Vec::new();
+    for e in std::fs::read_to_string(events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    {
+        match e["event"].as_str() {
+            Some("preempt") => {
+                busy.push((e["confirmed_ns"].as_u64().unwrap_or(u64::MAX), u64::MAX))
+            }
+            Some("release") => {
+                if let Some(last) = busy.last_mut() {
+                    last.1 = e["decided_ns"].as_u64().unwrap();
+                }
+            }
+            _ => {}
+        }
+    }
+    busy
+}
+
+/// Runs online work for `busy_ms` beside the ptrace tenant under an agent started with
+/// `extra`, and returns (GPU work the tenant did while the agent held the GPU busy, ms;
+/// that busy time, ms; the agent; its events; the tenant's PID). The simulated GPU
+/// samples every 10 ms, so that its 64-sample rings hold 640 ms between two reads.
+fn ptrace_tenant_run(
+    extra: Vec<String>,
+    busy_ms: u64,
+) -> (f64, f64, Agent, TempPath, Proc, u32, Sim) {
+    let sim = Sim::start(1, &["--sample-period-ms", "10"]);
+    let events = TempPath::new("coloc-e2e-ptrace-events");
+    let mut args = vec!["--event-log".into(), events.display().to_string()];
+    args.extend(extra);
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            actuator: "signal",
+            extra: args,
+            ..Default::default()
+        },
+    );
+    let (tracer, child) = ptrace_tenant(&sim);
+    agent.wait_processes(1);
+    let gpu = sim.open();
+    let period_ms = gpu.sample_period_ns() as f64 / 1e6;
+    let mut work: Vec<(u64, u32)> = Vec::new();
+    let mut seen = 0;
+    let online = sim.spawn(&["busy", "--gpu", "0", "--ms", &busy_ms.to_string()]);
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_millis(busy_ms + 300) {
+        for s in gpu.samples(0, seen) {
+            seen = seen.max(s.timestamp_us);
+            if s.pid == child {
+                work.push((s.timestamp_us * 1000, s.sm_util));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(online);
+    let busy = busy_periods(&events);
+    let inside = |at: u64| busy.iter().any(|(a, b)| *a <= at && at < *b);
+    let done_ms: f64 = work
+        .iter()
+        .filter(|(at, _)| inside(*at))
+        .map(|(_, u)| *u as f64 / 100.0 * period_ms)
+        .sum();
+    let busy_total_ms: f64 = busy
+        .iter()
+        .map(|(a, b)| ((*b).min(a + busy_ms * 2_000_000) - a) as f64 / 1e6)
+        .sum();
+    (done_ms, busy_total_ms, agent, events, tracer, child, sim)
+}
+
+/// The review's ptrace tenant: its own parent (no privilege needed) cancels every SIGSTOP
+/// the agent sends, and a process matched by cmdline has no cgroup to escalate to. Before
+/// cells it did half a GPU's work beside busy online work while `/state` said suspended.
+/// Now the agent moves it into a cell of its own and freezes that: at most the first
+/// breaks' worth of work gets through; after the release it is back in its own cgroup
+/// and the cell is gone.
+#[test]
+fn a_process_whose_parent_cancels_every_sigstop_is_frozen_in_a_cell_of_the_agents_own() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let (done_ms, busy_ms, agent, events, tracer, child, _sim) = ptrace_tenant_run(vec![], 3000);
+    let _cells = Cells(mount.clone(), child);
+    let log = std::fs::read_to_string(&*events).unwrap_or_default();
+    println!("ptrace tenant with cells: {done_ms:.1} ms of GPU work in {busy_ms:.0} ms held busy");
+    assert!(
+        busy_ms >= 1500.0,
+        "online was held busy for only {busy_ms:.0} ms of 3000\n{}",
+        agent.log_text()
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("\"escape\"") && l.contains("\"frozen\"")),
+        "no escape event saying the tenant is frozen now:\n{log}\n{}",
+        agent.log_text()
+    );
+    // The first breaks (two re-checks, 10 ms apart) and the cell's making get through.
+    assert!(
+        done_ms <= busy_ms * 0.03,
+        "the tenant did {done_ms:.1} ms of GPU work in {busy_ms:.0} ms held busy\n{}",
+        agent.log_text()
+    );
+    // Released: back home (the cgroup it started in), running, and no cell is left.
+    let home = std::fs::read_to_string(format!("/proc/{}/cgroup", tracer.pid())).unwrap();
+    wait_for("tenant back in its own cgroup", SOON, || {
+        std::fs::read_to_string(format!("/proc/{child}/cgroup")).is_ok_and(|c| c == home)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_for("its cell removed", SOON, || {
+        !mount
+            .join("gpu-coloc.held")
+            .join(format!("{child}-"))
+            .exists()
+            && std::fs::read_dir(mount.join("gpu-coloc.held")).map_or(true, |rd| {
+                rd.flatten().all(|e| {
+                    !e.file_name()
+                        .to_string_lossy()
+                        .starts_with(&format!("{child}-"))
+                })
+            })
+    })
+    .unwrap();
+    assert_eq!(
+        metric(&agent.metrics(), "coloc_escaping_processes", &[]),
+        0.0
+    );
+}
+
+/// Where no cell can be made (here: a cgroup root with no hierarchy under it), the
+/// ptrace tenant cannot be held, and the agent says so instead of showing it suspended:
+/// `/state` marks it `escaping`, the gauge counts it, an `escape` event says `unheld`
+/// and why.
+#[test]
+fn an_escaping_process_that_nothing_can_hold_is_reported_not_hidden() {
+    let nowhere = TempPath::new("coloc-e2e-no-cgroups");
+    std::fs::create_dir_all(&*nowhere).unwrap();
+    let (done_ms, busy_ms, agent, events, _tracer, child, _sim) = {
+        let extra = vec!["--cgroup-root".into(), nowhere.display().to_string()];
+        // The run's /state is read while online is still busy: a shorter run, then look.
+        ptrace_tenant_run(extra, 1500)
+    };
+    println!(
+        "ptrace tenant without cells: {done_ms:.1} ms of GPU work in {busy_ms:.0} ms held busy"
+    );
+    let log = std::fs::read_to_string(&*events).unwrap_or_default();
+    let unheld = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|e| e["event"] == "escape" && e["now"] == "unheld")
+        .unwrap_or_else(|| {
+            panic!(
+                "no escape event saying unheld:\n{log}\n{}",
+                agent.log_text()
+            )
+        });
+    assert!(
+        unheld["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("no cell")),
+        "{unheld}"
+    );
+    assert_eq!(unheld["pids"][0].as_u64(), Some(child as u64), "{unheld}");
+    assert!(
+        agent
+            .log_text()
+            .contains("nothing it cannot undo can hold it"),
+        "{}",
+        agent.log_text()
+    );
+    // It ran beside online work: the honest outcome here, and what the reports say.
+    assert!(
+        done_ms > 0.0,
+        "the tenant did no GPU work: the test did not attack"
+    );
+    // Held busy again and looked at while so.
+    let online = _sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
+    wait_for(
+        "the agent to report the tenant escaping",
+        Duration::from_secs(3),
+        || {
+            let st = agent.state();
+            st["escaping_processes"].as_u64() == Some(1)
+                && st["gpus"][0]["processes"].as_array().is_some_and(|ps| {
+                    ps.iter()
+                        .any(|p| p["pid"] == child && p["escaping"] == true)
+                })
+                && metric(&agent.metrics(), "coloc_escaping_processes", &[]) == 1.0
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n/state: {}\n{}", agent.state(), agent.log_text()));
+    drop(online);
+}
+
+/// A cell is recorded like any hold: an agent killed (`kill -9`) while the ptrace tenant
+/// is frozen in its cell leaves it frozen there, and the next agent moves it home (thawed
+/// as it leaves) and removes the cell before anything else.
+#[test]
+fn a_tenant_frozen_in_a_cell_goes_home_after_the_agent_is_killed_and_restarted() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let sim = Sim::start(1, &["--sample-period-ms", "10"]);
+    let events = TempPath::new("coloc-e2e-cell-k9-events");
+    let mut agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--event-log".into(), events.display().to_string()],
+            ..Default::default()
+        },
+    );
+    let (tracer, child) = ptrace_tenant(&sim);
+    let _cells = Cells(mount.clone(), child);
+    agent.wait_processes(1);
+    let home = std::fs::read_to_string(format!("/proc/{}/cgroup", tracer.pid())).unwrap();
+    let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "5000"]);
+    let in_cell = || {
+        std::fs::read_to_string(format!("/proc/{child}/cgroup"))
+            .is_ok_and(|c| c.contains("/gpu-coloc.held/"))
+    };
+    wait_for(
+        "the tenant frozen in a cell",
+        Duration::from_secs(3),
+        || in_cell() && std::fs::read_to_string(&*events).is_ok_and(|l| l.contains("\"frozen\"")),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    agent.signal(libc::SIGKILL);
+    agent.wait();
+    let record = std::fs::read_to_string(agent.state_dir.join("suspended.json")).unwrap();
+    assert!(
+        record.contains("gpu-coloc.held") && record.contains("\"home\""),
+        "the cell is not in the record: {record}"
+    );
+    assert!(in_cell(), "the killed agent's cell let the tenant go");
+    // Online is done: the next agent has no reason to hold the tenant again.
+    drop(online);
+    let again = Agent::start(
+        &sim,
+        AgentOpts {
+            state_dir: Some(agent.state_dir.clone()),
+            ..Default::default()
+        },
+    );
+    wait_for("the tenant back in its own cgroup", SOON, || {
+        std::fs::read_to_string(format!("/proc/{child}/cgroup")).is_ok_and(|c| c == home)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", again.log_text()));
+    let left: Vec<_> = std::fs::read_dir(mount.join("gpu-coloc.held"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&format!("{child}-")))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "cells left behind: {left:?}");
+}

@@ -26,7 +26,7 @@
 //! recorded cgroups; SIGCONT to recorded processes.
 
 use crate::cli::parse_duration;
-use crate::edges::actuator::{self, Progress, RecordEntry};
+use crate::edges::actuator::{self, Cell, Progress, RecordEntry};
 use crate::edges::record::{FileRecord, RecordStore};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -329,10 +329,18 @@ pub fn resume_entries(
 fn rebase(from: &Path, to: &Path) -> impl Fn(&RecordEntry) -> RecordEntry {
     let (from, to) = (from.to_path_buf(), to.to_path_buf());
     move |e| match e {
-        RecordEntry::Cgroup { dir, version } => match dir.strip_prefix(&from) {
+        RecordEntry::Cgroup { dir, version, cell } => match dir.strip_prefix(&from) {
             Ok(rest) if from != to => RecordEntry::Cgroup {
                 dir: to.join(rest),
                 version: *version,
+                cell: cell.as_ref().map(|c| Cell {
+                    home: c
+                        .home
+                        .strip_prefix(&from)
+                        .map(|h| to.join(h))
+                        .unwrap_or_else(|_| c.home.clone()),
+                    ..c.clone()
+                }),
             },
             _ => e.clone(),
         },
@@ -345,7 +353,19 @@ fn rebase(from: &Path, to: &Path) -> impl Fn(&RecordEntry) -> RecordEntry {
 
 fn describe(e: &RecordEntry) -> String {
     match e {
-        RecordEntry::Cgroup { dir, version } => format!("cgroup {} ({version:?})", dir.display()),
+        RecordEntry::Cgroup {
+            dir,
+            version,
+            cell: None,
+        } => format!("cgroup {} ({version:?})", dir.display()),
+        RecordEntry::Cgroup {
+            dir, cell: Some(c), ..
+        } => format!(
+            "cell {} of process {} (home {})",
+            dir.display(),
+            c.pid,
+            c.home.display()
+        ),
         RecordEntry::Process { pid, start } => format!("process {pid} (start time {start})"),
         RecordEntry::Gate { file, uuid } => format!("launch gate {uuid} in {}", file.display()),
         RecordEntry::Lock { pid, start } => {

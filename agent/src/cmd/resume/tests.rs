@@ -179,6 +179,7 @@ fn a_failure_stays_recorded_and_fails_the_command() {
     let entry = RecordEntry::Cgroup {
         dir: fake,
         version: CgroupVersion::V2,
+        cell: None,
     };
     record_with(&dir, std::slice::from_ref(&entry));
     let (r, text) = run_resume(&args(&dir));
@@ -199,12 +200,14 @@ fn cgroups_recorded_in_another_mount_namespace_are_rebased() {
     let e = RecordEntry::Cgroup {
         dir: "/host/sys/fs/cgroup/kubepods/pod1/c".into(),
         version: CgroupVersion::V2,
+        cell: None,
     };
     assert_eq!(
         f(&e),
         RecordEntry::Cgroup {
             dir: "/sys/fs/cgroup/kubepods/pod1/c".into(),
             version: CgroupVersion::V2,
+            cell: None,
         }
     );
     let p = RecordEntry::Process { pid: 1, start: 2 };
@@ -269,6 +272,7 @@ fn thaws_recorded_cgroups() {
         .map(|(dir, version, ..)| RecordEntry::Cgroup {
             dir: dir.clone(),
             version: *version,
+            cell: None,
         })
         .collect();
     record_with(&state, &entries);

@@ -63,6 +63,13 @@ impl HoldBook {
         };
         // The gate is not waited for any more: only the fallback's members are.
         p.members.clear();
+        if let HoldKey::Gate(k) = &p.key {
+            match why {
+                Escalation::Drained => self.gate_answers.push((*k, true)),
+                Escalation::Timeout => self.gate_answers.push((*k, false)),
+                Escalation::CannotClose => {}
+            }
+        }
         if why == Escalation::Drained {
             self.notes.push(Note::GateDrained {
                 hold: p.key.clone(),
@@ -168,6 +175,7 @@ impl HoldBook {
                 h.escalate = Some(Target::Cgroup {
                     dir: dir.clone(),
                     version: *version,
+                    cell: None,
                 });
             }
         }

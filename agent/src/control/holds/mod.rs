@@ -76,6 +76,13 @@ struct Hold {
     checked_ns: u64,
     /// Times a member was found running while held.
     breaks: u32,
+    /// Found running at its latest check, with nothing the tenant cannot undo holding it.
+    escaping: bool,
+    /// Asked for a cell of the agent's own (answered or not): asked once per hold.
+    cell_asked: bool,
+    /// It holds one process alone by signal (directly, or as its gate's fallback): a
+    /// cell of the agent's own can hold it instead.
+    alone: bool,
 }
 
 /// What the book does with the answer to a request.
@@ -106,6 +113,8 @@ enum Then {
     Regrouped(HoldKey),
     /// Processes that joined a signalled cgroup while it was held, recorded: stop them.
     RecordedNewcomers(HoldKey, Vec<Target>),
+    /// A cell of the agent's own for a process held alone, made (or not): record it.
+    Isolated(HoldKey, u64, Broken),
     /// A freezer escalation recorded: freeze it.
     RecordedEscalation(HoldKey, u64, Target, Broken),
     /// A freezer escalation started.
@@ -146,10 +155,17 @@ pub struct HoldBook {
     /// themselves, with when: frozen at once by the next suspensions for
     /// [`recheck::REMEMBER_NS`], instead of starting over with signals.
     resumed_itself: BTreeMap<std::path::PathBuf, u64>,
+    /// Processes held alone that had to be moved into a cell of the agent's own, with
+    /// the cell and when: moved in and frozen at once by the next suspensions for
+    /// [`recheck::REMEMBER_NS`].
+    isolated: BTreeMap<ProcKey, (Target, u64)>,
     /// Operations that ended, for the loop's events.
     done: Vec<Completion>,
     /// Holds found running while held, for the loop's reports.
     broken: Vec<Broken>,
+    /// Processes whose launch gate answered a close (true: acknowledged in time; false:
+    /// silent until `--gate-timeout`), for the gate book.
+    gate_answers: Vec<(ProcKey, bool)>,
     /// How often a held target is checked again (`--recheck-interval`), ns.
     pub(crate) recheck_ns: u64,
     /// Where the round-robin re-check goes on next tick.
@@ -194,8 +210,10 @@ impl HoldBook {
             failed: Vec::new(),
             forgotten: Vec::new(),
             resumed_itself: BTreeMap::new(),
+            isolated: BTreeMap::new(),
             done: Vec::new(),
             broken: Vec::new(),
+            gate_answers: Vec::new(),
             recheck_ns: recheck::RECHECK_NS,
             recheck_cursor: None,
             next_recheck_ns: 0,
@@ -260,6 +278,12 @@ impl HoldBook {
         std::mem::take(&mut self.broken)
     }
 
+    /// Processes whose launch gate acknowledged a close in time (true) or stayed silent
+    /// until `--gate-timeout` (false), since the last call.
+    pub fn take_gate_answers(&mut self) -> Vec<(ProcKey, bool)> {
+        std::mem::take(&mut self.gate_answers)
+    }
+
     /// Holders whose suspension failed since the last call (it was undone, or never
     /// started because the record could not be written).
     pub fn take_failed(&mut self) -> Vec<ProcKey> {
@@ -304,6 +328,15 @@ impl HoldBook {
         self.held
             .values()
             .any(|h| h.members.iter().any(|t| matches!(t, Target::Gate { .. })))
+    }
+
+    /// Holders of holds found running at their latest check that nothing the tenant
+    /// cannot undo holds (no freezer, no cell, no driver lock): their work may run.
+    pub fn escaping(&self) -> impl Iterator<Item = &ProcKey> {
+        self.held
+            .values()
+            .filter(|h| h.escaping)
+            .flat_map(|h| h.holders.iter())
     }
 
     /// Whether `holder` holds some suspension.
@@ -358,7 +391,8 @@ impl HoldBook {
                 HoldObs::Members { req, .. }
                 | HoldObs::Recorded { req, .. }
                 | HoldObs::GateClosed { req, .. }
-                | HoldObs::Progress { req, .. } => *req,
+                | HoldObs::Progress { req, .. }
+                | HoldObs::Cell { req, .. } => *req,
             };
             let Some(then) = self.waiting.remove(&req) else {
                 debug_assert!(req < self.abandoned_below, "an answer to no request: {o:?}");
@@ -406,6 +440,9 @@ impl HoldBook {
                 }
                 (Then::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_newcomers(key, newcomers, ok)
+                }
+                (Then::Isolated(key, serial, b), HoldObs::Cell { cell, .. }) => {
+                    self.isolated(key, serial, b, cell)
                 }
                 (Then::RecordedEscalation(key, serial, cg, b), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_escalation(key, serial, cg, b, ok)

@@ -56,13 +56,51 @@ pub struct Broken {
     pub resumed: usize,
     /// Times this hold broke so far.
     pub breaks: u32,
-    /// It is now frozen as well.
+    /// It is now frozen as well (its cgroup, or a cell of the agent's own).
     pub escalated: bool,
+    /// Why nothing the tenant cannot undo could hold it (no cell on this host, the cell
+    /// refused): it stays on signals, which it undoes.
+    pub unheld: Option<String>,
     /// The actuator that holds it.
     pub kind: Kind,
 }
 
 impl super::Hold {
+    /// What a re-check looks at: its freezers once it has one (a frozen process is not in
+    /// the stopped state, and cannot run), else every member.
+    fn checked_members(&self) -> Vec<Target> {
+        let frozen: Vec<Target> = self
+            .members
+            .iter()
+            .filter(|t| matches!(t, Target::Cgroup { .. }))
+            .cloned()
+            .collect();
+        if frozen.is_empty() {
+            self.members.clone()
+        } else {
+            frozen
+        }
+    }
+
+    /// The process of a hold on one process alone (by signal, or its gate's fallback),
+    /// which a cell of the agent's own can hold instead.
+    fn lone_process(&self) -> Option<ProcKey> {
+        if !self.alone {
+            return None;
+        }
+        let mut procs = self.members.iter().filter_map(|t| match t {
+            Target::Process { key, .. } => Some(*key),
+            _ => None,
+        });
+        let one = procs.next()?;
+        let alone = procs.next().is_none()
+            && self
+                .members
+                .iter()
+                .all(|t| matches!(t, Target::Process { .. } | Target::Gate { .. }));
+        alone.then_some(one)
+    }
+
     /// Counts one more break, with `resumed` members found running: the report of it.
     fn broke(&mut self, resumed: usize) -> Broken {
         self.breaks += 1;
@@ -71,6 +109,7 @@ impl super::Hold {
             resumed,
             breaks: self.breaks,
             escalated: false,
+            unheld: None,
             kind: self.kind,
         }
     }
@@ -92,7 +131,7 @@ impl HoldBook {
                 continue;
             };
             hold.checked_ns = now;
-            let targets = hold.members.clone();
+            let targets = hold.checked_members();
             // A signalled cgroup not frozen yet: a process that joined it since (a child
             // forked after the stop) runs until it is found and stopped as well.
             let regroup = match (&key, hold.members.first()) {
@@ -138,8 +177,17 @@ impl HoldBook {
                 Plan::Freeze(Target::Cgroup {
                     dir: dir.clone(),
                     version: *version,
+                    cell: None,
                 })
             }
+            // A process that had to be moved into a cell of the agent's own: moved in and
+            // frozen at once.
+            Plan::Signal(Target::Process { key, .. }) => match self.isolated.get(key) {
+                Some((cell, at)) if self.now_ns.saturating_sub(*at) < REMEMBER_NS => {
+                    Plan::Freeze(cell.clone())
+                }
+                _ => plan.clone(),
+            },
             Plan::Gate { gate, fallback } => Plan::Gate {
                 gate: gate.clone(),
                 fallback: Box::new(self.remembered(fallback)),
@@ -166,24 +214,72 @@ impl HoldBook {
         let Some(hold) = self.held.get_mut(&p.key).filter(|h| h.serial == p.serial) else {
             return;
         };
-        let escalate = (waited >= ESCALATE_PENDING_NS)
-            .then(|| hold.escalate.take())
-            .flatten()
-            .map(|cg| (cg, hold.broke(running.len())));
+        let escalates =
+            hold.escalate.is_some() || (!hold.cell_asked && hold.lone_process().is_some());
+        let broken = (waited >= ESCALATE_PENDING_NS && escalates).then(|| {
+            hold.escaping = true;
+            hold.broke(running.len())
+        });
         self.ask(Then::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: running,
             budget: std::time::Duration::ZERO,
         });
-        let Some((cg, broken)) = escalate else {
+        if let Some(b) = broken {
+            self.escalate(p.key.clone(), p.serial, b);
+        }
+    }
+
+    /// Holds a breaking hold by something the tenant cannot undo: its signalled cgroup's
+    /// freezer, or, for a process held alone, a cell of the agent's own (asked for once
+    /// per hold); recorded first like any suspension. Without either the break is only
+    /// reported.
+    fn escalate(&mut self, key: HoldKey, serial: u64, broken: Broken) {
+        let Some(hold) = self.held.get_mut(&key).filter(|h| h.serial == serial) else {
+            self.broken.push(broken);
             return;
         };
-        let entries = vec![cg.record()];
-        self.ask(
-            Then::RecordedEscalation(p.key.clone(), p.serial, cg, broken),
-            |req| HoldCmd::RecordAdd { req, entries },
-        );
+        if let Some(cg) = hold.escalate.take() {
+            let entries = vec![cg.record()];
+            self.ask(Then::RecordedEscalation(key, serial, cg, broken), |req| {
+                HoldCmd::RecordAdd { req, entries }
+            });
+            return;
+        }
+        match hold.lone_process().filter(|_| !hold.cell_asked) {
+            Some(process) => {
+                hold.cell_asked = true;
+                self.ask(Then::Isolated(key, serial, broken), |req| {
+                    HoldCmd::Isolate { req, key: process }
+                });
+            }
+            None => self.broken.push(broken),
+        }
+    }
+
+    /// The answer to [`HoldCmd::Isolate`]: the cell is recorded, then the process moved in
+    /// and frozen; without one, the hold stays on signals and says so.
+    pub(super) fn isolated(
+        &mut self,
+        key: HoldKey,
+        serial: u64,
+        mut b: Broken,
+        cell: Result<Target, String>,
+    ) {
+        match cell {
+            Ok(cg) if self.current(&key, serial) => {
+                let entries = vec![cg.record()];
+                self.ask(Then::RecordedEscalation(key, serial, cg, b), |req| {
+                    HoldCmd::RecordAdd { req, entries }
+                });
+            }
+            Ok(_) => self.broken.push(b),
+            Err(why) => {
+                b.unheld = Some(why);
+                self.broken.push(b);
+            }
+        }
     }
 
     /// A pending suspension whose hold was frozen meanwhile waits for the freezer, not for
@@ -213,21 +309,21 @@ impl HoldBook {
             return;
         };
         let running: Vec<Target> = hold
-            .members
-            .iter()
+            .checked_members()
+            .into_iter()
             .zip(&state)
             // A gate holds nothing (its fallback does): there is nothing behind it to find
             // running.
             .filter(|(t, p)| matches!(p, Progress::Pending) && !matches!(t, Target::Gate { .. }))
-            .map(|(t, _)| t.clone())
+            .map(|(t, _)| t)
             .collect();
+        // Found running with no freezer holding it: the tenant may be running now.
+        hold.escaping = !running.is_empty();
         if running.is_empty() {
             return;
         }
         let broken = hold.broke(running.len());
-        let escalate = (hold.breaks >= ESCALATE_AFTER)
-            .then(|| hold.escalate.take())
-            .flatten();
+        let escalates = hold.breaks >= ESCALATE_AFTER;
         let serial = hold.serial;
         self.ask(Then::Restopped, |req| HoldCmd::Start {
             req,
@@ -235,15 +331,10 @@ impl HoldBook {
             targets: running,
             budget: std::time::Duration::ZERO,
         });
-        match escalate {
-            // Frozen as well, recorded first like any suspension.
-            Some(cg) => {
-                let entries = vec![cg.record()];
-                self.ask(Then::RecordedEscalation(key, serial, cg, broken), |req| {
-                    HoldCmd::RecordAdd { req, entries }
-                });
-            }
-            None => self.broken.push(broken),
+        if escalates {
+            self.escalate(key, serial, broken);
+        } else {
+            self.broken.push(broken);
         }
     }
 
@@ -294,13 +385,26 @@ impl HoldBook {
             Some(Progress::Done | Progress::Pending | Progress::Skipped) => {
                 match self.held.get_mut(&key).filter(|h| h.serial == serial) {
                     Some(h) => {
-                        if let Target::Cgroup { dir, .. } = &cg {
-                            let now = self.now_ns;
-                            self.resumed_itself
-                                .retain(|_, at| now.saturating_sub(*at) < REMEMBER_NS);
-                            self.resumed_itself.insert(dir.clone(), now);
+                        let now = self.now_ns;
+                        match &cg {
+                            Target::Cgroup { cell: Some(c), .. } => {
+                                self.isolated
+                                    .retain(|_, (_, at)| now.saturating_sub(*at) < REMEMBER_NS);
+                                let key = ProcKey {
+                                    pid: c.pid,
+                                    start: c.start,
+                                };
+                                self.isolated.insert(key, (cg.clone(), now));
+                            }
+                            Target::Cgroup { dir, .. } => {
+                                self.resumed_itself
+                                    .retain(|_, at| now.saturating_sub(*at) < REMEMBER_NS);
+                                self.resumed_itself.insert(dir.clone(), now);
+                            }
+                            _ => {}
                         }
                         h.members.push(cg);
+                        h.escaping = false;
                         b.escalated = true;
                     }
                     // Released meanwhile: thawed again, and out of the record only once
@@ -309,7 +413,13 @@ impl HoldBook {
                 }
             }
             // Out of the record again, unless another hold covers it (one that froze it).
-            _ => self.forget(std::slice::from_ref(&cg)),
+            p => {
+                if let (Target::Cgroup { cell: Some(_), .. }, Some(Progress::Failed(e))) = (&cg, p)
+                {
+                    b.unheld = Some(e.to_string());
+                }
+                self.forget(std::slice::from_ref(&cg))
+            }
         }
         self.broken.push(b);
     }

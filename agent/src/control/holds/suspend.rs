@@ -40,6 +40,7 @@ impl HoldBook {
                     Plan::SignalCgroup { dir, version, .. } => Some(Target::Cgroup {
                         dir: dir.clone(),
                         version: *version,
+                        cell: None,
                     }),
                     _ => None,
                 },
@@ -50,6 +51,14 @@ impl HoldBook {
                 epoch: None,
                 checked_ns: now,
                 breaks: 0,
+                escaping: false,
+                cell_asked: false,
+                alone: match plan {
+                    Plan::Gate { fallback, .. } => {
+                        matches!(**fallback, Plan::Signal(Target::Process { .. }))
+                    }
+                    p => matches!(p, Plan::Signal(Target::Process { .. })),
+                },
             };
             self.staged.insert(key.clone(), hold);
             match plan {

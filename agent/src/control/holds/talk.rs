@@ -148,6 +148,14 @@ pub enum HoldCmd {
         /// The gate.
         gate: Target,
     },
+    /// Find a cell of the agent's own for process `key`, held alone and resuming itself
+    /// (`edges::actuator::cell`): nothing is made yet. Answered by [`HoldObs::Cell`].
+    Isolate {
+        /// The request.
+        req: Req,
+        /// The process.
+        key: crate::edges::procfs::ProcKey,
+    },
     /// Look once whether targets are in the state of `op`. Answered by
     /// [`HoldObs::Progress`].
     Check {
@@ -185,6 +193,14 @@ pub enum HoldObs {
         req: Req,
         /// The close's epoch, which the process's acknowledgement must equal.
         epoch: Option<u32>,
+    },
+    /// The cell for a process (a frozen-cgroup target that moves it in), or why there is
+    /// none on this host.
+    Cell {
+        /// The request.
+        req: Req,
+        /// The cell, or why not.
+        cell: Result<Target, String>,
     },
     /// Where each target stands, in the command's order.
     Progress {

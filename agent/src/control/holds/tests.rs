@@ -2,8 +2,8 @@
 //! answers.
 
 use super::*;
-use crate::edges::actuator::ActError;
 use crate::edges::actuator::Op;
+use crate::edges::actuator::{ActError, CgroupVersion};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -21,12 +21,31 @@ fn proc_target(pid: u32) -> (ProcKey, Target) {
     )
 }
 
+thread_local! {
+    /// [`shell`] answers that this host has no cells.
+    static NO_CELLS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The cell a host with cgroup v2 at `/cg` gives process `key` (home `/cg/user`).
+fn cell_of(key: ProcKey) -> Target {
+    Target::Cgroup {
+        dir: format!("/cg/gpu-coloc.held/{}-{}", key.pid, key.start).into(),
+        version: CgroupVersion::V2,
+        cell: Some(crate::edges::actuator::Cell {
+            pid: key.pid,
+            start: key.start,
+            home: "/cg/user".into(),
+        }),
+    }
+}
+
 fn req_of(c: &HoldCmd) -> Req {
     match c {
         HoldCmd::Members { req, .. }
         | HoldCmd::RecordAdd { req, .. }
         | HoldCmd::Start { req, .. }
         | HoldCmd::CloseGate { req, .. }
+        | HoldCmd::Isolate { req, .. }
         | HoldCmd::Check { req, .. } => *req,
         HoldCmd::RecordRemove { .. } => panic!("no answer to a removal"),
     }
@@ -461,6 +480,14 @@ fn shell_with(
                     req: *req,
                     epoch: Some(1),
                 }),
+                HoldCmd::Isolate { req, key } => obs.push(HoldObs::Cell {
+                    req: *req,
+                    cell: if NO_CELLS.get() {
+                        Err("no cgroup v2 hierarchy and no v1 freezer is mounted".into())
+                    } else {
+                        Ok(cell_of(*key))
+                    },
+                }),
                 HoldCmd::Start {
                     req, op, targets, ..
                 } => obs.push(HoldObs::Progress {
@@ -492,6 +519,7 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
     let cg = Target::Cgroup {
         dir: dir.clone(),
         version: CgroupVersion::V2,
+        cell: None,
     };
     let (k1, t1) = proc_target(10);
     let (k2, t2) = proc_target(11);
@@ -558,6 +586,7 @@ fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
     let cg = Target::Cgroup {
         dir: dir.clone(),
         version: CgroupVersion::V2,
+        cell: None,
     };
     let (k, t) = proc_target(10);
     let plan = Plan::SignalCgroup {
@@ -913,4 +942,133 @@ fn a_cgroup_that_is_gone_ends_its_hold_and_is_not_asked_for_again() {
         .take_notes()
         .iter()
         .any(|n| matches!(n, Note::HoldGone { .. })));
+}
+
+/// A process held alone by signal (matched by cmdline or uid: no cgroup of its own) that
+/// keeps resuming itself (a ptrace parent cancelling every SIGSTOP) is moved into a cell
+/// of the agent's own and frozen there: the cell is asked for once, recorded before the
+/// freeze starts, and the next busy period freezes it in the cell at once. Its release
+/// resumes the cell (which moves it home).
+#[test]
+fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first() {
+    let (k, t) = proc_target(10);
+    let cell = cell_of(k);
+    let mut b = HoldBook::new(Duration::from_millis(50));
+    let mut rec = std::collections::BTreeSet::new();
+    let mut tenant = |op: Op, t: &Target, _: bool| match (op, t) {
+        (Op::Suspend, Target::Process { .. }) => Progress::Pending,
+        _ => Progress::Done,
+    };
+    b.suspend(&[(k, Plan::Signal(t.clone()))], 0);
+    let mut cmds = Vec::new();
+    let mut now = 0;
+    while now <= 30 * MS {
+        b.recheck(now);
+        cmds.extend(shell(&mut b, now, &mut rec, &[], &mut tenant));
+        b.poll(now);
+        cmds.extend(shell(&mut b, now, &mut rec, &[], &mut tenant));
+        now += 100_000;
+    }
+    let isolates = cmds
+        .iter()
+        .filter(|c| matches!(c, HoldCmd::Isolate { key, .. } if *key == k))
+        .count();
+    assert_eq!(isolates, 1, "the cell is asked for once: {cmds:?}");
+    let recorded = cmds.iter().position(
+        |c| matches!(c, HoldCmd::RecordAdd { entries, .. } if entries.contains(&cell.record())),
+    );
+    let frozen = cmds.iter().position(|c| {
+        matches!(c, HoldCmd::Start { op: Op::Suspend, targets, .. } if targets.iter().any(|t| t.record() == cell.record()))
+    });
+    assert!(
+        matches!((recorded, frozen), (Some(r), Some(f)) if r < f),
+        "the cell recorded before its freeze: {cmds:?}"
+    );
+    let broken = b.take_broken();
+    assert!(broken.iter().any(|x| x.escalated), "{broken:?}");
+    assert_eq!(b.escaping().count(), 0, "frozen in its cell: not escaping");
+    // Released: the cell is resumed (the actuator moves it home), and leaves the record.
+    b.resume(&[k], now);
+    let cmds = shell(&mut b, now, &mut rec, &[], &mut tenant);
+    assert!(
+        cmds.iter().any(|c| matches!(c, HoldCmd::Start { op: Op::Resume, targets, .. } if targets.iter().any(|t| t.record() == cell.record()))),
+        "{cmds:?}"
+    );
+    assert!(!rec.contains(&cell.record()), "{rec:?}");
+    // The next busy period: into the cell and frozen at once, recorded first.
+    now += 5 * MS;
+    b.suspend(&[(k, Plan::Signal(t))], now);
+    let cmds = shell(&mut b, now, &mut rec, &[], &mut |_, _, _| Progress::Done);
+    let recorded = cmds.iter().position(
+        |c| matches!(c, HoldCmd::RecordAdd { entries, .. } if entries.contains(&cell.record())),
+    );
+    let first_start = cmds.iter().position(|c| {
+        matches!(
+            c,
+            HoldCmd::Start {
+                op: Op::Suspend,
+                ..
+            }
+        )
+    });
+    assert!(
+        matches!((recorded, first_start), (Some(r), Some(s)) if r < s),
+        "{cmds:?}"
+    );
+    assert!(
+        matches!(&cmds[first_start.unwrap()], HoldCmd::Start { targets, .. } if targets.len() == 1 && targets[0].record() == cell.record()),
+        "not frozen in its cell at once: {cmds:?}"
+    );
+}
+
+/// Where no cell can be made, a process held alone that keeps resuming itself cannot be
+/// held: the break says why (`unheld`), the book lists it as escaping while it is found
+/// running, the cell is not asked for again at every break, and it stops escaping once a
+/// check finds it stopped.
+#[test]
+fn a_process_that_no_cell_can_hold_is_reported_escaping_and_the_cell_asked_once() {
+    NO_CELLS.set(true);
+    let (k, t) = proc_target(10);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let running = std::rc::Rc::new(std::cell::Cell::new(true));
+    let r = running.clone();
+    let mut tenant = move |op: Op, t: &Target, _: bool| match (op, t) {
+        (Op::Suspend, Target::Process { .. }) if r.get() => Progress::Pending,
+        _ => Progress::Done,
+    };
+    b.suspend(&[(k, Plan::Signal(t))], 0);
+    let mut cmds = Vec::new();
+    let mut now = 0;
+    let mut unheld = Vec::new();
+    while now <= 40 * MS {
+        b.recheck(now);
+        cmds.extend(shell(&mut b, now, &mut rec, &[], &mut tenant));
+        b.poll(now);
+        cmds.extend(shell(&mut b, now, &mut rec, &[], &mut tenant));
+        unheld.extend(b.take_broken().into_iter().filter_map(|x| x.unheld));
+        now += 100_000;
+    }
+    NO_CELLS.set(false);
+    assert_eq!(
+        cmds.iter()
+            .filter(|c| matches!(c, HoldCmd::Isolate { .. }))
+            .count(),
+        1,
+        "asked once: {cmds:?}"
+    );
+    assert!(
+        matches!(&unheld[..], [why] if why.contains("no cgroup v2")),
+        "{unheld:?}"
+    );
+    assert_eq!(b.escaping().copied().collect::<Vec<_>>(), vec![k]);
+    assert!(b.holds(&k), "still held on the books (by signal)");
+    // The tenant gives up: the next look finds it stopped.
+    running.set(false);
+    for _ in 0..3 {
+        now += 10 * MS;
+        b.recheck(now);
+        shell(&mut b, now, &mut rec, &[], &mut tenant);
+    }
+    assert_eq!(b.escaping().count(), 0);
 }

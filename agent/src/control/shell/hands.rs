@@ -10,6 +10,7 @@
 //! May touch: what the actuator touches, the gate file; reads `/proc` and `cgroup.procs`.
 
 use crate::control::holds::{HoldCmd, HoldObs};
+use crate::edges::actuator::cell::Cells;
 use crate::edges::actuator::{ActError, Actuator, Op, Progress, RecordEntry, Target};
 use crate::edges::clock::Clock;
 use crate::edges::gate::GateKeeper;
@@ -25,6 +26,8 @@ pub struct Hands {
     procfs: Arc<dyn ProcFs>,
     clock: Arc<dyn Clock>,
     gates: Option<GateKeeper>,
+    /// Where cells of the agent's own are made, or why none can be.
+    cells: Result<Cells, String>,
     /// Every target suspended through these hands and not confirmed resumed.
     ledger: BTreeMap<RecordEntry, Target>,
     /// Signalled cgroups found gone, said once each (bounded: cleared past 4096).
@@ -46,12 +49,14 @@ impl Hands {
         procfs: Arc<dyn ProcFs>,
         clock: Arc<dyn Clock>,
         gates: Option<GateKeeper>,
+        cells: Result<Cells, String>,
     ) -> Hands {
         Hands {
             actuator,
             procfs,
             clock,
             gates,
+            cells,
             ledger: BTreeMap::new(),
             gone_said: Default::default(),
         }
@@ -65,6 +70,16 @@ impl Hands {
                 HoldObs::Members { req, members, gone }
             }
             HoldCmd::RecordAdd { .. } | HoldCmd::RecordRemove { .. } => return None,
+            HoldCmd::Isolate { req, key } => {
+                let cell = match &self.cells {
+                    Err(why) => Err(format!("no cell of the agent's own: {why}")),
+                    Ok(cells) => match self.procfs.read_proc(key.pid) {
+                        Ok(info) if info.key == key => cells.cell_for(key, &info.cgroups),
+                        _ => Err(format!("pid {} has exited", key.pid)),
+                    },
+                };
+                HoldObs::Cell { req, cell }
+            }
             HoldCmd::CloseGate { req, gate } => {
                 self.ledger.insert(gate.record(), gate.clone());
                 let epoch = match (&gate, &mut self.gates) {

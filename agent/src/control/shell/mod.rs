@@ -133,6 +133,7 @@ impl Loop {
             edges.procfs,
             edges.clock.clone(),
             edges.gates,
+            crate::edges::actuator::cell::Cells::on(&cfg.cgroups),
         );
         Ok(Loop {
             ctl,

@@ -166,6 +166,31 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     });
     assert!(resumed, "the fallback's stop was not undone");
     assert_eq!(h.recorded_beyond_ahead(), vec![], "{:?}", h.rec.disk);
+    // Its gate stayed silent (its shim follows another gate file, or none): said in
+    // /state, and the next busy period stops it at once instead of waiting 50 ms again.
+    let doc = h.lp.ctl.rooms.state_doc(h.now());
+    assert_eq!(doc.gate_silent_processes, 1);
+    assert!(
+        doc.gpus[0]
+            .processes
+            .iter()
+            .any(|p| p.pid == 10 && p.gate.as_deref() == Some("silent")),
+        "{doc:?}"
+    );
+    let stops = h.suspends_of(10);
+    h.active(0, 20);
+    h.tick();
+    assert_eq!(closed(&path, 0), None, "closed the gate that stayed silent");
+    assert_eq!(h.suspends_of(10), stops + 1, "not stopped at once");
+    h.ticks(110);
+    assert!(!h.suspended(10));
+    // A minute later its gate is tried again (a shim finds a gate file within 1 s).
+    h.clock.advance(crate::control::gates::SILENT_NS);
+    h.ticks(2);
+    h.active(0, 20);
+    h.tick();
+    assert!(closed(&path, 0).is_some(), "never tried again");
+    assert_eq!(h.lp.ctl.rooms.state_doc(h.now()).gate_silent_processes, 0);
 }
 
 #[test]

@@ -119,6 +119,7 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
     let cg = RecordEntry::Cgroup {
         dir: dir.clone(),
         version: crate::edges::actuator::CgroupVersion::V2,
+        cell: None,
     };
     let calls = h.act.calls();
     let frozen = calls

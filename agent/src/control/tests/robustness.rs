@@ -158,6 +158,7 @@ fn two_gate_holds_sharing_a_cgroup_fallback_do_not_thaw_each_other() {
         let cg = RecordEntry::Cgroup {
             dir: dir.clone(),
             version: crate::edges::actuator::CgroupVersion::V2,
+            cell: None,
         };
         let froze = h
             .act
@@ -232,6 +233,7 @@ fn a_failed_watchdog_resume_is_not_forgotten() {
         Arc::new(procs.clone()),
         Arc::new(clock),
         None,
+        Err("none in this test".into()),
     );
     let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
     let t = Target::Process {

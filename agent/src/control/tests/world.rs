@@ -647,6 +647,11 @@ impl World {
                 self.flag("the record book's own commands reached the shell".into());
                 return None;
             }
+            // This world has no cgroup hierarchy of the agent's own.
+            HoldCmd::Isolate { req, .. } => HoldObs::Cell {
+                req,
+                cell: Err("no cells in the simulated world".into()),
+            },
             HoldCmd::CloseGate { req, gate } => {
                 let Target::Gate { key, .. } = &gate else {
                     unreachable!()

@@ -25,8 +25,32 @@ fn control_file(dir: &Path, version: CgroupVersion) -> PathBuf {
     }
 }
 
-/// Writes the freeze or thaw request. `Err(Gone)` when the cgroup no longer exists.
-pub(super) fn issue(dir: &Path, version: CgroupVersion, op: Op) -> Result<(), super::Progress> {
+/// Writes the freeze or thaw request. `Err(Gone)` when the cgroup no longer exists. A
+/// cell's process is moved in before its freeze, and moved home after its thaw
+/// ([`super::cell`]).
+pub(super) fn issue(
+    dir: &Path,
+    version: CgroupVersion,
+    cell: Option<&super::Cell>,
+    op: Op,
+) -> Result<(), super::Progress> {
+    if let (Some(c), Op::Suspend) = (cell, op) {
+        super::cell::enter(dir, version, c)?;
+    }
+    let state = write_state(dir, version, op);
+    match (cell, op) {
+        (Some(c), Op::Resume) => match (super::cell::leave(dir, c), state) {
+            // Everyone home: each thawed as it left the frozen cell.
+            (Ok(()), _) => Ok(()),
+            // Thawed, and left in the cell (said in the log).
+            (Err(_), Ok(())) => Ok(()),
+            (Err(e), Err(_)) => Err(e),
+        },
+        _ => state,
+    }
+}
+
+fn write_state(dir: &Path, version: CgroupVersion, op: Op) -> Result<(), super::Progress> {
     let file = control_file(dir, version);
     let value: &[u8] = match (version, op) {
         (CgroupVersion::V2, Op::Suspend) => b"1",
@@ -76,6 +100,7 @@ pub(super) fn open_events(targets: &[super::Target]) -> Vec<Option<std::fs::File
             super::Target::Cgroup {
                 dir,
                 version: CgroupVersion::V2,
+                ..
             } => crate::edges::cgroupfs::open(dir, "cgroup.events", false).ok(),
             _ => None,
         })

@@ -15,10 +15,12 @@
 //!
 //! May touch: cgroup freeze files under the cgroup mounts, signals through pidfds.
 
+pub mod cell;
 pub mod dry_run;
 pub mod freezer;
 pub mod signal;
 
+pub use cell::Cell;
 pub use freezer::CgroupVersion;
 
 use crate::edges::procfs::ProcKey;
@@ -67,6 +69,9 @@ pub enum Target {
         dir: PathBuf,
         /// Its hierarchy.
         version: CgroupVersion,
+        /// Set for a cell of the agent's own ([`cell`]): the process is moved in before
+        /// the freeze, and moved back home after the thaw.
+        cell: Option<Cell>,
     },
     /// One process, through its pidfd.
     Process {
@@ -98,9 +103,10 @@ impl Target {
     /// The durable description of this target, for the fail-open record.
     pub fn record(&self) -> RecordEntry {
         match self {
-            Target::Cgroup { dir, version } => RecordEntry::Cgroup {
+            Target::Cgroup { dir, version, cell } => RecordEntry::Cgroup {
                 dir: dir.clone(),
                 version: *version,
+                cell: cell.clone(),
             },
             Target::Process { key, .. } => RecordEntry::Process {
                 pid: key.pid,
@@ -131,7 +137,14 @@ impl Target {
 impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Target::Cgroup { dir, version } => write!(f, "cgroup {} ({version:?})", dir.display()),
+            Target::Cgroup {
+                dir,
+                version,
+                cell: None,
+            } => write!(f, "cgroup {} ({version:?})", dir.display()),
+            Target::Cgroup {
+                dir, cell: Some(c), ..
+            } => write!(f, "cell {} of pid {}", dir.display(), c.pid),
             Target::Process { key, .. } => write!(f, "pid {}", key.pid),
             Target::Gate { key, uuid, .. } => write!(
                 f,
@@ -154,6 +167,9 @@ pub enum RecordEntry {
         dir: PathBuf,
         /// Hierarchy.
         version: CgroupVersion,
+        /// A cell of the agent's own: whom it holds and where they go back to.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cell: Option<Cell>,
     },
     /// A stopped process (PID plus start time, so a reused PID is recognised).
     Process {
@@ -311,7 +327,9 @@ impl Actuator for Host {
         let issued: Vec<Option<Progress>> = targets
             .iter()
             .map(|t| match t {
-                Target::Cgroup { dir, version } => freezer::issue(dir, *version, op).err(),
+                Target::Cgroup { dir, version, cell } => {
+                    freezer::issue(dir, *version, cell.as_ref(), op).err()
+                }
                 // SIGCONT ends a stop inside the kill(2) call (the kernel clears the group
                 // stop and wakes every thread before returning): a resume that was sent
                 // is done, without reading /proc. A SIGSTOP takes effect only when its
@@ -341,7 +359,7 @@ impl Actuator for Host {
 /// yet, `None` gone.
 fn confirmed(target: &Target, op: Op, stats: &mut signal::StatCache) -> Option<bool> {
     match target {
-        Target::Cgroup { dir, version } => freezer::confirmed(dir, *version, op),
+        Target::Cgroup { dir, version, .. } => freezer::confirmed(dir, *version, op),
         Target::Process { key, .. } => signal::confirmed(*key, op, stats),
         // Host::start fails these at once; a check has nothing to confirm.
         Target::Gate { .. } | Target::Lock { .. } => None,
@@ -413,9 +431,10 @@ fn wait(
 /// time is checked instead, right before the signal, so a reused PID is left alone).
 pub fn resume_recorded(e: &RecordEntry, timeout: Duration) -> Progress {
     let t = match e {
-        RecordEntry::Cgroup { dir, version } => Target::Cgroup {
+        RecordEntry::Cgroup { dir, version, cell } => Target::Cgroup {
             dir: dir.clone(),
             version: *version,
+            cell: cell.clone(),
         },
         RecordEntry::Gate { file, uuid } => return crate::edges::gate::open_recorded(file, uuid),
         RecordEntry::Lock { .. } | RecordEntry::Checkpoint { .. } => {
