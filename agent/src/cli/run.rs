@@ -268,7 +268,8 @@ pub struct RunArgs {
     /// resumed them (a SIGCONT from inside the pod). Each time, at most 2 targets are
     /// checked (round robin, so with many held processes each is checked less often),
     /// plus every target found resumed before; a signalled cgroup that keeps resuming is
-    /// frozen.
+    /// frozen, and a process held alone that keeps resuming is frozen in a cgroup of the
+    /// agent's own (`<cgroup root>/gpu-coloc.held/`) until its release.
     #[arg(long, env = "COLOC_RECHECK_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
     pub recheck_interval: Duration,
     /// Root of the cgroup filesystem (pure v2 at the root, or hybrid with `unified/` and

@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 #[serde(rename_all = "kebab-case")]
 pub enum Kind {
     /// cgroup freezer (v2 `cgroup.freeze` or v1 freezer) on cgroups declared offline;
-    /// processes matched only by exe/cmdline/uid fall back to `signal`.
+    /// processes matched only by exe/cmdline/uid fall back to `signal` (and, if they keep
+    /// resuming themselves, to a freezer cgroup of the agent's own).
     Freezer,
     /// SIGSTOP/SIGCONT through pidfds (every process of a cgroup declared offline).
     Signal,
