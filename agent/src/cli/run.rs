@@ -62,12 +62,14 @@ pub struct RunArgs {
     /// The loop's longest sleep when nothing is due (a doorbell still wakes it at once).
     #[arg(long, env = "COLOC_IDLE_POLL_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
     pub idle_poll_interval: Duration,
-    /// How often to read NVML's per-process utilisation samples. An H100 (driver 580) writes
-    /// one every 200 ms and one read costs 1.4-2.1 ms of CPU (p50; 3.4 ms p99), so reading
-    /// every 100 ms adds 50 ms on average to what NVML alone detects for about 2 % of a core;
-    /// polling at 1-100 ms did not measurably slow other processes' kernels there. Online
-    /// work is seen at once by the CUDA shim's doorbell; NVML attributes work and covers
-    /// processes without the shim (seen later: up to this interval plus the driver's period).
+    /// How often to read NVML's per-process utilisation samples, at most. An H100 (driver
+    /// 580) writes them once per period of 200 ms (--nvml-sample-period), visible within
+    /// 3 ms of the period's end, and one read costs 1.4-2.1 ms of CPU (p50; 3.4 ms p99).
+    /// When the period is longer than this interval, each GPU is read 5 ms after each of
+    /// its periods ends (the phase comes from the samples' timestamps) and not in between:
+    /// work seen through NVML alone is then seen within the period plus 5 ms, with one read
+    /// per period. Online work is seen at once by the CUDA shim's doorbell; NVML attributes
+    /// work and covers processes without the shim.
     #[arg(long, env = "COLOC_NVML_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
     pub nvml_interval: Duration,
     /// The driver's sample period: 200 ms on an H100 with driver 580 (measure yours with

@@ -16,6 +16,13 @@ pub struct Pacer {
     /// publication).
     decide_next: bool,
     last_publish_ns: u64,
+    /// Per busy GPU, the end of its release window that a decision has already judged
+    /// (it stayed busy: work seen through NVML alone counts as busy until the next sample
+    /// read, see `Table::sampled_busy`). Nothing changes that judgement before the next
+    /// read, so that end is not waited for again: without this, the loop decided every
+    /// 50 µs from each window's end to the next read (on 8 GPUs at the shipped defaults,
+    /// 43.7 % of a core).
+    judged: std::collections::BTreeMap<u32, u64>,
 }
 
 /// What the wait depends on, from the other rooms.
@@ -47,6 +54,7 @@ impl Pacer {
             idle_poll,
             decide_next: true,
             last_publish_ns: 0,
+            judged: std::collections::BTreeMap::new(),
         }
     }
 
@@ -94,7 +102,10 @@ impl Pacer {
         }
         for (g, st) in states {
             if let GpuState::OnlineBusy { last_online, .. } = st {
-                due = due.min(last_online.saturating_add(window(g)));
+                let end = last_online.saturating_add(window(g));
+                if self.judged.get(&g) != Some(&end) {
+                    due = due.min(end);
+                }
             }
         }
         due = due.min(self.last_publish_ns + PUBLISH_NS);
@@ -128,9 +139,74 @@ impl Pacer {
         }
         states.any(|(g, st)| match st {
             GpuState::OnlineBusy { last_online, .. } => {
-                now >= last_online.saturating_add(window(g))
+                let end = last_online.saturating_add(window(g));
+                now >= end && self.judged.get(&g) != Some(&end)
             }
             GpuState::OfflineRunning => touched.contains(&g),
         })
+    }
+
+    /// A decision ran at `now` and left the GPUs in `states`: a busy GPU whose window has
+    /// ended is judged until its window's end moves (new online activity, another
+    /// window) or a read changes what the decision sees (`changed`).
+    pub fn decided(
+        &mut self,
+        now: u64,
+        states: impl Iterator<Item = (u32, GpuState)>,
+        window: impl Fn(u32) -> u64,
+    ) {
+        self.judged.clear();
+        for (g, st) in states {
+            if let GpuState::OnlineBusy { last_online, .. } = st {
+                let end = last_online.saturating_add(window(g));
+                if end <= now {
+                    self.judged.insert(g, end);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A busy GPU whose window has ended but which a decision kept busy (NVML alone saw
+    /// its online work: busy until the next sample read) is not decided on again, and
+    /// not waited for, until its window's end moves: the loop used to decide every 50 µs
+    /// until the next read.
+    #[test]
+    fn a_window_end_judged_once_is_not_decided_on_again_nor_waited_for() {
+        let mut p = Pacer::new(Duration::from_millis(1), Duration::from_millis(100));
+        let busy = |last_online| {
+            std::iter::once((
+                0u32,
+                GpuState::OnlineBusy {
+                    since: 0,
+                    last_online,
+                },
+            ))
+        };
+        let window = |_| 100 * MS;
+        let now = 150 * MS;
+        assert!(p.publish_due(now));
+        assert!(p.decision_due(now, false, &[], busy(40 * MS), window));
+        p.decided(now, busy(40 * MS), window);
+        assert!(!p.decision_due(now + MS, false, &[], busy(40 * MS), window));
+        let due = Due {
+            reads: (205 * MS, 1_000 * MS),
+            offline: true,
+            ..Due::default()
+        };
+        assert_eq!(
+            p.next_wait(now + MS, due, busy(40 * MS), window),
+            Duration::from_millis(54),
+            "waits for the next read, not for the judged window end"
+        );
+        // New online activity moves the window's end: judged afresh when it comes.
+        assert!(!p.decision_due(now + MS, false, &[], busy(60 * MS), window));
+        assert!(p.decision_due(160 * MS, false, &[], busy(60 * MS), window));
     }
 }

@@ -351,6 +351,9 @@ impl Rooms {
                 .inputs(self.machine.config().unmanaged_is_online)
         });
         let d = self.machine.tick(t, &inputs);
+        let machine = &self.machine;
+        self.pacer
+            .decided(t, machine.states(), |g| machine.release_window(g));
         super::publish::summarise(&inputs, &self.machine, &mut self.summary);
         if d.is_empty() {
             return None;

@@ -284,7 +284,13 @@ impl Seeing {
             .collect();
         let (s, table) = (&self.sampling, &self.table);
         table.inputs(&managed, |g| {
-            table.sampled_busy(g, s.sampled_at(g), s.period_ns(), unmanaged_online)
+            table.sampled_busy(
+                g,
+                s.sampled_at(g),
+                s.period_ns(),
+                s.busy_margin(g),
+                unmanaged_online,
+            )
         })
     }
 }

@@ -319,20 +319,28 @@ impl Table {
     /// Whether online work on `gpu` seen only through NVML may still be busy: its latest
     /// busy sample covers the period ending at `t`, and no read of the driver's samples
     /// (the latest at `read`) has happened since the next period was due (`t` + one sample
-    /// `period`, and a quarter more for the driver to write it). Until then it counts as
+    /// `period`, and `margin` more for the driver to write it: a quarter period, or
+    /// `nvml::READ_LAG_NS` where reads follow the driver's periods). Until then it counts as
     /// busy: the sample that shows the work still running may be written just after the
     /// read (at the shipped defaults, a 100 ms window and a 100 ms driver period, the
     /// release fell due exactly when the next sample was written, and a sample read just
     /// before its successor was already a window old). Processes with a doorbell page are
     /// exempt: their launches are seen as they happen.
-    pub fn sampled_busy(&self, gpu: u32, read: u64, period: u64, unmanaged_online: bool) -> bool {
+    pub fn sampled_busy(
+        &self,
+        gpu: u32,
+        read: u64,
+        period: u64,
+        margin: u64,
+        unmanaged_online: bool,
+    ) -> bool {
         self.procs.values().any(|e| {
             e.gpus.contains(&gpu)
                 && !e.rung
                 && e.cls.class.is_online_demand(unmanaged_online)
                 && e.last_sampled
                     .get(&gpu)
-                    .is_some_and(|t| read < t + period + period / 4)
+                    .is_some_and(|t| read < t + period + margin)
         })
     }
 

@@ -183,11 +183,9 @@ impl Loop {
             warn!(%err, "Cannot start the NVML watchdog thread: a hung NVML call will not fail open");
         }
         while !self.shared.stop.load(Ordering::Relaxed) {
-            let started = Instant::now();
             self.tick();
-            let sleep = self
-                .next_wait(self.clock.now_ns())
-                .saturating_sub(started.elapsed());
+            // From now: the tick's own time is already behind `now`.
+            let sleep = self.next_wait(self.clock.now_ns());
             let slept_ns = self.clock.now_ns();
             if !sleep.is_zero() && self.eyes.bells.wait(sleep) {
                 metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
