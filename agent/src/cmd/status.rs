@@ -119,15 +119,25 @@ pub fn render(st: &StateDoc) -> String {
             out += "  no GPU processes\n";
         }
         for p in &g.processes {
-            let shim = match p.shim.as_deref() {
+            let mut shim = match p.shim.as_deref() {
                 Some("page") | None => String::new(),
                 Some(why) => format!("  [no shim: {}]", sanitize(why)),
             };
+            if let Some(gate) = p.gate.as_deref() {
+                shim += &format!("  [gate {}]", sanitize(gate));
+            }
             out += &format!(
                 "  {:>8}  {:<10} {:<9} {:<28} {}{shim}\n",
                 p.pid,
                 p.class.to_string(),
-                if p.suspended { "SUSPENDED" } else { "running" },
+                // Held on the books, found running, nothing it cannot undo holding it.
+                if p.escaping {
+                    "ESCAPING"
+                } else if p.suspended {
+                    "SUSPENDED"
+                } else {
+                    "running"
+                },
                 sanitize(&p.owner),
                 if p.cmd.is_empty() {
                     HIDDEN_CMD.to_string()
@@ -323,6 +333,26 @@ mod tests {
         // One line per process: the newline in the command line did not start another.
         assert_eq!(out.lines().filter(|l| l.contains("FAKE LINE")).count(), 1);
         assert!(!out.lines().any(|l| l.starts_with("FAKE")));
+    }
+
+    #[test]
+    fn an_escaping_process_and_a_silent_gate_are_shown() {
+        let mut d = doc(&["train.py", "serve.py"]);
+        d.gpus[0].processes[0].suspended = true;
+        d.gpus[0].processes[0].escaping = true;
+        d.gpus[0].processes[1].gate = Some("silent".into());
+        let out = render(&d);
+        assert!(
+            out.lines().any(|l| l.contains("train.py")
+                && l.contains("ESCAPING")
+                && !l.contains("SUSPENDED")),
+            "{out}"
+        );
+        assert!(
+            out.lines()
+                .any(|l| l.contains("serve.py") && l.ends_with("[gate silent]")),
+            "{out}"
+        );
     }
 
     #[test]
