@@ -289,9 +289,18 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
 /// every SIGSTOP sent to its child, an offline `coloc-sim` job matched by the default
 /// cmdline rule (no cgroup of its own to freeze). Returns the tracer and the child's PID.
 fn ptrace_tenant(sim: &Sim) -> (Proc, u32) {
+    ptrace_tenant_in(sim, None)
+}
+
+/// [`ptrace_tenant`], started in cgroup directory `cg` when given.
+fn ptrace_tenant_in(sim: &Sim, cg: Option<&Path>) -> (Proc, u32) {
     use std::io::BufRead;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tenant/ptrace_parent.py");
-    let mut tracer = std::process::Command::new("python3")
+    let mut cmd = match cg {
+        Some(cg) => coloc_sim::command_in_cgroup(cg, Path::new("/usr/bin/python3")),
+        None => std::process::Command::new("python3"),
+    };
+    let mut tracer = cmd
         .arg(script)
         .arg(bin("coloc-sim"))
         .args(["offline", "--gpu", "0", "--step-ms", "2"])
@@ -590,4 +599,55 @@ fn a_tenant_frozen_in_a_cell_goes_home_after_the_agent_is_killed_and_restarted()
         })
         .unwrap_or_default();
     assert!(left.is_empty(), "cells left behind: {left:?}");
+}
+
+/// A tenant that removes its own cgroup once the agent has moved its process into a cell
+/// (possible wherever it owns the cgroup, e.g. a delegated one: the cgroup is empty then)
+/// does not stay in the cell, outside the limits above its cgroup: the release makes the
+/// cgroup again where it was and moves the process back into it.
+#[test]
+fn a_tenant_that_removes_its_cgroup_while_in_a_cell_goes_back_to_it_made_again() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let tag = unique("coloc-e2e-home");
+    let home = Dir(mount.join(&tag));
+    std::fs::create_dir(&home.0).unwrap();
+    let sim = Sim::start(1, &["--sample-period-ms", "10"]);
+    let events = TempPath::new("coloc-e2e-home-events");
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--event-log".into(), events.display().to_string()],
+            ..Default::default()
+        },
+    );
+    let (tracer, child) = ptrace_tenant_in(&sim, Some(&home.0));
+    let _cells = Cells(mount.clone(), child);
+    agent.wait_processes(1);
+    let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
+    let cgroup_of =
+        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    wait_for(
+        "the tenant frozen in a cell",
+        Duration::from_secs(3),
+        || cgroup_of(child).contains("/gpu-coloc.held/"),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    // The tracer leaves too, and the tenant removes its cgroup, empty now.
+    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
+    std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
+    drop(online);
+    wait_for(
+        "the tenant back in its cgroup, made again",
+        Duration::from_secs(3),
+        || cgroup_of(child).lines().any(|l| l == format!("0::/{tag}")),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}\n{}", cgroup_of(child), agent.log_text()));
+    assert!(home.0.exists());
+    assert!(
+        agent.log_text().contains("made again"),
+        "{}",
+        agent.log_text()
+    );
 }

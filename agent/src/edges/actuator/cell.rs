@@ -6,7 +6,8 @@
 //! ```text
 //!  <cgroup mount>/gpu-coloc.held/<pid>-<start>    one per held process, made by the agent
 //!  enter: mkdir; start time checked; pid written to its cgroup.procs; then frozen
-//!  leave: thawed; every process in it written back to its home's cgroup.procs; rmdir
+//!  leave: every process in it written back to its home's cgroup.procs (a home removed
+//!         meanwhile is made again), each thawing as it leaves; then thawed; rmdir
 //! ```
 //!
 //! A frozen cgroup cannot be thawed by the tenant: only root can write `cgroup.freeze` or
@@ -131,8 +132,10 @@ pub(super) fn enter(dir: &Path, version: CgroupVersion, c: &Cell) -> Result<(), 
 }
 
 /// Moves every process of the cell back to its home (each thaws as it leaves a frozen
-/// cgroup) and removes the cell. `Err` when a process could not be moved: it stays in the
-/// cell, which the caller has thawed.
+/// cgroup). A home removed meanwhile (a tenant may remove its own delegated cgroup once
+/// the process is out of it) is made again where it was, so the process goes back under
+/// the limits of the cgroups above it rather than staying in the cell. `Err` when a
+/// process could not be moved: it stays in the cell, which the caller then thaws.
 pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
     let pids = match crate::edges::cgroupfs::read(dir, "cgroup.procs") {
         Ok(s) => s,
@@ -140,6 +143,17 @@ pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(write_failed(dir.join("cgroup.procs"), e)),
     };
+    if !pids.trim().is_empty() && !c.home.exists() {
+        match std::fs::create_dir_all(&c.home) {
+            Ok(()) => tracing::warn!(
+                home = %c.home.display(),
+                "A held process's cgroup was removed while it was in the agent's cell: made again to move it back"
+            ),
+            Err(e) => {
+                tracing::warn!(home = %c.home.display(), err = %e, "Cannot make a held process's removed cgroup again")
+            }
+        }
+    }
     let mut failed = None;
     for pid in pids.split_whitespace() {
         match crate::edges::cgroupfs::write(&c.home, "cgroup.procs", pid.as_bytes()) {
@@ -158,11 +172,14 @@ pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
             }
         }
     }
-    if let Some(f) = failed {
-        return Err(f);
+    match failed {
+        Some(f) => Err(f),
+        None => Ok(()),
     }
-    // Empty now: removing it cannot fail but for a process that joined meanwhile (a
-    // child forked in a thawed instant), which the next release moves.
+}
+
+/// Removes a cell once empty (a cell still holding a process that could not leave stays,
+/// thawed, and is said in the log by [`leave`]).
+pub(super) fn remove(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
-    Ok(())
 }

@@ -37,16 +37,21 @@ pub(super) fn issue(
     if let (Some(c), Op::Suspend) = (cell, op) {
         super::cell::enter(dir, version, c)?;
     }
-    let state = write_state(dir, version, op);
     match (cell, op) {
-        (Some(c), Op::Resume) => match (super::cell::leave(dir, c), state) {
-            // Everyone home: each thawed as it left the frozen cell.
-            (Ok(()), _) => Ok(()),
-            // Thawed, and left in the cell (said in the log).
-            (Err(_), Ok(())) => Ok(()),
-            (Err(e), Err(_)) => Err(e),
-        },
-        _ => state,
+        // Home first (each process thaws as it leaves the frozen cell: it never runs in the
+        // cell, outside its home's limits), then a thaw for whatever could not leave.
+        (Some(c), Op::Resume) => {
+            let moved = super::cell::leave(dir, c);
+            let state = write_state(dir, version, op);
+            super::cell::remove(dir);
+            match (moved, state) {
+                (Ok(()), _) => Ok(()),
+                // Thawed, and left in the cell (said in the log).
+                (Err(_), Ok(())) => Ok(()),
+                (Err(e), Err(_)) => Err(e),
+            }
+        }
+        _ => write_state(dir, version, op),
     }
 }
 
