@@ -120,7 +120,8 @@ fn a_pod_page_counts_for_the_pods_online_process() {
 }
 
 /// A launch that rings while a round of NVML reads runs is decided before the round ends:
-/// the round stops after the GPU in progress, and goes on from there at the next tick.
+/// a ring before the round puts it off whole (once in a row), one during it stops it
+/// after the GPU in progress, and the round goes on from there at the next tick.
 #[test]
 fn a_ring_interrupts_a_round_of_nvml_reads() {
     let mut h = harness_with(3, user_config());
@@ -133,8 +134,15 @@ fn a_ring_interrupts_a_round_of_nvml_reads() {
     h.lp.tick();
     assert_eq!(
         h.gpu.state.lock().unwrap().sampled,
+        Vec::<u32>::new(),
+        "a ring before the round puts it off"
+    );
+    h.clock.advance(MS / 10);
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().sampled,
         vec![0],
-        "the ring stops the round after one GPU"
+        "put off once in a row at most; then the ring stops the round after one GPU"
     );
     h.bells.state.lock().unwrap().rang_after = None;
     h.clock.advance(MS / 10);
