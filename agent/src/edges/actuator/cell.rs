@@ -6,8 +6,12 @@
 //! ```text
 //!  <cgroup mount>/gpu-coloc.held/<pid>-<start>    one per held process, made by the agent
 //!  enter: mkdir; start time checked; pid written to its cgroup.procs; then frozen
-//!  leave: every process in it written back to its home's cgroup.procs (a home removed
-//!         meanwhile is made again), each thawing as it leaves; then thawed; rmdir
+//!  leave: every process in it (cgroup.procs, and the thread groups of cgroup.threads)
+//!         written back to its home's cgroup.procs (a home removed meanwhile is made
+//!         again; else the nearest cgroup above takes it), each thawing as it leaves;
+//!         then the empty cell thawed and removed. One that can go nowhere stays frozen
+//!         in the cell and recorded, and is tried again by its next hold's release, the
+//!         agent's next start or `coloc-agent resume`.
 //! ```
 //!
 //! A frozen cgroup cannot be thawed by the tenant: only root can write `cgroup.freeze` or
@@ -80,8 +84,17 @@ impl Cells {
         let rel = crate::edges::cgroupfs::rebase("/", seen)
             .ok_or_else(|| format!("pid {}: cgroup path {seen:?} is not usable", key.pid))?;
         let rel = rel.trim_start_matches('/');
-        if rel == CELLS_DIR || rel.starts_with(&format!("{CELLS_DIR}/")) {
-            return Err(format!("pid {} is in a cell already ({seen})", key.pid));
+        if rel == CELLS_DIR {
+            return Err(format!("pid {} is in the cells' directory itself", key.pid));
+        }
+        if rel.starts_with(&format!("{CELLS_DIR}/")) {
+            // In a cell already (left there by a release that could not move it): that
+            // cell is frozen as it is, and thawed in place at the release.
+            return Ok(Target::Cgroup {
+                dir: self.mount.join(rel),
+                version: self.version,
+                cell: None,
+            });
         }
         Ok(Target::Cgroup {
             dir: self
@@ -131,19 +144,39 @@ pub(super) fn enter(dir: &Path, version: CgroupVersion, c: &Cell) -> Result<(), 
     }
 }
 
-/// Moves every process of the cell back to its home (each thaws as it leaves a frozen
-/// cgroup). A home removed meanwhile (a tenant may remove its own delegated cgroup once
-/// the process is out of it) is made again where it was, so the process goes back under
-/// the limits of the cgroups above it rather than staying in the cell. `Err` when a
-/// process could not be moved: it stays in the cell, which the caller then thaws.
-pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
-    let pids = match crate::edges::cgroupfs::read(dir, "cgroup.procs") {
+/// The processes in cell `dir`: those `cgroup.procs` lists, and the thread group of
+/// every thread `cgroup.threads` lists (a process whose main thread has exited is not in
+/// `cgroup.procs`, but its other threads still run there). `None` when the cell is gone.
+fn members(dir: &Path) -> Result<Vec<String>, Progress> {
+    let procs = match crate::edges::cgroupfs::read(dir, "cgroup.procs") {
         Ok(s) => s,
-        // Gone with its processes, or removed already: nothing is held there.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(write_failed(dir.join("cgroup.procs"), e)),
     };
-    if !pids.trim().is_empty() && !c.home.exists() {
+    let mut out: Vec<String> = procs.split_whitespace().map(str::to_string).collect();
+    let threads = crate::edges::cgroupfs::read(dir, "cgroup.threads").unwrap_or_default();
+    for tid in threads.split_whitespace() {
+        let tgid = std::fs::read_to_string(format!("/proc/{tid}/status"))
+            .ok()
+            .and_then(|st| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix("Tgid:").map(|v| v.trim().to_string()))
+            });
+        if let Some(tgid) = tgid {
+            if !out.contains(&tgid) {
+                out.push(tgid);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Where a held process goes back to: its home, made again if removed meanwhile (a
+/// tenant may remove its own delegated cgroup once the process is out of it), else the
+/// nearest cgroup above it that takes the process (its limits still hold there; the
+/// hierarchy's root, which has no `cgroup.freeze` and no limits, is never one).
+fn go_home(c: &Cell, pid: &str) -> Result<PathBuf, std::io::Error> {
+    if !c.home.exists() {
         match std::fs::create_dir_all(&c.home) {
             Ok(()) => tracing::warn!(
                 home = %c.home.display(),
@@ -154,19 +187,47 @@ pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
             }
         }
     }
+    let mut last = None;
+    let mut dir = Some(c.home.as_path());
+    while let Some(d) = dir {
+        let below_root = d.join("cgroup.freeze").exists() || d.join("freezer.state").exists();
+        if !below_root && d != c.home {
+            break;
+        }
+        match crate::edges::cgroupfs::write(d, "cgroup.procs", pid.as_bytes()) {
+            Ok(()) => return Ok(d.to_path_buf()),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Err(e),
+            Err(e) => last = Some(e),
+        }
+        dir = d.parent();
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound)))
+}
+
+/// Moves every process of the cell back to its home (each thaws as it leaves the frozen
+/// cell) or, where the home cannot take it, to the nearest cgroup above (see [`go_home`]).
+/// `Err` when a process could go nowhere: it stays frozen in the cell, and the caller does
+/// not thaw it (thawed there, it would run outside every limit of its home).
+pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
     let mut failed = None;
-    for pid in pids.split_whitespace() {
-        match crate::edges::cgroupfs::write(&c.home, "cgroup.procs", pid.as_bytes()) {
-            Ok(()) => {}
+    for pid in members(dir)? {
+        match go_home(c, &pid) {
+            Ok(to) if to == c.home => {}
+            Ok(to) => tracing::warn!(
+                pid,
+                home = %c.home.display(),
+                to = %to.display(),
+                "A held process's cgroup cannot take it back: moved to the nearest cgroup above it"
+            ),
             // Exited meanwhile.
             Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
             Err(e) => {
-                tracing::warn!(
+                tracing::error!(
                     pid,
                     home = %c.home.display(),
                     cell = %dir.display(),
                     err = %e,
-                    "Cannot move a held process back to its cgroup: it runs on in the agent's cell"
+                    "Cannot move a held process back to its cgroup or any above it: it stays frozen in the agent's cell, recorded (its next hold's release, the agent's next start or coloc-agent resume try again)"
                 );
                 failed = Some(write_failed(c.home.join("cgroup.procs"), e));
             }
@@ -179,7 +240,7 @@ pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
 }
 
 /// Removes a cell once empty (a cell still holding a process that could not leave stays,
-/// thawed, and is said in the log by [`leave`]).
+/// frozen, and is said in the log by [`leave`]).
 pub(super) fn remove(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }

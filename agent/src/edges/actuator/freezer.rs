@@ -39,17 +39,13 @@ pub(super) fn issue(
     }
     match (cell, op) {
         // Home first (each process thaws as it leaves the frozen cell: it never runs in the
-        // cell, outside its home's limits), then a thaw for whatever could not leave.
+        // cell, outside its home's limits); the empty cell is thawed and removed.
         (Some(c), Op::Resume) => {
-            let moved = super::cell::leave(dir, c);
-            let state = write_state(dir, version, op);
+            // One that can go nowhere stays frozen in the cell (said in the log).
+            super::cell::leave(dir, c)?;
+            let _ = write_state(dir, version, op);
             super::cell::remove(dir);
-            match (moved, state) {
-                (Ok(()), _) => Ok(()),
-                // Thawed, and left in the cell (said in the log).
-                (Err(_), Ok(())) => Ok(()),
-                (Err(e), Err(_)) => Err(e),
-            }
+            Ok(())
         }
         _ => write_state(dir, version, op),
     }
