@@ -651,3 +651,139 @@ fn a_tenant_that_removes_its_cgroup_while_in_a_cell_goes_back_to_it_made_again()
         agent.log_text()
     );
 }
+
+/// Attack: a tenant that owns the cgroup above its process's cgroup (a delegated subtree)
+/// removes its cgroup once the process is in the agent's cell, and forbids new cgroups
+/// under the parent (`cgroup.max.descendants` 0, a file of a cgroup it made). The release
+/// cannot make the home again nor move the process into it; the process must still not be
+/// left running in the agent's cell, outside every limit (and device or BPF program) of
+/// its own cgroup and of the cgroups above it.
+#[test]
+fn a_tenant_that_forbids_remaking_its_cgroup_is_not_left_running_in_a_cell() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let tag = unique("coloc-e2e-nohome");
+    let parent = Dir(mount.join(&tag));
+    std::fs::create_dir(&parent.0).unwrap();
+    let home = Dir(parent.0.join("inner"));
+    std::fs::create_dir(&home.0).unwrap();
+    let sim = Sim::start(1, &["--sample-period-ms", "10"]);
+    let events = TempPath::new("coloc-e2e-nohome-events");
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            extra: vec!["--event-log".into(), events.display().to_string()],
+            ..Default::default()
+        },
+    );
+    let (tracer, child) = ptrace_tenant_in(&sim, Some(&home.0));
+    // Out of the cell before the cells' guard removes it, whatever the outcome.
+    struct Out(PathBuf, u32);
+    impl Drop for Out {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0.join("cgroup.procs"), self.1.to_string());
+        }
+    }
+    let _cells = Cells(mount.clone(), child);
+    let _out = Out(mount.clone(), child);
+    agent.wait_processes(1);
+    let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
+    let cgroup_of =
+        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    wait_for(
+        "the tenant frozen in a cell",
+        Duration::from_secs(3),
+        || cgroup_of(child).contains("/gpu-coloc.held/"),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    // The tracer leaves too; the tenant removes its cgroup, empty now, and forbids any
+    // new cgroup under its parent.
+    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
+    std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
+    std::fs::write(parent.0.join("cgroup.max.descendants"), "0").unwrap();
+    drop(online);
+    // Released: wherever it goes, not on in the agent's cell.
+    let left_in_cell = wait_for(
+        "the tenant out of the agent's cell",
+        Duration::from_secs(3),
+        || !cgroup_of(child).contains("/gpu-coloc.held/"),
+    );
+    let state = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+    assert!(
+        left_in_cell.is_ok(),
+        "released, the tenant runs on in the agent's cell: cgroup {:?}, stat {:?}\n{}",
+        cgroup_of(child),
+        state,
+        agent.log_text()
+    );
+}
+
+/// Attack, continued: a tenant left running in a cell (its release could not move it
+/// home, as in the test above) cannot be held at all once the agent no longer remembers
+/// the cell (after a restart, or ten minutes later): its next breaks ask for a cell, which
+/// is refused because the process "is in a cell already", and the hold stays on signals
+/// that its ptrace parent cancels. It must be frozen again, like any process that keeps
+/// resuming itself.
+#[test]
+fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let tag = unique("coloc-e2e-nohome2");
+    let parent = Dir(mount.join(&tag));
+    std::fs::create_dir(&parent.0).unwrap();
+    let home = Dir(parent.0.join("inner"));
+    std::fs::create_dir(&home.0).unwrap();
+    let sim = Sim::start(1, &["--sample-period-ms", "10"]);
+    let mut agent = Agent::start(&sim, AgentOpts::default());
+    let (tracer, child) = ptrace_tenant_in(&sim, Some(&home.0));
+    struct Out(PathBuf, u32);
+    impl Drop for Out {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0.join("cgroup.procs"), self.1.to_string());
+        }
+    }
+    let _cells = Cells(mount.clone(), child);
+    let _out = Out(mount.clone(), child);
+    agent.wait_processes(1);
+    let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
+    let cgroup_of =
+        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    wait_for(
+        "the tenant frozen in a cell",
+        Duration::from_secs(3),
+        || cgroup_of(child).contains("/gpu-coloc.held/"),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
+    std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
+    std::fs::write(parent.0.join("cgroup.max.descendants"), "0").unwrap();
+    drop(online);
+    // Released into nowhere: it runs on in the cell (see the test above).
+    wait_for("the release", Duration::from_secs(3), || {
+        agent.log_text().contains("Online idle for the window")
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    agent.signal(libc::SIGTERM);
+    agent.wait();
+    let again = Agent::start(&sim, AgentOpts::default());
+    again.wait_processes(1);
+    let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "3000"]);
+    let frozen = || {
+        let cg = cgroup_of(child);
+        let Some(rel) = cg.lines().find_map(|l| l.strip_prefix("0::/")) else {
+            return false;
+        };
+        std::fs::read_to_string(mount.join(rel).join("cgroup.events"))
+            .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
+    };
+    let held = wait_for("the tenant frozen again", Duration::from_secs(2), frozen);
+    drop(online);
+    assert!(
+        held.is_ok(),
+        "the next agent cannot hold the tenant left in a cell: {}\n{}",
+        cgroup_of(child),
+        again.log_text()
+    );
+}

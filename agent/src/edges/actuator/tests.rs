@@ -383,3 +383,124 @@ int main(void) {
     }
 }
 "#;
+
+/// Attack (root, cgroup v2): a process whose main thread has exited (`pthread_exit`)
+/// while a worker thread runs on is moved into a cell, frozen, then released. Moving its
+/// PID into the cell moves the live threads, but the exited leader stays behind, so the
+/// cell's `cgroup.procs` lists nothing: the release moves nothing home, thaws the cell and
+/// cannot remove it. The worker must not be left running in the agent's cell, outside its
+/// home's limits.
+#[test]
+fn a_process_whose_main_thread_exited_goes_home_from_its_cell() {
+    let mount = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.join("cgroup.controllers").exists())
+        .expect("this test needs cgroup v2 (at /sys/fs/cgroup or /sys/fs/cgroup/unified)");
+    let (dir, exe) = compile_c(
+        "cellleader",
+        "#include <pthread.h>\n#include <unistd.h>\n\
+         static void *spin(void *a) { for (;;) usleep(100); return a; }\n\
+         int main(void) { pthread_t t; pthread_create(&t, 0, spin, 0); usleep(20000); pthread_exit(0); }\n",
+    );
+    let home = mount.join(format!("coloc-act-cellhome-{}", std::process::id()));
+    std::fs::create_dir_all(&home).unwrap();
+    /// Killed, and its cgroups removed, however the test ends.
+    struct Reaped(std::process::Child, Vec<std::path::PathBuf>);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+            for d in &self.1 {
+                let _ = std::fs::write(d.join("cgroup.freeze"), "0");
+                for _ in 0..50 {
+                    if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+    let mut cmd = std::process::Command::new(&exe);
+    let procs = home.join("cgroup.procs");
+    // SAFETY: only a write(2) of the child's own PID into a cgroup file, before exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        let procs = std::ffi::CString::new(procs.to_str().unwrap()).unwrap();
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let s = format!("{}", libc::getpid());
+            let n = libc::write(fd, s.as_ptr().cast(), s.len());
+            libc::close(fd);
+            if n < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    let pid = child.id();
+    let start = read_stat(pid).unwrap().start;
+    let cell_dir = mount.join(cell::CELLS_DIR).join(format!("{pid}-{start}"));
+    let mut child = Reaped(child, vec![cell_dir.clone(), home.clone()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while read_stat(pid).unwrap().state != 'Z' {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the main thread never exited"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t = Target::Cgroup {
+        dir: cell_dir.clone(),
+        version: CgroupVersion::V2,
+        cell: Some(Cell {
+            pid,
+            start,
+            home: home.clone(),
+        }),
+    };
+    let where_threads = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                let state = std::fs::read_to_string(e.path().join("stat"))
+                    .ok()
+                    .and_then(|s| crate::edges::procfs::parse_stat(&s))
+                    .map(|s| s.state);
+                let cg = std::fs::read_to_string(e.path().join("cgroup")).unwrap_or_default();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    state,
+                    cg.trim().to_string(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let budget = Duration::from_secs(2);
+    let r = Host::default().start(std::slice::from_ref(&t), Op::Suspend, budget);
+    assert!(
+        matches!(r[0], Progress::Done),
+        "{r:?}: {:?}",
+        where_threads()
+    );
+    let r = Host::default().start(std::slice::from_ref(&t), Op::Resume, budget);
+    let threads = where_threads();
+    assert!(
+        !cell_dir.exists()
+            && threads
+                .iter()
+                .all(|(_, _, cg)| !cg.contains(cell::CELLS_DIR)),
+        "released ({r:?}), a thread runs on in the agent's cell {} (cell left: {}): {threads:?}",
+        cell_dir.display(),
+        cell_dir.exists()
+    );
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+}
