@@ -104,6 +104,13 @@ fn run(args: RunArgs) -> Result<()> {
             warn!(count = leftover.len(), record = %record.path().display(), "Found work a previous run left suspended, or recorded as suspendable: resuming all of it");
             resume_leftovers(&mut record, &leftover, args.confirm_timeout, &args.cuda_lib);
         }
+        // Empty cells that no record holds any more (a run killed between a release's
+        // move and its removal): removed. A populated one is never touched here.
+        let mounts = coloc_agent::edges::cgroupfs::CgroupMounts::detect(&args.cgroup_root);
+        let swept = coloc_agent::edges::actuator::cell::sweep(&mounts);
+        if swept > 0 {
+            info!(swept, "Removed empty cells a previous run left behind");
+        }
         Box::new(record)
     };
     let cfg = args.loop_config()?;

@@ -787,3 +787,27 @@ fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
         again.log_text()
     );
 }
+
+/// At start the agent removes the empty cells whose process is gone (a run killed between
+/// a release's move and the cell's removal), and leaves alone the cell of a live process
+/// (another agent may be moving it in).
+#[test]
+fn empty_cells_of_gone_processes_are_removed_at_start() {
+    let Some(mount) = v2_mount() else {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
+    };
+    let held = mount.join("gpu-coloc.held");
+    std::fs::create_dir_all(&held).unwrap();
+    // A PID above the kernel's pid_max names no process.
+    let gone = Dir(held.join("4194305-1"));
+    std::fs::create_dir(&gone.0).unwrap();
+    let me = std::process::id();
+    let start = coloc_sim::proc_start_time(me).unwrap();
+    let live = Dir(held.join(format!("{me}-{start}")));
+    std::fs::create_dir(&live.0).unwrap();
+    let sim = Sim::start(1, &[]);
+    let agent = Agent::start(&sim, AgentOpts::default());
+    assert!(!gone.0.exists(), "{}", agent.log_text());
+    // (Another test's agent may have removed it first: the log is not asked.)
+    assert!(live.0.exists(), "a live process's cell was removed");
+}

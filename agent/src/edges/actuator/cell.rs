@@ -244,3 +244,29 @@ pub(super) fn leave(dir: &Path, c: &Cell) -> Result<(), Progress> {
 pub(super) fn remove(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }
+
+/// Removes every empty cell under `mounts` whose process (`<pid>-<start>`) is gone
+/// (`rmdir` refuses a populated one, and a live process's cell may be in use); returns how
+/// many. Called at start, after the record's leftovers were resumed.
+pub fn sweep(mounts: &CgroupMounts) -> usize {
+    let Ok(cells) = Cells::on(mounts) else {
+        return 0;
+    };
+    let Ok(rd) = std::fs::read_dir(cells.mount.join(CELLS_DIR)) else {
+        return 0;
+    };
+    let alive = |name: &str| {
+        let Some((pid, start)) = name.split_once('-') else {
+            return false;
+        };
+        let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
+            return false;
+        };
+        crate::edges::procfs::read_stat(pid).is_ok_and(|s| s.start == start)
+    };
+    rd.flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter(|e| !alive(&e.file_name().to_string_lossy()))
+        .filter(|e| std::fs::remove_dir(e.path()).is_ok())
+        .count()
+}
