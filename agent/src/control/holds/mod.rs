@@ -357,14 +357,27 @@ impl HoldBook {
             Target::Cgroup { dir, .. } => cgroup.is_some_and(|c| c.starts_with(dir)),
             Target::Gate { .. } | Target::Lock { .. } => false,
         };
+        // A cgroup hold on its way (its members not listed yet), or a gate's fallback on
+        // its way to stop a whole cgroup, stops every process in it once it starts: a
+        // driver call asked now would find the process stopped.
+        let inside = |d: &std::path::Path| cgroup.is_some_and(|c| c.starts_with(d));
+        let under = |k: &HoldKey| match k {
+            HoldKey::Group(d) | HoldKey::Cgroup(d) => inside(d),
+            _ => false,
+        };
+        let falls_back = |p: &Plan| p.cgroup().is_some_and(inside);
         self.held
             .values()
             .chain(self.staged.values())
             .any(|h| h.members.iter().any(hit) || h.escalate.iter().any(hit))
+            || self.staged.keys().any(under)
             || self.pending.iter().any(|p| p.all.iter().any(hit))
             || self.waiting.values().any(|t| match t {
                 Then::StartedResume { members, .. } => members.iter().any(hit),
                 Then::ReleasedAll(holds) => holds.iter().any(|(_, m)| m.iter().any(hit)),
+                Then::FallbackMembers(_, plan)
+                | Then::RecordedFallback(_, plan, _)
+                | Then::StartedFallback(_, plan, _) => falls_back(plan),
                 _ => false,
             })
     }

@@ -1072,3 +1072,25 @@ fn a_process_that_no_cell_can_hold_is_reported_escaping_and_the_cell_asked_once(
     }
     assert_eq!(b.escaping().count(), 0);
 }
+
+/// A signalled cgroup's hold on its way (its processes not listed yet) already stops every
+/// process of that cgroup for the driver's sake: a lock asked then would be performed
+/// after the stop, and wait in the driver (the property `the_drivers_holds_keep_the_same_
+/// promises` found it, at random, with two offline processes sharing a cgroup).
+#[test]
+fn a_cgroup_hold_on_its_way_stops_its_processes_for_the_driver() {
+    let (k, _t, _cg, plan) = signalled_cgroup();
+    let dir = match &plan {
+        Plan::SignalCgroup { dir, .. } => dir.clone(),
+        p => panic!("{p:?}"),
+    };
+    let other = ProcKey { pid: 99, start: 1 };
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    assert!(!b.stops(&other, Some(&dir)));
+    b.suspend(&[(k, plan)], 0);
+    assert!(
+        b.stops(&other, Some(&dir)),
+        "a process of the cgroup is not counted stopped before the members are listed"
+    );
+    assert!(!b.stops(&other, Some(std::path::Path::new("/elsewhere"))));
+}

@@ -684,3 +684,33 @@ fn no_lock_is_asked_of_a_process_another_hold_stops() {
     )
     .unwrap();
 }
+
+/// A sequence the gate property found: two offline processes behind gates that never
+/// acknowledge, one of them resumed by its tenant. Each gate hold is two targets, the
+/// re-check's whole budget, and the round robin's cursor moved past the hold it had no
+/// budget left for: that hold was never checked again, and its tenant ran on.
+#[test]
+fn a_tenant_resuming_itself_leaves_the_other_gate_bounded() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 1,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: true,
+        },
+        Act::Busy { slot: 0 },
+        Act::Spawn {
+            slot: 2,
+            gpu: 0,
+            online: false,
+        },
+        Act::BusyFor { slot: 0, ms: 100 },
+        Act::TenantResumes { slot: 1 },
+        Act::Run { ms: 41 },
+    ];
+    play(&acts, true, Ack::Never, 0).unwrap();
+}
