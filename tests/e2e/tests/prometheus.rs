@@ -264,16 +264,20 @@ fn dashboard_and_alerts_against_real_prometheus() {
         .iter()
         .flat_map(|g| g["rules"].as_array().unwrap())
         .collect();
-    // Every alert of the rules file, none dropped.
-    let in_file = std::fs::read_to_string(
+    // Every alert and recording rule of the rules file, none dropped.
+    let text = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/prometheus/rules.yaml"),
     )
-    .unwrap()
-    .lines()
-    .filter(|l| l.trim_start().starts_with("- alert:"))
-    .count();
-    assert!(in_file >= 10, "{in_file} alerts in rules.yaml");
-    assert_eq!(loaded.len(), in_file, "{rules}");
+    .unwrap();
+    let count = |kind: &str| {
+        text.lines()
+            .filter(|l| l.trim_start().starts_with(kind))
+            .count()
+    };
+    let (alerts, records) = (count("- alert:"), count("- record:"));
+    assert!(alerts >= 10, "{alerts} alerts in rules.yaml");
+    assert!(records >= 1, "no recording rule in rules.yaml");
+    assert_eq!(loaded.len(), alerts + records, "{rules}");
     for r in loaded {
         assert_eq!(r["health"], "ok", "rule {} unhealthy: {r}", r["name"]);
         let q = prom_query(pport, r["query"].as_str().unwrap());
