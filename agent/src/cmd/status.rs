@@ -296,6 +296,7 @@ mod tests {
                         last_active_ms_ago: None,
                         driver: None,
                         checkpointed_bytes: None,
+                        container: None,
                     })
                     .collect(),
                 ..Default::default()

@@ -112,6 +112,9 @@ pub struct ProcDoc {
     /// Device memory it holds on the host while checkpointed, bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpointed_bytes: Option<u64>,
+    /// Its container's name in its pod, where the pod source knows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
     /// The CUDA shim (online and offline processes): `page` when its doorbell page is
     /// seen, else why not (`not_injected`, `refused`, `opted_out`, `not_loaded`;
     /// `control::coverage`).
@@ -146,6 +149,9 @@ pub struct Shared {
     pub state: Mutex<StateDoc>,
     /// Per-GPU time accounting (fractional-second counters, rendered by `/metrics`).
     pub gpu_seconds: Mutex<BTreeMap<u32, GpuSeconds>>,
+    /// Each managed GPU's UUID by index, set once at start: `/metrics` labels every
+    /// per-GPU series with it (`telemetry::label_gpus`).
+    pub gpu_uuids: std::sync::OnceLock<BTreeMap<u32, String>>,
 }
 
 /// Fractional-second counters of one GPU.

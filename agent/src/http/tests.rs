@@ -33,6 +33,7 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
                 last_active_ms_ago: None,
                 driver: None,
                 checkpointed_bytes: None,
+                container: None,
             }],
             ..Default::default()
         }],

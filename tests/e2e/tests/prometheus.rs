@@ -72,7 +72,14 @@ fn dashboard_and_alerts_against_real_prometheus() {
 
     // The system under observation.
     let sim = Sim::start(1, &[]);
-    let agent = Agent::start(&sim, AgentOpts::default());
+    // The online work by a rule of its own, so the info series names both classes.
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\n[[rule]]\nname = \"web\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim busy*\"\n",
+            ..AgentOpts::default()
+        },
+    );
     let _off = sim.spawn(&["offline", "--step-ms", "2"]);
     let _online = sim.spawn(&["busy", "--ms", "20", "--repeat", "200", "--gap-ms", "150"]);
     let wport = free_port();
@@ -193,6 +200,32 @@ fn dashboard_and_alerts_against_real_prometheus() {
     )
     .unwrap();
     eprintln!("prometheus had 8 scrapes after {:?}", t.elapsed());
+
+    // Every per-GPU series carries its GPU's UUID (the label DCGM's exporter uses), and
+    // the per-process info series joins to them on it.
+    let rows = |q: &str| {
+        let r = prom_query(pport, q);
+        assert_eq!(r["status"], "success", "{q}: {r}");
+        r["data"]["result"].as_array().cloned().unwrap_or_default()
+    };
+    let without = rows(r#"count by (__name__) ({__name__=~"coloc_.+", gpu=~"[0-9]+", UUID=""})"#);
+    assert!(
+        without.is_empty(),
+        "per-GPU series without a UUID: {without:?}"
+    );
+    assert!(
+        !rows(r#"coloc_gpu_online_busy{UUID=~"GPU-[0-9a-f-]+"}"#).is_empty(),
+        "no UUID in NVML's form on coloc_gpu_online_busy"
+    );
+    for class in ["online", "offline"] {
+        let joined = rows(&format!(
+            r#"coloc_process_info{{class="{class}"}} * on (UUID) group_left coloc_gpu_online_busy"#
+        ));
+        assert!(
+            !joined.is_empty(),
+            "coloc_process_info{{class={class}}} joins no GPU on UUID"
+        );
+    }
 
     // Every dashboard query returns data.
     let dash: Value = serde_json::from_slice(

@@ -123,6 +123,8 @@ impl Loop {
         } else {
             Scribe::Inline(edges.record)
         };
+        // `/metrics` labels every per-GPU series with its GPU's UUID.
+        let _ = shared.gpu_uuids.set(uuids.iter().cloned().collect());
         let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
         let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser);
         let driver = edges
