@@ -50,6 +50,19 @@ PANELS = [
     ("Table: pods on each GPU (class, hold, shim)", "short", 24, 8, [
         table(f'max by (node, namespace, pod, container, class, gpu, UUID, actuator, shim) (coloc_process_info{{{GPU}}})'),
     ], "One row per container on each GPU (coloc_process_info): its class, the actuator that holds it while online is busy (offline), and whether its CUDA shim's page is seen (page) or why not (not_injected, refused, opted_out, not_loaded). UUID joins DCGM's series (DCGM_FI_DEV_FB_USED, DCGM_FI_DEV_XID_ERRORS) for that GPU."),
+    # What co-location earned (agent/src/earned.rs defines each counter): GPU time online
+    # pods' GPUs gave to offline work, per namespace, and what it cost online work.
+    ("What co-location earned: GPUs given to offline work, per namespace", "short", 12, 8, [
+        q(f'sum by (namespace) (rate(coloc_offline_harvested_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} ran beside online"),
+        q(f'sum by (namespace) (rate(coloc_offline_held_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} held"),
+    ], "GPU-seconds per second (GPUs' worth) that offline work of each namespace ran on GPUs where online pods have a context (harvested: what co-location gave), and was held while online work was busy. Summed over GPUs: 2 means two GPUs' worth."),
+    ("Its cost to online work, per namespace", "s", 12, 8, [
+        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} waited for offline (s/s)"),
+        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}])) / clamp_min(sum by (namespace) (rate(coloc_online_beside_offline_seconds_total{{{SEL}}}[{R}])), 1e-9)', "{{namespace}} share of its shared time"),
+    ], "Seconds per second online work of each namespace ran beside offline work that had not stopped yet (the preemption latencies on its GPUs: onset → offline confirmed stopped), and that as a share of the time it shared its GPUs with running offline work. The preemption p99 panels below give the per-request view."),
+    ("Table: GPU-hours over the dashboard's range, per namespace and class", "short", 24, 6, [
+        table(f'sum by (namespace, class) (increase(coloc_offline_harvested_seconds_total{{{SEL}}}[$__range])) / 3600'),
+    ], "GPU-hours offline work of each namespace ran beside online work over the dashboard's time range (what co-location earned); `coloc-agent status` on a node prints the same since the agent started, with held time and online's waits."),
     ("Preemption latency (onset of online work → offline confirmed stopped)", "s", 16, 9, [
         q(quantile("coloc_preemption_latency_seconds", 0.5, ", signal"), "p50 {{signal}}"),
         q(quantile("coloc_preemption_latency_seconds", 0.9, ", signal"), "p90 {{signal}}"),

@@ -1297,7 +1297,7 @@ def monitoring_checks():
     # Every panel query parses (promtool, as recording rules; the variables as the
     # dashboard's All).
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        sub = lambda e: e.replace("$__rate_interval", "1m").replace("$cluster", ".*").replace("$node", ".*").replace("$gpu", ".*")
+        sub = lambda e: e.replace("$__rate_interval", "1m").replace("$__range", "1m").replace("$cluster", ".*").replace("$node", ".*").replace("$gpu", ".*")
         yaml.safe_dump({"groups": [{"name": "panels", "rules": [{"record": f"panel_{i}", "expr": sub(e)} for i, e in enumerate(exprs)]}]}, f)
         f.flush()
         r = subprocess.run(["promtool", "check", "rules", f.name], capture_output=True, text=True)

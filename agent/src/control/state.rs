@@ -41,6 +41,10 @@ pub struct StateDoc {
     /// and why not (`control::coverage`).
     #[serde(default)]
     pub shim_coverage: Vec<CoverageRow>,
+    /// What co-location earned and cost since the agent started, per namespace and class
+    /// (`earned`).
+    #[serde(default)]
+    pub earned: Vec<crate::earned::EarnedRow>,
 }
 
 /// An owner of doorbell pages distrusted on a GPU, in `/state`.
@@ -152,6 +156,8 @@ pub struct Shared {
     /// Each managed GPU's UUID by index, set once at start: `/metrics` labels every
     /// per-GPU series with it (`telemetry::label_gpus`).
     pub gpu_uuids: std::sync::OnceLock<BTreeMap<u32, String>>,
+    /// What co-location earned, counted from each published document (`earned`).
+    pub earned: Mutex<crate::earned::Book>,
 }
 
 /// Fractional-second counters of one GPU.

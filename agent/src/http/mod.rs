@@ -123,6 +123,7 @@ pub fn render_metrics(s: &AppState) -> String {
         Some(uuids) => crate::telemetry::label_gpus(&text, uuids, &mut body),
         None => body = text,
     }
+    (s.shared.earned.lock().unwrap_or_else(|e| e.into_inner())).render(&mut body);
     let doc = s.shared.state.lock().unwrap_or_else(|e| e.into_inner());
     crate::telemetry::render_process_info(&doc, &mut body);
     body

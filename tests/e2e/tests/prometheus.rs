@@ -37,6 +37,7 @@ fn prom_query(port: u16, q: &str) -> Value {
 
 fn substitute(expr: &str) -> String {
     expr.replace("$__rate_interval", "1m")
+        .replace("$__range", "1m")
         .replace("$cluster", ".*")
         .replace("$node", ".*")
         .replace("$gpu", ".*")
@@ -284,6 +285,53 @@ fn dashboard_and_alerts_against_real_prometheus() {
         empty.join("\n")
     );
     eprintln!("{checked} dashboard queries returned data");
+
+    // What co-location earned, as Prometheus and `coloc-agent status` show it: offline work
+    // ran beside the online process's GPU and was held; online work waited for it.
+    for q in [
+        r#"coloc_offline_harvested_seconds_total{namespace="rule:off", class="offline"} > 0"#,
+        r#"coloc_offline_held_seconds_total{namespace="rule:off", class="offline"} > 0"#,
+        r#"coloc_online_waited_seconds_total{namespace="rule:web", class="online"} > 0"#,
+        r#"coloc_online_beside_offline_seconds_total{namespace="rule:web", class="online"} > 0"#,
+    ] {
+        assert!(!rows(q).is_empty(), "nothing for {q}");
+    }
+    let out = Command::new(bin("coloc-agent"))
+        .args([
+            "status",
+            "--url",
+            &format!("http://127.0.0.1:{}", agent.port),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let earned = text
+        .split_once("What co-location earned")
+        .unwrap_or_else(|| panic!("no earned section:\n{text}"))
+        .1;
+    let row = |class: &str, ns: &str| {
+        earned
+            .lines()
+            .find(|l| l.split_whitespace().take(2).eq([class, ns]))
+            .unwrap_or_else(|| panic!("no {class} {ns} row:\n{text}"))
+            .to_string()
+    };
+    let off = row("offline", "rule:off");
+    let web = row("online", "rule:web");
+    assert!(
+        !off.contains(" 0.00 s "),
+        "offline ran beside online for no time: {off}"
+    );
+    assert!(
+        !web.ends_with("(0)"),
+        "no preemption counted for the online work: {web}"
+    );
+    eprintln!("coloc-agent status:{earned}");
 
     // Every alert expression parses and its rule loaded healthy.
     let rules: Value = {

@@ -357,6 +357,7 @@ impl Loop {
         doc.degraded = doc.degraded_reason.is_some();
         doc.recent_events = self.telemetry.recent.iter().cloned().collect();
         crate::control::coverage::export(&doc);
+        (self.shared.earned.lock().unwrap_or_else(|e| e.into_inner())).account(&mut doc);
         *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
     }
 
