@@ -16,9 +16,10 @@ def q(expr, legend):
     return {"expr": expr, "legendFormat": legend}
 
 
-def table(expr):
-    """An instant query shown as a table (one row per series, a column per label)."""
-    return {"expr": expr, "legendFormat": "", "format": "table", "instant": True}
+def table(expr, value=True):
+    """An instant query shown as a table (one row per series, a column per label; the
+    value's column too unless `value` is false)."""
+    return {"expr": expr, "legendFormat": "", "format": "table", "instant": True, "value": value}
 
 
 def quantile(metric, p, extra=""):
@@ -47,8 +48,8 @@ PANELS = [
     ("GPU processes without the CUDA shim, by node and reason", "short", 24, 7, [
         q(f'sum by (node, class, shim) (gpu_coloc_node:shim_coverage_processes:sum{{{SEL}, shim!="page"}})', "{{node}} {{class}} {{shim}}"),
     ], "Processes of online and offline pods whose doorbell page is not seen, by why: their onset is seen through NVML only, a sample period late (online), or they are held by the fallback instead of the gate (offline). The table below names the pods."),
-    ("Table: pods on each GPU (class, hold, shim)", "short", 24, 8, [
-        table(f'max by (node, namespace, pod, container, class, gpu, UUID, actuator, shim) (coloc_process_info{{{GPU}}})'),
+    ("Table: Pods on each GPU (class, hold, shim)", "short", 24, 8, [
+        table(f'max by (node, namespace, pod, container, class, gpu, UUID, actuator, shim) (coloc_process_info{{{GPU}}})', value=False),
     ], "One row per container on each GPU (coloc_process_info): its class, the actuator that holds it while online is busy (offline), and whether its CUDA shim's page is seen (page) or why not (not_injected, refused, opted_out, not_loaded). UUID joins DCGM's series (DCGM_FI_DEV_FB_USED, DCGM_FI_DEV_XID_ERRORS) for that GPU."),
     # What co-location earned (agent/src/earned.rs defines each counter): GPU time online
     # pods' GPUs gave to offline work, per namespace, and what it cost online work.
@@ -56,10 +57,10 @@ PANELS = [
         q(f'sum by (namespace) (rate(coloc_offline_harvested_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} ran beside online"),
         q(f'sum by (namespace) (rate(coloc_offline_held_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} held"),
     ], "GPU-seconds per second (GPUs' worth) that offline work of each namespace ran on GPUs where online pods have a context (harvested: what co-location gave), and was held while online work was busy. Summed over GPUs: 2 means two GPUs' worth."),
-    ("Its cost to online work, per namespace", "s", 12, 8, [
-        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} waited for offline (s/s)"),
-        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}])) / clamp_min(sum by (namespace) (rate(coloc_online_beside_offline_seconds_total{{{SEL}}}[{R}])), 1e-9)', "{{namespace}} share of its shared time"),
-    ], "Seconds per second online work of each namespace ran beside offline work that had not stopped yet (the preemption latencies on its GPUs: onset → offline confirmed stopped), and that as a share of the time it shared its GPUs with running offline work. The preemption p99 panels below give the per-request view."),
+    ("Its cost to online work, per namespace", "percentunit", 12, 8, [
+        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} waited for offline, of wall time"),
+        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}])) / clamp_min(sum by (namespace) (rate(coloc_online_beside_offline_seconds_total{{{SEL}}}[{R}])), 1e-9)', "{{namespace}} waited for offline, of its time beside offline"),
+    ], "Seconds per second (as a share of wall time) online work of each namespace ran beside offline work that had not stopped yet (the preemption latencies on its GPUs: onset → offline confirmed stopped), and that as a share of the time it shared its GPUs with running offline work. The preemption p99 panels below give the per-request view."),
     ("Table: GPU-hours over the dashboard's range, per namespace and class", "short", 24, 6, [
         table(f'sum by (namespace, class) (increase(coloc_offline_harvested_seconds_total{{{SEL}}}[$__range])) / 3600'),
     ], "GPU-hours offline work of each namespace ran beside online work over the dashboard's time range (what co-location earned); `coloc-agent status` on a node prints the same since the agent started, with held time and online's waits."),
@@ -163,8 +164,10 @@ def dashboard():
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
             "options": {"showHeader": True} if is_table else
             {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]}},
-            **({"transformations": [{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}]} if is_table else {}),
-            "targets": [dict(t, refId=chr(65 + j), datasource={"type": "prometheus", "uid": "${datasource}"}) for j, t in enumerate(targets)],
+            **({"transformations": [{"id": "organize", "options": {"excludeByName": dict(
+                {"Time": True}, **({} if all(t["value"] for t in targets) else {"Value": True}))}}]} if is_table else {}),
+            "targets": [dict({k: v for k, v in t.items() if k != "value"}, refId=chr(65 + j),
+                             datasource={"type": "prometheus", "uid": "${datasource}"}) for j, t in enumerate(targets)],
         })
         x += w
         rowh = max(rowh, h)

@@ -332,6 +332,23 @@ fn dashboard_and_alerts_against_real_prometheus() {
         "no preemption counted for the online work: {web}"
     );
     eprintln!("coloc-agent status:{earned}");
+    // A picture of the dashboard's first screen from this run, when asked for
+    // (DASHBOARD_SVG=FILE: what docs/operate.md shows).
+    if let Some(svg) = std::env::var_os("DASHBOARD_SVG") {
+        let out = Command::new("python3")
+            .arg(root().join("deploy/grafana/render.py"))
+            .args(["--prometheus", &format!("http://127.0.0.1:{pport}")])
+            .args(["--range-seconds", "60"])
+            .arg("--out")
+            .arg(&svg)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "render.py: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     // Every alert expression parses and its rule loaded healthy.
     let rules: Value = {
