@@ -1326,6 +1326,15 @@ def monitoring_checks():
     read = set(re.findall(r"\b(gpu_coloc[a-z_]*:[a-z0-9_:]+)", " ".join(exprs) + " ".join(
         r["expr"] for g in rules["groups"] for r in g["rules"])))
     check(read <= set(records), f"panels or alerts read recording rules that rules.yaml does not record: {sorted(read - set(records))}")
+    # The chart's PrometheusRule carries them, pointing at the operator's own runbooks when
+    # monitoring.prometheusRules.runbookBaseUrl says where.
+    own = [x for x in yaml.safe_load_all(render("monitoring.prometheusRules.enabled=true",
+                                                 "monitoring.prometheusRules.runbookBaseUrl=https://wiki.example.com/gpu-coloc/runbooks")) if x]
+    urls = [r["annotations"]["runbook_url"] for g in one(own, "PrometheusRule")["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    check(len(urls) == len(alerts) and all(u.startswith("https://wiki.example.com/gpu-coloc/runbooks#gpucoloc") for u in urls),
+          f"runbookBaseUrl does not reach every alert: {urls[:3]}")
+    chart_rules = one(d, "PrometheusRule")["spec"]["groups"]
+    check(chart_rules == rules["groups"], "the chart's PrometheusRule differs from deploy/prometheus/rules.yaml")
     check(alerts <= fire, f"alerts with no firing case: {sorted(alerts - fire)}")
     check(alerts <= silent, f"alerts with no silent case: {sorted(alerts - silent)}")
     run("promtool", "test", "rules", os.path.join(DEPLOY, "prometheus", "rules_test.yaml"))
