@@ -190,7 +190,7 @@ fn dur(s: f64) -> String {
 
 /// What co-location earned since the agent started, per class and namespace (`/state`'s
 /// `earned`; the counters' meaning is in `crate::earned`).
-fn earned(st: &StateDoc) -> String {
+pub fn earned(st: &StateDoc) -> String {
     if st.earned.is_empty() {
         return String::new();
     }
