@@ -132,6 +132,8 @@ def helm_checks():
         "memoryPreemption.enabled=true,memoryPreemption.interval=5ms": "memoryPreemption.interval=5ms: 10ms to 10s",
         "memoryPreemption.enabled=true,memoryPreemption.interval=1m": "memoryPreemption.interval=1m: 10ms to 10s",
         "memoryPreemption.terminationGracePeriodSeconds=10": "terminationGracePeriodSeconds",
+        "monitoring.prometheusRules.runbookBaseUrl=wiki/runbooks": "runbookBaseUrl",
+        "monitoring.prometheusRules.runbookBaseUrl=https://wiki.example.com/r#x": "runbookBaseUrl",
     }
     for s, needle in bad.items():
         try:
