@@ -111,20 +111,19 @@ impl Book {
             for p in g.processes.iter().filter(|p| p.class == Class::Offline) {
                 *off.entry(namespace_of(&p.owner)).or_default() |= !p.suspended;
             }
-            if dt > 0.0 {
-                for (ns, running) in &off {
-                    let r = self.row(ns, Class::Offline);
-                    if !running {
-                        r.held_s += dt;
-                    } else if !onl.is_empty() {
-                        r.harvested_s += dt;
-                    }
+            // Every namespace seen has its series from then on, at 0 until something counts
+            // (so that `increase()` sees the first).
+            for (ns, running) in &off {
+                let r = self.row(ns, Class::Offline);
+                if !running {
+                    r.held_s += dt;
+                } else if !onl.is_empty() {
+                    r.harvested_s += dt;
                 }
-                if off.values().any(|r| *r) {
-                    for (ns, class) in &onl {
-                        self.row(ns, *class).beside_offline_s += dt;
-                    }
-                }
+            }
+            let beside = if off.values().any(|r| *r) { dt } else { 0.0 };
+            for (ns, class) in &onl {
+                self.row(ns, *class).beside_offline_s += beside;
             }
             on_gpu.insert(g.index, onl);
         }

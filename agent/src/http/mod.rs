@@ -56,6 +56,8 @@ pub struct AppState {
     pub state_cmdlines: bool,
     /// `/state` answers any client (`--state-public`); otherwise loopback clients only.
     pub state_public: bool,
+    /// `/metrics` has `coloc_process_info` (not `--metrics-without-pods`).
+    pub process_info: bool,
     /// The latest `/metrics` rendering and when it was made.
     pub metrics_cache: Arc<Mutex<Option<(std::time::Instant, Bytes)>>>,
 }
@@ -114,8 +116,8 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
 }
 
 /// The `/metrics` text: the recorder's series and the fractional-second counters, every
-/// per-GPU series labelled with its GPU's UUID, and `coloc_process_info` from the latest
-/// `/state` document.
+/// per-GPU series labelled with its GPU's UUID, what co-location earned, and (unless
+/// `--metrics-without-pods`) `coloc_process_info` from the latest `/state` document.
 pub fn render_metrics(s: &AppState) -> String {
     let text = s.prom.render() + &s.shared.render_seconds();
     let mut body = String::new();
@@ -124,8 +126,10 @@ pub fn render_metrics(s: &AppState) -> String {
         None => body = text,
     }
     (s.shared.earned.lock().unwrap_or_else(|e| e.into_inner())).render(&mut body);
-    let doc = s.shared.state.lock().unwrap_or_else(|e| e.into_inner());
-    crate::telemetry::render_process_info(&doc, &mut body);
+    if s.process_info {
+        let doc = s.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        crate::telemetry::render_process_info(&doc, &mut body);
+    }
     body
 }
 
