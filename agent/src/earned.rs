@@ -17,15 +17,23 @@
 //! failing) counts nothing: its offline work runs unmanaged. A gap of more than
 //! [`MAX_GAP_NS`] between two documents (a stalled loop) counts nothing.
 //!
-//! What the doorbell could add (launch → completion of online work with and without
-//! offline work beside it) is not measured: the waited figure is the part of online
-//! work's time that offline work was still running beside it, as preemption measures it.
+//! **Runs of online work** ([`Runs`]): where an online process's doorbell page stamps
+//! completions (page version 3), a run (its first launch after a gap to the moment it saw
+//! all its work complete) is timed, and split by whether offline work was running on that
+//! GPU when the run began: `coloc_online_run_seconds{gpu, offline="running"|"stopped"}`,
+//! and `/state`'s `online_runs`. The difference between the two is the latency offline
+//! work added to online work. A run is the page's: launches closer together than the
+//! page's wake gap (100 ms by default; the learned release's 2 ms) are one run, so with
+//! the default gap a run may span several requests. Pages that state the online class are
+//! read (the class is the page's word).
 
 use crate::control::events::Event;
 use crate::control::state::StateDoc;
+use crate::edges::doorbell::{BellReading, PageInfo};
+use qos_core::stats::Summary;
 use qos_core::Class;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 /// The longest gap between two documents that is counted.
 pub const MAX_GAP_NS: u64 = 5_000_000_000;
@@ -55,9 +63,140 @@ pub struct EarnedRow {
     pub preemptions: u64,
 }
 
+/// How many recent runs each side of `/state`'s `online_runs` keeps.
+pub const RUN_HISTORY: usize = 1024;
+/// A run longer than this is not timed (a stale or wrong stamp).
+pub const MAX_RUN_NS: u64 = 10_000_000_000;
+/// How many of its latest changes (offline work starting or stopping) each GPU keeps.
+const CHANGES: usize = 256;
+
+/// Online work's runs, launch to completion, as `/state` shows them (ms).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunsDoc {
+    /// Runs that began while offline work ran on the GPU.
+    pub offline_running_ms: Summary,
+    /// Runs that began while no offline work ran there (held, or none on the GPU).
+    pub offline_stopped_ms: Summary,
+}
+
+/// Times online work's runs from its doorbell pages (see the module).
+#[derive(Debug, Default)]
+pub struct Runs {
+    uuid_gpu: HashMap<[u8; 16], u32>,
+    online_pages: HashSet<u64>,
+    /// Per (page, GPU): the start of the latest run timed.
+    timed: HashMap<(u64, u32), u64>,
+    /// Per GPU: when offline work started (true) or stopped (false) running, oldest first.
+    changes: BTreeMap<u32, VecDeque<(u64, bool)>>,
+    running: VecDeque<f64>,
+    stopped: VecDeque<f64>,
+}
+
+impl Runs {
+    /// The pages mapped now: the online ones are read.
+    pub fn pages(&mut self, pages: &[PageInfo]) {
+        self.online_pages = pages
+            .iter()
+            .filter(|p| p.class == coloc_doorbell::CLASS_ONLINE)
+            .map(|p| p.id)
+            .collect();
+        self.timed.retain(|k, _| self.online_pages.contains(&k.0));
+    }
+
+    /// Whether offline work runs on `gpu` as of `now` (the latest decision).
+    pub fn offline_running(&mut self, gpu: u32, now: u64, running: bool) {
+        let c = self.changes.entry(gpu).or_default();
+        if c.back().map(|l| l.1) != Some(running) {
+            if c.len() == CHANGES {
+                c.pop_front();
+            }
+            c.push_back((now, running));
+        }
+    }
+
+    fn running_at(&self, gpu: u32, t: u64) -> Option<bool> {
+        let c = self.changes.get(&gpu)?;
+        // Older than everything kept: unknown.
+        c.iter().rev().find(|(at, _)| *at <= t).map(|(_, r)| *r)
+    }
+
+    /// Times the runs `readings` show complete for the first time, given the GPUs' UUIDs;
+    /// returns each (GPU, offline running when it began, seconds).
+    pub fn observe(
+        &mut self,
+        readings: &[BellReading],
+        uuids: &BTreeMap<u32, String>,
+    ) -> Vec<(u32, bool, f64)> {
+        if self.uuid_gpu.len() != uuids.len() {
+            self.uuid_gpu = uuids
+                .iter()
+                .filter_map(|(g, u)| Some((coloc_doorbell::parse_uuid(u)?, *g)))
+                .collect();
+        }
+        let mut out = Vec::new();
+        for r in readings {
+            let (since, last, done) = (
+                r.reading.busy_since_ns,
+                r.reading.last_launch_ns,
+                r.drained_ns,
+            );
+            // Complete: seen done after its last launch (a stamp covers every launch
+            // before it).
+            if !self.online_pages.contains(&r.page) || since == 0 || last < since || done < last {
+                continue;
+            }
+            let Some(gpu) = self.uuid_gpu.get(&r.reading.uuid).copied() else {
+                continue;
+            };
+            if self.timed.get(&(r.page, gpu)) == Some(&since) {
+                continue;
+            }
+            self.timed.insert((r.page, gpu), since);
+            let took = done - since;
+            let Some(running) = self.running_at(gpu, since) else {
+                continue;
+            };
+            if took == 0 || took > MAX_RUN_NS {
+                continue;
+            }
+            let s = took as f64 / 1e9;
+            let q = if running {
+                &mut self.running
+            } else {
+                &mut self.stopped
+            };
+            if q.len() == RUN_HISTORY {
+                q.pop_front();
+            }
+            q.push_back(s);
+            out.push((gpu, running, s));
+        }
+        out
+    }
+
+    /// `/state`'s `online_runs`: `None` before any run was timed.
+    pub fn doc(&self) -> Option<RunsDoc> {
+        (!self.running.is_empty() || !self.stopped.is_empty()).then(|| RunsDoc {
+            offline_running_ms: Summary::of(self.running.iter().map(|s| s * 1e3)),
+            offline_stopped_ms: Summary::of(self.stopped.iter().map(|s| s * 1e3)),
+        })
+    }
+}
+
+/// Records the runs [`Runs::observe`] timed in `coloc_online_run_seconds`.
+pub fn record_runs(runs: &[(u32, bool, f64)]) {
+    for (gpu, running, s) in runs {
+        metrics::histogram!("coloc_online_run_seconds", "gpu" => gpu.to_string(),
+            "offline" => if *running { "running" } else { "stopped" })
+        .record(*s);
+    }
+}
+
 /// The running totals.
 #[derive(Debug, Default)]
 pub struct Book {
+    /// Online work's runs, timed from its doorbell pages.
+    pub runs: Runs,
     last_ns: Option<u64>,
     /// Preemptions already counted, as (GPU, decision time), among those the document
     /// still lists.
@@ -148,6 +287,7 @@ impl Book {
         }
         self.counted.retain(|k| listed.contains(k));
         doc.earned = self.rows.values().cloned().collect();
+        doc.online_runs = self.runs.doc();
     }
 
     /// The four counters, in Prometheus text.
@@ -336,5 +476,69 @@ mod tests {
         assert_eq!(namespace_of("rule:nightly"), "rule:nightly");
         assert_eq!(namespace_of("pod-uid:0f2c"), "-");
         assert_eq!(namespace_of("-"), "-");
+    }
+
+    #[test]
+    fn runs_are_timed_once_and_split_by_whether_offline_ran_when_they_began() {
+        use crate::edges::doorbell::Owner;
+        let uuid = "GPU-5f1c0a2e-7d3b-4c19-9e6a-000000000000";
+        let uuids: BTreeMap<u32, String> = [(0, uuid.to_string())].into();
+        let page = |id: u64, class: u32| PageInfo {
+            id,
+            path: format!("/run/bells/{id}.bell").into(),
+            owner: Owner::Pid(100 + id as u32),
+            file_uid: 0,
+            wake_gap_ns: 2_000_000,
+            pid: 100 + id as u32,
+            class,
+        };
+        let reading = |page: u64, since_ms: u64, last_ms: u64, done_ms: u64| BellReading {
+            page,
+            reading: coloc_doorbell::Reading {
+                index: 0,
+                uuid: coloc_doorbell::parse_uuid(uuid).unwrap(),
+                last_launch_ns: last_ms * 1_000_000,
+                busy_since_ns: since_ms * 1_000_000,
+            },
+            drained_ns: done_ms * 1_000_000,
+        };
+        let mut r = Runs::default();
+        r.pages(&[
+            page(1, coloc_doorbell::CLASS_ONLINE),
+            page(2, coloc_doorbell::CLASS_OFFLINE),
+        ]);
+        // Offline ran until 1000 ms, held until 2000 ms, ran again after.
+        r.offline_running(0, 500_000_000, true);
+        r.offline_running(0, 1_000_000_000, false);
+        r.offline_running(0, 1_000_000_000, false);
+        r.offline_running(0, 2_000_000_000, true);
+        // Before anything is known of the GPU: not timed.
+        let early = r.observe(&[reading(1, 400, 401, 403)], &uuids);
+        assert!(early.is_empty(), "{early:?}");
+        // A run that began while offline ran (it caused the preemption at 1000 ms)...
+        let got = r.observe(&[reading(1, 999, 1004, 1012)], &uuids);
+        assert_eq!(got, [(0, true, 0.013)]);
+        // ...seen again, or still running (launched after its stamp): not timed again.
+        assert!(r.observe(&[reading(1, 999, 1004, 1012)], &uuids).is_empty());
+        assert!(r
+            .observe(&[reading(1, 1500, 1505, 1499)], &uuids)
+            .is_empty());
+        // A run that began with offline held, and the offline page's entry: ignored.
+        let got = r.observe(
+            &[reading(1, 1500, 1505, 1510), reading(2, 1500, 1505, 1510)],
+            &uuids,
+        );
+        assert_eq!(got, [(0, false, 0.01)]);
+        let d = r.doc().unwrap();
+        assert_eq!(
+            (d.offline_running_ms.count, d.offline_stopped_ms.count),
+            (1, 1)
+        );
+        assert_eq!(d.offline_running_ms.p50, Some(13.0));
+        // A page that is gone forgets its runs; a run over 10 s is not timed.
+        r.pages(&[page(1, coloc_doorbell::CLASS_ONLINE)]);
+        assert!(r
+            .observe(&[reading(1, 2500, 2501, 2500 + 10_001)], &uuids)
+            .is_empty());
     }
 }

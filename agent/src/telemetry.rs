@@ -205,6 +205,11 @@ fn describe() {
         "Duration of NVML calls made by the agent, by function."
     );
     describe_histogram!(
+        "coloc_online_run_seconds",
+        Unit::Seconds,
+        "Runs of online work timed from doorbell pages that stamp completions: a run's first launch (after a gap of the page's wake gap) to the moment its process saw all its work on the GPU complete, by GPU and by whether offline work ran there when the run began (offline=running or stopped). The difference is what offline work added."
+    );
+    describe_histogram!(
         "coloc_loop_lag_seconds",
         Unit::Seconds,
         "How late each control-loop tick started relative to the poll interval."

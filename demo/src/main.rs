@@ -681,7 +681,13 @@ fn run(a: DemoArgs) -> Result<Value> {
     // What co-location earned on the managed GPUs, as `coloc-agent status` prints it.
     let earned = coloc_agent::cmd::status::http_get(&format!("http://{listen}"), "/state")
         .and_then(|body| Ok(serde_json::from_str::<StateDoc>(&body)?))
-        .map(|doc| (coloc_agent::cmd::status::earned(&doc), doc.earned));
+        .map(|doc| {
+            (
+                coloc_agent::cmd::status::earned(&doc),
+                doc.earned,
+                doc.online_runs,
+            )
+        });
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(agent.0[0].id() as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -719,10 +725,11 @@ fn run(a: DemoArgs) -> Result<Value> {
 
     print_table(&summary, a.release);
     match earned {
-        Ok((text, rows)) => {
+        Ok((text, rows, runs)) => {
             // Every managed scenario's GPUs together (the agent counts per namespace).
             print!("{text}");
             summary["earned"] = serde_json::json!(rows);
+            summary["online_runs"] = serde_json::json!(runs);
         }
         Err(err) => {
             println!("What co-location earned: the agent's /state could not be read ({err:#})")

@@ -58,10 +58,14 @@ PANELS = [
         q(f'sum by (namespace) (rate(coloc_offline_held_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} held"),
     ], "GPU-seconds per second (GPUs' worth) that offline work of each namespace ran on GPUs where online pods have a context (harvested: what co-location gave), and was held while online work was busy. Summed over GPUs: 2 means two GPUs' worth."),
     ("Its cost to online work, per namespace", "percentunit", 12, 8, [
-        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} waited for offline, of wall time"),
-        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}])) / clamp_min(sum by (namespace) (rate(coloc_online_beside_offline_seconds_total{{{SEL}}}[{R}])), 1e-9)', "{{namespace}} waited for offline, of its time beside offline"),
-    ], "Seconds per second (as a share of wall time) online work of each namespace ran beside offline work that had not stopped yet (the preemption latencies on its GPUs: onset → offline confirmed stopped), and that as a share of the time it shared its GPUs with running offline work. The preemption p99 panels below give the per-request view."),
-    ("Table: GPU-hours over the dashboard's range, per namespace and class", "short", 24, 6, [
+        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} waited for offline to stop"),
+        q(f'sum by (namespace) (rate(coloc_online_beside_offline_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} shared its GPUs with running offline"),
+    ], "As shares of wall time (summed over GPUs): how long online work of each namespace, once started, waited for offline work to get out of the way (the preemption latencies on its GPUs, onset → offline confirmed stopped; with NVML alone the onset is the start of the sampled period, so a sample period is part of it), and how long it shared its GPUs with offline work that ran. The runs panel beside gives the per-request view."),
+    ("Online runs with offline running and stopped (doorbell), p50/p99", "s", 12, 8, [
+        q(f'histogram_quantile(0.5, sum by (offline, le) (rate(coloc_online_run_seconds_bucket{{{GPU}}}[{R}])))', "p50 offline {{offline}}"),
+        q(f'histogram_quantile(0.99, sum by (offline, le) (rate(coloc_online_run_seconds_bucket{{{GPU}}}[{R}])))', "p99 offline {{offline}}"),
+    ], "Online work's runs timed from doorbell pages that stamp completions (the shim, page version 3): first launch (after a gap of the page's wake gap, 100 ms by default, 2 ms with the learned release) to the moment the process saw all its work complete, by whether offline work ran on the GPU when the run began. offline=running minus offline=stopped is the latency offline work added; with the default wake gap a run can span several requests."),
+    ("Table: GPU-hours over the dashboard's range, per namespace and class", "short", 12, 8, [
         table(f'sum by (namespace, class) (increase(coloc_offline_harvested_seconds_total{{{SEL}}}[$__range])) / 3600'),
     ], "GPU-hours offline work of each namespace ran beside online work over the dashboard's time range (what co-location earned); `coloc-agent status` on a node prints the same since the agent started, with held time and online's waits."),
     ("Preemption latency (onset of online work → offline confirmed stopped)", "s", 16, 9, [

@@ -110,7 +110,7 @@ def main():
     ap.add_argument("--prometheus", required=True, help="Prometheus base URL")
     ap.add_argument("--out", required=True, help="SVG file to write")
     ap.add_argument("--range-seconds", type=int, default=300, help="time range drawn (default 300)")
-    ap.add_argument("--until-y", type=int, default=45, help="draw panels starting above this grid row (default 45: the on-call screen and what co-location earned)")
+    ap.add_argument("--until-y", type=int, default=47, help="draw panels starting above this grid row (default 47: the on-call screen and what co-location earned)")
     a = ap.parse_args()
     dash = json.load(open(os.path.join(HERE, "gpu-coloc.json")))
     end = time.time()

@@ -191,7 +191,7 @@ fn dur(s: f64) -> String {
 /// What co-location earned since the agent started, per class and namespace (`/state`'s
 /// `earned`; the counters' meaning is in `crate::earned`).
 pub fn earned(st: &StateDoc) -> String {
-    if st.earned.is_empty() {
+    if st.earned.is_empty() && st.online_runs.is_none() {
         return String::new();
     }
     let mut out =
@@ -233,6 +233,16 @@ pub fn earned(st: &StateDoc) -> String {
                 r.preemptions
             );
         }
+    }
+    if let Some(runs) = &st.online_runs {
+        let side = |s: &qos_core::stats::Summary| {
+            format!("p50 {} p99 {} (n={})", ms(s.p50), ms(s.p99), s.count)
+        };
+        out += &format!(
+            "  online runs, first launch to seen complete (doorbell): offline running {}; offline stopped {}\n",
+            side(&runs.offline_running_ms),
+            side(&runs.offline_stopped_ms)
+        );
     }
     out
 }
@@ -462,6 +472,20 @@ mod tests {
         assert_eq!(
             row("serving"),
             ["online", "serving", "2.00", "h", "1.50", "s", "(300)"]
+        );
+        assert!(!out.contains("online runs"), "no run timed: no line");
+        d.online_runs = Some(crate::earned::RunsDoc {
+            offline_running_ms: qos_core::stats::Summary::of([12.0, 14.0]),
+            offline_stopped_ms: qos_core::stats::Summary::of([5.0]),
+        });
+        let out = render(&d);
+        assert!(
+            out.lines()
+                .any(|l| l.trim_start().starts_with("online runs")
+                    && l.contains("offline running p50 12.00 ms")
+                    && l.contains("(n=2)")
+                    && l.contains("offline stopped p50 5.00 ms")),
+            "{out}"
         );
     }
 

@@ -45,6 +45,10 @@ pub struct StateDoc {
     /// (`earned`).
     #[serde(default)]
     pub earned: Vec<crate::earned::EarnedRow>,
+    /// Online work's runs (launch to completion, from doorbell pages that stamp
+    /// completions), by whether offline work ran when each began (`earned::Runs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub online_runs: Option<crate::earned::RunsDoc>,
 }
 
 /// An owner of doorbell pages distrusted on a GPU, in `/state`.

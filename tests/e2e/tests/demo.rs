@@ -106,6 +106,14 @@ fn demo_shows_the_difference() {
     assert!(of("rule:demo-offline", "held_s") > 0.0, "{off}\n{s}");
     assert!(of("rule:demo-online", "preemptions") >= 15.0, "{on}\n{s}");
     assert!(of("rule:demo-online", "waited_s") > 0.0, "{on}\n{s}");
+    // The shim's online requests timed, begun beside running offline work and not.
+    for side in ["offline_running_ms", "offline_stopped_ms"] {
+        assert!(
+            s["online_runs"][side]["count"].as_u64().unwrap_or(0) >= 3,
+            "{side}: {}\n{stdout}",
+            s["online_runs"]
+        );
+    }
     // The demo asks the agent for idle CPUs that poll: in force while it ran where the
     // device is writable (root), else the demo says the agent could not hold it.
     assert_eq!(s["cpu_wake_latency_us"], 0, "{s}");

@@ -77,12 +77,35 @@ fn dashboard_and_alerts_against_real_prometheus() {
     let agent = Agent::start(
         &sim,
         AgentOpts {
-            rules: "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\n[[rule]]\nname = \"web\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim busy*\"\n",
+            rules: "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\n[[rule]]\nname = \"web\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim busy*\"\n\n[[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n",
             ..AgentOpts::default()
         },
     );
     let _off = sim.spawn(&["offline", "--step-ms", "2"]);
     let _online = sim.spawn(&["busy", "--ms", "20", "--repeat", "200", "--gap-ms", "150"]);
+    // Online requests under the CUDA shim (the fake driver): their doorbell page stamps
+    // completions, so the agent times their runs.
+    let _requests = Kill(
+        sim.cmd(&[
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            "8",
+            "--work-ms",
+            "5",
+            "--duration-s",
+            "60",
+            "--cuda",
+        ])
+        .env("LD_LIBRARY_PATH", fake_cuda())
+        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+        .env("COLOC_SHIM_CLASS", "online")
+        .env("COLOC_DOORBELL_DIR", &agent.doorbell_dir)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
     let wport = free_port();
     let _webhook = Kill(
         Command::new(bin("coloc-webhook"))
@@ -293,6 +316,9 @@ fn dashboard_and_alerts_against_real_prometheus() {
         r#"coloc_offline_held_seconds_total{namespace="rule:off", class="offline"} > 0"#,
         r#"coloc_online_waited_seconds_total{namespace="rule:web", class="online"} > 0"#,
         r#"coloc_online_beside_offline_seconds_total{namespace="rule:web", class="online"} > 0"#,
+        // The shim's requests timed, begun with offline running and with it stopped.
+        r#"coloc_online_run_seconds_count{offline="running"} > 0"#,
+        r#"coloc_online_run_seconds_count{offline="stopped"} > 0"#,
     ] {
         assert!(!rows(q).is_empty(), "nothing for {q}");
     }
@@ -330,6 +356,12 @@ fn dashboard_and_alerts_against_real_prometheus() {
     assert!(
         !web.ends_with("(0)"),
         "no preemption counted for the online work: {web}"
+    );
+    assert!(
+        earned
+            .lines()
+            .any(|l| l.trim_start().starts_with("online runs")),
+        "no online runs line:\n{text}"
     );
     eprintln!("coloc-agent status:{earned}");
     // A picture of the dashboard's first screen from this run, when asked for

@@ -215,6 +215,12 @@ impl Loop {
             generation,
         }]);
         self.account(dt);
+        {
+            let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
+            for s in self.ctl.summary() {
+                e.runs.offline_running(s.gpu, now, s.offline > s.suspended);
+            }
+        }
         self.shared.mark_tick(now);
     }
 
@@ -268,7 +274,9 @@ impl Loop {
                 }
                 Cmd::Vet { plans } => out.push(self.eyes.vet(plans, self.ctl.table())),
                 Cmd::ReadBells { force, sweep, gate } => {
-                    out.push(self.eyes.bells(force, sweep, gate))
+                    let obs = self.eyes.bells(force, sweep, gate);
+                    self.time_runs(&obs);
+                    out.push(obs)
                 }
                 Cmd::PreferPages(ids) => self.eyes.bells.prefer(&ids),
                 Cmd::Hold(c) => out.extend(self.hands().perform(c).map(Obs::Hold)),
@@ -340,6 +348,24 @@ impl Loop {
             }
             n => n.report(),
         }
+    }
+
+    /// Times online work's runs from the doorbell readings (`earned::Runs`).
+    fn time_runs(&self, obs: &Obs) {
+        let (
+            Obs::Bells {
+                pages, readings, ..
+            },
+            Some(uuids),
+        ) = (obs, self.shared.gpu_uuids.get())
+        else {
+            return;
+        };
+        let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pages {
+            e.runs.pages(p);
+        }
+        crate::earned::record_runs(&e.runs.observe(readings, uuids));
     }
 
     /// `/state`: the controller's document, with telemetry's history.
