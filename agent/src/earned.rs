@@ -84,7 +84,8 @@ pub struct RunsDoc {
 pub struct Runs {
     uuid_gpu: HashMap<[u8; 16], u32>,
     online_pages: HashSet<u64>,
-    /// Per (page, GPU): the start of the latest run timed.
+    /// Per (page, GPU): the start of the latest run timed (a run starting no later is not
+    /// timed: a page that goes back cannot have a run timed twice).
     timed: HashMap<(u64, u32), u64>,
     /// Per GPU: when offline work started (true) or stopped (false) running, oldest first.
     changes: BTreeMap<u32, VecDeque<(u64, bool)>>,
@@ -148,7 +149,8 @@ impl Runs {
             let Some(gpu) = self.uuid_gpu.get(&r.reading.uuid).copied() else {
                 continue;
             };
-            if self.timed.get(&(r.page, gpu)) == Some(&since) {
+            // Runs only move forward: a start at or before the latest one timed is old.
+            if self.timed.get(&(r.page, gpu)).is_some_and(|t| since <= *t) {
                 continue;
             }
             self.timed.insert((r.page, gpu), since);
@@ -540,5 +542,61 @@ mod tests {
         assert!(r
             .observe(&[reading(1, 2500, 2501, 2500 + 10_001)], &uuids)
             .is_empty());
+    }
+
+    /// A tenant's pages are its word: two pages of one tenant (one stating the offline
+    /// class, one online) that claim runs on a GPU the agent does not manage, inverted or
+    /// endless runs, or the same run over and over, add nothing but their own well-formed
+    /// runs, each once.
+    #[test]
+    fn forged_pages_add_nothing_but_their_own_runs_once() {
+        use crate::edges::doorbell::Owner;
+        let managed = "GPU-5f1c0a2e-7d3b-4c19-9e6a-000000000000";
+        let other = "GPU-5f1c0a2e-7d3b-4c19-9e6a-0000000000ff";
+        let uuids: BTreeMap<u32, String> = [(0, managed.to_string())].into();
+        let page = |id: u64, class: u32| PageInfo {
+            id,
+            path: format!("/run/bells/pods/u/{id}.bell").into(),
+            owner: Owner::Pod("u".into()),
+            file_uid: 1000,
+            wake_gap_ns: 100_000_000,
+            pid: 7,
+            class,
+        };
+        let reading = |page: u64, uuid: &str, since: u64, last: u64, done: u64| BellReading {
+            page,
+            reading: coloc_doorbell::Reading {
+                index: 0,
+                uuid: coloc_doorbell::parse_uuid(uuid).unwrap(),
+                last_launch_ns: last,
+                busy_since_ns: since,
+            },
+            drained_ns: done,
+        };
+        let mut r = Runs::default();
+        r.pages(&[
+            page(1, coloc_doorbell::CLASS_ONLINE),
+            page(2, coloc_doorbell::CLASS_OFFLINE),
+        ]);
+        r.offline_running(0, 1, true);
+        let s = 1_000_000_000;
+        let forged = [
+            reading(1, other, 2 * s, 2 * s, 3 * s),   // a GPU not managed
+            reading(1, managed, 3 * s, 2 * s, 4 * s), // begun after its last launch
+            reading(1, managed, 2 * s, 3 * s, 3 * s - 1), // done before its last launch
+            reading(1, managed, s, s, s + MAX_RUN_NS + 1), // endless
+            reading(2, managed, 2 * s, 2 * s, 2 * s + 5_000_000), // the offline page
+            reading(1, managed, 5 * s, 5 * s, 5 * s + 4_000_000), // its one real run
+        ];
+        for _ in 0..3 {
+            let got = r.observe(&forged, &uuids);
+            assert!(got.len() <= 1, "{got:?}");
+        }
+        let d = r.doc().unwrap();
+        assert_eq!(
+            (d.offline_running_ms.count, d.offline_stopped_ms.count),
+            (1, 0)
+        );
+        assert_eq!(d.offline_running_ms.max, Some(4.0));
     }
 }
