@@ -20,6 +20,7 @@
 pub mod cli;
 pub mod cmd;
 pub mod control;
+pub mod earned;
 pub mod edges;
 pub mod http;
 pub mod logbudget;

@@ -259,6 +259,7 @@ fn run(args: RunArgs) -> Result<()> {
         stall_ns,
         state_cmdlines: args.state_cmdlines,
         state_public: args.state_public,
+        process_info: !args.metrics_without_pods,
         metrics_cache: Arc::default(),
     };
     // What /healthz and /readyz say, in the state directory too, for exec probes (no

@@ -54,6 +54,12 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()?;
     describe();
     metrics::counter!("coloc_gate_escalations_total").increment(0);
+    // Breaks per node and actuator (a panel and a recording rule read them): at 0 from
+    // the start, so that `increase()` sees the first one.
+    for kind in [Kind::Freezer, Kind::Signal, Kind::Gate, Kind::Lock] {
+        metrics::counter!("coloc_suspension_breaks_total", "actuator" => kind.as_str())
+            .increment(0);
+    }
     for reason in FAIL_OPEN_REASONS {
         metrics::counter!("coloc_fail_open_total", "reason" => *reason).increment(0);
     }
@@ -205,6 +211,11 @@ fn describe() {
         "coloc_nvml_call_duration_seconds",
         Unit::Seconds,
         "Duration of NVML calls made by the agent, by function."
+    );
+    describe_histogram!(
+        "coloc_online_run_seconds",
+        Unit::Seconds,
+        "Runs of online work timed from doorbell pages that stamp completions: a run's first launch (after a gap of the page's wake gap) to the moment its process saw all its work on the GPU complete, by GPU and by whether offline work ran there when the run began (offline=running or stopped). The difference is what offline work added."
     );
     describe_histogram!(
         "coloc_loop_lag_seconds",
@@ -464,5 +475,230 @@ impl Telemetry {
             }
         }
         push_bounded(&mut self.recent, ev, RECENT);
+    }
+}
+
+/// The label the GPU's UUID takes on every per-GPU series: `UUID`, as the DCGM exporter
+/// names it (its `gpu` label is the NVML index, as ours), so that any series of the agent
+/// joins DCGM's (`* on (UUID) group_left …`).
+pub const UUID_LABEL: &str = "UUID";
+
+/// Escapes a Prometheus label value (backslash, double quote, newline).
+fn escape(v: &str, out: &mut String) {
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+}
+
+/// Copies the Prometheus text `text` into `out`, with `UUID="<uuid>"` added after the
+/// `gpu="<index>"` label of every sample whose index `uuids` knows: every per-GPU series
+/// of the agent, whichever code records it, carries the GPU's identity. Samples of no GPU
+/// (`gpu="-"`, or no `gpu` label) and comment lines are copied as they are.
+pub fn label_gpus(text: &str, uuids: &BTreeMap<u32, String>, out: &mut String) {
+    out.reserve(text.len() + text.len() / 4);
+    for line in text.split_inclusive('\n') {
+        if !line.starts_with('#') {
+            if let Some(at) = gpu_label_end(line, uuids) {
+                let (head, tail) = line.split_at(at.0);
+                out.push_str(head);
+                out.push(',');
+                out.push_str(UUID_LABEL);
+                out.push_str("=\"");
+                escape(at.1, out);
+                out.push('"');
+                out.push_str(tail);
+                continue;
+            }
+        }
+        out.push_str(line);
+    }
+}
+
+/// Where the `gpu` label's value of a sample line ends, and that GPU's UUID.
+fn gpu_label_end<'a>(line: &str, uuids: &'a BTreeMap<u32, String>) -> Option<(usize, &'a str)> {
+    let open = line.find('{')?;
+    let labels = &line[open..open + line[open..].find('}')?];
+    if labels.contains("{UUID=\"") || labels.contains(",UUID=\"") {
+        return None;
+    }
+    // `{gpu="` or `,gpu="`: the label named gpu, not one whose name ends in it.
+    let start = labels.find("{gpu=\"").or_else(|| labels.find(",gpu=\""))? + "{gpu=\"".len();
+    let len = labels[start..].find('"')?;
+    let uuid = uuids.get(&labels[start..start + len].parse::<u32>().ok()?)?;
+    Some((open + start + len + 1, uuid.as_str()))
+}
+
+/// The per-process info series.
+pub const PROCESS_INFO: &str = "coloc_process_info";
+
+/// Help text of `coloc_process_info`.
+pub const PROCESS_INFO_HELP: &str = "One series per GPU process of a pod or rule on each GPU it uses (always 1): namespace and pod (a standalone rule or an unknown pod: namespace empty, pod as /state's owner: rule:NAME, pod-uid:UID, -), container (its name in the pod; empty where unknown), class, gpu (NVML index) and UUID (the GPU's, as DCGM names it), actuator (what holds it while online is busy, offline only, as /state's actuator: freezer, signal, lock; under --gate a process whose page is seen is drained at its launch gate first), shim (page: its doorbell page is seen; else why not: not_injected, refused, opted_out, not_loaded; empty for system and unmanaged processes). Join on UUID to DCGM's series, on namespace and pod to kube-state-metrics'.";
+
+/// Renders `coloc_process_info` from the `/state` document into `out`: one series per
+/// (process's labels, GPU); two processes of one container on one GPU give one series.
+pub fn render_process_info(doc: &crate::control::state::StateDoc, out: &mut String) {
+    let mut series = std::collections::BTreeSet::new();
+    for g in &doc.gpus {
+        for p in &g.processes {
+            let (namespace, pod) = match p.owner.split_once('/') {
+                Some((ns, pod)) if !p.owner.contains(':') => (ns, pod),
+                _ => ("", p.owner.as_str()),
+            };
+            let mut s = String::with_capacity(160);
+            s.push_str(PROCESS_INFO);
+            s.push_str("{namespace=\"");
+            escape(namespace, &mut s);
+            s.push_str("\",pod=\"");
+            escape(pod, &mut s);
+            s.push_str("\",container=\"");
+            escape(p.container.as_deref().unwrap_or(""), &mut s);
+            s.push_str("\",class=\"");
+            s.push_str(p.class.as_str());
+            s.push_str("\",gpu=\"");
+            s.push_str(&g.index.to_string());
+            s.push_str("\",UUID=\"");
+            escape(&g.uuid, &mut s);
+            s.push_str("\",actuator=\"");
+            s.push_str(p.actuator.map(Kind::as_str).unwrap_or(""));
+            s.push_str("\",shim=\"");
+            escape(p.shim.as_deref().unwrap_or(""), &mut s);
+            s.push_str("\"} 1\n");
+            series.insert(s);
+        }
+    }
+    out.push_str(&format!(
+        "# HELP {PROCESS_INFO} {PROCESS_INFO_HELP}\n# TYPE {PROCESS_INFO} gauge\n"
+    ));
+    for s in series {
+        out.push_str(&s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::state::{GpuDoc, ProcDoc, StateDoc};
+    use qos_core::Class;
+
+    fn uuids() -> BTreeMap<u32, String> {
+        [(0, "GPU-aaaa".to_string()), (1, "GPU-bbbb".to_string())].into()
+    }
+
+    #[test]
+    fn every_series_of_a_known_gpu_gets_its_uuid() {
+        let text = "# HELP coloc_gpu_online_busy x\n# TYPE coloc_gpu_online_busy gauge\n\
+            coloc_gpu_online_busy{gpu=\"0\"} 1\n\
+            coloc_preemption_latency_seconds_bucket{gpu=\"1\",actuator=\"gate\",signal=\"nvml\",le=\"0.1\"} 3\n\
+            coloc_suspensions_total{gpu=\"-\",reason=\"share_cap\"} 2\n\
+            coloc_suspensions_total{reason=\"online_busy\",gpu=\"0\"} 5\n\
+            coloc_nvml_errors_total{gpu=\"7\",reason=\"timeout\"} 1\n\
+            coloc_loop_lag_seconds_sum 0.5\n\
+            coloc_x{notgpu=\"0\"} 1\n";
+        let mut out = String::new();
+        label_gpus(text, &uuids(), &mut out);
+        let want = "# HELP coloc_gpu_online_busy x\n# TYPE coloc_gpu_online_busy gauge\n\
+            coloc_gpu_online_busy{gpu=\"0\",UUID=\"GPU-aaaa\"} 1\n\
+            coloc_preemption_latency_seconds_bucket{gpu=\"1\",UUID=\"GPU-bbbb\",actuator=\"gate\",signal=\"nvml\",le=\"0.1\"} 3\n\
+            coloc_suspensions_total{gpu=\"-\",reason=\"share_cap\"} 2\n\
+            coloc_suspensions_total{reason=\"online_busy\",gpu=\"0\",UUID=\"GPU-aaaa\"} 5\n\
+            coloc_nvml_errors_total{gpu=\"7\",reason=\"timeout\"} 1\n\
+            coloc_loop_lag_seconds_sum 0.5\n\
+            coloc_x{notgpu=\"0\"} 1\n";
+        assert_eq!(out, want);
+        // Labelled once, however often it passes.
+        let mut again = String::new();
+        label_gpus(&out, &uuids(), &mut again);
+        assert_eq!(again, want);
+    }
+
+    fn proc(
+        pid: u32,
+        class: Class,
+        owner: &str,
+        actuator: Option<Kind>,
+        shim: Option<&str>,
+    ) -> ProcDoc {
+        ProcDoc {
+            pid,
+            class,
+            owner: owner.into(),
+            cmd: String::new(),
+            suspended: false,
+            actuator,
+            last_active_ms_ago: None,
+            driver: None,
+            checkpointed_bytes: None,
+            container: Some("main".into()),
+            escaping: false,
+            gate: None,
+            shim: shim.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn process_info_names_pod_gpu_actuator_and_shim() {
+        let doc = StateDoc {
+            gpus: vec![
+                GpuDoc {
+                    index: 0,
+                    uuid: "GPU-aaaa".into(),
+                    processes: vec![
+                        proc(10, Class::Online, "serving/web-0", None, Some("page")),
+                        proc(
+                            11,
+                            Class::Offline,
+                            "batch/train-1",
+                            Some(Kind::Gate),
+                            Some("not_loaded"),
+                        ),
+                        // A second process of the same container: one series.
+                        proc(
+                            12,
+                            Class::Offline,
+                            "batch/train-1",
+                            Some(Kind::Gate),
+                            Some("not_loaded"),
+                        ),
+                        proc(13, Class::Offline, "rule:nightly", Some(Kind::Signal), None),
+                    ],
+                    ..GpuDoc::default()
+                },
+                GpuDoc {
+                    index: 1,
+                    uuid: "GPU-bb\"bb".into(),
+                    processes: vec![proc(
+                        11,
+                        Class::Offline,
+                        "batch/train-1",
+                        Some(Kind::Gate),
+                        Some("not_loaded"),
+                    )],
+                    ..GpuDoc::default()
+                },
+            ],
+            ..StateDoc::default()
+        };
+        let mut out = String::new();
+        render_process_info(&doc, &mut out);
+        let series: Vec<&str> = out.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            series,
+            [
+                r#"coloc_process_info{namespace="",pod="rule:nightly",container="main",class="offline",gpu="0",UUID="GPU-aaaa",actuator="signal",shim=""} 1"#,
+                r#"coloc_process_info{namespace="batch",pod="train-1",container="main",class="offline",gpu="0",UUID="GPU-aaaa",actuator="gate",shim="not_loaded"} 1"#,
+                r#"coloc_process_info{namespace="batch",pod="train-1",container="main",class="offline",gpu="1",UUID="GPU-bb\"bb",actuator="gate",shim="not_loaded"} 1"#,
+                r#"coloc_process_info{namespace="serving",pod="web-0",container="main",class="online",gpu="0",UUID="GPU-aaaa",actuator="",shim="page"} 1"#,
+            ]
+        );
+        assert!(out.starts_with("# HELP coloc_process_info "));
+        // Already labelled with its UUID: label_gpus leaves it alone.
+        let mut again = String::new();
+        label_gpus(&out, &uuids(), &mut again);
+        assert_eq!(again, out);
     }
 }

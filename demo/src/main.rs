@@ -36,6 +36,7 @@ mod memory;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use coloc_agent::control::events::{parse_log, Event};
+use coloc_agent::control::state::StateDoc;
 use coloc_agent::edges::actuator::Kind;
 use coloc_agent::edges::cgroupfs::CgroupMounts;
 use coloc_sim::command_in_cgroup;
@@ -310,7 +311,8 @@ fn out_dir(a: &DemoArgs, prefix: &str) -> Result<PathBuf> {
 }
 
 /// `coloc-agent run` as the demos start it: the fake NVML library, `rules`, its state and
-/// doorbell directories beside the simulated GPU's `state` file, events to `events`.
+/// doorbell directories beside the simulated GPU's `state` file, events to `events`, its
+/// HTTP endpoints on `listen`.
 fn agent_command(
     me: &Path,
     fake: &Path,
@@ -318,26 +320,21 @@ fn agent_command(
     state: &Path,
     events: &Path,
     actuator: Kind,
+    listen: &str,
 ) -> Command {
     let mut c = Command::new(me);
-    c.args([
-        "run",
-        "--listen",
-        "127.0.0.1:0",
-        "--actuator",
-        actuator.as_str(),
-    ])
-    .arg("--rules")
-    .arg(rules)
-    .arg("--nvml-lib")
-    .arg(fake)
-    .arg("--state-dir")
-    .arg(state.with_extension("agent"))
-    .arg("--event-log")
-    .arg(events)
-    .arg("--doorbell-dir")
-    .arg(state.with_extension("bells"))
-    .env("COLOC_SIM_STATE", state);
+    c.args(["run", "--listen", listen, "--actuator", actuator.as_str()])
+        .arg("--rules")
+        .arg(rules)
+        .arg("--nvml-lib")
+        .arg(fake)
+        .arg("--state-dir")
+        .arg(state.with_extension("agent"))
+        .arg("--event-log")
+        .arg(events)
+        .arg("--doorbell-dir")
+        .arg(state.with_extension("bells"))
+        .env("COLOC_SIM_STATE", state);
     c
 }
 
@@ -482,46 +479,61 @@ fn run(a: DemoArgs) -> Result<Value> {
     let _ = std::fs::remove_file(&events);
     let agent_log = std::fs::File::create(out.join("agent.log"))?;
     let managed_s: Vec<String> = managed.iter().map(u32::to_string).collect();
-    let agent = agent_command(&me, &fake, &rules_path, &state, &events, a.actuator)
-        .arg("--gpus")
-        .arg(managed_s.join(","))
-        .arg("--gate")
-        .arg("--gate-file")
-        .arg(&gate_file)
-        .arg("--nvml-sample-period")
-        .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
-        .arg("--idle-window")
-        .arg(format!("{}us", a.idle_window.as_micros()))
-        // A wrong release costs online what the gate leaves in flight: the shim's budget
-        // (0.5 ms), or one kernel when kernels are longer.
-        .args([
-            "--release",
-            match a.release {
-                DemoRelease::Learned => "learned",
-                DemoRelease::AtOnce => "at-once",
-            },
-            "--release-floor",
-        ])
-        .arg(format!("{}us", (a.release.wake_ms() * 1e3) as u64))
-        .args(match a.release {
-            DemoRelease::Learned => vec![],
-            DemoRelease::AtOnce => vec!["--poll-interval", "100us"],
-        })
-        .arg("--release-drain")
-        .arg(format!("{}us", (a.offline_step_ms.max(0.5) * 1e3) as u64))
-        .args(match a.cpu_wake_latency {
-            WakeRequest::Off => vec![],
-            WakeRequest::Within(d) => {
-                vec![
-                    "--cpu-wake-latency".to_string(),
-                    format!("{}us", d.as_micros()),
-                ]
-            }
-        })
-        .env("COLOC_SIM_STATE", &state)
-        .stderr(agent_log)
-        .spawn()
-        .context("starting the agent")?;
+    // A port of its own, so that the demo can read what the agent says it earned.
+    let listen = format!(
+        "127.0.0.1:{}",
+        std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port()
+    );
+    let agent = agent_command(
+        &me,
+        &fake,
+        &rules_path,
+        &state,
+        &events,
+        a.actuator,
+        &listen,
+    )
+    .arg("--gpus")
+    .arg(managed_s.join(","))
+    .arg("--gate")
+    .arg("--gate-file")
+    .arg(&gate_file)
+    .arg("--nvml-sample-period")
+    .arg(format!("{}us", (a.sample_period_ms * 1000.0) as u64))
+    .arg("--idle-window")
+    .arg(format!("{}us", a.idle_window.as_micros()))
+    // A wrong release costs online what the gate leaves in flight: the shim's budget
+    // (0.5 ms), or one kernel when kernels are longer.
+    .args([
+        "--release",
+        match a.release {
+            DemoRelease::Learned => "learned",
+            DemoRelease::AtOnce => "at-once",
+        },
+        "--release-floor",
+    ])
+    .arg(format!("{}us", (a.release.wake_ms() * 1e3) as u64))
+    .args(match a.release {
+        DemoRelease::Learned => vec![],
+        DemoRelease::AtOnce => vec!["--poll-interval", "100us"],
+    })
+    .arg("--release-drain")
+    .arg(format!("{}us", (a.offline_step_ms.max(0.5) * 1e3) as u64))
+    .args(match a.cpu_wake_latency {
+        WakeRequest::Off => vec![],
+        WakeRequest::Within(d) => {
+            vec![
+                "--cpu-wake-latency".to_string(),
+                format!("{}us", d.as_micros()),
+            ]
+        }
+    })
+    .env("COLOC_SIM_STATE", &state)
+    .stderr(agent_log)
+    .spawn()
+    .context("starting the agent")?;
     let mut agent = Kill(vec![agent]);
     std::thread::sleep(Duration::from_millis(500));
     if let Some(st) = agent.0[0].try_wait()? {
@@ -666,6 +678,16 @@ fn run(a: DemoArgs) -> Result<Value> {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+    // What co-location earned on the managed GPUs, as `coloc-agent status` prints it.
+    let earned = coloc_agent::cmd::status::http_get(&format!("http://{listen}"), "/state")
+        .and_then(|body| Ok(serde_json::from_str::<StateDoc>(&body)?))
+        .map(|doc| {
+            (
+                coloc_agent::cmd::status::earned(&doc),
+                doc.earned,
+                doc.online_runs,
+            )
+        });
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(agent.0[0].id() as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -702,6 +724,17 @@ fn run(a: DemoArgs) -> Result<Value> {
     summary["cpu_wake_latency_in_force_us"] = serde_json::json!(in_force);
 
     print_table(&summary, a.release);
+    match earned {
+        Ok((text, rows, runs)) => {
+            // Every managed scenario's GPUs together (the agent counts per namespace).
+            print!("{text}");
+            summary["earned"] = serde_json::json!(rows);
+            summary["online_runs"] = serde_json::json!(runs);
+        }
+        Err(err) => {
+            println!("What co-location earned: the agent's /state could not be read ({err:#})")
+        }
+    }
     println!(
         "timeline (online busy, offline suspended, request latency): {}",
         svg.display()

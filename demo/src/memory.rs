@@ -86,6 +86,7 @@ pub fn run(a: &super::DemoArgs) -> Result<()> {
         &state,
         &events,
         coloc_agent::edges::actuator::Kind::Signal,
+        "127.0.0.1:0",
     )
     .args(["--gpus", "1"])
     .arg("--nvml-sample-period")

@@ -16,12 +16,58 @@ def q(expr, legend):
     return {"expr": expr, "legendFormat": legend}
 
 
+def table(expr, value=True):
+    """An instant query shown as a table (one row per series, a column per label; the
+    value's column too unless `value` is false)."""
+    return {"expr": expr, "legendFormat": "", "format": "table", "instant": True, "value": value}
+
+
 def quantile(metric, p, extra=""):
     return f'histogram_quantile({p}, sum by (le{extra}) (rate({metric}_bucket{{{GPU}}}[{R}])))'
 
 
 PANELS = [
-    # (title, unit, width, height, targets, description)
+    # (title, unit, width, height, targets, description); a title starting with "Table: "
+    # is a table of instant queries.
+    # On call: where it is slow, which hold, which pods, what failed. The recording rules
+    # (deploy/prometheus/rules.yaml, gpu_coloc:… and gpu_coloc_node:…) are the alerts' own
+    # figures; `> 0` leaves out GPUs and holds without preemptions in the last 5 minutes.
+    ("Worst GPUs: preemption latency p99, top 5", "s", 12, 8, [
+        q(f'topk(5, gpu_coloc:preemption_latency_seconds:p99_5m{{{GPU}}} > 0)', "{{node}} GPU {{gpu}} {{signal}} {{UUID}}"),
+    ], "The five GPUs with the slowest preemptions (p99 over 5 minutes, onset → offline confirmed stopped), by the signal that saw the onset: what GpuColocPreemptionSlow (doorbell, above 50 ms) and GpuColocPreemptionSlowNvml (NVML, above 500 ms) judge. UUID joins DCGM's series for that GPU (DCGM_FI_DEV_GPU_UTIL{UUID=\"…\"}, XID errors)."),
+    ("Worst nodes: preemption latency p99, top 5", "s", 12, 8, [
+        q(f'topk(5, gpu_coloc_node:preemption_latency_seconds:p99_5m{{{SEL}}} > 0)', "{{node}} {{signal}}"),
+    ], "The five nodes with the slowest preemptions (p99 over 5 minutes, all their GPUs), by signal: one slow node shows here though the cluster's quantile hides it."),
+    ("Preemption latency p99 by actuator and signal", "s", 12, 8, [
+        q(f'histogram_quantile(0.99, sum by (actuator, signal, le) (gpu_coloc:preemption_latency_seconds_bucket:rate5m{{{GPU}}})) > 0', "p99 {{actuator}} {{signal}}"),
+    ], "Which hold is slow: gate (the shim's launch gate, a drain of in-flight kernels), freezer, signal (SIGSTOP), lock (the CUDA driver's lock); doorbell: onset at the launch, nvml: at the start of the sampled period."),
+    ("Fail-opens and breaks by node", "short", 12, 8, [
+        q(f'gpu_coloc_node:fail_open:increase10m{{{SEL}}}', "{{node}} fail-open {{reason}}"),
+        q(f'gpu_coloc_node:suspension_breaks:increase10m{{{SEL}}}', "{{node}} breaks {{actuator}}"),
+    ], "Per node over 10 minutes: fail-opens (the agent resumed all offline work: nvml, nvml_hung, record, actuation, panic) and breaks (held offline work found running, e.g. a SIGCONT from inside its pod, and stopped again), by actuator. A node with steady breaks has a tenant undoing its holds."),
+    ("GPU processes without the CUDA shim, by node and reason", "short", 24, 7, [
+        q(f'sum by (node, class, shim) (gpu_coloc_node:shim_coverage_processes:sum{{{SEL}, shim!="page"}})', "{{node}} {{class}} {{shim}}"),
+    ], "Processes of online and offline pods whose doorbell page is not seen, by why: their onset is seen through NVML only, a sample period late (online), or they are held by the fallback instead of the gate (offline). The table below names the pods."),
+    ("Table: Pods on each GPU (class, hold, shim)", "short", 24, 8, [
+        table(f'max by (node, namespace, pod, container, class, gpu, UUID, actuator, shim) (coloc_process_info{{{GPU}}})', value=False),
+    ], "One row per container on each GPU (coloc_process_info): its class, the actuator that holds it while online is busy (offline), and whether its CUDA shim's page is seen (page) or why not (not_injected, refused, opted_out, not_loaded). UUID joins DCGM's series (DCGM_FI_DEV_FB_USED, DCGM_FI_DEV_XID_ERRORS) for that GPU."),
+    # What co-location earned (agent/src/earned.rs defines each counter): GPU time online
+    # pods' GPUs gave to offline work, per namespace, and what it cost online work.
+    ("What co-location earned: GPUs given to offline work, per namespace", "short", 12, 8, [
+        q(f'sum by (namespace) (rate(coloc_offline_harvested_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} ran beside online"),
+        q(f'sum by (namespace) (rate(coloc_offline_held_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} held"),
+    ], "GPU-seconds per second (GPUs' worth) that offline work of each namespace ran on GPUs where online pods have a context (harvested: what co-location gave), and was held while online work was busy. Summed over GPUs: 2 means two GPUs' worth."),
+    ("Its cost to online work, per namespace", "percentunit", 12, 8, [
+        q(f'sum by (namespace) (rate(coloc_online_waited_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} waited for offline to stop"),
+        q(f'sum by (namespace) (rate(coloc_online_beside_offline_seconds_total{{{SEL}}}[{R}]))', "{{namespace}} shared its GPUs with running offline"),
+    ], "As shares of wall time (summed over GPUs): how long online work of each namespace, once started, waited for offline work to get out of the way (the preemption latencies on its GPUs, onset → offline confirmed stopped; with NVML alone the onset is the start of the sampled period, so a sample period is part of it), and how long it shared its GPUs with offline work that ran. The runs panel beside gives the per-request view."),
+    ("Online runs with offline running and stopped (doorbell), p50/p99", "s", 12, 8, [
+        q(f'histogram_quantile(0.5, sum by (offline, le) (rate(coloc_online_run_seconds_bucket{{{GPU}}}[{R}])))', "p50 offline {{offline}}"),
+        q(f'histogram_quantile(0.99, sum by (offline, le) (rate(coloc_online_run_seconds_bucket{{{GPU}}}[{R}])))', "p99 offline {{offline}}"),
+    ], "Online work's runs timed from doorbell pages that stamp completions (the shim, page version 3): first launch (after a gap of the page's wake gap, 100 ms by default, 2 ms with the learned release) to the moment the process saw all its work complete, by whether offline work ran on the GPU when the run began. offline=running minus offline=stopped is the latency offline work added; with the default wake gap a run can span several requests."),
+    ("Table: GPU-hours over the dashboard's range, per namespace and class", "short", 12, 8, [
+        table(f'sum by (namespace, class) (increase(coloc_offline_harvested_seconds_total{{{SEL}}}[$__range])) / 3600'),
+    ], "GPU-hours offline work of each namespace ran beside online work over the dashboard's time range (what co-location earned); `coloc-agent status` on a node prints the same since the agent started, with held time and online's waits."),
     ("Preemption latency (onset of online work → offline confirmed stopped)", "s", 16, 9, [
         q(quantile("coloc_preemption_latency_seconds", 0.5, ", signal"), "p50 {{signal}}"),
         q(quantile("coloc_preemption_latency_seconds", 0.9, ", signal"), "p90 {{signal}}"),
@@ -113,13 +159,19 @@ def dashboard():
         if x + w > 24:
             x, y = 0, y + rowh
             rowh = 0
+        is_table = title.startswith("Table: ")
+        title = title.removeprefix("Table: ")
         panels.append({
-            "id": i + 1, "type": "timeseries", "title": title, "description": desc,
+            "id": i + 1, "type": "table" if is_table else "timeseries", "title": title, "description": desc,
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "gridPos": {"x": x, "y": y, "w": w, "h": h},
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]}},
-            "targets": [dict(t, refId=chr(65 + j), datasource={"type": "prometheus", "uid": "${datasource}"}) for j, t in enumerate(targets)],
+            "options": {"showHeader": True} if is_table else
+            {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]}},
+            **({"transformations": [{"id": "organize", "options": {"excludeByName": dict(
+                {"Time": True}, **({} if all(t["value"] for t in targets) else {"Value": True}))}}]} if is_table else {}),
+            "targets": [dict({k: v for k, v in t.items() if k != "value"}, refId=chr(65 + j),
+                             datasource={"type": "prometheus", "uid": "${datasource}"}) for j, t in enumerate(targets)],
         })
         x += w
         rowh = max(rowh, h)
@@ -136,6 +188,7 @@ def dashboard():
                       "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}],
         "__requires": [{"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
                        {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+                       {"type": "panel", "id": "table", "name": "Table", "version": ""},
                        {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"}],
         "uid": "gpu-coloc", "title": "gpu-coloc: GPU co-location", "tags": ["gpu-coloc", "gpu"],
         "schemaVersion": 39, "version": 1, "editable": True, "time": {"from": "now-1h", "to": "now"},

@@ -132,6 +132,8 @@ def helm_checks():
         "memoryPreemption.enabled=true,memoryPreemption.interval=5ms": "memoryPreemption.interval=5ms: 10ms to 10s",
         "memoryPreemption.enabled=true,memoryPreemption.interval=1m": "memoryPreemption.interval=1m: 10ms to 10s",
         "memoryPreemption.terminationGracePeriodSeconds=10": "terminationGracePeriodSeconds",
+        "monitoring.prometheusRules.runbookBaseUrl=wiki/runbooks": "runbookBaseUrl",
+        "monitoring.prometheusRules.runbookBaseUrl=https://wiki.example.com/r#x": "runbookBaseUrl",
     }
     for s, needle in bad.items():
         try:
@@ -1245,6 +1247,10 @@ def helm_lifecycle(docs, label, event, secrets):
 
 # --- Monitoring: one naming across ServiceMonitors, alerts, dashboard ------------------
 
+# Where each alert's runbook_url points: a section of docs/troubleshooting.md per alert.
+RUNBOOK = "https://github.com/gpu-coloc/gpu-coloc/blob/main/docs/troubleshooting.md"
+
+
 def monitoring_checks():
     d = [x for x in yaml.safe_load_all(render("monitoring.serviceMonitors.enabled=true", "monitoring.prometheusRules.enabled=true",
                                               "monitoring.additionalLabels.release=prometheus", name="prod")) if x]
@@ -1293,7 +1299,7 @@ def monitoring_checks():
     # Every panel query parses (promtool, as recording rules; the variables as the
     # dashboard's All).
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        sub = lambda e: e.replace("$__rate_interval", "1m").replace("$cluster", ".*").replace("$node", ".*").replace("$gpu", ".*")
+        sub = lambda e: e.replace("$__rate_interval", "1m").replace("$__range", "1m").replace("$cluster", ".*").replace("$node", ".*").replace("$gpu", ".*")
         yaml.safe_dump({"groups": [{"name": "panels", "rules": [{"record": f"panel_{i}", "expr": sub(e)} for i, e in enumerate(exprs)]}]}, f)
         f.flush()
         r = subprocess.run(["promtool", "check", "rules", f.name], capture_output=True, text=True)
@@ -1305,10 +1311,37 @@ def monitoring_checks():
         for a in t.get("alert_rule_test", []):
             (fire if a.get("exp_alerts") else silent).add(a["alertname"])
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    # Every alert says what happened with the query's figure and points at its runbook: a
+    # section of docs/troubleshooting.md of its own name (GitHub's anchor: the heading in
+    # lower case).
+    trouble = open(os.path.join(ROOT, "docs", "troubleshooting.md")).read()
+    for r in (r for g in rules["groups"] for r in g["rules"] if "alert" in r):
+        a = r.get("annotations", {})
+        check(a.get("summary") and a.get("description"), f"alert {r['alert']}: no summary or no description")
+        check(r["alert"] in ("GpuColocNoAgent",) or "$value" in a.get("description", ""),
+              f"alert {r['alert']}: its description does not give the query's value")
+        check(a.get("runbook_url") == RUNBOOK + "#" + r["alert"].lower(), f"alert {r['alert']}: runbook_url {a.get('runbook_url')!r}")
+        check(f"\n### {r['alert']}\n" in trouble, f"docs/troubleshooting.md has no section ### {r['alert']}")
+    # Recording rules: every one that a panel or an alert reads is recorded, each once.
+    records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
+    check(len(records) == len(set(records)), f"recording rules recorded twice: {records}")
+    read = set(re.findall(r"\b(gpu_coloc[a-z_]*:[a-z0-9_:]+)", " ".join(exprs) + " ".join(
+        r["expr"] for g in rules["groups"] for r in g["rules"])))
+    check(read <= set(records), f"panels or alerts read recording rules that rules.yaml does not record: {sorted(read - set(records))}")
+    # The chart's PrometheusRule carries them, pointing at the operator's own runbooks when
+    # monitoring.prometheusRules.runbookBaseUrl says where.
+    own = [x for x in yaml.safe_load_all(render("monitoring.prometheusRules.enabled=true",
+                                                 "monitoring.prometheusRules.runbookBaseUrl=https://wiki.example.com/gpu-coloc/runbooks")) if x]
+    urls = [r["annotations"]["runbook_url"] for g in one(own, "PrometheusRule")["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    check(len(urls) == len(alerts) and all(u.startswith("https://wiki.example.com/gpu-coloc/runbooks#gpucoloc") for u in urls),
+          f"runbookBaseUrl does not reach every alert: {urls[:3]}")
+    chart_rules = one(d, "PrometheusRule")["spec"]["groups"]
+    check(chart_rules == rules["groups"], "the chart's PrometheusRule differs from deploy/prometheus/rules.yaml")
     check(alerts <= fire, f"alerts with no firing case: {sorted(alerts - fire)}")
     check(alerts <= silent, f"alerts with no silent case: {sorted(alerts - silent)}")
     run("promtool", "test", "rules", os.path.join(DEPLOY, "prometheus", "rules_test.yaml"))
     print(f"ok  monitoring: ServiceMonitors, jobs {sorted(jobs)}, node label, {len(alerts)} alerts each firing and silent (promtool test rules), "
+          f"each with a description, a runbook_url and its section; {len(records)} recording rules, "
           f"{len(exprs)} panel queries parse, {len(used)} metrics read, each named by the agent's or the webhook's source")
 
 

@@ -331,6 +331,12 @@ pub struct RunArgs {
     /// port-forward`). /metrics, /healthz and /readyz answer everyone either way.
     #[arg(long, env = "COLOC_STATE_PUBLIC")]
     pub state_public: bool,
+    /// Leave coloc_process_info out of /metrics. It names the namespace, pod and container
+    /// of every GPU process on the node (what joins the agent's series to pods and to
+    /// DCGM's), and /metrics answers any client that reaches the port; with this flag no
+    /// series names a pod (the per-namespace counters of what co-location earned stay).
+    #[arg(long, env = "COLOC_METRICS_WITHOUT_PODS")]
+    pub metrics_without_pods: bool,
     /// HTTP: a request head must be complete this long after the connection is accepted
     /// (or after the first byte of a following request), else the connection is closed.
     /// Probes and scrapers send their few hundred bytes at once; 5 s is ample on a loaded

@@ -183,6 +183,77 @@ pub fn render(st: &StateDoc) -> String {
             }
         );
     }
+    out += &earned(st);
+    out
+}
+
+/// A duration for people: seconds, minutes or hours.
+fn dur(s: f64) -> String {
+    if s < 60.0 {
+        format!("{s:.2} s")
+    } else if s < 3600.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{:.2} h", s / 3600.0)
+    }
+}
+
+/// What co-location earned since the agent started, per class and namespace (`/state`'s
+/// `earned`; the counters' meaning is in `crate::earned`).
+pub fn earned(st: &StateDoc) -> String {
+    if st.earned.is_empty() && st.online_runs.is_none() {
+        return String::new();
+    }
+    let mut out =
+        "\nWhat co-location earned since the agent started (GPU time, summed over GPUs):\n"
+            .to_string();
+    let offline: Vec<_> = st.earned.iter().filter(|r| r.class == "offline").collect();
+    if !offline.is_empty() {
+        out += &format!(
+            "  {:<8} {:<24} {:>18} {:>12}\n",
+            "class", "namespace", "ran beside online", "held"
+        );
+        for r in &offline {
+            out += &format!(
+                "  {:<8} {:<24} {:>18} {:>12}\n",
+                r.class,
+                sanitize(&r.namespace),
+                dur(r.harvested_s),
+                dur(r.held_s)
+            );
+        }
+    }
+    let online: Vec<_> = st.earned.iter().filter(|r| r.class != "offline").collect();
+    if !online.is_empty() {
+        out += &format!(
+            "  {:<8} {:<24} {:>18} {:>12}  {}\n",
+            "class", "namespace", "beside offline", "waited", "(preemptions)"
+        );
+        for r in &online {
+            out += &format!(
+                "  {:<8} {:<24} {:>18} {:>12}  ({})\n",
+                if r.class == "online_exclusive" {
+                    "online!"
+                } else {
+                    r.class.as_str()
+                },
+                sanitize(&r.namespace),
+                dur(r.beside_offline_s),
+                dur(r.waited_s),
+                r.preemptions
+            );
+        }
+    }
+    if let Some(runs) = &st.online_runs {
+        let side = |s: &qos_core::stats::Summary| {
+            format!("p50 {} p99 {} (n={})", ms(s.p50), ms(s.p99), s.count)
+        };
+        out += &format!(
+            "  online runs, first launch to seen complete (doorbell): offline running {}; offline stopped {}\n",
+            side(&runs.offline_running_ms),
+            side(&runs.offline_stopped_ms)
+        );
+    }
     out
 }
 
@@ -309,6 +380,7 @@ mod tests {
                         checkpointed_bytes: None,
                         escaping: false,
                         gate: None,
+                        container: None,
                     })
                     .collect(),
                 ..Default::default()
@@ -383,6 +455,69 @@ mod tests {
             .any(|l| l.contains("serve.py") && l.contains("no shim")));
         assert!(
             out.contains("CUDA shim, offline processes: 1 with it, 1 without (refused 1)"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn what_co_location_earned_is_shown_per_class_and_namespace() {
+        let mut d = doc(&[]);
+        assert!(
+            !render(&d).contains("earned"),
+            "nothing counted yet: no section"
+        );
+        d.earned = vec![
+            crate::earned::EarnedRow {
+                namespace: "batch".into(),
+                class: "offline".into(),
+                harvested_s: 5400.0,
+                held_s: 90.0,
+                ..Default::default()
+            },
+            crate::earned::EarnedRow {
+                namespace: "serving".into(),
+                class: "online".into(),
+                beside_offline_s: 7200.0,
+                waited_s: 1.5,
+                preemptions: 300,
+                ..Default::default()
+            },
+        ];
+        let out = render(&d);
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("What co-location earned")),
+            "{out}"
+        );
+        let row = |ns: &str| {
+            lines
+                .iter()
+                .find(|l| l.contains(ns))
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .unwrap_or_else(|| panic!("no row {ns}: {out}"))
+        };
+        assert_eq!(
+            row("batch"),
+            ["offline", "batch", "1.50", "h", "1.5", "min"]
+        );
+        assert_eq!(
+            row("serving"),
+            ["online", "serving", "2.00", "h", "1.50", "s", "(300)"]
+        );
+        assert!(!out.contains("online runs"), "no run timed: no line");
+        d.online_runs = Some(crate::earned::RunsDoc {
+            offline_running_ms: qos_core::stats::Summary::of([12.0, 14.0]),
+            offline_stopped_ms: qos_core::stats::Summary::of([5.0]),
+        });
+        let out = render(&d);
+        assert!(
+            out.lines()
+                .any(|l| l.trim_start().starts_with("online runs")
+                    && l.contains("offline running p50 12.00 ms")
+                    && l.contains("(n=2)")
+                    && l.contains("offline stopped p50 5.00 ms")),
             "{out}"
         );
     }

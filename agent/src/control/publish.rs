@@ -93,6 +93,7 @@ pub fn state_doc(
                     last_active_ms_ago: e.last_active.get(&g).map(|t| ms_ago(*t)),
                     driver: None,
                     checkpointed_bytes: None,
+                    container: e.cls.container.clone(),
                     shim: None,
                     escaping: false,
                     gate: None,

@@ -670,6 +670,7 @@ impl Rooms {
 
                         // Checkpointed: the driver's lists no longer show it.
                         None if *gpu == Some(g.index) => g.processes.push(super::state::ProcDoc {
+                            container: None,
                             pid: key.pid,
                             class: qos_core::Class::Offline,
                             owner: owner.clone(),

@@ -47,6 +47,14 @@ pub struct StateDoc {
     /// and why not (`control::coverage`).
     #[serde(default)]
     pub shim_coverage: Vec<CoverageRow>,
+    /// What co-location earned and cost since the agent started, per namespace and class
+    /// (`earned`).
+    #[serde(default)]
+    pub earned: Vec<crate::earned::EarnedRow>,
+    /// Online work's runs (launch to completion, from doorbell pages that stamp
+    /// completions), by whether offline work ran when each began (`earned::Runs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub online_runs: Option<crate::earned::RunsDoc>,
 }
 
 /// An owner of doorbell pages distrusted on a GPU, in `/state`.
@@ -118,6 +126,9 @@ pub struct ProcDoc {
     /// Device memory it holds on the host while checkpointed, bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpointed_bytes: Option<u64>,
+    /// Its container's name in its pod, where the pod source knows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
     /// The CUDA shim (online and offline processes): `page` when its doorbell page is
     /// seen, else why not (`not_injected`, `refused`, `opted_out`, `not_loaded`;
     /// `control::coverage`).
@@ -162,6 +173,11 @@ pub struct Shared {
     pub state: Mutex<StateDoc>,
     /// Per-GPU time accounting (fractional-second counters, rendered by `/metrics`).
     pub gpu_seconds: Mutex<BTreeMap<u32, GpuSeconds>>,
+    /// Each managed GPU's UUID by index, set once at start: `/metrics` labels every
+    /// per-GPU series with it (`telemetry::label_gpus`).
+    pub gpu_uuids: std::sync::OnceLock<BTreeMap<u32, String>>,
+    /// What co-location earned, counted from each published document (`earned`).
+    pub earned: Mutex<crate::earned::Book>,
 }
 
 /// Fractional-second counters of one GPU.

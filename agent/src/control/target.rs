@@ -236,6 +236,7 @@ mod tests {
             freeze_cgroup: Some("/batch/job".into()),
             checkpoint: None,
             shim: None,
+            container: None,
         };
         (chooser, info, cls, dir, guard)
     }

@@ -56,6 +56,8 @@ pub struct AppState {
     pub state_cmdlines: bool,
     /// `/state` answers any client (`--state-public`); otherwise loopback clients only.
     pub state_public: bool,
+    /// `/metrics` has `coloc_process_info` (not `--metrics-without-pods`).
+    pub process_info: bool,
     /// The latest `/metrics` rendering and when it was made.
     pub metrics_cache: Arc<Mutex<Option<(std::time::Instant, Bytes)>>>,
 }
@@ -105,12 +107,30 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
     let body = match &*cache {
         Some((at, body)) if at.elapsed() < METRICS_MIN_INTERVAL => body.clone(),
         _ => {
-            let body = Bytes::from(s.prom.render() + &s.shared.render_seconds());
+            let body = Bytes::from(render_metrics(&s));
             *cache = Some((std::time::Instant::now(), body.clone()));
             body
         }
     };
     ([("content-type", "text/plain; version=0.0.4")], body)
+}
+
+/// The `/metrics` text: the recorder's series and the fractional-second counters, every
+/// per-GPU series labelled with its GPU's UUID, what co-location earned, and (unless
+/// `--metrics-without-pods`) `coloc_process_info` from the latest `/state` document.
+pub fn render_metrics(s: &AppState) -> String {
+    let text = s.prom.render() + &s.shared.render_seconds();
+    let mut body = String::new();
+    match s.shared.gpu_uuids.get() {
+        Some(uuids) => crate::telemetry::label_gpus(&text, uuids, &mut body),
+        None => body = text,
+    }
+    (s.shared.earned.lock().unwrap_or_else(|e| e.into_inner())).render(&mut body);
+    if s.process_info {
+        let doc = s.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        crate::telemetry::render_process_info(&doc, &mut body);
+    }
+    body
 }
 
 /// Liveness: `Ok` with a word, or why not (the control loop stalled).

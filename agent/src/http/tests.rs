@@ -35,6 +35,7 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
                 checkpointed_bytes: None,
                 escaping: false,
                 gate: None,
+                container: None,
             }],
             ..Default::default()
         }],
@@ -49,6 +50,7 @@ fn start(limits: Limits, state_cmdlines: bool) -> Server {
         stall_ns: u64::MAX,
         state_cmdlines,
         state_public: false,
+        process_info: true,
         metrics_cache: Arc::default(),
     });
     rt.spawn(serve(listener, app, limits));
@@ -246,6 +248,7 @@ fn state_answers_loopback_clients_only_unless_public() {
             stall_ns: u64::MAX,
             state_cmdlines: false,
             state_public: public,
+            process_info: true,
             metrics_cache: Arc::default(),
         })
     };
@@ -297,4 +300,70 @@ fn state_answers_loopback_clients_only_unless_public() {
         StatusCode::FORBIDDEN,
         "no peer known"
     );
+}
+
+/// `/metrics` names each GPU process's pod (`coloc_process_info`, the GPU's UUID on it and
+/// on every per-GPU series) unless `--metrics-without-pods`; what co-location earned stays.
+#[test]
+fn metrics_name_pods_unless_asked_not_to() {
+    let shared = Arc::new(Shared::default());
+    shared
+        .gpu_uuids
+        .set([(0, "GPU-aaaa".to_string())].into())
+        .unwrap();
+    let mut doc = StateDoc {
+        updated_ns: 1,
+        gpus: vec![GpuDoc {
+            index: 0,
+            uuid: "GPU-aaaa".into(),
+            processes: vec![ProcDoc {
+                shim: Some("page".into()),
+                pid: 7,
+                class: qos_core::Class::Offline,
+                owner: "ml/train-0".into(),
+                cmd: String::new(),
+                suspended: false,
+                actuator: Some(crate::edges::actuator::Kind::Freezer),
+                last_active_ms_ago: None,
+                driver: None,
+                checkpointed_bytes: None,
+                container: Some("trainer".into()),
+                escaping: false,
+                gate: None,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    shared.earned.lock().unwrap().account(&mut doc);
+    *shared.state.lock().unwrap() = doc;
+    let render = |process_info: bool| {
+        render_metrics(&AppState {
+            shared: shared.clone(),
+            prom: metrics_exporter_prometheus::PrometheusBuilder::new()
+                .build_recorder()
+                .handle(),
+            source: Arc::new(crate::edges::fake::FakeSource::default()),
+            stall_ns: u64::MAX,
+            state_cmdlines: false,
+            state_public: false,
+            process_info,
+            metrics_cache: Arc::default(),
+        })
+    };
+    let with = render(true);
+    assert!(
+        with.lines().any(|l| l
+            == r#"coloc_process_info{namespace="ml",pod="train-0",container="trainer",class="offline",gpu="0",UUID="GPU-aaaa",actuator="freezer",shim="page"} 1"#),
+        "{with}"
+    );
+    let without = render(false);
+    assert!(!without.contains("train-0"), "{without}");
+    assert!(!without.contains("coloc_process_info"), "{without}");
+    for text in [&with, &without] {
+        assert!(
+            text.contains(r#"coloc_offline_held_seconds_total{namespace="ml",class="offline"} 0"#),
+            "{text}"
+        );
+    }
 }

@@ -78,6 +78,42 @@ fn demo_shows_the_difference() {
         "{s}"
     );
     assert_eq!(s["fail_opens"], 0, "{s}");
+    // What co-location earned, as the agent's status prints it: offline work ran beside
+    // online work and was held; online work waited for it, preemption by preemption.
+    let earned = stdout
+        .split_once("What co-location earned")
+        .unwrap_or_else(|| panic!("no earned section:\n{stdout}"))
+        .1;
+    let row = |class: &str, ns: &str| {
+        earned
+            .lines()
+            .find(|l| l.split_whitespace().take(2).eq([class, ns]))
+            .unwrap_or_else(|| panic!("no {class} {ns} row:\n{stdout}"))
+            .to_string()
+    };
+    let (off, on) = (
+        row("offline", "rule:demo-offline"),
+        row("online", "rule:demo-online"),
+    );
+    let rows = s["earned"].as_array().unwrap_or_else(|| panic!("{s}"));
+    let of = |ns: &str, field: &str| {
+        rows.iter()
+            .find(|r| r["namespace"] == ns)
+            .and_then(|r| r[field].as_f64())
+            .unwrap_or(0.0)
+    };
+    assert!(of("rule:demo-offline", "harvested_s") > 1.0, "{off}\n{s}");
+    assert!(of("rule:demo-offline", "held_s") > 0.0, "{off}\n{s}");
+    assert!(of("rule:demo-online", "preemptions") >= 15.0, "{on}\n{s}");
+    assert!(of("rule:demo-online", "waited_s") > 0.0, "{on}\n{s}");
+    // The shim's online requests timed, begun beside running offline work and not.
+    for side in ["offline_running_ms", "offline_stopped_ms"] {
+        assert!(
+            s["online_runs"][side]["count"].as_u64().unwrap_or(0) >= 3,
+            "{side}: {}\n{stdout}",
+            s["online_runs"]
+        );
+    }
     // The demo asks the agent for idle CPUs that poll: in force while it ran where the
     // device is writable (root), else the demo says the agent could not hold it.
     assert_eq!(s["cpu_wake_latency_us"], 0, "{s}");

@@ -162,13 +162,16 @@ fn remove_kube_cgroups(base: &TestCgroup) {
     }
 }
 
-/// `pod` as the API server stores it (with `uid`), scheduled to node1 and running.
-fn store(api: &FakeApi, pod: &Value, uid: &str) {
+/// `pod` as the API server stores it (with `uid`), scheduled to node1 and running, its
+/// first container with the runtime's ID `container_id` (its cgroup's scope).
+fn store(api: &FakeApi, pod: &Value, uid: &str, container_id: &str) {
     let mut stored = pod.clone();
     stored["metadata"]["uid"] = json!(uid);
     stored["metadata"]["resourceVersion"] = json!("1");
     stored["spec"]["nodeName"] = json!("node1");
-    stored["status"] = json!({"phase": "Running"});
+    stored["status"] = json!({"phase": "Running", "containerStatuses": [{
+        "name": pod["spec"]["containers"][0]["name"], "containerID": format!("containerd://{container_id}"),
+        "image": "registry.example.com/cuda-app:1", "imageID": "", "ready": true, "restartCount": 0}]});
     api.apply(stored);
 }
 
@@ -283,8 +286,12 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
     }
 
     // Stored by the API server, scheduled to node1, running.
-    for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID), (&opted, OUT_UID)] {
-        store(&api, p, uid);
+    for (p, uid, id) in [
+        (&offline, OFF_UID, "0ff"),
+        (&online, ON_UID, "0a"),
+        (&opted, OUT_UID, "00d"),
+    ] {
+        store(&api, p, uid, id);
     }
     let pods = agent.doorbell_dir.join("pods");
     wait_for(
@@ -352,6 +359,27 @@ fn an_nvidia_gpu_pod_classified_be_by_koordinator_is_held_at_its_gate() {
         n("opted_out") == 1.0 && n("page") == 1.0 && n("not_injected") == 0.0
     })
     .unwrap_or_else(|e| panic!("{e}: {}", agent.metrics()));
+    // The same per pod: coloc_process_info names each pod's namespace, pod, container
+    // (from its status, by the ID in its cgroup path), the GPU's UUID, its hold and shim.
+    let state = agent.state();
+    let uuid = state["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    for (pod, shim) in [("trainer", "page"), ("batch", "opted_out")] {
+        // The hold /state names for it: what stops it (its launch gate, where its page is
+        // seen, only drains it first).
+        let actuator = state["gpus"][0]["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["owner"] == format!("ml/{pod}"))
+            .and_then(|p| p["actuator"].as_str())
+            .unwrap_or_else(|| panic!("ml/{pod} has no actuator in {state}"))
+            .to_string();
+        let want = format!(
+            "coloc_process_info{{namespace=\"ml\",pod=\"{pod}\",container=\"main\",class=\"offline\",gpu=\"0\",UUID=\"{uuid}\",actuator=\"{actuator}\",shim=\"{shim}\"}} 1"
+        );
+        let m = agent.metrics();
+        assert!(m.lines().any(|l| l == want), "no {want} in\n{m}");
+    }
     online_is_seen_and_offline_gated(&sim, &on_cg, &on_env, &dir, &events, &agent);
     wait_for("nothing suspended", Duration::from_secs(3), || {
         agent.state()["suspended_targets"] == 0
@@ -595,8 +623,8 @@ fn an_nvidia_gpu_pod_gets_the_shim_as_a_device_and_is_held_at_its_gate() {
             "{p}"
         );
     }
-    for (p, uid) in [(&offline, OFF_UID), (&online, ON_UID)] {
-        store(&api, p, uid);
+    for (p, uid, id) in [(&offline, OFF_UID, "1ff"), (&online, ON_UID, "1a")] {
+        store(&api, p, uid, id);
     }
 
     // Two slots in one container: refused (their mounts would collide).

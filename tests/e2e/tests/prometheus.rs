@@ -37,6 +37,7 @@ fn prom_query(port: u16, q: &str) -> Value {
 
 fn substitute(expr: &str) -> String {
     expr.replace("$__rate_interval", "1m")
+        .replace("$__range", "1m")
         .replace("$cluster", ".*")
         .replace("$node", ".*")
         .replace("$gpu", ".*")
@@ -72,9 +73,39 @@ fn dashboard_and_alerts_against_real_prometheus() {
 
     // The system under observation.
     let sim = Sim::start(1, &[]);
-    let agent = Agent::start(&sim, AgentOpts::default());
+    // The online work by a rule of its own, so the info series names both classes.
+    let agent = Agent::start(
+        &sim,
+        AgentOpts {
+            rules: "[[rule]]\nname = \"off\"\nclass = \"reclaimed_cores\"\ncmdline = \"*coloc-sim offline*\"\n\n[[rule]]\nname = \"web\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim busy*\"\n\n[[rule]]\nname = \"svc\"\nclass = \"shared_cores\"\ncmdline = \"*coloc-sim online*\"\n",
+            ..AgentOpts::default()
+        },
+    );
     let _off = sim.spawn(&["offline", "--step-ms", "2"]);
     let _online = sim.spawn(&["busy", "--ms", "20", "--repeat", "200", "--gap-ms", "150"]);
+    // Online requests under the CUDA shim (the fake driver): their doorbell page stamps
+    // completions, so the agent times their runs.
+    let _requests = Kill(
+        sim.cmd(&[
+            "online",
+            "--gpu",
+            "0",
+            "--rate",
+            "8",
+            "--work-ms",
+            "5",
+            "--duration-s",
+            "60",
+            "--cuda",
+        ])
+        .env("LD_LIBRARY_PATH", fake_cuda())
+        .env("LD_PRELOAD", bin("libcoloc_cuda.so"))
+        .env("COLOC_SHIM_CLASS", "online")
+        .env("COLOC_DOORBELL_DIR", &agent.doorbell_dir)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
     let wport = free_port();
     let _webhook = Kill(
         Command::new(bin("coloc-webhook"))
@@ -194,6 +225,32 @@ fn dashboard_and_alerts_against_real_prometheus() {
     .unwrap();
     eprintln!("prometheus had 8 scrapes after {:?}", t.elapsed());
 
+    // Every per-GPU series carries its GPU's UUID (the label DCGM's exporter uses), and
+    // the per-process info series joins to them on it.
+    let rows = |q: &str| {
+        let r = prom_query(pport, q);
+        assert_eq!(r["status"], "success", "{q}: {r}");
+        r["data"]["result"].as_array().cloned().unwrap_or_default()
+    };
+    let without = rows(r#"count by (__name__) ({__name__=~"coloc_.+", gpu=~"[0-9]+", UUID=""})"#);
+    assert!(
+        without.is_empty(),
+        "per-GPU series without a UUID: {without:?}"
+    );
+    assert!(
+        !rows(r#"coloc_gpu_online_busy{UUID=~"GPU-[0-9a-f-]+"}"#).is_empty(),
+        "no UUID in NVML's form on coloc_gpu_online_busy"
+    );
+    for class in ["online", "offline"] {
+        let joined = rows(&format!(
+            r#"coloc_process_info{{class="{class}"}} * on (UUID) group_left coloc_gpu_online_busy"#
+        ));
+        assert!(
+            !joined.is_empty(),
+            "coloc_process_info{{class={class}}} joins no GPU on UUID"
+        );
+    }
+
     // Every dashboard query returns data.
     let dash: Value = serde_json::from_slice(
         &std::fs::read(root().join("deploy/grafana/gpu-coloc.json")).unwrap(),
@@ -252,6 +309,79 @@ fn dashboard_and_alerts_against_real_prometheus() {
     );
     eprintln!("{checked} dashboard queries returned data");
 
+    // What co-location earned, as Prometheus and `coloc-agent status` show it: offline work
+    // ran beside the online process's GPU and was held; online work waited for it.
+    for q in [
+        r#"coloc_offline_harvested_seconds_total{namespace="rule:off", class="offline"} > 0"#,
+        r#"coloc_offline_held_seconds_total{namespace="rule:off", class="offline"} > 0"#,
+        r#"coloc_online_waited_seconds_total{namespace="rule:web", class="online"} > 0"#,
+        r#"coloc_online_beside_offline_seconds_total{namespace="rule:web", class="online"} > 0"#,
+        // The shim's requests timed, begun with offline running and with it stopped.
+        r#"coloc_online_run_seconds_count{offline="running"} > 0"#,
+        r#"coloc_online_run_seconds_count{offline="stopped"} > 0"#,
+    ] {
+        assert!(!rows(q).is_empty(), "nothing for {q}");
+    }
+    let out = Command::new(bin("coloc-agent"))
+        .args([
+            "status",
+            "--url",
+            &format!("http://127.0.0.1:{}", agent.port),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let earned = text
+        .split_once("What co-location earned")
+        .unwrap_or_else(|| panic!("no earned section:\n{text}"))
+        .1;
+    let row = |class: &str, ns: &str| {
+        earned
+            .lines()
+            .find(|l| l.split_whitespace().take(2).eq([class, ns]))
+            .unwrap_or_else(|| panic!("no {class} {ns} row:\n{text}"))
+            .to_string()
+    };
+    let off = row("offline", "rule:off");
+    let web = row("online", "rule:web");
+    assert!(
+        !off.contains(" 0.00 s "),
+        "offline ran beside online for no time: {off}"
+    );
+    assert!(
+        !web.ends_with("(0)"),
+        "no preemption counted for the online work: {web}"
+    );
+    assert!(
+        earned
+            .lines()
+            .any(|l| l.trim_start().starts_with("online runs")),
+        "no online runs line:\n{text}"
+    );
+    eprintln!("coloc-agent status:{earned}");
+    // A picture of the dashboard's first screen from this run, when asked for
+    // (DASHBOARD_SVG=FILE: what docs/operate.md shows).
+    if let Some(svg) = std::env::var_os("DASHBOARD_SVG") {
+        let out = Command::new("python3")
+            .arg(root().join("deploy/grafana/render.py"))
+            .args(["--prometheus", &format!("http://127.0.0.1:{pport}")])
+            .args(["--range-seconds", "60"])
+            .arg("--out")
+            .arg(&svg)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "render.py: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     // Every alert expression parses and its rule loaded healthy.
     let rules: Value = {
         let (_, body) = http_get(pport, "/api/v1/rules").unwrap();
@@ -264,16 +394,20 @@ fn dashboard_and_alerts_against_real_prometheus() {
         .iter()
         .flat_map(|g| g["rules"].as_array().unwrap())
         .collect();
-    // Every alert of the rules file, none dropped.
-    let in_file = std::fs::read_to_string(
+    // Every alert and recording rule of the rules file, none dropped.
+    let text = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/prometheus/rules.yaml"),
     )
-    .unwrap()
-    .lines()
-    .filter(|l| l.trim_start().starts_with("- alert:"))
-    .count();
-    assert!(in_file >= 10, "{in_file} alerts in rules.yaml");
-    assert_eq!(loaded.len(), in_file, "{rules}");
+    .unwrap();
+    let count = |kind: &str| {
+        text.lines()
+            .filter(|l| l.trim_start().starts_with(kind))
+            .count()
+    };
+    let (alerts, records) = (count("- alert:"), count("- record:"));
+    assert!(alerts >= 10, "{alerts} alerts in rules.yaml");
+    assert!(records >= 1, "no recording rule in rules.yaml");
+    assert_eq!(loaded.len(), alerts + records, "{rules}");
     for r in loaded {
         assert_eq!(r["health"], "ok", "rule {} unhealthy: {r}", r["name"]);
         let q = prom_query(pport, r["query"].as_str().unwrap());

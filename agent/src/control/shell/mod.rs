@@ -123,6 +123,8 @@ impl Loop {
         } else {
             Scribe::Inline(edges.record)
         };
+        // `/metrics` labels every per-GPU series with its GPU's UUID.
+        let _ = shared.gpu_uuids.set(uuids.iter().cloned().collect());
         let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
         let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser);
         let driver = edges
@@ -212,6 +214,12 @@ impl Loop {
             generation,
         }]);
         self.account(dt);
+        {
+            let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
+            for s in self.ctl.summary() {
+                e.runs.offline_running(s.gpu, now, s.offline > s.suspended);
+            }
+        }
         self.shared.mark_tick(now);
     }
 
@@ -265,7 +273,9 @@ impl Loop {
                 }
                 Cmd::Vet { plans } => out.push(self.eyes.vet(plans, self.ctl.table())),
                 Cmd::ReadBells { force, sweep, gate } => {
-                    out.push(self.eyes.bells(force, sweep, gate))
+                    let obs = self.eyes.bells(force, sweep, gate);
+                    self.time_runs(&obs);
+                    out.push(obs)
                 }
                 Cmd::PreferPages(ids) => self.eyes.bells.prefer(&ids),
                 Cmd::Hold(c) => out.extend(self.hands().perform(c).map(Obs::Hold)),
@@ -339,6 +349,24 @@ impl Loop {
         }
     }
 
+    /// Times online work's runs from the doorbell readings (`earned::Runs`).
+    fn time_runs(&self, obs: &Obs) {
+        let (
+            Obs::Bells {
+                pages, readings, ..
+            },
+            Some(uuids),
+        ) = (obs, self.shared.gpu_uuids.get())
+        else {
+            return;
+        };
+        let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pages {
+            e.runs.pages(p);
+        }
+        crate::earned::record_runs(&e.runs.observe(readings, uuids));
+    }
+
     /// `/state`: the controller's document, with telemetry's history.
     fn publish(&mut self, mut doc: StateDoc) {
         let now = doc.updated_ns;
@@ -354,6 +382,7 @@ impl Loop {
         doc.degraded = doc.degraded_reason.is_some();
         doc.recent_events = self.telemetry.recent.iter().cloned().collect();
         crate::control::coverage::export(&doc);
+        (self.shared.earned.lock().unwrap_or_else(|e| e.into_inner())).account(&mut doc);
         *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
     }
 

@@ -134,6 +134,7 @@ fn class(c: Class, cgroup: Option<&str>) -> Classified {
         freeze_cgroup: cgroup.map(String::from),
         checkpoint: None,
         shim: None,
+        container: None,
     }
 }
 

@@ -71,6 +71,9 @@ pub struct PodEntry {
     pub checkpoint: Option<bool>,
     /// What the webhook wrote about the CUDA shim (reported, never decides).
     pub shim: ShimNote,
+    /// Its containers by ID (the runtime's, without its `containerd://` scheme) and name,
+    /// from the pod's container statuses (reported, never decides).
+    pub containers: Vec<(String, String)>,
 }
 
 impl PodEntry {
@@ -148,10 +151,33 @@ impl PodEntry {
                 checkpoint: ann
                     .and_then(|a| a.get(CHECKPOINT_ANNOTATION))
                     .and_then(|v| checkpoint_word(v)),
+                containers: containers_of(pod),
             },
             c.warning,
         )
     }
+}
+
+/// A pod's containers (init and ephemeral ones too) by ID and name, from its statuses:
+/// `containerd://3d8f…` (or `cri-o://`, `docker://`) gives the ID its cgroup path names.
+fn containers_of(pod: &Pod) -> Vec<(String, String)> {
+    let Some(st) = pod.status.as_ref() else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, String)> = st
+        .container_statuses
+        .iter()
+        .chain(st.init_container_statuses.iter())
+        .chain(st.ephemeral_container_statuses.iter())
+        .flatten()
+        .filter_map(|c| {
+            let id = c.container_id.as_deref()?;
+            let id = id.split_once("://").map_or(id, |(_, id)| id);
+            (!id.is_empty()).then(|| (id.to_string(), c.name.clone()))
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 #[derive(Debug, Default)]
@@ -297,6 +323,8 @@ impl KubeSource {
                         .and_then(|mut i| i.insert(uid, e.clone()));
                     match old {
                         Some(o) if o == e => {}
+                        // Its containers started or restarted: names for /metrics.
+                        Some(o) if o.class == e.class => self.bump(),
                         Some(o) => {
                             info!(pod = %e.owner, from = %o.class, to = %e.class, "Pod changed class");
                             self.bump();
@@ -359,6 +387,12 @@ impl PodSource for KubeSource {
                 freeze_cgroup: Some(path),
                 checkpoint: e.checkpoint,
                 shim: Some(e.shim),
+                container: pc.container.as_deref().and_then(|id| {
+                    e.containers
+                        .iter()
+                        .find(|(cid, _)| cid == id)
+                        .map(|(_, name)| name.clone())
+                }),
             },
             None => Classified {
                 owner: format!("pod-uid:{}", pc.uid),
@@ -489,5 +523,63 @@ mod tests {
             &map,
         );
         assert_eq!(e.shim, ShimNote::OptedOut);
+    }
+
+    /// A process's container is named from its pod's statuses by the ID in its cgroup
+    /// path (any runtime's scheme); a container the statuses do not list yet is unnamed.
+    #[test]
+    fn the_container_is_named_from_the_pods_statuses() {
+        use crate::edges::procfs::{Cgroups, ProcKey};
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "web-0", "namespace": "serving", "uid": "0f2c7a54-9a3b-4c1e-8d2f-6b5a4c3d2e1f"},
+            "spec": {"containers": [{"name": "main"}, {"name": "side"}]},
+            "status": {
+                "containerStatuses": [
+                    {"name": "main", "containerID": "containerd://3d8fa1b2c3", "image": "i", "imageID": "", "ready": true, "restartCount": 0},
+                    {"name": "side", "containerID": "cri-o://77aa", "image": "i", "imageID": "", "ready": true, "restartCount": 0}
+                ],
+                "initContainerStatuses": [
+                    {"name": "setup", "image": "i", "imageID": "", "ready": false, "restartCount": 0}
+                ]
+            }
+        }));
+        let (e, _) = PodEntry::from_pod(&p, &PriorityMapping::default());
+        assert_eq!(
+            e.containers,
+            [
+                ("3d8fa1b2c3".to_string(), "main".to_string()),
+                ("77aa".into(), "side".into())
+            ]
+        );
+        let src = KubeSource {
+            inner: Arc::new(Inner::default()),
+            changed: None,
+        };
+        src.inner
+            .index
+            .write()
+            .unwrap()
+            .insert("0f2c7a54-9a3b-4c1e-8d2f-6b5a4c3d2e1f".into(), e);
+        let of = |container: &str| {
+            src.classify(&ProcInfo {
+                key: ProcKey { pid: 1, start: 1 },
+                uid: 0,
+                exe: None,
+                cmdline: String::new(),
+                cgroups: Cgroups::parse(&format!("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f2c7a54_9a3b_4c1e_8d2f_6b5a4c3d2e1f.slice/{container}\n")),
+                ns_pid: None,
+            })
+        };
+        let c = of("cri-containerd-3d8fa1b2c3.scope");
+        assert_eq!(
+            (c.owner.as_str(), c.container.as_deref()),
+            ("serving/web-0", Some("main"))
+        );
+        assert_eq!(of("crio-77aa.scope").container.as_deref(), Some("side"));
+        assert_eq!(
+            of("cri-containerd-ffff.scope").container,
+            None,
+            "not in the statuses yet"
+        );
     }
 }

@@ -32,6 +32,9 @@ pub struct Classified {
     /// What the webhook did about the CUDA shim in its pod (the pod's annotations); `None`
     /// where the source knows no pod (standalone rules, unknown processes).
     pub shim: Option<ShimNote>,
+    /// Its container's name in its pod (the pod's container statuses, by the container ID
+    /// in the process's cgroup path); `None` where unknown. Reported, never decides.
+    pub container: Option<String>,
 }
 
 /// What the webhook wrote on a pod about the CUDA shim (`gpu-coloc.dev/shim-injected`,
@@ -77,6 +80,7 @@ impl Classified {
             freeze_cgroup: None,
             checkpoint: None,
             shim: None,
+            container: None,
         }
     }
 }
@@ -487,6 +491,7 @@ impl PodSource for Rules {
                 freeze_cgroup: cgroup.filter(|c| c != "/"),
                 checkpoint: rule.checkpoint,
                 shim: None,
+                container: None,
             },
             None => Classified::unmanaged(self.unmatched),
         }
