@@ -61,6 +61,8 @@ pub struct RecordBook {
     /// What is wanted may differ from the disk (else `next_write` has nothing to look at:
     /// it is asked at every round of the loop).
     dirty: bool,
+    /// The agent stops: nothing is wanted ahead any more, whatever the table says later.
+    stopped: bool,
 }
 
 impl RecordBook {
@@ -77,6 +79,11 @@ impl RecordBook {
 
     /// What the table wants written ahead from now on.
     pub fn want_ahead(&mut self, entries: BTreeSet<RecordEntry>) {
+        // A table change seen in the shutdown's last rounds must not bring back what the
+        // shutdown let go (it would stay recorded after the exit).
+        if self.stopped {
+            return;
+        }
         if entries != self.ahead {
             self.ahead = entries;
             self.dirty = true;
@@ -120,8 +127,25 @@ impl RecordBook {
         self.dirty = true;
     }
 
+    /// The hold book abandoned its requests that wait for a write (everything is being
+    /// resumed): nothing was acted on for them, so what they alone asked for is let go.
+    /// The vault's requests (`vault::REQ_BASE` and above) stay.
+    pub fn abandon_book_requests(&mut self) {
+        let base = crate::control::vault::REQ_BASE;
+        let (book, vault): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .partition(|(req, _, _)| *req < base);
+        self.waiters = vault;
+        for (_, _, fresh) in book {
+            for e in fresh {
+                self.dirty |= self.held.remove(&e);
+            }
+        }
+    }
+
     /// The agent stops: nothing is wanted ahead any more.
     pub fn stop(&mut self) {
+        self.stopped = true;
         self.ahead.clear();
         // The last writes are tried whatever failed before.
         self.failed = None;
@@ -313,6 +337,24 @@ mod tests {
         b.written(w.id, false, 0);
         assert_eq!(b.add(2, vec![p(2)]), None);
         assert!(b.next_write(1).is_some());
+    }
+
+    /// After the agent's stop, what the table wants ahead is not written any more (the
+    /// gate property found an entry written back by the shutdown's last round, and left
+    /// recorded after the exit).
+    #[test]
+    fn nothing_is_wanted_ahead_after_the_stop() {
+        let mut b = RecordBook::new(BTreeSet::new());
+        b.want_ahead([p(1)].into());
+        let w = b.next_write(0).unwrap();
+        b.written(w.id, true, 0);
+        b.stop();
+        b.want_ahead([p(1), p(2)].into());
+        let w = b.next_write(0).unwrap();
+        assert_eq!((w.add.clone(), w.remove.clone()), (vec![], vec![p(1)]));
+        b.written(w.id, true, 0);
+        assert!(b.durable().is_empty());
+        assert!(b.next_write(0).is_none());
     }
 
     #[test]

@@ -568,6 +568,9 @@ impl Rooms {
         // until unlocked); its restores wait for the holds' thaw.
         self.vault.release_all();
         let n = self.book.release_all(reason);
+        // Its requests waiting for a write were abandoned: what they alone asked for is
+        // not held (a gate's fallback recorded too late stayed recorded after the exit).
+        self.record.abandon_book_requests();
         self.book.check_resumes_now();
         n
     }

@@ -714,3 +714,37 @@ fn a_tenant_resuming_itself_leaves_the_other_gate_bounded() {
     ];
     play(&acts, true, Ack::Never, 0).unwrap();
 }
+/// A sequence the gate property found (and, with a lock, the driver property): record
+/// writes land 2 ms late, a gate drains at once, and its fallback's record request is
+/// still waiting when the agent shuts down. The shutdown abandoned the request but the
+/// record book kept its entry held: it stayed recorded after the exit.
+#[test]
+fn a_replaced_process_leaves_nothing_recorded_after_the_shutdown() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 4,
+            gpu: 0,
+            online: false,
+        },
+        Act::Run { ms: 49 },
+        Act::Run { ms: 7 },
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 3,
+            gpu: 0,
+            online: true,
+        },
+        Act::Busy { slot: 3 },
+        Act::Busy { slot: 3 },
+    ];
+    play(&acts, true, Ack::AtOnce, 2).unwrap();
+}
