@@ -719,12 +719,11 @@ fn a_tenant_that_forbids_remaking_its_cgroup_is_not_left_running_in_a_cell() {
     );
 }
 
-/// Attack, continued: a tenant left running in a cell (its release could not move it
-/// home, as in the test above) cannot be held at all once the agent no longer remembers
-/// the cell (after a restart, or ten minutes later): its next breaks ask for a cell, which
-/// is refused because the process "is in a cell already", and the hold stays on signals
-/// that its ptrace parent cancels. It must be frozen again, like any process that keeps
-/// resuming itself.
+/// Attack, continued: a tenant whose release could not take it home (as in the test above)
+/// must be held again by the next agent, which does not remember the cell, like any
+/// process that keeps resuming itself. (Before the release moved such a process to the
+/// cgroup above, it was left running in the cell, and the next agent refused it a cell:
+/// "is in a cell already"; a process found in a cell is now frozen there.)
 #[test]
 fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
     let Some(mount) = v2_mount() else {
@@ -760,7 +759,7 @@ fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
     std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
     std::fs::write(parent.0.join("cgroup.max.descendants"), "0").unwrap();
     drop(online);
-    // Released into nowhere: it runs on in the cell (see the test above).
+    // Released: to the cgroup above its own (see the test above).
     wait_for("the release", Duration::from_secs(3), || {
         agent.log_text().contains("Online idle for the window")
     })
@@ -782,7 +781,7 @@ fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
     drop(online);
     assert!(
         held.is_ok(),
-        "the next agent cannot hold the tenant left in a cell: {}\n{}",
+        "the next agent cannot hold the tenant: {}\n{}",
         cgroup_of(child),
         again.log_text()
     );
