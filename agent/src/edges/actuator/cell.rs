@@ -270,3 +270,49 @@ pub fn sweep(mounts: &CgroupMounts) -> usize {
         .filter(|e| std::fs::remove_dir(e.path()).is_ok())
         .count()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cells() -> Cells {
+        Cells::on(&CgroupMounts {
+            v2: Some("/sys/fs/cgroup".into()),
+            v1_freezer: None,
+            v1_memory: None,
+        })
+        .unwrap()
+    }
+
+    /// A process is given a cell of its own with its home; one found in a cell already
+    /// (left there by a release that could not move it) is frozen there as it is.
+    #[test]
+    fn a_cell_names_its_home_and_a_process_in_a_cell_is_frozen_there() {
+        let key = ProcKey { pid: 5, start: 7 };
+        let t = cells()
+            .cell_for(key, &Cgroups::parse("0::/user.slice/job\n"))
+            .unwrap();
+        assert!(
+            matches!(&t, Target::Cgroup { dir, cell: Some(c), .. }
+                if *dir == Path::new("/sys/fs/cgroup/gpu-coloc.held/5-7")
+                    && c.home == Path::new("/sys/fs/cgroup/user.slice/job")
+                    && (c.pid, c.start) == (5, 7)),
+            "{t:?}"
+        );
+        let t = cells()
+            .cell_for(key, &Cgroups::parse("0::/gpu-coloc.held/5-7\n"))
+            .unwrap();
+        assert!(
+            matches!(&t, Target::Cgroup { dir, cell: None, .. }
+                if *dir == Path::new("/sys/fs/cgroup/gpu-coloc.held/5-7")),
+            "{t:?}"
+        );
+        assert!(cells()
+            .cell_for(key, &Cgroups::parse("0::/gpu-coloc.held\n"))
+            .is_err());
+        assert!(
+            Cells::on(&CgroupMounts::default()).is_err(),
+            "no hierarchy: no cells"
+        );
+    }
+}
