@@ -3,18 +3,24 @@
 //! ```text
 //!  submission (any wrapped entry point), mode gated:
 //!    stream → pool (ring) and GPU (page entry, gate slot); context cached per thread
-//!    in_submit += 1; closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
+//!    in_submit += 1
+//!    the ring's quota allows it and the gate is open (unlocked):
+//!      the driver's submission; ring's made += 1; in_submit -= 1   (no lock, no driver call)
+//!    else (locked: the ring's lock, the unlocked ones settled into its sequence):
+//!    closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
 //!    the bound reached on this stream (the budget's share in estimated GPU time, at
 //!    least one submission, at most K)? ask the event that brings it under the bound
 //!    (cuEventQuery), wait for it if not complete (cuEventSynchronize; timed), retire it
 //!    and those before; at a bound of one with a lead, wait instead until the oldest is
 //!    due to have that much left (FUTEX_WAIT on the gate word) and let one more in
 //!    the driver's submission; seq += 1; a batch full (half the bound, at most 32) or
-//!    the gate closing: cuEventRecord after it; in_submit -= 1
+//!    the gate closing: cuEventRecord after it; quota: room up to one short of the bound
+//!    and of the next record (none while closing); unlock; in_submit -= 1
 //!  under the bound with the gate open and no capture in progress: no driver call
 //!  watcher thread (FUTEX_WAIT on the gate file's generation, 100 ms):
 //!    a GPU of ours closed with an epoch not yet acknowledged (in this file):
-//!    in_submit == 0 → every stream on that GPU drained (its newest event, or, with
+//!    in_submit == 0 → every ring's unlocked submissions settled, its quota withdrawn;
+//!    every stream on that GPU drained (its newest event, or, with
 //!    submissions since its last event, cuCtxSynchronize of its context)
 //!    → entry.gate_ack = epoch; page wake += 1, FUTEX_WAKE
 //! ```

@@ -1,6 +1,15 @@
 //! Stream rings: one ring of events per stream a submission names (the legacy default
 //! stream per context, the per-thread default stream per thread and context, every
 //! created stream), at most [`MAX_POOLS`] at once.
+//!
+//! A ring is locked by the submissions that record its events or wait at its bound. The
+//! submissions between take no lock: a locked submission that leaves room under the
+//! bound and in the batch sets the ring's *quota* ([`Pool::quota`]), and until the
+//! ring's count of such submissions ([`Pool::made`], one atomic add after the driver's
+//! call) reaches it, a submission goes straight to the driver. The next locked one (or
+//! the watcher) *settles* them into the ring's sequence before it records or waits, so
+//! that an event recorded then covers them (each was counted after its driver call
+//! returned).
 
 use super::budget::mono_ns;
 use super::events::{create_event, sync_event, with_ctx};
@@ -12,7 +21,7 @@ use coloc_doorbell::Entry;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, MutexGuard};
 
 /// Stream rings at once.
@@ -63,6 +72,8 @@ pub(super) struct Ring {
     pub(super) start_known: bool,
     /// Samples in `est_ns` so far (up to [`FIRST_SAMPLES`]).
     pub(super) samples: u32,
+    /// [`Pool::made`] as last settled into `seq`.
+    pub(super) made_settled: u64,
 }
 
 impl Ring {
@@ -81,6 +92,7 @@ impl Ring {
         batch_start_ns: 0,
         start_known: false,
         samples: 0,
+        made_settled: 0,
     };
 
     /// Submissions made and not known complete (those not yet covered by an event too).
@@ -108,12 +120,23 @@ impl Ring {
 pub(super) struct Pool {
     /// GPU index (`usize::MAX`: unassigned), readable without the lock.
     pub(super) gpu: AtomicUsize,
+    /// Bumped each time the ring is given to a stream: a thread's cached (key, pool) pair
+    /// allows an unlocked submission only while it matches.
+    pub(super) gen: AtomicU32,
+    /// Unlocked submissions made on the ring's stream since it was assigned (counted
+    /// after the driver's call returned successfully).
+    pub(super) made: AtomicU64,
+    /// Unlocked submissions are allowed while `made` is below this (set under the lock).
+    pub(super) quota: AtomicU64,
     pub(super) ring: Mutex<Ring>,
 }
 
 pub(super) static POOLS: [Pool; MAX_POOLS] = [const {
     Pool {
         gpu: AtomicUsize::new(usize::MAX),
+        gen: AtomicU32::new(0),
+        made: AtomicU64::new(0),
+        quota: AtomicU64::new(0),
         ring: Mutex::new(Ring::EMPTY),
     }
 }; MAX_POOLS];
@@ -123,9 +146,57 @@ static DIRECTORY: Mutex<Vec<(Key, u16, u16)>> = Mutex::new(Vec::new());
 
 static HAND: AtomicUsize = AtomicUsize::new(0);
 
+/// A thread's cached ring of a stream.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Cached {
+    pub(super) key: Key,
+    pub(super) pool: u16,
+    pub(super) gpu: u16,
+    /// The pool's [`Pool::gen`] when the ring was found.
+    pub(super) gen: u32,
+}
+
 thread_local! {
-    /// Recently used stream rings: (key, pool index, GPU index).
-    pub(super) static POOL_CACHE: RefCell<[Option<(Key, u16, u16)>; 4]> = const { RefCell::new([None; 4]) };
+    /// Recently used stream rings.
+    pub(super) static POOL_CACHE: RefCell<[Option<Cached>; 4]> = const { RefCell::new([None; 4]) };
+}
+
+impl Pool {
+    /// Counts the unlocked submissions made since the last settle into the ring's
+    /// sequence (and the page's count of submissions). Under the ring's lock.
+    pub(super) fn settle(&self, r: &mut Ring, entry: Option<&Entry>) {
+        let m = self.made.load(Acquire);
+        let n = m.saturating_sub(r.made_settled);
+        if n == 0 {
+            return;
+        }
+        r.made_settled = m;
+        r.seq += n;
+        if let Some(e) = entry {
+            e.submitted.fetch_add(n, Relaxed);
+        }
+    }
+
+    /// Allows up to `n` unlocked submissions from now (0: none). Under the ring's lock,
+    /// right after a settle.
+    pub(super) fn allow(&self, r: &Ring, n: u64) {
+        self.quota.store(r.made_settled + n, Release);
+    }
+
+    /// An unlocked submission may go now on this ring, as cached at generation `gen`.
+    #[inline]
+    pub(super) fn may_go(&self, gen: u32) -> bool {
+        self.gen.load(Acquire) == gen && self.made.load(Relaxed) < self.quota.load(Acquire)
+    }
+}
+
+/// Unlocked submissions a locked one leaves room for: up to one short of the bound
+/// (`limit` in flight) and of the batch's record (`batch` since the last event), so that
+/// the locked submission after them is the one that records or waits.
+pub(super) fn room(r: &Ring, limit: u64, batch: u64) -> u64 {
+    let bound = limit.saturating_sub(r.in_flight() + 1);
+    let batch = batch.saturating_sub(r.seq - r.recorded_seq + 1);
+    bound.min(batch)
 }
 
 pub(super) fn lock<T>(m: &'static Mutex<T>) -> MutexGuard<'static, T> {
@@ -138,14 +209,19 @@ pub(super) fn thread_tag() -> usize {
     POOL_CACHE.try_with(|c| c as *const _ as usize).unwrap_or(1)
 }
 
+/// The calling thread's cached ring of `key`, if any.
+#[inline]
+pub(super) fn cached(key: Key) -> Option<Cached> {
+    POOL_CACHE
+        .try_with(|c| c.borrow().iter().flatten().find(|x| x.key == key).copied())
+        .ok()
+        .flatten()
+}
+
 /// (pool index, GPU index) for `key`, assigning a ring if it has none.
 pub(super) fn pool_for(key: Key, ctx: usize) -> Option<(usize, usize)> {
-    let hit = POOL_CACHE
-        .try_with(|c| c.borrow().iter().flatten().find(|x| x.0 == key).copied())
-        .ok()
-        .flatten();
-    if let Some((_, p, g)) = hit {
-        return Some((p as usize, g as usize));
+    if let Some(c) = cached(key) {
+        return Some((c.pool as usize, c.gpu as usize));
     }
     let found = {
         let dir = lock(&DIRECTORY);
@@ -155,12 +231,25 @@ pub(super) fn pool_for(key: Key, ctx: usize) -> Option<(usize, usize)> {
         Some((_, p, g)) => (p as usize, g as usize),
         None => assign(key, ctx)?,
     };
+    remember(key, p, g);
+    Some((p, g))
+}
+
+/// Caches `key`'s ring (pool `p` on GPU `g`, at its current generation) as the thread's
+/// most recent.
+fn remember(key: Key, p: usize, g: usize) {
+    let gen = POOLS[p].gen.load(Acquire);
     let _ = POOL_CACHE.try_with(|c| {
         let mut c = c.borrow_mut();
-        c.rotate_right(1);
-        c[0] = Some((key, p as u16, g as u16));
+        let at = c.iter().position(|x| x.is_some_and(|x| x.key == key));
+        c[..=at.unwrap_or(3)].rotate_right(1);
+        c[0] = Some(Cached {
+            key,
+            pool: p as u16,
+            gpu: g as u16,
+            gen,
+        });
     });
-    Some((p, g))
 }
 
 /// Gives `key` a ring: a free one, or an idle one reclaimed (its events waited for and
@@ -200,6 +289,7 @@ fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
     r.record_on = record_on;
     r.reset_timing();
     r.all_done();
+    POOLS[idx].renew(&mut r);
     POOLS[idx].gpu.store(gpu, Release);
     GPUS[gpu].rings.fetch_add(1, Relaxed);
     dir.push((key, idx as u16, gpu as u16));
@@ -209,12 +299,18 @@ fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
 /// Frees the first ring (round robin) that nobody holds: waits for its newest event,
 /// destroys its events, and forgets its key.
 pub(super) fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
-    for _ in 0..MAX_POOLS {
+    for _ in 0..2 * MAX_POOLS {
         let i = HAND.fetch_add(1, Relaxed) % MAX_POOLS;
         let Ok(mut guard) = POOLS[i].ring.try_lock() else {
             continue;
         };
         let r = &mut *guard;
+        // A ring that allows unlocked submissions is in use: it allows none from now,
+        // and is taken on the next round if it stays unused.
+        if POOLS[i].quota.load(Acquire) > r.made_settled {
+            POOLS[i].allow(r, 0);
+            continue;
+        }
         let gpu = POOLS[i].gpu.load(Acquire);
         let ctx = r.ctx;
         if let Some(&(newest, _, _)) = r.events.back() {
@@ -243,6 +339,7 @@ pub(super) fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
         if let Some(k) = r.key.take() {
             dir.retain(|x| x.0 != k);
         }
+        POOLS[i].renew(r);
         POOLS[i].gpu.store(usize::MAX, Release);
         return Some(i);
     }
@@ -316,21 +413,116 @@ pub(super) fn record(r: &mut Ring, entry: &Entry, batch: u64, now: bool) -> Resu
     Err("cuEventRecord failed after a submission".into())
 }
 
-/// The ring of pool `p`, locked, if it is still `k`'s (else `k`'s new ring).
-pub(super) fn ring_for(p: usize, k: Key, ctx: usize) -> Option<MutexGuard<'static, Ring>> {
+impl Pool {
+    /// A new generation of the ring (assigned or freed): no unlocked submission from a
+    /// cache of the old one, nothing of it left to settle.
+    fn renew(&self, r: &mut Ring) {
+        self.gen.fetch_add(1, AcqRel);
+        let m = self.made.load(Acquire);
+        r.made_settled = m;
+        self.quota.store(m, Release);
+    }
+}
+
+/// The ring of pool `p`, locked, if it is still `k`'s (else `k`'s new ring), with its
+/// pool index.
+pub(super) fn ring_for(p: usize, k: Key, ctx: usize) -> Option<(usize, MutexGuard<'static, Ring>)> {
     let r = lock(&POOLS[p].ring);
     if r.key == Some(k) {
-        return Some(r);
+        // Given to this stream again since the thread cached it: cached afresh.
+        if cached(k).is_some_and(|c| c.gen != POOLS[p].gen.load(Acquire)) {
+            remember(k, p, POOLS[p].gpu.load(Acquire));
+        }
+        return Some((p, r));
     }
     // Reclaimed meanwhile (beyond MAX_POOLS streams): take a ring again.
     drop(r);
     let _ = POOL_CACHE.try_with(|c| {
         c.borrow_mut().iter_mut().for_each(|x| {
-            if x.is_some_and(|x| x.0 == k) {
+            if x.is_some_and(|x| x.key == k) {
                 *x = None
             }
         })
     });
-    let r = pool_for(k, ctx).map(|(p, _)| lock(&POOLS[p].ring))?;
-    (r.key == Some(k)).then_some(r)
+    let (p, _) = pool_for(k, ctx)?;
+    let r = lock(&POOLS[p].ring);
+    (r.key == Some(k)).then_some((p, r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> Pool {
+        Pool {
+            gpu: AtomicUsize::new(0),
+            gen: AtomicU32::new(0),
+            made: AtomicU64::new(0),
+            quota: AtomicU64::new(0),
+            ring: Mutex::new(Ring::EMPTY),
+        }
+    }
+
+    /// A locked submission leaves room for unlocked ones up to one short of the bound and
+    /// of the next record, and none at either.
+    #[test]
+    fn the_room_stops_one_short_of_the_bound_and_the_record() {
+        let mut r = Ring::EMPTY;
+        (r.seq, r.done_seq, r.recorded_seq) = (33, 32, 32);
+        assert_eq!(
+            room(&r, 64, 32),
+            30,
+            "the batch: 31 to the record, less one"
+        );
+        (r.seq, r.done_seq, r.recorded_seq) = (63, 10, 63);
+        assert_eq!(room(&r, 64, 32), 10, "the bound: 53 in flight");
+        (r.seq, r.done_seq, r.recorded_seq) = (64, 0, 64);
+        assert_eq!(room(&r, 64, 32), 0, "at the bound");
+        (r.seq, r.done_seq, r.recorded_seq) = (5, 5, 4);
+        assert_eq!(
+            room(&r, 2, 1),
+            0,
+            "a batch of one: every submission records"
+        );
+        assert_eq!(room(&r, 1, 1), 0, "a bound of one");
+    }
+
+    /// Unlocked submissions count into the ring's sequence and the page at the settle;
+    /// the quota allows exactly what was granted; a new generation (the ring given to
+    /// another stream) allows nothing from an old cache and leaves nothing to settle.
+    #[test]
+    fn unlocked_submissions_are_settled_within_the_quota_and_the_generation() {
+        let p = pool();
+        let mut r = Ring::EMPTY;
+        // SAFETY: a page entry is atomics and integers, all valid at zero.
+        let page: Entry = unsafe { std::mem::zeroed() };
+        p.renew(&mut r);
+        let gen = p.gen.load(Relaxed);
+        assert!(!p.may_go(gen), "nothing allowed before a grant");
+        p.allow(&r, 2);
+        assert!(p.may_go(gen));
+        assert!(!p.may_go(gen + 1), "another generation's cache");
+        p.made.fetch_add(1, Relaxed);
+        assert!(p.may_go(gen));
+        p.made.fetch_add(1, Relaxed);
+        assert!(!p.may_go(gen), "the quota is used up");
+        p.settle(&mut r, Some(&page));
+        assert_eq!((r.seq, r.made_settled), (2, 2));
+        assert_eq!(page.submitted.load(Relaxed), 2);
+        p.settle(&mut r, Some(&page));
+        assert_eq!(r.seq, 2, "settled once");
+        p.allow(&r, 5);
+        p.made.fetch_add(3, Relaxed);
+        p.renew(&mut r);
+        assert!(!p.may_go(gen), "the old generation");
+        assert!(
+            !p.may_go(p.gen.load(Relaxed)),
+            "nothing allowed after a renewal"
+        );
+        p.settle(&mut r, Some(&page));
+        assert_eq!(
+            r.seq, 2,
+            "nothing of the old stream settles into the new one"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 use super::budget::{batch, bound, limit};
 use super::gpus::{gpu_of_current, Gpu, GPUS};
 use super::map::stale;
-use super::streams::{pool_for, record, ring_for, thread_tag, Key, Ring};
+use super::streams::{cached, pool_for, record, ring_for, room, thread_tag, Key, Ring, POOLS};
 use super::CUDA_SUCCESS;
 use crate::launch::{capturing, stream_of, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, KIND_PTDS};
 use crate::mode::{self, GATED};
@@ -18,11 +18,14 @@ const BLOCK_RECHECK_NS: u64 = 50_000_000;
 
 static STALE_WARNED: AtomicBool = AtomicBool::new(false);
 
-/// What a submission holds between the gate and its end.
+/// What a submission holds between the gate and its end: its stream's ring, locked
+/// (with its pool index), or the pool index of an unlocked submission, or neither (an
+/// untracked one).
 struct Ticket {
-    pub(super) gpu: &'static Gpu,
-    pub(super) entry: &'static Entry,
-    pub(super) ring: Option<MutexGuard<'static, Ring>>,
+    gpu: &'static Gpu,
+    entry: &'static Entry,
+    ring: Option<(usize, MutexGuard<'static, Ring>)>,
+    unlocked: Option<usize>,
 }
 
 thread_local! {
@@ -79,28 +82,44 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
         Some(CU_STREAM_PER_THREAD) => Some(Key::PerThread(ctx, thread_tag())),
         Some(h) => Some(Key::Stream(h)),
     };
-    let (pool, gpu) = match key {
-        Some(k) => {
+    // The thread's cached ring of this stream allows an unlocked submission: no lock,
+    // no driver call, unless the gate is closed.
+    let quick = key
+        .and_then(cached)
+        .filter(|c| POOLS[c.pool as usize].may_go(c.gen));
+    let (pool, gpu) = match (quick, key) {
+        (Some(c), _) => (Some(c.pool as usize), c.gpu as usize),
+        (None, Some(k)) => {
             let (p, g) = pool_for(k, ctx)?;
             (Some(p), g)
         }
-        None => (None, gpu_of_current(ctx)?),
+        (None, None) => (None, gpu_of_current(ctx)?),
     };
     let g = &GPUS[gpu];
     let entry = g.entry()?;
     entry.in_submit.fetch_add(1, SeqCst);
+    if quick.is_some() && !closed_now(g) {
+        return Some(Ticket {
+            gpu: g,
+            entry,
+            ring: None,
+            unlocked: pool,
+        });
+    }
     loop {
         let held = wait_at_gate(g, entry);
         let mut ring = match (pool, key) {
             (Some(p), Some(k)) => match ring_for(p, k, ctx) {
-                Some(mut r) => {
+                Some((p, mut r)) => {
+                    // Unlocked submissions since the last settle count from here.
+                    POOLS[p].settle(&mut r, Some(entry));
                     if held {
                         // The time held at the gate is no submission's GPU time.
                         r.prev_done_ns = 0;
                     }
                     let rings = g.rings.load(Relaxed);
                     bound(&mut r, entry, rings, g.gate().map(|(_, s)| &s.closed));
-                    Some(r)
+                    Some((p, r))
                 }
                 // Lost the ring twice: this one submission goes untracked.
                 None => {
@@ -112,7 +131,7 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
         };
         // Closed while this thread waited for its oldest event: back to the gate (a
         // submission now would only lengthen the drain).
-        if let Some(r) = ring.as_mut().filter(|_| closed_now(g)) {
+        if let Some((_, r)) = ring.as_mut().filter(|_| closed_now(g)) {
             r.prev_done_ns = 0;
             continue;
         }
@@ -120,6 +139,7 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
             gpu: g,
             entry,
             ring,
+            unlocked: None,
         });
     }
 }
@@ -169,16 +189,31 @@ fn wait_at_gate(g: &Gpu, entry: &Entry) -> bool {
 fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
     let mut res = Ok(());
     if r == CUDA_SUCCESS {
-        if let Some(ring) = t.ring.as_mut() {
+        if let Some(p) = t.unlocked {
+            // Counted after the driver's call returned: an event recorded once this is
+            // settled covers it.
+            POOLS[p].made.fetch_add(1, Release);
+        } else if let Some((p, ring)) = t.ring.as_mut() {
             // Closing now: the drain waits for an event covering this submission.
             let closing = t
                 .gpu
                 .gate()
                 .is_some_and(|(_, s)| s.closed.load(SeqCst) != 0);
-            let b = batch(limit(ring));
+            let lim = limit(ring);
+            let b = batch(lim);
             res = record(ring, t.entry, b, closing);
+            t.entry.submitted.fetch_add(1, Relaxed);
+            // Room under the bound and in the batch: the submissions up to it go
+            // unlocked (none while closing).
+            let n = if closing || res.is_err() {
+                0
+            } else {
+                room(ring, lim, b)
+            };
+            POOLS[*p].allow(ring, n);
+        } else {
+            t.entry.submitted.fetch_add(1, Relaxed);
         }
-        t.entry.submitted.fetch_add(1, Relaxed);
     }
     drop(t.ring.take());
     if t.entry.in_submit.fetch_sub(1, SeqCst) == 1

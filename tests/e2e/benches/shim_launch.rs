@@ -3,6 +3,8 @@
 //! `dlsym(h, "cuGetProcAddress_v2")`, then the getter), in three processes:
 //!
 //! - `launch/no-shim`: no `LD_PRELOAD` (the fake driver's own cost);
+//! - `launch/no-shim-stream`: the same on a created stream (the baseline of
+//!   `shim-gated-open-stream`);
 //! - `launch/shim-pass-through`: `libcoloc_cuda.so` preloaded, no class (offline or a host
 //!   with no agent): the cost of the wrapper alone;
 //! - `launch/shim-doorbell`: class online with a doorbell directory: every launch stamps
@@ -77,6 +79,7 @@ fn main() {
     };
     for mode in [
         "no-shim",
+        "no-shim-stream",
         "shim-pass-through",
         "shim-doorbell",
         "shim-offline-no-gate",
@@ -88,7 +91,7 @@ fn main() {
             .env("COLOC_BENCH_MODE", mode)
             .env("COLOC_SIM_STATE", &state)
             .env("LD_LIBRARY_PATH", &cuda);
-        if mode != "no-shim" {
+        if !mode.starts_with("no-shim") {
             c.env("LD_PRELOAD", &shim);
         }
         if mode == "shim-doorbell" {

@@ -332,6 +332,25 @@ fn the_close_is_acknowledged_only_once_in_flight_work_is_complete() {
         assert!(n.gate().open(&gpu0()));
         wait_progress(&n, pid, s, 4 * 5_000_000, Duration::from_secs(2));
     }
+    // 5 ms kernels, eight in flight, under K = 64 and no budget: after a drain the 32nd
+    // submission records an event, and the 30 or so after it go without the ring's lock
+    // (the room it leaves under K and in the next batch). Closed there (the 40th), the
+    // drain must wait for those too, not only for the event.
+    let quick = n.offline_step(5.0, 8, 0.0, &[("COLOC_SHIM_INFLIGHT_MS", "0")], &[]);
+    let qpage = n.page(quick.pid());
+    wait_progress(&n, quick.pid(), 0, 40 * 5_000_000, Duration::from_secs(10));
+    for _ in 0..5 {
+        let epoch = n.gate().close(&gpu0()).unwrap();
+        let (took, s, c) = wait_ack(&n, &qpage, quick.pid(), epoch, Duration::from_secs(2));
+        assert!(
+            c >= s,
+            "unlocked submissions: acknowledged after {took:?} with {} µs of kernels queued",
+            (s - c) / 1_000
+        );
+        assert!(n.gate().open(&gpu0()));
+        wait_progress(&n, quick.pid(), s, 40 * 5_000_000, Duration::from_secs(2));
+    }
+    drop(quick);
     // An idle process (five kernels, then nothing) acknowledges at once.
     let idle = n.offline(2, 0.0, &[], &["--idle-after-steps", "5"]);
     let ipage = n.page(idle.pid());
@@ -415,6 +434,29 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
             "{what}: K = 2 but more in flight: {v}"
         );
     }
+    // Short kernels under K = 8 (no budget): most submissions go without the ring's lock
+    // (those the last locked one left room for), and the bound holds for them too.
+    let v = n
+        .offline_step(
+            0.05,
+            16,
+            1.0,
+            &[
+                ("COLOC_SHIM_INFLIGHT", "8"),
+                ("COLOC_SHIM_INFLIGHT_MS", "0"),
+            ],
+            &[],
+        )
+        .summary();
+    assert!(v["launches"].as_u64().unwrap() > 1000, "{v}");
+    assert!(
+        v["max_outstanding_stream"].as_u64().unwrap() <= 8,
+        "K = 8, unlocked submissions: {v}"
+    );
+    assert!(
+        v["max_outstanding_stream"].as_u64().unwrap() >= 6,
+        "K = 8 is used (the application keeps 16): {v}"
+    );
     // Unbounded (0): the application's own depth, 8, is reached: the counter is real.
     let v = n
         .offline(8, 1.0, &[("COLOC_SHIM_INFLIGHT", "0")], &[])
