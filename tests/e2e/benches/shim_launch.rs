@@ -17,7 +17,9 @@
 //!   driver whether the stream is being captured into a CUDA graph (`cuStreamIsCapturing`;
 //!   the default stream above cannot be, and is not asked).
 //!
-//! The shim's cost is the difference to `no-shim`. The parent re-runs this binary once
+//! The shim's cost is the difference to `no-shim`. `COLOC_BENCH_MIN=<batches>` also
+//! prints the least time per launch over that many batches (see [`least_per_launch`]).
+//! The parent re-runs this binary once
 //! per mode with the environment set (the preload must be there from the start).
 //! `cargo bench -p coloc-e2e --bench shim_launch`.
 //!
@@ -30,9 +32,38 @@
 use criterion::{criterion_group, Criterion};
 use std::path::PathBuf;
 
+/// With `COLOC_BENCH_MIN=<batches>`: the least time per launch over that many batches of
+/// 5,000 launches, printed before criterion's runs. On a shared host the least batch is
+/// the one least disturbed, so it resolves a few ns where criterion's mean moves by tens.
+fn least_per_launch(mode: &str, d: &coloc_e2e::cuda::Driver) {
+    let Some(batches) = std::env::var("COLOC_BENCH_MIN")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    else {
+        return;
+    };
+    const N: u32 = 5_000;
+    let stream = mode.ends_with("-stream");
+    let mut least = f64::MAX;
+    for _ in 0..batches {
+        let t = std::time::Instant::now();
+        for _ in 0..N {
+            if stream {
+                d.launch_on_stream(0);
+            } else {
+                d.launch(0);
+            }
+        }
+        least = least.min(t.elapsed().as_nanos() as f64 / f64::from(N));
+        d.synchronize();
+    }
+    println!("launch-least/{mode}: {least:.1} ns (least of {batches} batches of {N})");
+}
+
 fn bench(c: &mut Criterion) {
     let mode = std::env::var("COLOC_BENCH_MODE").unwrap_or_default();
     let d = coloc_e2e::cuda::Driver::open(0);
+    least_per_launch(&mode, &d);
     // Zero-length kernels: the cost measured is the call path, not simulated GPU time.
     if mode.ends_with("-stream") {
         c.bench_function(&format!("launch/{mode}"), |b| {
