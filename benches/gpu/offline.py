@@ -26,8 +26,41 @@ ap.add_argument("--batch", type=int, default=64)
 ap.add_argument("--width", type=int, default=8192)
 ap.add_argument("--layers", type=int, default=8)
 ap.add_argument("--ready", help="file to create once warm-up is done on the GPU")
+ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
+                help="after the warm-up, time every CUDA kernel of this many steps with torch.profiler "
+                     "and write their durations' summary as \"kernels\" (what online's request meets "
+                     "when it arrives while this loop runs: the simulated GPU's offline kernel is set from it)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
+
+def kernel_profile(torch, model, opt, x, steps):
+    """Durations of the CUDA kernels of `steps` training steps (µs): how many per step, their
+    percentiles, and the time-weighted median (the kernel a request arriving at a random
+    moment of the loop's GPU time finds running)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+    # Each kernel is an event of its own with the device's type; its time range is its run.
+    cuda = torch.autograd.DeviceType.CUDA
+    us = sorted(d for d in (e.time_range.elapsed_us() for e in prof.events() if getattr(e, "device_type", None) == cuda) if d > 0)
+    if not us:
+        return {"error": "the profiler saw no CUDA kernel"}
+    total = sum(us)
+    acc, weighted = 0.0, us[-1]
+    for d in us:
+        acc += d
+        if acc >= total / 2:
+            weighted = d
+            break
+    q = lambda f: us[min(len(us) - 1, int(f * len(us)))]
+    return {"steps": steps, "per_step": len(us) / steps, "gpu_ms_per_step": total / steps / 1000,
+            "p50_us": q(0.5), "p90_us": q(0.9), "max_us": us[-1], "time_weighted_p50_us": weighted}
+
 
 res = {"steps": 0, "elapsed_s": 0.0, "steps_per_s": None, "phase": "import", "clock": "monotonic", "timeline": []}
 t_launch = time.monotonic()
@@ -45,6 +78,8 @@ try:
             opt.step()
             opt.zero_grad()
         torch.cuda.synchronize()
+        if a.kernel_profile > 0 and not stop:
+            res["kernels"] = kernel_profile(torch, model, opt, x, a.kernel_profile)
         res["startup_s"] = time.monotonic() - t_launch
         if a.ready:
             with open(a.ready, "w") as f:

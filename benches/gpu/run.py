@@ -1026,6 +1026,9 @@ class Harness:
                                                     release=agent[2] if agent[2] in ("learned", "at-once") else None, extra=["--driver-lock", "--cuda-lib", self.a.cuda_lib] if agent[2] == "lock" else ())
             if offline:
                 cmd = self.offline_cmd(off_out, ready)
+                if not online and agent is None and not self.sim:
+                    # Offline alone: its kernels' durations, the simulated GPU's yardstick.
+                    cmd += ["--kernel-profile", "4"]
                 if cg:
                     cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'] + cmd
                 gated = agent is not None and agent[2] in ("gate", "learned", "at-once", "lock")
@@ -1096,6 +1099,8 @@ class Harness:
                 problems.append("online served no request")
         if off_j:
             row["offline_steps_per_s"] = off_j.get("steps_per_s")
+            if off_j.get("kernels"):
+                row["offline_kernels"] = off_j["kernels"]
             tl, win = off_j.get("timeline") or [], (on_j or {}).get("window_mono_s")
             if tl and win and win[1] > win[0] and len(tl) >= 2:
                 row["offline_steps_per_s_online_window"] = (steps_at(tl, win[1]) - steps_at(tl, win[0])) / (win[1] - win[0])
@@ -1433,6 +1438,10 @@ def render(r, parts=None):
         out.append(f"| {s.get('part', '') + ' ' if s.get('part') else ''}{s['step']} | {s['status']} | {fmt(s.get('elapsed_s'))} | {note[:200].replace('|', '/')} |")
     out += ["", "## Scenarios", "", "Offline steps/s is taken over the online process's active window where both ran (basis \"online window\"); the share compares it with offline alone.", "",
             scenario_table(r.get("scenarios") or [])]
+    for s in r.get("scenarios") or []:
+        if s.get("offline_kernels"):
+            out += ["", f"Offline's CUDA kernels ({s['scenario']}, torch.profiler over its steps after the warm-up, µs; "
+                    "time-weighted p50: the kernel a request arriving while it runs finds running): " + json.dumps(s["offline_kernels"])]
     probes = r.get("nvml_probe")
     probes = probes if isinstance(probes, list) else [probes]
     for i, p in enumerate(x for x in probes if x):
