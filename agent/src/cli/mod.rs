@@ -90,6 +90,7 @@ pub const OTHER_COMPONENTS: &[&str] = &[
     "COLOC_SIM_STATE",
     "COLOC_LOG",
     "COLOC_BENCH_MODE",
+    "COLOC_BENCH_MIN",
     "COLOC_CAPTURE_ALONE",
     "COLOC_E2E_CAPS_TOOL",
 ];
