@@ -537,14 +537,63 @@ fn an_escaping_process_that_nothing_can_hold_is_reported_not_hidden() {
     drop(online);
 }
 
+/// The cgroup v2 mount, which the cell tests need: they fail without it, never pass.
+fn need_v2() -> PathBuf {
+    v2_mount().unwrap_or_else(|| {
+        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither")
+    })
+}
+
+/// `/proc/<pid>/cgroup` (empty once the process is gone).
+fn cgroup_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default()
+}
+
+/// Moves process `.1` into the root cgroup of mount `.0` when dropped: out of an agent's
+/// cell before the cells' guard removes it, whatever the test's outcome.
+struct Out(PathBuf, u32);
+impl Drop for Out {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0.join("cgroup.procs"), self.1.to_string());
+    }
+}
+
+/// Waits until the agent has moved `child` into one of its cells.
+fn wait_in_cell(child: u32, agent: &Agent) {
+    wait_for(
+        "the tenant frozen in a cell",
+        Duration::from_secs(3),
+        || cgroup_of(child).contains("/gpu-coloc.held/"),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+}
+
+/// A subtree a tenant owns: `<mount>/<unique prefix>` and the cgroup `inner` under it
+/// for its process (removed when dropped).
+fn subtree(mount: &Path, prefix: &str) -> (Dir, Dir) {
+    let parent = Dir(mount.join(unique(prefix)));
+    std::fs::create_dir(&parent.0).unwrap();
+    let home = Dir(parent.0.join("inner"));
+    std::fs::create_dir(&home.0).unwrap();
+    (parent, home)
+}
+
+/// The tenant's move once its process is in a cell: the tracer leaves too, the tenant
+/// removes its cgroup (empty now) and, given its parent, forbids any new cgroup there.
+fn tenant_removes_home(mount: &Path, tracer: &Proc, home: &Path, forbid_under: Option<&Path>) {
+    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
+    std::fs::remove_dir(home).expect("the tenant's cgroup, empty, can be removed");
+    if let Some(parent) = forbid_under {
+        std::fs::write(parent.join("cgroup.max.descendants"), "0").unwrap();
+    }
+}
+
 /// A cell is recorded like any hold: an agent killed (`kill -9`) while the ptrace tenant
 /// is frozen in its cell leaves it frozen there, and the next agent moves it home (thawed
 /// as it leaves) and removes the cell before anything else.
 #[test]
 fn a_tenant_frozen_in_a_cell_goes_home_after_the_agent_is_killed_and_restarted() {
-    let Some(mount) = v2_mount() else {
-        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
-    };
+    let mount = need_v2();
     let sim = Sim::start(1, &["--sample-period-ms", "10"]);
     let events = TempPath::new("coloc-e2e-cell-k9-events");
     let mut agent = Agent::start(
@@ -607,9 +656,7 @@ fn a_tenant_frozen_in_a_cell_goes_home_after_the_agent_is_killed_and_restarted()
 /// cgroup again where it was and moves the process back into it.
 #[test]
 fn a_tenant_that_removes_its_cgroup_while_in_a_cell_goes_back_to_it_made_again() {
-    let Some(mount) = v2_mount() else {
-        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
-    };
+    let mount = need_v2();
     let tag = unique("coloc-e2e-home");
     let home = Dir(mount.join(&tag));
     std::fs::create_dir(&home.0).unwrap();
@@ -626,17 +673,9 @@ fn a_tenant_that_removes_its_cgroup_while_in_a_cell_goes_back_to_it_made_again()
     let _cells = Cells(mount.clone(), child);
     agent.wait_processes(1);
     let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
-    let cgroup_of =
-        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    wait_for(
-        "the tenant frozen in a cell",
-        Duration::from_secs(3),
-        || cgroup_of(child).contains("/gpu-coloc.held/"),
-    )
-    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_in_cell(child, &agent);
     // The tracer leaves too, and the tenant removes its cgroup, empty now.
-    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
-    std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
+    tenant_removes_home(&mount, &tracer, &home.0, None);
     drop(online);
     wait_for(
         "the tenant back in its cgroup, made again",
@@ -660,14 +699,8 @@ fn a_tenant_that_removes_its_cgroup_while_in_a_cell_goes_back_to_it_made_again()
 /// its own cgroup and of the cgroups above it.
 #[test]
 fn a_tenant_that_forbids_remaking_its_cgroup_is_not_left_running_in_a_cell() {
-    let Some(mount) = v2_mount() else {
-        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
-    };
-    let tag = unique("coloc-e2e-nohome");
-    let parent = Dir(mount.join(&tag));
-    std::fs::create_dir(&parent.0).unwrap();
-    let home = Dir(parent.0.join("inner"));
-    std::fs::create_dir(&home.0).unwrap();
+    let mount = need_v2();
+    let (parent, home) = subtree(&mount, "coloc-e2e-nohome");
     let sim = Sim::start(1, &["--sample-period-ms", "10"]);
     let events = TempPath::new("coloc-e2e-nohome-events");
     let agent = Agent::start(
@@ -678,30 +711,14 @@ fn a_tenant_that_forbids_remaking_its_cgroup_is_not_left_running_in_a_cell() {
         },
     );
     let (tracer, child) = ptrace_tenant_in(&sim, Some(&home.0));
-    // Out of the cell before the cells' guard removes it, whatever the outcome.
-    struct Out(PathBuf, u32);
-    impl Drop for Out {
-        fn drop(&mut self) {
-            let _ = std::fs::write(self.0.join("cgroup.procs"), self.1.to_string());
-        }
-    }
     let _cells = Cells(mount.clone(), child);
     let _out = Out(mount.clone(), child);
     agent.wait_processes(1);
     let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
-    let cgroup_of =
-        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    wait_for(
-        "the tenant frozen in a cell",
-        Duration::from_secs(3),
-        || cgroup_of(child).contains("/gpu-coloc.held/"),
-    )
-    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_in_cell(child, &agent);
     // The tracer leaves too; the tenant removes its cgroup, empty now, and forbids any
     // new cgroup under its parent.
-    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
-    std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
-    std::fs::write(parent.0.join("cgroup.max.descendants"), "0").unwrap();
+    tenant_removes_home(&mount, &tracer, &home.0, Some(&parent.0));
     drop(online);
     // Released: wherever it goes, not on in the agent's cell.
     let left_in_cell = wait_for(
@@ -726,38 +743,17 @@ fn a_tenant_that_forbids_remaking_its_cgroup_is_not_left_running_in_a_cell() {
 /// "is in a cell already"; a process found in a cell is now frozen there.)
 #[test]
 fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
-    let Some(mount) = v2_mount() else {
-        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
-    };
-    let tag = unique("coloc-e2e-nohome2");
-    let parent = Dir(mount.join(&tag));
-    std::fs::create_dir(&parent.0).unwrap();
-    let home = Dir(parent.0.join("inner"));
-    std::fs::create_dir(&home.0).unwrap();
+    let mount = need_v2();
+    let (parent, home) = subtree(&mount, "coloc-e2e-nohome2");
     let sim = Sim::start(1, &["--sample-period-ms", "10"]);
     let mut agent = Agent::start(&sim, AgentOpts::default());
     let (tracer, child) = ptrace_tenant_in(&sim, Some(&home.0));
-    struct Out(PathBuf, u32);
-    impl Drop for Out {
-        fn drop(&mut self) {
-            let _ = std::fs::write(self.0.join("cgroup.procs"), self.1.to_string());
-        }
-    }
     let _cells = Cells(mount.clone(), child);
     let _out = Out(mount.clone(), child);
     agent.wait_processes(1);
     let online = sim.spawn(&["busy", "--gpu", "0", "--ms", "2000"]);
-    let cgroup_of =
-        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    wait_for(
-        "the tenant frozen in a cell",
-        Duration::from_secs(3),
-        || cgroup_of(child).contains("/gpu-coloc.held/"),
-    )
-    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
-    std::fs::write(mount.join("cgroup.procs"), tracer.pid().to_string()).unwrap();
-    std::fs::remove_dir(&home.0).expect("the tenant's cgroup, empty, can be removed");
-    std::fs::write(parent.0.join("cgroup.max.descendants"), "0").unwrap();
+    wait_in_cell(child, &agent);
+    tenant_removes_home(&mount, &tracer, &home.0, Some(&parent.0));
     drop(online);
     // Released: to the cgroup above its own (see the test above).
     wait_for("the release", Duration::from_secs(3), || {
@@ -792,9 +788,7 @@ fn a_tenant_left_in_a_cell_is_frozen_again_by_the_next_agent() {
 /// (another agent may be moving it in).
 #[test]
 fn empty_cells_of_gone_processes_are_removed_at_start() {
-    let Some(mount) = v2_mount() else {
-        panic!("this test needs cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified); found neither");
-    };
+    let mount = need_v2();
     let held = mount.join("gpu-coloc.held");
     std::fs::create_dir_all(&held).unwrap();
     // A PID above the kernel's pid_max names no process.
