@@ -3,10 +3,12 @@
 //! ```text
 //!  submission (any wrapped entry point), mode gated:
 //!    stream → pool (ring) and GPU (page entry, gate slot); context cached per thread
-//!    in_submit += 1
-//!    the ring's quota allows it and the gate is open (unlocked):
-//!      the driver's submission; ring's made += 1; in_submit -= 1   (no lock, no driver call)
-//!    else (locked: the ring's lock, the unlocked ones settled into its sequence):
+//!    one taken from the ring's quota (one CAS: left -= 1, inside += 1, at the cached
+//!    generation); in_submit += 1
+//!    taken and the gate open (unlocked): the driver's submission; inside -= 1 (a failed
+//!      call: unmade += 1); in_submit -= 1   (no lock, no driver call)
+//!    else (locked: the ring's lock; its quota withdrawn, the threads inside it waited
+//!      for (each in a driver call), the unlocked ones settled into its sequence):
 //!    closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
 //!    the bound reached on this stream (the budget's share in estimated GPU time, at
 //!    least one submission, at most K)? ask the event that brings it under the bound

@@ -108,10 +108,9 @@ fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
         if p.gpu.load(Acquire) != i {
             continue;
         }
-        // No thread is inside a submission: every unlocked one is counted, and none
-        // goes unlocked until a locked one allows it again.
+        // Every unlocked submission is counted (one still inside its driver call is waited
+        // for), and none goes unlocked until a locked one allows it again.
         p.settle(&mut r, Some(entry));
-        p.allow(&r, 0);
         // Submissions since the last event (fewer than a batch) are covered by no event:
         // the context's own synchronisation waits for them (every stream of this process
         // in that context; nothing else of ours runs there while the gate is closed),

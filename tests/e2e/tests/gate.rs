@@ -464,6 +464,44 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
     assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
 }
 
+/// Several threads submitting to one stream share its bound: short kernels (most of them
+/// going without the ring's lock) from four threads, each keeping 16 of its own queued,
+/// on a created stream and on the legacy default stream, never put more than K = 8 in
+/// flight there.
+#[test]
+fn threads_sharing_a_stream_keep_its_inflight_bound() {
+    let n = Node::new(true);
+    for (what, extra) in [
+        ("created stream", vec!["--threads", "4"]),
+        (
+            "legacy default stream",
+            vec!["--threads", "4", "--default-stream"],
+        ),
+    ] {
+        let v = n
+            .offline_step(
+                0.05,
+                16,
+                1.0,
+                &[
+                    ("COLOC_SHIM_INFLIGHT", "8"),
+                    ("COLOC_SHIM_INFLIGHT_MS", "0"),
+                ],
+                &extra,
+            )
+            .summary();
+        assert!(v["launches"].as_u64().unwrap() > 1000, "{what}: {v}");
+        assert!(
+            v["max_outstanding_stream"].as_u64().unwrap() <= 8,
+            "{what}: K = 8, four threads: {v}"
+        );
+        assert!(
+            v["max_outstanding_stream"].as_u64().unwrap() >= 6,
+            "{what}: K = 8 is used: {v}"
+        );
+    }
+}
+
 /// The budget bounds work in flight by its estimated time: kernels of 2 ms under a 3 ms
 /// budget run one at a time, 0.5 ms ones about four at a time under 2 ms (each sample
 /// includes a wake-up, and the simulator's completions move by up to its tick: 2 to 8),
