@@ -25,6 +25,8 @@
 //!    every stream on that GPU drained (its newest event, or, with
 //!    submissions since its last event, cuCtxSynchronize of its context)
 //!    → entry.gate_ack = epoch; page wake += 1, FUTEX_WAKE
+//!    once a period: every ring nobody holds with unlocked submissions not yet counted
+//!    settled (the page's `submitted` true for a stream gone quiet), its quota withdrawn
 //! ```
 //!
 //! - **Gate off** (no gate file, an invalid one, or one whose heartbeat is stale when it

@@ -263,6 +263,26 @@ impl Pool {
     }
 }
 
+/// Settles every ring that has unlocked submissions not yet counted and that nobody
+/// holds, into its GPU's page entry, so that the page's count of submissions stays true
+/// for a stream gone quiet between records (the watcher, once a period). Its quota is
+/// withdrawn: the stream's next submission takes the lock and grants it again.
+pub(super) fn settle_all() {
+    for p in POOLS.iter() {
+        let gpu = p.gpu.load(Acquire);
+        let Some(entry) = GPUS.get(gpu).and_then(|g| g.entry()) else {
+            continue;
+        };
+        let Ok(mut r) = p.ring.try_lock() else {
+            continue;
+        };
+        if p.gpu.load(Acquire) != gpu || r.granted == left(p.word.load(Acquire)) {
+            continue;
+        }
+        p.settle(&mut r, Some(entry));
+    }
+}
+
 /// Unlocked submissions a locked one leaves room for: up to one short of the bound
 /// (`limit` in flight) and of the batch's record (`batch` since the last event), so that
 /// the locked submission after them is the one that records or waits.

@@ -4,7 +4,7 @@
 use super::events::{sync_ctx, sync_event, with_ctx};
 use super::gpus::{Gpu, GPUS};
 use super::map::{map_gate_file, mapping, stale};
-use super::streams::{lock, POOLS};
+use super::streams::{lock, settle_all, POOLS};
 use super::CUDA_SUCCESS;
 use crate::mode::{self, GATED, OFF, OPEN};
 use coloc_doorbell::{futex_wait, now_ns, MAX_GPUS};
@@ -48,6 +48,7 @@ fn watch() {
     // Per GPU: (mapping epoch, gate epoch) last acknowledged by this watcher.
     let mut acked = [(0u32, 0u32); MAX_GPUS];
     let mut next_file_check = 0u64;
+    let mut next_settle = 0u64;
     loop {
         if matches!(mode::MODE.load(Acquire), OFF) {
             return;
@@ -74,6 +75,11 @@ fn watch() {
                 if let Some(a) = acknowledge(g, i, acked[i]) {
                     acked[i] = a;
                 }
+            }
+            // Unlocked submissions of streams gone quiet between records: counted.
+            if now >= next_settle {
+                next_settle = now + WATCH_RECHECK_NS;
+                settle_all();
             }
         }
         futex_wait(&m.gates.header().generation, gen, WATCH_RECHECK_NS);

@@ -464,6 +464,35 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
     assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
 }
 
+/// The page's count of submissions stays true for a process gone idle: ten kernels under
+/// K = 64 (all but the first go without the ring's lock, counted only when the ring is
+/// settled), then nothing submitted: the page says ten within a few of the watcher's
+/// periods (100 ms), with no close to settle them.
+#[test]
+fn the_page_counts_the_unlocked_submissions_of_a_process_gone_idle() {
+    let n = Node::new(true);
+    let idle = n.offline(
+        2,
+        0.0,
+        &[("COLOC_SHIM_INFLIGHT", "64")],
+        &["--idle-after-steps", "10"],
+    );
+    let pid = idle.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 10 * STEP_NS, Duration::from_secs(5));
+    let counted = wait_for(
+        "the page's count of submissions",
+        Duration::from_secs(1),
+        || page.gate().is_some_and(|g| g.submitted == 10),
+    );
+    assert!(
+        counted.is_ok(),
+        "ten kernels submitted, the page says {:?}; stderr: {}",
+        page.gate(),
+        idle.stderr()
+    );
+}
+
 /// Several threads submitting to one stream share its bound: short kernels (most of them
 /// going without the ring's lock) from four threads, each keeping 16 of its own queued,
 /// on a created stream and on the legacy default stream, never put more than K = 8 in
