@@ -276,7 +276,10 @@ pub(super) fn settle_all() {
         let Ok(mut r) = p.ring.try_lock() else {
             continue;
         };
-        if p.gpu.load(Acquire) != gpu || r.granted == left(p.word.load(Acquire)) {
+        // One inside a driver call (which may block, e.g. while the driver's lock holds
+        // the process) is left for the next period or the next locked submission.
+        let w = p.word.load(Acquire);
+        if p.gpu.load(Acquire) != gpu || r.granted == left(w) || inside(w) != 0 {
             continue;
         }
         p.settle(&mut r, Some(entry));
