@@ -444,6 +444,53 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
     assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
 }
 
+/// Four threads on one stream, most of their submissions unlocked (1 ms kernels, K = 64,
+/// eight queued per thread): each close is acknowledged only once every kernel submitted
+/// is complete, with nothing in flight or inside a submission on the page, and the page's
+/// count of submissions is every kernel the simulated GPU received.
+#[test]
+fn a_close_waits_for_every_thread_sharing_a_stream() {
+    let n = Node::new(true);
+    let job = n.offline_step(
+        1.0,
+        8,
+        0.0,
+        &[
+            ("COLOC_SHIM_INFLIGHT", "64"),
+            ("COLOC_SHIM_INFLIGHT_MS", "0"),
+        ],
+        &["--threads", "4"],
+    );
+    let pid = job.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 100 * 1_000_000, Duration::from_secs(10));
+    for i in 0..8u64 {
+        // Closed at a different point of the batch each time.
+        std::thread::sleep(Duration::from_micros(700 * i));
+        let epoch = n.gate().close(&gpu0()).unwrap();
+        let (took, s, c) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(2));
+        assert!(
+            c >= s,
+            "acknowledged after {took:?} with {} µs of kernels queued",
+            (s - c) / 1_000
+        );
+        let g = page.gate().unwrap();
+        assert_eq!(
+            (g.inflight, g.in_submit),
+            (0, 0),
+            "at the acknowledgement: {g:?}"
+        );
+        assert_eq!(
+            g.submitted * 1_000_000,
+            s,
+            "the page's count against the kernels the GPU received: {g:?}"
+        );
+        assert!(n.gate().open(&gpu0()));
+        wait_progress(&n, pid, s, 40 * 1_000_000, Duration::from_secs(2));
+    }
+    drop(job);
+}
+
 /// The page's count of submissions stays true for a process gone idle: ten kernels under
 /// K = 64 (all but the first go without the ring's lock, counted only when the ring is
 /// settled), then nothing submitted: the page says ten within a few of the watcher's
