@@ -383,9 +383,9 @@ fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
     r.key = Some(key);
     r.ctx = ctx;
     r.record_on = record_on;
+    POOLS[idx].renew(&mut r);
     r.reset_timing();
     r.all_done();
-    POOLS[idx].renew(&mut r);
     POOLS[idx].gpu.store(gpu, Release);
     GPUS[gpu].rings.fetch_add(1, Relaxed);
     dir.push((key, idx as u16, gpu as u16));
