@@ -158,7 +158,8 @@ enum Cmd {
         idle_after_steps: u64,
         /// With --cuda: this many threads submit to the same stream, each keeping
         /// --queue-depth kernels of its own in flight (on stream 0 each thread's own
-        /// per-thread default stream with --per-thread-stream).
+        /// per-thread default stream with --per-thread-stream). The summary's launches
+        /// are every thread's, its steps the first thread's.
         #[arg(long, default_value_t = 1, requires = "cuda")]
         threads: u32,
         /// Device memory the job holds, MiB.
