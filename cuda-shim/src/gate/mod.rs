@@ -3,10 +3,12 @@
 //! ```text
 //!  submission (any wrapped entry point), mode gated:
 //!    stream → pool (ring) and GPU (page entry, gate slot); context cached per thread
-//!    in_submit += 1
-//!    the ring's quota allows it and the gate is open (unlocked):
-//!      the driver's submission; ring's made += 1; in_submit -= 1   (no lock, no driver call)
-//!    else (locked: the ring's lock, the unlocked ones settled into its sequence):
+//!    one taken from the ring's quota (one CAS: left -= 1, inside += 1, at the cached
+//!    generation); in_submit += 1
+//!    taken and the gate open (unlocked): the driver's submission; inside -= 1 (a failed
+//!      call: unmade += 1); in_submit -= 1   (no lock, no driver call)
+//!    else (locked: the ring's lock; its quota withdrawn, the threads inside it waited
+//!      for (each in a driver call), the unlocked ones settled into its sequence):
 //!    closed? ─ yes ─► in_submit -= 1; FUTEX_WAIT(closed, 50 ms); again
 //!    the bound reached on this stream (the budget's share in estimated GPU time, at
 //!    least one submission, at most K)? ask the event that brings it under the bound
@@ -23,6 +25,8 @@
 //!    every stream on that GPU drained (its newest event, or, with
 //!    submissions since its last event, cuCtxSynchronize of its context)
 //!    → entry.gate_ack = epoch; page wake += 1, FUTEX_WAKE
+//!    once a period: every ring nobody holds with unlocked submissions not yet counted
+//!    settled (the page's `submitted` true for a stream gone quiet), its quota withdrawn
 //! ```
 //!
 //! - **Gate off** (no gate file, an invalid one, or one whose heartbeat is stale when it

@@ -4,12 +4,14 @@
 //!
 //! A ring is locked by the submissions that record its events or wait at its bound. The
 //! submissions between take no lock: a locked submission that leaves room under the
-//! bound and in the batch sets the ring's *quota* ([`Pool::quota`]), and until the
-//! ring's count of such submissions ([`Pool::made`], one atomic add after the driver's
-//! call) reaches it, a submission goes straight to the driver. The next locked one (or
-//! the watcher) *settles* them into the ring's sequence before it records or waits, so
-//! that an event recorded then covers them (each was counted after its driver call
-//! returned).
+//! bound and in the batch sets the ring's *quota* (`left` in [`Pool::word`]), and a
+//! submission that takes one of it ([`Pool::reserve`], one atomic exchange, which also
+//! counts it *inside*) goes straight to the driver, and leaves ([`Pool::release`]) when
+//! the driver's call returns. The next locked one (or the watcher, or a reclaim)
+//! *settles* them into the ring's sequence before it records, waits or frees the ring:
+//! it withdraws the quota and waits until no thread is inside, so that the sequence is
+//! every submission made (however many threads took part: never more than the quota)
+//! and an event recorded then covers them all.
 
 use super::budget::mono_ns;
 use super::events::{create_event, sync_event, with_ctx};
@@ -21,7 +23,7 @@ use coloc_doorbell::Entry;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, MutexGuard};
 
 /// Stream rings at once.
@@ -72,8 +74,10 @@ pub(super) struct Ring {
     pub(super) start_known: bool,
     /// Samples in `est_ns` so far (up to [`FIRST_SAMPLES`]).
     pub(super) samples: u32,
-    /// [`Pool::made`] as last settled into `seq`.
-    pub(super) made_settled: u64,
+    /// Unlocked submissions the quota allowed since the last settle, and
+    /// [`Pool::unmade`] as of the last settle.
+    pub(super) granted: u64,
+    pub(super) unmade_settled: u64,
 }
 
 impl Ring {
@@ -92,7 +96,8 @@ impl Ring {
         batch_start_ns: 0,
         start_known: false,
         samples: 0,
-        made_settled: 0,
+        granted: 0,
+        unmade_settled: 0,
     };
 
     /// Submissions made and not known complete (those not yet covered by an event too).
@@ -120,23 +125,39 @@ impl Ring {
 pub(super) struct Pool {
     /// GPU index (`usize::MAX`: unassigned), readable without the lock.
     pub(super) gpu: AtomicUsize,
-    /// Bumped each time the ring is given to a stream: a thread's cached (key, pool) pair
-    /// allows an unlocked submission only while it matches.
-    pub(super) gen: AtomicU32,
-    /// Unlocked submissions made on the ring's stream since it was assigned (counted
-    /// after the driver's call returned successfully).
-    pub(super) made: AtomicU64,
-    /// Unlocked submissions are allowed while `made` is below this (set under the lock).
-    pub(super) quota: AtomicU64,
+    /// `generation (32 bits) | left (16) | inside (16)`: the generation is bumped each
+    /// time the ring is given to a stream (a thread's cached (key, pool) pair allows an
+    /// unlocked submission only while it matches); `left` is the unlocked submissions the
+    /// quota still allows (raised only under the ring's lock, taken one at a time by
+    /// [`Pool::reserve`]); `inside` the threads between that reservation and the end of
+    /// their driver call ([`Pool::release`]).
+    pub(super) word: AtomicU64,
+    /// Reservations that made no submission (the driver's call failed, or the gate was
+    /// found closed after the reservation).
+    pub(super) unmade: AtomicU64,
     pub(super) ring: Mutex<Ring>,
+}
+
+/// One unlocked submission in [`Pool::word`]'s fields.
+const INSIDE_ONE: u64 = 1;
+const LEFT_ONE: u64 = 1 << 16;
+const FIELD: u64 = 0xffff;
+const LEFT_MASK: u64 = FIELD << 16;
+const GEN_ONE: u64 = 1 << 32;
+
+fn inside(w: u64) -> u64 {
+    w & FIELD
+}
+
+fn left(w: u64) -> u64 {
+    (w >> 16) & FIELD
 }
 
 pub(super) static POOLS: [Pool; MAX_POOLS] = [const {
     Pool {
         gpu: AtomicUsize::new(usize::MAX),
-        gen: AtomicU32::new(0),
-        made: AtomicU64::new(0),
-        quota: AtomicU64::new(0),
+        word: AtomicU64::new(0),
+        unmade: AtomicU64::new(0),
         ring: Mutex::new(Ring::EMPTY),
     }
 }; MAX_POOLS];
@@ -162,31 +183,106 @@ thread_local! {
 }
 
 impl Pool {
-    /// Counts the unlocked submissions made since the last settle into the ring's
-    /// sequence (and the page's count of submissions). Under the ring's lock.
+    /// The ring's generation now.
+    pub(super) fn gen(&self) -> u32 {
+        (self.word.load(Acquire) >> 32) as u32
+    }
+
+    /// Takes one unlocked submission of the quota, if the ring is still at generation
+    /// `gen` (as a thread cached it) and the quota allows one: the caller is then inside
+    /// until [`Pool::release`]. No lock: one atomic exchange.
+    #[inline]
+    pub(super) fn reserve(&self, gen: u32) -> bool {
+        let mut w = self.word.load(Relaxed);
+        loop {
+            if (w >> 32) as u32 != gen || left(w) == 0 {
+                return false;
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, w - LEFT_ONE + INSIDE_ONE, AcqRel, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(x) => w = x,
+            }
+        }
+    }
+
+    /// Ends a reservation: `made` if a submission was made (the driver's call returned
+    /// successfully), else it is counted as unmade.
+    #[inline]
+    pub(super) fn release(&self, made: bool) {
+        if !made {
+            self.unmade.fetch_add(1, Relaxed);
+        }
+        self.word.fetch_sub(INSIDE_ONE, Release);
+    }
+
+    /// Withdraws the quota, waits until no thread is inside an unlocked submission of the
+    /// ring (each is in a driver call: microseconds), and counts those made since the last
+    /// settle into the ring's sequence (and the page's count of submissions). Under the
+    /// ring's lock: from here until [`Pool::allow`] no submission goes unlocked, and the
+    /// ring's sequence is every submission made on it.
     pub(super) fn settle(&self, r: &mut Ring, entry: Option<&Entry>) {
-        let m = self.made.load(Acquire);
-        let n = m.saturating_sub(r.made_settled);
+        let old = self.word.fetch_and(!LEFT_MASK, AcqRel);
+        let mut w = old;
+        let mut spins = 0u32;
+        while inside(w) != 0 {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 1_000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            w = self.word.load(Acquire);
+        }
+        let unmade = self.unmade.load(Relaxed);
+        let taken = r.granted - left(old);
+        let n = taken.saturating_sub(unmade - r.unmade_settled);
+        r.granted = 0;
+        r.unmade_settled = unmade;
         if n == 0 {
             return;
         }
-        r.made_settled = m;
         r.seq += n;
         if let Some(e) = entry {
             e.submitted.fetch_add(n, Relaxed);
         }
     }
 
-    /// Allows up to `n` unlocked submissions from now (0: none). Under the ring's lock,
-    /// right after a settle.
-    pub(super) fn allow(&self, r: &Ring, n: u64) {
-        self.quota.store(r.made_settled + n, Release);
+    /// Allows up to `n` unlocked submissions from now (0: none). Under the ring's lock.
+    pub(super) fn allow(&self, r: &mut Ring, n: u64) {
+        let n = n.min(FIELD);
+        let old = self
+            .word
+            .fetch_update(Release, Relaxed, |w| Some((w & !LEFT_MASK) | n << 16))
+            .unwrap_or_else(|w| w);
+        r.granted = r.granted - left(old) + n;
     }
+}
 
-    /// An unlocked submission may go now on this ring, as cached at generation `gen`.
-    #[inline]
-    pub(super) fn may_go(&self, gen: u32) -> bool {
-        self.gen.load(Acquire) == gen && self.made.load(Relaxed) < self.quota.load(Acquire)
+/// Settles every ring that has unlocked submissions not yet counted and that nobody
+/// holds, into its GPU's page entry, so that the page's count of submissions stays true
+/// for a stream gone quiet between records (the watcher, once a period). Its quota is
+/// withdrawn: the stream's next submission takes the lock and grants it again.
+pub(super) fn settle_all() {
+    for p in POOLS.iter() {
+        let gpu = p.gpu.load(Acquire);
+        let Some(entry) = GPUS.get(gpu).and_then(|g| g.entry()) else {
+            continue;
+        };
+        let Ok(mut r) = p.ring.try_lock() else {
+            continue;
+        };
+        // One inside a driver call (which may block, e.g. while the driver's lock holds
+        // the process) is left for the next period or the next locked submission.
+        let w = p.word.load(Acquire);
+        if p.gpu.load(Acquire) != gpu || r.granted == left(w) || inside(w) != 0 {
+            continue;
+        }
+        p.settle(&mut r, Some(entry));
     }
 }
 
@@ -238,7 +334,7 @@ pub(super) fn pool_for(key: Key, ctx: usize) -> Option<(usize, usize)> {
 /// Caches `key`'s ring (pool `p` on GPU `g`, at its current generation) as the thread's
 /// most recent.
 fn remember(key: Key, p: usize, g: usize) {
-    let gen = POOLS[p].gen.load(Acquire);
+    let gen = POOLS[p].gen();
     let _ = POOL_CACHE.try_with(|c| {
         let mut c = c.borrow_mut();
         let at = c.iter().position(|x| x.is_some_and(|x| x.key == key));
@@ -287,9 +383,9 @@ fn assign(key: Key, cur_ctx: usize) -> Option<(usize, usize)> {
     r.key = Some(key);
     r.ctx = ctx;
     r.record_on = record_on;
+    POOLS[idx].renew(&mut r);
     r.reset_timing();
     r.all_done();
-    POOLS[idx].renew(&mut r);
     POOLS[idx].gpu.store(gpu, Release);
     GPUS[gpu].rings.fetch_add(1, Relaxed);
     dir.push((key, idx as u16, gpu as u16));
@@ -305,13 +401,16 @@ pub(super) fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
             continue;
         };
         let r = &mut *guard;
-        // A ring that allows unlocked submissions is in use: it allows none from now,
-        // and is taken on the next round if it stays unused.
-        if POOLS[i].quota.load(Acquire) > r.made_settled {
-            POOLS[i].allow(r, 0);
+        let gpu = POOLS[i].gpu.load(Acquire);
+        let entry = GPUS.get(gpu).and_then(|g| g.entry());
+        // A ring that allows unlocked submissions, or has one in progress, is in use: its
+        // unlocked submissions are counted (those in progress waited for), it allows none
+        // from now, and it is taken on the next round if it stays unused.
+        let w = POOLS[i].word.load(Acquire);
+        POOLS[i].settle(r, entry);
+        if left(w) > 0 || inside(w) > 0 {
             continue;
         }
-        let gpu = POOLS[i].gpu.load(Acquire);
         let ctx = r.ctx;
         if let Some(&(newest, _, _)) = r.events.back() {
             with_ctx(ctx, || sync_event(newest));
@@ -332,9 +431,9 @@ pub(super) fn reclaim(dir: &mut Vec<(Key, u16, u16)>) -> Option<usize> {
         });
         if let Some(g) = GPUS.get(gpu) {
             g.rings.fetch_sub(1, Relaxed);
-            if let Some(e) = g.entry() {
-                e.inflight.fetch_sub(n as u32, Relaxed);
-            }
+        }
+        if let Some(e) = entry {
+            e.inflight.fetch_sub(n as u32, Relaxed);
         }
         if let Some(k) = r.key.take() {
             dir.retain(|x| x.0 != k);
@@ -415,12 +514,11 @@ pub(super) fn record(r: &mut Ring, entry: &Entry, batch: u64, now: bool) -> Resu
 
 impl Pool {
     /// A new generation of the ring (assigned or freed): no unlocked submission from a
-    /// cache of the old one, nothing of it left to settle.
+    /// cache of the old one, nothing of it left to settle (one still in progress is
+    /// waited for and dropped: the caller has settled the ring first where it counts).
     fn renew(&self, r: &mut Ring) {
-        self.gen.fetch_add(1, AcqRel);
-        let m = self.made.load(Acquire);
-        r.made_settled = m;
-        self.quota.store(m, Release);
+        self.settle(r, None);
+        self.word.fetch_add(GEN_ONE, AcqRel);
     }
 }
 
@@ -430,7 +528,7 @@ pub(super) fn ring_for(p: usize, k: Key, ctx: usize) -> Option<(usize, MutexGuar
     let r = lock(&POOLS[p].ring);
     if r.key == Some(k) {
         // Given to this stream again since the thread cached it: cached afresh.
-        if cached(k).is_some_and(|c| c.gen != POOLS[p].gen.load(Acquire)) {
+        if cached(k).is_some_and(|c| c.gen != POOLS[p].gen()) {
             remember(k, p, POOLS[p].gpu.load(Acquire));
         }
         return Some((p, r));
@@ -456,9 +554,8 @@ mod tests {
     fn pool() -> Pool {
         Pool {
             gpu: AtomicUsize::new(0),
-            gen: AtomicU32::new(0),
-            made: AtomicU64::new(0),
-            quota: AtomicU64::new(0),
+            word: AtomicU64::new(0),
+            unmade: AtomicU64::new(0),
             ring: Mutex::new(Ring::EMPTY),
         }
     }
@@ -488,8 +585,9 @@ mod tests {
     }
 
     /// Unlocked submissions count into the ring's sequence and the page at the settle;
-    /// the quota allows exactly what was granted; a new generation (the ring given to
-    /// another stream) allows nothing from an old cache and leaves nothing to settle.
+    /// the quota allows exactly what was granted, failed ones are not counted; a new
+    /// generation (the ring given to another stream) allows nothing from an old cache and
+    /// leaves nothing to settle.
     #[test]
     fn unlocked_submissions_are_settled_within_the_quota_and_the_generation() {
         let p = pool();
@@ -497,32 +595,109 @@ mod tests {
         // SAFETY: a page entry is atomics and integers, all valid at zero.
         let page: Entry = unsafe { std::mem::zeroed() };
         p.renew(&mut r);
-        let gen = p.gen.load(Relaxed);
-        assert!(!p.may_go(gen), "nothing allowed before a grant");
-        p.allow(&r, 2);
-        assert!(p.may_go(gen));
-        assert!(!p.may_go(gen + 1), "another generation's cache");
-        p.made.fetch_add(1, Relaxed);
-        assert!(p.may_go(gen));
-        p.made.fetch_add(1, Relaxed);
-        assert!(!p.may_go(gen), "the quota is used up");
+        let gen = p.gen();
+        assert!(!p.reserve(gen), "nothing allowed before a grant");
+        p.allow(&mut r, 3);
+        assert!(!p.reserve(gen + 1), "another generation's cache");
+        assert!(p.reserve(gen));
+        p.release(true);
+        assert!(p.reserve(gen));
+        p.release(false);
+        assert!(p.reserve(gen));
+        p.release(true);
+        assert!(!p.reserve(gen), "the quota is used up");
         p.settle(&mut r, Some(&page));
-        assert_eq!((r.seq, r.made_settled), (2, 2));
+        assert_eq!(r.seq, 2, "the failed one is not counted");
         assert_eq!(page.submitted.load(Relaxed), 2);
         p.settle(&mut r, Some(&page));
         assert_eq!(r.seq, 2, "settled once");
-        p.allow(&r, 5);
-        p.made.fetch_add(3, Relaxed);
-        p.renew(&mut r);
-        assert!(!p.may_go(gen), "the old generation");
-        assert!(
-            !p.may_go(p.gen.load(Relaxed)),
-            "nothing allowed after a renewal"
-        );
+        p.allow(&mut r, 5);
+        assert!(p.reserve(gen));
+        p.release(true);
         p.settle(&mut r, Some(&page));
-        assert_eq!(
-            r.seq, 2,
-            "nothing of the old stream settles into the new one"
-        );
+        assert_eq!(r.seq, 3, "one of five taken");
+        assert!(!p.reserve(gen), "the settle withdraws the rest");
+        p.allow(&mut r, 5);
+        p.allow(&mut r, 2);
+        for _ in 0..2 {
+            assert!(p.reserve(gen));
+            p.release(true);
+        }
+        assert!(!p.reserve(gen), "a new grant replaces the old one");
+        p.allow(&mut r, 5);
+        for _ in 0..3 {
+            assert!(p.reserve(gen));
+            p.release(true);
+        }
+        p.renew(&mut r);
+        assert_eq!(r.seq, 3 + 5, "the renewal settles the old stream's first");
+        assert!(!p.reserve(gen), "the old generation");
+        assert!(!p.reserve(p.gen()), "nothing allowed after a renewal");
+        p.settle(&mut r, Some(&page));
+        assert_eq!(r.seq, 8, "nothing of the old stream settles again");
+    }
+
+    /// Threads that each passed the quota's check together take no more than it allows:
+    /// eight threads racing for a quota of three get three.
+    #[test]
+    fn racing_threads_take_no_more_than_the_quota() {
+        let p = pool();
+        let mut r = Ring::EMPTY;
+        p.renew(&mut r);
+        let gen = p.gen();
+        for _ in 0..200 {
+            p.allow(&mut r, 3);
+            let start = std::sync::Barrier::new(8);
+            let got = std::sync::atomic::AtomicU64::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        start.wait();
+                        if p.reserve(gen) {
+                            got.fetch_add(1, Relaxed);
+                            p.release(true);
+                        }
+                    });
+                }
+            });
+            assert_eq!(got.load(Relaxed), 3);
+            let before = r.seq;
+            p.settle(&mut r, None);
+            assert_eq!(r.seq - before, 3);
+        }
+    }
+
+    /// A ring reclaimed (settled, renewed for another stream) while an unlocked submission
+    /// of its old stream is inside the driver's call waits for it and counts it for the
+    /// old stream: none of it settles into the new stream, and its reclaim cannot miss it.
+    #[test]
+    fn a_reclaim_waits_for_an_unlocked_submission_in_progress() {
+        let p = pool();
+        let mut r = Ring::EMPTY;
+        p.renew(&mut r);
+        let gen = p.gen();
+        p.allow(&mut r, 1);
+        assert!(p.reserve(gen), "a thread goes to the driver unlocked");
+        let reclaimed = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let reclaim = s.spawn(|| {
+                // The reclaim: the old stream's submissions counted, then a new generation.
+                p.settle(&mut r, None);
+                let old = r.seq;
+                p.renew(&mut r);
+                reclaimed.store(true, SeqCst);
+                p.settle(&mut r, None);
+                (old, r.seq)
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(
+                !reclaimed.load(SeqCst),
+                "reclaimed while a submission of the old stream was in the driver"
+            );
+            p.release(true);
+            let (old, new) = reclaim.join().unwrap();
+            assert_eq!(old, 1, "counted for the old stream");
+            assert_eq!(new, 1, "nothing settled into the new stream");
+        });
     }
 }

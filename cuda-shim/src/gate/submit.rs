@@ -82,11 +82,11 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
         Some(CU_STREAM_PER_THREAD) => Some(Key::PerThread(ctx, thread_tag())),
         Some(h) => Some(Key::Stream(h)),
     };
-    // The thread's cached ring of this stream allows an unlocked submission: no lock,
-    // no driver call, unless the gate is closed.
+    // The thread's cached ring of this stream allows an unlocked submission (one taken
+    // from its quota): no lock, no driver call, unless the gate is closed.
     let quick = key
         .and_then(cached)
-        .filter(|c| POOLS[c.pool as usize].may_go(c.gen));
+        .filter(|c| POOLS[c.pool as usize].reserve(c.gen));
     let (pool, gpu) = match (quick, key) {
         (Some(c), _) => (Some(c.pool as usize), c.gpu as usize),
         (None, Some(k)) => {
@@ -96,15 +96,26 @@ fn enter(kind: u32, a: &[usize; 12]) -> Option<Ticket> {
         (None, None) => (None, gpu_of_current(ctx)?),
     };
     let g = &GPUS[gpu];
-    let entry = g.entry()?;
+    let Some(entry) = g.entry() else {
+        if let Some(p) = quick {
+            POOLS[p.pool as usize].release(false);
+        }
+        return None;
+    };
     entry.in_submit.fetch_add(1, SeqCst);
-    if quick.is_some() && !closed_now(g) {
-        return Some(Ticket {
-            gpu: g,
-            entry,
-            ring: None,
-            unlocked: pool,
-        });
+    if quick.is_some() {
+        if !closed_now(g) {
+            return Some(Ticket {
+                gpu: g,
+                entry,
+                ring: None,
+                unlocked: pool,
+            });
+        }
+        // Closed since: the reservation goes back unused, and this one waits at the gate.
+        if let Some(p) = pool {
+            POOLS[p].release(false);
+        }
     }
     loop {
         let held = wait_at_gate(g, entry);
@@ -188,12 +199,12 @@ fn wait_at_gate(g: &Gpu, entry: &Entry) -> bool {
 
 fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
     let mut res = Ok(());
-    if r == CUDA_SUCCESS {
-        if let Some(p) = t.unlocked {
-            // Counted after the driver's call returned: an event recorded once this is
-            // settled covers it.
-            POOLS[p].made.fetch_add(1, Release);
-        } else if let Some((p, ring)) = t.ring.as_mut() {
+    if let Some(p) = t.unlocked {
+        // Counted by the next settle, which waits for this: an event recorded after that
+        // covers it.
+        POOLS[p].release(r == CUDA_SUCCESS);
+    } else if r == CUDA_SUCCESS {
+        if let Some((p, ring)) = t.ring.as_mut() {
             // Closing now: the drain waits for an event covering this submission.
             let closing = t
                 .gpu
@@ -210,7 +221,7 @@ fn leave(mut t: Ticket, r: c_int) -> Result<(), String> {
             } else {
                 room(ring, lim, b)
             };
-            POOLS[*p].allow(ring, n);
+            POOLS[*p].allow(&mut *ring, n);
         } else {
             t.entry.submitted.fetch_add(1, Relaxed);
         }

@@ -4,7 +4,7 @@
 use super::events::{sync_ctx, sync_event, with_ctx};
 use super::gpus::{Gpu, GPUS};
 use super::map::{map_gate_file, mapping, stale};
-use super::streams::{lock, POOLS};
+use super::streams::{lock, settle_all, POOLS};
 use super::CUDA_SUCCESS;
 use crate::mode::{self, GATED, OFF, OPEN};
 use coloc_doorbell::{futex_wait, now_ns, MAX_GPUS};
@@ -48,6 +48,7 @@ fn watch() {
     // Per GPU: (mapping epoch, gate epoch) last acknowledged by this watcher.
     let mut acked = [(0u32, 0u32); MAX_GPUS];
     let mut next_file_check = 0u64;
+    let mut next_settle = 0u64;
     loop {
         if matches!(mode::MODE.load(Acquire), OFF) {
             return;
@@ -74,6 +75,11 @@ fn watch() {
                 if let Some(a) = acknowledge(g, i, acked[i]) {
                     acked[i] = a;
                 }
+            }
+            // Unlocked submissions of streams gone quiet between records: counted.
+            if now >= next_settle {
+                next_settle = now + WATCH_RECHECK_NS;
+                settle_all();
             }
         }
         futex_wait(&m.gates.header().generation, gen, WATCH_RECHECK_NS);
@@ -108,10 +114,9 @@ fn acknowledge(g: &Gpu, i: usize, last: (u32, u32)) -> Option<(u32, u32)> {
         if p.gpu.load(Acquire) != i {
             continue;
         }
-        // No thread is inside a submission: every unlocked one is counted, and none
-        // goes unlocked until a locked one allows it again.
+        // Every unlocked submission is counted (one still inside its driver call is waited
+        // for), and none goes unlocked until a locked one allows it again.
         p.settle(&mut r, Some(entry));
-        p.allow(&r, 0);
         // Submissions since the last event (fewer than a batch) are covered by no event:
         // the context's own synchronisation waits for them (every stream of this process
         // in that context; nothing else of ours runs there while the gate is closed),

@@ -436,6 +436,112 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
     }
     // Short kernels under K = 8 (no budget): most submissions go without the ring's lock
     // (those the last locked one left room for), and the bound holds for them too.
+    keeps_k8_with_short_kernels(&n, "unlocked submissions", &[]);
+    // Unbounded (0): the application's own depth, 8, is reached: the counter is real.
+    let v = n
+        .offline(8, 1.0, &[("COLOC_SHIM_INFLIGHT", "0")], &[])
+        .summary();
+    assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
+}
+
+/// Four threads on one stream, most of their submissions unlocked (1 ms kernels, K = 64,
+/// eight queued per thread): each close is acknowledged only once every kernel submitted
+/// is complete, with nothing in flight or inside a submission on the page, and the page's
+/// count of submissions is every kernel the simulated GPU received.
+#[test]
+fn a_close_waits_for_every_thread_sharing_a_stream() {
+    let n = Node::new(true);
+    let job = n.offline_step(
+        1.0,
+        8,
+        0.0,
+        &[
+            ("COLOC_SHIM_INFLIGHT", "64"),
+            ("COLOC_SHIM_INFLIGHT_MS", "0"),
+        ],
+        &["--threads", "4"],
+    );
+    let pid = job.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 100 * 1_000_000, Duration::from_secs(10));
+    for i in 0..8u64 {
+        // Closed at a different point of the batch each time.
+        std::thread::sleep(Duration::from_micros(700 * i));
+        let epoch = n.gate().close(&gpu0()).unwrap();
+        let (took, s, c) = wait_ack(&n, &page, pid, epoch, Duration::from_secs(2));
+        assert!(
+            c >= s,
+            "acknowledged after {took:?} with {} µs of kernels queued",
+            (s - c) / 1_000
+        );
+        let g = page.gate().unwrap();
+        assert_eq!(
+            (g.inflight, g.in_submit),
+            (0, 0),
+            "at the acknowledgement: {g:?}"
+        );
+        assert_eq!(
+            g.submitted * 1_000_000,
+            s,
+            "the page's count against the kernels the GPU received: {g:?}"
+        );
+        assert!(n.gate().open(&gpu0()));
+        wait_progress(&n, pid, s, 40 * 1_000_000, Duration::from_secs(2));
+    }
+    drop(job);
+}
+
+/// The page's count of submissions stays true for a process gone idle: ten kernels under
+/// K = 64 (all but the first go without the ring's lock, counted only when the ring is
+/// settled), then nothing submitted: the page says ten within a few of the watcher's
+/// periods (100 ms), with no close to settle them.
+#[test]
+fn the_page_counts_the_unlocked_submissions_of_a_process_gone_idle() {
+    let n = Node::new(true);
+    let idle = n.offline(
+        2,
+        0.0,
+        &[("COLOC_SHIM_INFLIGHT", "64")],
+        &["--idle-after-steps", "10"],
+    );
+    let pid = idle.pid();
+    let page = n.page(pid);
+    wait_progress(&n, pid, 0, 10 * STEP_NS, Duration::from_secs(5));
+    let counted = wait_for(
+        "the page's count of submissions",
+        Duration::from_secs(1),
+        || page.gate().is_some_and(|g| g.submitted == 10),
+    );
+    assert!(
+        counted.is_ok(),
+        "ten kernels submitted, the page says {:?}; stderr: {}",
+        page.gate(),
+        idle.stderr()
+    );
+}
+
+/// Several threads submitting to one stream share its bound: short kernels (most of them
+/// going without the ring's lock) from four threads, each keeping 16 of its own queued,
+/// on a created stream and on the legacy default stream, never put more than K = 8 in
+/// flight there.
+#[test]
+fn threads_sharing_a_stream_keep_its_inflight_bound() {
+    let n = Node::new(true);
+    for (what, extra) in [
+        ("created stream", vec!["--threads", "4"]),
+        (
+            "legacy default stream",
+            vec!["--threads", "4", "--default-stream"],
+        ),
+    ] {
+        keeps_k8_with_short_kernels(&n, what, &extra);
+    }
+}
+
+/// Short kernels (0.05 ms) under K = 8 and no budget, the application keeping 16 queued
+/// (per thread), for a second: at most 8 in flight on the stream, and at least 6 (K is
+/// used).
+fn keeps_k8_with_short_kernels(n: &Node, what: &str, extra: &[&str]) {
     let v = n
         .offline_step(
             0.05,
@@ -445,23 +551,18 @@ fn the_inflight_bound_caps_work_in_flight_per_stream() {
                 ("COLOC_SHIM_INFLIGHT", "8"),
                 ("COLOC_SHIM_INFLIGHT_MS", "0"),
             ],
-            &[],
+            extra,
         )
         .summary();
-    assert!(v["launches"].as_u64().unwrap() > 1000, "{v}");
+    assert!(v["launches"].as_u64().unwrap() > 1000, "{what}: {v}");
     assert!(
         v["max_outstanding_stream"].as_u64().unwrap() <= 8,
-        "K = 8, unlocked submissions: {v}"
+        "{what}: K = 8 but more in flight: {v}"
     );
     assert!(
         v["max_outstanding_stream"].as_u64().unwrap() >= 6,
-        "K = 8 is used (the application keeps 16): {v}"
+        "{what}: K = 8 is used (the application keeps 16): {v}"
     );
-    // Unbounded (0): the application's own depth, 8, is reached: the counter is real.
-    let v = n
-        .offline(8, 1.0, &[("COLOC_SHIM_INFLIGHT", "0")], &[])
-        .summary();
-    assert!(v["max_outstanding_stream"].as_u64().unwrap() >= 7, "{v}");
 }
 
 /// The budget bounds work in flight by its estimated time: kernels of 2 ms under a 3 ms

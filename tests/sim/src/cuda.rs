@@ -77,6 +77,8 @@ struct Api {
 pub struct CudaGpu {
     api: Api,
     dev: c_int,
+    /// The device's primary context.
+    ctx: Handle,
     func: Handle,
     stream: Handle,
     /// Where work goes: `stream`, or the default stream (null) with `--default-stream`.
@@ -101,6 +103,10 @@ pub struct FakeStats {
     /// shim's).
     pub driver_calls: u64,
 }
+
+// SAFETY: the handles are the driver's, which is thread-safe; the struct is only read
+// after `open`.
+unsafe impl Sync for CudaGpu {}
 
 /// A recorded event.
 #[derive(Debug)]
@@ -205,6 +211,7 @@ impl CudaGpu {
         let mut g = CudaGpu {
             api,
             dev: -1,
+            ctx: std::ptr::null_mut(),
             func: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
             target: std::ptr::null_mut(),
@@ -222,6 +229,7 @@ impl CudaGpu {
                 (g.api.primary_retain)(&mut ctx, dev),
             )?;
             g.dev = dev;
+            g.ctx = ctx;
             g.check("cuCtxSetCurrent", (g.api.ctx_set_current)(ctx))?;
             // The fake driver accepts any image; a real one would want a cubin here.
             static IMAGE: [u8; 16] = *b"coloc-sim kernel";
@@ -247,6 +255,15 @@ impl CudaGpu {
             };
         }
         Ok(g)
+    }
+
+    /// Makes the device's primary context current on the calling thread (a thread other
+    /// than the one that opened it).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: our retained primary context.
+        self.check("cuCtxSetCurrent", unsafe {
+            (self.api.ctx_set_current)(self.ctx)
+        })
     }
 
     /// Allocates `bytes` of device memory, trying again every 5 ms while the driver

@@ -156,6 +156,12 @@ enum Cmd {
         /// kept, nothing submitted) until the end; 0: never idle.
         #[arg(long, default_value_t = 0, requires = "cuda")]
         idle_after_steps: u64,
+        /// With --cuda: this many threads submit to the same stream, each keeping
+        /// --queue-depth kernels of its own in flight (on stream 0 each thread's own
+        /// per-thread default stream with --per-thread-stream). The summary's launches
+        /// are every thread's, its steps the first thread's.
+        #[arg(long, default_value_t = 1, requires = "cuda")]
+        threads: u32,
         /// Device memory the job holds, MiB.
         #[arg(long, default_value_t = 4096)]
         mem_mib: u64,
@@ -470,6 +476,7 @@ fn main() -> Result<()> {
             per_thread_stream,
             default_stream,
             idle_after_steps,
+            threads,
             mem_mib,
         } => {
             let sim = SimGpu::open(&state)?;
@@ -488,6 +495,7 @@ fn main() -> Result<()> {
                     duration_s,
                     fork_every_ms,
                     idle_after_steps,
+                    threads,
                     out,
                 )
             } else {
@@ -782,7 +790,9 @@ fn run_offline(
 /// summary gives `launches`, the first and last launch times, and the fake driver's
 /// counters (`max_outstanding_stream`: the most kernels ever in flight on the stream,
 /// which an in-flight bound in a shim caps; `idle_stream_submissions`: those that found the
-/// stream with nothing in flight, the GPU waiting for the host).
+/// stream with nothing in flight, the GPU waiting for the host). With `threads` > 1 the
+/// other threads each keep `depth` kernels of their own queued on the same stream.
+#[allow(clippy::too_many_arguments)]
 fn run_offline_cuda(
     g: &cuda::CudaGpu,
     step_ms: f64,
@@ -790,6 +800,7 @@ fn run_offline_cuda(
     duration_s: f64,
     fork_every_ms: u64,
     idle_after_steps: u64,
+    threads: u32,
     out: Option<PathBuf>,
 ) -> Result<()> {
     let step_ns = ((step_ms * 1e6) as u64).max(1);
@@ -800,6 +811,60 @@ fn run_offline_cuda(
     } else {
         u64::MAX
     };
+    // The other threads on the same stream: each keeps `depth` kernels of its own queued.
+    let other = |g: &cuda::CudaGpu| -> Result<u64> {
+        g.bind()?;
+        let (mut q, mut n) = (std::collections::VecDeque::new(), 0u64);
+        while now_ns() < end && !STOP.load(Ordering::Relaxed) {
+            while q.len() < depth {
+                g.launch(step_ns)?;
+                n += 1;
+                q.push_back(g.record()?);
+            }
+            if let Some(e) = q.pop_front() {
+                g.wait(e)?;
+            }
+        }
+        for e in q {
+            g.wait(e)?;
+        }
+        Ok(n)
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = (1..threads.max(1)).map(|_| s.spawn(|| other(g))).collect();
+        let mine = offline_cuda_loop(g, step_ns, depth, end, fork_every_ms, idle_after_steps);
+        let mut launches = 0;
+        for t in others {
+            launches += t
+                .join()
+                .map_err(|_| anyhow::anyhow!("a submitting thread panicked"))??;
+        }
+        let (steps, mine, first, last) = mine?;
+        let elapsed = (now_ns() - start) as f64 / 1e9;
+        offline_cuda_summary(
+            g,
+            out,
+            step_ms,
+            steps,
+            elapsed,
+            launches + mine,
+            first,
+            last,
+        )
+    })
+}
+
+/// The submitting loop of `offline --cuda`'s first thread: (steps, launches, first and
+/// last launch, ns).
+fn offline_cuda_loop(
+    g: &cuda::CudaGpu,
+    step_ns: u64,
+    depth: usize,
+    end: u64,
+    fork_every_ms: u64,
+    idle_after_steps: u64,
+) -> Result<(u64, u64, u64, u64)> {
+    let start = now_ns();
     let mut children = Vec::new();
     let mut next_fork = start;
     let exe = std::env::current_exe()?;
@@ -836,7 +901,6 @@ fn run_offline_cuda(
             steps += 1;
         }
     }
-    let elapsed = (now_ns() - start) as f64 / 1e9;
     for e in &in_flight {
         if g.done(e)? {
             steps += 1;
@@ -845,6 +909,20 @@ fn run_offline_cuda(
     for mut c in children {
         c.wait().ok();
     }
+    Ok((steps, launches, first_launch_ns, last_launch_ns))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn offline_cuda_summary(
+    g: &cuda::CudaGpu,
+    out: Option<PathBuf>,
+    step_ms: f64,
+    steps: u64,
+    elapsed: f64,
+    launches: u64,
+    first_launch_ns: u64,
+    last_launch_ns: u64,
+) -> Result<()> {
     let stats = g.stats();
     let summary = serde_json::json!({
         "steps": steps,
