@@ -758,9 +758,4 @@ impl Rooms {
     pub fn record(&self) -> &RecordBook {
         &self.record
     }
-
-    /// The state machine's view: what it holds suspended.
-    pub fn suspended(&self) -> &BTreeMap<ProcKey, qos_core::machine::Reason> {
-        self.machine.suspended()
-    }
 }

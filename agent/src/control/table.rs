@@ -353,4 +353,4 @@ impl Table {
     }
 }
 
-pub use super::text::{sanitize, truncate};
+pub use super::text::sanitize;

@@ -360,11 +360,6 @@ impl Vault {
         }
     }
 
-    /// The settings.
-    pub fn config(&self) -> &VaultConfig {
-        &self.cfg
-    }
-
     /// Whether the vault does anything at all.
     pub fn active(&self) -> bool {
         self.cfg.api && (self.cfg.lock || self.cfg.reserve.is_some())
@@ -399,19 +394,9 @@ impl Vault {
             && self.slots.get(key).is_none_or(|s| s.refused.is_none())
     }
 
-    /// Whether a lock hold wants `key` locked.
-    pub fn time_held(&self, key: &ProcKey) -> bool {
-        self.slots.get(key).is_some_and(|s| s.time_hold)
-    }
-
     /// Whether a suspension of the table's `key` now would be a lock.
     pub fn would_lock(&self, table: &Table, key: &ProcKey) -> bool {
         table.entry(key).is_some_and(|e| self.lockable(key, &e.cls))
-    }
-
-    /// Whether memory preemption wants `key` checkpointed (or keeps it so).
-    pub fn evicting(&self, key: &ProcKey) -> bool {
-        self.slots.get(key).is_some_and(|s| s.evict)
     }
 
     /// The plan for suspending `key`: the driver's lock where it applies, else `plan`.
@@ -1008,16 +993,6 @@ impl Vault {
         })
     }
 
-    /// Calls in flight.
-    pub fn in_flight(&self) -> usize {
-        self.slots.values().filter(|s| s.call.is_some()).count()
-    }
-
-    /// Where the driver has `key`, if the vault knows it.
-    pub fn state_of(&self, key: &ProcKey) -> Option<(DState, u64)> {
-        self.slots.get(key).map(|s| (s.state, s.bytes))
-    }
-
     /// Every process the vault knows: (process, GPU, driver state, bytes, owner).
     pub fn view(&self) -> Vec<(ProcKey, Option<u32>, DState, u64, String)> {
         self.slots
@@ -1160,6 +1135,25 @@ fn failed(s: &mut Slot, op: DOp, e: &CuError, now: u64, restore_after_ns: u64) {
         // Still locked: tried again at the next step.
         DOp::Unlock => {}
         _ => {}
+    }
+}
+
+/// Views the tests read.
+#[cfg(test)]
+impl Vault {
+    /// The settings.
+    pub fn config(&self) -> &VaultConfig {
+        &self.cfg
+    }
+
+    /// Whether a lock hold wants `key` locked.
+    pub fn time_held(&self, key: &ProcKey) -> bool {
+        self.slots.get(key).is_some_and(|s| s.time_hold)
+    }
+
+    /// Whether memory preemption wants `key` checkpointed (or keeps it so).
+    pub fn evicting(&self, key: &ProcKey) -> bool {
+        self.slots.get(key).is_some_and(|s| s.evict)
     }
 }
 

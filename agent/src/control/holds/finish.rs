@@ -3,7 +3,7 @@
 
 use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Then, INLINE_BUDGET,
+    Outcome, Pending, Progress, Then,
 };
 use crate::control::note::{FailWhy, Note};
 use crate::edges::actuator::{Kind, Op, RecordEntry, Target};
@@ -103,7 +103,7 @@ impl HoldBook {
                 req,
                 op: Op::Resume,
                 targets,
-                budget: INLINE_BUDGET,
+                budget: std::time::Duration::ZERO,
             },
         );
     }

@@ -38,11 +38,6 @@ use crate::edges::procfs::ProcKey;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-/// How long an actuation is waited for inline: none. The actuator issues the operation
-/// and looks once; what is not confirmed yet is checked again by the loop, which sleeps
-/// between checks in its doorbell wait, so a launch on another GPU is seen meanwhile.
-pub const INLINE_BUDGET: Duration = Duration::ZERO;
-
 /// First re-check of a pending operation, ns after it started; the gap doubles up to
 /// [`CHECK_MAX_NS`]. A SIGSTOP takes effect when its target next runs (tens to hundreds
 /// of µs on a busy node); a freezer when every task has reached it.

@@ -16,7 +16,7 @@
 //! still frozen within a few intervals.
 
 use super::pending::Pending;
-use super::{HoldBook, HoldCmd, HoldKey, Progress, Then, INLINE_BUDGET};
+use super::{HoldBook, HoldCmd, HoldKey, Progress, Then};
 use crate::control::note::Note;
 use crate::edges::actuator::{Kind, Op, Target};
 use crate::edges::procfs::ProcKey;
@@ -368,7 +368,7 @@ impl HoldBook {
                 req,
                 op: Op::Suspend,
                 targets,
-                budget: INLINE_BUDGET,
+                budget: std::time::Duration::ZERO,
             }
         });
     }
@@ -475,7 +475,7 @@ impl HoldBook {
             req,
             op: Op::Suspend,
             targets: newcomers,
-            budget: INLINE_BUDGET,
+            budget: std::time::Duration::ZERO,
         });
     }
 

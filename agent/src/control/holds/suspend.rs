@@ -2,7 +2,7 @@
 
 use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Started, Then, INLINE_BUDGET,
+    Outcome, Pending, Progress, Started, Then,
 };
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
@@ -148,7 +148,7 @@ impl HoldBook {
             req,
             op: Op::Suspend,
             targets,
-            budget: INLINE_BUDGET,
+            budget: std::time::Duration::ZERO,
         });
     }
 

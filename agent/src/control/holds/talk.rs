@@ -137,7 +137,10 @@ pub enum HoldCmd {
         op: Op,
         /// The targets.
         targets: Vec<Target>,
-        /// How long to wait for confirmations.
+        /// How long to wait for confirmations: zero inside a tick (the actuator issues the
+        /// operation and looks once; what is not confirmed yet is checked again by the
+        /// loop, which sleeps between checks in its doorbell wait, so a launch on another
+        /// GPU is seen meanwhile), the confirmation timeout when everything is released.
         budget: Duration,
     },
     /// Close a GPU's launch gate for a process (a [`Target::Gate`]). Answered by

@@ -247,9 +247,4 @@ impl Hands {
             g.beat();
         }
     }
-
-    /// Whether a launch gate is closed.
-    pub fn gates_closed(&self) -> bool {
-        self.gates.as_ref().is_some_and(GateKeeper::any_closed)
-    }
 }

@@ -17,7 +17,7 @@
 //! agent write anywhere.
 
 mod dir;
-mod guard;
+use coloc_doorbell::guard;
 mod pod_dirs;
 mod wait;
 
