@@ -3,14 +3,19 @@
 //! `Controller::step(now, observations) -> commands`. No edge, no clock, no log line and
 //! no metric inside: time is an argument, and telemetry leaves as commands.
 //!
-//! A tick is a conversation. [`Obs::Tick`] starts it; the controller asks for the reads it
-//! needs (NVML samples, then the process lists and the classification of what is new, the
-//! doorbell pages), judges them, runs the state machine, and asks for what the hold book
-//! needs (the record first, then the actuator); the shell performs each round of commands
-//! and feeds the answers back, until the controller asks for nothing more.
+//! A tick starts with [`Controller::start_tick`], which says what is due ([`Reads`]); the
+//! shell gathers it, the doorbells first (a launch is never read after an NVML call that
+//! did not have to come first), and hands the snapshot to the first step. The controller
+//! judges it (classifying what the lists name for the first time), runs the state machine,
+//! and asks for what the hold book needs (the record first, then the actuator); the shell
+//! performs each round of commands and feeds the answers back, until the controller asks
+//! for nothing more.
 //!
 //! ```text
-//!  Tick ─► ReadSamples ─► [ReadLists ─► Classify] ─► judge (health) ─► ReadBells ─► attribute
+//!  start_tick ─► Reads ─► shell: bells, samples (stop at a ring), lists (not after a ring),
+//!                                bells again (after a ring) ─► Snapshot
+//!  step(Snapshot) ─► samples ─► lists [─► Classify] ─► judge (health) ─► attribute the bells
+//!      [─► ReadLists, ReadBells: a launch of a process the lists do not hold yet]
 //!      ─► gate acks ─► book ─► retries ─► Machine::tick ─► [Vet] ─► book.suspend/resume
 //!      ─► (record book: at once, or Write … Written) ─► Start/Check … ─► events ─► publish
 //! ```
@@ -22,7 +27,7 @@
 //! This file holds the conversation (where the tick stands, the answers awaited); the
 //! sub-states and what a tick does with them are [`Rooms`].
 
-use super::io::{Cmd, Obs};
+use super::io::{Cmd, Obs, Reads};
 use super::rooms::Rooms;
 use super::target::Plan;
 use super::{LoopConfig, ReleaseAll};
@@ -85,6 +90,10 @@ pub struct Controller {
     yielding: bool,
     /// This round's answers.
     answers: Vec<Obs>,
+    /// What is left of the tick's snapshot.
+    snapshot: Vec<Obs>,
+    /// A doorbell rang during the snapshot's NVML reads.
+    rang: bool,
     /// The decision waiting for its vetting.
     decision: Option<Decision<ProcKey>>,
 }
@@ -114,8 +123,43 @@ impl Controller {
             awaiting: 0,
             yielding: false,
             answers: Vec::new(),
+            snapshot: Vec::new(),
+            rang: false,
             decision: None,
         }
+    }
+
+    /// A tick starts at `now`, after the loop's latest sleep (went to sleep, woke; ns),
+    /// under the pod source's `generation`: what the shell reads before the first step.
+    pub fn start_tick(&mut self, now: u64, slept: Option<(u64, u64)>, generation: u64) -> Reads {
+        debug_assert!(matches!(self.stage, Stage::Idle), "a tick inside a tick");
+        self.tick_ns = now;
+        self.rooms.start_tick(slept, generation);
+        self.stage = Stage::Observe;
+        self.snapshot.clear();
+        self.rang = false;
+        let lists = (self.rooms.seeing.list_due(now)).map(|why| Cmd::ReadLists {
+            why,
+            known: self.known(),
+        });
+        let samples = (self.rooms.seeing.samples_due(now)).map(|gpus| Cmd::ReadSamples { gpus });
+        Reads {
+            bells: self.rooms.seeing.bells_due(now),
+            samples,
+            lists,
+        }
+    }
+
+    /// The processes the lists are checked against: the table's, and those the driver
+    /// holds checkpointed (they have left the lists), with their pins.
+    fn known(&self) -> Vec<(ProcKey, Option<std::sync::Arc<std::os::fd::OwnedFd>>)> {
+        let mut known = self.rooms.seeing.table.known();
+        for (k, pin) in self.rooms.vault.known() {
+            if !known.iter().any(|(kk, _)| *kk == k) {
+                known.push((k, pin));
+            }
+        }
+        known
     }
 
     /// Takes in what the shell observed at `now` and returns what to do next, in order.
@@ -143,15 +187,14 @@ impl Controller {
 
     fn take(&mut self, o: Obs, now: u64) {
         match o {
-            Obs::Tick { slept, generation } => {
-                debug_assert!(matches!(self.stage, Stage::Idle), "a tick inside a tick");
-                self.tick_ns = now;
-                self.rooms.start_tick(slept, generation);
-                self.stage = Stage::Observe;
+            Obs::Snapshot { reads, rang } => {
+                self.snapshot = reads;
+                self.rang = rang;
             }
             Obs::Written { id, ok } => self.rooms.written(id, ok, now),
             Obs::Driver(d) => self.rooms.vault.done(d, now),
             Obs::WatchdogTripped => self.rooms.after_watchdog(now),
+            Obs::GateFields(gates) => self.rooms.gate_fields(gates),
             Obs::ReleaseAll(reason) => {
                 let n = self.rooms.release_all(reason);
                 self.stage = Stage::Drain(Box::new(Stage::Released(reason, n)));
@@ -171,17 +214,12 @@ impl Controller {
 
     /// The answer of this round that `pick` takes, if any.
     fn answer<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
-        let mut found = None;
-        for o in std::mem::take(&mut self.answers) {
-            match found {
-                None => match pick(o) {
-                    Ok(t) => found = Some(t),
-                    Err(o) => self.answers.push(o),
-                },
-                Some(_) => self.answers.push(o),
-            }
-        }
-        found
+        take_one(&mut self.answers, pick)
+    }
+
+    /// The read of the tick's snapshot that `pick` takes, if any.
+    fn snapshot<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
+        take_one(&mut self.snapshot, pick)
     }
 
     /// Runs one stage; returns the next (the same one when it waits for answers).
@@ -190,34 +228,29 @@ impl Controller {
         match stage {
             Stage::Idle => Stage::Idle,
             Stage::Observe => {
-                let samples = self.answer(|o| match o {
+                let samples = self.snapshot(|o| match o {
                     Obs::Samples { read, yielded } => Ok((read, yielded)),
                     o => Err(o),
                 });
-                match samples {
-                    Some((read, yielded)) => {
-                        self.rooms.seeing.samples(read, yielded, t);
-                        Stage::Lists { judge: true }
-                    }
-                    None => match self.rooms.seeing.samples_due(t) {
-                        Some(gpus) => {
-                            self.ask(Cmd::ReadSamples { gpus });
-                            Stage::Observe
-                        }
-                        None => Stage::Lists { judge: true },
-                    },
+                if let Some((read, yielded)) = samples {
+                    self.rooms.seeing.samples(read, yielded, t);
                 }
+                Stage::Lists { judge: true }
             }
             Stage::Lists { judge } => self.lists(judge, t),
             Stage::Bells { again } => {
-                let read = self.answer(|o| match o {
+                let pick = |o| match o {
                     Obs::Bells {
                         pages,
                         readings,
                         gates,
                     } => Ok((pages, readings, gates)),
                     o => Err(o),
-                });
+                };
+                let read = match again {
+                    false => self.snapshot(pick).or_else(|| self.answer(pick)),
+                    true => self.answer(pick),
+                };
                 let Some((pages, readings, gates)) = read else {
                     let cmd = self.rooms.seeing.bells_due(t);
                     self.ask(cmd);
@@ -242,6 +275,7 @@ impl Controller {
                 });
                 match read {
                     Some((m, room)) => self.rooms.memory(t, m, room),
+                    None if self.rang => {}
                     None => {
                         if let Some(gpus) = self.rooms.vault.memory_due(t, &self.rooms.seeing.table)
                         {
@@ -336,33 +370,45 @@ impl Controller {
             Obs::Classified(c) => Ok(c),
             o => Err(o),
         });
-        let lists = self.answer(|o| match o {
+        let pick = |o| match o {
             Obs::Lists {
                 listed,
                 failed,
                 gone,
                 generation,
-                ..
-            } => Ok((listed, failed, gone, generation)),
+                why,
+            } => Ok((listed, failed, gone, generation, why)),
             o => Err(o),
-        });
+        };
+        let mut lists = self.answer(pick);
+        if lists.is_none() && judge {
+            // The snapshot's lists, read for why they were due.
+            lists = self.snapshot(pick);
+            if let Some((.., why)) = &lists {
+                self.rooms.seeing.lists_read_for(*why);
+            }
+        }
+        let lists =
+            lists.map(|(listed, failed, gone, generation, _)| (listed, failed, gone, generation));
         match (lists, classified) {
             (None, _) => {
-                let why = if judge {
-                    self.rooms.seeing.list_due(t)
-                } else {
+                // Not in the snapshot: read now for samples of PIDs the table does not
+                // know (unless a doorbell rang: then at the next tick), or for a launch of
+                // a process the lists do not hold yet.
+                let why = if !judge {
                     Some(super::nvml::Refresh::Doorbell)
+                } else if !self.rang && self.rooms.seeing.unknown_pids() {
+                    self.rooms
+                        .seeing
+                        .lists_read_for(super::nvml::Refresh::UnknownPid);
+                    Some(super::nvml::Refresh::UnknownPid)
+                } else {
+                    None
                 };
                 let Some(why) = why else {
                     return after(judge, &mut self.rooms);
                 };
-                let mut known = self.rooms.seeing.table.known();
-                // Processes the driver holds checkpointed have left the lists.
-                for (k, pin) in self.rooms.vault.known() {
-                    if !known.iter().any(|(kk, _)| *kk == k) {
-                        known.push((k, pin));
-                    }
-                }
+                let known = self.known();
                 self.ask(Cmd::ReadLists { why, known });
                 Stage::Lists { judge }
             }
@@ -432,4 +478,19 @@ impl Controller {
     pub fn table(&self) -> &super::table::Table {
         &self.rooms.seeing.table
     }
+}
+
+/// Takes the first of `from` that `pick` takes, leaving the others in order.
+fn take_one<T>(from: &mut Vec<Obs>, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
+    let mut found = None;
+    for o in std::mem::take(from) {
+        match found {
+            None => match pick(o) {
+                Ok(t) => found = Some(t),
+                Err(o) => from.push(o),
+            },
+            Some(_) => from.push(o),
+        }
+    }
+    found
 }

@@ -2,6 +2,7 @@
 //! the edges and performs what it decides.
 //!
 //! ```text
+//!  Controller::start_tick ──Reads──► shell (eyes: the snapshot, doorbells first)
 //!  edges ──► shell (eyes) ──Obs──► Controller::step(now, obs) ──Cmd──► shell (hands, scribe,
 //!   ▲                                   │ sub-states:                      telemetry) ──► edges
 //!   └───────────────────────────────────┘ table, nvml, health, bells/claims, gates,
@@ -10,7 +11,7 @@
 //! ```
 //!
 //! Rooms: [`controller`] (the conversation of a tick, and the one place the sub-states
-//! meet), [`io`] (the commands and observations), [`note`] (what the controller says for
+//! meet), [`io`] (the reads due at a tick's start, the commands and observations), [`note`] (what the controller says for
 //! the log and the metrics), [`table`] and [`entry`] (the process table: identity, class,
 //! GPUs, activity), [`nvml`] (when the driver is read, what a sample says), [`health`]
 //! (transient vs persistent NVML failures), [`bells`] and [`claims`] (doorbell attribution

@@ -54,6 +54,9 @@ pub struct Rooms {
     /// Hold commands whose locks the vault answered and whose other targets went to the
     /// shell: request → (the vault's answers with their places, how many targets).
     splices: BTreeMap<super::holds::Req, (Vec<(usize, crate::edges::actuator::Progress)>, usize)>,
+    /// Gate fields were read after a gate closed: the next hold round tells the gate holds
+    /// what they say.
+    fresh_acks: bool,
 }
 
 impl std::fmt::Debug for Rooms {
@@ -109,6 +112,7 @@ impl Rooms {
             events: Vec::new(),
             out: Vec::new(),
             splices: BTreeMap::new(),
+            fresh_acks: false,
         }
     }
 
@@ -140,6 +144,13 @@ impl Rooms {
         self.seeing.gate_acks(&mut self.book);
     }
 
+    /// The offline pages' gate fields, read right after a gate closed: taken in at the
+    /// hold round that learns the close's epoch.
+    pub fn gate_fields(&mut self, gates: Vec<(u64, Vec<coloc_doorbell::GateReading>)>) {
+        self.seeing.gates.read(gates);
+        self.fresh_acks = true;
+    }
+
     /// One round of the hold book's conversation: what it asks of the record is answered
     /// here (at once, or when a write lands); returns what goes to the shell (each
     /// answered), and whether a record write was asked for. Empty: the book asks nothing.
@@ -147,6 +158,9 @@ impl Rooms {
         let answers: Vec<HoldObs> = answers.into_iter().map(|a| self.splice(a)).collect();
         if !answers.is_empty() {
             self.book.observe(answers, now);
+        }
+        if std::mem::take(&mut self.fresh_acks) {
+            self.gate_acks();
         }
         loop {
             let cmds = self.book.take_commands();

@@ -165,6 +165,18 @@ impl Eyes {
         )
     }
 
+    /// The gate fields of every offline page (as of the latest change of the page set).
+    pub fn gate_fields(&self) -> Vec<(u64, Vec<coloc_doorbell::GateReading>)> {
+        self.offline_pages
+            .iter()
+            .map(|id| {
+                let mut out = Vec::new();
+                self.bells.read_gate(*id, &mut out);
+                (*id, out)
+            })
+            .collect()
+    }
+
     /// Reads the doorbell pages (see [`crate::control::io::Cmd::ReadBells`]).
     pub fn bells(&mut self, force: bool, sweep: bool, gate: bool) -> Obs {
         // Kubernetes: each pod's own directory, made when the pod is first seen (before
@@ -201,14 +213,7 @@ impl Eyes {
         let mut readings = Vec::new();
         // Always, pages or not: the read also notes the wake words for the next sleep.
         self.bells.read(&mut readings);
-        let mut gates = Vec::new();
-        if gate {
-            for id in &self.offline_pages {
-                let mut out = Vec::new();
-                self.bells.read_gate(*id, &mut out);
-                gates.push((*id, out));
-            }
-        }
+        let gates = if gate { self.gate_fields() } else { Vec::new() };
         Obs::Bells {
             pages,
             readings,

@@ -1,10 +1,13 @@
-//! The shell: the loop that performs what the controller asks. It reads the edges into
-//! observations (its [`eyes`]), calls [`Controller::step`], performs the commands in the
-//! order given (its [`hands`] act, its [`scribe`] writes the record off the loop's thread,
+//! The shell: the loop that performs what the controller asks. At a tick's start it
+//! gathers what [`Controller::start_tick`] says is due into one snapshot, the doorbells
+//! first (its [`eyes`]), calls [`Controller::step`], performs the commands in the order
+//! given (its [`hands`] act, its [`scribe`] writes the record off the loop's thread,
 //! telemetry reports), feeds the results back, and sleeps in the doorbell wait until the
 //! controller says something is due.
 //!
 //! ```text
+//!  start_tick ─► Reads ─► eyes: bells, samples (stop at a ring), lists (not after a ring),
+//!                              bells again (after a ring) ─► Snapshot
 //!            ┌──────────────── Obs ────────────────┐
 //!  edges ─► eyes ─► Controller::step ─► Cmd ─► hands (actuator, gates) ─► edges
 //!                        ▲                 ├─► scribe (record; answers later) ──┐
@@ -23,8 +26,8 @@ pub mod scribe;
 pub mod watchdog;
 
 use super::controller::Controller;
-use super::holds::HoldBook;
-use super::io::{Cmd, Obs};
+use super::holds::{HoldBook, HoldObs};
+use super::io::{Cmd, Obs, Reads};
 use super::note::Note;
 use super::state::{Shared, StateDoc};
 use super::target::Chooser;
@@ -72,6 +75,8 @@ pub struct Loop {
     slept: Option<(u64, u64)>,
     /// Everything was released on the way out once already (its restores waited for).
     released: bool,
+    /// The latest tick's process lists waited for the next tick because a doorbell rang.
+    lists_put_off: bool,
     /// Lines tenants can cause, limited per owner.
     lines: crate::logbudget::LogBudget,
     /// Every note reported (tests).
@@ -151,6 +156,7 @@ impl Loop {
             last_tick_ns: None,
             slept: None,
             released: false,
+            lists_put_off: false,
             lines: crate::logbudget::LogBudget::default(),
             #[cfg(test)]
             said: Vec::new(),
@@ -209,10 +215,9 @@ impl Loop {
         self.last_tick_ns = Some(now);
         crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
         let generation = self.eyes.classifier.source.generation();
-        self.converse(vec![Obs::Tick {
-            slept: self.slept,
-            generation,
-        }]);
+        let reads = self.ctl.start_tick(now, self.slept, generation);
+        let snapshot = self.gather(reads);
+        self.converse(snapshot);
         self.account(dt);
         {
             let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
@@ -232,6 +237,88 @@ impl Loop {
     /// How long the loop may sleep from `now`.
     pub fn next_wait(&self, now: u64) -> Duration {
         self.ctl.next_wait(now)
+    }
+
+    /// The tick's snapshot ([`Reads`]): the doorbells first, then the NVML reads due —
+    /// the samples stop after the GPU in progress when a doorbell rings, the lists wait for
+    /// the next tick when one rang (once in a row at most: a page that keeps ringing never
+    /// starves them) — and the doorbells again when one rang during the NVML reads, so that
+    /// the launch is decided in this tick. Returns the snapshot, then what else came of the
+    /// reads (the watchdog's trips).
+    fn gather(&mut self, reads: Reads) -> Vec<Obs> {
+        let Reads {
+            bells,
+            samples,
+            lists,
+        } = reads;
+        let gate = matches!(bells, Cmd::ReadBells { gate: true, .. });
+        let (mut snapshot, mut other): (Vec<Obs>, Vec<Obs>) = self
+            .perform(vec![bells])
+            .into_iter()
+            .partition(|o| matches!(o, Obs::Bells { .. }));
+        let mut rang = false;
+        if let Some(cmd) = samples {
+            for o in self.perform(vec![cmd]) {
+                match o {
+                    Obs::Samples { yielded, .. } => {
+                        rang |= yielded;
+                        snapshot.push(o);
+                    }
+                    o => other.push(o),
+                }
+            }
+        }
+        if let Some(cmd) = lists {
+            rang = rang || self.eyes.bells.rang();
+            if rang && !self.lists_put_off {
+                self.lists_put_off = true;
+                metrics::counter!("coloc_nvml_rounds_yielded_total").increment(1);
+            } else {
+                self.lists_put_off = false;
+                for o in self.perform(vec![cmd]) {
+                    match o {
+                        Obs::Lists { .. } => snapshot.push(o),
+                        o => other.push(o),
+                    }
+                }
+            }
+        }
+        if rang {
+            for o in self.perform(vec![Cmd::ReadBells {
+                force: false,
+                sweep: false,
+                gate,
+            }]) {
+                let Obs::Bells {
+                    pages,
+                    readings,
+                    gates,
+                } = o
+                else {
+                    other.push(o);
+                    continue;
+                };
+                // The latest readings; the page set as of its latest change.
+                if let Some(Obs::Bells {
+                    pages: p,
+                    readings: r,
+                    gates: g,
+                }) = snapshot.iter_mut().find(|o| matches!(o, Obs::Bells { .. }))
+                {
+                    if pages.is_some() {
+                        *p = pages;
+                    }
+                    *r = readings;
+                    *g = gates;
+                }
+            }
+        }
+        let mut out = vec![Obs::Snapshot {
+            reads: snapshot,
+            rang,
+        }];
+        out.append(&mut other);
+        out
     }
 
     /// Steps the controller and performs what it asks until it asks for nothing more.
@@ -278,7 +365,16 @@ impl Loop {
                     out.push(obs)
                 }
                 Cmd::PreferPages(ids) => self.eyes.bells.prefer(&ids),
-                Cmd::Hold(c) => out.extend(self.hands().perform(c).map(Obs::Hold)),
+                Cmd::Hold(c) => {
+                    let answer = self.hands().perform(c);
+                    // A shim with nothing in flight acknowledges a close at once: its
+                    // fields are read now, so that its fallback starts in this tick.
+                    let closed = matches!(answer, Some(HoldObs::GateClosed { epoch: Some(_), .. }));
+                    out.extend(answer.map(Obs::Hold));
+                    if closed {
+                        out.push(Obs::GateFields(self.eyes.gate_fields()));
+                    }
+                }
                 Cmd::Write(w) => out.extend(self.scribe.write(w)),
                 Cmd::Beat => self.hands().keepalive(),
                 Cmd::Emit(ev) => self.telemetry.emit(ev),

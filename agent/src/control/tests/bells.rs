@@ -508,3 +508,74 @@ fn a_pause_of_one_idle_window_does_not_restart_the_count() {
     }
     assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
 }
+
+/// A launch that rings while the loop is inside a 2 ms NVML call is acted on as soon as
+/// that call returns: the NVML reads still due in the tick (the rest of the samples, every
+/// GPU's process list) wait for the next tick, and the doorbells are read before them.
+#[test]
+fn a_launch_during_an_nvml_call_is_acted_on_within_200us_of_its_end() {
+    let mut h = harness_with(8, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.bells.page(1, Owner::Pid(20), 0);
+    h.ticks(3);
+    assert!(!h.suspended(10));
+    {
+        let mut c = h.gpu.call_time.lock().unwrap();
+        c.clock = Some(h.clock.clone());
+        c.ns = 2 * MS;
+        let bells = h.bells.clone();
+        c.midway = Some(Box::new(move |now| {
+            bells.ring(1, 0, now, now);
+            let mut s = bells.state.lock().unwrap();
+            s.rang_after = Some(s.rang_calls);
+        }));
+    }
+    // The samples and the process lists (every 50 ms) are both due.
+    h.clock.advance(200 * MS);
+    h.lp.tick();
+    assert!(h.suspended(10), "the launch was not acted on in its tick");
+    let ends = h.gpu.call_time.lock().unwrap().ends.clone();
+    let call_end = ends[0];
+    let acted = h
+        .act
+        .calls()
+        .iter()
+        .find(|c| c.op == Op::Suspend)
+        .and_then(|c| c.at_ns)
+        .expect("a suspension");
+    assert!(
+        acted >= call_end && acted - call_end <= 200_000,
+        "acted on {} µs after the NVML call the launch arrived in returned ({} NVML calls \
+         of 2 ms in between)",
+        (acted - call_end) / 1000,
+        ends.iter().filter(|e| **e <= acted).count() - 1
+    );
+}
+
+/// A ring puts the due process lists off to the next tick, once in a row at most: pages
+/// that keep ringing never starve them.
+#[test]
+fn a_ring_puts_the_lists_off_once_in_a_row_at_most() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h.bells.state.lock().unwrap().rang_after = Some(0);
+    // The lists are due (every 50 ms).
+    h.clock.advance(60 * MS);
+    h.gpu.state.lock().unwrap().listed.clear();
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().listed,
+        Vec::<u32>::new(),
+        "a ring did not put the lists off"
+    );
+    h.clock.advance(MS / 10);
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().listed,
+        vec![0],
+        "put off twice in a row"
+    );
+}

@@ -378,9 +378,17 @@ impl World {
 
     /// One tick of the loop, then 1 ms passes.
     pub fn tick(&mut self) {
-        let mut obs = vec![Obs::Tick {
-            slept: None,
-            generation: self.generation,
+        // The snapshot, as the shell gathers it: the doorbells first, then NVML (no page
+        // rings during a read here).
+        let reads = self.ctl.start_tick(self.now, None, self.generation);
+        let snapshot = [Some(reads.bells), reads.samples, reads.lists]
+            .into_iter()
+            .flatten()
+            .filter_map(|c| self.perform(c))
+            .collect();
+        let mut obs = vec![Obs::Snapshot {
+            reads: snapshot,
+            rang: false,
         }];
         obs.extend(self.landed());
         obs.extend(self.driver_done());
