@@ -152,7 +152,7 @@ impl Controller {
 
     /// The processes the lists are checked against: the table's, and those the driver
     /// holds checkpointed (they have left the lists), with their pins.
-    fn known(&self) -> Vec<(ProcKey, Option<std::sync::Arc<std::os::fd::OwnedFd>>)> {
+    fn known(&self) -> Vec<(ProcKey, bool)> {
         let mut known = self.rooms.seeing.table.known();
         for (k, pin) in self.rooms.vault.known() {
             if !known.iter().any(|(kk, _)| *kk == k) {
@@ -442,6 +442,16 @@ impl Controller {
                 after(judge, &mut self.rooms)
             }
         }
+    }
+
+    /// Whether the controller names process `key` anywhere (its table, a hold, the vault):
+    /// the shell keeps its pin while it does.
+    pub fn names(&self, key: &ProcKey) -> bool {
+        let r = &self.rooms;
+        r.seeing.table.entry(key).is_some()
+            || r.vault.knows(key)
+            || r.book.holds(key)
+            || r.book.stops(key, None)
     }
 
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).

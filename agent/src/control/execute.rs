@@ -9,7 +9,8 @@ use super::holds::HoldKey;
 use super::note::Note;
 use super::table::Table;
 use super::target::Plan;
-use crate::edges::actuator::{Op, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::Op;
 use crate::edges::procfs::ProcKey;
 use qos_core::machine::Reason;
 use qos_core::{Decision, Transition};
@@ -31,21 +32,12 @@ pub fn to_vet(d: &Decision<ProcKey>, table: &Table) -> Vec<ToVet> {
         .filter_map(|(key, _)| {
             let e = table.entry(key)?;
             let plan = e.plan.clone()?;
-            let pin = e.pin.clone()?;
+            e.pinned.then_some(())?;
             matches!(
                 plan,
                 Plan::Freeze(Target::Cgroup { .. }) | Plan::SignalCgroup { .. }
             )
-            .then(|| {
-                (
-                    *key,
-                    plan,
-                    Target::Process {
-                        key: *key,
-                        pidfd: pin,
-                    },
-                )
-            })
+            .then(|| (*key, plan, Target::Process { key: *key }))
         })
         .collect()
 }
@@ -70,7 +62,7 @@ pub fn plans(
         let Some(entry) = table.entry(key) else {
             continue;
         };
-        let (Some(plan), Some(_)) = (entry.plan.clone(), entry.pin.as_ref()) else {
+        let (Some(plan), true) = (entry.plan.clone(), entry.pinned) else {
             continue;
         };
         let plan = vetted

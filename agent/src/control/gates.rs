@@ -31,7 +31,7 @@
 use crate::control::bells::Bells;
 use crate::control::table::Table;
 use crate::control::target::Plan;
-use crate::edges::actuator::Target;
+use crate::control::target::Target;
 use crate::edges::doorbell::Owner;
 use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;

@@ -19,15 +19,13 @@ use crate::control::nvml::Refresh;
 use crate::control::record::Write;
 use crate::control::state::StateDoc;
 use crate::control::target::Plan;
+use crate::control::target::Target;
 use crate::control::ReleaseAll;
-use crate::edges::actuator::Target;
 use crate::edges::doorbell::{BellReading, PageInfo};
 use crate::edges::gpu;
 use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 /// What the shell reads at a tick's start, before the controller's first step, in this
 /// order: the doorbell pages; NVML's samples, stopping after a GPU when a doorbell rang
@@ -59,8 +57,8 @@ pub enum Cmd {
     ReadLists {
         /// Why.
         why: Refresh,
-        /// The processes the table knows, with their pins.
-        known: Vec<(ProcKey, Option<Arc<OwnedFd>>)>,
+        /// The processes the table knows, and whether the shell pins each (by its key).
+        known: Vec<(ProcKey, bool)>,
     },
     /// Classify these listed PIDs. Answered by [`Obs::Classified`].
     Classify {

@@ -19,8 +19,9 @@
 //! before act, confirmations that never stall the loop), [`record`] (the record book:
 //! written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
 //! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a decision
-//! into holds and events), [`publish`] (summaries and `/state`), [`target`] (freezer or
-//! signal, whole cgroup or one process), [`state`] (the `/state` document and the handle
+//! into holds and events), [`publish`] (summaries and `/state`), [`target`] (what a
+//! hold suspends, named without a file descriptor; freezer or signal, whole cgroup or one
+//! process), [`state`] (the `/state` document and the handle
 //! shared with HTTP); [`shell`] (the loop itself, its eyes, hands, scribe and watchdog).
 
 pub mod bells;

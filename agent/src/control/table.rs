@@ -17,8 +17,6 @@ use crate::edges::actuator::RecordEntry;
 use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 /// How long a listed PID may stay invisible in `/proc` before the agent warns that it is
 /// probably not in the host PID namespace.
@@ -142,12 +140,10 @@ impl Table {
         self.procs.retain(|_, e| !e.gpus.is_empty() || keep(&e.key));
     }
 
-    /// The table's processes, with their pins: what the shell checks are still alive.
-    pub fn known(&self) -> Vec<(ProcKey, Option<Arc<OwnedFd>>)> {
-        self.procs
-            .values()
-            .map(|e| (e.key, e.pin.clone()))
-            .collect()
+    /// The table's processes, and whether the shell pins each: what the shell checks are
+    /// still alive.
+    pub fn known(&self) -> Vec<(ProcKey, bool)> {
+        self.procs.values().map(|e| (e.key, e.pinned)).collect()
     }
 
     /// The listed PIDs to classify: unknown, replaced by another process (`gone` names the

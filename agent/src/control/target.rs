@@ -6,14 +6,114 @@
 //! - A process known to be offline only by itself (exe, cmdline, uid rules) is stopped
 //!   alone, with a signal through its pidfd.
 //! - A cgroup that contains the agent itself is never frozen or signalled as a whole.
+//!
+//! A [`Target`] here names what is suspended and holds no file descriptor: a process is
+//! named by its key, and the shell keeps the pidfd that pins it (opened when it was
+//! classified, looked up by that key when a command names it).
 
-use crate::edges::actuator::{Kind, Target};
+use crate::edges::actuator::cell::Cell;
+use crate::edges::actuator::{CgroupVersion, Kind, RecordEntry};
 use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::procfs::{Cgroups, ProcInfo, ProcKey};
 use crate::edges::source::Classified;
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::Arc;
+
+/// Something the agent suspends: a whole cgroup, one process, one process's launch gate
+/// for a GPU, or one process's CUDA calls (the driver's lock).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A cgroup directory (absolute path on this host).
+    Cgroup {
+        /// The directory.
+        dir: PathBuf,
+        /// Its hierarchy.
+        version: CgroupVersion,
+        /// Set for a cell of the agent's own: the process is moved in before the freeze,
+        /// and moved back home after the thaw.
+        cell: Option<Cell>,
+    },
+    /// One process, signalled through the pidfd the shell pins it with (its key is the
+    /// pin's name).
+    Process {
+        /// Identity.
+        key: ProcKey,
+    },
+    /// One process's submissions to one GPU, through the launch gate. A closed gate
+    /// bounds what the process has in flight; it holds nothing by itself (the hold's
+    /// fallback does).
+    Gate {
+        /// The process whose acknowledgement confirms the close.
+        key: ProcKey,
+        /// The GPU's UUID bytes (the gate file's slot).
+        uuid: [u8; 16],
+        /// The gate file.
+        file: PathBuf,
+    },
+    /// One process's CUDA calls, blocked by the driver's lock (`cuCheckpointProcessLock`):
+    /// held by the controller's vault, not by an actuator ([`crate::control::vault`]).
+    Lock {
+        /// Identity (checked right before each driver call: the driver takes a bare PID).
+        key: ProcKey,
+    },
+}
+
+impl Target {
+    /// The durable description of this target, for the fail-open record.
+    pub fn record(&self) -> RecordEntry {
+        match self {
+            Target::Cgroup { dir, version, cell } => RecordEntry::Cgroup {
+                dir: dir.clone(),
+                version: *version,
+                cell: cell.clone(),
+            },
+            Target::Process { key } => RecordEntry::Process {
+                pid: key.pid,
+                start: key.start,
+            },
+            Target::Gate { uuid, file, .. } => RecordEntry::Gate {
+                file: file.clone(),
+                uuid: coloc_doorbell::format_uuid(uuid),
+            },
+            Target::Lock { key } => RecordEntry::Lock {
+                pid: key.pid,
+                start: key.start,
+            },
+        }
+    }
+
+    /// The actuator kind this target uses.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Target::Cgroup { .. } => Kind::Freezer,
+            Target::Process { .. } => Kind::Signal,
+            Target::Gate { .. } => Kind::Gate,
+            Target::Lock { .. } => Kind::Lock,
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Cgroup {
+                dir,
+                version,
+                cell: None,
+            } => write!(f, "cgroup {} ({version:?})", dir.display()),
+            Target::Cgroup {
+                dir, cell: Some(c), ..
+            } => write!(f, "cell {} of pid {}", dir.display(), c.pid),
+            Target::Process { key } => write!(f, "pid {}", key.pid),
+            Target::Gate { key, uuid, .. } => write!(
+                f,
+                "gate of {} for pid {}",
+                coloc_doorbell::format_uuid(uuid),
+                key.pid
+            ),
+            Target::Lock { key } => write!(f, "driver lock of pid {}", key.pid),
+        }
+    }
+}
 
 /// How one offline process is suspended.
 #[derive(Debug, Clone)]
@@ -119,16 +219,8 @@ pub struct Chooser {
 impl Chooser {
     /// The plan for an offline process, and why the preferred actuator is not used when it
     /// is not (for a one-time warning).
-    pub fn choose(
-        &self,
-        info: &ProcInfo,
-        cls: &Classified,
-        pidfd: Arc<OwnedFd>,
-    ) -> (Plan, Option<String>) {
-        let alone = Plan::Signal(Target::Process {
-            key: info.key,
-            pidfd,
-        });
+    pub fn choose(&self, info: &ProcInfo, cls: &Classified) -> (Plan, Option<String>) {
+        let alone = Plan::Signal(Target::Process { key: info.key });
         let Some(path) = &cls.freeze_cgroup else {
             let why = (self.preferred == Kind::Freezer)
                 .then(|| "its rule does not declare a whole cgroup offline".to_string());
@@ -192,10 +284,6 @@ mod tests {
     use super::*;
     use qos_core::{Class, Share};
 
-    fn fd() -> Arc<OwnedFd> {
-        Arc::new(std::fs::File::open("/dev/null").unwrap().into())
-    }
-
     /// Removes the test's cgroup root when dropped, so a failing test leaves nothing behind.
     struct Root(PathBuf);
 
@@ -244,14 +332,14 @@ mod tests {
     #[test]
     fn a_declared_cgroup_is_frozen_or_signalled_whole() {
         let (mut c, info, cls, dir, _root) = setup("0::/system.slice/agent.service\n");
-        let (plan, why) = c.choose(&info, &cls, fd());
+        let (plan, why) = c.choose(&info, &cls);
         assert!(
             matches!(&plan, Plan::Freeze(Target::Cgroup { dir: d, .. }) if *d == dir),
             "{plan:?}"
         );
         assert_eq!(why, None);
         c.preferred = Kind::Signal;
-        let (plan, _) = c.choose(&info, &cls, fd());
+        let (plan, _) = c.choose(&info, &cls);
         assert!(
             matches!(&plan, Plan::SignalCgroup { dir: d, .. } if *d == dir),
             "{plan:?}"
@@ -263,7 +351,6 @@ mod tests {
                 freeze_cgroup: None,
                 ..cls
             },
-            fd(),
         );
         assert!(matches!(plan, Plan::Signal(_)), "{plan:?}");
         assert_eq!(why, None, "signal was asked for: nothing to warn about");
@@ -278,14 +365,14 @@ mod tests {
             "7:freezer:/batch/job\n0::/\n",
         ] {
             let (mut c, info, cls, _, _root) = setup(own);
-            let (plan, why) = c.choose(&info, &cls, fd());
+            let (plan, why) = c.choose(&info, &cls);
             assert!(
                 matches!(plan, Plan::Signal(Target::Process { .. })),
                 "{own}: {plan:?}"
             );
             assert!(why.unwrap().contains("contains the agent"));
             c.preferred = Kind::Signal;
-            let (plan, _) = c.choose(&info, &cls, fd());
+            let (plan, _) = c.choose(&info, &cls);
             assert!(
                 matches!(plan, Plan::Signal(Target::Process { .. })),
                 "{own}: {plan:?}"
@@ -293,6 +380,6 @@ mod tests {
         }
         // A sibling whose name merely starts the same is not "inside".
         let (c, info, cls, _, _root) = setup("0::/batch/job2\n");
-        assert!(matches!(c.choose(&info, &cls, fd()).0, Plan::Freeze(_)));
+        assert!(matches!(c.choose(&info, &cls).0, Plan::Freeze(_)));
     }
 }

@@ -39,15 +39,14 @@ use crate::control::holds::Req;
 use crate::control::note::Note;
 use crate::control::table::Table;
 use crate::control::target::Plan;
-use crate::edges::actuator::{ActError, Progress, RecordEntry, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{ActError, Progress, RecordEntry};
 use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DOp};
 use crate::edges::gpu::GpuMemory;
 use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The vault's requests to the record book are numbered from here (the hold book's below).
@@ -215,8 +214,8 @@ struct Slot {
     gpu: Option<u32>,
     /// Device memory it held when last seen (what a checkpoint moved).
     bytes: u64,
-    /// Pins it (exit is seen through the shell's list of known processes).
-    pin: Option<Arc<OwnedFd>>,
+    /// The shell pins it (exit is seen through the shell's list of known processes).
+    pinned: bool,
     owner: String,
     /// The cgroup its own plan freezes or signals, if any: a hold on it stops the process.
     cgroup: Option<PathBuf>,
@@ -248,7 +247,7 @@ impl Slot {
             rec: Rec::No,
             gpu: None,
             bytes: 0,
-            pin: None,
+            pinned: false,
             owner: "-".into(),
             cgroup: None,
             refused: None,
@@ -412,7 +411,7 @@ impl Vault {
     pub fn ahead(&self, table: &Table) -> BTreeSet<RecordEntry> {
         table
             .entries()
-            .filter(|e| !e.gpus.is_empty() && e.pin.is_some() && self.lockable(&e.key, &e.cls))
+            .filter(|e| !e.gpus.is_empty() && e.pinned && self.lockable(&e.key, &e.cls))
             .map(|e| Target::Lock { key: e.key }.record())
             .collect()
     }
@@ -420,9 +419,7 @@ impl Vault {
     fn slot(&mut self, key: ProcKey, table: &Table) -> &mut Slot {
         let s = self.slots.entry(key).or_insert_with(Slot::new);
         if let Some(e) = table.entry(&key) {
-            if s.pin.is_none() {
-                s.pin = e.pin.clone();
-            }
+            s.pinned |= e.pinned;
             s.owner = e.cls.owner.clone();
             if let Some(g) = e.gpus.iter().next() {
                 s.gpu = Some(*g);
@@ -621,7 +618,7 @@ impl Vault {
             .filter_map(|(pid, bytes)| {
                 let e = table.by_pid(*pid)?;
                 let ok = e.gpus.contains(&gpu)
-                    && e.pin.is_some()
+                    && e.pinned
                     // A stopped process cannot be locked until it runs.
                     && !stopped(&e.key, e.stopped_with())
                     && self.opted_in(&e.cls)
@@ -967,13 +964,15 @@ impl Vault {
         }
     }
 
+    /// Whether the vault keeps `key`.
+    pub fn knows(&self, key: &ProcKey) -> bool {
+        self.slots.contains_key(key)
+    }
+
     /// The processes the vault keeps, pinned (so that their exit is seen while the driver's
     /// lists do not show them: a checkpointed process has left them).
-    pub fn known(&self) -> Vec<(ProcKey, Option<Arc<OwnedFd>>)> {
-        self.slots
-            .iter()
-            .map(|(k, s)| (*k, s.pin.clone()))
-            .collect()
+    pub fn known(&self) -> Vec<(ProcKey, bool)> {
+        self.slots.iter().map(|(k, s)| (*k, s.pinned)).collect()
     }
 
     /// The agent stops: everything is restored and unlocked (after the holds' thaw).

@@ -6,7 +6,8 @@ use super::{
     Outcome, Pending, Progress, Then,
 };
 use crate::control::note::{FailWhy, Note};
-use crate::edges::actuator::{Kind, Op, RecordEntry, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{Kind, Op, RecordEntry};
 use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
 

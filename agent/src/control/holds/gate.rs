@@ -13,7 +13,8 @@ use super::{
 };
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
-use crate::edges::actuator::{Kind, Op, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{Kind, Op};
 use crate::edges::procfs::ProcKey;
 
 impl HoldBook {

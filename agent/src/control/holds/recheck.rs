@@ -18,7 +18,8 @@
 use super::pending::Pending;
 use super::{HoldBook, HoldCmd, HoldKey, Progress, Then};
 use crate::control::note::Note;
-use crate::edges::actuator::{Kind, Op, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{Kind, Op};
 use crate::edges::procfs::ProcKey;
 
 /// How often a hold that never broke is checked, by default.

@@ -6,7 +6,8 @@ use super::{
 };
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
-use crate::edges::actuator::{Op, RecordEntry, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{Op, RecordEntry};
 use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
 

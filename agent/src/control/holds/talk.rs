@@ -3,7 +3,8 @@
 //! [`Completion`]).
 
 use crate::control::target::HoldKey;
-use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry};
 use std::path::PathBuf;
 use std::time::Duration;
 

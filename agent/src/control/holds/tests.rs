@@ -4,21 +4,12 @@
 use super::*;
 use crate::edges::actuator::Op;
 use crate::edges::actuator::{ActError, CgroupVersion};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 const MS: u64 = 1_000_000;
 
 fn proc_target(pid: u32) -> (ProcKey, Target) {
     let key = ProcKey { pid, start: 7 };
-    let fd: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-    (
-        key,
-        Target::Process {
-            key,
-            pidfd: Arc::new(fd),
-        },
-    )
+    (key, Target::Process { key })
 }
 
 thread_local! {

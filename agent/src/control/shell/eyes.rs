@@ -10,13 +10,11 @@ use crate::control::io::Obs;
 use crate::control::nvml::Refresh;
 use crate::control::table::Table;
 use crate::control::target::Plan;
-use crate::edges::actuator::Target;
+use crate::control::target::Target;
 use crate::edges::doorbell::Doorbells;
 use crate::edges::gpu::GpuSampler;
 use crate::edges::procfs::ProcKey;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 /// A pod's directory is removed only when nothing changed in it for this long (and the
 /// pod source says the pod is gone).
@@ -114,12 +112,7 @@ impl Eyes {
     }
 
     /// Reads every GPU's process list, and which of `known` no longer live.
-    pub fn lists(
-        &mut self,
-        gpus: &[u32],
-        why: Refresh,
-        known: &[(ProcKey, Option<Arc<OwnedFd>>)],
-    ) -> Obs {
+    pub fn lists(&mut self, gpus: &[u32], why: Refresh, known: &[(ProcKey, bool)]) -> Obs {
         let generation = self.classifier.source.generation();
         let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
         let mut failed = BTreeMap::new();

@@ -15,6 +15,10 @@
 //!                                          └─► telemetry (log, metrics, events, /state)
 //! ```
 //!
+//! The controller holds no file descriptor: the [`pins`] keep the pidfd of every process
+//! it names, opened by the classifier, used by the hands, closed after the tick in which
+//! the controller names the process no more.
+//!
 //! Runs on its own OS thread so that its timing does not depend on the async runtime
 //! serving HTTP. Fails open: on shutdown, or a panic (via `Drop`), it resumes everything;
 //! the NVML [`watchdog`] does so from its own thread while a call hangs.
@@ -22,6 +26,7 @@
 pub mod classify;
 pub mod eyes;
 pub mod hands;
+pub mod pins;
 pub mod scribe;
 pub mod watchdog;
 
@@ -37,6 +42,7 @@ use crate::telemetry::Telemetry;
 use classify::Classifier;
 use eyes::Eyes;
 use hands::Hands;
+use pins::Pins;
 use qos_core::stats::Summary;
 use scribe::Scribe;
 use std::sync::atomic::Ordering;
@@ -77,6 +83,9 @@ pub struct Loop {
     released: bool,
     /// The latest tick's process lists waited for the next tick because a doorbell rang.
     lists_put_off: bool,
+    /// The pidfds of the processes the controller names (shared with the classifier and
+    /// the hands); closed after the tick in which the controller stops naming them.
+    pub(crate) pins: Arc<Pins>,
     /// Lines tenants can cause, limited per owner.
     lines: crate::logbudget::LogBudget,
     /// Every note reported (tests).
@@ -131,7 +140,8 @@ impl Loop {
         // `/metrics` labels every per-GPU series with its GPU's UUID.
         let _ = shared.gpu_uuids.set(uuids.iter().cloned().collect());
         let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
-        let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser);
+        let pins = Arc::new(Pins::default());
+        let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser, pins.clone());
         let driver = edges
             .driver
             .map(|api| crate::edges::checkpoint::DriverCalls::new(api, edges.procfs.clone()));
@@ -141,6 +151,7 @@ impl Loop {
             edges.clock.clone(),
             edges.gates,
             crate::edges::actuator::cell::Cells::on(&cfg.cgroups),
+            pins.clone(),
         );
         Ok(Loop {
             ctl,
@@ -157,6 +168,7 @@ impl Loop {
             slept: None,
             released: false,
             lists_put_off: false,
+            pins,
             lines: crate::logbudget::LogBudget::default(),
             #[cfg(test)]
             said: Vec::new(),
@@ -218,6 +230,8 @@ impl Loop {
         let reads = self.ctl.start_tick(now, self.slept, generation);
         let snapshot = self.gather(reads);
         self.converse(snapshot);
+        let ctl = &self.ctl;
+        self.pins.retain(|k| ctl.names(k));
         self.account(dt);
         {
             let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());

@@ -234,12 +234,9 @@ fn a_failed_watchdog_resume_is_not_forgotten() {
         Arc::new(clock),
         None,
         Err("none in this test".into()),
+        Arc::new(crate::control::shell::pins::Pins::default()),
     );
-    let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-    let t = Target::Process {
-        key,
-        pidfd: Arc::new(fd),
-    };
+    let t = crate::control::target::Target::Process { key };
     let mut rec = rec;
     crate::edges::record::RecordStore::add(&mut rec, &[t.record()]).unwrap();
     hands.perform(HoldCmd::Start {
@@ -361,5 +358,78 @@ fn an_online_process_reclassified_offline_is_no_online_demand() {
     assert!(
         !h.suspended(10) && !h.suspended(20),
         "re-preempted by kept activity"
+    );
+}
+
+/// The controller holds no file descriptor: the pidfd of a process it names lives in the
+/// shell, and is closed once the controller names the process no more (it left the GPU).
+#[test]
+fn a_process_pin_is_closed_once_the_controller_names_it_no_more() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(2);
+    let (ten, twenty) = (h.key(10), h.key(20));
+    assert!(
+        h.lp.pins.get(&ten).is_some(),
+        "a classified process is pinned"
+    );
+    assert!(h.lp.pins.get(&twenty).is_some());
+    // 10 leaves the GPU (it lives on): the table forgets it.
+    h.gpu
+        .state
+        .lock()
+        .unwrap()
+        .procs
+        .get_mut(&0)
+        .unwrap()
+        .retain(|p| *p != 10);
+    for _ in 0..5 {
+        h.clock.advance(60 * MS);
+        h.tick();
+    }
+    assert!(h.lp.ctl.table().entry(&ten).is_none(), "still in the table");
+    assert!(h.lp.pins.get(&ten).is_none(), "its pidfd is still open");
+    assert!(
+        h.lp.pins.get(&twenty).is_some(),
+        "a named process lost its pin"
+    );
+}
+
+/// No file of the controller (everything under `control/` but the shell and the tests)
+/// names a file descriptor type: descriptors live in the shell, looked up by process key.
+#[test]
+fn no_file_of_the_controller_holds_a_file_descriptor() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                if !p.ends_with("shell") && !p.ends_with("tests") {
+                    walk(&p, out);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/control");
+    let mut files = Vec::new();
+    walk(&root, &mut files);
+    assert!(
+        files.len() > 20,
+        "the controller's files were not found: {files:?}"
+    );
+    let holders: Vec<_> = files
+        .iter()
+        .filter(|p| {
+            let s = std::fs::read_to_string(p).unwrap();
+            ["OwnedFd", "BorrowedFd", "RawFd"]
+                .iter()
+                .any(|t| s.contains(t))
+        })
+        .collect();
+    assert!(
+        holders.is_empty(),
+        "file descriptors in the controller: {holders:?}"
     );
 }

@@ -13,13 +13,13 @@ use crate::control::entry::Entry;
 use crate::control::holds::{HoldCmd, HoldObs};
 use crate::control::io::{Cmd, Obs};
 use crate::control::target::Plan;
-use crate::edges::actuator::{ActError, Progress, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{ActError, Progress};
 use crate::edges::doorbell::{Owner, PageInfo};
 use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::os::fd::OwnedFd;
 
 /// What a shim answers when its gate closes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +40,6 @@ pub(super) struct Proc {
     pub gpu: u32,
     pub online: bool,
     pub born: u64,
-    pin: Arc<OwnedFd>,
 }
 
 /// The world, as the shell sees it.
@@ -336,7 +335,6 @@ impl World {
         if let Some(old) = self.procs.get(&slot) {
             self.dstate.remove(&old.key);
         }
-        let pin = Arc::new(std::fs::File::open("/dev/null").unwrap().into());
         let born = self.now;
         self.procs.insert(
             slot,
@@ -345,7 +343,6 @@ impl World {
                 gpu,
                 online,
                 born,
-                pin,
             },
         );
         self.pages_changed = true;
@@ -638,10 +635,7 @@ impl World {
                         .filter(
                             |p| !matches!(&leader, Target::Process { key, .. } if *key == p.key),
                         )
-                        .map(|p| Target::Process {
-                            key: p.key,
-                            pidfd: p.pin.clone(),
-                        }),
+                        .map(|p| Target::Process { key: p.key }),
                 );
                 // Its runtime removes a cgroup once its last process has exited.
                 let leader_lives = self
@@ -784,18 +778,16 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
     } else {
         Class::Offline
     };
-    let leader = Target::Process {
-        key: p.key,
-        pidfd: p.pin.clone(),
-    };
-    let plan = (!p.online).then(|| match cgroup {
-        Some(dir) => Plan::SignalCgroup {
+    let leader = Target::Process { key: p.key };
+    let plan = match cgroup {
+        _ if p.online => None,
+        Some(dir) => Some(Plan::SignalCgroup {
             dir,
             version: crate::edges::actuator::CgroupVersion::V2,
             leader,
-        },
-        None => Plan::Signal(leader),
-    });
+        }),
+        None => Some(Plan::Signal(leader)),
+    };
     Entry {
         key: p.key,
         cls: super::class(class, None),
@@ -810,7 +802,7 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
         ns_pid: None,
         rung: false,
         plan,
-        pin: Some(p.pin.clone()),
+        pinned: true,
         home: None,
         generation,
     }
