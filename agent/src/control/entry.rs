@@ -1,9 +1,9 @@
 //! One GPU process in the table, and how its activity is noted (runs, onsets, the
 //! latest evidence per GPU).
 
+use crate::control::model::process::Classified;
+use crate::control::model::ProcKey;
 use crate::control::target::Plan;
-use crate::edges::procfs::ProcKey;
-use crate::edges::source::Classified;
 use qos_core::Signal;
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -29,11 +29,11 @@
 //! bring the stop sooner; see SECURITY.md.
 
 use crate::control::bells::Bells;
+use crate::control::model::bell::Owner;
+use crate::control::model::ProcKey;
 use crate::control::table::Table;
 use crate::control::target::Plan;
 use crate::control::target::Target;
-use crate::edges::doorbell::Owner;
-use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -10,8 +10,7 @@
 //! managed again; samples from before that moment are ignored, so no old sample starts
 //! the next busy period.
 //!
-//! A **hung** call is caught by the shell's watchdog thread
-//! ([`crate::control::shell::watchdog`]).
+//! A **hung** call is caught by the shell's watchdog thread (`shell/watchdog.rs`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;

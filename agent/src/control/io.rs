@@ -14,6 +14,9 @@
 use crate::control::entry::Entry;
 use crate::control::events::Event;
 use crate::control::holds::{HoldCmd, HoldObs};
+use crate::control::model::bell::{BellReading, PageInfo};
+use crate::control::model::gpu;
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::nvml::Refresh;
 use crate::control::record::Write;
@@ -21,9 +24,6 @@ use crate::control::state::StateDoc;
 use crate::control::target::Plan;
 use crate::control::target::Target;
 use crate::control::ReleaseAll;
-use crate::edges::doorbell::{BellReading, PageInfo};
-use crate::edges::gpu;
-use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -178,7 +178,7 @@ pub enum Obs {
         room: BTreeMap<u32, u64>,
     },
     /// A driver call ended.
-    Driver(crate::edges::checkpoint::Done),
+    Driver(crate::control::model::driver::Done),
     /// The offline pages' gate fields, read by the shell right after it closed a gate (a
     /// shim with nothing in flight acknowledges at once: its process is held in the tick
     /// that closed its gate, not at the next one).

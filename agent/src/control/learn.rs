@@ -23,7 +23,7 @@
 //! process writes is its own word: it can only bring offline work beside itself sooner
 //! or later (SECURITY.md).
 
-use crate::edges::procfs::ProcKey;
+use crate::control::model::ProcKey;
 use qos_core::release::{Adaptive, GapModel};
 use std::collections::HashMap;
 

@@ -10,8 +10,12 @@
 //!                                         events (tracker), pace
 //! ```
 //!
+//! The controller is every file here but [`shell`] and the tests: it imports no edge and
+//! holds no file descriptor (a unit test reads its files to keep it so); its data types
+//! are its own ([`model`]), and the edges re-export them.
+//!
 //! Rooms: [`controller`] (the conversation of a tick, and the one place the sub-states
-//! meet), [`io`] (the reads due at a tick's start, the commands and observations), [`note`] (what the controller says for
+//! meet), [`model`] (the data the controller reasons about), [`io`] (the reads due at a tick's start, the commands and observations), [`note`] (what the controller says for
 //! the log and the metrics), [`table`] and [`entry`] (the process table: identity, class,
 //! GPUs, activity), [`nvml`] (when the driver is read, what a sample says), [`health`]
 //! (transient vs persistent NVML failures), [`bells`] and [`claims`] (doorbell attribution
@@ -36,6 +40,7 @@ pub mod health;
 pub mod holds;
 pub mod io;
 pub mod learn;
+pub mod model;
 pub mod note;
 pub mod nvml;
 pub mod pace;
@@ -55,18 +60,11 @@ pub mod vault;
 #[cfg(test)]
 mod tests;
 
-pub use shell::Loop;
+pub use shell::{Edges, Loop};
 
-use crate::edges::actuator::{Actuator, Kind};
-use crate::edges::cgroupfs::CgroupMounts;
-use crate::edges::clock::Clock;
-use crate::edges::doorbell::Doorbells;
-use crate::edges::gpu::GpuSampler;
-use crate::edges::procfs::ProcFs;
-use crate::edges::record::RecordStore;
-use crate::edges::source::PodSource;
+use model::host::CgroupMounts;
+use model::Kind;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Settings of the loop (validated by the CLI layer).
@@ -121,34 +119,6 @@ pub struct LoopConfig {
     pub release: Option<learn::Learning>,
     /// The driver's lock and memory preemption (`--driver-lock`, `--memory-reserve`).
     pub vault: vault::VaultConfig,
-}
-
-/// The loop's edges (real ones in `main`, fakes in tests).
-pub struct Edges {
-    /// NVML.
-    pub gpu: Box<dyn GpuSampler>,
-    /// `/proc`.
-    pub procfs: Arc<dyn ProcFs>,
-    /// Classification.
-    pub source: Arc<dyn PodSource>,
-    /// Time.
-    pub clock: Arc<dyn Clock>,
-    /// Freezer/signal (or dry run).
-    pub actuator: Box<dyn Actuator>,
-    /// The fail-open record.
-    pub record: Box<dyn RecordStore>,
-    /// Doorbell pages, and the loop's sleep.
-    pub bells: Box<dyn Doorbells>,
-    /// The launch gates (`--gate`).
-    pub gates: Option<crate::edges::gate::GateKeeper>,
-    /// The CUDA driver's checkpoint API (`--driver-lock`, `--memory-reserve`), when loaded.
-    pub driver: Option<Arc<dyn crate::edges::checkpoint::DriverApi>>,
-}
-
-impl std::fmt::Debug for Edges {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Edges").finish_non_exhaustive()
-    }
 }
 
 /// Why everything is resumed at once.

@@ -26,7 +26,7 @@
 //! ```
 
 use crate::control::holds::Req;
-use crate::edges::actuator::RecordEntry;
+use crate::control::model::act::RecordEntry;
 use std::collections::BTreeSet;
 
 /// How long after a failed write the record is written again when no suspension waits

@@ -19,9 +19,9 @@ use super::seeing::Seeing;
 use super::target::Plan;
 use super::vault::{RecordAsk, Vault};
 use super::{execute, LoopConfig, ReleaseAll};
+use crate::control::model::act::RecordEntry;
+use crate::control::model::ProcKey;
 use crate::control::target::Target;
-use crate::edges::actuator::RecordEntry;
-use crate::edges::procfs::ProcKey;
 use qos_core::{Decision, Machine};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -54,7 +54,8 @@ pub struct Rooms {
     pub(crate) out: Vec<Cmd>,
     /// Hold commands whose locks the vault answered and whose other targets went to the
     /// shell: request → (the vault's answers with their places, how many targets).
-    splices: BTreeMap<super::holds::Req, (Vec<(usize, crate::edges::actuator::Progress)>, usize)>,
+    splices:
+        BTreeMap<super::holds::Req, (Vec<(usize, crate::control::model::act::Progress)>, usize)>,
     /// Gate fields were read after a gate closed: the next hold round tells the gate holds
     /// what they say.
     fresh_acks: bool,
@@ -674,7 +675,7 @@ impl Rooms {
                         .by_pid(p.pid)
                         .is_some_and(|e| self.vault.would_lock(table, &e.key));
                     if lock {
-                        p.actuator = Some(crate::edges::actuator::Kind::Lock);
+                        p.actuator = Some(crate::control::model::act::Kind::Lock);
                     }
                 }
                 for (key, gpu, st, bytes, owner) in &view {
@@ -694,7 +695,7 @@ impl Rooms {
                             owner: owner.clone(),
                             cmd: String::new(),
                             suspended: false,
-                            actuator: Some(crate::edges::actuator::Kind::Lock),
+                            actuator: Some(crate::control::model::act::Kind::Lock),
                             last_active_ms_ago: None,
                             driver: Some(st.as_str().into()),
                             checkpointed_bytes: checkpointed,
@@ -716,7 +717,10 @@ impl Rooms {
     pub fn memory(
         &mut self,
         now: u64,
-        reads: Vec<(u32, Result<Option<crate::edges::gpu::GpuMemory>, String>)>,
+        reads: Vec<(
+            u32,
+            Result<Option<crate::control::model::gpu::GpuMemory>, String>,
+        )>,
         room: BTreeMap<u32, u64>,
     ) {
         let unmanaged_online = self.machine.config().unmanaged_is_online;

@@ -11,10 +11,10 @@
 //! The table does no I/O: the shell reads the lists and classifies the PIDs the table
 //! names ([`Table::to_classify`]); the table applies what it is told ([`Table::apply`]).
 
+use crate::control::model::act::RecordEntry;
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::target::Plan;
-use crate::edges::actuator::RecordEntry;
-use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

@@ -1,5 +1,5 @@
 //! The vault: every use of the CUDA driver's checkpoint API, decided here and carried out
-//! off the loop by the shell ([`crate::edges::checkpoint::DriverCalls`]).
+//! off the loop by the shell (its driver calls, a thread each).
 //!
 //! Two things want a process held by the driver, and the vault keeps one driver state per
 //! process that satisfies both:
@@ -36,14 +36,14 @@
 
 use crate::control::events::{DriverEvent, Event};
 use crate::control::holds::Req;
+use crate::control::model::act::{ActError, Progress, RecordEntry};
+use crate::control::model::driver::{CallEnd, CuError, Done, Op as DOp};
+use crate::control::model::gpu::GpuMemory;
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::table::Table;
 use crate::control::target::Plan;
 use crate::control::target::Target;
-use crate::edges::actuator::{ActError, Progress, RecordEntry};
-use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DOp};
-use crate::edges::gpu::GpuMemory;
-use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -365,7 +365,7 @@ impl Vault {
     }
 
     /// Whether memory preemption may checkpoint a process classified `cls`.
-    fn opted_in(&self, cls: &crate::edges::source::Classified) -> bool {
+    fn opted_in(&self, cls: &crate::control::model::process::Classified) -> bool {
         cls.class == Class::Offline
             && self.cfg.reserve.is_some()
             && match self.cfg.pods {
@@ -377,7 +377,7 @@ impl Vault {
     /// Whether `key` (classified `cls`) is held by the driver's lock when suspended: not
     /// once the driver refused it, unless the driver holds it still (a stop would make
     /// the unlock wait).
-    fn lockable(&self, key: &ProcKey, cls: &crate::edges::source::Classified) -> bool {
+    fn lockable(&self, key: &ProcKey, cls: &crate::control::model::process::Classified) -> bool {
         if !self.cfg.api || cls.class != Class::Offline {
             return false;
         }
@@ -436,11 +436,11 @@ impl Vault {
     pub fn hold(
         &mut self,
         key: ProcKey,
-        op: crate::edges::actuator::Op,
+        op: crate::control::model::act::Op,
         table: &Table,
         stopped: impl Fn(&ProcKey, Option<&std::path::Path>) -> bool,
     ) -> Progress {
-        use crate::edges::actuator::Op;
+        use crate::control::model::act::Op;
         if !self.cfg.api {
             return match op {
                 Op::Suspend => Progress::Failed(ActError::Driver(
@@ -870,9 +870,9 @@ impl Vault {
             match d.state {
                 Some(st) => {
                     s.state = match st {
-                        crate::edges::checkpoint::ProcessState::Running => DState::Running,
-                        crate::edges::checkpoint::ProcessState::Locked => DState::Locked,
-                        crate::edges::checkpoint::ProcessState::Checkpointed => {
+                        crate::control::model::driver::ProcessState::Running => DState::Running,
+                        crate::control::model::driver::ProcessState::Locked => DState::Locked,
+                        crate::control::model::driver::ProcessState::Checkpointed => {
                             DState::Checkpointed
                         }
                         _ => DState::Failed,

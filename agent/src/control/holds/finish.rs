@@ -5,10 +5,10 @@ use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Then,
 };
+use crate::control::model::act::{Kind, Op, RecordEntry};
+use crate::control::model::ProcKey;
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Target;
-use crate::edges::actuator::{Kind, Op, RecordEntry};
-use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
 
 impl HoldBook {

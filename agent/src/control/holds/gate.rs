@@ -11,11 +11,11 @@ use super::{
     members_progress, pending_members, Completion, Escalation, Failure, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Then,
 };
+use crate::control::model::act::{Kind, Op};
+use crate::control::model::ProcKey;
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
 use crate::control::target::Target;
-use crate::edges::actuator::{Kind, Op};
-use crate::edges::procfs::ProcKey;
 
 impl HoldBook {
     /// The gate holds waiting for their drain: (process, GPU UUID) whose pages' acknowledgements

@@ -2,7 +2,7 @@
 //! suspended before the record holds it on disk.
 //!
 //! The book does no I/O. It asks for what it needs as commands ([`HoldCmd`]) and is told
-//! what came of them ([`HoldObs`]); the loop's shell ([`crate::control::shell::hands`]) performs
+//! what came of them ([`HoldObs`]); the loop's shell (its hands, `shell/hands.rs`) performs
 //! the commands in order and feeds the results back until the book asks for nothing more.
 //! Record before act is the order of the conversation: a suspension's `Start` is only asked
 //! for after the `Recorded` answer to its `RecordAdd` said the record holds it.
@@ -30,12 +30,12 @@ mod talk;
 
 pub use recheck::Broken;
 
+use crate::control::model::act::{Kind, Progress, RecordEntry};
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
 use crate::control::target::Target;
-use crate::edges::actuator::{Kind, Progress, RecordEntry};
-use crate::edges::procfs::ProcKey;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 

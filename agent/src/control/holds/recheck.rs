@@ -17,10 +17,10 @@
 
 use super::pending::Pending;
 use super::{HoldBook, HoldCmd, HoldKey, Progress, Then};
+use crate::control::model::act::{Kind, Op};
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::target::Target;
-use crate::edges::actuator::{Kind, Op};
-use crate::edges::procfs::ProcKey;
 
 /// How often a hold that never broke is checked, by default.
 pub const RECHECK_NS: u64 = 10_000_000;

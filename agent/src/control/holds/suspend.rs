@@ -4,11 +4,11 @@ use super::{
     members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
     Outcome, Pending, Progress, Started, Then,
 };
+use crate::control::model::act::{Op, RecordEntry};
+use crate::control::model::ProcKey;
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
 use crate::control::target::Target;
-use crate::edges::actuator::{Op, RecordEntry};
-use crate::edges::procfs::ProcKey;
 use std::collections::BTreeSet;
 
 impl HoldBook {

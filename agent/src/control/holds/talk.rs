@@ -2,9 +2,9 @@
 //! ([`HoldObs`]), and how an operation ends ([`Outcome`], [`Failure`], [`Escalation`],
 //! [`Completion`]).
 
+use crate::control::model::act::{ActError, Kind, Op, Progress, RecordEntry};
 use crate::control::target::HoldKey;
 use crate::control::target::Target;
-use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -153,12 +153,12 @@ pub enum HoldCmd {
         gate: Target,
     },
     /// Find a cell of the agent's own for process `key`, held alone and resuming itself
-    /// (`edges::actuator::cell`): nothing is made yet. Answered by [`HoldObs::Cell`].
+    /// (the actuator's cells): nothing is made yet. Answered by [`HoldObs::Cell`].
     Isolate {
         /// The request.
         req: Req,
         /// The process.
-        key: crate::edges::procfs::ProcKey,
+        key: crate::control::model::ProcKey,
     },
     /// Look once whether targets are in the state of `op`. Answered by
     /// [`HoldObs::Progress`].

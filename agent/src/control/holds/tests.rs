@@ -2,8 +2,8 @@
 //! answers.
 
 use super::*;
-use crate::edges::actuator::Op;
-use crate::edges::actuator::{ActError, CgroupVersion};
+use crate::control::model::act::Op;
+use crate::control::model::act::{ActError, CgroupVersion};
 
 const MS: u64 = 1_000_000;
 
@@ -22,7 +22,7 @@ fn cell_of(key: ProcKey) -> Target {
     Target::Cgroup {
         dir: format!("/cg/gpu-coloc.held/{}-{}", key.pid, key.start).into(),
         version: CgroupVersion::V2,
-        cell: Some(crate::edges::actuator::Cell {
+        cell: Some(crate::control::model::act::Cell {
             pid: key.pid,
             start: key.start,
             home: "/cg/user".into(),
@@ -505,7 +505,7 @@ fn shell_with(
 /// leaves it frozen.
 #[test]
 fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
-    use crate::edges::actuator::CgroupVersion;
+    use crate::control::model::act::CgroupVersion;
     let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
     let cg = Target::Cgroup {
         dir: dir.clone(),
@@ -572,7 +572,7 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
 /// Process 10 in cgroup `/sys/fs/cgroup/pod/c` (v2), suspended by signals to the cgroup's
 /// processes: (the process, its target, the cgroup's freezer target, the plan).
 fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
-    use crate::edges::actuator::CgroupVersion;
+    use crate::control::model::act::CgroupVersion;
     let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
     let cg = Target::Cgroup {
         dir: dir.clone(),

@@ -7,11 +7,12 @@
 //!
 //! May touch: reads `/proc/<pid>/…`, `cgroup.procs`; opens pidfds; asks the pod source.
 
+use super::choose::Chooser;
 use super::pins::Pins;
 use crate::control::entry::Entry;
 use crate::control::table::Table;
+use crate::control::target::Plan;
 use crate::control::target::Target;
-use crate::control::target::{Chooser, Plan};
 use crate::control::text::truncate;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::PodSource;

@@ -23,6 +23,7 @@
 //! serving HTTP. Fails open: on shutdown, or a panic (via `Drop`), it resumes everything;
 //! the NVML [`watchdog`] does so from its own thread while a call hangs.
 
+pub mod choose;
 pub mod classify;
 pub mod eyes;
 pub mod hands;
@@ -35,10 +36,16 @@ use super::holds::{HoldBook, HoldObs};
 use super::io::{Cmd, Obs, Reads};
 use super::note::Note;
 use super::state::{Shared, StateDoc};
-use super::target::Chooser;
-use super::{Edges, LoopConfig, ReleaseAll};
+use super::{LoopConfig, ReleaseAll};
+use crate::edges::actuator::Actuator;
 use crate::edges::clock::Clock;
+use crate::edges::doorbell::Doorbells;
+use crate::edges::gpu::GpuSampler;
+use crate::edges::procfs::ProcFs;
+use crate::edges::record::RecordStore;
+use crate::edges::source::PodSource;
 use crate::telemetry::Telemetry;
+use choose::Chooser;
 use classify::Classifier;
 use eyes::Eyes;
 use hands::Hands;
@@ -59,6 +66,34 @@ const LAST_WRITES: Duration = Duration::from_secs(5);
 /// slower than one). What is left stays in the record for `coloc-agent resume` and the
 /// next start.
 pub const LAST_RESTORES: Duration = Duration::from_secs(60);
+
+/// The loop's edges (real ones in `main`, fakes in tests).
+pub struct Edges {
+    /// NVML.
+    pub gpu: Box<dyn GpuSampler>,
+    /// `/proc`.
+    pub procfs: Arc<dyn ProcFs>,
+    /// Classification.
+    pub source: Arc<dyn PodSource>,
+    /// Time.
+    pub clock: Arc<dyn Clock>,
+    /// Freezer/signal (or dry run).
+    pub actuator: Box<dyn Actuator>,
+    /// The fail-open record.
+    pub record: Box<dyn RecordStore>,
+    /// Doorbell pages, and the loop's sleep.
+    pub bells: Box<dyn Doorbells>,
+    /// The launch gates (`--gate`).
+    pub gates: Option<crate::edges::gate::GateKeeper>,
+    /// The CUDA driver's checkpoint API (`--driver-lock`, `--memory-reserve`), when loaded.
+    pub driver: Option<Arc<dyn crate::edges::checkpoint::DriverApi>>,
+}
+
+impl std::fmt::Debug for Edges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Edges").finish_non_exhaustive()
+    }
+}
 
 /// The control loop: the controller and the shell around it.
 pub struct Loop {
