@@ -25,10 +25,10 @@
 //! gives once the entries are on disk ([`crate::control::record`]).
 //!
 //! This file holds the conversation (where the tick stands, the answers awaited); the
-//! sub-states and what a tick does with them are [`Rooms`].
+//! sub-states and what a tick does with them are [`Substates`].
 
 use super::io::{Cmd, Obs, Reads};
-use super::rooms::Rooms;
+use super::substates::Substates;
 use super::target::Plan;
 use super::{LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
@@ -79,7 +79,7 @@ enum Stage {
 /// See the module.
 pub struct Controller {
     /// The sub-states.
-    pub(crate) rooms: Rooms,
+    pub(crate) sub: Substates,
     stage: Stage,
     /// The tick's time.
     tick_ns: u64,
@@ -117,7 +117,7 @@ impl Controller {
         on_disk: BTreeSet<RecordEntry>,
     ) -> Controller {
         Controller {
-            rooms: Rooms::new(cfg, gpus, now, gate_file, on_disk),
+            sub: Substates::new(cfg, gpus, now, gate_file, on_disk),
             stage: Stage::Idle,
             tick_ns: now,
             awaiting: 0,
@@ -134,17 +134,17 @@ impl Controller {
     pub fn start_tick(&mut self, now: u64, slept: Option<(u64, u64)>, generation: u64) -> Reads {
         debug_assert!(matches!(self.stage, Stage::Idle), "a tick inside a tick");
         self.tick_ns = now;
-        self.rooms.start_tick(slept, generation);
+        self.sub.start_tick(slept, generation);
         self.stage = Stage::Observe;
         self.snapshot.clear();
         self.rang = false;
-        let lists = (self.rooms.seeing.list_due(now)).map(|why| Cmd::ReadLists {
+        let lists = (self.sub.observed.list_due(now)).map(|why| Cmd::ReadLists {
             why,
             known: self.known(),
         });
-        let samples = (self.rooms.seeing.samples_due(now)).map(|gpus| Cmd::ReadSamples { gpus });
+        let samples = (self.sub.observed.samples_due(now)).map(|gpus| Cmd::ReadSamples { gpus });
         Reads {
-            bells: self.rooms.seeing.bells_due(now),
+            bells: self.sub.observed.bells_due(now),
             samples,
             lists,
         }
@@ -153,8 +153,8 @@ impl Controller {
     /// The processes the lists are checked against: the table's, and those the driver
     /// holds checkpointed (they have left the lists), with their pins.
     fn known(&self) -> Vec<(ProcKey, bool)> {
-        let mut known = self.rooms.seeing.table.known();
-        for (k, pin) in self.rooms.vault.known() {
+        let mut known = self.sub.observed.table.known();
+        for (k, pin) in self.sub.vault.known() {
             if !known.iter().any(|(kk, _)| *kk == k) {
                 known.push((k, pin));
             }
@@ -168,21 +168,21 @@ impl Controller {
         for o in obs {
             self.take(o, now);
         }
-        if matches!(self.stage, Stage::Idle) && self.rooms.book.has_commands() {
+        if matches!(self.stage, Stage::Idle) && self.sub.book.has_commands() {
             self.stage = Stage::Drain(Box::new(Stage::Settle));
         }
         self.yielding = false;
         while self.awaiting == 0 && !self.yielding && !matches!(self.stage, Stage::Idle) {
             let stage = std::mem::replace(&mut self.stage, Stage::Idle);
             self.stage = self.run(stage, now);
-            self.rooms.flush();
+            self.sub.flush();
         }
-        self.rooms.vault_round(now);
+        self.sub.vault_round(now);
         if !self.yielding {
-            self.rooms.write(now);
+            self.sub.write(now);
         }
-        self.rooms.flush();
-        std::mem::take(&mut self.rooms.out)
+        self.sub.flush();
+        std::mem::take(&mut self.sub.out)
     }
 
     fn take(&mut self, o: Obs, now: u64) {
@@ -191,12 +191,12 @@ impl Controller {
                 self.snapshot = reads;
                 self.rang = rang;
             }
-            Obs::Written { id, ok } => self.rooms.written(id, ok, now),
-            Obs::Driver(d) => self.rooms.vault.done(d, now),
-            Obs::WatchdogTripped => self.rooms.after_watchdog(now),
-            Obs::GateFields(gates) => self.rooms.gate_fields(gates),
+            Obs::Written { id, ok } => self.sub.written(id, ok, now),
+            Obs::Driver(d) => self.sub.vault.done(d, now),
+            Obs::WatchdogTripped => self.sub.after_watchdog(now),
+            Obs::GateFields(gates) => self.sub.gate_fields(gates),
             Obs::ReleaseAll(reason) => {
-                let n = self.rooms.release_all(reason);
+                let n = self.sub.release_all(reason);
                 self.stage = Stage::Drain(Box::new(Stage::Released(reason, n)));
             }
             o => {
@@ -209,7 +209,7 @@ impl Controller {
     /// Asks for something answered in this round.
     fn ask(&mut self, cmd: Cmd) {
         self.awaiting += 1;
-        self.rooms.out.push(cmd);
+        self.sub.out.push(cmd);
     }
 
     /// The answer of this round that `pick` takes, if any.
@@ -233,7 +233,7 @@ impl Controller {
                     o => Err(o),
                 });
                 if let Some((read, yielded)) = samples {
-                    self.rooms.seeing.samples(read, yielded, t);
+                    self.sub.observed.samples(read, yielded, t);
                 }
                 Stage::Lists { judge: true }
             }
@@ -252,20 +252,20 @@ impl Controller {
                     true => self.answer(pick),
                 };
                 let Some((pages, readings, gates)) = read else {
-                    let cmd = self.rooms.seeing.bells_due(t);
+                    let cmd = self.sub.observed.bells_due(t);
                     self.ask(cmd);
                     return Stage::Bells { again };
                 };
                 // A launch of a process that the driver's lists did not hold yet (it has
                 // just started): read the lists now and attribute the launch in this tick.
                 // Not judged: the health policy counts one judgement per tick.
-                if self.rooms.seeing.bells_read(t, pages, &readings, gates) && !again {
+                if self.sub.observed.bells_read(t, pages, &readings, gates) && !again {
                     return Stage::Lists { judge: false };
                 }
                 Stage::Gates
             }
             Stage::Gates => {
-                self.rooms.gate_acks();
+                self.sub.gate_acks();
                 Stage::Memory
             }
             Stage::Memory => {
@@ -274,11 +274,10 @@ impl Controller {
                     o => Err(o),
                 });
                 match read {
-                    Some((m, room)) => self.rooms.memory(t, m, room),
+                    Some((m, room)) => self.sub.memory(t, m, room),
                     None if self.rang => {}
                     None => {
-                        if let Some(gpus) = self.rooms.vault.memory_due(t, &self.rooms.seeing.table)
-                        {
+                        if let Some(gpus) = self.sub.vault.memory_due(t, &self.sub.observed.table) {
                             self.ask(Cmd::ReadMemory { gpus });
                             return Stage::Memory;
                         }
@@ -288,7 +287,7 @@ impl Controller {
             }
             Stage::Drain(then) => {
                 let answers = self.take_holds();
-                let (asks, wrote) = self.rooms.hold_round(answers, now);
+                let (asks, wrote) = self.sub.hold_round(answers, now);
                 self.yielding = wrote;
                 if asks.is_empty() && !wrote {
                     return *then;
@@ -298,7 +297,7 @@ impl Controller {
                 }
                 Stage::Drain(then)
             }
-            Stage::Decide => match self.rooms.decide(t) {
+            Stage::Decide => match self.sub.decide(t) {
                 None => Stage::Poll,
                 Some((d, plans)) => {
                     self.decision = Some(d);
@@ -316,28 +315,28 @@ impl Controller {
                     })
                     .unwrap_or_default();
                 if let Some(d) = self.decision.take() {
-                    self.rooms.execute(d, vetted, now);
+                    self.sub.execute(d, vetted, now);
                 }
                 Stage::Drain(Box::new(Stage::Poll))
             }
             Stage::Poll => {
-                self.rooms.poll(t);
+                self.sub.poll(t);
                 Stage::Drain(Box::new(Stage::Recheck))
             }
             Stage::Recheck => {
-                self.rooms.recheck(t);
+                self.sub.recheck(t);
                 Stage::Drain(Box::new(Stage::Finish))
             }
             Stage::Finish => {
-                self.rooms.finish(t);
+                self.sub.finish(t);
                 Stage::Idle
             }
             Stage::Settle => {
-                self.rooms.settle(t);
+                self.sub.settle(t);
                 Stage::Idle
             }
             Stage::Released(reason, n) => {
-                self.rooms.released(reason, n, now);
+                self.sub.released(reason, n, now);
                 Stage::Idle
             }
         }
@@ -358,9 +357,9 @@ impl Controller {
     /// The lists, when due (`judge`: the tick's regular read; else a doorbell asked), and
     /// the classification of what they name.
     fn lists(&mut self, judge: bool, t: u64) -> Stage {
-        let after = |judged: bool, rooms: &mut Rooms| {
+        let after = |judged: bool, sub: &mut Substates| {
             if judged {
-                rooms.seeing.judge_tick(t, &rooms.machine);
+                sub.observed.judge_tick(t, &sub.machine);
                 Stage::Bells { again: false }
             } else {
                 Stage::Bells { again: true }
@@ -385,7 +384,7 @@ impl Controller {
             // The snapshot's lists, read for why they were due.
             lists = self.snapshot(pick);
             if let Some((.., why)) = &lists {
-                self.rooms.seeing.lists_read_for(*why);
+                self.sub.observed.lists_read_for(*why);
             }
         }
         let lists =
@@ -397,32 +396,32 @@ impl Controller {
                 // a process the lists do not hold yet.
                 let why = if !judge {
                     Some(super::nvml::Refresh::Doorbell)
-                } else if !self.rang && self.rooms.seeing.unknown_pids() {
-                    self.rooms
-                        .seeing
+                } else if !self.rang && self.sub.observed.unknown_pids() {
+                    self.sub
+                        .observed
                         .lists_read_for(super::nvml::Refresh::UnknownPid);
                     Some(super::nvml::Refresh::UnknownPid)
                 } else {
                     None
                 };
                 let Some(why) = why else {
-                    return after(judge, &mut self.rooms);
+                    return after(judge, &mut self.sub);
                 };
                 let known = self.known();
                 self.ask(Cmd::ReadLists { why, known });
                 Stage::Lists { judge }
             }
             (Some((listed, failed, gone, generation)), None) => {
-                self.rooms.vault.gone(&gone);
+                self.sub.vault.gone(&gone);
                 let pids = self
-                    .rooms
-                    .seeing
+                    .sub
+                    .observed
                     .listed(t, &listed, &failed, &gone, generation);
                 if pids.is_empty() {
-                    self.rooms
-                        .seeing
+                    self.sub
+                        .observed
                         .apply_lists(t, listed, failed, generation, Vec::new());
-                    return after(judge, &mut self.rooms);
+                    return after(judge, &mut self.sub);
                 }
                 // The lists wait with the answers for their classification.
                 self.answers.push(Obs::Lists {
@@ -436,10 +435,10 @@ impl Controller {
                 Stage::Lists { judge }
             }
             (Some((listed, failed, _, generation)), Some(classified)) => {
-                self.rooms
-                    .seeing
+                self.sub
+                    .observed
                     .apply_lists(t, listed, failed, generation, classified);
-                after(judge, &mut self.rooms)
+                after(judge, &mut self.sub)
             }
         }
     }
@@ -447,8 +446,8 @@ impl Controller {
     /// Whether the controller names process `key` anywhere (its table, a hold, the vault):
     /// the shell keeps its pin while it does.
     pub fn names(&self, key: &ProcKey) -> bool {
-        let r = &self.rooms;
-        r.seeing.table.entry(key).is_some()
+        let r = &self.sub;
+        r.observed.table.entry(key).is_some()
             || r.vault.knows(key)
             || r.book.holds(key)
             || r.book.stops(key, None)
@@ -456,37 +455,37 @@ impl Controller {
 
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
     pub fn next_wait(&self, now: u64) -> std::time::Duration {
-        self.rooms.next_wait(now)
+        self.sub.next_wait(now)
     }
 
     /// Per GPU, as of the latest decision (the gauges and the time accounting).
     pub fn summary(&self) -> &[super::publish::GpuSummary] {
-        self.rooms.summary()
+        self.sub.summary()
     }
 
     /// The hold book.
     pub fn holds(&self) -> &super::holds::HoldBook {
-        self.rooms.holds()
+        self.sub.holds()
     }
 
     /// The vault (the driver's lock, memory preemption).
     pub fn vault(&self) -> &super::vault::Vault {
-        &self.rooms.vault
+        &self.sub.vault
     }
 
     /// Whether the driver holds nothing the vault put there, and no call is in flight.
     pub fn vault_idle(&self) -> bool {
-        self.rooms.vault.idle()
+        self.sub.vault.idle()
     }
 
     /// The record book.
     pub fn record(&self) -> &super::record::RecordBook {
-        self.rooms.record()
+        self.sub.record()
     }
 
     /// The process table.
     pub fn table(&self) -> &super::table::Table {
-        &self.rooms.seeing.table
+        &self.sub.observed.table
     }
 }
 

@@ -14,19 +14,24 @@
 //! holds no file descriptor (a unit test reads its files to keep it so); its data types
 //! are its own ([`model`]), and the edges re-export them.
 //!
-//! Rooms: [`controller`] (the conversation of a tick, and the one place the sub-states
-//! meet), [`model`] (the data the controller reasons about), [`io`] (the reads due at a tick's start, the commands and observations), [`note`] (what the controller says for
-//! the log and the metrics), [`table`] and [`entry`] (the process table: identity, class,
-//! GPUs, activity), [`nvml`] (when the driver is read, what a sample says), [`health`]
-//! (transient vs persistent NVML failures), [`bells`] and [`claims`] (doorbell attribution
-//! and corroboration), [`gates`] (the gate book), [`holds`] (what is suspended, record
-//! before act, confirmations that never stall the loop), [`record`] (the record book:
-//! written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
-//! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a decision
-//! into holds and events), [`publish`] (summaries and `/state`), [`target`] (what a
-//! hold suspends, named without a file descriptor; freezer or signal, whole cgroup or one
-//! process), [`state`] (the `/state` document and the handle
-//! shared with HTTP); [`shell`] (the loop itself, its eyes, hands, scribe and watchdog).
+//! Modules: [`controller`] (the conversation of a tick), [`substates`] (the one place the
+//! sub-states meet, and what a tick does with them), [`observed`] (the sub-states that take
+//! in the shell's reads), [`model`] (the data the controller reasons about), [`io`] (the
+//! reads due at a tick's start, the commands and observations), [`note`] (what the
+//! controller says for the log and the metrics), [`table`] and [`entry`] (the process
+//! table: identity, class, GPUs, activity), [`nvml`] (when the driver is read, what a
+//! sample says), [`health`] (transient vs persistent NVML failures), [`bells`] and
+//! [`claims`] (doorbell attribution and corroboration), [`gates`] (the gate book),
+//! [`holds`] (what is suspended, record before act, confirmations that never stall the
+//! loop), [`vault`] (the driver's lock and memory preemption), [`record`] (the record
+//! book: written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
+//! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a
+//! decision into holds and events), [`publish`] (summaries and `/state`), [`target`] (what
+//! a hold suspends, named without a file descriptor; freezer or signal, whole cgroup or
+//! one process), [`state`] (the `/state` document and the handle shared with HTTP),
+//! [`learn`] (the learned release window), [`coverage`] and [`reason`] (what `/state`
+//! says of each process); [`shell`] (the loop itself: its eyes, hands, pins, scribe and
+//! watchdog).
 
 pub mod bells;
 pub mod claims;
@@ -43,15 +48,15 @@ pub mod learn;
 pub mod model;
 pub mod note;
 pub mod nvml;
+pub mod observed;
 pub mod pace;
 pub mod publish;
 pub mod reason;
 pub mod record;
 pub mod retry;
-pub mod rooms;
-pub mod seeing;
 pub mod shell;
 pub mod state;
+pub mod substates;
 pub mod table;
 pub mod target;
 mod text;

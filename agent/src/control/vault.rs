@@ -37,7 +37,7 @@
 use crate::control::events::{DriverEvent, Event};
 use crate::control::holds::Req;
 use crate::control::model::act::{ActError, Progress, RecordEntry};
-use crate::control::model::driver::{CallEnd, CuError, Done, Op as DOp};
+use crate::control::model::driver::{CallEnd, CuError, Done, Op as DriverOp};
 use crate::control::model::gpu::GpuMemory;
 use crate::control::model::ProcKey;
 use crate::control::note::Note;
@@ -190,7 +190,7 @@ impl DState {
 
 /// Where a checkpoint entry of the record stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rec {
+enum CheckpointRecord {
     /// Not asked for.
     No,
     /// Asked for (this request).
@@ -204,13 +204,13 @@ enum Rec {
 struct Slot {
     state: DState,
     /// The call in flight: (operation, started at, ns).
-    call: Option<(DOp, u64)>,
+    call: Option<(DriverOp, u64)>,
     /// A lock hold wants it locked.
     time_hold: bool,
     /// Memory preemption wants it checkpointed.
     evict: bool,
     /// Its `Checkpoint` record entry.
-    rec: Rec,
+    rec: CheckpointRecord,
     gpu: Option<u32>,
     /// Device memory it held when last seen (what a checkpoint moved).
     bytes: u64,
@@ -244,7 +244,7 @@ impl Slot {
             call: None,
             time_hold: false,
             evict: false,
-            rec: Rec::No,
+            rec: CheckpointRecord::No,
             gpu: None,
             bytes: 0,
             pinned: false,
@@ -263,7 +263,7 @@ impl Slot {
     /// Held by the driver (locked or checkpointed) with no call that could change that.
     fn held(&self) -> bool {
         matches!(self.state, DState::Locked | DState::Checkpointed)
-            && !matches!(self.call, Some((DOp::Unlock, _)))
+            && !matches!(self.call, Some((DriverOp::Unlock, _)))
     }
 }
 
@@ -302,7 +302,7 @@ pub struct Call {
     /// The process.
     pub key: ProcKey,
     /// The operation.
-    pub op: DOp,
+    pub op: DriverOp,
     /// A lock's timeout.
     pub timeout: Duration,
 }
@@ -492,9 +492,9 @@ impl Vault {
         let Some(s) = self.slots.get_mut(&key) else {
             return;
         };
-        if s.rec == Rec::No {
+        if s.rec == CheckpointRecord::No {
             self.next_req += 1;
-            s.rec = Rec::Asked(req);
+            s.rec = CheckpointRecord::Asked(req);
             self.records.push(RecordAsk::Add(req, vec![rec_entry(key)]));
         }
     }
@@ -660,7 +660,7 @@ impl Vault {
             s.evict = true;
             s.bytes = bytes;
             s.gpu = Some(gpu);
-            s.rec = Rec::Asked(req);
+            s.rec = CheckpointRecord::Asked(req);
             self.records.push(RecordAsk::Add(req, vec![rec_entry(key)]));
             self.notes.push(Note::Evicting {
                 gpu,
@@ -685,7 +685,7 @@ impl Vault {
         let restoring: u64 = self
             .slots
             .values()
-            .filter(|s| s.gpu == Some(gpu) && matches!(s.call, Some((DOp::Restore, _))))
+            .filter(|s| s.gpu == Some(gpu) && matches!(s.call, Some((DriverOp::Restore, _))))
             .map(|s| s.bytes)
             .sum();
         let mut free = m.free.saturating_sub(restoring);
@@ -720,9 +720,9 @@ impl Vault {
         };
         let gib = s.bytes / (1 << 30);
         let bound = match op {
-            DOp::Lock => self.cfg.lock_timeout.as_nanos() as u64 + 250_000_000,
-            DOp::Checkpoint => 10_000_000_000 + 2_000_000_000 * gib,
-            DOp::Restore => 10_000_000_000 + 1_000_000_000 * gib,
+            DriverOp::Lock => self.cfg.lock_timeout.as_nanos() as u64 + 250_000_000,
+            DriverOp::Checkpoint => 10_000_000_000 + 2_000_000_000 * gib,
+            DriverOp::Restore => 10_000_000_000 + 1_000_000_000 * gib,
             _ => 5_000_000_000,
         };
         now.saturating_sub(at) > bound
@@ -731,12 +731,12 @@ impl Vault {
     /// The record answered request `req`.
     pub fn recorded(&mut self, req: Req, ok: bool) {
         for (k, s) in self.slots.iter_mut() {
-            if s.rec == Rec::Asked(req) {
+            if s.rec == CheckpointRecord::Asked(req) {
                 if ok {
-                    s.rec = Rec::OnDisk;
+                    s.rec = CheckpointRecord::OnDisk;
                 } else {
                     // Not on disk: not evicted.
-                    s.rec = Rec::No;
+                    s.rec = CheckpointRecord::No;
                     s.evict = false;
                     self.notes.push(Note::EvictionNotRecorded { pid: k.pid });
                 }
@@ -794,27 +794,27 @@ impl Vault {
             };
             let op = match (s.state, want) {
                 _ if s.given_up => None,
-                _ if s.probe => Some(DOp::State),
+                _ if s.probe => Some(DriverOp::State),
                 (DState::Failed, _) => None,
                 // Never again once the driver refused (the hold book learns it at its
                 // next check and falls back).
                 // Not while another hold stops it: the driver would wait for it to run.
-                (DState::Running, DState::Locked) => {
-                    (s.refused.is_none() && !stopped(key, s.cgroup.as_deref())).then_some(DOp::Lock)
-                }
-                // Memory preemption locks only once its entry is on disk.
-                (DState::Running, DState::Checkpointed) => (s.rec == Rec::OnDisk
+                (DState::Running, DState::Locked) => (s.refused.is_none()
                     && !stopped(key, s.cgroup.as_deref()))
-                .then_some(DOp::Lock),
+                .then_some(DriverOp::Lock),
+                // Memory preemption locks only once its entry is on disk.
+                (DState::Running, DState::Checkpointed) => (s.rec == CheckpointRecord::OnDisk
+                    && !stopped(key, s.cgroup.as_deref()))
+                .then_some(DriverOp::Lock),
                 (DState::Locked, DState::Checkpointed) => {
-                    (s.rec == Rec::OnDisk).then_some(DOp::Checkpoint)
+                    (s.rec == CheckpointRecord::OnDisk).then_some(DriverOp::Checkpoint)
                 }
                 (DState::Checkpointed, DState::Locked | DState::Running) => {
                     // Thaw first: the driver restores on a thread inside the process.
                     (now >= s.restore_not_before_ns && !stopped(key, s.cgroup.as_deref()))
-                        .then_some(DOp::Restore)
+                        .then_some(DriverOp::Restore)
                 }
-                (DState::Locked, DState::Running) => Some(DOp::Unlock),
+                (DState::Locked, DState::Running) => Some(DriverOp::Unlock),
                 _ => None,
             };
             match op {
@@ -833,14 +833,14 @@ impl Vault {
                         && !s.evict
                         && (matches!(s.state, DState::Running | DState::Failed)
                             || (s.state == DState::Locked && s.time_hold));
-                    if settled && s.rec == Rec::OnDisk {
-                        s.rec = Rec::No;
+                    if settled && s.rec == CheckpointRecord::OnDisk {
+                        s.rec = CheckpointRecord::No;
                         self.records.push(RecordAsk::Remove(vec![rec_entry(*key)]));
                     }
                     // Forgotten once nothing is left of it (a write asked for lands first,
                     // and is then let go).
                     if settled
-                        && s.rec == Rec::No
+                        && s.rec == CheckpointRecord::No
                         && s.state == DState::Running
                         && !s.time_hold
                         && s.refused.is_none()
@@ -865,7 +865,7 @@ impl Vault {
         }
         s.call = None;
         s.said_stuck = false;
-        if d.op == DOp::State {
+        if d.op == DriverOp::State {
             s.probe = false;
             match d.state {
                 Some(st) => {
@@ -898,20 +898,20 @@ impl Vault {
         };
         if ok {
             s.state = match d.op {
-                DOp::Lock | DOp::Restore => DState::Locked,
-                DOp::Checkpoint => DState::Checkpointed,
-                DOp::Unlock => DState::Running,
+                DriverOp::Lock | DriverOp::Restore => DState::Locked,
+                DriverOp::Checkpoint => DState::Checkpointed,
+                DriverOp::Unlock => DState::Running,
                 _ => s.state,
             };
         }
-        if ok && d.op == DOp::Checkpoint {
+        if ok && d.op == DriverOp::Checkpoint {
             s.checkpointed_ns = now;
         }
         if let CallEnd::Answered(Err(e)) = &d.end {
             self::failed(s, d.op, e, now, self.cfg.restore_after_ns);
             // At exit a restore the driver refuses (no room while online holds the
             // memory) is not waited for: the process stays checkpointed and recorded.
-            if self.stopping && d.op == DOp::Restore {
+            if self.stopping && d.op == DriverOp::Restore {
                 s.given_up = true;
                 self.notes.push(Note::RestoreGivenUp {
                     pid: d.key.pid,
@@ -930,7 +930,7 @@ impl Vault {
             error,
             fallback: s.refused.is_some() && !ok,
         });
-        if matches!(d.op, DOp::Checkpoint | DOp::Restore) {
+        if matches!(d.op, DriverOp::Checkpoint | DriverOp::Restore) {
             let ev = DriverEvent {
                 at_ns: now,
                 gpu: s.gpu,
@@ -941,7 +941,7 @@ impl Vault {
                 ok,
                 reason,
             };
-            self.events.push(if d.op == DOp::Checkpoint {
+            self.events.push(if d.op == DriverOp::Checkpoint {
                 Event::Checkpoint(ev)
             } else {
                 Event::Restore(ev)
@@ -957,7 +957,7 @@ impl Vault {
         for k in keys {
             self.no_room.remove(k);
             if let Some(s) = self.slots.remove(k) {
-                if s.rec != Rec::No {
+                if s.rec != CheckpointRecord::No {
                     self.records.push(RecordAsk::Remove(vec![rec_entry(*k)]));
                 }
             }
@@ -1015,13 +1015,13 @@ impl Vault {
                 s.state != DState::Running
                     || s.call.is_some()
                     || s.evict
-                    || matches!(s.rec, Rec::Asked(_))
+                    || matches!(s.rec, CheckpointRecord::Asked(_))
             })
             .map(|(k, _)| *k)
             .collect();
         for k in held {
             if let Some(s) = self.slots.get_mut(&k) {
-                s.rec = Rec::No;
+                s.rec = CheckpointRecord::No;
             }
             self.claim(k);
         }
@@ -1109,30 +1109,30 @@ impl Vault {
 
 /// The driver refused `op`: what that means for the process. Where it is now is asked of
 /// the driver before the next call (`probe`).
-fn failed(s: &mut Slot, op: DOp, e: &CuError, now: u64, restore_after_ns: u64) {
+fn failed(s: &mut Slot, op: DriverOp, e: &CuError, now: u64, restore_after_ns: u64) {
     let why = e.to_string();
     s.probe = true;
     match op {
         // The lock did not take (a lock that times out leaves the process running): held
         // by its other plan from now on, and not evicted.
-        DOp::Lock => {
+        DriverOp::Lock => {
             s.refused = Some(why);
             s.evict = false;
         }
         // Not checkpointed: it stays locked (unlocked when nothing wants it held), and is
         // not evicted again.
-        DOp::Checkpoint => {
+        DriverOp::Checkpoint => {
             s.evict = false;
             s.refused = Some(why);
         }
         // Still checkpointed (no room, or the driver refused): tried again after
         // --restore-after.
-        DOp::Restore => {
+        DriverOp::Restore => {
             s.evict = true;
             s.restore_not_before_ns = now + restore_after_ns;
         }
         // Still locked: tried again at the next step.
-        DOp::Unlock => {}
+        DriverOp::Unlock => {}
         _ => {}
     }
 }

@@ -8,8 +8,8 @@
 //! sooner: a forged one gets the process no GPU time.
 
 use super::{
-    members_progress, pending_members, Completion, Escalation, Failure, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Then,
+    members_progress, pending_members, Completion, Continuation, Escalation, Failure, HoldBook,
+    HoldCmd, HoldKey, Outcome, Pending, Progress,
 };
 use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
@@ -87,10 +87,8 @@ impl HoldBook {
         match &fallback {
             Plan::SignalCgroup { dir, leader, .. } => {
                 let (dir, leader) = (dir.clone(), leader.clone());
-                self.ask(Then::FallbackMembers(p, fallback), |req| HoldCmd::Members {
-                    req,
-                    dir,
-                    leader,
+                self.ask(Continuation::FallbackMembers(p, fallback), |req| {
+                    HoldCmd::Members { req, dir, leader }
                 });
             }
             Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
@@ -103,9 +101,10 @@ impl HoldBook {
     /// The fallback's members are known: record them first.
     pub(super) fn record_fallback(&mut self, p: Pending, fallback: Plan, members: Vec<Target>) {
         let entries = members.iter().map(Target::record).collect();
-        self.ask(Then::RecordedFallback(p, fallback, members), |req| {
-            HoldCmd::RecordAdd { req, entries }
-        });
+        self.ask(
+            Continuation::RecordedFallback(p, fallback, members),
+            |req| HoldCmd::RecordAdd { req, entries },
+        );
     }
 
     /// The record answered for a fallback: start it, or fail open.
@@ -125,7 +124,7 @@ impl HoldBook {
         }
         if ok {
             let targets = members.clone();
-            self.ask(Then::StartedFallback(p, fallback, members), |req| {
+            self.ask(Continuation::StartedFallback(p, fallback, members), |req| {
                 HoldCmd::Start {
                     req,
                     op: Op::Suspend,

@@ -16,7 +16,7 @@
 //! still frozen within a few intervals.
 
 use super::pending::Pending;
-use super::{HoldBook, HoldCmd, HoldKey, Progress, Then};
+use super::{Continuation, HoldBook, HoldCmd, HoldKey, Progress};
 use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
 use crate::control::note::Note;
@@ -146,13 +146,13 @@ impl HoldBook {
                 }
                 _ => None,
             };
-            self.ask(Then::Rechecked(key.clone()), |req| HoldCmd::Check {
+            self.ask(Continuation::Rechecked(key.clone()), |req| HoldCmd::Check {
                 req,
                 op: Op::Suspend,
                 targets,
             });
             if let Some((dir, leader)) = regroup {
-                self.ask(Then::Regrouped(key), |req| HoldCmd::Members {
+                self.ask(Continuation::Regrouped(key), |req| HoldCmd::Members {
                     req,
                     dir,
                     leader,
@@ -221,7 +221,7 @@ impl HoldBook {
             hold.escaping = true;
             hold.broke(running.len())
         });
-        self.ask(Then::Restopped, |req| HoldCmd::Start {
+        self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: running,
@@ -243,15 +243,16 @@ impl HoldBook {
         };
         if let Some(cg) = hold.escalate.take() {
             let entries = vec![cg.record()];
-            self.ask(Then::RecordedEscalation(key, serial, cg, broken), |req| {
-                HoldCmd::RecordAdd { req, entries }
-            });
+            self.ask(
+                Continuation::RecordedEscalation(key, serial, cg, broken),
+                |req| HoldCmd::RecordAdd { req, entries },
+            );
             return;
         }
         match hold.lone_process().filter(|_| !hold.cell_asked) {
             Some(process) => {
                 hold.cell_asked = true;
-                self.ask(Then::Isolated(key, serial, broken), |req| {
+                self.ask(Continuation::Isolated(key, serial, broken), |req| {
                     HoldCmd::Isolate { req, key: process }
                 });
             }
@@ -271,9 +272,10 @@ impl HoldBook {
         match cell {
             Ok(cg) if self.current(&key, serial) => {
                 let entries = vec![cg.record()];
-                self.ask(Then::RecordedEscalation(key, serial, cg, b), |req| {
-                    HoldCmd::RecordAdd { req, entries }
-                });
+                self.ask(
+                    Continuation::RecordedEscalation(key, serial, cg, b),
+                    |req| HoldCmd::RecordAdd { req, entries },
+                );
             }
             Ok(_) => self.broken.push(b),
             Err(why) => {
@@ -326,7 +328,7 @@ impl HoldBook {
         let broken = hold.broke(running.len());
         let escalates = hold.breaks >= ESCALATE_AFTER;
         let serial = hold.serial;
-        self.ask(Then::Restopped, |req| HoldCmd::Start {
+        self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: running,
@@ -364,7 +366,7 @@ impl HoldBook {
             return;
         }
         let targets = vec![cg.clone()];
-        self.ask(Then::StartedEscalation(key, serial, cg, b), |req| {
+        self.ask(Continuation::StartedEscalation(key, serial, cg, b), |req| {
             HoldCmd::Start {
                 req,
                 op: Op::Suspend,
@@ -450,7 +452,7 @@ impl HoldBook {
             return;
         }
         let entries = newcomers.iter().map(Target::record).collect();
-        self.ask(Then::RecordedNewcomers(key, newcomers), |req| {
+        self.ask(Continuation::RecordedNewcomers(key, newcomers), |req| {
             HoldCmd::RecordAdd { req, entries }
         });
     }
@@ -472,7 +474,7 @@ impl HoldBook {
             processes: newcomers.len(),
         });
         hold.members.extend(newcomers.iter().cloned());
-        self.ask(Then::Restopped, |req| HoldCmd::Start {
+        self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: newcomers,

@@ -1,8 +1,8 @@
 //! How holds start: the members of a plan, the record written first, then the actuator.
 
 use super::{
-    members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Started, Then,
+    members_progress, pending_members, Completion, Continuation, Failure, Hold, HoldBook, HoldCmd,
+    HoldKey, Outcome, Pending, Progress, Started,
 };
 use crate::control::model::act::{Op, RecordEntry};
 use crate::control::model::ProcKey;
@@ -64,7 +64,7 @@ impl HoldBook {
             self.staged.insert(key.clone(), hold);
             match plan {
                 Plan::SignalCgroup { dir, leader, .. } => {
-                    self.ask(Then::Materialised(key), |req| HoldCmd::Members {
+                    self.ask(Continuation::Materialised(key), |req| HoldCmd::Members {
                         req,
                         dir: dir.clone(),
                         leader: leader.clone(),
@@ -91,9 +91,8 @@ impl HoldBook {
                 continue;
             };
             let entries: Vec<RecordEntry> = h.members.iter().map(Target::record).collect();
-            self.ask(Then::RecordedFresh(vec![key]), |req| HoldCmd::RecordAdd {
-                req,
-                entries,
+            self.ask(Continuation::RecordedFresh(vec![key]), |req| {
+                HoldCmd::RecordAdd { req, entries }
             });
         }
     }
@@ -133,7 +132,7 @@ impl HoldBook {
             };
             if let [gate @ Target::Gate { .. }] = &h.members[..] {
                 let gate = gate.clone();
-                self.ask(Then::ClosedGate(key), |req| HoldCmd::CloseGate {
+                self.ask(Continuation::ClosedGate(key), |req| HoldCmd::CloseGate {
                     req,
                     gate,
                 });
@@ -145,7 +144,7 @@ impl HoldBook {
         if counts.is_empty() {
             return;
         }
-        self.ask(Then::StartedFresh(counts), |req| HoldCmd::Start {
+        self.ask(Continuation::StartedFresh(counts), |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets,

@@ -259,14 +259,14 @@ fn launches_nvml_never_corroborates_stop_counting_after_the_trust_window() {
         d[0].nvml_seen_ns.is_none() && d[0].claimed_s >= 1.0,
         "{d:?}"
     );
-    let listed = h.lp.ctl.rooms.seeing.bells.distrusted();
+    let listed = h.lp.ctl.sub.observed.bells.distrusted();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].owner, "pid:20");
     // Still distrusted, however it rings, until the driver shows it at work.
     distrusted_until_seen(&mut h, 1, 20);
     let d = distrusts(&h);
     assert!(d.last().is_some_and(|d| d.restored), "{d:?}");
-    assert!(h.lp.ctl.rooms.seeing.bells.distrusted().is_empty());
+    assert!(h.lp.ctl.sub.observed.bells.distrusted().is_empty());
 }
 
 /// Real work keeps its page trusted: continuous launches with the driver showing the
@@ -292,8 +292,8 @@ fn corroborated_or_interrupted_claims_stay_trusted() {
                 (now - t0) / MS,
                 distrusts(&h),
                 h.lp.ctl
-                    .rooms
-                    .seeing
+                    .sub
+                    .observed
                     .table
                     .by_pid(20)
                     .map(|e| e.nvml_seen.clone())
@@ -388,7 +388,7 @@ fn distrust_stays_with_the_pod_across_its_processes() {
     }
     assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
     assert_eq!(
-        h.lp.ctl.rooms.seeing.bells.distrusted()[0].owner,
+        h.lp.ctl.sub.observed.bells.distrusted()[0].owner,
         format!("pod:{uid}")
     );
     // Another process of the pod, another page: still nothing counts, until any of its

@@ -178,7 +178,7 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     assert_eq!(h.recorded_beyond_ahead(), vec![], "{:?}", h.rec.disk);
     // Its gate stayed silent (its shim follows another gate file, or none): said in
     // /state, and the next busy period stops it at once instead of waiting 50 ms again.
-    let doc = h.lp.ctl.rooms.state_doc(h.now());
+    let doc = h.lp.ctl.sub.state_doc(h.now());
     assert_eq!(doc.gate_silent_processes, 1);
     assert!(
         doc.gpus[0]
@@ -200,7 +200,7 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     h.active(0, 20);
     h.tick();
     assert!(closed(&path, 0).is_some(), "never tried again");
-    assert_eq!(h.lp.ctl.rooms.state_doc(h.now()).gate_silent_processes, 0);
+    assert_eq!(h.lp.ctl.sub.state_doc(h.now()).gate_silent_processes, 0);
 }
 
 #[test]

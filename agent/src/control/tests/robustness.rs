@@ -38,7 +38,7 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
     h.tick();
     assert!(gate_closed(&path, 0), "online busy: the gate closed");
     assert!(
-        !h.lp.ctl.rooms.tracker.is_empty(),
+        !h.lp.ctl.sub.tracker.is_empty(),
         "the preemption waits for its hold"
     );
     // What the watchdog does while the loop is stuck in NVML, then what the loop does
@@ -53,9 +53,9 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
     // Online stays idle from now on: nothing more happens on this GPU.
     h.ticks(500);
     assert!(
-        h.lp.ctl.rooms.tracker.is_empty(),
+        h.lp.ctl.sub.tracker.is_empty(),
         "an event still waits for a hold the book forgot ({:?}); next_wait = {:?} forever",
-        h.lp.ctl.rooms.tracker,
+        h.lp.ctl.sub.tracker,
         h.lp.next_wait(h.now())
     );
 }

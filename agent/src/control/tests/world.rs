@@ -213,7 +213,7 @@ impl World {
     /// The driver calls that have ended by now (a call on a stopped process waits for it,
     /// as the real driver's did).
     fn driver_done(&mut self) -> Vec<Obs> {
-        use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DOp, ProcessState};
+        use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DriverOp, ProcessState};
         let mut out = Vec::new();
         let now = self.now;
         let mut keep = Vec::new();
@@ -239,19 +239,19 @@ impl World {
                 CallEnd::Gone
             } else {
                 match (call.op, st) {
-                    (DOp::Lock, _) if self.refuse.contains(&call.key) => {
+                    (DriverOp::Lock, _) if self.refuse.contains(&call.key) => {
                         self.refused.insert(call.key);
                         err(801, "CUDA_ERROR_NOT_SUPPORTED")
                     }
-                    (DOp::Lock, DState::Running) => {
+                    (DriverOp::Lock, DState::Running) => {
                         self.dstate.insert(call.key, DState::Locked);
                         CallEnd::Answered(Ok(()))
                     }
-                    (DOp::Checkpoint, DState::Locked) => {
+                    (DriverOp::Checkpoint, DState::Locked) => {
                         self.dstate.insert(call.key, DState::Checkpointed);
                         CallEnd::Answered(Ok(()))
                     }
-                    (DOp::Restore, DState::Checkpointed) => {
+                    (DriverOp::Restore, DState::Checkpointed) => {
                         let gpu = self.alive(&call.key).map_or(0, |p| p.gpu);
                         if self.free(gpu) < self.proc_bytes {
                             err(2, "CUDA_ERROR_OUT_OF_MEMORY")
@@ -260,11 +260,11 @@ impl World {
                             CallEnd::Answered(Ok(()))
                         }
                     }
-                    (DOp::Unlock, DState::Locked) => {
+                    (DriverOp::Unlock, DState::Locked) => {
                         self.dstate.remove(&call.key);
                         CallEnd::Answered(Ok(()))
                     }
-                    (DOp::State, s) => {
+                    (DriverOp::State, s) => {
                         state = Some(match s {
                             DState::Running => ProcessState::Running,
                             DState::Locked => ProcessState::Locked,
@@ -297,10 +297,10 @@ impl World {
 
     /// How long a call of `op` takes once its process runs, ms.
     fn call_ms(&self, op: crate::edges::checkpoint::Op) -> u64 {
-        use crate::edges::checkpoint::Op as DOp;
+        use crate::edges::checkpoint::Op as DriverOp;
         match op {
-            DOp::Lock => self.lock_ms.unwrap_or(self.call_ms),
-            DOp::State => self.state_ms.unwrap_or(self.call_ms),
+            DriverOp::Lock => self.lock_ms.unwrap_or(self.call_ms),
+            DriverOp::State => self.state_ms.unwrap_or(self.call_ms),
             _ => self.call_ms,
         }
     }
@@ -576,14 +576,14 @@ impl World {
                 room: self.room.clone(),
             },
             Cmd::Driver(call) => {
-                use crate::edges::checkpoint::Op as DOp;
+                use crate::edges::checkpoint::Op as DriverOp;
                 let key = call.key;
                 if self.calls.iter().any(|(_, c)| c.key == key) {
                     self.flag(format!(
                         "a second driver call for {key:?} while one is on its way"
                     ));
                 }
-                if call.op == DOp::Lock {
+                if call.op == DriverOp::Lock {
                     *self.lock_calls.entry(key).or_insert(0) += 1;
                     if self.refused.contains(&key) {
                         self.flag(format!(
@@ -604,7 +604,7 @@ impl World {
                     };
                     self.may_stop(key, entry, "locked");
                 }
-                if call.op != DOp::State && self.stopped.contains(&key) {
+                if call.op != DriverOp::State && self.stopped.contains(&key) {
                     self.flag(format!(
                         "{} of {key:?} asked of the driver while the process is stopped (thaw first)",
                         call.op.as_str()

@@ -1,4 +1,4 @@
-//! What the controller sees: the rooms that take in the shell's reads — the process
+//! What the controller has observed: the sub-states that take in the shell's reads — the process
 //! [`Table`], the NVML bookkeeping ([`Sampling`]), [`Health`], the doorbells ([`Bells`])
 //! and the gate book ([`Gates`]) — and what a tick does with each read. No I/O: what they
 //! say goes to `notes`, `events` and `out`, which the controller hands to the shell.
@@ -26,7 +26,7 @@ use std::time::Duration;
 
 /// See the module.
 #[derive(Debug)]
-pub struct Seeing {
+pub struct Observed {
     gpus: Vec<(u32, String)>,
     grace: Duration,
     pub(crate) table: Table,
@@ -50,21 +50,21 @@ pub struct Seeing {
     pub(crate) out: Vec<Cmd>,
 }
 
-impl Seeing {
-    /// The rooms for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file.
+impl Observed {
+    /// The observed sub-states for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file.
     pub fn new(
         cfg: &LoopConfig,
         gpus: Vec<(u32, String)>,
         now: u64,
         gate_file: Option<PathBuf>,
-    ) -> Seeing {
+    ) -> Observed {
         let window = cfg.machine.idle_window;
         let uuids: Vec<(u32, [u8; 16])> = gpus
             .iter()
             .filter_map(|(g, u)| coloc_doorbell::parse_uuid(u).map(|b| (*g, b)))
             .collect();
         let ns = |d: Duration| d.as_nanos() as u64;
-        Seeing {
+        Observed {
             grace: cfg.nvml_grace,
             table: Table::default(),
             sampling: Sampling::new(
