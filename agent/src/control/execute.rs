@@ -11,7 +11,6 @@ use super::table::Table;
 use super::target::Plan;
 use crate::control::model::act::Op;
 use crate::control::model::ProcKey;
-use crate::control::target::Target;
 use qos_core::machine::Reason;
 use qos_core::{Decision, Transition};
 use std::collections::BTreeSet;
@@ -20,8 +19,8 @@ fn secs(ns: u64) -> f64 {
     ns as f64 / 1e9
 }
 
-/// A plan to vet: (holder, plan, the holder alone).
-pub type ToVet = (ProcKey, Plan, Target);
+/// A plan to vet: (holder, plan).
+pub type ToVet = (ProcKey, Plan);
 
 /// The suspensions whose plan freezes or stops a whole cgroup: membership may have
 /// changed since classification, so the shell checks them again (rules mode) before they
@@ -33,11 +32,7 @@ pub fn to_vet(d: &Decision<ProcKey>, table: &Table) -> Vec<ToVet> {
             let e = table.entry(key)?;
             let plan = e.plan.clone()?;
             e.pinned.then_some(())?;
-            matches!(
-                plan,
-                Plan::Freeze(Target::Cgroup { .. }) | Plan::SignalCgroup { .. }
-            )
-            .then(|| (*key, plan, Target::Process { key: *key }))
+            matches!(plan, Plan::Freeze(_) | Plan::SignalCgroup { .. }).then(|| (*key, plan))
         })
         .collect()
 }

@@ -22,7 +22,6 @@ use crate::control::nvml::Refresh;
 use crate::control::record::Write;
 use crate::control::state::StateDoc;
 use crate::control::target::Plan;
-use crate::control::target::Target;
 use crate::control::ReleaseAll;
 use coloc_doorbell::GateReading;
 use std::collections::{BTreeMap, BTreeSet};
@@ -70,8 +69,8 @@ pub enum Cmd {
     /// Check that each plan that freezes or stops a whole cgroup still finds only offline
     /// processes there (rules mode), else the process alone. Answered by [`Obs::Vetted`].
     Vet {
-        /// (holder, plan, the holder alone).
-        plans: Vec<(ProcKey, Plan, Target)>,
+        /// (holder, plan).
+        plans: Vec<(ProcKey, Plan)>,
     },
     /// Read the doorbell pages: sweep the directories of pods that are gone (`sweep`),
     /// rescan the directories when they changed or `force`, read every page; with `gate`,

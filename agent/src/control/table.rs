@@ -258,11 +258,14 @@ impl Table {
                 continue;
             }
             match &e.plan {
-                Some(Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t)) => {
-                    out.insert(t.record());
-                }
-                Some(Plan::SignalCgroup { leader, .. }) => {
-                    out.insert(leader.record());
+                // The process (a signalled cgroup's leader), the cgroup or the lock.
+                Some(
+                    p @ (Plan::Freeze(_)
+                    | Plan::Signal(_)
+                    | Plan::Lock(_)
+                    | Plan::SignalCgroup { .. }),
+                ) => {
+                    out.insert(p.target().record());
                 }
                 Some(Plan::Gate { .. }) | None => {}
             }

@@ -109,35 +109,74 @@ impl std::fmt::Display for Target {
     }
 }
 
-/// How one offline process is suspended.
-#[derive(Debug, Clone)]
+/// How one offline process is suspended. Each variant names only what it can hold: a
+/// cgroup is frozen, a process is stopped or locked by its key, a gate is one process's
+/// slot for one GPU. (A gate's fallback is a plan too; [`Plan::gated`] never puts a gate
+/// behind a gate.)
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
-    /// Freeze its cgroup (a [`Target::Cgroup`]).
-    Freeze(Target),
-    /// Stop the process alone (a [`Target::Process`]).
-    Signal(Target),
+    /// Freeze a cgroup (declared offline as a whole, or a cell of the agent's own).
+    Freeze(Frozen),
+    /// Stop the process alone, through its pin.
+    Signal(ProcKey),
     /// Stop every process of its cgroup, listed when the suspension starts.
     SignalCgroup {
         /// The cgroup directory (its `cgroup.procs` is read at suspension).
         dir: PathBuf,
         /// Its hierarchy (the freezer it escalates to if its processes resume themselves).
-        version: crate::control::model::act::CgroupVersion,
+        version: CgroupVersion,
         /// The GPU process itself.
-        leader: Target,
+        leader: ProcKey,
     },
-    /// Close the GPU's launch gate for the process (a [`Target::Gate`]), then hold it
-    /// with `fallback` once the gate has drained (acknowledged) or `--gate-timeout` passed.
+    /// Close the GPU's launch gate for the process, then hold it with `fallback` once the
+    /// gate has drained (acknowledged) or `--gate-timeout` passed.
     Gate {
-        /// The gate target.
-        gate: Target,
+        /// The gate.
+        gate: GateSlot,
         /// What suspends the process without the gate.
         fallback: Box<Plan>,
     },
-    /// Hold the process with the CUDA driver's lock (a [`Target::Lock`]): its CUDA calls
-    /// block, its CPU threads run on. Chosen at suspension by the vault
-    /// ([`crate::control::vault::Vault::plan`]) in place of the table's plan, which stays
-    /// the fallback where the driver refuses.
-    Lock(Target),
+    /// Hold the process with the CUDA driver's lock: its CUDA calls block, its CPU threads
+    /// run on. Chosen at suspension by the vault ([`crate::control::vault::Vault::plan`])
+    /// in place of the table's plan, which stays the fallback where the driver refuses.
+    Lock(ProcKey),
+}
+
+/// A cgroup to freeze.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frozen {
+    /// The directory (absolute path on this host).
+    pub dir: PathBuf,
+    /// Its hierarchy.
+    pub version: CgroupVersion,
+    /// Set for a cell of the agent's own: its process is moved in before the freeze, and
+    /// moved back home after the thaw.
+    pub cell: Option<Cell>,
+}
+
+impl Frozen {
+    /// The cgroup a [`Target::Cgroup`] names (`None` for any other target).
+    pub fn of(t: &Target) -> Option<Frozen> {
+        match t {
+            Target::Cgroup { dir, version, cell } => Some(Frozen {
+                dir: dir.clone(),
+                version: *version,
+                cell: cell.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// One process's launch gate for one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GateSlot {
+    /// The process whose acknowledgement confirms the close.
+    pub key: ProcKey,
+    /// The GPU's UUID bytes (the gate file's slot).
+    pub uuid: [u8; 16],
+    /// The gate file.
+    pub file: PathBuf,
 }
 
 /// What a suspension is held on: two offline processes in one frozen cgroup share one.
@@ -156,33 +195,53 @@ pub enum HoldKey {
 }
 
 impl Plan {
+    /// `plan` behind the launch gate `gate` (a plan behind a gate already keeps its
+    /// fallback: never a gate behind a gate).
+    pub fn gated(gate: GateSlot, plan: Plan) -> Plan {
+        let fallback = match plan {
+            Plan::Gate { fallback, .. } => fallback,
+            p => Box::new(p),
+        };
+        Plan::Gate { gate, fallback }
+    }
+
     /// The hold this plan suspends.
     pub fn hold_key(&self) -> HoldKey {
         match self {
-            Plan::Freeze(Target::Cgroup { dir, .. }) => HoldKey::Cgroup(dir.clone()),
-            Plan::Freeze(Target::Process { key, .. })
-            | Plan::Signal(Target::Process { key, .. }) => HoldKey::Process(*key),
-            Plan::Signal(Target::Cgroup { dir, .. }) => HoldKey::Cgroup(dir.clone()),
+            Plan::Freeze(f) => HoldKey::Cgroup(f.dir.clone()),
+            Plan::Signal(key) => HoldKey::Process(*key),
             Plan::SignalCgroup { dir, .. } => HoldKey::Group(dir.clone()),
-            Plan::Freeze(Target::Gate { key, .. })
-            | Plan::Signal(Target::Gate { key, .. })
-            | Plan::Gate {
-                gate: Target::Gate { key, .. },
-                ..
-            } => HoldKey::Gate(*key),
-            Plan::Gate { fallback, .. } => fallback.hold_key(),
-            Plan::Lock(Target::Lock { key })
-            | Plan::Freeze(Target::Lock { key })
-            | Plan::Signal(Target::Lock { key }) => HoldKey::Lock(*key),
-            Plan::Lock(t) => Plan::Freeze(t.clone()).hold_key(),
+            Plan::Gate { gate, .. } => HoldKey::Gate(gate.key),
+            Plan::Lock(key) => HoldKey::Lock(*key),
+        }
+    }
+
+    /// The one target this plan acts on first: the cgroup, the process (the leader of a
+    /// signalled cgroup), the gate, the lock.
+    pub fn target(&self) -> Target {
+        match self {
+            Plan::Freeze(f) => Target::Cgroup {
+                dir: f.dir.clone(),
+                version: f.version,
+                cell: f.cell.clone(),
+            },
+            Plan::Signal(key) | Plan::SignalCgroup { leader: key, .. } => {
+                Target::Process { key: *key }
+            }
+            Plan::Gate { gate, .. } => Target::Gate {
+                key: gate.key,
+                uuid: gate.uuid,
+                file: gate.file.clone(),
+            },
+            Plan::Lock(key) => Target::Lock { key: *key },
         }
     }
 
     /// The actuator this plan uses.
     pub fn kind(&self) -> Kind {
         match self {
-            Plan::Freeze(t) | Plan::Signal(t) => t.kind(),
-            Plan::SignalCgroup { .. } => Kind::Signal,
+            Plan::Freeze(_) => Kind::Freezer,
+            Plan::Signal(_) | Plan::SignalCgroup { .. } => Kind::Signal,
             Plan::Gate { .. } => Kind::Gate,
             Plan::Lock(_) => Kind::Lock,
         }
@@ -192,9 +251,43 @@ impl Plan {
     /// inside it is stopped when the hold is).
     pub fn cgroup(&self) -> Option<&std::path::Path> {
         match self {
-            Plan::Freeze(Target::Cgroup { dir, .. }) | Plan::SignalCgroup { dir, .. } => Some(dir),
+            Plan::Freeze(Frozen { dir, .. }) | Plan::SignalCgroup { dir, .. } => Some(dir),
             Plan::Gate { fallback, .. } => fallback.cgroup(),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plan names only what it can hold, and a gate is never put behind a gate: a plan
+    /// gated again keeps the first gate's fallback, behind the new gate.
+    #[test]
+    fn a_gated_plan_is_never_a_gate_behind_a_gate() {
+        let key = ProcKey { pid: 10, start: 7 };
+        let slot = |b: u8| GateSlot {
+            key,
+            uuid: [b; 16],
+            file: "/tmp/coloc-gates".into(),
+        };
+        let once = Plan::gated(slot(1), Plan::Signal(key));
+        let twice = Plan::gated(slot(2), once.clone());
+        assert_eq!(
+            twice,
+            Plan::Gate {
+                gate: slot(2),
+                fallback: Box::new(Plan::Signal(key)),
+            }
+        );
+        assert_eq!(twice.hold_key(), HoldKey::Gate(key));
+        assert_eq!(twice.kind(), Kind::Gate);
+        assert_eq!(
+            Plan::Lock(key).target(),
+            Target::Lock { key },
+            "a lock's target is the lock"
+        );
+        assert_eq!(Plan::Signal(key).target(), Target::Process { key });
     }
 }

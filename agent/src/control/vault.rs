@@ -401,7 +401,7 @@ impl Vault {
     /// The plan for suspending `key`: the driver's lock where it applies, else `plan`.
     pub fn plan(&self, table: &Table, key: &ProcKey, plan: Plan) -> Plan {
         match table.entry(key) {
-            Some(e) if self.lockable(key, &e.cls) => Plan::Lock(Target::Lock { key: *key }),
+            Some(e) if self.lockable(key, &e.cls) => Plan::Lock(*key),
             _ => plan,
         }
     }

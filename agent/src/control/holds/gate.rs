@@ -85,14 +85,14 @@ impl HoldBook {
             });
         }
         match &fallback {
-            Plan::SignalCgroup { dir, leader, .. } => {
-                let (dir, leader) = (dir.clone(), leader.clone());
+            Plan::SignalCgroup { dir, .. } => {
+                let (dir, leader) = (dir.clone(), fallback.target());
                 self.ask(Continuation::FallbackMembers(p, fallback), |req| {
                     HoldCmd::Members { req, dir, leader }
                 });
             }
-            Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
-                let members = vec![t.clone()];
+            Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
+                let members = vec![fallback.target()];
                 self.record_fallback(p, fallback, members);
             }
         }

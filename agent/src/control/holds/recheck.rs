@@ -175,7 +175,7 @@ impl HoldBook {
                     .get(dir)
                     .is_some_and(|at| self.now_ns.saturating_sub(*at) < REMEMBER_NS) =>
             {
-                Plan::Freeze(Target::Cgroup {
+                Plan::Freeze(crate::control::target::Frozen {
                     dir: dir.clone(),
                     version: *version,
                     cell: None,
@@ -183,9 +183,9 @@ impl HoldBook {
             }
             // A process that had to be moved into a cell of the agent's own: moved in and
             // frozen at once.
-            Plan::Signal(Target::Process { key, .. }) => match self.isolated.get(key) {
+            Plan::Signal(key) => match self.isolated.get(key) {
                 Some((cell, at)) if self.now_ns.saturating_sub(*at) < REMEMBER_NS => {
-                    Plan::Freeze(cell.clone())
+                    crate::control::target::Frozen::of(cell).map_or(plan.clone(), Plan::Freeze)
                 }
                 _ => plan.clone(),
             },

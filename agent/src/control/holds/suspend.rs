@@ -55,24 +55,22 @@ impl HoldBook {
                 escaping: false,
                 cell_asked: false,
                 alone: match plan {
-                    Plan::Gate { fallback, .. } => {
-                        matches!(**fallback, Plan::Signal(Target::Process { .. }))
-                    }
-                    p => matches!(p, Plan::Signal(Target::Process { .. })),
+                    Plan::Gate { fallback, .. } => matches!(**fallback, Plan::Signal(_)),
+                    p => matches!(p, Plan::Signal(_)),
                 },
             };
             self.staged.insert(key.clone(), hold);
             match plan {
-                Plan::SignalCgroup { dir, leader, .. } => {
+                Plan::SignalCgroup { dir, .. } => {
                     self.ask(Continuation::Materialised(key), |req| HoldCmd::Members {
                         req,
                         dir: dir.clone(),
-                        leader: leader.clone(),
+                        leader: plan.target(),
                     })
                 }
-                Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
+                Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
                     if let Some(h) = self.staged.get_mut(&key) {
-                        h.members = vec![t.clone()];
+                        h.members = vec![plan.target()];
                     }
                     self.to_record.push(key);
                 }

@@ -12,7 +12,7 @@
 
 use crate::control::model::process::Classified;
 use crate::control::model::Kind;
-use crate::control::target::{Plan, Target};
+use crate::control::target::{Frozen, Plan};
 use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::procfs::{Cgroups, ProcInfo};
 #[cfg(test)]
@@ -33,7 +33,7 @@ impl Chooser {
     /// The plan for an offline process, and why the preferred actuator is not used when it
     /// is not (for a one-time warning).
     pub fn choose(&self, info: &ProcInfo, cls: &Classified) -> (Plan, Option<String>) {
-        let alone = Plan::Signal(Target::Process { key: info.key });
+        let alone = Plan::Signal(info.key);
         let Some(path) = &cls.freeze_cgroup else {
             let why = (self.preferred == Kind::Freezer)
                 .then(|| "its rule does not declare a whole cgroup offline".to_string());
@@ -59,7 +59,7 @@ impl Chooser {
         };
         match self.preferred {
             Kind::Freezer => (
-                Plan::Freeze(Target::Cgroup {
+                Plan::Freeze(Frozen {
                     dir,
                     version,
                     cell: None,
@@ -70,7 +70,7 @@ impl Chooser {
                 Plan::SignalCgroup {
                     dir,
                     version,
-                    leader: alone_target(alone),
+                    leader: info.key,
                 },
                 None,
             ),
@@ -81,14 +81,6 @@ impl Chooser {
         let prefix = format!("{}/", path.trim_end_matches('/'));
         let inside = |own: Option<&str>| own.is_some_and(|o| o == path || o.starts_with(&prefix));
         inside(self.own.v2.as_deref()) || inside(self.own.v1.get("freezer").map(String::as_str))
-    }
-}
-
-fn alone_target(p: Plan) -> Target {
-    match p {
-        Plan::Signal(t) | Plan::Freeze(t) | Plan::Lock(t) => t,
-        Plan::SignalCgroup { leader, .. } => leader,
-        Plan::Gate { fallback, .. } => alone_target(*fallback),
     }
 }
 
@@ -148,7 +140,7 @@ mod tests {
         let (mut c, info, cls, dir, _root) = setup("0::/system.slice/agent.service\n");
         let (plan, why) = c.choose(&info, &cls);
         assert!(
-            matches!(&plan, Plan::Freeze(Target::Cgroup { dir: d, .. }) if *d == dir),
+            matches!(&plan, Plan::Freeze(Frozen { dir: d, .. }) if *d == dir),
             "{plan:?}"
         );
         assert_eq!(why, None);
@@ -180,17 +172,11 @@ mod tests {
         ] {
             let (mut c, info, cls, _, _root) = setup(own);
             let (plan, why) = c.choose(&info, &cls);
-            assert!(
-                matches!(plan, Plan::Signal(Target::Process { .. })),
-                "{own}: {plan:?}"
-            );
+            assert!(matches!(plan, Plan::Signal(_)), "{own}: {plan:?}");
             assert!(why.unwrap().contains("contains the agent"));
             c.preferred = Kind::Signal;
             let (plan, _) = c.choose(&info, &cls);
-            assert!(
-                matches!(plan, Plan::Signal(Target::Process { .. })),
-                "{own}: {plan:?}"
-            );
+            assert!(matches!(plan, Plan::Signal(_)), "{own}: {plan:?}");
         }
         // A sibling whose name merely starts the same is not "inside".
         let (c, info, cls, _, _root) = setup("0::/batch/job2\n");

@@ -11,8 +11,7 @@ use super::choose::Chooser;
 use super::pins::Pins;
 use crate::control::entry::Entry;
 use crate::control::table::Table;
-use crate::control::target::Plan;
-use crate::control::target::Target;
+use crate::control::target::{Frozen, Plan};
 use crate::control::text::truncate;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::PodSource;
@@ -115,8 +114,7 @@ impl Classifier {
                             warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
                         }
                     }
-                    let alone = Target::Process { key: info.key };
-                    plan = Some(self.unmixed(p, alone, table));
+                    plan = Some(self.unmixed(p, info.key, table));
                 }
                 Err(err) => {
                     // Without a pidfd we cannot be sure whom we would signal: leave it be,
@@ -202,15 +200,13 @@ impl Classifier {
 
     /// `plan`, or, when it would freeze or stop a whole cgroup that also holds processes
     /// that are not offline (possible with standalone rules only), the plan to stop the
-    /// offline process alone (`alone`).
-    pub fn unmixed(&mut self, plan: Plan, alone: Target, table: &Table) -> Plan {
+    /// offline process (`key`) alone.
+    pub fn unmixed(&mut self, plan: Plan, key: ProcKey, table: &Table) -> Plan {
         if self.source.whole_cgroups() {
             return plan;
         }
         let dir = match &plan {
-            Plan::Freeze(Target::Cgroup { dir, .. }) | Plan::SignalCgroup { dir, .. } => {
-                dir.clone()
-            }
+            Plan::Freeze(Frozen { dir, .. }) | Plan::SignalCgroup { dir, .. } => dir.clone(),
             _ => return plan,
         };
         let Some((pid, class)) = self.mixed(&dir, table) else {
@@ -223,6 +219,6 @@ impl Classifier {
                 warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup (or one beneath it) also holds a process that is not offline: stopping only the offline processes, one by one");
             }
         }
-        Plan::Signal(alone)
+        Plan::Signal(key)
     }
 }

@@ -10,7 +10,6 @@ use crate::control::io::Obs;
 use crate::control::nvml::Refresh;
 use crate::control::table::Table;
 use crate::control::target::Plan;
-use crate::control::target::Target;
 use crate::edges::doorbell::Doorbells;
 use crate::edges::gpu::GpuSampler;
 use crate::edges::procfs::ProcKey;
@@ -149,11 +148,11 @@ impl Eyes {
     }
 
     /// Vets whole-cgroup plans (rules mode: every member must be offline).
-    pub fn vet(&mut self, plans: Vec<(ProcKey, Plan, Target)>, table: &Table) -> Obs {
+    pub fn vet(&mut self, plans: Vec<(ProcKey, Plan)>, table: &Table) -> Obs {
         Obs::Vetted(
             plans
                 .into_iter()
-                .map(|(k, plan, alone)| (k, self.classifier.unmixed(plan, alone, table)))
+                .map(|(k, plan)| (k, self.classifier.unmixed(plan, k, table)))
                 .collect(),
         )
     }

@@ -505,7 +505,7 @@ impl World {
                     })
                     .collect(),
             ),
-            Cmd::Vet { plans } => Obs::Vetted(plans.into_iter().map(|(k, p, _)| (k, p)).collect()),
+            Cmd::Vet { plans } => Obs::Vetted(plans),
             Cmd::ReadBells { gate, .. } => {
                 let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
                 let pages = (self.gate && std::mem::take(&mut self.pages_changed))
@@ -778,7 +778,7 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
     } else {
         Class::Offline
     };
-    let leader = Target::Process { key: p.key };
+    let leader = p.key;
     let plan = match cgroup {
         _ if p.online => None,
         Some(dir) => Some(Plan::SignalCgroup {
