@@ -82,60 +82,39 @@ pub enum Target {
 }
 
 impl Target {
-    /// The durable description of this target, for the fail-open record.
-    pub fn record(&self) -> RecordEntry {
+    /// The controller's name for this target (a process by its key, without its pidfd).
+    pub fn named(&self) -> crate::control::target::Target {
+        use crate::control::target::Target as Named;
         match self {
-            Target::Cgroup { dir, version, cell } => RecordEntry::Cgroup {
+            Target::Cgroup { dir, version, cell } => Named::Cgroup {
                 dir: dir.clone(),
                 version: *version,
                 cell: cell.clone(),
             },
-            Target::Process { key, .. } => RecordEntry::Process {
-                pid: key.pid,
-                start: key.start,
-            },
-            Target::Gate { uuid, file, .. } => RecordEntry::Gate {
+            Target::Process { key, .. } => Named::Process { key: *key },
+            Target::Gate { key, uuid, file } => Named::Gate {
+                key: *key,
+                uuid: *uuid,
                 file: file.clone(),
-                uuid: coloc_doorbell::format_uuid(uuid),
             },
-            Target::Lock { key } => RecordEntry::Lock {
-                pid: key.pid,
-                start: key.start,
-            },
+            Target::Lock { key } => Named::Lock { key: *key },
         }
+    }
+
+    /// The durable description of this target, for the fail-open record.
+    pub fn record(&self) -> RecordEntry {
+        self.named().record()
     }
 
     /// The actuator kind this target uses.
     pub fn kind(&self) -> Kind {
-        match self {
-            Target::Cgroup { .. } => Kind::Freezer,
-            Target::Process { .. } => Kind::Signal,
-            Target::Gate { .. } => Kind::Gate,
-            Target::Lock { .. } => Kind::Lock,
-        }
+        self.named().kind()
     }
 }
 
 impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Target::Cgroup {
-                dir,
-                version,
-                cell: None,
-            } => write!(f, "cgroup {} ({version:?})", dir.display()),
-            Target::Cgroup {
-                dir, cell: Some(c), ..
-            } => write!(f, "cell {} of pid {}", dir.display(), c.pid),
-            Target::Process { key, .. } => write!(f, "pid {}", key.pid),
-            Target::Gate { key, uuid, .. } => write!(
-                f,
-                "gate of {} for pid {}",
-                coloc_doorbell::format_uuid(uuid),
-                key.pid
-            ),
-            Target::Lock { key } => write!(f, "driver lock of pid {}", key.pid),
-        }
+        self.named().fmt(f)
     }
 }
 
