@@ -439,3 +439,58 @@ fn no_file_of_the_controller_imports_an_edge_or_holds_a_file_descriptor() {
         "the controller reaches outside itself: {found:#?}"
     );
 }
+
+/// The hands act on a process through its pin, by key: a process whose pin was closed is
+/// pinned again (start time checked) and stopped; one that exited (or whose PID is another
+/// process's now) cannot be pinned, and is gone: nothing is signalled, nothing is left in
+/// the ledger.
+#[test]
+fn the_hands_pin_by_key_and_a_process_that_cannot_be_pinned_is_gone() {
+    use crate::control::holds::{HoldCmd, HoldObs};
+    use crate::control::shell::hands::Hands;
+    use crate::control::shell::pins::Pins;
+    let procs = FakeProc::default();
+    let live = procs.add(10, 110, "train", "/w");
+    let act = FakeActuator::default();
+    let pins = Arc::new(Pins::default());
+    let mut hands = Hands::new(
+        Box::new(act.clone()),
+        Arc::new(procs.clone()),
+        Arc::new(FakeClock::default()),
+        None,
+        Err("none in this test".into()),
+        pins.clone(),
+    );
+    let gone = crate::control::model::ProcKey {
+        pid: 11,
+        start: 111,
+    };
+    let start = |hands: &mut Hands, key| {
+        let answer = hands.perform(HoldCmd::Start {
+            req: 1,
+            op: Op::Suspend,
+            targets: vec![crate::control::target::Target::Process { key }],
+            budget: Duration::ZERO,
+        });
+        match answer {
+            Some(HoldObs::Progress { progress, .. }) => progress,
+            a => panic!("{a:?}"),
+        }
+    };
+    assert!(pins.is_empty());
+    let p = start(&mut hands, live);
+    assert!(matches!(p[..], [Progress::Done]), "{p:?}");
+    assert!(pins.get(&live).is_some(), "pinned on demand");
+    let p = start(&mut hands, gone);
+    assert!(matches!(p[..], [Progress::Gone]), "{p:?}");
+    assert_eq!(
+        act.calls().len(),
+        1,
+        "the gone process reached the actuator"
+    );
+    assert_eq!(
+        hands.resume_everything(Duration::ZERO),
+        1,
+        "the ledger holds the stopped process alone"
+    );
+}
