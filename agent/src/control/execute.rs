@@ -1,6 +1,7 @@
-//! A decision becomes holds and events: the plan of each suspension (vetted in rules
-//! mode, a gate where it applies), and the preempt/release events that wait for their
-//! holds' confirmations.
+//! A decision becomes holds and events: the plan of each suspension, assembled here and
+//! nowhere else at suspension (the table's, vetted in rules mode; the driver's lock where
+//! it applies; behind a gate where one applies), and the preempt/release events that wait
+//! for their holds' confirmations.
 
 use super::bells::Bells;
 use super::events::{Event, Preempt, Release, Tracker};
