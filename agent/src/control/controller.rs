@@ -3,6 +3,11 @@
 //! `Controller::step(now, observations) -> commands`. No edge, no clock, no log line and
 //! no metric inside: time is an argument, and telemetry leaves as commands.
 //!
+//! The shell talks to it in quinn-proto's shape: each observation is handed in
+//! ([`Controller::handle`]), each command polled ([`Controller::poll_command`], which runs
+//! `step` once every command of the latest step was polled), and the loop sleeps until
+//! [`Controller::poll_timeout`] or a doorbell.
+//!
 //! A tick starts with [`Controller::start_tick`], which says what is due ([`Reads`]); the
 //! shell gathers it, the doorbells first (a launch is never read after an NVML call that
 //! did not have to come first), and hands the snapshot to the first step. The controller
@@ -94,6 +99,10 @@ pub struct Controller {
     snapshot: Vec<Obs>,
     /// A doorbell rang during the snapshot's NVML reads.
     rang: bool,
+    /// Observations handed in since the latest step ([`Controller::handle`]).
+    inbox: Vec<Obs>,
+    /// Commands of the latest step not polled yet ([`Controller::poll_command`]).
+    outbox: std::collections::VecDeque<Cmd>,
     /// The decision waiting for its vetting.
     decision: Option<Decision<ProcKey>>,
 }
@@ -125,6 +134,8 @@ impl Controller {
             answers: Vec::new(),
             snapshot: Vec::new(),
             rang: false,
+            inbox: Vec::new(),
+            outbox: std::collections::VecDeque::new(),
             decision: None,
         }
     }
@@ -160,6 +171,30 @@ impl Controller {
             }
         }
         known
+    }
+
+    /// Hands in one observation (quinn's `handle_*`): taken in by the step that
+    /// [`Controller::poll_command`] runs once every command of the latest one was polled.
+    pub fn handle(&mut self, obs: Obs) {
+        self.inbox.push(obs);
+    }
+
+    /// The next command to perform, in order (quinn's `poll_*`); `None`: nothing more
+    /// until an observation is handed in or the next tick starts. A command is performed
+    /// and what came of it handed in before the next one is polled.
+    pub fn poll_command(&mut self, now: u64) -> Option<Cmd> {
+        if self.outbox.is_empty() {
+            let obs = std::mem::take(&mut self.inbox);
+            let cmds = self.step(now, obs);
+            self.outbox.extend(cmds);
+        }
+        self.outbox.pop_front()
+    }
+
+    /// When the controller wants to be woken, ns (quinn's `poll_timeout`): the loop sleeps
+    /// until then, or until a doorbell rings.
+    pub fn poll_timeout(&self, now: u64) -> u64 {
+        now.saturating_add(self.next_wait(now).as_nanos() as u64)
     }
 
     /// Takes in what the shell observed at `now` and returns what to do next, in order.

@@ -1,15 +1,15 @@
 //! The shell: the loop that performs what the controller asks. At a tick's start it
 //! gathers what [`Controller::start_tick`] says is due into one snapshot, the doorbells
-//! first (its [`eyes`]), calls [`Controller::step`], performs the commands in the order
-//! given (its [`hands`] act, its [`scribe`] writes the record off the loop's thread,
-//! telemetry reports), feeds the results back, and sleeps in the doorbell wait until the
-//! controller says something is due.
+//! first (its [`eyes`]), hands it in ([`Controller::handle`]), performs each command
+//! [`Controller::poll_command`] gives, in order (its [`hands`] act, its [`scribe`] writes
+//! the record off the loop's thread, telemetry reports), hands in what came of each, and
+//! sleeps in the doorbell wait until [`Controller::poll_timeout`].
 //!
 //! ```text
 //!  start_tick ─► Reads ─► eyes: bells, samples (stop at a ring), lists (not after a ring),
 //!                              bells again (after a ring) ─► Snapshot
 //!            ┌──────────────── Obs ────────────────┐
-//!  edges ─► eyes ─► Controller::step ─► Cmd ─► hands (actuator, gates) ─► edges
+//!  edges ─► eyes ─► handle … poll_command ─► Cmd ─► hands (actuator, gates) ─► edges
 //!                        ▲                 ├─► scribe (record; answers later) ──┐
 //!                        └──── Written ────┼────────────────────────────────────┘
 //!                                          └─► telemetry (log, metrics, events, /state)
@@ -240,7 +240,8 @@ impl Loop {
         while !self.shared.stop.load(Ordering::Relaxed) {
             self.tick();
             // From now: the tick's own time is already behind `now`.
-            let sleep = self.next_wait(self.clock.now_ns());
+            let now = self.clock.now_ns();
+            let sleep = Duration::from_nanos(self.ctl.poll_timeout(now).saturating_sub(now));
             let slept_ns = self.clock.now_ns();
             if !sleep.is_zero() && self.eyes.bells.wait(sleep) {
                 metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
@@ -371,17 +372,25 @@ impl Loop {
     }
 
     /// Steps the controller and performs what it asks until it asks for nothing more.
-    fn converse(&mut self, mut obs: Vec<Obs>) {
+    fn converse(&mut self, obs: Vec<Obs>) {
+        for o in obs {
+            self.ctl.handle(o);
+        }
         loop {
-            obs.extend(self.scribe.landed());
+            for o in self.scribe.landed() {
+                self.ctl.handle(o);
+            }
             if let Some(d) = &mut self.driver {
-                obs.extend(d.finished().into_iter().map(Obs::Driver));
+                for done in d.finished() {
+                    self.ctl.handle(Obs::Driver(done));
+                }
             }
-            let cmds = self.ctl.step(self.clock.now_ns(), obs);
-            if cmds.is_empty() {
+            let Some(cmd) = self.ctl.poll_command(self.clock.now_ns()) else {
                 return;
+            };
+            for o in self.perform(vec![cmd]) {
+                self.ctl.handle(o);
             }
-            obs = self.perform(cmds);
         }
     }
 
