@@ -1,9 +1,8 @@
 //! The controller's sub-states together, and what a tick does with them once the shell
 //! has answered. Each sub-state is a type of its own, in its own file, and meets the
 //! others only here, through explicit arguments: what the controller has [`Observed`]
-//! (below), the process [`Table`], the NVML
-//! bookkeeping ([`Sampling`]), [`Health`], the doorbells ([`Bells`]), the gate book
-//! ([`Gates`]), `qos_core::Machine` (per GPU), the [`HoldBook`], the [`RecordBook`],
+//! (the process table, the NVML bookkeeping, health, the doorbells, the gate book),
+//! `qos_core::Machine` (per GPU), the [`HoldBook`], the [`Vault`], the [`RecordBook`],
 //! [`Retries`], the event [`Tracker`] and the [`Pacer`]. No I/O: what the sub-states say
 //! (notes, events, commands that need no answer) goes to `out`, for the controller to hand
 //! to the shell in order.
