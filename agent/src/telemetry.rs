@@ -183,7 +183,7 @@ fn describe() {
     );
     describe_counter!(
         "coloc_nvml_rounds_yielded_total",
-        "Rounds of NVML sample reads interrupted by a doorbell (the loop decided first and read the remaining GPUs at the next tick)."
+        "Rounds of NVML reads interrupted by a doorbell: sample reads stopped after the GPU in progress, or process lists put off (the loop decided first and read the rest at the next tick)."
     );
     describe_counter!(
         "coloc_doorbell_wakeups_total",

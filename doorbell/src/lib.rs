@@ -51,12 +51,18 @@
 //! pages learns of the acknowledgement at once. The agent reads them with
 //! [`Page::read_gate`].
 //!
+//! **A truncated mapping** ([`guard`]): either side's file can be shrunk under its
+//! mapping by someone else (a tenant, another process of the pod); both the agent and the
+//! shim register their mappings with the one SIGBUS guard here, which puts private zeros
+//! in place of such a page instead of letting the fault end the process.
+//!
 //! Clock: `CLOCK_REALTIME` nanoseconds (the clock of NVML's sample timestamps).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
 pub mod file;
 pub mod gate;
+pub mod guard;
 
 /// Identifies a doorbell page of this layout ("COLOCDB1").
 pub const MAGIC: u64 = 0x3142_4443_4f4c_4f43;

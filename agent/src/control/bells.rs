@@ -1,5 +1,5 @@
 //! Doorbells in the controller: the CUDA shim's launch times, attributed to online
-//! processes. The shell reads the pages ([`crate::edges::doorbell`]); this room decides
+//! processes. The shell reads the pages (the doorbell edge); this room decides
 //! what a reading counts for.
 //!
 //! Trust: a page's readings count only for a process the table already knows and
@@ -19,8 +19,8 @@ use super::learn::Learner;
 use super::note::{Note, Reject};
 use super::table::{Activity, Table};
 use crate::control::events::Event;
-use crate::edges::doorbell::{BellReading, Owner, PageInfo};
-use crate::edges::procfs::ProcKey;
+use crate::control::model::bell::{BellReading, Owner, PageInfo};
+use crate::control::model::ProcKey;
 use qos_core::{Class, Signal};
 use std::collections::HashMap;
 

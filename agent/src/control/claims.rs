@@ -15,9 +15,9 @@
 //! offline work no longer than one alone.
 
 use crate::control::events::{Distrust, Event};
+use crate::control::model::bell::Owner;
 use crate::control::note::Note;
 use crate::control::state::DistrustedPage;
-use crate::edges::doorbell::Owner;
 use std::collections::HashMap;
 
 /// An owner's claims on one GPU, in the agent's terms (clamped, merged across its pages).

@@ -3,14 +3,24 @@
 //! `Controller::step(now, observations) -> commands`. No edge, no clock, no log line and
 //! no metric inside: time is an argument, and telemetry leaves as commands.
 //!
-//! A tick is a conversation. [`Obs::Tick`] starts it; the controller asks for the reads it
-//! needs (NVML samples, then the process lists and the classification of what is new, the
-//! doorbell pages), judges them, runs the state machine, and asks for what the hold book
-//! needs (the record first, then the actuator); the shell performs each round of commands
-//! and feeds the answers back, until the controller asks for nothing more.
+//! The shell talks to it in quinn-proto's shape: each observation is handed in
+//! ([`Controller::handle`]), each command polled ([`Controller::poll_command`], which runs
+//! `step` once every command of the latest step was polled), and the loop sleeps until
+//! [`Controller::poll_timeout`] or a doorbell.
+//!
+//! A tick starts with [`Controller::start_tick`], which says what is due ([`Reads`]); the
+//! shell gathers it, the doorbells first (a launch is never read after an NVML call that
+//! did not have to come first), and hands the snapshot to the first step. The controller
+//! judges it (classifying what the lists name for the first time), runs the state machine,
+//! and asks for what the hold book needs (the record first, then the actuator); the shell
+//! performs each round of commands and feeds the answers back, until the controller asks
+//! for nothing more.
 //!
 //! ```text
-//!  Tick ─► ReadSamples ─► [ReadLists ─► Classify] ─► judge (health) ─► ReadBells ─► attribute
+//!  start_tick ─► Reads ─► shell: bells, samples (stop at a ring), lists (not after a ring),
+//!                                bells again (after a ring) ─► Snapshot
+//!  step(Snapshot) ─► samples ─► lists [─► Classify] ─► judge (health) ─► attribute the bells
+//!      [─► ReadLists, ReadBells: a launch of a process the lists do not hold yet]
 //!      ─► gate acks ─► book ─► retries ─► Machine::tick ─► [Vet] ─► book.suspend/resume
 //!      ─► (record book: at once, or Write … Written) ─► Start/Check … ─► events ─► publish
 //! ```
@@ -20,14 +30,14 @@
 //! gives once the entries are on disk ([`crate::control::record`]).
 //!
 //! This file holds the conversation (where the tick stands, the answers awaited); the
-//! sub-states and what a tick does with them are [`Rooms`].
+//! sub-states and what a tick does with them are [`Substates`].
 
-use super::io::{Cmd, Obs};
-use super::rooms::Rooms;
+use super::io::{Cmd, Obs, Reads};
+use super::substates::Substates;
 use super::target::Plan;
 use super::{LoopConfig, ReleaseAll};
-use crate::edges::actuator::RecordEntry;
-use crate::edges::procfs::ProcKey;
+use crate::control::model::act::RecordEntry;
+use crate::control::model::ProcKey;
 use qos_core::Decision;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -74,7 +84,7 @@ enum Stage {
 /// See the module.
 pub struct Controller {
     /// The sub-states.
-    pub(crate) rooms: Rooms,
+    pub(crate) sub: Substates,
     stage: Stage,
     /// The tick's time.
     tick_ns: u64,
@@ -85,6 +95,14 @@ pub struct Controller {
     yielding: bool,
     /// This round's answers.
     answers: Vec<Obs>,
+    /// What is left of the tick's snapshot.
+    snapshot: Vec<Obs>,
+    /// A doorbell rang during the snapshot's NVML reads.
+    rang: bool,
+    /// Observations handed in since the latest step ([`Controller::handle`]).
+    inbox: Vec<Obs>,
+    /// Commands of the latest step not polled yet ([`Controller::poll_command`]).
+    outbox: std::collections::VecDeque<Cmd>,
     /// The decision waiting for its vetting.
     decision: Option<Decision<ProcKey>>,
 }
@@ -108,14 +126,75 @@ impl Controller {
         on_disk: BTreeSet<RecordEntry>,
     ) -> Controller {
         Controller {
-            rooms: Rooms::new(cfg, gpus, now, gate_file, on_disk),
+            sub: Substates::new(cfg, gpus, now, gate_file, on_disk),
             stage: Stage::Idle,
             tick_ns: now,
             awaiting: 0,
             yielding: false,
             answers: Vec::new(),
+            snapshot: Vec::new(),
+            rang: false,
+            inbox: Vec::new(),
+            outbox: std::collections::VecDeque::new(),
             decision: None,
         }
+    }
+
+    /// A tick starts at `now`, after the loop's latest sleep (went to sleep, woke; ns),
+    /// under the pod source's `generation`: what the shell reads before the first step.
+    pub fn start_tick(&mut self, now: u64, slept: Option<(u64, u64)>, generation: u64) -> Reads {
+        debug_assert!(matches!(self.stage, Stage::Idle), "a tick inside a tick");
+        self.tick_ns = now;
+        self.sub.start_tick(slept, generation);
+        self.stage = Stage::Observe;
+        self.snapshot.clear();
+        self.rang = false;
+        let lists = (self.sub.observed.list_due(now)).map(|why| Cmd::ReadLists {
+            why,
+            known: self.known(),
+        });
+        let samples = (self.sub.observed.samples_due(now)).map(|gpus| Cmd::ReadSamples { gpus });
+        Reads {
+            bells: self.sub.observed.bells_due(now),
+            samples,
+            lists,
+        }
+    }
+
+    /// The processes the lists are checked against: the table's, and those the driver
+    /// holds checkpointed (they have left the lists), with their pins.
+    fn known(&self) -> Vec<(ProcKey, bool)> {
+        let mut known = self.sub.observed.table.known();
+        for (k, pin) in self.sub.vault.known() {
+            if !known.iter().any(|(kk, _)| *kk == k) {
+                known.push((k, pin));
+            }
+        }
+        known
+    }
+
+    /// Hands in one observation (quinn's `handle_*`): taken in by the step that
+    /// [`Controller::poll_command`] runs once every command of the latest one was polled.
+    pub fn handle(&mut self, obs: Obs) {
+        self.inbox.push(obs);
+    }
+
+    /// The next command to perform, in order (quinn's `poll_*`); `None`: nothing more
+    /// until an observation is handed in or the next tick starts. A command is performed
+    /// and what came of it handed in before the next one is polled.
+    pub fn poll_command(&mut self, now: u64) -> Option<Cmd> {
+        if self.outbox.is_empty() {
+            let obs = std::mem::take(&mut self.inbox);
+            let cmds = self.step(now, obs);
+            self.outbox.extend(cmds);
+        }
+        self.outbox.pop_front()
+    }
+
+    /// When the controller wants to be woken, ns (quinn's `poll_timeout`): the loop sleeps
+    /// until then, or until a doorbell rings.
+    pub fn poll_timeout(&self, now: u64) -> u64 {
+        now.saturating_add(self.next_wait(now).as_nanos() as u64)
     }
 
     /// Takes in what the shell observed at `now` and returns what to do next, in order.
@@ -124,36 +203,35 @@ impl Controller {
         for o in obs {
             self.take(o, now);
         }
-        if matches!(self.stage, Stage::Idle) && self.rooms.book.has_commands() {
+        if matches!(self.stage, Stage::Idle) && self.sub.book.has_commands() {
             self.stage = Stage::Drain(Box::new(Stage::Settle));
         }
         self.yielding = false;
         while self.awaiting == 0 && !self.yielding && !matches!(self.stage, Stage::Idle) {
             let stage = std::mem::replace(&mut self.stage, Stage::Idle);
             self.stage = self.run(stage, now);
-            self.rooms.flush();
+            self.sub.flush();
         }
-        self.rooms.vault_round(now);
+        self.sub.vault_round(now);
         if !self.yielding {
-            self.rooms.write(now);
+            self.sub.write(now);
         }
-        self.rooms.flush();
-        std::mem::take(&mut self.rooms.out)
+        self.sub.flush();
+        std::mem::take(&mut self.sub.out)
     }
 
     fn take(&mut self, o: Obs, now: u64) {
         match o {
-            Obs::Tick { slept, generation } => {
-                debug_assert!(matches!(self.stage, Stage::Idle), "a tick inside a tick");
-                self.tick_ns = now;
-                self.rooms.start_tick(slept, generation);
-                self.stage = Stage::Observe;
+            Obs::Snapshot { reads, rang } => {
+                self.snapshot = reads;
+                self.rang = rang;
             }
-            Obs::Written { id, ok } => self.rooms.written(id, ok, now),
-            Obs::Driver(d) => self.rooms.vault.done(d, now),
-            Obs::WatchdogTripped => self.rooms.after_watchdog(now),
+            Obs::Written { id, ok } => self.sub.written(id, ok, now),
+            Obs::Driver(d) => self.sub.vault.done(d, now),
+            Obs::WatchdogTripped => self.sub.after_watchdog(now),
+            Obs::GateFields(gates) => self.sub.gate_fields(gates),
             Obs::ReleaseAll(reason) => {
-                let n = self.rooms.release_all(reason);
+                let n = self.sub.release_all(reason);
                 self.stage = Stage::Drain(Box::new(Stage::Released(reason, n)));
             }
             o => {
@@ -166,22 +244,17 @@ impl Controller {
     /// Asks for something answered in this round.
     fn ask(&mut self, cmd: Cmd) {
         self.awaiting += 1;
-        self.rooms.out.push(cmd);
+        self.sub.out.push(cmd);
     }
 
     /// The answer of this round that `pick` takes, if any.
     fn answer<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
-        let mut found = None;
-        for o in std::mem::take(&mut self.answers) {
-            match found {
-                None => match pick(o) {
-                    Ok(t) => found = Some(t),
-                    Err(o) => self.answers.push(o),
-                },
-                Some(_) => self.answers.push(o),
-            }
-        }
-        found
+        take_one(&mut self.answers, pick)
+    }
+
+    /// The read of the tick's snapshot that `pick` takes, if any.
+    fn snapshot<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
+        take_one(&mut self.snapshot, pick)
     }
 
     /// Runs one stage; returns the next (the same one when it waits for answers).
@@ -190,49 +263,44 @@ impl Controller {
         match stage {
             Stage::Idle => Stage::Idle,
             Stage::Observe => {
-                let samples = self.answer(|o| match o {
+                let samples = self.snapshot(|o| match o {
                     Obs::Samples { read, yielded } => Ok((read, yielded)),
                     o => Err(o),
                 });
-                match samples {
-                    Some((read, yielded)) => {
-                        self.rooms.seeing.samples(read, yielded, t);
-                        Stage::Lists { judge: true }
-                    }
-                    None => match self.rooms.seeing.samples_due(t) {
-                        Some(gpus) => {
-                            self.ask(Cmd::ReadSamples { gpus });
-                            Stage::Observe
-                        }
-                        None => Stage::Lists { judge: true },
-                    },
+                if let Some((read, yielded)) = samples {
+                    self.sub.observed.samples(read, yielded, t);
                 }
+                Stage::Lists { judge: true }
             }
             Stage::Lists { judge } => self.lists(judge, t),
             Stage::Bells { again } => {
-                let read = self.answer(|o| match o {
+                let pick = |o| match o {
                     Obs::Bells {
                         pages,
                         readings,
                         gates,
                     } => Ok((pages, readings, gates)),
                     o => Err(o),
-                });
+                };
+                let read = match again {
+                    false => self.snapshot(pick).or_else(|| self.answer(pick)),
+                    true => self.answer(pick),
+                };
                 let Some((pages, readings, gates)) = read else {
-                    let cmd = self.rooms.seeing.bells_due(t);
+                    let cmd = self.sub.observed.bells_due(t);
                     self.ask(cmd);
                     return Stage::Bells { again };
                 };
                 // A launch of a process that the driver's lists did not hold yet (it has
                 // just started): read the lists now and attribute the launch in this tick.
                 // Not judged: the health policy counts one judgement per tick.
-                if self.rooms.seeing.bells_read(t, pages, &readings, gates) && !again {
+                if self.sub.observed.bells_read(t, pages, &readings, gates) && !again {
                     return Stage::Lists { judge: false };
                 }
                 Stage::Gates
             }
             Stage::Gates => {
-                self.rooms.gate_acks();
+                self.sub.gate_acks();
                 Stage::Memory
             }
             Stage::Memory => {
@@ -241,10 +309,10 @@ impl Controller {
                     o => Err(o),
                 });
                 match read {
-                    Some((m, room)) => self.rooms.memory(t, m, room),
+                    Some((m, room)) => self.sub.memory(t, m, room),
+                    None if self.rang => {}
                     None => {
-                        if let Some(gpus) = self.rooms.vault.memory_due(t, &self.rooms.seeing.table)
-                        {
+                        if let Some(gpus) = self.sub.vault.memory_due(t, &self.sub.observed.table) {
                             self.ask(Cmd::ReadMemory { gpus });
                             return Stage::Memory;
                         }
@@ -254,7 +322,7 @@ impl Controller {
             }
             Stage::Drain(then) => {
                 let answers = self.take_holds();
-                let (asks, wrote) = self.rooms.hold_round(answers, now);
+                let (asks, wrote) = self.sub.hold_round(answers, now);
                 self.yielding = wrote;
                 if asks.is_empty() && !wrote {
                     return *then;
@@ -264,7 +332,7 @@ impl Controller {
                 }
                 Stage::Drain(then)
             }
-            Stage::Decide => match self.rooms.decide(t) {
+            Stage::Decide => match self.sub.decide(t) {
                 None => Stage::Poll,
                 Some((d, plans)) => {
                     self.decision = Some(d);
@@ -282,28 +350,28 @@ impl Controller {
                     })
                     .unwrap_or_default();
                 if let Some(d) = self.decision.take() {
-                    self.rooms.execute(d, vetted, now);
+                    self.sub.execute(d, vetted, now);
                 }
                 Stage::Drain(Box::new(Stage::Poll))
             }
             Stage::Poll => {
-                self.rooms.poll(t);
+                self.sub.poll(t);
                 Stage::Drain(Box::new(Stage::Recheck))
             }
             Stage::Recheck => {
-                self.rooms.recheck(t);
+                self.sub.recheck(t);
                 Stage::Drain(Box::new(Stage::Finish))
             }
             Stage::Finish => {
-                self.rooms.finish(t);
+                self.sub.finish(t);
                 Stage::Idle
             }
             Stage::Settle => {
-                self.rooms.settle(t);
+                self.sub.settle(t);
                 Stage::Idle
             }
             Stage::Released(reason, n) => {
-                self.rooms.released(reason, n, now);
+                self.sub.released(reason, n, now);
                 Stage::Idle
             }
         }
@@ -324,9 +392,9 @@ impl Controller {
     /// The lists, when due (`judge`: the tick's regular read; else a doorbell asked), and
     /// the classification of what they name.
     fn lists(&mut self, judge: bool, t: u64) -> Stage {
-        let after = |judged: bool, rooms: &mut Rooms| {
+        let after = |judged: bool, sub: &mut Substates| {
             if judged {
-                rooms.seeing.judge_tick(t, &rooms.machine);
+                sub.observed.judge_tick(t, &sub.machine);
                 Stage::Bells { again: false }
             } else {
                 Stage::Bells { again: true }
@@ -336,47 +404,59 @@ impl Controller {
             Obs::Classified(c) => Ok(c),
             o => Err(o),
         });
-        let lists = self.answer(|o| match o {
+        let pick = |o| match o {
             Obs::Lists {
                 listed,
                 failed,
                 gone,
                 generation,
-                ..
-            } => Ok((listed, failed, gone, generation)),
+                why,
+            } => Ok((listed, failed, gone, generation, why)),
             o => Err(o),
-        });
+        };
+        let mut lists = self.answer(pick);
+        if lists.is_none() && judge {
+            // The snapshot's lists, read for why they were due.
+            lists = self.snapshot(pick);
+            if let Some((.., why)) = &lists {
+                self.sub.observed.lists_read_for(*why);
+            }
+        }
+        let lists =
+            lists.map(|(listed, failed, gone, generation, _)| (listed, failed, gone, generation));
         match (lists, classified) {
             (None, _) => {
-                let why = if judge {
-                    self.rooms.seeing.list_due(t)
-                } else {
+                // Not in the snapshot: read now for samples of PIDs the table does not
+                // know (unless a doorbell rang: then at the next tick), or for a launch of
+                // a process the lists do not hold yet.
+                let why = if !judge {
                     Some(super::nvml::Refresh::Doorbell)
+                } else if !self.rang && self.sub.observed.unknown_pids() {
+                    self.sub
+                        .observed
+                        .lists_read_for(super::nvml::Refresh::UnknownPid);
+                    Some(super::nvml::Refresh::UnknownPid)
+                } else {
+                    None
                 };
                 let Some(why) = why else {
-                    return after(judge, &mut self.rooms);
+                    return after(judge, &mut self.sub);
                 };
-                let mut known = self.rooms.seeing.table.known();
-                // Processes the driver holds checkpointed have left the lists.
-                for (k, pin) in self.rooms.vault.known() {
-                    if !known.iter().any(|(kk, _)| *kk == k) {
-                        known.push((k, pin));
-                    }
-                }
+                let known = self.known();
                 self.ask(Cmd::ReadLists { why, known });
                 Stage::Lists { judge }
             }
             (Some((listed, failed, gone, generation)), None) => {
-                self.rooms.vault.gone(&gone);
+                self.sub.vault.gone(&gone);
                 let pids = self
-                    .rooms
-                    .seeing
+                    .sub
+                    .observed
                     .listed(t, &listed, &failed, &gone, generation);
                 if pids.is_empty() {
-                    self.rooms
-                        .seeing
+                    self.sub
+                        .observed
                         .apply_lists(t, listed, failed, generation, Vec::new());
-                    return after(judge, &mut self.rooms);
+                    return after(judge, &mut self.sub);
                 }
                 // The lists wait with the answers for their classification.
                 self.answers.push(Obs::Lists {
@@ -390,46 +470,71 @@ impl Controller {
                 Stage::Lists { judge }
             }
             (Some((listed, failed, _, generation)), Some(classified)) => {
-                self.rooms
-                    .seeing
+                self.sub
+                    .observed
                     .apply_lists(t, listed, failed, generation, classified);
-                after(judge, &mut self.rooms)
+                after(judge, &mut self.sub)
             }
         }
     }
 
+    /// Whether the controller names process `key` anywhere (its table, a hold, the vault):
+    /// the shell keeps its pin while it does.
+    pub fn names(&self, key: &ProcKey) -> bool {
+        let r = &self.sub;
+        r.observed.table.entry(key).is_some()
+            || r.vault.knows(key)
+            || r.book.holds(key)
+            || r.book.stops(key, None)
+    }
+
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
     pub fn next_wait(&self, now: u64) -> std::time::Duration {
-        self.rooms.next_wait(now)
+        self.sub.next_wait(now)
     }
 
     /// Per GPU, as of the latest decision (the gauges and the time accounting).
     pub fn summary(&self) -> &[super::publish::GpuSummary] {
-        self.rooms.summary()
+        self.sub.summary()
     }
 
     /// The hold book.
     pub fn holds(&self) -> &super::holds::HoldBook {
-        self.rooms.holds()
+        self.sub.holds()
     }
 
     /// The vault (the driver's lock, memory preemption).
     pub fn vault(&self) -> &super::vault::Vault {
-        &self.rooms.vault
+        &self.sub.vault
     }
 
     /// Whether the driver holds nothing the vault put there, and no call is in flight.
     pub fn vault_idle(&self) -> bool {
-        self.rooms.vault.idle()
+        self.sub.vault.idle()
     }
 
     /// The record book.
     pub fn record(&self) -> &super::record::RecordBook {
-        self.rooms.record()
+        self.sub.record()
     }
 
     /// The process table.
     pub fn table(&self) -> &super::table::Table {
-        &self.rooms.seeing.table
+        &self.sub.observed.table
     }
+}
+
+/// Takes the first of `from` that `pick` takes, leaving the others in order.
+fn take_one<T>(from: &mut Vec<Obs>, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
+    let mut found = None;
+    for o in std::mem::take(from) {
+        match found {
+            None => match pick(o) {
+                Ok(t) => found = Some(t),
+                Err(o) => from.push(o),
+            },
+            Some(_) => from.push(o),
+        }
+    }
+    found
 }

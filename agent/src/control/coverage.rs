@@ -17,8 +17,8 @@
 use super::bells::Bells;
 use super::state::{CoverageRow, StateDoc};
 use super::table::Table;
-use crate::edges::doorbell::Owner;
-use crate::edges::source::ShimNote;
+use crate::control::model::bell::Owner;
+use crate::control::model::process::ShimNote;
 use qos_core::Class;
 
 /// The label value of a process that runs with the shim.

@@ -1,13 +1,11 @@
 //! One GPU process in the table, and how its activity is noted (runs, onsets, the
 //! latest evidence per GPU).
 
+use crate::control::model::process::Classified;
+use crate::control::model::ProcKey;
 use crate::control::target::Plan;
-use crate::edges::procfs::ProcKey;
-use crate::edges::source::Classified;
 use qos_core::Signal;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 /// One GPU process.
 #[derive(Debug, Clone)]
@@ -41,8 +39,9 @@ pub struct Entry {
     pub rung: bool,
     /// How it is suspended (offline processes only).
     pub plan: Option<Plan>,
-    /// A pidfd pinning it (tells cheaply when it has exited).
-    pub pin: Option<Arc<OwnedFd>>,
+    /// The shell pins it with a pidfd (tells cheaply when it has exited; the handle its
+    /// signals go through), named by its key.
+    pub pinned: bool,
     /// Its own cgroup's directory in the freezer hierarchy, if there is one: a hold that
     /// freezes or stops a cgroup at or above it stops it too, whatever its own plan.
     pub home: Option<std::path::PathBuf>,

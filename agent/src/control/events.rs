@@ -8,7 +8,7 @@
 //! benchmarks and the tests; nobody parses a log line.
 
 use crate::control::holds::{Completion, HoldKey, Outcome};
-use crate::edges::actuator::{Kind, Op};
+use crate::control::model::act::{Kind, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 

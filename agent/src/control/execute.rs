@@ -1,6 +1,7 @@
-//! A decision becomes holds and events: the plan of each suspension (vetted in rules
-//! mode, a gate where it applies), and the preempt/release events that wait for their
-//! holds' confirmations.
+//! A decision becomes holds and events: the plan of each suspension, assembled here and
+//! nowhere else at suspension (the table's, vetted in rules mode; the driver's lock where
+//! it applies; behind a gate where one applies), and the preempt/release events that wait
+//! for their holds' confirmations.
 
 use super::bells::Bells;
 use super::events::{Event, Preempt, Release, Tracker};
@@ -9,8 +10,8 @@ use super::holds::HoldKey;
 use super::note::Note;
 use super::table::Table;
 use super::target::Plan;
-use crate::edges::actuator::{Op, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::model::act::Op;
+use crate::control::model::ProcKey;
 use qos_core::machine::Reason;
 use qos_core::{Decision, Transition};
 use std::collections::BTreeSet;
@@ -19,8 +20,8 @@ fn secs(ns: u64) -> f64 {
     ns as f64 / 1e9
 }
 
-/// A plan to vet: (holder, plan, the holder alone).
-pub type ToVet = (ProcKey, Plan, Target);
+/// A plan to vet: (holder, plan).
+pub type ToVet = (ProcKey, Plan);
 
 /// The suspensions whose plan freezes or stops a whole cgroup: membership may have
 /// changed since classification, so the shell checks them again (rules mode) before they
@@ -31,21 +32,8 @@ pub fn to_vet(d: &Decision<ProcKey>, table: &Table) -> Vec<ToVet> {
         .filter_map(|(key, _)| {
             let e = table.entry(key)?;
             let plan = e.plan.clone()?;
-            let pin = e.pin.clone()?;
-            matches!(
-                plan,
-                Plan::Freeze(Target::Cgroup { .. }) | Plan::SignalCgroup { .. }
-            )
-            .then(|| {
-                (
-                    *key,
-                    plan,
-                    Target::Process {
-                        key: *key,
-                        pidfd: pin,
-                    },
-                )
-            })
+            e.pinned.then_some(())?;
+            matches!(plan, Plan::Freeze(_) | Plan::SignalCgroup { .. }).then(|| (*key, plan))
         })
         .collect()
 }
@@ -70,7 +58,7 @@ pub fn plans(
         let Some(entry) = table.entry(key) else {
             continue;
         };
-        let (Some(plan), Some(_)) = (entry.plan.clone(), entry.pin.as_ref()) else {
+        let (Some(plan), true) = (entry.plan.clone(), entry.pinned) else {
             continue;
         };
         let plan = vetted

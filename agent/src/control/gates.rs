@@ -29,11 +29,10 @@
 //! bring the stop sooner; see SECURITY.md.
 
 use crate::control::bells::Bells;
+use crate::control::model::bell::Owner;
+use crate::control::model::ProcKey;
 use crate::control::table::Table;
-use crate::control::target::Plan;
-use crate::edges::actuator::Target;
-use crate::edges::doorbell::Owner;
-use crate::edges::procfs::ProcKey;
+use crate::control::target::{GateSlot, Plan};
 use coloc_doorbell::GateReading;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -151,10 +150,7 @@ impl Gates {
     /// applies (see the module's rules), else `plan`.
     pub fn plan(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32, plan: Plan) -> Plan {
         match self.gate(table, bells, key, gpu) {
-            Some(gate) => Plan::Gate {
-                gate,
-                fallback: Box::new(plan),
-            },
+            Some(gate) => Plan::gated(gate, plan),
             None => plan,
         }
     }
@@ -166,7 +162,7 @@ impl Gates {
     }
 
     /// The gate of `key` on `gpu`, when the module's rules give one.
-    fn gate(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> Option<Target> {
+    fn gate(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> Option<GateSlot> {
         let file = self.file.as_ref()?;
         if self.silent(key) {
             return None;
@@ -189,7 +185,7 @@ impl Gates {
         if self.acks(table, bells, key, &uuid).is_empty() {
             return None;
         }
-        Some(Target::Gate {
+        Some(GateSlot {
             key: *key,
             uuid,
             file: file.clone(),

@@ -5,13 +5,12 @@
 //! last decisions (suspended work stays suspended, the idle window keeps running) until
 //! the failure **persists**: every call for that GPU has failed on at least
 //! [`MIN_FAILED_TICKS`] consecutive ticks spanning at least `--nvml-failure-grace`
-//! (default 50 ms). Then that GPU fails open — its offline work is resumed and it is left
+//! (default 50 ms). Continuation that GPU fails open — its offline work is resumed and it is left
 //! unmanaged — while the other GPUs stay protected. The first successful tick makes it
 //! managed again; samples from before that moment are ignored, so no old sample starts
 //! the next busy period.
 //!
-//! A **hung** call is caught by the shell's watchdog thread
-//! ([`crate::control::shell::watchdog`]).
+//! A **hung** call is caught by the shell's watchdog thread (`shell/watchdog.rs`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;

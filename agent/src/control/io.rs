@@ -1,34 +1,52 @@
-//! What the controller and its shell say to each other: the commands the controller asks
-//! for, in order ([`Cmd`]), and the observations the shell brings back ([`Obs`]).
+//! What the controller and its shell say to each other: the reads due at a tick's start
+//! ([`Reads`]), which the shell gathers into a snapshot before the tick's first step,
+//! doorbells first ([`Obs::Snapshot`]); the commands the controller asks for, in order
+//! ([`Cmd`]); and the observations the shell brings back ([`Obs`]).
 //!
-//! Every command that reads something is answered by one observation, in the same round
-//! of the conversation, except a record [`Cmd::Write`], which the shell performs off the
-//! loop's thread and answers when it lands ([`Obs::Written`]), a later round or tick.
+//! Inside a tick the controller still asks for a few reads whose need only the snapshot
+//! shows: the classification of processes the lists name for the first time, the lists
+//! again for a launch of a process they do not hold yet (or for samples of an unknown PID),
+//! the doorbells again after those lists, whole-cgroup plans vetted, GPU memory. Every
+//! command that reads something is answered by one observation, in the same round of the
+//! conversation, except a record [`Cmd::Write`], which the shell performs off the loop's
+//! thread and answers when it lands ([`Obs::Written`]), a later round or tick.
 
 use crate::control::entry::Entry;
 use crate::control::events::Event;
 use crate::control::holds::{HoldCmd, HoldObs};
+use crate::control::model::bell::{BellReading, PageInfo};
+use crate::control::model::gpu;
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::nvml::Refresh;
 use crate::control::record::Write;
 use crate::control::state::StateDoc;
 use crate::control::target::Plan;
 use crate::control::ReleaseAll;
-use crate::edges::actuator::Target;
-use crate::edges::doorbell::{BellReading, PageInfo};
-use crate::edges::gpu;
-use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
+
+/// What the shell reads at a tick's start, before the controller's first step, in this
+/// order: the doorbell pages; NVML's samples, stopping after a GPU when a doorbell rang
+/// (the rest are read at the next tick); the process lists, unless a doorbell rang
+/// meanwhile (then they wait for the next tick, once in a row at most); and the doorbell
+/// pages again when one rang during the NVML reads. Handed in as one [`Obs::Snapshot`].
+#[derive(Debug)]
+pub struct Reads {
+    /// The doorbell pages: a [`Cmd::ReadBells`].
+    pub bells: Cmd,
+    /// NVML's per-process samples, if due: a [`Cmd::ReadSamples`].
+    pub samples: Option<Cmd>,
+    /// The running-process lists, if due: a [`Cmd::ReadLists`].
+    pub lists: Option<Cmd>,
+}
 
 /// What the controller asks the shell to do.
 #[derive(Debug)]
 pub enum Cmd {
     /// Read NVML's per-process samples of each GPU newer than its timestamp (µs), in this
     /// order; stop after a GPU when a doorbell has rung (the rest are read at the next
-    /// tick). Answered by [`Obs::Samples`].
+    /// tick). Only in [`Reads`]; read into an [`Obs::Samples`].
     ReadSamples {
         /// (GPU, newest timestamp seen, µs).
         gpus: Vec<(u32, u64)>,
@@ -38,8 +56,8 @@ pub enum Cmd {
     ReadLists {
         /// Why.
         why: Refresh,
-        /// The processes the table knows, with their pins.
-        known: Vec<(ProcKey, Option<Arc<OwnedFd>>)>,
+        /// The processes the table knows, and whether the shell pins each (by its key).
+        known: Vec<(ProcKey, bool)>,
     },
     /// Classify these listed PIDs. Answered by [`Obs::Classified`].
     Classify {
@@ -51,8 +69,8 @@ pub enum Cmd {
     /// Check that each plan that freezes or stops a whole cgroup still finds only offline
     /// processes there (rules mode), else the process alone. Answered by [`Obs::Vetted`].
     Vet {
-        /// (holder, plan, the holder alone).
-        plans: Vec<(ProcKey, Plan, Target)>,
+        /// (holder, plan).
+        plans: Vec<(ProcKey, Plan)>,
     },
     /// Read the doorbell pages: sweep the directories of pods that are gone (`sweep`),
     /// rescan the directories when they changed or `force`, read every page; with `gate`,
@@ -94,12 +112,15 @@ pub enum Cmd {
 /// What the shell observed.
 #[derive(Debug)]
 pub enum Obs {
-    /// A tick starts; the loop's latest sleep (went to sleep, woke), ns.
-    Tick {
-        /// The sleep.
-        slept: Option<(u64, u64)>,
-        /// The pod source's generation now.
-        generation: u64,
+    /// What the shell gathered for the [`Reads`] of the tick that started: an
+    /// [`Obs::Bells`], then an [`Obs::Samples`] and an [`Obs::Lists`] where they were read.
+    Snapshot {
+        /// The reads.
+        reads: Vec<Obs>,
+        /// A doorbell rang during the NVML reads: what was not read waits for the next
+        /// tick, and no NVML read is asked for before the decision other than the lists a
+        /// launch of a process they do not hold yet needs.
+        rang: bool,
     },
     /// Answers [`Cmd::ReadSamples`]: per GPU read, its samples or the error.
     Samples {
@@ -156,5 +177,9 @@ pub enum Obs {
         room: BTreeMap<u32, u64>,
     },
     /// A driver call ended.
-    Driver(crate::edges::checkpoint::Done),
+    Driver(crate::control::model::driver::Done),
+    /// The offline pages' gate fields, read by the shell right after it closed a gate (a
+    /// shim with nothing in flight acknowledges at once: its process is held in the tick
+    /// that closed its gate, not at the next one).
+    GateFields(Vec<(u64, Vec<GateReading>)>),
 }

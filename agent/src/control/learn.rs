@@ -23,7 +23,7 @@
 //! process writes is its own word: it can only bring offline work beside itself sooner
 //! or later (SECURITY.md).
 
-use crate::edges::procfs::ProcKey;
+use crate::control::model::ProcKey;
 use qos_core::release::{Adaptive, GapModel};
 use std::collections::HashMap;
 
@@ -130,12 +130,6 @@ impl Learner {
         self.window(gpu, online)
     }
 
-    /// The shortest window the machine may be given: 0 with `at_once`, else the floor.
-    pub fn floor(&self) -> Option<u64> {
-        self.cfg
-            .map(|c| if c.at_once { 0 } else { c.adaptive.floor })
-    }
-
     /// Forgets the processes `alive` does not know.
     pub fn retain(&mut self, alive: impl Fn(&ProcKey) -> bool) {
         self.tracks.retain(|(k, _), _| alive(k));
@@ -176,8 +170,18 @@ impl Learner {
                 && t.drained < t.last
         })
     }
+}
 
-    /// Gaps recorded for `key` on `gpu` (for `/state` and tests).
+/// Views the tests read.
+#[cfg(test)]
+impl Learner {
+    /// The shortest window the machine may be given: 0 with `at_once`, else the floor.
+    pub fn floor(&self) -> Option<u64> {
+        self.cfg
+            .map(|c| if c.at_once { 0 } else { c.adaptive.floor })
+    }
+
+    /// Gaps recorded for `key` on `gpu`.
     pub fn gaps(&self, key: &ProcKey, gpu: u32) -> u64 {
         self.tracks.get(&(*key, gpu)).map_or(0, |t| t.model.seen())
     }

@@ -2,6 +2,7 @@
 //! the edges and performs what it decides.
 //!
 //! ```text
+//!  Controller::start_tick ──Reads──► shell (eyes: the snapshot, doorbells first)
 //!  edges ──► shell (eyes) ──Obs──► Controller::step(now, obs) ──Cmd──► shell (hands, scribe,
 //!   ▲                                   │ sub-states:                      telemetry) ──► edges
 //!   └───────────────────────────────────┘ table, nvml, health, bells/claims, gates,
@@ -9,18 +10,28 @@
 //!                                         events (tracker), pace
 //! ```
 //!
-//! Rooms: [`controller`] (the conversation of a tick, and the one place the sub-states
-//! meet), [`io`] (the commands and observations), [`note`] (what the controller says for
-//! the log and the metrics), [`table`] and [`entry`] (the process table: identity, class,
-//! GPUs, activity), [`nvml`] (when the driver is read, what a sample says), [`health`]
-//! (transient vs persistent NVML failures), [`bells`] and [`claims`] (doorbell attribution
-//! and corroboration), [`gates`] (the gate book), [`holds`] (what is suspended, record
-//! before act, confirmations that never stall the loop), [`record`] (the record book:
-//! written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
-//! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a decision
-//! into holds and events), [`publish`] (summaries and `/state`), [`target`] (freezer or
-//! signal, whole cgroup or one process), [`state`] (the `/state` document and the handle
-//! shared with HTTP); [`shell`] (the loop itself, its eyes, hands, scribe and watchdog).
+//! The controller is every file here but [`shell`] and the tests: it imports no edge and
+//! holds no file descriptor (a unit test reads its files to keep it so); its data types
+//! are its own ([`model`]), and the edges re-export them.
+//!
+//! Modules: [`controller`] (the conversation of a tick), [`substates`] (the one place the
+//! sub-states meet, and what a tick does with them), [`observed`] (the sub-states that take
+//! in the shell's reads), [`model`] (the data the controller reasons about), [`io`] (the
+//! reads due at a tick's start, the commands and observations), [`note`] (what the
+//! controller says for the log and the metrics), [`table`] and [`entry`] (the process
+//! table: identity, class, GPUs, activity), [`nvml`] (when the driver is read, what a
+//! sample says), [`health`] (transient vs persistent NVML failures), [`bells`] and
+//! [`claims`] (doorbell attribution and corroboration), [`gates`] (the gate book),
+//! [`holds`] (what is suspended, record before act, confirmations that never stall the
+//! loop), [`vault`] (the driver's lock and memory preemption), [`record`] (the record
+//! book: written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
+//! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a
+//! decision into holds and events), [`publish`] (summaries and `/state`), [`target`] (what
+//! a hold suspends, named without a file descriptor; freezer or signal, whole cgroup or
+//! one process), [`state`] (the `/state` document and the handle shared with HTTP),
+//! [`learn`] (the learned release window), [`coverage`] and [`reason`] (what `/state`
+//! says of each process); [`shell`] (the loop itself: its eyes, hands, pins, scribe and
+//! watchdog).
 
 pub mod bells;
 pub mod claims;
@@ -34,17 +45,18 @@ pub mod health;
 pub mod holds;
 pub mod io;
 pub mod learn;
+pub mod model;
 pub mod note;
 pub mod nvml;
+pub mod observed;
 pub mod pace;
 pub mod publish;
 pub mod reason;
 pub mod record;
 pub mod retry;
-pub mod rooms;
-pub mod seeing;
 pub mod shell;
 pub mod state;
+pub mod substates;
 pub mod table;
 pub mod target;
 mod text;
@@ -53,18 +65,11 @@ pub mod vault;
 #[cfg(test)]
 mod tests;
 
-pub use shell::Loop;
+pub use shell::{Edges, Loop};
 
-use crate::edges::actuator::{Actuator, Kind};
-use crate::edges::cgroupfs::CgroupMounts;
-use crate::edges::clock::Clock;
-use crate::edges::doorbell::Doorbells;
-use crate::edges::gpu::GpuSampler;
-use crate::edges::procfs::ProcFs;
-use crate::edges::record::RecordStore;
-use crate::edges::source::PodSource;
+use model::host::CgroupMounts;
+use model::Kind;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Settings of the loop (validated by the CLI layer).
@@ -119,34 +124,6 @@ pub struct LoopConfig {
     pub release: Option<learn::Learning>,
     /// The driver's lock and memory preemption (`--driver-lock`, `--memory-reserve`).
     pub vault: vault::VaultConfig,
-}
-
-/// The loop's edges (real ones in `main`, fakes in tests).
-pub struct Edges {
-    /// NVML.
-    pub gpu: Box<dyn GpuSampler>,
-    /// `/proc`.
-    pub procfs: Arc<dyn ProcFs>,
-    /// Classification.
-    pub source: Arc<dyn PodSource>,
-    /// Time.
-    pub clock: Arc<dyn Clock>,
-    /// Freezer/signal (or dry run).
-    pub actuator: Box<dyn Actuator>,
-    /// The fail-open record.
-    pub record: Box<dyn RecordStore>,
-    /// Doorbell pages, and the loop's sleep.
-    pub bells: Box<dyn Doorbells>,
-    /// The launch gates (`--gate`).
-    pub gates: Option<crate::edges::gate::GateKeeper>,
-    /// The CUDA driver's checkpoint API (`--driver-lock`, `--memory-reserve`), when loaded.
-    pub driver: Option<Arc<dyn crate::edges::checkpoint::DriverApi>>,
-}
-
-impl std::fmt::Debug for Edges {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Edges").finish_non_exhaustive()
-    }
 }
 
 /// Why everything is resumed at once.

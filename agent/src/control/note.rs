@@ -6,9 +6,9 @@
 //! May touch: the log and the metrics recorder.
 
 use crate::control::holds::{Broken, Escalation, HoldKey, Outcome};
+use crate::control::model::act::{Kind, Op};
+use crate::control::model::bell::Owner;
 use crate::control::nvml::Refresh;
-use crate::edges::actuator::{Kind, Op};
-use crate::edges::doorbell::Owner;
 use qos_core::machine::Reason;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -329,7 +329,7 @@ pub enum Note {
     /// A call to the driver's checkpoint API ended.
     DriverCall {
         /// The operation.
-        op: crate::edges::checkpoint::Op,
+        op: crate::control::model::driver::Op,
         /// The process.
         pid: u32,
         /// Its owner.
@@ -357,7 +357,7 @@ pub enum Note {
     /// A driver call has run far longer than it should.
     DriverCallStuck {
         /// The operation.
-        op: crate::edges::checkpoint::Op,
+        op: crate::control::model::driver::Op,
         /// The process.
         pid: u32,
         /// Its owner.
@@ -652,8 +652,8 @@ impl Note {
                             .record(*took_s);
                         if matches!(
                             op,
-                            crate::edges::checkpoint::Op::Checkpoint
-                                | crate::edges::checkpoint::Op::Restore
+                            crate::control::model::driver::Op::Checkpoint
+                                | crate::control::model::driver::Op::Restore
                         ) {
                             metrics::counter!("coloc_checkpoint_bytes_total", "op" => opl)
                                 .increment(*bytes);

@@ -2,8 +2,8 @@
 //! sample says (a sampled period, its onset), where a round of reads stands, and what is
 //! history (samples from before a fail-open).
 
+use crate::control::model::gpu;
 use crate::control::table::{Activity, Table};
-use crate::edges::gpu;
 use qos_core::Signal;
 use std::collections::BTreeMap;
 

@@ -25,7 +25,7 @@ pub struct Pacer {
     judged: std::collections::BTreeMap<u32, u64>,
 }
 
-/// What the wait depends on, from the other rooms.
+/// What the wait depends on, from the other sub-states.
 #[derive(Debug, Default)]
 pub struct Due {
     /// An event waits with nothing pending, a retry waits, a duty cycle runs, or the

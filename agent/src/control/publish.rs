@@ -4,7 +4,7 @@
 
 use super::state::{GpuDoc, ProcDoc, StateDoc};
 use super::table::Table;
-use crate::edges::procfs::ProcKey;
+use crate::control::model::ProcKey;
 use qos_core::{Class, GpuState, Machine};
 
 /// One GPU as of the latest decision.
@@ -51,7 +51,7 @@ pub struct Header {
     /// Node name.
     pub node: String,
     /// `--actuator`.
-    pub actuator: crate::edges::actuator::Kind,
+    pub actuator: crate::control::model::act::Kind,
     /// `--dry-run`.
     pub dry_run: bool,
     /// The idle window, ns.

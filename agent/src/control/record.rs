@@ -26,7 +26,7 @@
 //! ```
 
 use crate::control::holds::Req;
-use crate::edges::actuator::RecordEntry;
+use crate::control::model::act::RecordEntry;
 use std::collections::BTreeSet;
 
 /// How long after a failed write the record is written again when no suspension waits
@@ -236,6 +236,15 @@ impl RecordBook {
         out
     }
 
+    /// A write is on its way.
+    pub fn writing(&self) -> bool {
+        self.flight.is_some()
+    }
+}
+
+/// Views the tests read.
+#[cfg(test)]
+impl RecordBook {
     /// No write is on its way and the disk holds what is wanted.
     pub fn settled(&self) -> bool {
         self.flight.is_none()
@@ -245,11 +254,6 @@ impl RecordBook {
                 .iter()
                 .chain(&self.held)
                 .all(|e| self.durable.contains(e))
-    }
-
-    /// A write is on its way.
-    pub fn writing(&self) -> bool {
-        self.flight.is_some()
     }
 
     /// What is wanted ahead.

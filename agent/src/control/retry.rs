@@ -7,7 +7,7 @@
 //! to 1.28 s; back to 10 ms after 10 s without failures) the machine forgets the
 //! suspension, and the next tick suspends the process again if online is still busy.
 
-use crate::edges::procfs::ProcKey;
+use crate::control::model::ProcKey;
 use std::collections::BTreeMap;
 
 const FIRST_NS: u64 = 10_000_000;

@@ -2,7 +2,7 @@
 //! server (health, readiness, the document, the fractional-second counters).
 
 use crate::control::events::Event;
-use crate::edges::actuator::Kind;
+use crate::control::model::act::Kind;
 use qos_core::stats::Summary;
 use qos_core::Class;
 use serde::{Deserialize, Serialize};

@@ -11,14 +11,12 @@
 //! The table does no I/O: the shell reads the lists and classifies the PIDs the table
 //! names ([`Table::to_classify`]); the table applies what it is told ([`Table::apply`]).
 
+use crate::control::model::act::RecordEntry;
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::target::Plan;
-use crate::edges::actuator::RecordEntry;
-use crate::edges::procfs::ProcKey;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 /// How long a listed PID may stay invisible in `/proc` before the agent warns that it is
 /// probably not in the host PID namespace.
@@ -142,12 +140,10 @@ impl Table {
         self.procs.retain(|_, e| !e.gpus.is_empty() || keep(&e.key));
     }
 
-    /// The table's processes, with their pins: what the shell checks are still alive.
-    pub fn known(&self) -> Vec<(ProcKey, Option<Arc<OwnedFd>>)> {
-        self.procs
-            .values()
-            .map(|e| (e.key, e.pin.clone()))
-            .collect()
+    /// The table's processes, and whether the shell pins each: what the shell checks are
+    /// still alive.
+    pub fn known(&self) -> Vec<(ProcKey, bool)> {
+        self.procs.values().map(|e| (e.key, e.pinned)).collect()
     }
 
     /// The listed PIDs to classify: unknown, replaced by another process (`gone` names the
@@ -262,11 +258,14 @@ impl Table {
                 continue;
             }
             match &e.plan {
-                Some(Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t)) => {
-                    out.insert(t.record());
-                }
-                Some(Plan::SignalCgroup { leader, .. }) => {
-                    out.insert(leader.record());
+                // The process (a signalled cgroup's leader), the cgroup or the lock.
+                Some(
+                    p @ (Plan::Freeze(_)
+                    | Plan::Signal(_)
+                    | Plan::Lock(_)
+                    | Plan::SignalCgroup { .. }),
+                ) => {
+                    out.insert(p.target().record());
                 }
                 Some(Plan::Gate { .. }) | None => {}
             }
@@ -353,4 +352,4 @@ impl Table {
     }
 }
 
-pub use super::text::{sanitize, truncate};
+pub use super::text::sanitize;

@@ -1,5 +1,5 @@
 //! The vault: every use of the CUDA driver's checkpoint API, decided here and carried out
-//! off the loop by the shell ([`crate::edges::checkpoint::DriverCalls`]).
+//! off the loop by the shell (its driver calls, a thread each).
 //!
 //! Two things want a process held by the driver, and the vault keeps one driver state per
 //! process that satisfies both:
@@ -36,18 +36,17 @@
 
 use crate::control::events::{DriverEvent, Event};
 use crate::control::holds::Req;
+use crate::control::model::act::{ActError, Progress, RecordEntry};
+use crate::control::model::driver::{CallEnd, CuError, Done, Op as DriverOp};
+use crate::control::model::gpu::GpuMemory;
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::table::Table;
 use crate::control::target::Plan;
-use crate::edges::actuator::{ActError, Progress, RecordEntry, Target};
-use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DOp};
-use crate::edges::gpu::GpuMemory;
-use crate::edges::procfs::ProcKey;
+use crate::control::target::Target;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The vault's requests to the record book are numbered from here (the hold book's below).
@@ -191,7 +190,7 @@ impl DState {
 
 /// Where a checkpoint entry of the record stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rec {
+enum CheckpointRecord {
     /// Not asked for.
     No,
     /// Asked for (this request).
@@ -205,18 +204,18 @@ enum Rec {
 struct Slot {
     state: DState,
     /// The call in flight: (operation, started at, ns).
-    call: Option<(DOp, u64)>,
+    call: Option<(DriverOp, u64)>,
     /// A lock hold wants it locked.
     time_hold: bool,
     /// Memory preemption wants it checkpointed.
     evict: bool,
     /// Its `Checkpoint` record entry.
-    rec: Rec,
+    rec: CheckpointRecord,
     gpu: Option<u32>,
     /// Device memory it held when last seen (what a checkpoint moved).
     bytes: u64,
-    /// Pins it (exit is seen through the shell's list of known processes).
-    pin: Option<Arc<OwnedFd>>,
+    /// The shell pins it (exit is seen through the shell's list of known processes).
+    pinned: bool,
     owner: String,
     /// The cgroup its own plan freezes or signals, if any: a hold on it stops the process.
     cgroup: Option<PathBuf>,
@@ -245,10 +244,10 @@ impl Slot {
             call: None,
             time_hold: false,
             evict: false,
-            rec: Rec::No,
+            rec: CheckpointRecord::No,
             gpu: None,
             bytes: 0,
-            pin: None,
+            pinned: false,
             owner: "-".into(),
             cgroup: None,
             refused: None,
@@ -264,7 +263,7 @@ impl Slot {
     /// Held by the driver (locked or checkpointed) with no call that could change that.
     fn held(&self) -> bool {
         matches!(self.state, DState::Locked | DState::Checkpointed)
-            && !matches!(self.call, Some((DOp::Unlock, _)))
+            && !matches!(self.call, Some((DriverOp::Unlock, _)))
     }
 }
 
@@ -303,7 +302,7 @@ pub struct Call {
     /// The process.
     pub key: ProcKey,
     /// The operation.
-    pub op: DOp,
+    pub op: DriverOp,
     /// A lock's timeout.
     pub timeout: Duration,
 }
@@ -360,18 +359,13 @@ impl Vault {
         }
     }
 
-    /// The settings.
-    pub fn config(&self) -> &VaultConfig {
-        &self.cfg
-    }
-
     /// Whether the vault does anything at all.
     pub fn active(&self) -> bool {
         self.cfg.api && (self.cfg.lock || self.cfg.reserve.is_some())
     }
 
     /// Whether memory preemption may checkpoint a process classified `cls`.
-    fn opted_in(&self, cls: &crate::edges::source::Classified) -> bool {
+    fn opted_in(&self, cls: &crate::control::model::process::Classified) -> bool {
         cls.class == Class::Offline
             && self.cfg.reserve.is_some()
             && match self.cfg.pods {
@@ -383,7 +377,7 @@ impl Vault {
     /// Whether `key` (classified `cls`) is held by the driver's lock when suspended: not
     /// once the driver refused it, unless the driver holds it still (a stop would make
     /// the unlock wait).
-    fn lockable(&self, key: &ProcKey, cls: &crate::edges::source::Classified) -> bool {
+    fn lockable(&self, key: &ProcKey, cls: &crate::control::model::process::Classified) -> bool {
         if !self.cfg.api || cls.class != Class::Offline {
             return false;
         }
@@ -399,25 +393,15 @@ impl Vault {
             && self.slots.get(key).is_none_or(|s| s.refused.is_none())
     }
 
-    /// Whether a lock hold wants `key` locked.
-    pub fn time_held(&self, key: &ProcKey) -> bool {
-        self.slots.get(key).is_some_and(|s| s.time_hold)
-    }
-
     /// Whether a suspension of the table's `key` now would be a lock.
     pub fn would_lock(&self, table: &Table, key: &ProcKey) -> bool {
         table.entry(key).is_some_and(|e| self.lockable(key, &e.cls))
     }
 
-    /// Whether memory preemption wants `key` checkpointed (or keeps it so).
-    pub fn evicting(&self, key: &ProcKey) -> bool {
-        self.slots.get(key).is_some_and(|s| s.evict)
-    }
-
     /// The plan for suspending `key`: the driver's lock where it applies, else `plan`.
     pub fn plan(&self, table: &Table, key: &ProcKey, plan: Plan) -> Plan {
         match table.entry(key) {
-            Some(e) if self.lockable(key, &e.cls) => Plan::Lock(Target::Lock { key: *key }),
+            Some(e) if self.lockable(key, &e.cls) => Plan::Lock(*key),
             _ => plan,
         }
     }
@@ -427,7 +411,7 @@ impl Vault {
     pub fn ahead(&self, table: &Table) -> BTreeSet<RecordEntry> {
         table
             .entries()
-            .filter(|e| !e.gpus.is_empty() && e.pin.is_some() && self.lockable(&e.key, &e.cls))
+            .filter(|e| !e.gpus.is_empty() && e.pinned && self.lockable(&e.key, &e.cls))
             .map(|e| Target::Lock { key: e.key }.record())
             .collect()
     }
@@ -435,9 +419,7 @@ impl Vault {
     fn slot(&mut self, key: ProcKey, table: &Table) -> &mut Slot {
         let s = self.slots.entry(key).or_insert_with(Slot::new);
         if let Some(e) = table.entry(&key) {
-            if s.pin.is_none() {
-                s.pin = e.pin.clone();
-            }
+            s.pinned |= e.pinned;
             s.owner = e.cls.owner.clone();
             if let Some(g) = e.gpus.iter().next() {
                 s.gpu = Some(*g);
@@ -454,11 +436,11 @@ impl Vault {
     pub fn hold(
         &mut self,
         key: ProcKey,
-        op: crate::edges::actuator::Op,
+        op: crate::control::model::act::Op,
         table: &Table,
         stopped: impl Fn(&ProcKey, Option<&std::path::Path>) -> bool,
     ) -> Progress {
-        use crate::edges::actuator::Op;
+        use crate::control::model::act::Op;
         if !self.cfg.api {
             return match op {
                 Op::Suspend => Progress::Failed(ActError::Driver(
@@ -510,9 +492,9 @@ impl Vault {
         let Some(s) = self.slots.get_mut(&key) else {
             return;
         };
-        if s.rec == Rec::No {
+        if s.rec == CheckpointRecord::No {
             self.next_req += 1;
-            s.rec = Rec::Asked(req);
+            s.rec = CheckpointRecord::Asked(req);
             self.records.push(RecordAsk::Add(req, vec![rec_entry(key)]));
         }
     }
@@ -636,7 +618,7 @@ impl Vault {
             .filter_map(|(pid, bytes)| {
                 let e = table.by_pid(*pid)?;
                 let ok = e.gpus.contains(&gpu)
-                    && e.pin.is_some()
+                    && e.pinned
                     // A stopped process cannot be locked until it runs.
                     && !stopped(&e.key, e.stopped_with())
                     && self.opted_in(&e.cls)
@@ -678,7 +660,7 @@ impl Vault {
             s.evict = true;
             s.bytes = bytes;
             s.gpu = Some(gpu);
-            s.rec = Rec::Asked(req);
+            s.rec = CheckpointRecord::Asked(req);
             self.records.push(RecordAsk::Add(req, vec![rec_entry(key)]));
             self.notes.push(Note::Evicting {
                 gpu,
@@ -703,7 +685,7 @@ impl Vault {
         let restoring: u64 = self
             .slots
             .values()
-            .filter(|s| s.gpu == Some(gpu) && matches!(s.call, Some((DOp::Restore, _))))
+            .filter(|s| s.gpu == Some(gpu) && matches!(s.call, Some((DriverOp::Restore, _))))
             .map(|s| s.bytes)
             .sum();
         let mut free = m.free.saturating_sub(restoring);
@@ -738,9 +720,9 @@ impl Vault {
         };
         let gib = s.bytes / (1 << 30);
         let bound = match op {
-            DOp::Lock => self.cfg.lock_timeout.as_nanos() as u64 + 250_000_000,
-            DOp::Checkpoint => 10_000_000_000 + 2_000_000_000 * gib,
-            DOp::Restore => 10_000_000_000 + 1_000_000_000 * gib,
+            DriverOp::Lock => self.cfg.lock_timeout.as_nanos() as u64 + 250_000_000,
+            DriverOp::Checkpoint => 10_000_000_000 + 2_000_000_000 * gib,
+            DriverOp::Restore => 10_000_000_000 + 1_000_000_000 * gib,
             _ => 5_000_000_000,
         };
         now.saturating_sub(at) > bound
@@ -749,12 +731,12 @@ impl Vault {
     /// The record answered request `req`.
     pub fn recorded(&mut self, req: Req, ok: bool) {
         for (k, s) in self.slots.iter_mut() {
-            if s.rec == Rec::Asked(req) {
+            if s.rec == CheckpointRecord::Asked(req) {
                 if ok {
-                    s.rec = Rec::OnDisk;
+                    s.rec = CheckpointRecord::OnDisk;
                 } else {
                     // Not on disk: not evicted.
-                    s.rec = Rec::No;
+                    s.rec = CheckpointRecord::No;
                     s.evict = false;
                     self.notes.push(Note::EvictionNotRecorded { pid: k.pid });
                 }
@@ -812,27 +794,27 @@ impl Vault {
             };
             let op = match (s.state, want) {
                 _ if s.given_up => None,
-                _ if s.probe => Some(DOp::State),
+                _ if s.probe => Some(DriverOp::State),
                 (DState::Failed, _) => None,
                 // Never again once the driver refused (the hold book learns it at its
                 // next check and falls back).
                 // Not while another hold stops it: the driver would wait for it to run.
-                (DState::Running, DState::Locked) => {
-                    (s.refused.is_none() && !stopped(key, s.cgroup.as_deref())).then_some(DOp::Lock)
-                }
-                // Memory preemption locks only once its entry is on disk.
-                (DState::Running, DState::Checkpointed) => (s.rec == Rec::OnDisk
+                (DState::Running, DState::Locked) => (s.refused.is_none()
                     && !stopped(key, s.cgroup.as_deref()))
-                .then_some(DOp::Lock),
+                .then_some(DriverOp::Lock),
+                // Memory preemption locks only once its entry is on disk.
+                (DState::Running, DState::Checkpointed) => (s.rec == CheckpointRecord::OnDisk
+                    && !stopped(key, s.cgroup.as_deref()))
+                .then_some(DriverOp::Lock),
                 (DState::Locked, DState::Checkpointed) => {
-                    (s.rec == Rec::OnDisk).then_some(DOp::Checkpoint)
+                    (s.rec == CheckpointRecord::OnDisk).then_some(DriverOp::Checkpoint)
                 }
                 (DState::Checkpointed, DState::Locked | DState::Running) => {
                     // Thaw first: the driver restores on a thread inside the process.
                     (now >= s.restore_not_before_ns && !stopped(key, s.cgroup.as_deref()))
-                        .then_some(DOp::Restore)
+                        .then_some(DriverOp::Restore)
                 }
-                (DState::Locked, DState::Running) => Some(DOp::Unlock),
+                (DState::Locked, DState::Running) => Some(DriverOp::Unlock),
                 _ => None,
             };
             match op {
@@ -851,14 +833,14 @@ impl Vault {
                         && !s.evict
                         && (matches!(s.state, DState::Running | DState::Failed)
                             || (s.state == DState::Locked && s.time_hold));
-                    if settled && s.rec == Rec::OnDisk {
-                        s.rec = Rec::No;
+                    if settled && s.rec == CheckpointRecord::OnDisk {
+                        s.rec = CheckpointRecord::No;
                         self.records.push(RecordAsk::Remove(vec![rec_entry(*key)]));
                     }
                     // Forgotten once nothing is left of it (a write asked for lands first,
                     // and is then let go).
                     if settled
-                        && s.rec == Rec::No
+                        && s.rec == CheckpointRecord::No
                         && s.state == DState::Running
                         && !s.time_hold
                         && s.refused.is_none()
@@ -883,14 +865,14 @@ impl Vault {
         }
         s.call = None;
         s.said_stuck = false;
-        if d.op == DOp::State {
+        if d.op == DriverOp::State {
             s.probe = false;
             match d.state {
                 Some(st) => {
                     s.state = match st {
-                        crate::edges::checkpoint::ProcessState::Running => DState::Running,
-                        crate::edges::checkpoint::ProcessState::Locked => DState::Locked,
-                        crate::edges::checkpoint::ProcessState::Checkpointed => {
+                        crate::control::model::driver::ProcessState::Running => DState::Running,
+                        crate::control::model::driver::ProcessState::Locked => DState::Locked,
+                        crate::control::model::driver::ProcessState::Checkpointed => {
                             DState::Checkpointed
                         }
                         _ => DState::Failed,
@@ -916,20 +898,20 @@ impl Vault {
         };
         if ok {
             s.state = match d.op {
-                DOp::Lock | DOp::Restore => DState::Locked,
-                DOp::Checkpoint => DState::Checkpointed,
-                DOp::Unlock => DState::Running,
+                DriverOp::Lock | DriverOp::Restore => DState::Locked,
+                DriverOp::Checkpoint => DState::Checkpointed,
+                DriverOp::Unlock => DState::Running,
                 _ => s.state,
             };
         }
-        if ok && d.op == DOp::Checkpoint {
+        if ok && d.op == DriverOp::Checkpoint {
             s.checkpointed_ns = now;
         }
         if let CallEnd::Answered(Err(e)) = &d.end {
             self::failed(s, d.op, e, now, self.cfg.restore_after_ns);
             // At exit a restore the driver refuses (no room while online holds the
             // memory) is not waited for: the process stays checkpointed and recorded.
-            if self.stopping && d.op == DOp::Restore {
+            if self.stopping && d.op == DriverOp::Restore {
                 s.given_up = true;
                 self.notes.push(Note::RestoreGivenUp {
                     pid: d.key.pid,
@@ -948,7 +930,7 @@ impl Vault {
             error,
             fallback: s.refused.is_some() && !ok,
         });
-        if matches!(d.op, DOp::Checkpoint | DOp::Restore) {
+        if matches!(d.op, DriverOp::Checkpoint | DriverOp::Restore) {
             let ev = DriverEvent {
                 at_ns: now,
                 gpu: s.gpu,
@@ -959,7 +941,7 @@ impl Vault {
                 ok,
                 reason,
             };
-            self.events.push(if d.op == DOp::Checkpoint {
+            self.events.push(if d.op == DriverOp::Checkpoint {
                 Event::Checkpoint(ev)
             } else {
                 Event::Restore(ev)
@@ -975,20 +957,22 @@ impl Vault {
         for k in keys {
             self.no_room.remove(k);
             if let Some(s) = self.slots.remove(k) {
-                if s.rec != Rec::No {
+                if s.rec != CheckpointRecord::No {
                     self.records.push(RecordAsk::Remove(vec![rec_entry(*k)]));
                 }
             }
         }
     }
 
+    /// Whether the vault keeps `key`.
+    pub fn knows(&self, key: &ProcKey) -> bool {
+        self.slots.contains_key(key)
+    }
+
     /// The processes the vault keeps, pinned (so that their exit is seen while the driver's
     /// lists do not show them: a checkpointed process has left them).
-    pub fn known(&self) -> Vec<(ProcKey, Option<Arc<OwnedFd>>)> {
-        self.slots
-            .iter()
-            .map(|(k, s)| (*k, s.pin.clone()))
-            .collect()
+    pub fn known(&self) -> Vec<(ProcKey, bool)> {
+        self.slots.iter().map(|(k, s)| (*k, s.pinned)).collect()
     }
 
     /// The agent stops: everything is restored and unlocked (after the holds' thaw).
@@ -1006,16 +990,6 @@ impl Vault {
         self.slots.values().all(|s| {
             s.call.is_none() && (s.given_up || matches!(s.state, DState::Running | DState::Failed))
         })
-    }
-
-    /// Calls in flight.
-    pub fn in_flight(&self) -> usize {
-        self.slots.values().filter(|s| s.call.is_some()).count()
-    }
-
-    /// Where the driver has `key`, if the vault knows it.
-    pub fn state_of(&self, key: &ProcKey) -> Option<(DState, u64)> {
-        self.slots.get(key).map(|s| (s.state, s.bytes))
     }
 
     /// Every process the vault knows: (process, GPU, driver state, bytes, owner).
@@ -1041,13 +1015,13 @@ impl Vault {
                 s.state != DState::Running
                     || s.call.is_some()
                     || s.evict
-                    || matches!(s.rec, Rec::Asked(_))
+                    || matches!(s.rec, CheckpointRecord::Asked(_))
             })
             .map(|(k, _)| *k)
             .collect();
         for k in held {
             if let Some(s) = self.slots.get_mut(&k) {
-                s.rec = Rec::No;
+                s.rec = CheckpointRecord::No;
             }
             self.claim(k);
         }
@@ -1135,31 +1109,50 @@ impl Vault {
 
 /// The driver refused `op`: what that means for the process. Where it is now is asked of
 /// the driver before the next call (`probe`).
-fn failed(s: &mut Slot, op: DOp, e: &CuError, now: u64, restore_after_ns: u64) {
+fn failed(s: &mut Slot, op: DriverOp, e: &CuError, now: u64, restore_after_ns: u64) {
     let why = e.to_string();
     s.probe = true;
     match op {
         // The lock did not take (a lock that times out leaves the process running): held
         // by its other plan from now on, and not evicted.
-        DOp::Lock => {
+        DriverOp::Lock => {
             s.refused = Some(why);
             s.evict = false;
         }
         // Not checkpointed: it stays locked (unlocked when nothing wants it held), and is
         // not evicted again.
-        DOp::Checkpoint => {
+        DriverOp::Checkpoint => {
             s.evict = false;
             s.refused = Some(why);
         }
         // Still checkpointed (no room, or the driver refused): tried again after
         // --restore-after.
-        DOp::Restore => {
+        DriverOp::Restore => {
             s.evict = true;
             s.restore_not_before_ns = now + restore_after_ns;
         }
         // Still locked: tried again at the next step.
-        DOp::Unlock => {}
+        DriverOp::Unlock => {}
         _ => {}
+    }
+}
+
+/// Views the tests read.
+#[cfg(test)]
+impl Vault {
+    /// The settings.
+    pub fn config(&self) -> &VaultConfig {
+        &self.cfg
+    }
+
+    /// Whether a lock hold wants `key` locked.
+    pub fn time_held(&self, key: &ProcKey) -> bool {
+        self.slots.get(key).is_some_and(|s| s.time_hold)
+    }
+
+    /// Whether memory preemption wants `key` checkpointed (or keeps it so).
+    pub fn evicting(&self, key: &ProcKey) -> bool {
+        self.slots.get(key).is_some_and(|s| s.evict)
     }
 }
 

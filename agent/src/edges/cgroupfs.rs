@@ -16,21 +16,10 @@
 //! May touch: reads `cgroup.procs` under the cgroup mounts (once at start, to find the
 //! namespace root); opens cgroup files for the actuator.
 
+pub use crate::control::model::host::CgroupMounts;
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-
-/// The cgroup mounts of this host.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CgroupMounts {
-    /// Mount point of the unified (v2) hierarchy, if any.
-    pub v2: Option<PathBuf>,
-    /// Mount point of the v1 freezer hierarchy, if any.
-    pub v1_freezer: Option<PathBuf>,
-    /// Mount point of the v1 memory hierarchy, if any (memory limits where the v2
-    /// hierarchy has no memory controller).
-    pub v1_memory: Option<PathBuf>,
-}
 
 impl CgroupMounts {
     /// Finds the hierarchies under `root` (usually `/sys/fs/cgroup`): pure v2 at the root,

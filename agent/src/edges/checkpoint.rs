@@ -27,25 +27,10 @@
 //! May touch: the CUDA driver library (its checkpoint entry points only; this module never
 //! creates a context or submits work).
 
+pub use crate::control::model::driver::{CallEnd, CuError, Done, Op, ProcessState};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::fmt;
 use std::time::Duration;
-
-/// What the driver says a process is in (`CUprocessState`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProcessState {
-    /// `CU_PROCESS_STATE_RUNNING`: the process can make CUDA calls.
-    Running,
-    /// `CU_PROCESS_STATE_LOCKED`: its CUDA calls block.
-    Locked,
-    /// `CU_PROCESS_STATE_CHECKPOINTED`: its device memory is on the host, its GPU
-    /// resources released.
-    Checkpointed,
-    /// `CU_PROCESS_STATE_FAILED`: an uncorrectable error during checkpoint or restore.
-    Failed,
-    /// A value this build does not know (a newer driver's).
-    Other(u32),
-}
 
 impl ProcessState {
     /// From the driver's number.
@@ -69,23 +54,6 @@ impl ProcessState {
             ProcessState::Other(_) => "other",
         }
     }
-}
-
-/// One of the driver's checkpoint operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    /// `cuCheckpointProcessGetState`.
-    State,
-    /// `cuCheckpointProcessLock`.
-    Lock,
-    /// `cuCheckpointProcessCheckpoint`.
-    Checkpoint,
-    /// `cuCheckpointProcessRestore`.
-    Restore,
-    /// `cuCheckpointProcessUnlock`.
-    Unlock,
-    /// `cuCheckpointProcessGetRestoreThreadId`.
-    RestoreThread,
 }
 
 impl Op {
@@ -149,17 +117,6 @@ const NAMES: &[(c_int, &str)] = &[
     (909, "CUDA_ERROR_TIMEOUT"),
     (999, "CUDA_ERROR_UNKNOWN"),
 ];
-
-/// A checkpoint call the driver refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CuError {
-    /// The call.
-    pub op: Op,
-    /// The driver's `CUresult`.
-    pub code: i32,
-    /// Its name (`CUDA_ERROR_…`), from the driver where it names it.
-    pub name: String,
-}
 
 impl CuError {
     /// The driver does not offer this to this process (an unsupported driver, a process
@@ -450,33 +407,6 @@ impl DriverApi for CudaCheckpoint {
     fn unlock(&self, pid: u32) -> Result<(), CuError> {
         CudaCheckpoint::unlock(self, pid)
     }
-}
-
-/// How a call ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CallEnd {
-    /// The driver answered (its answer).
-    Answered(Result<(), CuError>),
-    /// The process was not the one asked for any more (exited, or its PID reused), so
-    /// the driver was not called.
-    Gone,
-}
-
-/// A call that has ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Done {
-    /// Which call ([`DriverCalls::start`]'s answer).
-    pub id: u64,
-    /// The process.
-    pub key: crate::edges::procfs::ProcKey,
-    /// The operation.
-    pub op: Op,
-    /// How it ended.
-    pub end: CallEnd,
-    /// What the driver said the process is in (an [`Op::State`] call that succeeded).
-    pub state: Option<ProcessState>,
-    /// How long it took, from the start of the call.
-    pub elapsed: Duration,
 }
 
 /// Runs the driver's calls off the caller's thread, one thread per call: every call that

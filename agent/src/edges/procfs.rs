@@ -6,6 +6,7 @@
 //!
 //! May touch: `/proc` and `cgroup.procs` files (read only), pidfds.
 
+pub use crate::control::model::process::ProcKey;
 use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::cgroupfs::NsRoots;
 use std::collections::BTreeMap;
@@ -142,22 +143,6 @@ pub fn open_pidfd(key: ProcKey) -> io::Result<OwnedFd> {
     match read_stat(key.pid) {
         Ok(s) if s.start == key.start => Ok(fd),
         _ => Err(io::Error::new(io::ErrorKind::NotFound, "process replaced")),
-    }
-}
-
-/// A process identity that survives PID reuse: the PID and its start time (clock ticks
-/// since boot, `/proc/<pid>/stat` field 22).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-pub struct ProcKey {
-    /// Process ID (host PID namespace).
-    pub pid: u32,
-    /// Start time in clock ticks since boot.
-    pub start: u64,
-}
-
-impl std::fmt::Display for ProcKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.pid)
     }
 }
 

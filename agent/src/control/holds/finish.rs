@@ -2,12 +2,13 @@
 //! that leave the record, and the resume of everything (fail-open, shutdown).
 
 use super::{
-    members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Then, INLINE_BUDGET,
+    members_progress, pending_members, Completion, Continuation, Failure, Hold, HoldBook, HoldCmd,
+    HoldKey, Outcome, Pending, Progress,
 };
+use crate::control::model::act::{Kind, Op, RecordEntry};
+use crate::control::model::ProcKey;
 use crate::control::note::{FailWhy, Note};
-use crate::edges::actuator::{Kind, Op, RecordEntry, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::target::Target;
 use std::collections::BTreeSet;
 
 impl HoldBook {
@@ -93,7 +94,7 @@ impl HoldBook {
         }
         let targets = members.clone();
         self.ask(
-            Then::StartedResume {
+            Continuation::StartedResume {
                 key,
                 kind,
                 members,
@@ -103,7 +104,7 @@ impl HoldBook {
                 req,
                 op: Op::Resume,
                 targets,
-                budget: INLINE_BUDGET,
+                budget: std::time::Duration::ZERO,
             },
         );
     }
@@ -278,7 +279,11 @@ impl HoldBook {
             let mut p = p;
             self.confirm_escalated(&mut p);
             let (op, targets) = (p.op, p.members.clone());
-            self.ask(Then::Checked(p), |req| HoldCmd::Check { req, op, targets });
+            self.ask(Continuation::Checked(p), |req| HoldCmd::Check {
+                req,
+                op,
+                targets,
+            });
         }
     }
 
@@ -291,7 +296,11 @@ impl HoldBook {
                 continue;
             }
             let (op, targets) = (p.op, p.members.clone());
-            self.ask(Then::Checked(p), |req| HoldCmd::Check { req, op, targets });
+            self.ask(Continuation::Checked(p), |req| HoldCmd::Check {
+                req,
+                op,
+                targets,
+            });
         }
     }
 
@@ -361,7 +370,7 @@ impl HoldBook {
         let n = holds.len();
         let targets: Vec<Target> = holds.iter().flat_map(|(_, m)| m.iter().cloned()).collect();
         let budget = self.confirm_timeout;
-        self.ask(Then::ReleasedAll(holds), |req| HoldCmd::Start {
+        self.ask(Continuation::ReleasedAll(holds), |req| HoldCmd::Start {
             req,
             op: Op::Resume,
             targets,

@@ -8,13 +8,14 @@
 //! sooner: a forged one gets the process no GPU time.
 
 use super::{
-    members_progress, pending_members, Completion, Escalation, Failure, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Then,
+    members_progress, pending_members, Completion, Continuation, Escalation, Failure, HoldBook,
+    HoldCmd, HoldKey, Outcome, Pending, Progress,
 };
+use crate::control::model::act::{Kind, Op};
+use crate::control::model::ProcKey;
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
-use crate::edges::actuator::{Kind, Op, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::target::Target;
 
 impl HoldBook {
     /// The gate holds waiting for their drain: (process, GPU UUID) whose pages' acknowledgements
@@ -84,16 +85,14 @@ impl HoldBook {
             });
         }
         match &fallback {
-            Plan::SignalCgroup { dir, leader, .. } => {
-                let (dir, leader) = (dir.clone(), leader.clone());
-                self.ask(Then::FallbackMembers(p, fallback), |req| HoldCmd::Members {
-                    req,
-                    dir,
-                    leader,
+            Plan::SignalCgroup { dir, .. } => {
+                let (dir, leader) = (dir.clone(), fallback.target());
+                self.ask(Continuation::FallbackMembers(p, fallback), |req| {
+                    HoldCmd::Members { req, dir, leader }
                 });
             }
-            Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
-                let members = vec![t.clone()];
+            Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
+                let members = vec![fallback.target()];
                 self.record_fallback(p, fallback, members);
             }
         }
@@ -102,9 +101,10 @@ impl HoldBook {
     /// The fallback's members are known: record them first.
     pub(super) fn record_fallback(&mut self, p: Pending, fallback: Plan, members: Vec<Target>) {
         let entries = members.iter().map(Target::record).collect();
-        self.ask(Then::RecordedFallback(p, fallback, members), |req| {
-            HoldCmd::RecordAdd { req, entries }
-        });
+        self.ask(
+            Continuation::RecordedFallback(p, fallback, members),
+            |req| HoldCmd::RecordAdd { req, entries },
+        );
     }
 
     /// The record answered for a fallback: start it, or fail open.
@@ -124,7 +124,7 @@ impl HoldBook {
         }
         if ok {
             let targets = members.clone();
-            self.ask(Then::StartedFallback(p, fallback, members), |req| {
+            self.ask(Continuation::StartedFallback(p, fallback, members), |req| {
                 HoldCmd::Start {
                     req,
                     op: Op::Suspend,

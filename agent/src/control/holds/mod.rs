@@ -2,7 +2,7 @@
 //! suspended before the record holds it on disk.
 //!
 //! The book does no I/O. It asks for what it needs as commands ([`HoldCmd`]) and is told
-//! what came of them ([`HoldObs`]); the loop's shell ([`crate::control::shell::hands`]) performs
+//! what came of them ([`HoldObs`]); the loop's shell (its hands, `shell/hands.rs`) performs
 //! the commands in order and feeds the results back until the book asks for nothing more.
 //! Record before act is the order of the conversation: a suspension's `Start` is only asked
 //! for after the `Recorded` answer to its `RecordAdd` said the record holds it.
@@ -23,25 +23,21 @@
 
 mod finish;
 mod gate;
+mod io;
 mod pending;
 mod recheck;
 mod suspend;
-mod talk;
 
 pub use recheck::Broken;
 
+use crate::control::model::act::{Kind, Progress, RecordEntry};
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
-use crate::edges::actuator::{Kind, Progress, RecordEntry, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::target::Target;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
-
-/// How long an actuation is waited for inline: none. The actuator issues the operation
-/// and looks once; what is not confirmed yet is checked again by the loop, which sleeps
-/// between checks in its doorbell wait, so a launch on another GPU is seen meanwhile.
-pub const INLINE_BUDGET: Duration = Duration::ZERO;
 
 /// First re-check of a pending operation, ns after it started; the gap doubles up to
 /// [`CHECK_MAX_NS`]. A SIGSTOP takes effect when its target next runs (tens to hundreds
@@ -55,9 +51,9 @@ pub const CHECK_MAX_NS: u64 = 1_000_000;
 /// K = 4 and 2 ms kernels on the simulated GPU (7.6 ms). Real drains are unmeasured.
 pub const DEFAULT_GATE_TIMEOUT: Duration = Duration::from_millis(50);
 
+pub use io::{Completion, Escalation, Failure, HoldCmd, HoldObs, Outcome, Req};
 use pending::Pending;
 use pending::{members_progress, pending_members};
-pub use talk::{Completion, Escalation, Failure, HoldCmd, HoldObs, Outcome, Req};
 
 struct Hold {
     /// Tells this hold from an earlier one on the same key (an answer that comes after a
@@ -85,8 +81,9 @@ struct Hold {
     alone: bool,
 }
 
-/// What the book does with the answer to a request.
-enum Then {
+/// What the book does with the answer to a request: the request is waiting for its
+/// answer in this state of the hold's conversation.
+enum Continuation {
     /// A fresh hold's cgroup members.
     Materialised(HoldKey),
     /// Fresh holds recorded: start suspending them.
@@ -182,7 +179,7 @@ pub struct HoldBook {
     /// record write that lands after everything was released).
     abandoned_below: Req,
     next_serial: u64,
-    waiting: BTreeMap<Req, Then>,
+    waiting: BTreeMap<Req, Continuation>,
     out: Vec<HoldCmd>,
     /// What the book has to say (logs, counters), for the shell.
     notes: Vec<Note>,
@@ -230,7 +227,7 @@ impl HoldBook {
     }
 
     /// Asks for something whose answer comes back as an observation.
-    fn ask(&mut self, then: Then, cmd: impl FnOnce(Req) -> HoldCmd) {
+    fn ask(&mut self, then: Continuation, cmd: impl FnOnce(Req) -> HoldCmd) {
         let req = self.next_req;
         self.next_req += 1;
         self.waiting.insert(req, then);
@@ -373,11 +370,11 @@ impl HoldBook {
             || self.staged.keys().any(under)
             || self.pending.iter().any(|p| p.all.iter().any(hit))
             || self.waiting.values().any(|t| match t {
-                Then::StartedResume { members, .. } => members.iter().any(hit),
-                Then::ReleasedAll(holds) => holds.iter().any(|(_, m)| m.iter().any(hit)),
-                Then::FallbackMembers(_, plan)
-                | Then::RecordedFallback(_, plan, _)
-                | Then::StartedFallback(_, plan, _) => falls_back(plan),
+                Continuation::StartedResume { members, .. } => members.iter().any(hit),
+                Continuation::ReleasedAll(holds) => holds.iter().any(|(_, m)| m.iter().any(hit)),
+                Continuation::FallbackMembers(_, plan)
+                | Continuation::RecordedFallback(_, plan, _)
+                | Continuation::StartedFallback(_, plan, _) => falls_back(plan),
                 _ => false,
             })
     }
@@ -412,26 +409,26 @@ impl HoldBook {
                 continue;
             };
             match (then, o) {
-                (Then::Materialised(key), HoldObs::Members { members, .. }) => {
+                (Continuation::Materialised(key), HoldObs::Members { members, .. }) => {
                     if let Some(h) = self.staged.get_mut(&key) {
                         h.members = members;
                         self.to_record.push(key);
                     }
                 }
-                (Then::RecordedFresh(keys), HoldObs::Recorded { ok, .. }) => {
+                (Continuation::RecordedFresh(keys), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_fresh(keys, ok, now)
                 }
-                (Then::ClosedGate(key), HoldObs::GateClosed { epoch, .. }) => {
+                (Continuation::ClosedGate(key), HoldObs::GateClosed { epoch, .. }) => {
                     self.closed_gate(key, epoch, now)
                 }
                 (
-                    Then::StartedFresh(keys),
+                    Continuation::StartedFresh(keys),
                     HoldObs::Progress {
                         progress, at_ns, ..
                     },
                 ) => self.started_fresh(keys, progress, now, at_ns),
                 (
-                    Then::StartedResume {
+                    Continuation::StartedResume {
                         key,
                         kind,
                         members,
@@ -441,42 +438,44 @@ impl HoldBook {
                         progress, at_ns, ..
                     },
                 ) => self.started_resume(key, kind, members, report, progress, now, at_ns),
-                (Then::Checked(p), HoldObs::Progress { progress, .. }) => {
+                (Continuation::Checked(p), HoldObs::Progress { progress, .. }) => {
                     self.checked(p, progress, now)
                 }
-                (Then::Rechecked(key), HoldObs::Progress { progress, .. }) => {
+                (Continuation::Rechecked(key), HoldObs::Progress { progress, .. }) => {
                     self.rechecked(key, progress)
                 }
-                (Then::Restopped, HoldObs::Progress { .. }) => {}
-                (Then::Regrouped(key), HoldObs::Members { members, gone, .. }) => {
+                (Continuation::Restopped, HoldObs::Progress { .. }) => {}
+                (Continuation::Regrouped(key), HoldObs::Members { members, gone, .. }) => {
                     self.regrouped(key, members, gone, now)
                 }
-                (Then::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
+                (Continuation::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
                     self.recorded_newcomers(key, newcomers, ok)
                 }
-                (Then::Isolated(key, serial, b), HoldObs::Cell { cell, .. }) => {
+                (Continuation::Isolated(key, serial, b), HoldObs::Cell { cell, .. }) => {
                     self.isolated(key, serial, b, cell)
                 }
-                (Then::RecordedEscalation(key, serial, cg, b), HoldObs::Recorded { ok, .. }) => {
-                    self.recorded_escalation(key, serial, cg, b, ok)
-                }
                 (
-                    Then::StartedEscalation(key, serial, cg, b),
+                    Continuation::RecordedEscalation(key, serial, cg, b),
+                    HoldObs::Recorded { ok, .. },
+                ) => self.recorded_escalation(key, serial, cg, b, ok),
+                (
+                    Continuation::StartedEscalation(key, serial, cg, b),
                     HoldObs::Progress { progress, .. },
                 ) => self.started_escalation(key, serial, cg, b, progress),
-                (Then::FallbackMembers(p, plan), HoldObs::Members { members, .. }) => {
+                (Continuation::FallbackMembers(p, plan), HoldObs::Members { members, .. }) => {
                     self.record_fallback(p, plan, members)
                 }
-                (Then::RecordedFallback(p, plan, members), HoldObs::Recorded { ok, .. }) => {
-                    self.recorded_fallback(p, plan, members, ok, now)
-                }
                 (
-                    Then::StartedFallback(p, plan, members),
+                    Continuation::RecordedFallback(p, plan, members),
+                    HoldObs::Recorded { ok, .. },
+                ) => self.recorded_fallback(p, plan, members, ok, now),
+                (
+                    Continuation::StartedFallback(p, plan, members),
                     HoldObs::Progress {
                         progress, at_ns, ..
                     },
                 ) => self.started_fallback(p, plan, members, progress, now, at_ns),
-                (Then::ReleasedAll(holds), HoldObs::Progress { progress, .. }) => {
+                (Continuation::ReleasedAll(holds), HoldObs::Progress { progress, .. }) => {
                     self.released_all(holds, progress)
                 }
                 (_, o) => {

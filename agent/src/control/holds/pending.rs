@@ -2,7 +2,8 @@
 //! next, its deadline, and for a gate close the bound of its drain.
 
 use super::{Failure, HoldKey, Outcome, CHECK_FIRST_NS};
-use crate::edges::actuator::{Kind, Op, Progress, Target};
+use crate::control::model::act::{Kind, Op, Progress};
+use crate::control::target::Target;
 use std::time::Duration;
 
 /// See the module.

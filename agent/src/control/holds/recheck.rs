@@ -16,10 +16,11 @@
 //! still frozen within a few intervals.
 
 use super::pending::Pending;
-use super::{HoldBook, HoldCmd, HoldKey, Progress, Then, INLINE_BUDGET};
+use super::{Continuation, HoldBook, HoldCmd, HoldKey, Progress};
+use crate::control::model::act::{Kind, Op};
+use crate::control::model::ProcKey;
 use crate::control::note::Note;
-use crate::edges::actuator::{Kind, Op, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::target::Target;
 
 /// How often a hold that never broke is checked, by default.
 pub const RECHECK_NS: u64 = 10_000_000;
@@ -145,13 +146,13 @@ impl HoldBook {
                 }
                 _ => None,
             };
-            self.ask(Then::Rechecked(key.clone()), |req| HoldCmd::Check {
+            self.ask(Continuation::Rechecked(key.clone()), |req| HoldCmd::Check {
                 req,
                 op: Op::Suspend,
                 targets,
             });
             if let Some((dir, leader)) = regroup {
-                self.ask(Then::Regrouped(key), |req| HoldCmd::Members {
+                self.ask(Continuation::Regrouped(key), |req| HoldCmd::Members {
                     req,
                     dir,
                     leader,
@@ -174,7 +175,7 @@ impl HoldBook {
                     .get(dir)
                     .is_some_and(|at| self.now_ns.saturating_sub(*at) < REMEMBER_NS) =>
             {
-                Plan::Freeze(Target::Cgroup {
+                Plan::Freeze(crate::control::target::Frozen {
                     dir: dir.clone(),
                     version: *version,
                     cell: None,
@@ -182,9 +183,9 @@ impl HoldBook {
             }
             // A process that had to be moved into a cell of the agent's own: moved in and
             // frozen at once.
-            Plan::Signal(Target::Process { key, .. }) => match self.isolated.get(key) {
+            Plan::Signal(key) => match self.isolated.get(key) {
                 Some((cell, at)) if self.now_ns.saturating_sub(*at) < REMEMBER_NS => {
-                    Plan::Freeze(cell.clone())
+                    crate::control::target::Frozen::of(cell).map_or(plan.clone(), Plan::Freeze)
                 }
                 _ => plan.clone(),
             },
@@ -220,7 +221,7 @@ impl HoldBook {
             hold.escaping = true;
             hold.broke(running.len())
         });
-        self.ask(Then::Restopped, |req| HoldCmd::Start {
+        self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: running,
@@ -242,15 +243,16 @@ impl HoldBook {
         };
         if let Some(cg) = hold.escalate.take() {
             let entries = vec![cg.record()];
-            self.ask(Then::RecordedEscalation(key, serial, cg, broken), |req| {
-                HoldCmd::RecordAdd { req, entries }
-            });
+            self.ask(
+                Continuation::RecordedEscalation(key, serial, cg, broken),
+                |req| HoldCmd::RecordAdd { req, entries },
+            );
             return;
         }
         match hold.lone_process().filter(|_| !hold.cell_asked) {
             Some(process) => {
                 hold.cell_asked = true;
-                self.ask(Then::Isolated(key, serial, broken), |req| {
+                self.ask(Continuation::Isolated(key, serial, broken), |req| {
                     HoldCmd::Isolate { req, key: process }
                 });
             }
@@ -270,9 +272,10 @@ impl HoldBook {
         match cell {
             Ok(cg) if self.current(&key, serial) => {
                 let entries = vec![cg.record()];
-                self.ask(Then::RecordedEscalation(key, serial, cg, b), |req| {
-                    HoldCmd::RecordAdd { req, entries }
-                });
+                self.ask(
+                    Continuation::RecordedEscalation(key, serial, cg, b),
+                    |req| HoldCmd::RecordAdd { req, entries },
+                );
             }
             Ok(_) => self.broken.push(b),
             Err(why) => {
@@ -325,7 +328,7 @@ impl HoldBook {
         let broken = hold.broke(running.len());
         let escalates = hold.breaks >= ESCALATE_AFTER;
         let serial = hold.serial;
-        self.ask(Then::Restopped, |req| HoldCmd::Start {
+        self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: running,
@@ -363,12 +366,12 @@ impl HoldBook {
             return;
         }
         let targets = vec![cg.clone()];
-        self.ask(Then::StartedEscalation(key, serial, cg, b), |req| {
+        self.ask(Continuation::StartedEscalation(key, serial, cg, b), |req| {
             HoldCmd::Start {
                 req,
                 op: Op::Suspend,
                 targets,
-                budget: INLINE_BUDGET,
+                budget: std::time::Duration::ZERO,
             }
         });
     }
@@ -449,7 +452,7 @@ impl HoldBook {
             return;
         }
         let entries = newcomers.iter().map(Target::record).collect();
-        self.ask(Then::RecordedNewcomers(key, newcomers), |req| {
+        self.ask(Continuation::RecordedNewcomers(key, newcomers), |req| {
             HoldCmd::RecordAdd { req, entries }
         });
     }
@@ -471,11 +474,11 @@ impl HoldBook {
             processes: newcomers.len(),
         });
         hold.members.extend(newcomers.iter().cloned());
-        self.ask(Then::Restopped, |req| HoldCmd::Start {
+        self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets: newcomers,
-            budget: INLINE_BUDGET,
+            budget: std::time::Duration::ZERO,
         });
     }
 

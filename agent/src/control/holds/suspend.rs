@@ -1,13 +1,14 @@
 //! How holds start: the members of a plan, the record written first, then the actuator.
 
 use super::{
-    members_progress, pending_members, Completion, Failure, Hold, HoldBook, HoldCmd, HoldKey,
-    Outcome, Pending, Progress, Started, Then, INLINE_BUDGET,
+    members_progress, pending_members, Completion, Continuation, Failure, Hold, HoldBook, HoldCmd,
+    HoldKey, Outcome, Pending, Progress, Started,
 };
+use crate::control::model::act::{Op, RecordEntry};
+use crate::control::model::ProcKey;
 use crate::control::note::{FailWhy, Note};
 use crate::control::target::Plan;
-use crate::edges::actuator::{Op, RecordEntry, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::target::Target;
 use std::collections::BTreeSet;
 
 impl HoldBook {
@@ -54,24 +55,22 @@ impl HoldBook {
                 escaping: false,
                 cell_asked: false,
                 alone: match plan {
-                    Plan::Gate { fallback, .. } => {
-                        matches!(**fallback, Plan::Signal(Target::Process { .. }))
-                    }
-                    p => matches!(p, Plan::Signal(Target::Process { .. })),
+                    Plan::Gate { fallback, .. } => matches!(**fallback, Plan::Signal(_)),
+                    p => matches!(p, Plan::Signal(_)),
                 },
             };
             self.staged.insert(key.clone(), hold);
             match plan {
-                Plan::SignalCgroup { dir, leader, .. } => {
-                    self.ask(Then::Materialised(key), |req| HoldCmd::Members {
+                Plan::SignalCgroup { dir, .. } => {
+                    self.ask(Continuation::Materialised(key), |req| HoldCmd::Members {
                         req,
                         dir: dir.clone(),
-                        leader: leader.clone(),
+                        leader: plan.target(),
                     })
                 }
-                Plan::Freeze(t) | Plan::Signal(t) | Plan::Lock(t) | Plan::Gate { gate: t, .. } => {
+                Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
                     if let Some(h) = self.staged.get_mut(&key) {
-                        h.members = vec![t.clone()];
+                        h.members = vec![plan.target()];
                     }
                     self.to_record.push(key);
                 }
@@ -90,9 +89,8 @@ impl HoldBook {
                 continue;
             };
             let entries: Vec<RecordEntry> = h.members.iter().map(Target::record).collect();
-            self.ask(Then::RecordedFresh(vec![key]), |req| HoldCmd::RecordAdd {
-                req,
-                entries,
+            self.ask(Continuation::RecordedFresh(vec![key]), |req| {
+                HoldCmd::RecordAdd { req, entries }
             });
         }
     }
@@ -132,7 +130,7 @@ impl HoldBook {
             };
             if let [gate @ Target::Gate { .. }] = &h.members[..] {
                 let gate = gate.clone();
-                self.ask(Then::ClosedGate(key), |req| HoldCmd::CloseGate {
+                self.ask(Continuation::ClosedGate(key), |req| HoldCmd::CloseGate {
                     req,
                     gate,
                 });
@@ -144,11 +142,11 @@ impl HoldBook {
         if counts.is_empty() {
             return;
         }
-        self.ask(Then::StartedFresh(counts), |req| HoldCmd::Start {
+        self.ask(Continuation::StartedFresh(counts), |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets,
-            budget: INLINE_BUDGET,
+            budget: std::time::Duration::ZERO,
         });
     }
 

@@ -2,23 +2,15 @@
 //! answers.
 
 use super::*;
-use crate::edges::actuator::Op;
-use crate::edges::actuator::{ActError, CgroupVersion};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use crate::control::model::act::Op;
+use crate::control::model::act::{ActError, CgroupVersion};
+use crate::control::target::GateSlot;
 
 const MS: u64 = 1_000_000;
 
 fn proc_target(pid: u32) -> (ProcKey, Target) {
     let key = ProcKey { pid, start: 7 };
-    let fd: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-    (
-        key,
-        Target::Process {
-            key,
-            pidfd: Arc::new(fd),
-        },
-    )
+    (key, Target::Process { key })
 }
 
 thread_local! {
@@ -31,7 +23,7 @@ fn cell_of(key: ProcKey) -> Target {
     Target::Cgroup {
         dir: format!("/cg/gpu-coloc.held/{}-{}", key.pid, key.start).into(),
         version: CgroupVersion::V2,
-        cell: Some(crate::edges::actuator::Cell {
+        cell: Some(crate::control::model::act::Cell {
             pid: key.pid,
             start: key.start,
             home: "/cg/user".into(),
@@ -54,8 +46,8 @@ fn req_of(c: &HoldCmd) -> Req {
 #[test]
 fn a_suspension_is_asked_for_only_after_the_record_says_it_holds_it() {
     let mut b = HoldBook::new(Duration::from_secs(1));
-    let (k, t) = proc_target(10);
-    let started = b.suspend(&[(k, Plan::Signal(t))], 0);
+    let (k, _) = proc_target(10);
+    let started = b.suspend(&[(k, Plan::Signal(k))], 0);
     assert_eq!(started.started.len(), 1);
     let cmds = b.take_commands();
     assert!(
@@ -94,8 +86,8 @@ fn a_suspension_is_asked_for_only_after_the_record_says_it_holds_it() {
 #[test]
 fn a_record_that_cannot_be_written_means_no_suspension_and_a_retry() {
     let mut b = HoldBook::new(Duration::from_secs(1));
-    let (k, t) = proc_target(10);
-    b.suspend(&[(k, Plan::Signal(t))], 0);
+    let (k, _) = proc_target(10);
+    b.suspend(&[(k, Plan::Signal(k))], 0);
     let cmds = b.take_commands();
     b.observe(
         vec![HoldObs::Recorded {
@@ -120,9 +112,9 @@ fn a_record_that_cannot_be_written_means_no_suspension_and_a_retry() {
 #[test]
 fn a_failed_suspension_is_undone_and_a_release_leaves_the_record_in_one_write() {
     let mut b = HoldBook::new(Duration::from_secs(1));
-    let (k1, t1) = proc_target(10);
-    let (k2, t2) = proc_target(11);
-    b.suspend(&[(k1, Plan::Signal(t1)), (k2, Plan::Signal(t2))], 0);
+    let (k1, _) = proc_target(10);
+    let (k2, _) = proc_target(11);
+    b.suspend(&[(k1, Plan::Signal(k1)), (k2, Plan::Signal(k2))], 0);
     let cmds = b.take_commands();
     // One request per hold (the record book writes whatever is missing in one write, and
     // a hold already on disk waits for no other's write); answered together, they start
@@ -205,8 +197,8 @@ fn a_failed_suspension_is_undone_and_a_release_leaves_the_record_in_one_write() 
 #[test]
 fn a_pending_suspension_is_checked_on_a_doubling_schedule_and_times_out() {
     let mut b = HoldBook::new(Duration::from_millis(10));
-    let (k, t) = proc_target(10);
-    b.suspend(&[(k, Plan::Signal(t))], 0);
+    let (k, _) = proc_target(10);
+    b.suspend(&[(k, Plan::Signal(k))], 0);
     let c = b.take_commands();
     b.observe(
         vec![HoldObs::Recorded {
@@ -298,8 +290,8 @@ fn a_pending_suspension_is_checked_on_a_doubling_schedule_and_times_out() {
 // Holds that overlap, a gate's wait, a conversation cut short.
 
 fn gate_plan(pid: u32) -> (ProcKey, Plan) {
-    let (k, t) = proc_target(pid);
-    let gate = Target::Gate {
+    let (k, _) = proc_target(pid);
+    let gate = GateSlot {
         key: k,
         uuid: [7; 16],
         file: "/tmp/coloc-book-gates".into(),
@@ -308,7 +300,7 @@ fn gate_plan(pid: u32) -> (ProcKey, Plan) {
         k,
         Plan::Gate {
             gate,
-            fallback: Box::new(Plan::Signal(t)),
+            fallback: Box::new(Plan::Signal(k)),
         },
     )
 }
@@ -406,8 +398,8 @@ fn a_gate_waiting_for_its_ack_is_not_due_in_the_past() {
 #[test]
 fn release_all_resumes_a_hold_whose_suspension_started_but_was_not_answered() {
     let mut b = HoldBook::new(Duration::from_secs(1));
-    let (k, t) = proc_target(10);
-    b.suspend(&[(k, Plan::Signal(t))], 0);
+    let (k, _) = proc_target(10);
+    b.suspend(&[(k, Plan::Signal(k))], 0);
     answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
     let c = b.take_commands();
     assert!(matches!(
@@ -514,7 +506,7 @@ fn shell_with(
 /// leaves it frozen.
 #[test]
 fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
-    use crate::edges::actuator::CgroupVersion;
+    use crate::control::model::act::CgroupVersion;
     let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
     let cg = Target::Cgroup {
         dir: dir.clone(),
@@ -523,8 +515,8 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
     };
     let (k1, t1) = proc_target(10);
     let (k2, t2) = proc_target(11);
-    let plan = |k: ProcKey, t: &Target, uuid: u8| Plan::Gate {
-        gate: Target::Gate {
+    let plan = |k: ProcKey, _: &Target, uuid: u8| Plan::Gate {
+        gate: GateSlot {
             key: k,
             uuid: [uuid; 16],
             file: "/tmp/coloc-book-gates".into(),
@@ -532,7 +524,7 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
         fallback: Box::new(Plan::SignalCgroup {
             dir: dir.clone(),
             version: CgroupVersion::V2,
-            leader: t.clone(),
+            leader: k,
         }),
     };
     let mut b = HoldBook::new(Duration::from_secs(1));
@@ -581,7 +573,7 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
 /// Process 10 in cgroup `/sys/fs/cgroup/pod/c` (v2), suspended by signals to the cgroup's
 /// processes: (the process, its target, the cgroup's freezer target, the plan).
 fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
-    use crate::edges::actuator::CgroupVersion;
+    use crate::control::model::act::CgroupVersion;
     let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
     let cg = Target::Cgroup {
         dir: dir.clone(),
@@ -592,7 +584,7 @@ fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
     let plan = Plan::SignalCgroup {
         dir,
         version: CgroupVersion::V2,
-        leader: t.clone(),
+        leader: k,
     };
     (k, t, cg, plan)
 }
@@ -951,7 +943,7 @@ fn a_cgroup_that_is_gone_ends_its_hold_and_is_not_asked_for_again() {
 /// resumes the cell (which moves it home).
 #[test]
 fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first() {
-    let (k, t) = proc_target(10);
+    let (k, _) = proc_target(10);
     let cell = cell_of(k);
     let mut b = HoldBook::new(Duration::from_millis(50));
     let mut rec = std::collections::BTreeSet::new();
@@ -959,7 +951,7 @@ fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first()
         (Op::Suspend, Target::Process { .. }) => Progress::Pending,
         _ => Progress::Done,
     };
-    b.suspend(&[(k, Plan::Signal(t.clone()))], 0);
+    b.suspend(&[(k, Plan::Signal(k))], 0);
     let mut cmds = Vec::new();
     let mut now = 0;
     while now <= 30 * MS {
@@ -997,7 +989,7 @@ fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first()
     assert!(!rec.contains(&cell.record()), "{rec:?}");
     // The next busy period: into the cell and frozen at once, recorded first.
     now += 5 * MS;
-    b.suspend(&[(k, Plan::Signal(t))], now);
+    b.suspend(&[(k, Plan::Signal(k))], now);
     let cmds = shell(&mut b, now, &mut rec, &[], &mut |_, _, _| Progress::Done);
     let recorded = cmds.iter().position(
         |c| matches!(c, HoldCmd::RecordAdd { entries, .. } if entries.contains(&cell.record())),
@@ -1028,7 +1020,7 @@ fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first()
 #[test]
 fn a_process_that_no_cell_can_hold_is_reported_escaping_and_the_cell_asked_once() {
     NO_CELLS.set(true);
-    let (k, t) = proc_target(10);
+    let (k, _) = proc_target(10);
     let mut b = HoldBook::new(Duration::from_secs(1));
     let mut rec = std::collections::BTreeSet::new();
     let running = std::rc::Rc::new(std::cell::Cell::new(true));
@@ -1037,7 +1029,7 @@ fn a_process_that_no_cell_can_hold_is_reported_escaping_and_the_cell_asked_once(
         (Op::Suspend, Target::Process { .. }) if r.get() => Progress::Pending,
         _ => Progress::Done,
     };
-    b.suspend(&[(k, Plan::Signal(t))], 0);
+    b.suspend(&[(k, Plan::Signal(k))], 0);
     let mut cmds = Vec::new();
     let mut now = 0;
     let mut unheld = Vec::new();

@@ -1,16 +1,18 @@
 //! Classification, the shell's part: who a GPU process is (`/proc`), what class the pod
-//! source gives it, a pidfd pinning it, and how it would be suspended (the target
+//! source gives it, a pidfd pinning it (kept in the shell's [`super::pins`]), and how it
+//! would be suspended (the target
 //! chooser); whether a known process still lives; and, in rules mode, whether a cgroup the
 //! rules declare offline holds only offline processes. The controller decides which PIDs
 //! to classify and what follows; this room only reads.
 //!
 //! May touch: reads `/proc/<pid>/…`, `cgroup.procs`; opens pidfds; asks the pod source.
 
+use super::choose::Chooser;
+use super::pins::Pins;
 use crate::control::entry::Entry;
 use crate::control::table::Table;
-use crate::control::target::{Chooser, Plan};
+use crate::control::target::{Frozen, Plan};
 use crate::control::text::truncate;
-use crate::edges::actuator::Target;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::PodSource;
 use qos_core::Class;
@@ -28,6 +30,8 @@ pub struct Classifier {
     pub source: Arc<dyn PodSource>,
     /// Target choice.
     pub chooser: Chooser,
+    /// The pidfds that pin the processes it classifies.
+    pub pins: Arc<Pins>,
     /// One-time warnings already given.
     warned: BTreeSet<String>,
 }
@@ -42,25 +46,32 @@ impl std::fmt::Debug for Classifier {
 
 impl Classifier {
     /// A classifier over these edges.
-    pub fn new(procfs: Arc<dyn ProcFs>, source: Arc<dyn PodSource>, chooser: Chooser) -> Self {
+    pub fn new(
+        procfs: Arc<dyn ProcFs>,
+        source: Arc<dyn PodSource>,
+        chooser: Chooser,
+        pins: Arc<Pins>,
+    ) -> Self {
         Classifier {
             procfs,
             source,
             chooser,
+            pins,
             warned: BTreeSet::new(),
         }
     }
 
-    /// Which of `known` no longer live (one pidfd poll for those pinned; the start time of
-    /// the others), among the PIDs in `listed`.
+    /// Which of `known` (each with whether it is pinned) no longer live (one pidfd poll
+    /// for those pinned; the start time of the others), among the PIDs in `listed`.
     pub fn gone(
         &self,
-        known: &[(ProcKey, Option<Arc<OwnedFd>>)],
+        known: &[(ProcKey, bool)],
         listed: &BTreeMap<u32, BTreeSet<u32>>,
     ) -> Vec<ProcKey> {
-        let known: Vec<&(ProcKey, Option<Arc<OwnedFd>>)> = known
+        let known: Vec<(ProcKey, Option<Arc<OwnedFd>>)> = known
             .iter()
             .filter(|(k, _)| listed.contains_key(&k.pid))
+            .map(|(k, pinned)| (*k, pinned.then(|| self.pins.get(k)).flatten()))
             .collect();
         let pins: Vec<(ProcKey, &OwnedFd)> = known
             .iter()
@@ -73,7 +84,7 @@ impl Classifier {
             .filter(|(_, gone)| *gone)
             .map(|((k, _), _)| *k)
             .collect();
-        for (k, pin) in known {
+        for (k, pin) in &known {
             if pin.is_none() && !matches!(self.procfs.read_stat(k.pid), Ok(s) if s.start == k.start)
             {
                 out.push(*k);
@@ -93,21 +104,17 @@ impl Classifier {
         };
         let mut cls = self.source.classify(&info);
         let mut plan = None;
-        let pin = self.procfs.open_pidfd(info.key).map(Arc::new);
+        let pin = self.procfs.open_pidfd(info.key);
         if cls.class.is_suspendable() {
             match &pin {
-                Ok(fd) => {
-                    let (p, why) = self.chooser.choose(&info, &cls, fd.clone());
+                Ok(_) => {
+                    let (p, why) = self.chooser.choose(&info, &cls);
                     if let Some(why) = why {
                         if self.warned.insert(format!("fallback:{}", cls.owner)) {
                             warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
                         }
                     }
-                    let alone = Target::Process {
-                        key: info.key,
-                        pidfd: fd.clone(),
-                    };
-                    plan = Some(self.unmixed(p, alone, table));
+                    plan = Some(self.unmixed(p, info.key, table));
                 }
                 Err(err) => {
                     // Without a pidfd we cannot be sure whom we would signal: leave it be,
@@ -148,7 +155,13 @@ impl Classifier {
             ns_pid: info.ns_pid,
             rung: false,
             plan,
-            pin: pin.ok(),
+            pinned: match pin {
+                Ok(fd) => {
+                    self.pins.insert(info.key, fd);
+                    true
+                }
+                Err(_) => false,
+            },
             home: self
                 .chooser
                 .mounts
@@ -187,15 +200,13 @@ impl Classifier {
 
     /// `plan`, or, when it would freeze or stop a whole cgroup that also holds processes
     /// that are not offline (possible with standalone rules only), the plan to stop the
-    /// offline process alone (`alone`).
-    pub fn unmixed(&mut self, plan: Plan, alone: Target, table: &Table) -> Plan {
+    /// offline process (`key`) alone.
+    pub fn unmixed(&mut self, plan: Plan, key: ProcKey, table: &Table) -> Plan {
         if self.source.whole_cgroups() {
             return plan;
         }
         let dir = match &plan {
-            Plan::Freeze(Target::Cgroup { dir, .. }) | Plan::SignalCgroup { dir, .. } => {
-                dir.clone()
-            }
+            Plan::Freeze(Frozen { dir, .. }) | Plan::SignalCgroup { dir, .. } => dir.clone(),
             _ => return plan,
         };
         let Some((pid, class)) = self.mixed(&dir, table) else {
@@ -208,6 +219,6 @@ impl Classifier {
                 warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup (or one beneath it) also holds a process that is not offline: stopping only the offline processes, one by one");
             }
         }
-        Plan::Signal(alone)
+        Plan::Signal(key)
     }
 }

@@ -10,13 +10,10 @@ use crate::control::io::Obs;
 use crate::control::nvml::Refresh;
 use crate::control::table::Table;
 use crate::control::target::Plan;
-use crate::edges::actuator::Target;
 use crate::edges::doorbell::Doorbells;
 use crate::edges::gpu::GpuSampler;
 use crate::edges::procfs::ProcKey;
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
 
 /// A pod's directory is removed only when nothing changed in it for this long (and the
 /// pod source says the pod is gone).
@@ -114,12 +111,7 @@ impl Eyes {
     }
 
     /// Reads every GPU's process list, and which of `known` no longer live.
-    pub fn lists(
-        &mut self,
-        gpus: &[u32],
-        why: Refresh,
-        known: &[(ProcKey, Option<Arc<OwnedFd>>)],
-    ) -> Obs {
+    pub fn lists(&mut self, gpus: &[u32], why: Refresh, known: &[(ProcKey, bool)]) -> Obs {
         let generation = self.classifier.source.generation();
         let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
         let mut failed = BTreeMap::new();
@@ -156,13 +148,25 @@ impl Eyes {
     }
 
     /// Vets whole-cgroup plans (rules mode: every member must be offline).
-    pub fn vet(&mut self, plans: Vec<(ProcKey, Plan, Target)>, table: &Table) -> Obs {
+    pub fn vet(&mut self, plans: Vec<(ProcKey, Plan)>, table: &Table) -> Obs {
         Obs::Vetted(
             plans
                 .into_iter()
-                .map(|(k, plan, alone)| (k, self.classifier.unmixed(plan, alone, table)))
+                .map(|(k, plan)| (k, self.classifier.unmixed(plan, k, table)))
                 .collect(),
         )
+    }
+
+    /// The gate fields of every offline page (as of the latest change of the page set).
+    pub fn gate_fields(&self) -> Vec<(u64, Vec<coloc_doorbell::GateReading>)> {
+        self.offline_pages
+            .iter()
+            .map(|id| {
+                let mut out = Vec::new();
+                self.bells.read_gate(*id, &mut out);
+                (*id, out)
+            })
+            .collect()
     }
 
     /// Reads the doorbell pages (see [`crate::control::io::Cmd::ReadBells`]).
@@ -201,14 +205,7 @@ impl Eyes {
         let mut readings = Vec::new();
         // Always, pages or not: the read also notes the wake words for the next sleep.
         self.bells.read(&mut readings);
-        let mut gates = Vec::new();
-        if gate {
-            for id in &self.offline_pages {
-                let mut out = Vec::new();
-                self.bells.read_gate(*id, &mut out);
-                gates.push((*id, out));
-            }
-        }
+        let gates = if gate { self.gate_fields() } else { Vec::new() };
         Obs::Bells {
             pages,
             readings,

@@ -7,9 +7,17 @@
 //! stuck in a driver call: the hands keep a ledger of every target they suspended that is
 //! not confirmed resumed, so that resuming needs nothing from the book.
 //!
-//! May touch: what the actuator touches, the gate file; reads `/proc` and `cgroup.procs`.
+//! The controller names its targets ([`crate::control::target::Target`]: a process by its
+//! key); the hands turn each into the actuator's, a process's through its pin
+//! ([`super::pins`]). A process that can no longer be pinned is gone: nothing to suspend
+//! or resume.
+//!
+//! May touch: what the actuator touches, the gate file; reads `/proc` and `cgroup.procs`;
+//! opens pidfds.
 
+use super::pins::Pins;
 use crate::control::holds::{HoldCmd, HoldObs};
+use crate::control::target::Target as Named;
 use crate::edges::actuator::cell::Cells;
 use crate::edges::actuator::{ActError, Actuator, Op, Progress, RecordEntry, Target};
 use crate::edges::clock::Clock;
@@ -32,6 +40,8 @@ pub struct Hands {
     ledger: BTreeMap<RecordEntry, Target>,
     /// Signalled cgroups found gone, said once each (bounded: cleared past 4096).
     gone_said: std::collections::HashSet<std::path::PathBuf>,
+    /// The pidfds of the processes the controller names.
+    pins: Arc<Pins>,
 }
 
 impl std::fmt::Debug for Hands {
@@ -50,6 +60,7 @@ impl Hands {
         clock: Arc<dyn Clock>,
         gates: Option<GateKeeper>,
         cells: Result<Cells, String>,
+        pins: Arc<Pins>,
     ) -> Hands {
         Hands {
             actuator,
@@ -59,7 +70,56 @@ impl Hands {
             cells,
             ledger: BTreeMap::new(),
             gone_said: Default::default(),
+            pins,
         }
+    }
+
+    /// The actuator's target for the controller's `t`: a process's through its pin
+    /// (`None`: it cannot be pinned, it is gone).
+    fn target(&self, t: &Named) -> Option<Target> {
+        Some(match t {
+            Named::Cgroup { dir, version, cell } => Target::Cgroup {
+                dir: dir.clone(),
+                version: *version,
+                cell: cell.clone(),
+            },
+            Named::Process { key } => Target::Process {
+                key: *key,
+                pidfd: self.pins.get_or_open(*key, &*self.procfs).ok()?,
+            },
+            Named::Gate { key, uuid, file } => Target::Gate {
+                key: *key,
+                uuid: *uuid,
+                file: file.clone(),
+            },
+            Named::Lock { key } => Target::Lock { key: *key },
+        })
+    }
+
+    /// Starts (or checks) `op` on the controller's `targets` (see [`Hands::act`]); a
+    /// process that cannot be pinned is gone.
+    fn act_named(
+        &mut self,
+        targets: &[Named],
+        op: Op,
+        budget: Duration,
+        start: bool,
+    ) -> Vec<Progress> {
+        let found: Vec<Option<Target>> = targets.iter().map(|t| self.target(t)).collect();
+        if start && op == Op::Suspend {
+            for t in found.iter().flatten() {
+                self.ledger.insert(t.record(), t.clone());
+            }
+        }
+        let batch: Vec<Target> = found.iter().flatten().cloned().collect();
+        let mut progress = self.act(&batch, op, budget, start).into_iter();
+        found
+            .iter()
+            .map(|t| match t {
+                Some(_) => progress.next().unwrap_or(Progress::Pending),
+                None => Progress::Gone,
+            })
+            .collect()
     }
 
     /// Performs `cmd`; returns its answer (`None`: a record command, which is not theirs).
@@ -78,12 +138,20 @@ impl Hands {
                         _ => Err(format!("pid {} has exited", key.pid)),
                     },
                 };
+                let cell = cell.and_then(|t| match t {
+                    Target::Cgroup { dir, version, cell } => {
+                        Ok(Named::Cgroup { dir, version, cell })
+                    }
+                    t => Err(format!("a cell is a cgroup, not {t}")),
+                });
                 HoldObs::Cell { req, cell }
             }
             HoldCmd::CloseGate { req, gate } => {
-                self.ledger.insert(gate.record(), gate.clone());
+                if let Some(t) = self.target(&gate) {
+                    self.ledger.insert(t.record(), t);
+                }
                 let epoch = match (&gate, &mut self.gates) {
-                    (Target::Gate { key, uuid, file }, Some(g)) => g.close(*key, *uuid, file),
+                    (Named::Gate { key, uuid, file }, Some(g)) => g.close(*key, *uuid, file),
                     _ => Err(ActError::NoGate(format!("{gate}: no launch gate here"))),
                 };
                 if let Err(err) = &epoch {
@@ -100,13 +168,8 @@ impl Hands {
                 targets,
                 budget,
             } => {
-                if op == Op::Suspend {
-                    for t in &targets {
-                        self.ledger.insert(t.record(), t.clone());
-                    }
-                }
-                let progress = self.act(&targets, op, budget, true);
-                self.settle(op, &targets, &progress);
+                let progress = self.act_named(&targets, op, budget, true);
+                self.settle(op, targets.iter().map(Named::record), &progress);
                 HoldObs::Progress {
                     req,
                     progress,
@@ -114,8 +177,8 @@ impl Hands {
                 }
             }
             HoldCmd::Check { req, op, targets } => {
-                let progress = self.act(&targets, op, Duration::ZERO, false);
-                self.settle(op, &targets, &progress);
+                let progress = self.act_named(&targets, op, Duration::ZERO, false);
+                self.settle(op, targets.iter().map(Named::record), &progress);
                 HoldObs::Progress {
                     req,
                     progress,
@@ -125,14 +188,19 @@ impl Hands {
         })
     }
 
-    /// Targets confirmed resumed (or gone) leave the ledger.
-    fn settle(&mut self, op: Op, targets: &[Target], progress: &[Progress]) {
+    /// Targets (their records) confirmed resumed (or gone) leave the ledger.
+    fn settle(
+        &mut self,
+        op: Op,
+        targets: impl Iterator<Item = RecordEntry>,
+        progress: &[Progress],
+    ) {
         if op != Op::Resume {
             return;
         }
-        for (t, p) in targets.iter().zip(progress) {
+        for (t, p) in targets.zip(progress) {
             if matches!(p, Progress::Done | Progress::Gone | Progress::Skipped) {
-                self.ledger.remove(&t.record());
+                self.ledger.remove(&t);
             }
         }
     }
@@ -181,11 +249,11 @@ impl Hands {
     /// The processes of signalled cgroup `dir` now, `leader` first, each pinned by a
     /// pidfd; the agent is never among them. True when the cgroup is gone (its processes
     /// all exited and it was removed): said once per directory.
-    fn members(&mut self, dir: &std::path::Path, leader: Target) -> (Vec<Target>, bool) {
+    fn members(&mut self, dir: &std::path::Path, leader: Named) -> (Vec<Named>, bool) {
         let me = self.procfs.self_pid();
         let lead = match &leader {
-            Target::Process { key, .. } => key.pid,
-            Target::Cgroup { .. } | Target::Gate { .. } | Target::Lock { .. } => 0,
+            Named::Process { key } => key.pid,
+            Named::Cgroup { .. } | Named::Gate { .. } | Named::Lock { .. } => 0,
         };
         let mut out = vec![leader];
         match self.procfs.cgroup_members(dir) {
@@ -199,10 +267,8 @@ impl Hands {
                         start: stat.start,
                     };
                     if let Ok(fd) = self.procfs.open_pidfd(key) {
-                        out.push(Target::Process {
-                            key,
-                            pidfd: Arc::new(fd),
-                        });
+                        self.pins.insert(key, fd);
+                        out.push(Named::Process { key });
                     }
                 }
             }
@@ -237,7 +303,7 @@ impl Hands {
             g.open_all();
         }
         // What could not be resumed stays known: the next call tries again.
-        self.settle(Op::Resume, &targets, &progress);
+        self.settle(Op::Resume, targets.iter().map(Target::record), &progress);
         targets.len()
     }
 
@@ -246,10 +312,5 @@ impl Hands {
         if let Some(g) = &self.gates {
             g.beat();
         }
-    }
-
-    /// Whether a launch gate is closed.
-    pub fn gates_closed(&self) -> bool {
-        self.gates.as_ref().is_some_and(GateKeeper::any_closed)
     }
 }

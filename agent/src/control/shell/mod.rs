@@ -1,39 +1,55 @@
-//! The shell: the loop that performs what the controller asks. It reads the edges into
-//! observations (its [`eyes`]), calls [`Controller::step`], performs the commands in the
-//! order given (its [`hands`] act, its [`scribe`] writes the record off the loop's thread,
-//! telemetry reports), feeds the results back, and sleeps in the doorbell wait until the
-//! controller says something is due.
+//! The shell: the loop that performs what the controller asks. At a tick's start it
+//! gathers what [`Controller::start_tick`] says is due into one snapshot, the doorbells
+//! first (its [`eyes`]), hands it in ([`Controller::handle`]), performs each command
+//! [`Controller::poll_command`] gives, in order (its [`hands`] act, its [`scribe`] writes
+//! the record off the loop's thread, telemetry reports), hands in what came of each, and
+//! sleeps in the doorbell wait until [`Controller::poll_timeout`].
 //!
 //! ```text
+//!  start_tick ─► Reads ─► eyes: bells, samples (stop at a ring), lists (not after a ring),
+//!                              bells again (after a ring) ─► Snapshot
 //!            ┌──────────────── Obs ────────────────┐
-//!  edges ─► eyes ─► Controller::step ─► Cmd ─► hands (actuator, gates) ─► edges
+//!  edges ─► eyes ─► handle … poll_command ─► Cmd ─► hands (actuator, gates) ─► edges
 //!                        ▲                 ├─► scribe (record; answers later) ──┐
 //!                        └──── Written ────┼────────────────────────────────────┘
 //!                                          └─► telemetry (log, metrics, events, /state)
 //! ```
 //!
+//! The controller holds no file descriptor: the [`pins`] keep the pidfd of every process
+//! it names, opened by the classifier, used by the hands, closed after the tick in which
+//! the controller names the process no more.
+//!
 //! Runs on its own OS thread so that its timing does not depend on the async runtime
 //! serving HTTP. Fails open: on shutdown, or a panic (via `Drop`), it resumes everything;
 //! the NVML [`watchdog`] does so from its own thread while a call hangs.
 
+pub mod choose;
 pub mod classify;
 pub mod eyes;
 pub mod hands;
+pub mod pins;
 pub mod scribe;
 pub mod watchdog;
 
 use super::controller::Controller;
-use super::holds::HoldBook;
-use super::io::{Cmd, Obs};
+use super::holds::{HoldBook, HoldObs};
+use super::io::{Cmd, Obs, Reads};
 use super::note::Note;
 use super::state::{Shared, StateDoc};
-use super::target::Chooser;
-use super::{Edges, LoopConfig, ReleaseAll};
+use super::{LoopConfig, ReleaseAll};
+use crate::edges::actuator::Actuator;
 use crate::edges::clock::Clock;
+use crate::edges::doorbell::Doorbells;
+use crate::edges::gpu::GpuSampler;
+use crate::edges::procfs::ProcFs;
+use crate::edges::record::RecordStore;
+use crate::edges::source::PodSource;
 use crate::telemetry::Telemetry;
+use choose::Chooser;
 use classify::Classifier;
 use eyes::Eyes;
 use hands::Hands;
+use pins::Pins;
 use qos_core::stats::Summary;
 use scribe::Scribe;
 use std::sync::atomic::Ordering;
@@ -50,6 +66,34 @@ const LAST_WRITES: Duration = Duration::from_secs(5);
 /// slower than one). What is left stays in the record for `coloc-agent resume` and the
 /// next start.
 pub const LAST_RESTORES: Duration = Duration::from_secs(60);
+
+/// The loop's edges (real ones in `main`, fakes in tests).
+pub struct Edges {
+    /// NVML.
+    pub gpu: Box<dyn GpuSampler>,
+    /// `/proc`.
+    pub procfs: Arc<dyn ProcFs>,
+    /// Classification.
+    pub source: Arc<dyn PodSource>,
+    /// Time.
+    pub clock: Arc<dyn Clock>,
+    /// Freezer/signal (or dry run).
+    pub actuator: Box<dyn Actuator>,
+    /// The fail-open record.
+    pub record: Box<dyn RecordStore>,
+    /// Doorbell pages, and the loop's sleep.
+    pub bells: Box<dyn Doorbells>,
+    /// The launch gates (`--gate`).
+    pub gates: Option<crate::edges::gate::GateKeeper>,
+    /// The CUDA driver's checkpoint API (`--driver-lock`, `--memory-reserve`), when loaded.
+    pub driver: Option<Arc<dyn crate::edges::checkpoint::DriverApi>>,
+}
+
+impl std::fmt::Debug for Edges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Edges").finish_non_exhaustive()
+    }
+}
 
 /// The control loop: the controller and the shell around it.
 pub struct Loop {
@@ -72,6 +116,11 @@ pub struct Loop {
     slept: Option<(u64, u64)>,
     /// Everything was released on the way out once already (its restores waited for).
     released: bool,
+    /// The latest tick's process lists waited for the next tick because a doorbell rang.
+    lists_put_off: bool,
+    /// The pidfds of the processes the controller names (shared with the classifier and
+    /// the hands); closed after the tick in which the controller stops naming them.
+    pub(crate) pins: Arc<Pins>,
     /// Lines tenants can cause, limited per owner.
     lines: crate::logbudget::LogBudget,
     /// Every note reported (tests).
@@ -126,7 +175,8 @@ impl Loop {
         // `/metrics` labels every per-GPU series with its GPU's UUID.
         let _ = shared.gpu_uuids.set(uuids.iter().cloned().collect());
         let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
-        let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser);
+        let pins = Arc::new(Pins::default());
+        let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser, pins.clone());
         let driver = edges
             .driver
             .map(|api| crate::edges::checkpoint::DriverCalls::new(api, edges.procfs.clone()));
@@ -136,6 +186,7 @@ impl Loop {
             edges.clock.clone(),
             edges.gates,
             crate::edges::actuator::cell::Cells::on(&cfg.cgroups),
+            pins.clone(),
         );
         Ok(Loop {
             ctl,
@@ -151,6 +202,8 @@ impl Loop {
             last_tick_ns: None,
             slept: None,
             released: false,
+            lists_put_off: false,
+            pins,
             lines: crate::logbudget::LogBudget::default(),
             #[cfg(test)]
             said: Vec::new(),
@@ -187,7 +240,8 @@ impl Loop {
         while !self.shared.stop.load(Ordering::Relaxed) {
             self.tick();
             // From now: the tick's own time is already behind `now`.
-            let sleep = self.next_wait(self.clock.now_ns());
+            let now = self.clock.now_ns();
+            let sleep = Duration::from_nanos(self.ctl.poll_timeout(now).saturating_sub(now));
             let slept_ns = self.clock.now_ns();
             if !sleep.is_zero() && self.eyes.bells.wait(sleep) {
                 metrics::counter!("coloc_doorbell_wakeups_total").increment(1);
@@ -209,10 +263,11 @@ impl Loop {
         self.last_tick_ns = Some(now);
         crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
         let generation = self.eyes.classifier.source.generation();
-        self.converse(vec![Obs::Tick {
-            slept: self.slept,
-            generation,
-        }]);
+        let reads = self.ctl.start_tick(now, self.slept, generation);
+        let snapshot = self.gather(reads);
+        self.converse(snapshot);
+        let ctl = &self.ctl;
+        self.pins.retain(|k| ctl.names(k));
         self.account(dt);
         {
             let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
@@ -234,18 +289,108 @@ impl Loop {
         self.ctl.next_wait(now)
     }
 
+    /// The tick's snapshot ([`Reads`]): the doorbells first, then the NVML reads due —
+    /// the samples stop after the GPU in progress when a doorbell rings, the lists wait for
+    /// the next tick when one rang (once in a row at most: a page that keeps ringing never
+    /// starves them) — and the doorbells again when one rang during the NVML reads, so that
+    /// the launch is decided in this tick. Returns the snapshot, then what else came of the
+    /// reads (the watchdog's trips).
+    fn gather(&mut self, reads: Reads) -> Vec<Obs> {
+        let Reads {
+            bells,
+            samples,
+            lists,
+        } = reads;
+        let gate = matches!(bells, Cmd::ReadBells { gate: true, .. });
+        let (mut snapshot, mut other): (Vec<Obs>, Vec<Obs>) = self
+            .perform(vec![bells])
+            .into_iter()
+            .partition(|o| matches!(o, Obs::Bells { .. }));
+        let mut rang = false;
+        if let Some(cmd) = samples {
+            for o in self.perform(vec![cmd]) {
+                match o {
+                    Obs::Samples { yielded, .. } => {
+                        rang |= yielded;
+                        snapshot.push(o);
+                    }
+                    o => other.push(o),
+                }
+            }
+        }
+        if let Some(cmd) = lists {
+            rang = rang || self.eyes.bells.rang();
+            if rang && !self.lists_put_off {
+                self.lists_put_off = true;
+                metrics::counter!("coloc_nvml_rounds_yielded_total").increment(1);
+            } else {
+                self.lists_put_off = false;
+                for o in self.perform(vec![cmd]) {
+                    match o {
+                        Obs::Lists { .. } => snapshot.push(o),
+                        o => other.push(o),
+                    }
+                }
+            }
+        }
+        if rang {
+            for o in self.perform(vec![Cmd::ReadBells {
+                force: false,
+                sweep: false,
+                gate,
+            }]) {
+                let Obs::Bells {
+                    pages,
+                    readings,
+                    gates,
+                } = o
+                else {
+                    other.push(o);
+                    continue;
+                };
+                // The latest readings; the page set as of its latest change.
+                if let Some(Obs::Bells {
+                    pages: p,
+                    readings: r,
+                    gates: g,
+                }) = snapshot.iter_mut().find(|o| matches!(o, Obs::Bells { .. }))
+                {
+                    if pages.is_some() {
+                        *p = pages;
+                    }
+                    *r = readings;
+                    *g = gates;
+                }
+            }
+        }
+        let mut out = vec![Obs::Snapshot {
+            reads: snapshot,
+            rang,
+        }];
+        out.append(&mut other);
+        out
+    }
+
     /// Steps the controller and performs what it asks until it asks for nothing more.
-    fn converse(&mut self, mut obs: Vec<Obs>) {
+    fn converse(&mut self, obs: Vec<Obs>) {
+        for o in obs {
+            self.ctl.handle(o);
+        }
         loop {
-            obs.extend(self.scribe.landed());
+            for o in self.scribe.landed() {
+                self.ctl.handle(o);
+            }
             if let Some(d) = &mut self.driver {
-                obs.extend(d.finished().into_iter().map(Obs::Driver));
+                for done in d.finished() {
+                    self.ctl.handle(Obs::Driver(done));
+                }
             }
-            let cmds = self.ctl.step(self.clock.now_ns(), obs);
-            if cmds.is_empty() {
+            let Some(cmd) = self.ctl.poll_command(self.clock.now_ns()) else {
                 return;
+            };
+            for o in self.perform(vec![cmd]) {
+                self.ctl.handle(o);
             }
-            obs = self.perform(cmds);
         }
     }
 
@@ -278,7 +423,16 @@ impl Loop {
                     out.push(obs)
                 }
                 Cmd::PreferPages(ids) => self.eyes.bells.prefer(&ids),
-                Cmd::Hold(c) => out.extend(self.hands().perform(c).map(Obs::Hold)),
+                Cmd::Hold(c) => {
+                    let answer = self.hands().perform(c);
+                    // A shim with nothing in flight acknowledges a close at once: its
+                    // fields are read now, so that its fallback starts in this tick.
+                    let closed = matches!(answer, Some(HoldObs::GateClosed { epoch: Some(_), .. }));
+                    out.extend(answer.map(Obs::Hold));
+                    if closed {
+                        out.push(Obs::GateFields(self.eyes.gate_fields()));
+                    }
+                }
                 Cmd::Write(w) => out.extend(self.scribe.write(w)),
                 Cmd::Beat => self.hands().keepalive(),
                 Cmd::Emit(ev) => self.telemetry.emit(ev),

@@ -259,14 +259,14 @@ fn launches_nvml_never_corroborates_stop_counting_after_the_trust_window() {
         d[0].nvml_seen_ns.is_none() && d[0].claimed_s >= 1.0,
         "{d:?}"
     );
-    let listed = h.lp.ctl.rooms.seeing.bells.distrusted();
+    let listed = h.lp.ctl.sub.observed.bells.distrusted();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].owner, "pid:20");
     // Still distrusted, however it rings, until the driver shows it at work.
     distrusted_until_seen(&mut h, 1, 20);
     let d = distrusts(&h);
     assert!(d.last().is_some_and(|d| d.restored), "{d:?}");
-    assert!(h.lp.ctl.rooms.seeing.bells.distrusted().is_empty());
+    assert!(h.lp.ctl.sub.observed.bells.distrusted().is_empty());
 }
 
 /// Real work keeps its page trusted: continuous launches with the driver showing the
@@ -292,8 +292,8 @@ fn corroborated_or_interrupted_claims_stay_trusted() {
                 (now - t0) / MS,
                 distrusts(&h),
                 h.lp.ctl
-                    .rooms
-                    .seeing
+                    .sub
+                    .observed
                     .table
                     .by_pid(20)
                     .map(|e| e.nvml_seen.clone())
@@ -388,7 +388,7 @@ fn distrust_stays_with_the_pod_across_its_processes() {
     }
     assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
     assert_eq!(
-        h.lp.ctl.rooms.seeing.bells.distrusted()[0].owner,
+        h.lp.ctl.sub.observed.bells.distrusted()[0].owner,
         format!("pod:{uid}")
     );
     // Another process of the pod, another page: still nothing counts, until any of its
@@ -507,4 +507,75 @@ fn a_pause_of_one_idle_window_does_not_restart_the_count() {
         h.tick();
     }
     assert_eq!(distrusts(&h).len(), 1, "{:?}", distrusts(&h));
+}
+
+/// A launch that rings while the loop is inside a 2 ms NVML call is acted on as soon as
+/// that call returns: the NVML reads still due in the tick (the rest of the samples, every
+/// GPU's process list) wait for the next tick, and the doorbells are read before them.
+#[test]
+fn a_launch_during_an_nvml_call_is_acted_on_within_200us_of_its_end() {
+    let mut h = harness_with(8, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.bells.page(1, Owner::Pid(20), 0);
+    h.ticks(3);
+    assert!(!h.suspended(10));
+    {
+        let mut c = h.gpu.call_time.lock().unwrap();
+        c.clock = Some(h.clock.clone());
+        c.ns = 2 * MS;
+        let bells = h.bells.clone();
+        c.midway = Some(Box::new(move |now| {
+            bells.ring(1, 0, now, now);
+            let mut s = bells.state.lock().unwrap();
+            s.rang_after = Some(s.rang_calls);
+        }));
+    }
+    // The samples and the process lists (every 50 ms) are both due.
+    h.clock.advance(200 * MS);
+    h.lp.tick();
+    assert!(h.suspended(10), "the launch was not acted on in its tick");
+    let ends = h.gpu.call_time.lock().unwrap().ends.clone();
+    let call_end = ends[0];
+    let acted = h
+        .act
+        .calls()
+        .iter()
+        .find(|c| c.op == Op::Suspend)
+        .and_then(|c| c.at_ns)
+        .expect("a suspension");
+    assert!(
+        acted >= call_end && acted - call_end <= 200_000,
+        "acted on {} µs after the NVML call the launch arrived in returned ({} NVML calls \
+         of 2 ms in between)",
+        (acted - call_end) / 1000,
+        ends.iter().filter(|e| **e <= acted).count() - 1
+    );
+}
+
+/// A ring puts the due process lists off to the next tick, once in a row at most: pages
+/// that keep ringing never starve them.
+#[test]
+fn a_ring_puts_the_lists_off_once_in_a_row_at_most() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h.bells.state.lock().unwrap().rang_after = Some(0);
+    // The lists are due (every 50 ms).
+    h.clock.advance(60 * MS);
+    h.gpu.state.lock().unwrap().listed.clear();
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().listed,
+        Vec::<u32>::new(),
+        "a ring did not put the lists off"
+    );
+    h.clock.advance(MS / 10);
+    h.lp.tick();
+    assert_eq!(
+        h.gpu.state.lock().unwrap().listed,
+        vec![0],
+        "put off twice in a row"
+    );
 }

@@ -244,7 +244,7 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     gpu.set_hang(false);
     h.lp = ticking.join().unwrap();
     assert!(
-        h.lp.ctl.rooms.machine.suspended().is_empty(),
+        h.lp.ctl.sub.machine.suspended().is_empty(),
         "the loop kept decisions the watchdog undid"
     );
     assert!(shared.degraded().is_none());

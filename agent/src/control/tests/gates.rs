@@ -5,19 +5,6 @@
 
 use super::*;
 use crate::edges::doorbell::Owner;
-use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
-
-/// The gate words of the file at `path`: (UUID, closed epoch or 0), as a shim reads them.
-fn gate_words(path: &std::path::Path) -> Vec<([u8; 16], u32)> {
-    let bytes = std::fs::read(path).unwrap();
-    let mut buf = vec![0u64; GATE_FILE_SIZE / 8];
-    for (i, w) in buf.iter_mut().enumerate() {
-        *w = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
-    }
-    // SAFETY: an 8-aligned private buffer of GATE_FILE_SIZE bytes, alive for the call.
-    let g = unsafe { Gates::from_raw(buf.as_ptr().cast()) };
-    g.read().into_iter().map(|(_, u, c, _)| (u, c)).collect()
-}
 
 pub(super) fn closed(path: &std::path::Path, gpu: u32) -> Option<u32> {
     gate_words(path)
@@ -125,6 +112,29 @@ fn a_process_with_the_shim_drains_at_its_gate_then_its_fallback_holds_it() {
     assert_eq!(h.recorded_beyond_ahead(), vec![], "{:?}", h.rec.disk);
 }
 
+/// A process whose shim has nothing in flight acknowledges a close at once: it is held
+/// (drained at its gate, then stopped by its fallback) within the tick that saw the launch
+/// of online work, not at the next one.
+#[test]
+fn a_gated_process_is_held_within_the_tick_that_saw_its_launch() {
+    let (mut h, path) = setup("same-tick");
+    h.bells.state.lock().unwrap().acks_at_once = Some((1, path.clone()));
+    h.bells.page(2, Owner::Pid(20), 0);
+    h.tick();
+    let launch = h.now();
+    h.bells.ring(2, 0, launch, launch);
+    h.lp.tick();
+    assert!(closed(&path, 0).is_some(), "the launch closed no gate");
+    assert_eq!(
+        h.suspends_of(10),
+        1,
+        "not stopped by its fallback in the tick that saw the launch"
+    );
+    let p = preempt_event(&h).expect("not held in the tick that saw the launch");
+    assert_eq!(p.actuator, Some(Kind::Gate), "the gate drained it");
+    assert_eq!(p.signal, qos_core::Signal::Doorbell);
+}
+
 #[test]
 fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     let (mut h, path) = setup("late");
@@ -168,7 +178,7 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     assert_eq!(h.recorded_beyond_ahead(), vec![], "{:?}", h.rec.disk);
     // Its gate stayed silent (its shim follows another gate file, or none): said in
     // /state, and the next busy period stops it at once instead of waiting 50 ms again.
-    let doc = h.lp.ctl.rooms.state_doc(h.now());
+    let doc = h.lp.ctl.sub.state_doc(h.now());
     assert_eq!(doc.gate_silent_processes, 1);
     assert!(
         doc.gpus[0]
@@ -190,7 +200,7 @@ fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     h.active(0, 20);
     h.tick();
     assert!(closed(&path, 0).is_some(), "never tried again");
-    assert_eq!(h.lp.ctl.rooms.state_doc(h.now()).gate_silent_processes, 0);
+    assert_eq!(h.lp.ctl.sub.state_doc(h.now()).gate_silent_processes, 0);
 }
 
 #[test]

@@ -88,7 +88,7 @@ fn a_gated_gpu_releases_a_learned_window_after_online_work_completes() {
             "released {a} ns after the stamp: the learned 2 ms window (and the fake's actuation)"
         );
     }
-    let doc = h.lp.ctl.rooms.state_doc(h.now());
+    let doc = h.lp.ctl.sub.state_doc(h.now());
     assert_eq!(
         doc.gpus[0].release_window_ms, 2.0,
         "/state shows the window"

@@ -177,7 +177,7 @@ impl H {
     fn suspended(&self, pid: u32) -> bool {
         self.lp
             .ctl
-            .rooms
+            .sub
             .machine
             .suspended()
             .keys()

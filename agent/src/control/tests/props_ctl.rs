@@ -236,7 +236,7 @@ impl Play {
     fn held(&self, key: &crate::edges::procfs::ProcKey) -> bool {
         self.w.stopped.contains(key)
             || (self.w.driver_state(key) != crate::control::vault::DState::Running
-                && self.w.ctl.rooms.vault.time_held(key))
+                && self.w.ctl.sub.vault.time_held(key))
     }
 
     /// Property 9's other half: whatever the driver holds, the vault wants held (a lock
@@ -244,7 +244,7 @@ impl Play {
     fn no_leaked_lock(&self) -> Result<(), TestCaseError> {
         for p in self.w.procs.values() {
             let k = &p.key;
-            let vault = &self.w.ctl.rooms.vault;
+            let vault = &self.w.ctl.sub.vault;
             prop_assert!(
                 self.w.driver_state(k) == crate::control::vault::DState::Running
                     || vault.time_held(k)

@@ -38,7 +38,7 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
     h.tick();
     assert!(gate_closed(&path, 0), "online busy: the gate closed");
     assert!(
-        !h.lp.ctl.rooms.tracker.is_empty(),
+        !h.lp.ctl.sub.tracker.is_empty(),
         "the preemption waits for its hold"
     );
     // What the watchdog does while the loop is stuck in NVML, then what the loop does
@@ -53,9 +53,9 @@ fn a_watchdog_trip_leaves_no_event_waiting_forever() {
     // Online stays idle from now on: nothing more happens on this GPU.
     h.ticks(500);
     assert!(
-        h.lp.ctl.rooms.tracker.is_empty(),
+        h.lp.ctl.sub.tracker.is_empty(),
         "an event still waits for a hold the book forgot ({:?}); next_wait = {:?} forever",
-        h.lp.ctl.rooms.tracker,
+        h.lp.ctl.sub.tracker,
         h.lp.next_wait(h.now())
     );
 }
@@ -234,12 +234,9 @@ fn a_failed_watchdog_resume_is_not_forgotten() {
         Arc::new(clock),
         None,
         Err("none in this test".into()),
+        Arc::new(crate::control::shell::pins::Pins::default()),
     );
-    let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-    let t = Target::Process {
-        key,
-        pidfd: Arc::new(fd),
-    };
+    let t = crate::control::target::Target::Process { key };
     let mut rec = rec;
     crate::edges::record::RecordStore::add(&mut rec, &[t.record()]).unwrap();
     hands.perform(HoldCmd::Start {
@@ -361,5 +358,139 @@ fn an_online_process_reclassified_offline_is_no_online_demand() {
     assert!(
         !h.suspended(10) && !h.suspended(20),
         "re-preempted by kept activity"
+    );
+}
+
+/// The controller holds no file descriptor: the pidfd of a process it names lives in the
+/// shell, and is closed once the controller names the process no more (it left the GPU).
+#[test]
+fn a_process_pin_is_closed_once_the_controller_names_it_no_more() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(2);
+    let (ten, twenty) = (h.key(10), h.key(20));
+    assert!(
+        h.lp.pins.get(&ten).is_some(),
+        "a classified process is pinned"
+    );
+    assert!(h.lp.pins.get(&twenty).is_some());
+    // 10 leaves the GPU (it lives on): the table forgets it.
+    h.gpu
+        .state
+        .lock()
+        .unwrap()
+        .procs
+        .get_mut(&0)
+        .unwrap()
+        .retain(|p| *p != 10);
+    for _ in 0..5 {
+        h.clock.advance(60 * MS);
+        h.tick();
+    }
+    assert!(h.lp.ctl.table().entry(&ten).is_none(), "still in the table");
+    assert!(h.lp.pins.get(&ten).is_none(), "its pidfd is still open");
+    assert!(
+        h.lp.pins.get(&twenty).is_some(),
+        "a named process lost its pin"
+    );
+}
+
+/// No file of the controller (everything under `control/` but the shell and the tests)
+/// imports an edge or names a file descriptor type: its model types are its own
+/// (`control/model/`), the edges re-export them, and descriptors live in the shell,
+/// looked up by process key. Nor does a controller file reach into the shell (which
+/// imports the edges), but for `mod.rs`, which declares it.
+#[test]
+fn no_file_of_the_controller_imports_an_edge_or_holds_a_file_descriptor() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                if !p.ends_with("shell") && !p.ends_with("tests") {
+                    walk(&p, out);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/control");
+    let mut files = Vec::new();
+    walk(&root, &mut files);
+    assert!(
+        files.len() > 20,
+        "the controller's files were not found: {files:?}"
+    );
+    let mut found = Vec::new();
+    for p in &files {
+        let s = std::fs::read_to_string(p).unwrap();
+        for word in ["edges::", "OwnedFd", "BorrowedFd", "RawFd"] {
+            if s.contains(word) {
+                found.push(format!("{}: {word}", p.display()));
+            }
+        }
+        if !p.ends_with("control/mod.rs") && s.contains("shell::") {
+            found.push(format!("{}: shell::", p.display()));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the controller reaches outside itself: {found:#?}"
+    );
+}
+
+/// The hands act on a process through its pin, by key: a process whose pin was closed is
+/// pinned again (start time checked) and stopped; one that exited (or whose PID is another
+/// process's now) cannot be pinned, and is gone: nothing is signalled, nothing is left in
+/// the ledger.
+#[test]
+fn the_hands_pin_by_key_and_a_process_that_cannot_be_pinned_is_gone() {
+    use crate::control::holds::{HoldCmd, HoldObs};
+    use crate::control::shell::hands::Hands;
+    use crate::control::shell::pins::Pins;
+    let procs = FakeProc::default();
+    let live = procs.add(10, 110, "train", "/w");
+    let act = FakeActuator::default();
+    let pins = Arc::new(Pins::default());
+    let mut hands = Hands::new(
+        Box::new(act.clone()),
+        Arc::new(procs.clone()),
+        Arc::new(FakeClock::default()),
+        None,
+        Err("none in this test".into()),
+        pins.clone(),
+    );
+    let gone = crate::control::model::ProcKey {
+        pid: 11,
+        start: 111,
+    };
+    let start = |hands: &mut Hands, key| {
+        let answer = hands.perform(HoldCmd::Start {
+            req: 1,
+            op: Op::Suspend,
+            targets: vec![crate::control::target::Target::Process { key }],
+            budget: Duration::ZERO,
+        });
+        match answer {
+            Some(HoldObs::Progress { progress, .. }) => progress,
+            a => panic!("{a:?}"),
+        }
+    };
+    assert!(pins.is_empty());
+    let p = start(&mut hands, live);
+    assert!(matches!(p[..], [Progress::Done]), "{p:?}");
+    assert!(pins.get(&live).is_some(), "pinned on demand");
+    let p = start(&mut hands, gone);
+    assert!(matches!(p[..], [Progress::Gone]), "{p:?}");
+    assert_eq!(
+        act.calls().len(),
+        1,
+        "the gone process reached the actuator"
+    );
+    assert_eq!(
+        hands.resume_everything(Duration::ZERO),
+        1,
+        "the ledger holds the stopped process alone"
     );
 }

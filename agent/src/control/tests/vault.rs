@@ -8,7 +8,7 @@
 use super::world::World;
 use super::*;
 use crate::control::vault::{DState, PodsPolicy, Reserve, Vault};
-use crate::edges::checkpoint::Op as DOp;
+use crate::edges::checkpoint::Op as DriverOp;
 use crate::edges::procfs::ProcKey;
 
 fn ticks(w: &mut World, n: u64) {
@@ -187,9 +187,9 @@ fn memory_preemption_takes_only_the_pods_that_opted_in() {
     w.start(0, 0, false);
     w.start(1, 0, true);
     // World entries say nothing of checkpointing: under opt-in, nobody is taken.
-    let mut cfg = w.ctl.rooms.vault.config().clone();
+    let mut cfg = w.ctl.sub.vault.config().clone();
     cfg.pods = PodsPolicy::OptIn;
-    w.ctl.rooms.vault = Vault::new(cfg);
+    w.ctl.sub.vault = Vault::new(cfg);
     w.proc_bytes = 7 << 30;
     ticks(&mut w, 100);
     assert!(w.dstate.is_empty(), "{:?}", w.dstate);
@@ -234,7 +234,7 @@ fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
     w.start(2, 0, true);
     ticks(&mut w, 100);
     let k = *w.dstate.keys().next().expect("one checkpointed");
-    let mut v: Vault = std::mem::take(&mut w.ctl.rooms.vault);
+    let mut v: Vault = std::mem::take(&mut w.ctl.sub.vault);
     v.release_all();
     v.calls(w.now, |key, _| *key == k);
     let asked = v.take_calls();
@@ -245,7 +245,9 @@ fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
     v.calls(w.now, |_, _| false);
     let asked = v.take_calls();
     assert!(
-        asked.iter().any(|c| c.key == k && c.op == DOp::Restore),
+        asked
+            .iter()
+            .any(|c| c.key == k && c.op == DriverOp::Restore),
         "restore asked once thawed: {asked:?}"
     );
 }

@@ -13,13 +13,13 @@ use crate::control::entry::Entry;
 use crate::control::holds::{HoldCmd, HoldObs};
 use crate::control::io::{Cmd, Obs};
 use crate::control::target::Plan;
-use crate::edges::actuator::{ActError, Progress, Target};
+use crate::control::target::Target;
+use crate::edges::actuator::{ActError, Progress};
 use crate::edges::doorbell::{Owner, PageInfo};
 use crate::edges::procfs::ProcKey;
 use coloc_doorbell::GateReading;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::os::fd::OwnedFd;
 
 /// What a shim answers when its gate closes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +40,6 @@ pub(super) struct Proc {
     pub gpu: u32,
     pub online: bool,
     pub born: u64,
-    pin: Arc<OwnedFd>,
 }
 
 /// The world, as the shell sees it.
@@ -214,7 +213,7 @@ impl World {
     /// The driver calls that have ended by now (a call on a stopped process waits for it,
     /// as the real driver's did).
     fn driver_done(&mut self) -> Vec<Obs> {
-        use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DOp, ProcessState};
+        use crate::edges::checkpoint::{CallEnd, CuError, Done, Op as DriverOp, ProcessState};
         let mut out = Vec::new();
         let now = self.now;
         let mut keep = Vec::new();
@@ -240,19 +239,19 @@ impl World {
                 CallEnd::Gone
             } else {
                 match (call.op, st) {
-                    (DOp::Lock, _) if self.refuse.contains(&call.key) => {
+                    (DriverOp::Lock, _) if self.refuse.contains(&call.key) => {
                         self.refused.insert(call.key);
                         err(801, "CUDA_ERROR_NOT_SUPPORTED")
                     }
-                    (DOp::Lock, DState::Running) => {
+                    (DriverOp::Lock, DState::Running) => {
                         self.dstate.insert(call.key, DState::Locked);
                         CallEnd::Answered(Ok(()))
                     }
-                    (DOp::Checkpoint, DState::Locked) => {
+                    (DriverOp::Checkpoint, DState::Locked) => {
                         self.dstate.insert(call.key, DState::Checkpointed);
                         CallEnd::Answered(Ok(()))
                     }
-                    (DOp::Restore, DState::Checkpointed) => {
+                    (DriverOp::Restore, DState::Checkpointed) => {
                         let gpu = self.alive(&call.key).map_or(0, |p| p.gpu);
                         if self.free(gpu) < self.proc_bytes {
                             err(2, "CUDA_ERROR_OUT_OF_MEMORY")
@@ -261,11 +260,11 @@ impl World {
                             CallEnd::Answered(Ok(()))
                         }
                     }
-                    (DOp::Unlock, DState::Locked) => {
+                    (DriverOp::Unlock, DState::Locked) => {
                         self.dstate.remove(&call.key);
                         CallEnd::Answered(Ok(()))
                     }
-                    (DOp::State, s) => {
+                    (DriverOp::State, s) => {
                         state = Some(match s {
                             DState::Running => ProcessState::Running,
                             DState::Locked => ProcessState::Locked,
@@ -298,10 +297,10 @@ impl World {
 
     /// How long a call of `op` takes once its process runs, ms.
     fn call_ms(&self, op: crate::edges::checkpoint::Op) -> u64 {
-        use crate::edges::checkpoint::Op as DOp;
+        use crate::edges::checkpoint::Op as DriverOp;
         match op {
-            DOp::Lock => self.lock_ms.unwrap_or(self.call_ms),
-            DOp::State => self.state_ms.unwrap_or(self.call_ms),
+            DriverOp::Lock => self.lock_ms.unwrap_or(self.call_ms),
+            DriverOp::State => self.state_ms.unwrap_or(self.call_ms),
             _ => self.call_ms,
         }
     }
@@ -336,7 +335,6 @@ impl World {
         if let Some(old) = self.procs.get(&slot) {
             self.dstate.remove(&old.key);
         }
-        let pin = Arc::new(std::fs::File::open("/dev/null").unwrap().into());
         let born = self.now;
         self.procs.insert(
             slot,
@@ -345,7 +343,6 @@ impl World {
                 gpu,
                 online,
                 born,
-                pin,
             },
         );
         self.pages_changed = true;
@@ -378,9 +375,17 @@ impl World {
 
     /// One tick of the loop, then 1 ms passes.
     pub fn tick(&mut self) {
-        let mut obs = vec![Obs::Tick {
-            slept: None,
-            generation: self.generation,
+        // The snapshot, as the shell gathers it: the doorbells first, then NVML (no page
+        // rings during a read here).
+        let reads = self.ctl.start_tick(self.now, None, self.generation);
+        let snapshot = [Some(reads.bells), reads.samples, reads.lists]
+            .into_iter()
+            .flatten()
+            .filter_map(|c| self.perform(c))
+            .collect();
+        let mut obs = vec![Obs::Snapshot {
+            reads: snapshot,
+            rang: false,
         }];
         obs.extend(self.landed());
         obs.extend(self.driver_done());
@@ -500,7 +505,7 @@ impl World {
                     })
                     .collect(),
             ),
-            Cmd::Vet { plans } => Obs::Vetted(plans.into_iter().map(|(k, p, _)| (k, p)).collect()),
+            Cmd::Vet { plans } => Obs::Vetted(plans),
             Cmd::ReadBells { gate, .. } => {
                 let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
                 let pages = (self.gate && std::mem::take(&mut self.pages_changed))
@@ -571,14 +576,14 @@ impl World {
                 room: self.room.clone(),
             },
             Cmd::Driver(call) => {
-                use crate::edges::checkpoint::Op as DOp;
+                use crate::edges::checkpoint::Op as DriverOp;
                 let key = call.key;
                 if self.calls.iter().any(|(_, c)| c.key == key) {
                     self.flag(format!(
                         "a second driver call for {key:?} while one is on its way"
                     ));
                 }
-                if call.op == DOp::Lock {
+                if call.op == DriverOp::Lock {
                     *self.lock_calls.entry(key).or_insert(0) += 1;
                     if self.refused.contains(&key) {
                         self.flag(format!(
@@ -599,7 +604,7 @@ impl World {
                     };
                     self.may_stop(key, entry, "locked");
                 }
-                if call.op != DOp::State && self.stopped.contains(&key) {
+                if call.op != DriverOp::State && self.stopped.contains(&key) {
                     self.flag(format!(
                         "{} of {key:?} asked of the driver while the process is stopped (thaw first)",
                         call.op.as_str()
@@ -630,10 +635,7 @@ impl World {
                         .filter(
                             |p| !matches!(&leader, Target::Process { key, .. } if *key == p.key),
                         )
-                        .map(|p| Target::Process {
-                            key: p.key,
-                            pidfd: p.pin.clone(),
-                        }),
+                        .map(|p| Target::Process { key: p.key }),
                 );
                 // Its runtime removes a cgroup once its last process has exited.
                 let leader_lives = self
@@ -776,18 +778,16 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
     } else {
         Class::Offline
     };
-    let leader = Target::Process {
-        key: p.key,
-        pidfd: p.pin.clone(),
-    };
-    let plan = (!p.online).then(|| match cgroup {
-        Some(dir) => Plan::SignalCgroup {
+    let leader = p.key;
+    let plan = match cgroup {
+        _ if p.online => None,
+        Some(dir) => Some(Plan::SignalCgroup {
             dir,
             version: crate::edges::actuator::CgroupVersion::V2,
             leader,
-        },
-        None => Plan::Signal(leader),
-    });
+        }),
+        None => Some(Plan::Signal(leader)),
+    };
     Entry {
         key: p.key,
         cls: super::class(class, None),
@@ -802,7 +802,7 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
         ns_pid: None,
         rung: false,
         plan,
-        pin: Some(p.pin.clone()),
+        pinned: true,
         home: None,
         generation,
     }

@@ -27,24 +27,13 @@
 //! May touch: `<mount>/gpu-coloc.held/`, the held process's home `cgroup.procs`.
 
 use super::{ActError, CgroupVersion, Progress, Target};
+pub use crate::control::model::act::Cell;
 use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::procfs::{Cgroups, ProcKey};
-use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// The directory, under a cgroup mount, that holds the cells.
 pub const CELLS_DIR: &str = "gpu-coloc.held";
-
-/// A cell's process and its home.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Cell {
-    /// PID of the process moved in.
-    pub pid: u32,
-    /// Its start time, clock ticks since boot (a reused PID is never moved).
-    pub start: u64,
-    /// The cgroup directory it came from, where it goes back.
-    pub home: PathBuf,
-}
 
 /// Where this host's cells are made: the unified hierarchy if mounted, else the v1
 /// freezer hierarchy.

@@ -3,20 +3,10 @@
 //! May touch: `cgroup.freeze` and `freezer.state` of cgroups declared offline.
 
 use super::Op;
-use serde::{Deserialize, Serialize};
+pub use crate::control::model::act::CgroupVersion;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-/// cgroup hierarchy version of a freezer target.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CgroupVersion {
-    /// Unified hierarchy (`cgroup.freeze`).
-    V2,
-    /// v1 freezer controller (`freezer.state`).
-    V1,
-}
 
 fn control_file(dir: &Path, version: CgroupVersion) -> PathBuf {
     match version {

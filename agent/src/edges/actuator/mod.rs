@@ -15,6 +15,7 @@
 //!
 //! May touch: cgroup freeze files under the cgroup mounts, signals through pidfds.
 
+pub use crate::control::model::act::{ActError, Kind, Op, Progress, RecordEntry};
 pub mod cell;
 pub mod dry_run;
 pub mod freezer;
@@ -24,30 +25,10 @@ pub use cell::Cell;
 pub use freezer::CgroupVersion;
 
 use crate::edges::procfs::ProcKey;
-use serde::{Deserialize, Serialize};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Which actuator the agent prefers for offline processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Kind {
-    /// cgroup freezer (v2 `cgroup.freeze` or v1 freezer) on cgroups declared offline;
-    /// processes matched only by exe/cmdline/uid fall back to `signal` (and, if they keep
-    /// resuming themselves, to a freezer cgroup of the agent's own).
-    Freezer,
-    /// SIGSTOP/SIGCONT through pidfds (every process of a cgroup declared offline).
-    Signal,
-    /// The launch gate (`--gate`): not chosen here; a label for holds that close one.
-    #[value(skip)]
-    Gate,
-    /// The CUDA driver's lock (`--driver-lock`): not chosen here; a label for holds the
-    /// driver keeps.
-    #[value(skip)]
-    Lock,
-}
 
 impl Kind {
     /// Metric label.
@@ -101,108 +82,40 @@ pub enum Target {
 }
 
 impl Target {
-    /// The durable description of this target, for the fail-open record.
-    pub fn record(&self) -> RecordEntry {
+    /// The controller's name for this target (a process by its key, without its pidfd).
+    pub fn named(&self) -> crate::control::target::Target {
+        use crate::control::target::Target as Named;
         match self {
-            Target::Cgroup { dir, version, cell } => RecordEntry::Cgroup {
+            Target::Cgroup { dir, version, cell } => Named::Cgroup {
                 dir: dir.clone(),
                 version: *version,
                 cell: cell.clone(),
             },
-            Target::Process { key, .. } => RecordEntry::Process {
-                pid: key.pid,
-                start: key.start,
-            },
-            Target::Gate { uuid, file, .. } => RecordEntry::Gate {
+            Target::Process { key, .. } => Named::Process { key: *key },
+            Target::Gate { key, uuid, file } => Named::Gate {
+                key: *key,
+                uuid: *uuid,
                 file: file.clone(),
-                uuid: coloc_doorbell::format_uuid(uuid),
             },
-            Target::Lock { key } => RecordEntry::Lock {
-                pid: key.pid,
-                start: key.start,
-            },
+            Target::Lock { key } => Named::Lock { key: *key },
         }
+    }
+
+    /// The durable description of this target, for the fail-open record.
+    pub fn record(&self) -> RecordEntry {
+        self.named().record()
     }
 
     /// The actuator kind this target uses.
     pub fn kind(&self) -> Kind {
-        match self {
-            Target::Cgroup { .. } => Kind::Freezer,
-            Target::Process { .. } => Kind::Signal,
-            Target::Gate { .. } => Kind::Gate,
-            Target::Lock { .. } => Kind::Lock,
-        }
+        self.named().kind()
     }
 }
 
 impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Target::Cgroup {
-                dir,
-                version,
-                cell: None,
-            } => write!(f, "cgroup {} ({version:?})", dir.display()),
-            Target::Cgroup {
-                dir, cell: Some(c), ..
-            } => write!(f, "cell {} of pid {}", dir.display(), c.pid),
-            Target::Process { key, .. } => write!(f, "pid {}", key.pid),
-            Target::Gate { key, uuid, .. } => write!(
-                f,
-                "gate of {} for pid {}",
-                coloc_doorbell::format_uuid(uuid),
-                key.pid
-            ),
-            Target::Lock { key } => write!(f, "driver lock of pid {}", key.pid),
-        }
+        self.named().fmt(f)
     }
-}
-
-/// A suspended object as written to the fail-open record.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum RecordEntry {
-    /// A frozen cgroup.
-    Cgroup {
-        /// Directory.
-        dir: PathBuf,
-        /// Hierarchy.
-        version: CgroupVersion,
-        /// A cell of the agent's own: whom it holds and where they go back to.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        cell: Option<Cell>,
-    },
-    /// A stopped process (PID plus start time, so a reused PID is recognised).
-    Process {
-        /// PID.
-        pid: u32,
-        /// Start time, clock ticks since boot.
-        start: u64,
-    },
-    /// A closed launch gate (one GPU's slot of a gate file).
-    Gate {
-        /// The gate file.
-        file: PathBuf,
-        /// The GPU's UUID, as NVML writes it.
-        uuid: String,
-    },
-    /// A process the CUDA driver may hold locked or checkpointed (PID plus start time).
-    /// Resumed after every other entry: restore (the process must run: thaw first), then
-    /// unlock.
-    Lock {
-        /// PID.
-        pid: u32,
-        /// Start time, clock ticks since boot.
-        start: u64,
-    },
-    /// A process the agent may have locked and checkpointed to give its GPU memory to
-    /// online work: resumed like [`RecordEntry::Lock`].
-    Checkpoint {
-        /// PID.
-        pid: u32,
-        /// Start time, clock ticks since boot.
-        start: u64,
-    },
 }
 
 impl RecordEntry {
@@ -220,43 +133,6 @@ impl RecordEntry {
     }
 }
 
-/// Why an actuation failed (short, bounded names via [`ActError::reason`]).
-#[derive(Debug, thiserror::Error)]
-pub enum ActError {
-    /// Writing the cgroup control file failed.
-    #[error("cannot write {file}: {source}")]
-    Write {
-        /// The file.
-        file: PathBuf,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Sending the signal failed.
-    #[error("cannot signal pid {pid}: {source}")]
-    Signal {
-        /// PID.
-        pid: u32,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The target needs the launch gate, which this actuator does not have.
-    #[error("{0}: no launch gate here")]
-    NoGate(String),
-    /// The CUDA driver refused a call (or has no checkpoint API).
-    #[error("{0}")]
-    Driver(String),
-    /// The new state was not confirmed in time.
-    #[error("{what} not confirmed within {timeout:?}")]
-    Timeout {
-        /// What was waited for.
-        what: String,
-        /// How long.
-        timeout: Duration,
-    },
-}
-
 impl ActError {
     /// Bounded metric label.
     pub fn reason(&self) -> &'static str {
@@ -268,30 +144,6 @@ impl ActError {
             ActError::Driver(_) => "driver",
         }
     }
-}
-
-/// Where one target of a batch stands.
-#[derive(Debug)]
-pub enum Progress {
-    /// Confirmed in the requested state.
-    Done,
-    /// Not confirmed yet: check again later.
-    Pending,
-    /// The process or cgroup is gone: nothing to suspend or resume.
-    Gone,
-    /// Nothing was done on purpose (dry run).
-    Skipped,
-    /// Failed.
-    Failed(ActError),
-}
-
-/// Suspend or resume.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    /// Stop / freeze.
-    Suspend,
-    /// Continue / thaw.
-    Resume,
 }
 
 impl Op {

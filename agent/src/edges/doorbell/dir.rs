@@ -483,7 +483,7 @@ impl DirBells {
             return Err(format!("mmap: {}", std::io::Error::last_os_error()));
         }
         // Guarded before the first load: a file truncated from now on cannot kill us.
-        if !guard::register(base as usize) {
+        if !guard::register(base as usize, guard::Access::Read) {
             // SAFETY: the mapping just made, never read.
             unsafe { libc::munmap(base, PAGE) };
             return Err(format!(

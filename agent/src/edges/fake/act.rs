@@ -16,6 +16,8 @@ pub struct Call {
     pub targets: Vec<RecordEntry>,
     /// Targets of a suspension that were not on disk when it started (must stay empty).
     pub unrecorded: Vec<RecordEntry>,
+    /// The loop's clock when it was made (with [`FakeActuator::clock`]).
+    pub at_ns: Option<u64>,
 }
 
 /// An actuator that remembers, with targets that fail or never confirm on demand.
@@ -87,6 +89,10 @@ impl Actuator for FakeActuator {
             op,
             targets: recs,
             unrecorded,
+            at_ns: self
+                .clock
+                .as_ref()
+                .map(|c| c.0.load(std::sync::atomic::Ordering::SeqCst)),
         });
         if let Some(c) = &self.clock {
             c.advance(self.act_ns);
@@ -139,6 +145,23 @@ pub struct FakeBellState {
     pub gates: std::collections::HashMap<u64, Vec<coloc_doorbell::GateReading>>,
     /// The pages the loop last asked to be waited on first.
     pub preferred: Vec<u64>,
+    /// Page `.0`'s shim has nothing in flight: it acknowledges each gate that the gate
+    /// file at `.1` has closed as soon as the page is read.
+    pub acks_at_once: Option<(u64, std::path::PathBuf)>,
+}
+
+/// The gate words of the gate file at `path`: (UUID, closed epoch or 0), as a shim reads
+/// them.
+pub fn gate_words(path: &std::path::Path) -> Vec<([u8; 16], u32)> {
+    use coloc_doorbell::gate::{Gates, GATE_FILE_SIZE};
+    let bytes = std::fs::read(path).unwrap();
+    let mut buf = vec![0u64; GATE_FILE_SIZE / 8];
+    for (i, w) in buf.iter_mut().enumerate() {
+        *w = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
+    }
+    // SAFETY: an 8-aligned private buffer of GATE_FILE_SIZE bytes, alive for the call.
+    let g = unsafe { Gates::from_raw(buf.as_ptr().cast()) };
+    g.read().into_iter().map(|(_, u, c, _)| (u, c)).collect()
 }
 
 impl FakeBells {
@@ -247,6 +270,15 @@ impl crate::edges::doorbell::Doorbells for FakeBells {
         self.state.lock().unwrap().preferred = pages.to_vec();
     }
     fn read_gate(&self, page: u64, out: &mut Vec<coloc_doorbell::GateReading>) {
+        let at_once = self.state.lock().unwrap().acks_at_once.clone();
+        if let Some((id, path)) = at_once.filter(|(id, _)| *id == page) {
+            for (uuid, epoch) in gate_words(&path) {
+                let gpu = u32::from_be_bytes(uuid[12..].try_into().unwrap());
+                if epoch != 0 && uuid == fake_uuid(gpu) {
+                    self.ack(id, gpu, epoch);
+                }
+            }
+        }
         if let Some(g) = self.state.lock().unwrap().gates.get(&page) {
             out.extend(g.iter().copied());
         }

@@ -50,6 +50,8 @@ pub struct GpuState {
     pub calls: u64,
     /// The GPUs whose samples were read, in order.
     pub sampled: Vec<u32>,
+    /// The GPUs whose process lists were read, in order.
+    pub listed: Vec<u32>,
 }
 
 /// The fake NVML.
@@ -63,6 +65,33 @@ pub struct FakeGpu {
     pub hang: Arc<(Mutex<bool>, Condvar)>,
     /// Set while a call is blocked in a hang.
     pub in_hang: Arc<AtomicBool>,
+    /// How long each call takes on the loop's clock, and what happens during one.
+    pub call_time: Arc<Mutex<CallTime>>,
+}
+
+/// How long each call of [`FakeGpu`] takes on the loop's fake clock (NVML's calls take
+/// about 2 ms each on an H100), and something that happens halfway through the next call
+/// (a launch that rings while the loop is inside NVML).
+#[derive(Default)]
+pub struct CallTime {
+    /// The loop's clock, moved by `ns` per call (none: calls take no time).
+    pub clock: Option<FakeClock>,
+    /// How long a call takes.
+    pub ns: u64,
+    /// Run halfway through the next call, with the clock's time then.
+    pub midway: Option<Box<dyn FnOnce(u64) + Send>>,
+    /// When each call since `midway` ran ended (the first is the call it ran in).
+    pub ends: Vec<u64>,
+}
+
+impl std::fmt::Debug for CallTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallTime")
+            .field("ns", &self.ns)
+            .field("midway", &self.midway.is_some())
+            .field("ends", &self.ends)
+            .finish_non_exhaustive()
+    }
 }
 
 impl FakeGpu {
@@ -73,6 +102,26 @@ impl FakeGpu {
             state: Default::default(),
             hang: Default::default(),
             in_hang: Default::default(),
+            call_time: Default::default(),
+        }
+    }
+    /// A call takes its time (see [`CallTime`]).
+    fn spend(&self) {
+        let mut c = self.call_time.lock().unwrap();
+        let Some(clock) = c.clock.clone() else {
+            return;
+        };
+        let half = c.ns / 2;
+        clock.advance(half);
+        let midway = c.midway.take();
+        let ran = midway.is_some();
+        if let Some(f) = midway {
+            c.ends.clear();
+            f(clock.now_ns());
+        }
+        clock.advance(c.ns - half);
+        if ran || !c.ends.is_empty() {
+            c.ends.push(clock.now_ns());
         }
     }
     /// Puts `pid` on `gpu`.
@@ -127,8 +176,10 @@ impl GpuSampler for FakeGpu {
         coloc_doorbell::format_uuid(&fake_uuid(gpu))
     }
     fn processes(&mut self, gpu: u32) -> Result<Vec<u32>, GpuError> {
+        self.spend();
         let mut s = self.state.lock().unwrap();
         s.calls += 1;
+        s.listed.push(gpu);
         if s.failing.contains(&gpu) {
             return Err(Self::err(gpu));
         }
@@ -149,6 +200,7 @@ impl GpuSampler for FakeGpu {
             }
             self.in_hang.store(false, Ordering::SeqCst);
         }
+        self.spend();
         let mut s = self.state.lock().unwrap();
         s.calls += 1;
         s.sampled.push(gpu);

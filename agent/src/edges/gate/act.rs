@@ -105,11 +105,6 @@ impl GateKeeper {
     pub fn beat(&self) {
         self.file.beat();
     }
-
-    /// Whether some gate is closed.
-    pub fn any_closed(&self) -> bool {
-        !self.closed.is_empty()
-    }
 }
 
 /// Opens `uuid`'s gate in the gate file at `path` that a previous run left (the

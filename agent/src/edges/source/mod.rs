@@ -5,6 +5,7 @@
 //!
 //! May touch: the rules file (read once at start).
 
+pub use crate::control::model::process::{Classified, ShimNote};
 pub mod kube;
 pub mod podref;
 
@@ -12,47 +13,6 @@ use crate::edges::procfs::ProcInfo;
 use qos_core::{Class, ComputePolicy, Share};
 use serde::Deserialize;
 use std::path::Path;
-
-/// The result of classifying one process.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Classified {
-    /// Class of the process.
-    pub class: Class,
-    /// Share policy (offline only).
-    pub share: Share,
-    /// Who it belongs to, for logs and `/state` (rule name, or `namespace/pod`).
-    pub owner: String,
-    /// A cgroup (path inside the hierarchy) that is offline as a whole, so the freezer may
-    /// freeze it. `None`: only the process itself is known to be offline, and only the
-    /// `signal` actuator may touch it.
-    pub freeze_cgroup: Option<String>,
-    /// What its pod or rule says of memory preemption (`gpu-coloc.dev/checkpoint`, a
-    /// rule's `checkpoint`): `Some(true)` opts in, `Some(false)` out, `None` says nothing.
-    pub checkpoint: Option<bool>,
-    /// What the webhook did about the CUDA shim in its pod (the pod's annotations); `None`
-    /// where the source knows no pod (standalone rules, unknown processes).
-    pub shim: Option<ShimNote>,
-    /// Its container's name in its pod (the pod's container statuses, by the container ID
-    /// in the process's cgroup path); `None` where unknown. Reported, never decides.
-    pub container: Option<String>,
-}
-
-/// What the webhook wrote on a pod about the CUDA shim (`gpu-coloc.dev/shim-injected`,
-/// `gpu-coloc.dev/shim-skipped`, `gpu-coloc.dev/shim: disabled`). The agent reports it
-/// for GPU processes that run without the shim's page; it decides nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShimNote {
-    /// Injected into every GPU container.
-    Injected,
-    /// At least one container was left out (its `LD_PRELOAD` could not be appended to, a
-    /// path was taken).
-    Refused,
-    /// The pod opted out (`gpu-coloc.dev/shim: disabled`).
-    OptedOut,
-    /// No word from the webhook: it did not see the pod (namespace opted out or refusing
-    /// `hostPath`, webhook down, no GPU resource it knows, a `system` pod).
-    NotInjected,
-}
 
 impl ShimNote {
     /// Reads the webhook's annotations of a pod (`get` looks one up).

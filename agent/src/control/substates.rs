@@ -1,9 +1,9 @@
-//! The controller's rooms: its sub-states together, and what a tick does with them once
-//! the shell has answered. Each room is a type of its own, in its own file, and meets the
-//! others only here, through explicit arguments: the process [`Table`], the NVML
-//! bookkeeping ([`Sampling`]), [`Health`], the doorbells ([`Bells`]), the gate book
-//! ([`Gates`]), `qos_core::Machine` (per GPU), the [`HoldBook`], the [`RecordBook`],
-//! [`Retries`], the event [`Tracker`] and the [`Pacer`]. No I/O: what the rooms say
+//! The controller's sub-states together, and what a tick does with them once the shell
+//! has answered. Each sub-state is a type of its own, in its own file, and meets the
+//! others only here, through explicit arguments: what the controller has [`Observed`]
+//! (the process table, the NVML bookkeeping, health, the doorbells, the gate book),
+//! `qos_core::Machine` (per GPU), the [`HoldBook`], the [`Vault`], the [`RecordBook`],
+//! [`Retries`], the event [`Tracker`] and the [`Pacer`]. No I/O: what the sub-states say
 //! (notes, events, commands that need no answer) goes to `out`, for the controller to hand
 //! to the shell in order.
 
@@ -11,26 +11,27 @@ use super::events::{Event, FailOpen, Tracker};
 use super::holds::{HoldBook, HoldCmd, HoldObs};
 use super::io::Cmd;
 use super::note::{FailWhy, Note, ReleaseRule};
+use super::observed::Observed;
 use super::pace::{Due, Pacer};
 use super::publish::{GpuSummary, Header};
 use super::record::RecordBook;
 use super::retry::Retries;
-use super::seeing::Seeing;
 use super::target::Plan;
 use super::vault::{RecordAsk, Vault};
 use super::{execute, LoopConfig, ReleaseAll};
-use crate::edges::actuator::{RecordEntry, Target};
-use crate::edges::procfs::ProcKey;
+use crate::control::model::act::RecordEntry;
+use crate::control::model::ProcKey;
+use crate::control::target::Target;
 use qos_core::{Decision, Machine};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// See the module.
-pub struct Rooms {
+pub struct Substates {
     header: Header,
     /// What the controller sees.
-    pub(crate) seeing: Seeing,
+    pub(crate) observed: Observed,
     pub(crate) machine: Machine<ProcKey>,
     pub(crate) book: HoldBook,
     /// The driver's lock and memory preemption.
@@ -49,23 +50,27 @@ pub struct Rooms {
     slept: Option<(u64, u64)>,
     notes: Vec<Note>,
     events: Vec<Event>,
-    /// What the rooms say, in order.
+    /// What the sub-states say, in order.
     pub(crate) out: Vec<Cmd>,
     /// Hold commands whose locks the vault answered and whose other targets went to the
     /// shell: request → (the vault's answers with their places, how many targets).
-    splices: BTreeMap<super::holds::Req, (Vec<(usize, crate::edges::actuator::Progress)>, usize)>,
+    driver_answers:
+        BTreeMap<super::holds::Req, (Vec<(usize, crate::control::model::act::Progress)>, usize)>,
+    /// Gate fields were read after a gate closed: the next hold round tells the gate holds
+    /// what they say.
+    fresh_acks: bool,
 }
 
-impl std::fmt::Debug for Rooms {
+impl std::fmt::Debug for Substates {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Rooms")
-            .field("seeing", &self.seeing)
+        f.debug_struct("Substates")
+            .field("observed", &self.observed)
             .finish_non_exhaustive()
     }
 }
 
-impl Rooms {
-    /// The rooms for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file
+impl Substates {
+    /// The sub-states for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file
     /// (`--gate`), over a record that holds `on_disk`.
     pub fn new(
         cfg: &LoopConfig,
@@ -73,19 +78,19 @@ impl Rooms {
         now: u64,
         gate_file: Option<PathBuf>,
         on_disk: BTreeSet<RecordEntry>,
-    ) -> Rooms {
+    ) -> Substates {
         let window = cfg.machine.idle_window;
         let mut book = HoldBook::new(cfg.confirm_timeout);
         book.recheck_ns = cfg.recheck.as_nanos() as u64;
         book.gate_timeout = cfg.gate_timeout;
-        Rooms {
+        Substates {
             header: Header {
                 node: cfg.node.clone(),
                 actuator: cfg.actuator,
                 dry_run: cfg.dry_run,
                 window_ns: window,
             },
-            seeing: Seeing::new(cfg, gpus, now, gate_file),
+            observed: Observed::new(cfg, gpus, now, gate_file),
             machine: {
                 let mut m = Machine::new(cfg.machine);
                 if let Some(l) = &cfg.release {
@@ -108,28 +113,29 @@ impl Rooms {
             notes: Vec::new(),
             events: Vec::new(),
             out: Vec::new(),
-            splices: BTreeMap::new(),
+            driver_answers: BTreeMap::new(),
+            fresh_acks: false,
         }
     }
 
     /// A tick starts.
     pub fn start_tick(&mut self, slept: Option<(u64, u64)>, generation: u64) {
         self.slept = slept;
-        self.seeing.start_tick(generation);
+        self.observed.start_tick(generation);
     }
 
-    /// Moves what the rooms said into `out`, in order.
+    /// Moves what the sub-states said into `out`, in order.
     pub fn flush(&mut self) {
-        if let Some(mut ahead) = self.seeing.ahead.take() {
-            ahead.extend(self.vault.ahead(&self.seeing.table));
+        if let Some(mut ahead) = self.observed.ahead.take() {
+            ahead.extend(self.vault.ahead(&self.observed.table));
             self.record.want_ahead(ahead);
         }
         let (notes, events) = self.vault.take_notes();
         self.notes.extend(notes);
         self.events.extend(events);
-        self.out.append(&mut self.seeing.out);
-        self.notes.append(&mut self.seeing.notes);
-        self.events.append(&mut self.seeing.events);
+        self.out.append(&mut self.observed.out);
+        self.notes.append(&mut self.observed.notes);
+        self.events.append(&mut self.observed.events);
         self.notes.extend(self.book.take_notes());
         self.out.extend(self.notes.drain(..).map(Cmd::Note));
         self.out.extend(self.events.drain(..).map(Cmd::Emit));
@@ -137,16 +143,29 @@ impl Rooms {
 
     /// The gate holds waiting for their drain are told what their pages say.
     pub fn gate_acks(&mut self) {
-        self.seeing.gate_acks(&mut self.book);
+        self.observed.gate_acks(&mut self.book);
+    }
+
+    /// The offline pages' gate fields, read right after a gate closed: taken in at the
+    /// hold round that learns the close's epoch.
+    pub fn gate_fields(&mut self, gates: Vec<(u64, Vec<coloc_doorbell::GateReading>)>) {
+        self.observed.gates.read(gates);
+        self.fresh_acks = true;
     }
 
     /// One round of the hold book's conversation: what it asks of the record is answered
     /// here (at once, or when a write lands); returns what goes to the shell (each
     /// answered), and whether a record write was asked for. Empty: the book asks nothing.
     pub fn hold_round(&mut self, answers: Vec<HoldObs>, now: u64) -> (Vec<Cmd>, bool) {
-        let answers: Vec<HoldObs> = answers.into_iter().map(|a| self.splice(a)).collect();
+        let answers: Vec<HoldObs> = answers
+            .into_iter()
+            .map(|a| self.merge_driver_answers(a))
+            .collect();
         if !answers.is_empty() {
             self.book.observe(answers, now);
+        }
+        if std::mem::take(&mut self.fresh_acks) {
+            self.gate_acks();
         }
         loop {
             let cmds = self.book.take_commands();
@@ -201,7 +220,7 @@ impl Rooms {
                 Target::Lock { key } => {
                     let book = &self.book;
                     let stops = |k: &ProcKey, cg: Option<&std::path::Path>| book.stops(k, cg);
-                    answered.push((i, self.vault.hold(key, op, &self.seeing.table, stops)))
+                    answered.push((i, self.vault.hold(key, op, &self.observed.table, stops)))
                 }
                 t => rest.push(t),
             }
@@ -216,14 +235,14 @@ impl Rooms {
                 at_ns: now,
             });
         }
-        // The other targets go to the shell; its answer gets the vault's spliced in.
+        // The other targets go to the shell; its answer gets the vault's merged in.
         *targets = rest;
-        self.splices.insert(req, (answered, total));
+        self.driver_answers.insert(req, (answered, total));
         Err(c)
     }
 
     /// The shell's answer to a command whose locks the vault answered, made whole.
-    fn splice(&mut self, a: HoldObs) -> HoldObs {
+    fn merge_driver_answers(&mut self, a: HoldObs) -> HoldObs {
         let HoldObs::Progress {
             req,
             progress,
@@ -232,7 +251,7 @@ impl Rooms {
         else {
             return a;
         };
-        let Some((answered, total)) = self.splices.remove(&req) else {
+        let Some((answered, total)) = self.driver_answers.remove(&req) else {
             return HoldObs::Progress {
                 req,
                 progress,
@@ -315,7 +334,7 @@ impl Rooms {
     /// run: `Some` when there is something to do, with the plans to vet first.
     pub fn decide(&mut self, t: u64) -> Option<(Decision<ProcKey>, Vec<execute::ToVet>)> {
         self.complete();
-        if self.seeing.gates.beat_due(t) {
+        if self.observed.gates.beat_due(t) {
             self.out.push(Cmd::Beat);
         }
         let mut retried = false;
@@ -325,14 +344,14 @@ impl Rooms {
                 retried = true;
             }
         }
-        let touched = self.seeing.table.take_touched();
-        let changed = self.seeing.changed || retried || self.seeing.table.fixed_share_present();
+        let touched = self.observed.table.take_touched();
+        let changed = self.observed.changed || retried || self.observed.table.fixed_share_present();
         // With learned windows, each GPU's window is set before the decision is judged due
         // (a window's end is one of the times it waits for).
         let mut inputs = None;
-        if self.seeing.learner.settings().is_some() {
+        if self.observed.learner.settings().is_some() {
             let i = self
-                .seeing
+                .observed
                 .inputs(self.machine.config().unmanaged_is_online);
             self.learned_windows(&i);
             inputs = Some(i);
@@ -347,7 +366,7 @@ impl Rooms {
             return None;
         }
         let inputs = inputs.unwrap_or_else(|| {
-            self.seeing
+            self.observed
                 .inputs(self.machine.config().unmanaged_is_online)
         });
         let d = self.machine.tick(t, &inputs);
@@ -358,7 +377,7 @@ impl Rooms {
         if d.is_empty() {
             return None;
         }
-        let plans = execute::to_vet(&d, &self.seeing.table);
+        let plans = execute::to_vet(&d, &self.observed.table);
         Some((d, plans))
     }
 
@@ -366,11 +385,11 @@ impl Rooms {
     /// one (every online process with its doorbell and gaps, every offline process gated,
     /// nothing seen through NVML alone), else the idle window.
     fn learned_windows(&mut self, inputs: &[qos_core::GpuInput<ProcKey>]) {
-        if self.seeing.learner.settings().is_none() {
+        if self.observed.learner.settings().is_none() {
             return;
         }
         let unmanaged_online = self.machine.config().unmanaged_is_online;
-        let s = &self.seeing;
+        let s = &self.observed;
         for input in inputs {
             let online: Vec<ProcKey> = input
                 .procs
@@ -401,7 +420,7 @@ impl Rooms {
                     decided_at,
                     ..
                 } => {
-                    let at_once = self.seeing.learner.settings().is_some_and(|l| l.at_once);
+                    let at_once = self.observed.learner.settings().is_some_and(|l| l.at_once);
                     let rule = ReleaseRule::of(window, idle_window, at_once);
                     self.notes.push(Note::Released {
                         gpu,
@@ -444,9 +463,9 @@ impl Rooms {
         let (reqs, reasons) = execute::plans(
             &d,
             &self.vault,
-            &self.seeing.table,
-            &self.seeing.gates,
-            &self.seeing.bells,
+            &self.observed.table,
+            &self.observed.gates,
+            &self.observed.bells,
             &vetted,
             &mut self.notes,
         );
@@ -478,7 +497,7 @@ impl Rooms {
             &resumed,
             &reasons,
             cx,
-            &mut self.seeing.table,
+            &mut self.observed.table,
             &mut self.tracker,
             &mut self.notes,
             &mut self.events,
@@ -501,13 +520,13 @@ impl Rooms {
     /// purged of processes nothing refers to, `/state` published when due.
     pub fn finish(&mut self, t: u64) {
         self.settle(t);
-        let (book, machine, table) = (&self.book, &self.machine, &self.seeing.table);
+        let (book, machine, table) = (&self.book, &self.machine, &self.observed.table);
         self.retries.retain(|k| table.entry(k).is_some());
-        self.seeing
+        self.observed
             .table
             .purge(|k| machine.suspended().contains_key(k) || book.holds(k));
-        let table = &self.seeing.table;
-        self.seeing.learner.retain(|k| table.entry(k).is_some());
+        let table = &self.observed.table;
+        self.observed.learner.retain(|k| table.entry(k).is_some());
         if self.pacer.publish_due(t) {
             let doc = self.state_doc(t);
             self.out.push(Cmd::Publish(Box::new(doc)));
@@ -519,12 +538,12 @@ impl Rooms {
     pub fn settle(&mut self, t: u64) {
         self.complete();
         let answers = self.book.take_gate_answers();
-        self.seeing.gates.answered(answers, t);
+        self.observed.gates.answered(answers, t);
         for broken in self.book.take_broken() {
             let owners: Vec<String> = broken
                 .holders
                 .iter()
-                .filter_map(|k| self.seeing.table.entry(k).map(|e| e.cls.owner.clone()))
+                .filter_map(|k| self.observed.table.entry(k).map(|e| e.cls.owner.clone()))
                 .collect();
             if broken.breaks == 1 || broken.escalated || broken.unheld.is_some() {
                 let now = if broken.escalated {
@@ -599,29 +618,30 @@ impl Rooms {
         self.vault.forget_holds();
         self.record.forget_holds();
         self.events.extend(self.tracker.abandon());
-        self.seeing.forget(now);
+        self.observed.forget(now);
         self.events.push(Event::FailOpen(FailOpen {
             at_ns: now,
             reason: FailWhy::NvmlHung.as_str().into(),
             gpu: None,
             resumed: 0,
         }));
-        self.out.push(Cmd::Degraded(self.seeing.health.describe()));
+        self.out
+            .push(Cmd::Degraded(self.observed.health.describe()));
         self.notes.push(Note::HungCallReturned);
         self.pacer.decide_next();
     }
 
     /// The controller's part of `/state` at `now`.
     pub fn state_doc(&mut self, now: u64) -> super::state::StateDoc {
-        let distrusted = self.seeing.bells.distrusted();
+        let distrusted = self.observed.bells.distrusted();
         self.notes.push(Note::Distrusted(distrusted.len()));
-        let health = &self.seeing.health;
+        let health = &self.observed.health;
         let mut doc = super::publish::state_doc(
             now,
             &self.header,
-            self.seeing.gpus(),
+            self.observed.gpus(),
             &self.machine,
-            &self.seeing.table,
+            &self.observed.table,
             |g| health.degraded(g),
             self.book.len(),
             distrusted,
@@ -630,11 +650,11 @@ impl Rooms {
         let mut silent = std::collections::HashSet::new();
         for g in &mut doc.gpus {
             for p in &mut g.processes {
-                let Some(e) = self.seeing.table.by_pid(p.pid) else {
+                let Some(e) = self.observed.table.by_pid(p.pid) else {
                     continue;
                 };
                 p.escaping = escaping.contains(&e.key);
-                if self.seeing.gates.silent(&e.key) {
+                if self.observed.gates.silent(&e.key) {
                     p.gate = Some("silent".into());
                     silent.insert(e.key);
                 }
@@ -649,7 +669,7 @@ impl Rooms {
         if self.vault.active() {
             let mem = self.vault.summary();
             let view = self.vault.view();
-            let table = &self.seeing.table;
+            let table = &self.observed.table;
             for g in &mut doc.gpus {
                 g.memory = mem.get(&g.index).cloned();
                 // The actuator a suspension would use now: the driver's lock where it
@@ -659,7 +679,7 @@ impl Rooms {
                         .by_pid(p.pid)
                         .is_some_and(|e| self.vault.would_lock(table, &e.key));
                     if lock {
-                        p.actuator = Some(crate::edges::actuator::Kind::Lock);
+                        p.actuator = Some(crate::control::model::act::Kind::Lock);
                     }
                 }
                 for (key, gpu, st, bytes, owner) in &view {
@@ -679,7 +699,7 @@ impl Rooms {
                             owner: owner.clone(),
                             cmd: String::new(),
                             suspended: false,
-                            actuator: Some(crate::edges::actuator::Kind::Lock),
+                            actuator: Some(crate::control::model::act::Kind::Lock),
                             last_active_ms_ago: None,
                             driver: Some(st.as_str().into()),
                             checkpointed_bytes: checkpointed,
@@ -693,7 +713,7 @@ impl Rooms {
                 g.processes.sort_by_key(|p| p.pid);
             }
         }
-        super::coverage::mark(&mut doc, &self.seeing.table, &self.seeing.bells);
+        super::coverage::mark(&mut doc, &self.observed.table, &self.observed.bells);
         doc
     }
 
@@ -701,11 +721,14 @@ impl Rooms {
     pub fn memory(
         &mut self,
         now: u64,
-        reads: Vec<(u32, Result<Option<crate::edges::gpu::GpuMemory>, String>)>,
+        reads: Vec<(
+            u32,
+            Result<Option<crate::control::model::gpu::GpuMemory>, String>,
+        )>,
         room: BTreeMap<u32, u64>,
     ) {
         let unmanaged_online = self.machine.config().unmanaged_is_online;
-        let table = &self.seeing.table;
+        let table = &self.observed.table;
         let online = |g: u32| {
             table
                 .entries()
@@ -719,7 +742,7 @@ impl Rooms {
     /// How long the loop may sleep from `now` (a doorbell ends the sleep early).
     pub fn next_wait(&self, now: u64) -> Duration {
         let next_check = self.book.next_check_ns();
-        let learner = &self.seeing.learner;
+        let learner = &self.observed.learner;
         let stamp_due = self.machine.states().any(|(g, st)| {
             matches!(st, qos_core::GpuState::OnlineBusy { .. }) && learner.awaits_stamp(g)
         });
@@ -727,16 +750,16 @@ impl Rooms {
             fast: stamp_due
                 || (next_check.is_none() && !self.tracker.is_empty())
                 || !self.retries.is_empty()
-                || self.seeing.table.fixed_share_present()
-                || self.seeing.sampling.asked.is_some(),
+                || self.observed.table.fixed_share_present()
+                || self.observed.sampling.asked.is_some(),
             next_check,
             recheck: self.book.next_recheck_ns(),
-            offline: self.seeing.table.offline_present(),
-            reads: self.seeing.sampling.next_reads(),
+            offline: self.observed.table.offline_present(),
+            reads: self.observed.sampling.next_reads(),
             beat: self
                 .book
                 .gates_closed()
-                .then(|| self.seeing.gates.next_beat_ns()),
+                .then(|| self.observed.gates.next_beat_ns()),
             vault: self.vault.next_due_ns(now),
         };
         let machine = &self.machine;
@@ -757,10 +780,5 @@ impl Rooms {
     /// The record book.
     pub fn record(&self) -> &RecordBook {
         &self.record
-    }
-
-    /// The state machine's view: what it holds suspended.
-    pub fn suspended(&self) -> &BTreeMap<ProcKey, qos_core::machine::Reason> {
-        self.machine.suspended()
     }
 }

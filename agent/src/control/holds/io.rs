@@ -2,8 +2,9 @@
 //! ([`HoldObs`]), and how an operation ends ([`Outcome`], [`Failure`], [`Escalation`],
 //! [`Completion`]).
 
+use crate::control::model::act::{ActError, Kind, Op, Progress, RecordEntry};
 use crate::control::target::HoldKey;
-use crate::edges::actuator::{ActError, Kind, Op, Progress, RecordEntry, Target};
+use crate::control::target::Target;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -137,7 +138,10 @@ pub enum HoldCmd {
         op: Op,
         /// The targets.
         targets: Vec<Target>,
-        /// How long to wait for confirmations.
+        /// How long to wait for confirmations: zero inside a tick (the actuator issues the
+        /// operation and looks once; what is not confirmed yet is checked again by the
+        /// loop, which sleeps between checks in its doorbell wait, so a launch on another
+        /// GPU is seen meanwhile), the confirmation timeout when everything is released.
         budget: Duration,
     },
     /// Close a GPU's launch gate for a process (a [`Target::Gate`]). Answered by
@@ -149,12 +153,12 @@ pub enum HoldCmd {
         gate: Target,
     },
     /// Find a cell of the agent's own for process `key`, held alone and resuming itself
-    /// (`edges::actuator::cell`): nothing is made yet. Answered by [`HoldObs::Cell`].
+    /// (the actuator's cells): nothing is made yet. Answered by [`HoldObs::Cell`].
     Isolate {
         /// The request.
         req: Req,
         /// The process.
-        key: crate::edges::procfs::ProcKey,
+        key: crate::control::model::ProcKey,
     },
     /// Look once whether targets are in the state of `op`. Answered by
     /// [`HoldObs::Progress`].

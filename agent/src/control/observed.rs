@@ -1,4 +1,4 @@
-//! What the controller sees: the rooms that take in the shell's reads — the process
+//! What the controller has observed: the sub-states that take in the shell's reads — the process
 //! [`Table`], the NVML bookkeeping ([`Sampling`]), [`Health`], the doorbells ([`Bells`])
 //! and the gate book ([`Gates`]) — and what a tick does with each read. No I/O: what they
 //! say goes to `notes`, `events` and `out`, which the controller hands to the shell.
@@ -14,10 +14,10 @@ use super::note::{FailWhy, Note};
 use super::nvml::{Refresh, Sampling};
 use super::table::{Activity, Table};
 use super::LoopConfig;
-use crate::edges::actuator::RecordEntry;
-use crate::edges::doorbell::{BellReading, PageInfo};
-use crate::edges::gpu;
-use crate::edges::procfs::ProcKey;
+use crate::control::model::act::RecordEntry;
+use crate::control::model::bell::{BellReading, PageInfo};
+use crate::control::model::gpu;
+use crate::control::model::ProcKey;
 use coloc_doorbell::GateReading;
 use qos_core::{GpuInput, Machine};
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,7 +26,7 @@ use std::time::Duration;
 
 /// See the module.
 #[derive(Debug)]
-pub struct Seeing {
+pub struct Observed {
     gpus: Vec<(u32, String)>,
     grace: Duration,
     pub(crate) table: Table,
@@ -40,7 +40,8 @@ pub struct Seeing {
     generation: u64,
     /// What this tick's reads changed (the machine runs).
     pub(crate) changed: bool,
-    /// Samples of PIDs the table did not know, until the lists are read.
+    /// Samples of PIDs the table did not know, until the lists are read (this tick, or the
+    /// next when a doorbell put them off).
     unknown: Vec<(u32, u32, Activity)>,
     /// What the record should hold ahead, when the table changed.
     pub(crate) ahead: Option<BTreeSet<RecordEntry>>,
@@ -49,21 +50,21 @@ pub struct Seeing {
     pub(crate) out: Vec<Cmd>,
 }
 
-impl Seeing {
-    /// The rooms for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file.
+impl Observed {
+    /// The observed sub-states for these GPUs (index, UUID) under `cfg`, at `now`, with the gate file.
     pub fn new(
         cfg: &LoopConfig,
         gpus: Vec<(u32, String)>,
         now: u64,
         gate_file: Option<PathBuf>,
-    ) -> Seeing {
+    ) -> Observed {
         let window = cfg.machine.idle_window;
         let uuids: Vec<(u32, [u8; 16])> = gpus
             .iter()
             .filter_map(|(g, u)| coloc_doorbell::parse_uuid(u).map(|b| (*g, b)))
             .collect();
         let ns = |d: Duration| d.as_nanos() as u64;
-        Seeing {
+        Observed {
             grace: cfg.nvml_grace,
             table: Table::default(),
             sampling: Sampling::new(
@@ -92,7 +93,6 @@ impl Seeing {
     pub fn start_tick(&mut self, generation: u64) {
         self.generation = generation;
         self.changed = false;
-        self.unknown.clear();
         self.sampling.start_tick();
     }
 
@@ -115,17 +115,23 @@ impl Seeing {
         self.unknown.extend(unknown);
     }
 
-    /// Why the lists are read now, if they are (and the note that says so).
-    pub fn list_due(&mut self, t: u64) -> Option<Refresh> {
-        let why = if !self.unknown.is_empty() {
-            Some(Refresh::UnknownPid)
-        } else {
-            self.sampling.list_due(t, self.table.stale(self.generation))
-        };
-        if let Some(why) = why {
-            self.notes.push(Note::ListRefresh(why));
+    /// Why the lists are due at a tick's start, if they are (samples of PIDs the table
+    /// does not know wait for them when a doorbell put them off).
+    pub fn list_due(&self, t: u64) -> Option<Refresh> {
+        if self.unknown_pids() {
+            return Some(Refresh::UnknownPid);
         }
-        why
+        self.sampling.list_due(t, self.table.stale(self.generation))
+    }
+
+    /// Whether samples named PIDs the table does not know (the lists are read for them).
+    pub fn unknown_pids(&self) -> bool {
+        !self.unknown.is_empty()
+    }
+
+    /// The lists are read for `why` (the note that says so).
+    pub fn lists_read_for(&mut self, why: Refresh) {
+        self.notes.push(Note::ListRefresh(why));
     }
 
     /// The lists were read: the PIDs to classify.
@@ -243,7 +249,7 @@ impl Seeing {
         rung.refresh
     }
 
-    /// Whether this round of doorbell reads rescans, and sweeps, and reads gates.
+    /// Whether this read of the doorbells rescans, and sweeps, and reads gates.
     pub fn bells_due(&mut self, t: u64) -> Cmd {
         let (force, sweep) = self.bells.due(t);
         Cmd::ReadBells {
@@ -266,6 +272,7 @@ impl Seeing {
     /// Every sample and activity so far is history (the watchdog resumed everything).
     pub fn forget(&mut self, now: u64) {
         self.table.clear_activity(None);
+        self.unknown.clear();
         self.sampling.blind_all(now);
     }
 
