@@ -339,18 +339,21 @@ impl Drop for Cells {
 }
 
 /// The intervals, ns, in which the agent held GPU 0 busy: from each preemption's
-/// confirmation to the next release's decision, read from its event log.
+/// confirmation (its decision where it was never confirmed: a tenant that cancels every
+/// stop may never be seen stopped) to the next release's decision, read from its event
+/// log.
 fn busy_periods(events: &Path) -> Vec<(u64, u64)> {
-    let mut busy: Vec<(u64, u64)> = Vec::new();
+    let mut busy: Vec<(Option<u64>, u64)> = Vec::new();
     for e in std::fs::read_to_string(events)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
     {
         match e["event"].as_str() {
-            Some("preempt") => {
-                busy.push((e["confirmed_ns"].as_u64().unwrap_or(u64::MAX), u64::MAX))
-            }
+            Some("preempt") => busy.push((
+                e["confirmed_ns"].as_u64().or(e["decided_ns"].as_u64()),
+                u64::MAX,
+            )),
             Some("release") => {
                 if let Some(last) = busy.last_mut() {
                     last.1 = e["decided_ns"].as_u64().unwrap();
@@ -359,7 +362,9 @@ fn busy_periods(events: &Path) -> Vec<(u64, u64)> {
             _ => {}
         }
     }
-    busy
+    busy.into_iter()
+        .filter_map(|(from, to)| Some((from?, to)))
+        .collect()
 }
 
 /// Runs online work for `busy_ms` beside the ptrace tenant under an agent started with
@@ -409,7 +414,7 @@ fn ptrace_tenant_run(
         .sum();
     let busy_total_ms: f64 = busy
         .iter()
-        .map(|(a, b)| ((*b).min(a + busy_ms * 2_000_000) - a) as f64 / 1e6)
+        .map(|(a, b)| ((*b).min(a.saturating_add(busy_ms * 2_000_000)) - a) as f64 / 1e6)
         .sum();
     (done_ms, busy_total_ms, agent, events, tracer, child, sim)
 }
