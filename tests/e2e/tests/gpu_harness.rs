@@ -636,3 +636,96 @@ fn gpu_harness_merge_joins_drain_configurations_and_prefers_a_passing_preflight(
     assert!(md.contains("  - p2: "), "{md}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn gpu_harness_probes_run_what_they_can_without_a_gpu() {
+    // The driver probes under --sim. tsg builds its hook with cc and checks it against
+    // the fake RM device (tsg_check.py: the handles it learns from alloc ioctls, its
+    // controls byte for byte), then runs the training loop's command protocol on the
+    // stand-in PyTorch, whose "CUDA" allocates two channel groups through that device:
+    // the groups learned, the default slice read (the fake's 2048 us), the smallest
+    // candidate the fake accepts (100 us; 1, 10 and 50 refused with its status 0x1f),
+    // the default restored. timeslice-policy and mps need the GPU: skipped, saying so,
+    // with the commands they would run.
+    let (res, log, out) = run_harness(&["--only", "probes", "--budget", "200"], Duration::from_secs(180));
+    let steps = res["steps"].as_array().unwrap();
+    let step = |n: &str| steps.iter().find(|s| s["step"] == n).unwrap_or_else(|| panic!("{n}: {log}"));
+    assert_eq!(step("preflight")["status"], "ok", "{log}");
+    assert_eq!(step("tsg")["status"], "ok", "{}\n{log}", step("tsg"));
+    for n in ["timeslice-policy", "mps"] {
+        let s = step(n);
+        assert_eq!(s["status"], "skipped", "{s}");
+        assert!(s["reason"].as_str().unwrap().starts_with("needs an NVIDIA GPU"), "{s}");
+    }
+    let t = &res["probes"]["tsg"];
+    assert_eq!(t["fake_device"]["ok"], true, "{t}");
+    let checks = t["fake_device"]["checks"].as_object().unwrap();
+    assert!(checks.len() >= 10 && checks.values().all(|v| v == true), "{t}");
+    assert_eq!(t["groups"].as_array().unwrap().len(), 2, "{t}");
+    assert_eq!(t["seen"]["rm_allocs"], 4, "client, device, two groups: {t}");
+    assert_eq!(t["default_us"], serde_json::json!([2048]), "{t}");
+    assert_eq!(t["accepted_us"], serde_json::json!([100, 100]), "{t}");
+    for g in t["min"]["groups"].as_array().unwrap() {
+        let tries: Vec<(u64, i64)> = g["tries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (x["us"].as_u64().unwrap(), x["status"].as_i64().unwrap()))
+            .collect();
+        assert_eq!(tries, [(1, 0x1f), (10, 0x1f), (50, 0x1f), (100, 0)], "{g}");
+        assert_eq!(g["get_after"]["us"], 100, "{g}");
+    }
+    for g in t["restore"]["groups"].as_array().unwrap() {
+        assert_eq!(g["set"]["status"], 0, "{g}");
+        assert_eq!(g["get_after"]["us"], 2048, "restored to the default: {g}");
+    }
+    assert!(t["gpu_part"].as_str().unwrap().starts_with("skipped: needs an NVIDIA GPU"), "{t}");
+    assert!(t["verdict"].as_str().unwrap().contains("accepted SET_TIMESLICE down to 100 us"), "{t}");
+    let p = &res["probes"]["timeslice_policy"]["plan"]["commands"];
+    let sets: Vec<String> = p["set"].as_array().unwrap().iter().map(|c| c[4].as_str().unwrap().to_string()).collect();
+    assert_eq!(sets, ["--set-timeslice=0", "--set-timeslice=1", "--set-timeslice=2", "--set-timeslice=3"], "{p}");
+    let m = &res["probes"]["mps"]["plan"]["commands"];
+    assert_eq!(m["quit"], "echo quit | nvidia-cuda-mps-control", "{m}");
+    assert_eq!(m["offline_variants"]["priority"]["CUDA_MPS_CLIENT_PRIORITY"], "1", "{m}");
+    assert_eq!(m["offline_variants"]["threads"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50", "{m}");
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("**Verdict: simulated: the driver accepted SET_TIMESLICE down to 100 us"), "{md}");
+    assert!(md.contains("### mps: online and offline as MPS clients"), "{md}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
+    // A machine without cc and without a prebuilt hook: the step fails at once, naming
+    // what is missing and the command that builds the hook elsewhere.
+    let path = std::env::temp_dir().join(unique("coloc-e2e-no-cc"));
+    std::fs::create_dir_all(&path).unwrap();
+    let py = output_within(std::process::Command::new("sh").args(["-c", "command -v python3"]), CMD_LIMIT);
+    let py = String::from_utf8_lossy(&py.stdout).trim().to_string();
+    std::os::unix::fs::symlink(&py, path.join("python3")).unwrap();
+    let out = std::env::temp_dir().join(unique("coloc-e2e-gpu-harness"));
+    let bindir = bin("coloc-agent").parent().unwrap().to_path_buf();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/run.py");
+    let r = output_within(
+        std::process::Command::new(path.join("python3"))
+            .arg(&script)
+            .args(["--sim", "--only", "tsg", "--budget", "60", "--commit", "0123456789abcdef0123456789abcdef01234567"])
+            .arg("--bin")
+            .arg(&bindir)
+            .arg("--out")
+            .arg(&out)
+            .env("PATH", &path),
+        Duration::from_secs(60),
+    );
+    let log = format!("{}\n{}", String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    let res: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect(&log)).expect(&log);
+    let step = &res["steps"][0];
+    assert_eq!(step["step"], "tsg", "{log}");
+    assert_eq!(step["status"], "error", "{step}");
+    let e = step["error"].as_str().unwrap();
+    assert!(e.contains("no C compiler (cc or gcc) on PATH"), "{e}");
+    assert!(e.contains("cc -O2 -shared -fPIC -o libcoloc_tsg_hook.so benches/gpu/probes/tsg_hook.c"), "{e}");
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&path);
+}
