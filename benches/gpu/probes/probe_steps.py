@@ -25,7 +25,7 @@ With --sim the tsg step builds the hook and checks it against a fake RM device
 skipped. timeslice-policy and mps are skipped ("needs an NVIDIA GPU") with the command
 lines they would run.
 """
-import json, os, shutil, signal, subprocess, sys, time
+import hashlib, json, os, shutil, signal, subprocess, sys, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPU = os.path.dirname(HERE)
@@ -246,7 +246,9 @@ class Loop:
 def tsg(h, deadline):
     T = section(h, "tsg")
     hook, how = hook_lib(h)
-    T.update(hook=how, candidates_us=candidates(h.a.tsg_candidates))
+    with open(hook, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    T.update(hook=how, hook_sha256=sha, candidates_us=candidates(h.a.tsg_candidates))
     if h.sim:
         return tsg_sim(h, T, hook, deadline)
     T["baseline"] = kernels(h, "tsg-alone", deadline)
@@ -482,6 +484,8 @@ def mps(h, deadline):
     M["kernels_alone"] = kernels(h, "mps-alone", deadline, bursts=3)
     base = M["kernels_alone"]["latency_ms"][:3]
     M["rows"] = []
+    before = set(pids_named("nvidia-cuda-mps-server") + pids_named("nvidia-cuda-mps-control"))
+    M["mps_processes_before"] = sorted(before)  # another daemon's, left alone
     try:
         M["start"] = cmd(c["start"], env=env)
         if M["start"]["rc"] != 0:
@@ -509,13 +513,14 @@ def mps(h, deadline):
                     mps_finish(M, out)
             h.save()
     finally:
-        M["servers"] = pids_named("nvidia-cuda-mps-server")
+        ours = lambda: sorted(set(pids_named("nvidia-cuda-mps-server") + pids_named("nvidia-cuda-mps-control")) - before)
+        M["servers"] = ours()
         q = cmd(["sh", "-c", c["quit"]], env=env)
         for _ in range(50):
-            if not pids_named("nvidia-cuda-mps-server") and not pids_named("nvidia-cuda-mps-control"):
+            if not ours():
                 break
             time.sleep(0.2)
-        left = pids_named("nvidia-cuda-mps-server") + pids_named("nvidia-cuda-mps-control")
+        left = ours()
         M["quit"] = {"rc": q["rc"], "err": q["err"], "left_running": left}
         try:
             with open(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log")) as f:
@@ -531,8 +536,10 @@ def mps(h, deadline):
 def mps_holds(h, M, off, out, env, base, deadline, ckpt_step):
     """With the plain offline MPS client running: which PIDs NVML names; kernel latency
     beside it, then while it is SIGSTOPped (its steps meanwhile); the driver's lock on it."""
-    on = h.spawn("work", "mps-nvml online", h.online_cmd(os.path.join(h.art, "mps-nvml-online.json"), duration=4.0), env, "mps-nvml-online.log")
+    ready = os.path.join(h.tmp, "mps-nvml-ready")
+    on = h.spawn("work", "mps-nvml online", h.online_cmd(os.path.join(h.art, "mps-nvml-online.json"), duration=6.0, ready=ready), env, "mps-nvml-online.log")
     try:
+        h.wait_ready(on, ready, "online", "mps-nvml-online.log", deadline)
         M["nvml"] = nvml_pids(h, 4.0)
         M["nvml"]["pids"] = {"offline": off.pid, "online": on.pid, "mps_servers": pids_named("nvidia-cuda-mps-server")}
         h.wait_exit(on, "online", deadline)
@@ -553,6 +560,9 @@ def mps_holds(h, M, off, out, env, base, deadline, ckpt_step):
     r = ckpt_step.ckpt(h, "lock", off.pid, timeout_ms=5000, wait_s=30)
     u = ckpt_step.ckpt(h, "unlock", off.pid, timeout_ms=5000, wait_s=30)
     M["driver_lock"] = {"lock": ckpt_step.calls(r).get("lock") or r, "unlock": ckpt_step.calls(u).get("unlock") or u}
+    if (ckpt_step.calls(r).get("lock") or {}).get("ok") and not (ckpt_step.calls(u).get("unlock") or {}).get("ok"):
+        import mem_step
+        M["driver_lock"]["left_locked_unblocked"] = mem_step.unblock(h, off.pid)
 
 
 def mps_finish(M, out):
@@ -595,11 +605,11 @@ def render(P):
         out += ["", "### tsg: the training loop sets its own channel groups' time slice (NVA06C_CTRL_CMD_SET_TIMESLICE)", "",
                 f"Hook: {T.get('hook')}. Seen: {json.dumps(T.get('seen'))}. Groups: {len(T.get('groups') or [])}, default slice read back {T.get('default_us')} us; "
                 f"candidates {T.get('candidates_us')} us, accepted per group {T.get('accepted_us')}.", "",
-                f"**Verdict: {T.get('verdict')}**"]
+                f"**Verdict: {T.get('verdict')}**", ""]
         if T.get("fake_device"):
-            out.append(f"Fake RM device checks: {sum(T['fake_device']['checks'].values())}/{len(T['fake_device']['checks'])} passed.")
+            out += [f"Fake RM device checks: {sum(T['fake_device']['checks'].values())}/{len(T['fake_device']['checks'])} passed.", ""]
         if T.get("gpu_part"):
-            out.append(f"GPU part: {T['gpu_part']}.")
+            out += [f"GPU part: {T['gpu_part']}.", ""]
         tries = [(g.get("object"), t) for g in (T.get("min") or {}).get("groups", []) for t in g.get("tries", [])]
         if tries:
             out.append("SET_TIMESLICE answers (group: us -> RM status): " + "; ".join(f"{o}: {t['us']} -> {hex(t['status']) if t['status'] >= 0 else t['status']}" for o, t in tries))

@@ -647,20 +647,37 @@ fn gpu_harness_probes_run_what_they_can_without_a_gpu() {
     // candidate the fake accepts (100 us; 1, 10 and 50 refused with its status 0x1f),
     // the default restored. timeslice-policy and mps need the GPU: skipped, saying so,
     // with the commands they would run.
-    let (res, log, out) = run_harness(&["--only", "probes", "--budget", "200"], Duration::from_secs(180));
+    let (res, log, out) = run_harness(
+        &["--only", "probes", "--budget", "200"],
+        Duration::from_secs(180),
+    );
     let steps = res["steps"].as_array().unwrap();
-    let step = |n: &str| steps.iter().find(|s| s["step"] == n).unwrap_or_else(|| panic!("{n}: {log}"));
+    let step = |n: &str| {
+        steps
+            .iter()
+            .find(|s| s["step"] == n)
+            .unwrap_or_else(|| panic!("{n}: {log}"))
+    };
     assert_eq!(step("preflight")["status"], "ok", "{log}");
     assert_eq!(step("tsg")["status"], "ok", "{}\n{log}", step("tsg"));
     for n in ["timeslice-policy", "mps"] {
         let s = step(n);
         assert_eq!(s["status"], "skipped", "{s}");
-        assert!(s["reason"].as_str().unwrap().starts_with("needs an NVIDIA GPU"), "{s}");
+        assert!(
+            s["reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("needs an NVIDIA GPU"),
+            "{s}"
+        );
     }
     let t = &res["probes"]["tsg"];
     assert_eq!(t["fake_device"]["ok"], true, "{t}");
     let checks = t["fake_device"]["checks"].as_object().unwrap();
-    assert!(checks.len() >= 10 && checks.values().all(|v| v == true), "{t}");
+    assert!(
+        checks.len() >= 10 && checks.values().all(|v| v == true),
+        "{t}"
+    );
     assert_eq!(t["groups"].as_array().unwrap().len(), 2, "{t}");
     assert_eq!(t["seen"]["rm_allocs"], 4, "client, device, two groups: {t}");
     assert_eq!(t["default_us"], serde_json::json!([2048]), "{t}");
@@ -679,18 +696,56 @@ fn gpu_harness_probes_run_what_they_can_without_a_gpu() {
         assert_eq!(g["set"]["status"], 0, "{g}");
         assert_eq!(g["get_after"]["us"], 2048, "restored to the default: {g}");
     }
-    assert!(t["gpu_part"].as_str().unwrap().starts_with("skipped: needs an NVIDIA GPU"), "{t}");
-    assert!(t["verdict"].as_str().unwrap().contains("accepted SET_TIMESLICE down to 100 us"), "{t}");
+    assert!(
+        t["gpu_part"]
+            .as_str()
+            .unwrap()
+            .starts_with("skipped: needs an NVIDIA GPU"),
+        "{t}"
+    );
+    assert!(
+        t["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("accepted SET_TIMESLICE down to 100 us"),
+        "{t}"
+    );
     let p = &res["probes"]["timeslice_policy"]["plan"]["commands"];
-    let sets: Vec<String> = p["set"].as_array().unwrap().iter().map(|c| c[4].as_str().unwrap().to_string()).collect();
-    assert_eq!(sets, ["--set-timeslice=0", "--set-timeslice=1", "--set-timeslice=2", "--set-timeslice=3"], "{p}");
+    let sets: Vec<String> = p["set"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c[4].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        sets,
+        [
+            "--set-timeslice=0",
+            "--set-timeslice=1",
+            "--set-timeslice=2",
+            "--set-timeslice=3"
+        ],
+        "{p}"
+    );
     let m = &res["probes"]["mps"]["plan"]["commands"];
     assert_eq!(m["quit"], "echo quit | nvidia-cuda-mps-control", "{m}");
-    assert_eq!(m["offline_variants"]["priority"]["CUDA_MPS_CLIENT_PRIORITY"], "1", "{m}");
-    assert_eq!(m["offline_variants"]["threads"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50", "{m}");
+    assert_eq!(
+        m["offline_variants"]["priority"]["CUDA_MPS_CLIENT_PRIORITY"], "1",
+        "{m}"
+    );
+    assert_eq!(
+        m["offline_variants"]["threads"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50",
+        "{m}"
+    );
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
-    assert!(md.contains("**Verdict: simulated: the driver accepted SET_TIMESLICE down to 100 us"), "{md}");
-    assert!(md.contains("### mps: online and offline as MPS clients"), "{md}");
+    assert!(
+        md.contains("**Verdict: simulated: the driver accepted SET_TIMESLICE down to 100 us"),
+        "{md}"
+    );
+    assert!(
+        md.contains("### mps: online and offline as MPS clients"),
+        "{md}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -700,7 +755,10 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
     // what is missing and the command that builds the hook elsewhere.
     let path = std::env::temp_dir().join(unique("coloc-e2e-no-cc"));
     std::fs::create_dir_all(&path).unwrap();
-    let py = output_within(std::process::Command::new("sh").args(["-c", "command -v python3"]), CMD_LIMIT);
+    let py = output_within(
+        std::process::Command::new("sh").args(["-c", "command -v python3"]),
+        CMD_LIMIT,
+    );
     let py = String::from_utf8_lossy(&py.stdout).trim().to_string();
     std::os::unix::fs::symlink(&py, path.join("python3")).unwrap();
     let out = std::env::temp_dir().join(unique("coloc-e2e-gpu-harness"));
@@ -709,7 +767,15 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
     let r = output_within(
         std::process::Command::new(path.join("python3"))
             .arg(&script)
-            .args(["--sim", "--only", "tsg", "--budget", "60", "--commit", "0123456789abcdef0123456789abcdef01234567"])
+            .args([
+                "--sim",
+                "--only",
+                "tsg",
+                "--budget",
+                "60",
+                "--commit",
+                "0123456789abcdef0123456789abcdef01234567",
+            ])
             .arg("--bin")
             .arg(&bindir)
             .arg("--out")
@@ -717,7 +783,11 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
             .env("PATH", &path),
         Duration::from_secs(60),
     );
-    let log = format!("{}\n{}", String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
     let res: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("results.json")).expect(&log)).expect(&log);
     let step = &res["steps"][0];
@@ -725,7 +795,10 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
     assert_eq!(step["status"], "error", "{step}");
     let e = step["error"].as_str().unwrap();
     assert!(e.contains("no C compiler (cc or gcc) on PATH"), "{e}");
-    assert!(e.contains("cc -O2 -shared -fPIC -o libcoloc_tsg_hook.so benches/gpu/probes/tsg_hook.c"), "{e}");
+    assert!(
+        e.contains("cc -O2 -shared -fPIC -o libcoloc_tsg_hook.so benches/gpu/probes/tsg_hook.c"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_dir_all(&path);
 }
