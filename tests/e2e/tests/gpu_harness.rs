@@ -755,8 +755,9 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
     // what is missing and the command that builds the hook elsewhere.
     let path = std::env::temp_dir().join(unique("coloc-e2e-no-cc"));
     std::fs::create_dir_all(&path).unwrap();
+    // The interpreter itself (a launcher such as pyenv's shim needs a shell on PATH).
     let py = output_within(
-        std::process::Command::new("sh").args(["-c", "command -v python3"]),
+        std::process::Command::new("python3").args(["-c", "import sys; print(sys.executable)"]),
         CMD_LIMIT,
     );
     let py = String::from_utf8_lossy(&py.stdout).trim().to_string();
