@@ -110,9 +110,9 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "0123456789abcdef0123456789abcdef01234567",
                 "--fail-step",
                 "no-agent",
-                // The driver's lock and memory preemption: their own test.
+                // The driver's lock, memory preemption and the driver probes: their own tests.
                 "--skip",
-                "driver-lock,memory",
+                "driver-lock,memory,tsg,timeslice-policy,mps",
             ])
             .arg("--bin")
             .arg(&bindir)
