@@ -65,7 +65,7 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate learned wake-floor;
         part3 = preflight drain nvml-load; part4 = preflight checkpoint; probes = preflight tsg timeslice-policy mps
-        (about 15 minutes by the steps' estimates: split it, --only preflight,tsg,mps then
+        (about 10.5 minutes by the steps' estimates: split it, --only preflight,tsg,mps then
         --only preflight,timeslice-policy, where a command must end within 10); all. The step
         memory runs alone (--only memory: 164 s on the H100, --budget 240).
 The parts (part1 ... part4) take about 5-7 minutes each, for machines that are lent

@@ -69,7 +69,7 @@ def cmd(argv, timeout=20.0, env=None, stdin=None):
 
 def need(step, h):
     """About how long a step takes (s)."""
-    a, start = h.a, (2.0 if h.sim else 20.0)
+    a, start = h.a, (2.0 if h.sim else 12.0)  # a workload's start, as the drain step counts it
     burst = start + a.probe_bursts * 1.0 + 3
     online = start + a.probe_online_s + 3
     if step == "tsg":
