@@ -14,7 +14,8 @@ online work, each measured beside a training loop with no agent.
                     directory): online and offline as MPS clients, offline plain, with
                     CUDA_MPS_CLIENT_PRIORITY and with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:
                     online p99 against online alone, offline steps/s; kernel latency while
-                    offline runs and while it is SIGSTOPped, offline's steps meanwhile; the
+                    offline runs and while it is SIGSTOPped, offline's first synchronisation
+                    after SIGCONT; the
                     driver's lock (cuCheckpointProcessLock) on an MPS client; which PIDs
                     NVML's process list and per-process samples name; the daemon told to
                     quit at the end, also on failure
@@ -550,9 +551,10 @@ def mps_holds(h, M, off, out, env, base, deadline, ckpt_step):
         t1 = time.monotonic()
     finally:
         os.kill(off.pid, signal.SIGCONT)
+        t_cont = time.monotonic()
     time.sleep(1.0)
-    M["sigstop"] = {"stopped_s": round(t1 - t0, 2), "note": "offline's timeline is read when it exits (steps_while_stopped)"}
-    M["_stop_window"] = [t0, t1]
+    M["sigstop"] = {"stopped_s": round(t_cont - t0, 2)}
+    M["_stop_window"] = [t0, t_cont]
     r = ckpt_step.ckpt(h, "lock", off.pid, timeout_ms=5000, wait_s=30)
     u = ckpt_step.ckpt(h, "unlock", off.pid, timeout_ms=5000, wait_s=30)
     M["driver_lock"] = {"lock": ckpt_step.calls(r).get("lock") or r, "unlock": ckpt_step.calls(u).get("unlock") or u}
@@ -562,17 +564,23 @@ def mps_holds(h, M, off, out, env, base, deadline, ckpt_step):
 
 
 def mps_finish(M, out):
-    """After the plain offline exited: its steps while it was stopped."""
+    """After the plain offline exited, from its timeline: synchronisations it recorded while
+    stopped (none expected: a check of the stop) and how long after SIGCONT its next one
+    came (near 0: its queued work ran on while it was stopped; about one synchronisation
+    interval or more: the work waited for it)."""
     w = M.pop("_stop_window", None)
-    if w and M.get("sigstop") is not None:
-        try:
-            with open(out) as f:
-                tl = json.load(f).get("timeline") or []
-            inside = [s for t, s in tl if w[0] < t < w[1]]
-            before = [s for t, s in tl if t <= w[0]]
-            M["sigstop"]["steps_while_stopped"] = (max(inside) - max(before or [0])) if inside else 0
-        except (OSError, ValueError):
-            M["sigstop"]["steps_while_stopped"] = None
+    if not w or M.get("sigstop") is None:
+        return
+    try:
+        with open(out) as f:
+            tl = json.load(f).get("timeline") or []
+    except (OSError, ValueError):
+        tl = []
+    after = [t for t, _ in tl if t > w[1]]
+    M["sigstop"]["syncs_while_stopped"] = sum(1 for t, _ in tl if w[0] + 0.05 < t < w[1]) if tl else None
+    M["sigstop"]["first_sync_after_cont_ms"] = (after[0] - w[1]) * 1e3 if after else None
+    gaps = [b - a for (a, _), (b, _) in zip(tl, tl[1:]) if b < w[0]]
+    M["sigstop"]["sync_interval_ms_before"] = pct(gaps, 50) * 1e3 if gaps else None
 
 
 def plan(step, h):
@@ -647,7 +655,8 @@ def render(P):
                 out.append(f"| {r['offline']} | {json.dumps(r.get('env'))} | {f3(r.get('offline_alone_steps_per_s'))} | {f3(q.get('p50_ms'))}/{f3(q.get('p99_ms'))} | "
                            f"{f3(r.get('p99_vs_alone'))} | {f3(r.get('offline_steps_per_s_online_window'))} |")
             out += ["", f"Kernel latency p50/p90/p99/max ms: alone {lat(M.get('kernels_alone'))}; beside the offline client {lat(M.get('kernels_beside'))}; "
-                    f"while it is SIGSTOPped {lat(M.get('kernels_stopped'))} (offline's steps meanwhile: {(M.get('sigstop') or {}).get('steps_while_stopped')}).",
+                    f"while it is SIGSTOPped {lat(M.get('kernels_stopped'))}; offline's next synchronisation {f3((M.get('sigstop') or {}).get('first_sync_after_cont_ms'))} ms "
+                    f"after SIGCONT (its interval before: {f3((M.get('sigstop') or {}).get('sync_interval_ms_before'))} ms).",
                     f"Driver's lock on the MPS client: {json.dumps(M.get('driver_lock'))[:400]}.",
                     f"NVML: {json.dumps(M.get('nvml'))[:800]}."]
     return "\n".join(out)
