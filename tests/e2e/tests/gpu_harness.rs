@@ -803,3 +803,69 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_dir_all(&path);
 }
+
+#[test]
+fn gpu_harness_tsg_verdict_says_plainly_what_the_driver_did() {
+    // The tsg probe's verdict on made-up results, no GPU: no group learned, every
+    // candidate refused (the RM's statuses named), accepted with online's p99 moved, and
+    // accepted with it unmoved.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/probes");
+    let code = r#"
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import probe_steps as p
+g = [{"object": "0x5c000001"}]
+tries = lambda *st: {"groups": [{"tries": [{"us": us, "status": s} for us, s in zip((1, 100, 1000), st)]}]}
+ph = lambda d, m: [{"phase": "default", "latency_ms": [0.1, 0.2, d, 9]}, {"phase": "minimum", "latency_ms": [0.1, 0.2, m, 9]}]
+print(json.dumps([
+    p.tsg_verdict({"seen": {"rm_allocs": 0}}),
+    p.tsg_verdict({"groups": g, "min": tries(0x1f, 0x1b, 0x1b)}),
+    p.tsg_verdict({"groups": g, "min": tries(0x1f, 0), "default_us": [2048], "phases": ph(4.0, 1.0)}),
+    p.tsg_verdict({"groups": g, "min": tries(0x1f, 0), "default_us": [2048], "phases": ph(4.0, 3.9)}),
+]))
+"#;
+    let r = output_within(
+        std::process::Command::new("python3")
+            .args(["-c", code])
+            .arg(&dir),
+        CMD_LIMIT,
+    );
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    let v: Vec<String> = serde_json::from_slice(&r.stdout).expect(&log);
+    assert!(
+        v[0].starts_with(
+            "the hook recorded no channel group (RM allocations seen on the control device: 0)"
+        ),
+        "{}",
+        v[0]
+    );
+    assert!(
+        v[1].contains(
+            "refused SET_TIMESLICE on 1 group(s) for every candidate (RM status 0x1b, 0x1f)"
+        ),
+        "{}",
+        v[1]
+    );
+    assert!(
+        v[2].contains("accepted SET_TIMESLICE down to 100 us"),
+        "{}",
+        v[2]
+    );
+    assert!(
+        v[2].contains(
+            "online kernel latency moved: p99 beside the loop 1.000 ms at 100 us against 4.000 ms"
+        ),
+        "{}",
+        v[2]
+    );
+    assert!(
+        v[3].contains("online kernel latency did not move (within 20%)"),
+        "{}",
+        v[3]
+    );
+}
