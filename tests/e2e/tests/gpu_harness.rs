@@ -869,3 +869,133 @@ print(json.dumps([
         v[3]
     );
 }
+
+#[test]
+fn gpu_harness_timeslice_policy_restores_the_policy_it_found_even_on_failure() {
+    // The timeslice-policy step against a stand-in nvidia-smi (a script on PATH that logs
+    // its arguments and lists the policy as 2), the measurements stubbed: every value is
+    // set in turn, a failing value is recorded and the others still run, and the policy
+    // read before (2) is set back at the end; also when the run is interrupted midway
+    // (a BaseException, as the harness's SIGTERM raises).
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-policy"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let smi = dir.join("nvidia-smi");
+    std::fs::write(
+        &smi,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {}\ncase \"$*\" in *-l*) echo 'GPU 0: Timeslice: 2';; esac\n",
+            dir.join("calls").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let probes = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/probes");
+    let code = r#"
+import json, os, sys, types
+sys.path.insert(0, sys.argv[1])
+import probe_steps as p
+calls = os.path.join(sys.argv[2], "calls")
+p.kernels = lambda h, tag, dl, **k: {"latency_ms": [1.0, 2.0, 3.0, 4.0]}
+p.requests = lambda h, tag, dl, **k: {"p50_ms": 1.0, "p99_ms": 2.0}
+p.hook_lib = lambda h: (_ for _ in ()).throw(RuntimeError("no hook here"))
+p.environment = lambda h: {}
+class Stop(BaseException):
+    pass
+def row(fail, stop):
+    def f(h, row, v, hook, base, dl):
+        if v == stop:
+            raise Stop()
+        if v == fail:
+            raise RuntimeError("the loop died")
+        row["requests"] = {"p99_ms": 3.0}
+    return f
+out = []
+for fail, stop in ((2, None), (None, 1)):
+    open(calls, "w").close()
+    p.policy_row = row(fail, stop)
+    h = types.SimpleNamespace(sim=False, results={}, a=types.SimpleNamespace(timeslice_values="0,1,2,3"), save=lambda: None)
+    try:
+        p.timeslice_policy(h, 0)
+        r = "ok"
+    except Stop:
+        r = "interrupted"
+    except RuntimeError as e:
+        r = str(e)
+    P = h.results["probes"]["timeslice_policy"]
+    out.append({"result": r, "calls": open(calls).read().split("\n")[:-1], "restore_to": P["restore_to"],
+                "errors": {x["value"]: x.get("error") for x in P["rows"]}})
+print(json.dumps(out))
+"#;
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let r = output_within(
+        std::process::Command::new("python3")
+            .args(["-c", code])
+            .arg(&probes)
+            .arg(&dir)
+            .env("PATH", path),
+        CMD_LIMIT,
+    );
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect(&log);
+    let calls = |i: usize| -> Vec<String> {
+        v[i]["calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (l, set) = ("compute-policy -i 0 -l", |n: u32| {
+        format!("compute-policy -i 0 --set-timeslice={n}")
+    });
+    assert_eq!(v[0]["restore_to"], 2, "{v}");
+    assert_eq!(
+        calls(0),
+        [
+            "compute-policy -h".to_string(),
+            l.into(),
+            set(0),
+            l.into(),
+            set(1),
+            l.into(),
+            set(2),
+            l.into(),
+            set(3),
+            l.into(),
+            set(2),
+            l.into()
+        ],
+        "{v}"
+    );
+    assert!(
+        v[0]["result"]
+            .as_str()
+            .unwrap()
+            .contains("values [2] failed"),
+        "{v}"
+    );
+    assert_eq!(v[0]["errors"]["2"], "RuntimeError: the loop died", "{v}");
+    assert!(
+        v[0]["errors"]["3"].is_null(),
+        "the value after a failure still ran: {v}"
+    );
+    // Interrupted at value 1: the policy found is still set back, nothing after runs.
+    assert_eq!(v[1]["result"], "interrupted", "{v}");
+    let c = calls(1);
+    assert_eq!(
+        c[c.len() - 4..],
+        [set(1), l.into(), set(2), l.into()],
+        "{v}"
+    );
+    assert!(!c.contains(&set(3)), "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
