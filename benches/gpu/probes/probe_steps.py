@@ -484,7 +484,15 @@ def mps(h, deadline):
     before = set(pids_named("nvidia-cuda-mps-server") + pids_named("nvidia-cuda-mps-control"))
     M["mps_processes_before"] = sorted(before)  # another daemon's, left alone
     try:
-        M["start"] = cmd(c["start"], env=env)
+        # Its output to a file, not a pipe: a daemon that keeps the pipe open would hold a
+        # reader of it for ever.
+        with open(os.path.join(h.art, "mps-control-start.log"), "w") as f:
+            try:
+                rc = subprocess.run(c["start"], env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, timeout=30).returncode
+                M["start"] = {"argv": c["start"], "rc": rc, "err": ""}
+            except (OSError, subprocess.TimeoutExpired) as e:
+                M["start"] = {"argv": c["start"], "rc": None, "err": f"{type(e).__name__}: {e}"}
+        M["start"]["out"] = h_tail(h, "mps-control-start.log", 1000)
         if M["start"]["rc"] != 0:
             raise RuntimeError(f"nvidia-cuda-mps-control -d failed: {M['start']['err'] or M['start']['out']}")
         M["control_pids"] = pids_named("nvidia-cuda-mps-control")

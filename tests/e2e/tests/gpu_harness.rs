@@ -999,3 +999,109 @@ print(json.dumps(out))
     assert!(!c.contains(&set(3)), "{v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn gpu_harness_mps_quits_its_daemon_when_a_row_fails() {
+    // The mps step against a stand-in nvidia-cuda-mps-control (a script on PATH: -d starts
+    // a "daemon", a sleep named like the real one, and a quit on stdin ends it), the
+    // measurements stubbed so that online fails once it is an MPS client: the error is
+    // the step's, the daemon was started and told to quit with the run's own pipe
+    // directory, and none is left. A daemon that ignores the quit is reported as left
+    // running, by PID.
+    let dir = std::env::temp_dir().join(unique("coloc-e2e-mps"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ctl = dir.join("nvidia-cuda-mps-control");
+    let d = dir.display();
+    std::fs::write(
+        &ctl,
+        format!(
+            "#!/bin/bash\necho \"args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY\" >> {d}/calls\n\
+             if [ \"$1\" = -d ]; then (exec -a nvidia-cuda-mps-control sleep 60) & echo $! > {d}/daemon.pid; exit 0; fi\n\
+             read c; echo \"stdin=$c\" >> {d}/calls\n\
+             if [ \"$c\" = quit ] && [ ! -e {d}/stubborn ]; then kill $(cat {d}/daemon.pid); fi\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&ctl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let gpu = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu");
+    let code = r#"
+import json, os, signal, subprocess, sys, time, types
+sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "probes")]
+import probe_steps as p
+d = sys.argv[2]
+def requests(h, tag, dl, env=None):
+    if env and "CUDA_MPS_PIPE_DIRECTORY" in env:
+        raise RuntimeError("online died")
+    return {"p50_ms": 1.0, "p99_ms": 2.0, "window": None}
+p.requests = requests
+p.kernels = lambda *a, **k: {"latency_ms": [1.0, 2.0, 3.0, 4.0]}
+p.environment = lambda h: {}
+p.LOG = lambda m: print(m, file=sys.stderr)
+out = []
+for stubborn in (False, True):
+    if stubborn:
+        open(os.path.join(d, "stubborn"), "w").close()
+    open(os.path.join(d, "calls"), "w").close()
+    tmp = os.path.join(d, f"run{int(stubborn)}")
+    os.makedirs(tmp)
+    h = types.SimpleNamespace(sim=False, results={}, tmp=tmp, art=tmp, env=dict(os.environ), save=lambda: None,
+                              a=types.SimpleNamespace(mps_priority=1, mps_thread_pct=50), offline_cmd=lambda *a: [],
+                              spawn=lambda kind, name, cmd, env, log: subprocess.Popen(["sleep", "30"]),
+                              wait_ready=lambda *a, **k: None, end=lambda pr, *a, **k: pr and (pr.kill(), pr.wait()))
+    try:
+        p.mps(h, 0)
+        r = "ok"
+    except RuntimeError as e:
+        r = str(e)
+    daemon = int(open(os.path.join(d, "daemon.pid")).read())
+    alive = os.path.exists(f"/proc/{daemon}") and open(f"/proc/{daemon}/stat").read().split()[2] != "Z"
+    if alive:
+        os.kill(daemon, signal.SIGKILL)
+    M = h.results["probes"]["mps"]
+    out.append({"result": r, "calls": open(os.path.join(d, "calls")).read().split("\n")[:-1], "pipe": M["commands"]["env"]["CUDA_MPS_PIPE_DIRECTORY"],
+                "quit": M["quit"], "daemon": daemon, "alive": alive})
+print(json.dumps(out))
+"#;
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let r = output_within(
+        std::process::Command::new("python3")
+            .args(["-c", code])
+            .arg(&gpu)
+            .arg(&dir)
+            .env("PATH", path),
+        Duration::from_secs(60),
+    );
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect(&log);
+    let ok = &v[0];
+    assert_eq!(ok["result"], "online died", "{v}");
+    let pipe = ok["pipe"].as_str().unwrap();
+    assert_eq!(
+        ok["calls"],
+        serde_json::json!([
+            format!("args=-d pipe={pipe}"),
+            format!("args= pipe={pipe}"),
+            "stdin=quit"
+        ]),
+        "{v}"
+    );
+    assert_eq!(ok["quit"]["left_running"], serde_json::json!([]), "{v}");
+    assert_eq!(ok["alive"], false, "{v}");
+    let stubborn = &v[1];
+    assert_eq!(stubborn["result"], "online died", "{v}");
+    assert_eq!(
+        stubborn["quit"]["left_running"],
+        serde_json::json!([stubborn["daemon"]]),
+        "{v}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
