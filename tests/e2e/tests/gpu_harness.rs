@@ -753,9 +753,8 @@ fn gpu_harness_probes_run_what_they_can_without_a_gpu() {
 fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
     // A machine without cc and without a prebuilt hook: the step fails at once, naming
     // what is missing and the command that builds the hook elsewhere.
-    let path = std::env::temp_dir().join(unique("coloc-e2e-no-cc"));
-    std::fs::create_dir_all(&path).unwrap();
-    // The interpreter itself (a launcher such as pyenv's shim needs a shell on PATH).
+    let path = TempPath::dir("coloc-e2e-no-cc"); // removed however the test ends
+                                                 // The interpreter itself (a launcher such as pyenv's shim needs a shell on PATH).
     let py = output_within(
         std::process::Command::new("python3").args(["-c", "import sys; print(sys.executable)"]),
         CMD_LIMIT,
@@ -801,7 +800,6 @@ fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&out);
-    let _ = std::fs::remove_dir_all(&path);
 }
 
 #[test]
@@ -877,8 +875,7 @@ fn gpu_harness_timeslice_policy_restores_the_policy_it_found_even_on_failure() {
     // set in turn, a failing value is recorded and the others still run, and the policy
     // read before (2) is set back at the end; also when the run is interrupted midway
     // (a BaseException, as the harness's SIGTERM raises).
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-policy"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-policy"); // removed however the test ends
     let smi = dir.join("nvidia-smi");
     std::fs::write(
         &smi,
@@ -997,7 +994,6 @@ print(json.dumps(out))
         "{v}"
     );
     assert!(!c.contains(&set(3)), "{v}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -1008,8 +1004,7 @@ fn gpu_harness_mps_quits_its_daemon_when_a_row_fails() {
     // the step's, the daemon was started and told to quit with the run's own pipe
     // directory, and none is left. A daemon that ignores the quit is reported as left
     // running, by PID.
-    let dir = std::env::temp_dir().join(unique("coloc-e2e-mps"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempPath::dir("coloc-e2e-mps"); // removed however the test ends
     let ctl = dir.join("nvidia-cuda-mps-control");
     let d = dir.display();
     std::fs::write(
@@ -1103,5 +1098,4 @@ print(json.dumps(out))
         serde_json::json!([stubborn["daemon"]]),
         "{v}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
