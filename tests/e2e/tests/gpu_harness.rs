@@ -822,19 +822,8 @@ print(json.dumps([
     p.tsg_verdict({"groups": g, "min": tries(0x1f, 0), "default_us": [2048], "phases": ph(4.0, 3.9)}),
 ]))
 "#;
-    let r = output_within(
-        std::process::Command::new("python3")
-            .args(["-c", code])
-            .arg(&dir),
-        CMD_LIMIT,
-    );
-    let log = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
-    assert!(r.status.success(), "{log}");
-    let v: Vec<String> = serde_json::from_slice(&r.stdout).expect(&log);
+    let (v, _) = python_json(code, &[dir.as_os_str()], None, CMD_LIMIT);
+    let v: Vec<String> = serde_json::from_value(v).unwrap();
     assert!(
         v[0].starts_with(
             "the hook recorded no channel group (RM allocations seen on the control device: 0)"
@@ -923,26 +912,12 @@ for fail, stop in ((2, None), (None, 1)):
                 "errors": {x["value"]: x.get("error") for x in P["rows"]}})
 print(json.dumps(out))
 "#;
-    let path = format!(
-        "{}:{}",
-        dir.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let r = output_within(
-        std::process::Command::new("python3")
-            .args(["-c", code])
-            .arg(&probes)
-            .arg(&dir)
-            .env("PATH", path),
+    let (v, _) = python_json(
+        code,
+        &[probes.as_os_str(), dir.as_os_str()],
+        Some(&dir),
         CMD_LIMIT,
     );
-    let log = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
-    assert!(r.status.success(), "{log}");
-    let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect(&log);
     let calls = |i: usize| -> Vec<String> {
         v[i]["calls"]
             .as_array()
@@ -1057,26 +1032,12 @@ for stubborn in (False, True):
                 "quit": M["quit"], "daemon": daemon, "alive": alive})
 print(json.dumps(out))
 "#;
-    let path = format!(
-        "{}:{}",
-        dir.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let r = output_within(
-        std::process::Command::new("python3")
-            .args(["-c", code])
-            .arg(&gpu)
-            .arg(&dir)
-            .env("PATH", path),
+    let (v, _) = python_json(
+        code,
+        &[gpu.as_os_str(), dir.as_os_str()],
+        Some(&dir),
         Duration::from_secs(60),
     );
-    let log = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
-    assert!(r.status.success(), "{log}");
-    let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect(&log);
     let ok = &v[0];
     assert_eq!(ok["result"], "online died", "{v}");
     let pipe = ok["pipe"].as_str().unwrap();
@@ -1098,4 +1059,32 @@ print(json.dumps(out))
         serde_json::json!([stubborn["daemon"]]),
         "{v}"
     );
+}
+
+/// `python3 -c CODE ARGS...` (with `path_first` ahead of PATH, where stand-in tools lie):
+/// the JSON it prints, and its output for messages. Fails the test if it fails.
+fn python_json(
+    code: &str,
+    args: &[&std::ffi::OsStr],
+    path_first: Option<&std::path::Path>,
+    limit: Duration,
+) -> (serde_json::Value, String) {
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args(["-c", code]).args(args);
+    if let Some(dir) = path_first {
+        let path = format!(
+            "{}:{}",
+            dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        cmd.env("PATH", path);
+    }
+    let r = output_within(&mut cmd, limit);
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    (serde_json::from_slice(&r.stdout).expect(&log), log)
 }
