@@ -48,9 +48,25 @@ Steps, in this order (most important facts first; --only/--skip pick steps or gr
                  uninterrupted run. Then online alone, offline alone and the driver-lock row,
                  --memory-row-duration s each. Fails at once without the agent's flags or
                  the driver's checkpoint API
+  tsg            probe: a training loop (probes/tsg_train.py) learns its own channel groups
+                 through probes/tsg_hook.c (LD_PRELOAD, built here with cc or --tsg-hook)
+                 and sets their time slice (NVA06C_CTRL_CMD_SET_TIMESLICE): the smallest
+                 of --tsg-candidates the driver accepts, burst.py's kernel latency beside
+                 the loop at the default, at that minimum and at the default again
+  timeslice-policy  probe: nvidia-smi compute-policy --set-timeslice=N per
+                 --timeslice-values, a training loop started after each change, burst.py
+                 and online.py beside it; the policy read before restored at the end
+  mps            probe: an MPS control daemon, online and offline as its clients (offline
+                 plain, with CUDA_MPS_CLIENT_PRIORITY=--mps-priority, with
+                 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=--mps-thread-pct): online p99 against
+                 alone, offline steps/s; kernel latency while offline is SIGSTOPped; the
+                 driver's lock on an MPS client; the PIDs NVML names; the daemon quit at
+                 the end. The three probes run no agent (probes/README.md)
 Groups: part1 = preflight probe shim warmup online-alone offline-alone no-agent dry-run;
         part2 = preflight probe signal freezer doorbell gate learned wake-floor;
-        part3 = preflight drain nvml-load; part4 = preflight checkpoint; all. The step
+        part3 = preflight drain nvml-load; part4 = preflight checkpoint; probes = preflight tsg timeslice-policy mps
+        (about 10.5 minutes by the steps' estimates: split it, --only preflight,tsg,mps then
+        --only preflight,timeslice-policy, where a command must end within 10); all. The step
         memory runs alone (--only memory: 164 s on the H100, --budget 240).
 The parts (part1 ... part4) take about 5-7 minutes each, for machines that are lent
 for short runs; `--merge DIR DIR DIR --out DIR` joins their results (no GPU needed).
@@ -79,6 +95,8 @@ sys.path.insert(0, HERE)
 import shim_check  # noqa: E402  (standard library only: its child-process helpers)
 import ckpt_step  # noqa: E402  (the checkpoint step)
 import mem_step  # noqa: E402  (the memory step)
+sys.path.insert(0, os.path.join(HERE, "probes"))
+import probe_steps  # noqa: E402  (the driver probes: tsg, timeslice-policy, mps)
 
 T0 = time.monotonic()
 PROGRESS = []  # the progress.log file, once --out exists
@@ -96,12 +114,14 @@ ROWS = [  # step, scenario, online, offline, agent: None or (actuator, dry_run, 
     ("at-once", "both, agent doorbell + gate + release at once", True, True, ("signal", False, "at-once")),
     ("driver-lock", "both, agent doorbell + gate + driver lock", True, True, ("signal", False, "lock")),
 ]
-ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint", "memory"]
+ORDER = ["preflight", "probe", "nvml-view", "shim", "warmup"] + [r[0] for r in ROWS] + ["wake-floor", "drain", "nvml-load", "checkpoint", "memory", "tsg", "timeslice-policy", "mps"]
+PROBES = ("tsg", "timeslice-policy", "mps")
 GROUPS = {
     "part1": ["preflight", "probe", "shim", "warmup", "online-alone", "offline-alone", "no-agent", "dry-run"],
     "part2": ["preflight", "probe", "nvml-view", "signal", "freezer", "doorbell", "gate", "learned", "at-once", "wake-floor"],
     "part3": ["preflight", "drain", "nvml-load"],
     "part4": ["preflight", "checkpoint"],
+    "probes": ["preflight", *PROBES],
     "rows": [r[0] for r in ROWS],
     "all": ORDER,
 }
@@ -473,7 +493,7 @@ class Harness:
         self.period, self.period_source = None, None
         self.results = {"complete": False, "meta": {}, "steps": [], "preflight": None, "nvml_probe": None, "shim_check": None,
                         "warmup": None, "scenarios": [], "wake_floor": None, "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None,
-                        "memory": None}
+                        "memory": None, "probes": None}
         self.set_period()
 
     # ---- setup and bookkeeping ----------------------------------------------------------
@@ -593,6 +613,7 @@ class Harness:
                 "drain": sum(self.drain_need(c) for c in parse_drain(a.drain_configs)[:2]),
                 "checkpoint": ckpt_step.need(a),
                 "memory": mem_step.need(self),
+                **{p: probe_steps.need(p, self) for p in PROBES},
                 }.get(step, a.duration + start + 10)
 
     def drain_need(self, c):
@@ -601,6 +622,11 @@ class Harness:
 
     def blocked(self, step):
         """Why a step cannot run (an earlier result says so), or None."""
+        if self.sim and step in ("timeslice-policy", "mps"):
+            name = step.replace("-", "_")
+            self.results["probes"] = self.results.get("probes") or {}
+            self.results["probes"][name] = {"skipped": probe_steps.NEEDS_GPU, "plan": probe_steps.plan(step, self)}
+            return f"{probe_steps.NEEDS_GPU} (the commands it would run: results.json, probes.{name}.plan)"
         if self.sim or step in ("preflight", "wake-floor"):
             return None
         if self.torch_ok is False:
@@ -1516,6 +1542,8 @@ def render(r, parts=None):
                        f"{fmt(sp)} ({fmt(share)}) | {checks.replace('|', '/')} |")
     if r.get("checkpoint"):
         out.append(ckpt_step.render(r["checkpoint"]))
+    if r.get("probes"):
+        out.append(probe_steps.render(r["probes"]))
     if r.get("memory"):
         out.append(mem_step.render(r["memory"], scenario_table))
     if r.get("warmup"):
@@ -1534,7 +1562,7 @@ def merge(dirs, out):
             docs.append((os.path.basename(os.path.normpath(d)), json.load(f)))
     m = {"complete": all(r.get("complete") for _, r in docs), "meta": dict(docs[0][1].get("meta") or {}), "parts": {},
          "steps": [], "preflight": None, "nvml_probe": [], "shim_check": None, "warmup": [], "scenarios": [], "wake_floor": None,
-         "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None, "memory": None}
+         "nvml_load": None, "drain": None, "nvml_view": None, "checkpoint": None, "memory": None, "probes": None}
     by_name, drains = {}, []
     for part, r in docs:
         m["parts"][part] = {"meta": r.get("meta"), "complete": r.get("complete"), "interrupted": r.get("interrupted")}
@@ -1552,6 +1580,10 @@ def merge(dirs, out):
         m["nvml_view"] = m["nvml_view"] or r.get("nvml_view")
         m["checkpoint"] = m["checkpoint"] or r.get("checkpoint")
         m["memory"] = m["memory"] or r.get("memory")
+        for k, v in (r.get("probes") or {}).items():  # a probe that ran wins over one skipped
+            m["probes"] = m["probes"] or {}
+            if k not in m["probes"] or (m["probes"][k].get("skipped") and not v.get("skipped")):
+                m["probes"][k] = dict(v, part=part) if isinstance(v, dict) else v
         if r.get("drain"):
             drains.append((part, r["drain"]))
         for row in r.get("scenarios") or []:
@@ -1643,6 +1675,13 @@ def main():
     ap.add_argument("--memory-retry-ms", type=float, default=5.0, help="memory: online's pause between allocation attempts")
     ap.add_argument("--memory-row-duration", type=float, default=15.0, help="memory, part lock: seconds per row (online alone, offline alone, the driver's lock)")
     ap.add_argument("--sim-memory-gib", type=float, default=80.0, help="--sim: the simulated GPU's memory, GiB")
+    ap.add_argument("--probe-bursts", type=int, default=4, help="probes: burst.py's bursts (300 ms each, 700 ms apart) per measurement")
+    ap.add_argument("--probe-online-s", type=float, default=6.0, help="probes: seconds of online.py requests (at --rate) per measurement")
+    ap.add_argument("--tsg-hook", help="tsg: a prebuilt libcoloc_tsg_hook.so (default: built from probes/tsg_hook.c with cc, else BIN/libcoloc_tsg_hook.so)")
+    ap.add_argument("--tsg-candidates", default="1,10,50,100,200,500,1000,2000", help="tsg: time slices (us) tried smallest first until the driver accepts one")
+    ap.add_argument("--timeslice-values", default="0,1,2,3", help="timeslice-policy: nvidia-smi compute-policy --set-timeslice values (0 default, 1 short, 2 medium, 3 long)")
+    ap.add_argument("--mps-priority", type=int, default=1, help="mps: CUDA_MPS_CLIENT_PRIORITY of the offline client's second run (1: below normal)")
+    ap.add_argument("--mps-thread-pct", type=int, default=50, help="mps: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the offline client's third run")
     ap.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     a = ap.parse_args()
     if a.merge:
@@ -1653,6 +1692,8 @@ def main():
     ckpt_step.parse_parts(a.ckpt_parts)
     mem_step.parse_parts(a.memory_parts)
     mem_step.parse_runs(a.memory_runs)
+    probe_steps.values(a.timeslice_values)
+    probe_steps.candidates(a.tsg_candidates)
     selected = expand(a.only) if a.only else set(ORDER)
     selected -= expand(a.skip)
     if a.sim:
@@ -1661,6 +1702,7 @@ def main():
         selected.discard("wake-floor")
     ckpt_step.LOG = log
     mem_step.LOG = log
+    probe_steps.LOG, probe_steps.pct, probe_steps.burst_stats = log, pct, burst_stats
     h = Harness(a)
     h.selected = [s for s in ORDER if s in selected]
     log(f"gpu-coloc harness: steps {' '.join(h.selected)}; budget {a.budget:g} s; out {h.out}")
@@ -1680,7 +1722,9 @@ def main():
             else:
                 fn = {"preflight": h.preflight, "probe": h.probe, "shim": h.shim_step, "warmup": h.warmup, "wake-floor": h.wake_floor,
                       "nvml-load": h.nvml_load, "drain": h.drain, "nvml-view": h.nvml_view,
-                      "checkpoint": lambda dl: ckpt_step.run(h, dl), "memory": lambda dl: mem_step.run(h, dl)}[step]
+                      "checkpoint": lambda dl: ckpt_step.run(h, dl), "memory": lambda dl: mem_step.run(h, dl),
+                      "tsg": lambda dl: probe_steps.tsg(h, dl), "timeslice-policy": lambda dl: probe_steps.timeslice_policy(h, dl),
+                      "mps": lambda dl: probe_steps.mps(h, dl)}[step]
                 h.run_step(step, fn)
         h.results["complete"] = True
     except Interrupted as e:

@@ -110,9 +110,9 @@ fn gpu_harness_runs_end_to_end_on_the_simulated_gpu() {
                 "0123456789abcdef0123456789abcdef01234567",
                 "--fail-step",
                 "no-agent",
-                // The driver's lock and memory preemption: their own test.
+                // The driver's lock, memory preemption and the driver probes: their own tests.
                 "--skip",
-                "driver-lock,memory",
+                "driver-lock,memory,tsg,timeslice-policy,mps",
             ])
             .arg("--bin")
             .arg(&bindir)
@@ -635,4 +635,456 @@ fn gpu_harness_merge_joins_drain_configurations_and_prefers_a_passing_preflight(
     assert!(md.contains("| gate4:large (p2, 5 bursts) |"), "{md}");
     assert!(md.contains("  - p2: "), "{md}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gpu_harness_probes_run_what_they_can_without_a_gpu() {
+    // The driver probes under --sim. tsg builds its hook with cc and checks it against
+    // the fake RM device (tsg_check.py: the handles it learns from alloc ioctls, its
+    // controls byte for byte), then runs the training loop's command protocol on the
+    // stand-in PyTorch, whose "CUDA" allocates two channel groups through that device:
+    // the groups learned, the default slice read (the fake's 2048 us), the smallest
+    // candidate the fake accepts (100 us; 1, 10 and 50 refused with its status 0x1f),
+    // the default restored. timeslice-policy and mps need the GPU: skipped, saying so,
+    // with the commands they would run.
+    let (res, log, out) = run_harness(
+        &["--only", "probes", "--budget", "200"],
+        Duration::from_secs(180),
+    );
+    let steps = res["steps"].as_array().unwrap();
+    let step = |n: &str| {
+        steps
+            .iter()
+            .find(|s| s["step"] == n)
+            .unwrap_or_else(|| panic!("{n}: {log}"))
+    };
+    assert_eq!(step("preflight")["status"], "ok", "{log}");
+    assert_eq!(step("tsg")["status"], "ok", "{}\n{log}", step("tsg"));
+    for n in ["timeslice-policy", "mps"] {
+        let s = step(n);
+        assert_eq!(s["status"], "skipped", "{s}");
+        assert!(
+            s["reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("needs an NVIDIA GPU"),
+            "{s}"
+        );
+    }
+    let t = &res["probes"]["tsg"];
+    assert_eq!(t["fake_device"]["ok"], true, "{t}");
+    let checks = t["fake_device"]["checks"].as_object().unwrap();
+    assert!(
+        checks.len() >= 10 && checks.values().all(|v| v == true),
+        "{t}"
+    );
+    assert_eq!(t["groups"].as_array().unwrap().len(), 2, "{t}");
+    assert_eq!(t["seen"]["rm_allocs"], 4, "client, device, two groups: {t}");
+    assert_eq!(t["default_us"], serde_json::json!([2048]), "{t}");
+    assert_eq!(t["accepted_us"], serde_json::json!([100, 100]), "{t}");
+    for g in t["min"]["groups"].as_array().unwrap() {
+        let tries: Vec<(u64, i64)> = g["tries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (x["us"].as_u64().unwrap(), x["status"].as_i64().unwrap()))
+            .collect();
+        assert_eq!(tries, [(1, 0x1f), (10, 0x1f), (50, 0x1f), (100, 0)], "{g}");
+        assert_eq!(g["get_after"]["us"], 100, "{g}");
+    }
+    for g in t["restore"]["groups"].as_array().unwrap() {
+        assert_eq!(g["set"]["status"], 0, "{g}");
+        assert_eq!(g["get_after"]["us"], 2048, "restored to the default: {g}");
+    }
+    assert!(
+        t["gpu_part"]
+            .as_str()
+            .unwrap()
+            .starts_with("skipped: needs an NVIDIA GPU"),
+        "{t}"
+    );
+    assert!(
+        t["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("accepted SET_TIMESLICE down to 100 us"),
+        "{t}"
+    );
+    let p = &res["probes"]["timeslice_policy"]["plan"]["commands"];
+    let sets: Vec<String> = p["set"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c[4].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        sets,
+        [
+            "--set-timeslice=0",
+            "--set-timeslice=1",
+            "--set-timeslice=2",
+            "--set-timeslice=3"
+        ],
+        "{p}"
+    );
+    let m = &res["probes"]["mps"]["plan"]["commands"];
+    assert_eq!(m["quit"], "echo quit | nvidia-cuda-mps-control", "{m}");
+    assert_eq!(
+        m["offline_variants"]["priority"]["CUDA_MPS_CLIENT_PRIORITY"], "1",
+        "{m}"
+    );
+    assert_eq!(
+        m["offline_variants"]["threads"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50",
+        "{m}"
+    );
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(
+        md.contains("**Verdict: simulated: the driver accepted SET_TIMESLICE down to 100 us"),
+        "{md}"
+    );
+    assert!(
+        md.contains("### mps: online and offline as MPS clients"),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn gpu_harness_tsg_without_a_c_compiler_says_how_to_build_the_hook() {
+    // A machine without cc and without a prebuilt hook: the step fails at once, naming
+    // what is missing and the command that builds the hook elsewhere.
+    let path = TempPath::dir("coloc-e2e-no-cc"); // removed however the test ends
+                                                 // The interpreter itself (a launcher such as pyenv's shim needs a shell on PATH).
+    let py = output_within(
+        std::process::Command::new("python3").args(["-c", "import sys; print(sys.executable)"]),
+        CMD_LIMIT,
+    );
+    let py = String::from_utf8_lossy(&py.stdout).trim().to_string();
+    std::os::unix::fs::symlink(&py, path.join("python3")).unwrap();
+    let out = std::env::temp_dir().join(unique("coloc-e2e-gpu-harness"));
+    let bindir = bin("coloc-agent").parent().unwrap().to_path_buf();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/run.py");
+    let r = output_within(
+        std::process::Command::new(path.join("python3"))
+            .arg(&script)
+            .args([
+                "--sim",
+                "--only",
+                "tsg",
+                "--budget",
+                "60",
+                "--commit",
+                "0123456789abcdef0123456789abcdef01234567",
+            ])
+            .arg("--bin")
+            .arg(&bindir)
+            .arg("--out")
+            .arg(&out)
+            .env("PATH", &path),
+        Duration::from_secs(60),
+    );
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let res: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect(&log)).expect(&log);
+    let step = &res["steps"][0];
+    assert_eq!(step["step"], "tsg", "{log}");
+    assert_eq!(step["status"], "error", "{step}");
+    let e = step["error"].as_str().unwrap();
+    assert!(e.contains("no C compiler (cc or gcc) on PATH"), "{e}");
+    assert!(
+        e.contains("cc -O2 -shared -fPIC -o libcoloc_tsg_hook.so benches/gpu/probes/tsg_hook.c"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn gpu_harness_tsg_verdict_says_plainly_what_the_driver_did() {
+    // The tsg probe's verdict on made-up results, no GPU: no group learned, every
+    // candidate refused (the RM's statuses named), accepted with online's p99 moved, and
+    // accepted with it unmoved.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/probes");
+    let code = r#"
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import probe_steps as p
+g = [{"object": "0x5c000001"}]
+tries = lambda *st: {"groups": [{"tries": [{"us": us, "status": s} for us, s in zip((1, 100, 1000), st)]}]}
+ph = lambda d, m: [{"phase": "default", "latency_ms": [0.1, 0.2, d, 9]}, {"phase": "minimum", "latency_ms": [0.1, 0.2, m, 9]}]
+print(json.dumps([
+    p.tsg_verdict({"seen": {"rm_allocs": 0}}),
+    p.tsg_verdict({"groups": g, "min": tries(0x1f, 0x1b, 0x1b)}),
+    p.tsg_verdict({"groups": g, "min": tries(0x1f, 0), "default_us": [2048], "phases": ph(4.0, 1.0)}),
+    p.tsg_verdict({"groups": g, "min": tries(0x1f, 0), "default_us": [2048], "phases": ph(4.0, 3.9)}),
+]))
+"#;
+    let (v, _) = python_json(code, &[dir.as_os_str()], None, CMD_LIMIT);
+    let v: Vec<String> = serde_json::from_value(v).unwrap();
+    assert!(
+        v[0].starts_with(
+            "the hook recorded no channel group (RM allocations seen on the control device: 0)"
+        ),
+        "{}",
+        v[0]
+    );
+    assert!(
+        v[1].contains(
+            "refused SET_TIMESLICE on 1 group(s) for every candidate (RM status 0x1b, 0x1f)"
+        ),
+        "{}",
+        v[1]
+    );
+    assert!(
+        v[2].contains("accepted SET_TIMESLICE down to 100 us"),
+        "{}",
+        v[2]
+    );
+    assert!(
+        v[2].contains(
+            "online kernel latency moved: p99 beside the loop 1.000 ms at 100 us against 4.000 ms"
+        ),
+        "{}",
+        v[2]
+    );
+    assert!(
+        v[3].contains("online kernel latency did not move (within 20%)"),
+        "{}",
+        v[3]
+    );
+}
+
+#[test]
+fn gpu_harness_timeslice_policy_restores_the_policy_it_found_even_on_failure() {
+    // The timeslice-policy step against a stand-in nvidia-smi (a script on PATH that logs
+    // its arguments and lists the policy as 2), the measurements stubbed: every value is
+    // set in turn, a failing value is recorded and the others still run, and the policy
+    // read before (2) is set back at the end; also when the run is interrupted midway
+    // (a BaseException, as the harness's SIGTERM raises).
+    let dir = TempPath::dir("coloc-e2e-policy"); // removed however the test ends
+    let smi = dir.join("nvidia-smi");
+    std::fs::write(
+        &smi,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {}\ncase \"$*\" in *-l*) echo 'GPU 0: Timeslice: 2';; esac\n",
+            dir.join("calls").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let probes = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu/probes");
+    let code = r#"
+import json, os, sys, types
+sys.path.insert(0, sys.argv[1])
+import probe_steps as p
+calls = os.path.join(sys.argv[2], "calls")
+p.kernels = lambda h, tag, dl, **k: {"latency_ms": [1.0, 2.0, 3.0, 4.0]}
+p.requests = lambda h, tag, dl, **k: {"p50_ms": 1.0, "p99_ms": 2.0}
+p.hook_lib = lambda h: (_ for _ in ()).throw(RuntimeError("no hook here"))
+p.environment = lambda h: {}
+class Stop(BaseException):
+    pass
+def row(fail, stop):
+    def f(h, row, v, hook, base, dl):
+        if v == stop:
+            raise Stop()
+        if v == fail:
+            raise RuntimeError("the loop died")
+        row["requests"] = {"p99_ms": 3.0}
+    return f
+out = []
+for fail, stop in ((2, None), (None, 1)):
+    open(calls, "w").close()
+    p.policy_row = row(fail, stop)
+    h = types.SimpleNamespace(sim=False, results={}, a=types.SimpleNamespace(timeslice_values="0,1,2,3"), save=lambda: None)
+    try:
+        p.timeslice_policy(h, 0)
+        r = "ok"
+    except Stop:
+        r = "interrupted"
+    except RuntimeError as e:
+        r = str(e)
+    P = h.results["probes"]["timeslice_policy"]
+    out.append({"result": r, "calls": open(calls).read().split("\n")[:-1], "restore_to": P["restore_to"],
+                "errors": {x["value"]: x.get("error") for x in P["rows"]}})
+print(json.dumps(out))
+"#;
+    let (v, _) = python_json(
+        code,
+        &[probes.as_os_str(), dir.as_os_str()],
+        Some(&dir),
+        CMD_LIMIT,
+    );
+    let calls = |i: usize| -> Vec<String> {
+        v[i]["calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (l, set) = ("compute-policy -i 0 -l", |n: u32| {
+        format!("compute-policy -i 0 --set-timeslice={n}")
+    });
+    assert_eq!(v[0]["restore_to"], 2, "{v}");
+    assert_eq!(
+        calls(0),
+        [
+            "compute-policy -h".to_string(),
+            l.into(),
+            set(0),
+            l.into(),
+            set(1),
+            l.into(),
+            set(2),
+            l.into(),
+            set(3),
+            l.into(),
+            set(2),
+            l.into()
+        ],
+        "{v}"
+    );
+    assert!(
+        v[0]["result"]
+            .as_str()
+            .unwrap()
+            .contains("values [2] failed"),
+        "{v}"
+    );
+    assert_eq!(v[0]["errors"]["2"], "RuntimeError: the loop died", "{v}");
+    assert!(
+        v[0]["errors"]["3"].is_null(),
+        "the value after a failure still ran: {v}"
+    );
+    // Interrupted at value 1: the policy found is still set back, nothing after runs.
+    assert_eq!(v[1]["result"], "interrupted", "{v}");
+    let c = calls(1);
+    assert_eq!(
+        c[c.len() - 4..],
+        [set(1), l.into(), set(2), l.into()],
+        "{v}"
+    );
+    assert!(!c.contains(&set(3)), "{v}");
+}
+
+#[test]
+fn gpu_harness_mps_quits_its_daemon_when_a_row_fails() {
+    // The mps step against a stand-in nvidia-cuda-mps-control (a script on PATH: -d starts
+    // a "daemon", a sleep named like the real one, and a quit on stdin ends it), the
+    // measurements stubbed so that online fails once it is an MPS client: the error is
+    // the step's, the daemon was started and told to quit with the run's own pipe
+    // directory, and none is left. A daemon that ignores the quit is reported as left
+    // running, by PID.
+    let dir = TempPath::dir("coloc-e2e-mps"); // removed however the test ends
+    let ctl = dir.join("nvidia-cuda-mps-control");
+    let d = dir.display();
+    std::fs::write(
+        &ctl,
+        format!(
+            "#!/bin/bash\necho \"args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY\" >> {d}/calls\n\
+             if [ \"$1\" = -d ]; then (exec -a nvidia-cuda-mps-control sleep 60) & echo $! > {d}/daemon.pid; exit 0; fi\n\
+             read c; echo \"stdin=$c\" >> {d}/calls\n\
+             if [ \"$c\" = quit ] && [ ! -e {d}/stubborn ]; then kill $(cat {d}/daemon.pid); fi\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&ctl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let gpu = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/gpu");
+    let code = r#"
+import json, os, signal, subprocess, sys, time, types
+sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "probes")]
+import probe_steps as p
+d = sys.argv[2]
+def requests(h, tag, dl, env=None):
+    if env and "CUDA_MPS_PIPE_DIRECTORY" in env:
+        raise RuntimeError("online died")
+    return {"p50_ms": 1.0, "p99_ms": 2.0, "window": None}
+p.requests = requests
+p.kernels = lambda *a, **k: {"latency_ms": [1.0, 2.0, 3.0, 4.0]}
+p.environment = lambda h: {}
+p.LOG = lambda m: print(m, file=sys.stderr)
+out = []
+for stubborn in (False, True):
+    if stubborn:
+        open(os.path.join(d, "stubborn"), "w").close()
+    open(os.path.join(d, "calls"), "w").close()
+    tmp = os.path.join(d, f"run{int(stubborn)}")
+    os.makedirs(tmp)
+    h = types.SimpleNamespace(sim=False, results={}, tmp=tmp, art=tmp, env=dict(os.environ), save=lambda: None,
+                              a=types.SimpleNamespace(mps_priority=1, mps_thread_pct=50), offline_cmd=lambda *a: [],
+                              spawn=lambda kind, name, cmd, env, log: subprocess.Popen(["sleep", "30"]),
+                              wait_ready=lambda *a, **k: None, end=lambda pr, *a, **k: pr and (pr.kill(), pr.wait()))
+    try:
+        p.mps(h, 0)
+        r = "ok"
+    except RuntimeError as e:
+        r = str(e)
+    daemon = int(open(os.path.join(d, "daemon.pid")).read())
+    alive = os.path.exists(f"/proc/{daemon}") and open(f"/proc/{daemon}/stat").read().split()[2] != "Z"
+    if alive:
+        os.kill(daemon, signal.SIGKILL)
+    M = h.results["probes"]["mps"]
+    out.append({"result": r, "calls": open(os.path.join(d, "calls")).read().split("\n")[:-1], "pipe": M["commands"]["env"]["CUDA_MPS_PIPE_DIRECTORY"],
+                "quit": M["quit"], "daemon": daemon, "alive": alive})
+print(json.dumps(out))
+"#;
+    let (v, _) = python_json(
+        code,
+        &[gpu.as_os_str(), dir.as_os_str()],
+        Some(&dir),
+        Duration::from_secs(60),
+    );
+    let ok = &v[0];
+    assert_eq!(ok["result"], "online died", "{v}");
+    let pipe = ok["pipe"].as_str().unwrap();
+    assert_eq!(
+        ok["calls"],
+        serde_json::json!([
+            format!("args=-d pipe={pipe}"),
+            format!("args= pipe={pipe}"),
+            "stdin=quit"
+        ]),
+        "{v}"
+    );
+    assert_eq!(ok["quit"]["left_running"], serde_json::json!([]), "{v}");
+    assert_eq!(ok["alive"], false, "{v}");
+    let stubborn = &v[1];
+    assert_eq!(stubborn["result"], "online died", "{v}");
+    assert_eq!(
+        stubborn["quit"]["left_running"],
+        serde_json::json!([stubborn["daemon"]]),
+        "{v}"
+    );
+}
+
+/// `python3 -c CODE ARGS...` (with `path_first` ahead of PATH, where stand-in tools lie):
+/// the JSON it prints, and its output for messages. Fails the test if it fails.
+fn python_json(
+    code: &str,
+    args: &[&std::ffi::OsStr],
+    path_first: Option<&std::path::Path>,
+    limit: Duration,
+) -> (serde_json::Value, String) {
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args(["-c", code]).args(args);
+    if let Some(dir) = path_first {
+        let path = format!(
+            "{}:{}",
+            dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        cmd.env("PATH", path);
+    }
+    let r = output_within(&mut cmd, limit);
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{log}");
+    (serde_json::from_slice(&r.stdout).expect(&log), log)
 }
