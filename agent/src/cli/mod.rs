@@ -93,6 +93,12 @@ pub const OTHER_COMPONENTS: &[&str] = &[
     "COLOC_BENCH_MIN",
     "COLOC_CAPTURE_ALONE",
     "COLOC_E2E_CAPS_TOOL",
+    // The GPU harness's channel-group probe (benches/gpu/probes) and its fake RM device.
+    "COLOC_TSG_CTL",
+    "COLOC_TSG_TRACE",
+    "COLOC_TSG_FAKE_DIR",
+    "COLOC_TSG_FAKE_LOG",
+    "COLOC_TSG_FAKE_MIN_US",
 ];
 
 /// Every `COLOC_*` variable a flag of `coloc-agent` reads, in any subcommand.
