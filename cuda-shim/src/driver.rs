@@ -203,6 +203,13 @@ pub fn gate_fns() -> &'static GateFns {
     GATE_FNS.get().expect("gate configured")
 }
 
+/// Sets the launch gate's driver functions to stand-ins (unit tests of the gate's
+/// bookkeeping; the first call wins).
+#[cfg(test)]
+pub fn set_gate_fns(f: GateFns) {
+    let _ = GATE_FNS.set(f);
+}
+
 /// Finds the launch gate's driver functions; an error is the line to print.
 pub fn resolve_gate_fns() -> Result<(), String> {
     let get = |base: &CStr, exported: &CStr| -> Result<usize, String> {

@@ -476,10 +476,12 @@ pub(super) fn record(r: &mut Ring, entry: &Entry, batch: u64, now: bool) -> Resu
         }
         // A stream capture began meanwhile (on this stream after the check in `enter`, or
         // on a blocking stream while this is the legacy one): the submissions since the
-        // last event go untracked; the ring and the gate stay as they are.
+        // last event go untracked (out of the ring's sequence: no event will ever cover
+        // them); what the events already recorded cover stays in flight until they
+        // complete, in the ring and on the page.
         if CAPTURE_ERRORS.contains(&res) {
             r.free.push(e);
-            r.done_seq = r.done_seq.max(r.recorded_seq);
+            r.seq = r.recorded_seq;
             return Ok(());
         }
         // The ring's events may be gone with a destroyed context, or a stream handle
@@ -558,6 +560,67 @@ mod tests {
             unmade: AtomicU64::new(0),
             ring: Mutex::new(Ring::EMPTY),
         }
+    }
+
+    /// An event record refused because a stream capture began leaves the submissions it
+    /// would have covered untracked, and nothing else: the events already recorded stay in
+    /// flight, on the ring (its bound) and on the page (the agent's drain), until they
+    /// complete. (Marking them complete at the refusal left the page's count of work in
+    /// flight above zero for good: a gate close never acknowledged.)
+    #[test]
+    fn a_record_refused_by_a_capture_keeps_what_is_in_flight() {
+        static RESULT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+        unsafe extern "C" fn record_stub(_: usize, _: usize) -> c_int {
+            RESULT.load(SeqCst)
+        }
+        unsafe extern "C" fn ok1(_: usize) -> c_int {
+            0
+        }
+        unsafe extern "C" fn ok2(_: usize, _: usize) -> c_int {
+            0
+        }
+        unsafe extern "C" fn ok0() -> c_int {
+            0
+        }
+        crate::driver::set_gate_fns(crate::driver::GateFns {
+            stream_get_ctx: ok2,
+            ctx_push: ok1,
+            ctx_pop: ok1,
+            event_create: ok2,
+            event_record: record_stub,
+            event_query: ok1,
+            event_sync: ok1,
+            event_destroy: ok1,
+            ctx_sync: ok0,
+            exchange_capture_mode: None,
+        });
+        // SAFETY: a page entry is atomics and integers, all valid at zero.
+        let page: Entry = unsafe { std::mem::zeroed() };
+        let mut r = Ring::EMPTY;
+        r.free.extend([1, 2, 3]);
+        // Eight submissions in two recorded batches of four, none complete.
+        for _ in 0..8 {
+            record(&mut r, &page, 4, false).unwrap();
+        }
+        assert_eq!((r.seq, r.recorded_seq, r.events.len()), (8, 8, 2));
+        assert_eq!(page.inflight.load(Relaxed), 8);
+        // A capture begins: the next batch's record is refused.
+        RESULT.store(*CAPTURE_ERRORS.start(), SeqCst);
+        for _ in 0..4 {
+            record(&mut r, &page, 4, false).unwrap();
+        }
+        assert_eq!(r.events.len(), 2, "the events recorded before stay");
+        assert_eq!(
+            r.in_flight(),
+            8,
+            "the ring's bound counts what the events cover, not the untracked batch"
+        );
+        assert_eq!(
+            page.inflight.load(Relaxed) as u64,
+            r.recorded_seq - r.done_seq,
+            "the page counts what the ring's events cover"
+        );
+        assert_eq!(page.inflight.load(Relaxed), 8);
     }
 
     /// A locked submission leaves room for unlocked ones up to one short of the bound and
