@@ -17,7 +17,7 @@
 
 use super::pending::Pending;
 use super::{Continuation, HoldBook, HoldCmd, HoldKey, Progress};
-use crate::control::model::act::{Kind, Op};
+use crate::control::model::act::Op;
 use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::target::Target;
@@ -48,23 +48,7 @@ pub const ESCALATE_PENDING_NS: u64 = 10_000_000;
 /// release windows).
 pub const REMEMBER_NS: u64 = 600_000_000_000;
 
-/// A hold found running while held.
-#[derive(Debug, Clone)]
-pub struct Broken {
-    /// Its holders (offline GPU processes).
-    pub holders: Vec<ProcKey>,
-    /// Members found running.
-    pub resumed: usize,
-    /// Times this hold broke so far.
-    pub breaks: u32,
-    /// It is now frozen as well (its cgroup, or a cell of the agent's own).
-    pub escalated: bool,
-    /// Why nothing the tenant cannot undo could hold it (no cell on this host, the cell
-    /// refused): it stays on signals, which it undoes.
-    pub unheld: Option<String>,
-    /// The actuator that holds it.
-    pub kind: Kind,
-}
+pub use crate::control::model::hold::Broken;
 
 impl super::Hold {
     /// What a re-check looks at: its freezers once it has one (a frozen process is not in
