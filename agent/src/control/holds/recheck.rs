@@ -19,7 +19,7 @@ use super::pending::Pending;
 use super::{Continuation, HoldBook, HoldCmd, HoldKey, Progress};
 use crate::control::model::act::Op;
 use crate::control::model::ProcKey;
-use crate::control::note::Note;
+use crate::control::note;
 use crate::control::target::Target;
 
 /// How often a hold that never broke is checked, by default.
@@ -334,7 +334,7 @@ impl HoldBook {
         ok: bool,
     ) {
         if !ok {
-            self.notes.push(Note::EscalationNotRecorded);
+            self.notes.push(note::EscalationNotRecorded.into());
             // The next break may try again.
             if let Some(h) = self.held.get_mut(&key).filter(|h| h.serial == serial) {
                 h.escalate.get_or_insert(cg);
@@ -421,7 +421,7 @@ impl HoldBook {
             // Removed once its last process exited: nothing is left to hold or to look
             // for again. The hold ends (its resume finds every member gone) and leaves the
             // record.
-            self.notes.push(Note::HoldGone { hold: key.clone() });
+            self.notes.push(note::HoldGone { hold: key.clone() }.into());
             self.release(key, now);
             self.flush_forgotten();
             return;
@@ -448,15 +448,21 @@ impl HoldBook {
             return;
         };
         if !ok {
-            self.notes.push(Note::NewcomersNotRecorded {
-                processes: newcomers.len(),
-            });
+            self.notes.push(
+                note::NewcomersNotRecorded {
+                    processes: newcomers.len(),
+                }
+                .into(),
+            );
             return;
         }
-        self.notes.push(Note::NewcomersStopped {
-            hold: key.clone(),
-            processes: newcomers.len(),
-        });
+        self.notes.push(
+            note::NewcomersStopped {
+                hold: key.clone(),
+                processes: newcomers.len(),
+            }
+            .into(),
+        );
         hold.members.extend(newcomers.iter().cloned());
         self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,
