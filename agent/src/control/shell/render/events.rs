@@ -9,10 +9,15 @@ use crate::control::model::act::Kind;
 use crate::telemetry::{push_bounded, Telemetry, HISTORY};
 use tracing::{error, info, warn};
 
+/// The log target of every event's line, as it was when events were reported in
+/// `telemetry.rs`: `COLOC_LOG` directives and log pipelines select on it.
+const EVENTS: &str = "coloc_agent::telemetry";
+
 impl Emit for Preempt {
     fn emit(&self, to: &mut Telemetry) {
         let p = self;
         info!(
+            target: EVENTS,
             gpu = p.gpu,
             offline = p.offline,
             signal = p.signal.as_str(),
@@ -36,6 +41,7 @@ impl Emit for Release {
     fn emit(&self, to: &mut Telemetry) {
         let r = self;
         info!(
+            target: EVENTS,
             gpu = r.gpu,
             offline = r.offline,
             busy_ms = r.busy_for_s * 1e3,
@@ -59,7 +65,13 @@ impl Emit for Release {
 impl Emit for FailOpen {
     fn emit(&self, _: &mut Telemetry) {
         let f = self;
-        error!(gpu = f.gpu, reason = %f.reason, resumed = f.resumed, "Failed open: offline work resumed");
+        error!(
+            target: EVENTS,
+            gpu = f.gpu,
+            reason = %f.reason,
+            resumed = f.resumed,
+            "Failed open: offline work resumed"
+        );
     }
 }
 
@@ -67,10 +79,23 @@ impl Emit for Distrust {
     fn emit(&self, _: &mut Telemetry) {
         let d = self;
         if d.restored {
-            info!(gpu = d.gpu, page = %d.page, owner = %d.owner, "Doorbell page trusted again: NVML showed its owner at work");
+            info!(
+                target: EVENTS,
+                gpu = d.gpu,
+                page = %d.page,
+                owner = %d.owner,
+                "Doorbell page trusted again: NVML showed its owner at work"
+            );
         } else {
-            warn!(gpu = d.gpu, page = %d.page, owner = %d.owner, claimed_s = d.claimed_s, nvml_seen_ns = d.nvml_seen_ns,
-                "Doorbell page distrusted: it kept the GPU busy while NVML never showed its owner at work; its launches count for nothing until a sample does");
+            warn!(
+                target: EVENTS,
+                gpu = d.gpu,
+                page = %d.page,
+                owner = %d.owner,
+                claimed_s = d.claimed_s,
+                nvml_seen_ns = d.nvml_seen_ns,
+                "Doorbell page distrusted: it kept the GPU busy while NVML never showed its owner at work; its launches count for nothing until a sample does"
+            );
         }
     }
 }

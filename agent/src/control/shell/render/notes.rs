@@ -10,6 +10,10 @@ use crate::telemetry::Telemetry;
 use qos_core::machine::Reason;
 use tracing::{debug, error, info, warn};
 
+/// The log target of every note's line, as it was when notes were reported in
+/// `control/note.rs`: `COLOC_LOG` directives and log pipelines select on it.
+const NOTES: &str = "coloc_agent::control::note";
+
 /// Bytes in GiB, two decimals.
 fn gib(b: u64) -> f64 {
     (b as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0
@@ -24,6 +28,7 @@ impl Emit for FailedOpen {
 impl Emit for NotRecorded {
     fn emit(&self, _: &mut Telemetry) {
         error!(
+            target: NOTES,
             targets = self.targets,
             "Cannot write the suspension record: not suspending (fail open)"
         )
@@ -32,19 +37,20 @@ impl Emit for NotRecorded {
 
 impl Emit for FallbackNotRecorded {
     fn emit(&self, _: &mut Telemetry) {
-        error!("Cannot record the fallback suspension: not suspending (fail open)")
+        error!(target: NOTES, "Cannot record the fallback suspension: not suspending (fail open)")
     }
 }
 
 impl Emit for EscalationNotRecorded {
     fn emit(&self, _: &mut Telemetry) {
-        error!("Cannot record the freezer escalation: not escalating")
+        error!(target: NOTES, "Cannot record the freezer escalation: not escalating")
     }
 }
 
 impl Emit for NewcomersNotRecorded {
     fn emit(&self, _: &mut Telemetry) {
         error!(
+            target: NOTES,
             processes = self.processes,
             "Cannot record processes that joined a held cgroup: not stopping them"
         )
@@ -54,13 +60,14 @@ impl Emit for NewcomersNotRecorded {
 impl Emit for HoldGone {
     fn emit(&self, _: &mut Telemetry) {
         // The shell said it once, at info.
-        debug!(hold = ?self.hold, "Hold of a gone cgroup ended")
+        debug!(target: NOTES, hold = ?self.hold, "Hold of a gone cgroup ended")
     }
 }
 
 impl Emit for NewcomersStopped {
     fn emit(&self, _: &mut Telemetry) {
         info!(
+            target: NOTES,
             hold = ?self.hold,
             processes = self.processes,
             "Processes joined a held cgroup: stopping them too"
@@ -73,9 +80,16 @@ impl Emit for ActFailed {
         let (target, error) = (&self.target, &self.error);
         metrics::counter!("coloc_actuation_errors_total", "actuator" => self.actuator.as_str(), "op" => self.op.as_str(), "reason" => self.reason).increment(1);
         match self.op {
-            Op::Suspend => error!(%target, %error, "Suspension failed: undoing it (fail open)"),
+            Op::Suspend => {
+                error!(target: NOTES, %target, %error, "Suspension failed: undoing it (fail open)")
+            }
             Op::Resume => {
-                error!(%target, %error, "Resume failed; left in the record for the next start")
+                error!(
+                    target: NOTES,
+                    %target,
+                    %error,
+                    "Resume failed; left in the record for the next start"
+                )
             }
         }
     }
@@ -87,11 +101,13 @@ impl Emit for TimedOut {
         metrics::counter!("coloc_actuation_errors_total", "actuator" => self.actuator.as_str(), "op" => self.op.as_str(), "reason" => "timeout").increment(1);
         match self.op {
             Op::Suspend => error!(
+                target: NOTES,
                 ?hold,
                 ?timeout,
                 "Suspension not confirmed in time: undoing it (fail open)"
             ),
             Op::Resume => error!(
+                target: NOTES,
                 ?hold,
                 "Resume not confirmed in time; left in the record for the next start"
             ),
@@ -101,13 +117,14 @@ impl Emit for TimedOut {
 
 impl Emit for Resumed {
     fn emit(&self, _: &mut Telemetry) {
-        debug!(hold = ?self.hold, outcome = ?self.outcome, "Resumed")
+        debug!(target: NOTES, hold = ?self.hold, outcome = ?self.outcome, "Resumed")
     }
 }
 
 impl Emit for ReleasingAll {
     fn emit(&self, _: &mut Telemetry) {
         info!(
+            target: NOTES,
             reason = self.reason.as_str(),
             count = self.count,
             "Resuming all suspended offline work"
@@ -118,6 +135,7 @@ impl Emit for ReleasingAll {
 impl Emit for GateDrained {
     fn emit(&self, _: &mut Telemetry) {
         debug!(
+            target: NOTES,
             hold = ?self.hold,
             fallback = self.fallback.as_str(),
             "Launch gate drained: holding the process with its fallback"
@@ -130,6 +148,7 @@ impl Emit for GateEscalated {
         let (gates, timeout) = (&self.gates, &self.timeout);
         metrics::counter!("coloc_gate_escalations_total").increment(1);
         warn!(
+            target: NOTES,
             ?gates,
             fallback = self.fallback.as_str(),
             ?timeout,
@@ -142,6 +161,7 @@ impl Emit for GateEscalated {
 impl Emit for Decision {
     fn emit(&self, _: &mut Telemetry) {
         debug!(
+            target: NOTES,
             suspend = self.suspend,
             resume = self.resume,
             transitions = self.transitions,
@@ -162,7 +182,7 @@ impl Emit for Suspending {
 
 impl Emit for Resuming {
     fn emit(&self, _: &mut Telemetry) {
-        info!(pids = ?self.pids, targets = self.targets, "Resuming offline work")
+        info!(target: NOTES, pids = ?self.pids, targets = self.targets, "Resuming offline work")
     }
 }
 
@@ -175,6 +195,7 @@ impl Emit for Detected {
 impl Emit for RetryLater {
     fn emit(&self, _: &mut Telemetry) {
         warn!(
+            target: NOTES,
             pid = self.pid,
             retry_in_ms = self.in_ms,
             "Suspension failed and was undone; retrying while online stays busy"
@@ -185,7 +206,7 @@ impl Emit for RetryLater {
 impl Emit for Retrying {
     fn emit(&self, _: &mut Telemetry) {
         metrics::counter!("coloc_suspension_retries_total").increment(1);
-        info!(pid = self.pid, "Retrying a failed suspension");
+        info!(target: NOTES, pid = self.pid, "Retrying a failed suspension");
     }
 }
 
@@ -195,6 +216,7 @@ impl Emit for Released {
         metrics::counter!("coloc_releases_total", "gpu" => gpu.to_string(), "rule" => rule)
             .increment(1);
         debug!(
+            target: NOTES,
             gpu,
             rule,
             window_ms = self.window_ns as f64 / 1e6,
@@ -220,11 +242,23 @@ impl Emit for Broken {
         metrics::counter!("coloc_suspension_breaks_total", "actuator" => b.kind.as_str())
             .increment(1);
         if b.escalated {
-            warn!(?owners, breaks = b.breaks, "Offline work keeps resuming itself while suspended: now frozen (its cgroup, or a cell of the agent's own)");
+            warn!(
+                target: NOTES,
+                ?owners,
+                breaks = b.breaks,
+                "Offline work keeps resuming itself while suspended: now frozen (its cgroup, or a cell of the agent's own)"
+            );
         } else if let Some(why) = &b.unheld {
-            error!(?owners, breaks = b.breaks, %why, "Offline work keeps resuming itself while suspended, and nothing it cannot undo can hold it here: it may run beside online work (see /state `escaping`)");
+            error!(
+                target: NOTES,
+                ?owners,
+                breaks = b.breaks,
+                %why,
+                "Offline work keeps resuming itself while suspended, and nothing it cannot undo can hold it here: it may run beside online work (see /state `escaping`)"
+            );
         } else if b.breaks == 1 || b.breaks.is_multiple_of(100) {
             warn!(
+                target: NOTES,
                 ?owners,
                 breaks = b.breaks,
                 resumed = b.resumed,
@@ -245,6 +279,7 @@ impl Emit for NvmlTransient {
     fn emit(&self, _: &mut Telemetry) {
         let error = &self.error;
         warn!(
+            target: NOTES,
             gpu = self.gpu,
             %error,
             "NVML call failed; keeping this GPU's decisions until the failure persists"
@@ -256,13 +291,20 @@ impl Emit for NvmlFailOpen {
     fn emit(&self, _: &mut Telemetry) {
         let (error, grace) = (&self.error, &self.grace);
         metrics::counter!("coloc_fail_open_total", "reason" => FailWhy::Nvml.as_str()).increment(1);
-        error!(gpu = self.gpu, %error, ?grace, "NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed");
+        error!(
+            target: NOTES,
+            gpu = self.gpu,
+            %error,
+            ?grace,
+            "NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed"
+        );
     }
 }
 
 impl Emit for NvmlRecovered {
     fn emit(&self, _: &mut Telemetry) {
         info!(
+            target: NOTES,
             gpu = self.gpu,
             "NVML answers again for this GPU: managing it again"
         )
@@ -271,7 +313,7 @@ impl Emit for NvmlRecovered {
 
 impl Emit for NvmlAllRecovered {
     fn emit(&self, _: &mut Telemetry) {
-        info!("NVML answers again on every GPU: resuming normal operation")
+        info!(target: NOTES, "NVML answers again on every GPU: resuming normal operation")
     }
 }
 
@@ -285,7 +327,7 @@ impl Emit for Degraded {
 
 impl Emit for HungCallReturned {
     fn emit(&self, _: &mut Telemetry) {
-        info!("The hung NVML call returned: managing offline work again")
+        info!(target: NOTES, "The hung NVML call returned: managing offline work again")
     }
 }
 
@@ -294,7 +336,11 @@ impl Emit for Invisible {
         let pids = &self.pids;
         metrics::gauge!("coloc_invisible_gpu_processes").set(pids.len() as f64);
         if self.warn {
-            warn!(?pids, "GPU processes listed by the driver have not been visible in /proc for over 1 s: is the agent in the host PID namespace (hostPID: true)? They are ignored");
+            warn!(
+                target: NOTES,
+                ?pids,
+                "GPU processes listed by the driver have not been visible in /proc for over 1 s: is the agent in the host PID namespace (hostPID: true)? They are ignored"
+            );
         }
     }
 }
@@ -302,6 +348,7 @@ impl Emit for Invisible {
 impl Emit for Replaced {
     fn emit(&self, _: &mut Telemetry) {
         info!(
+            target: NOTES,
             pid = self.pid,
             "GPU process replaced by another with the same PID"
         )
@@ -310,8 +357,13 @@ impl Emit for Replaced {
 
 impl Emit for WakeGapTooLong {
     fn emit(&self, _: &mut Telemetry) {
-        warn!(page = %self.page.display(), wake_gap_ms = self.wake_gap_ns as f64 / 1e6, idle_window_ms = self.window_ns as f64 / 1e6,
-            "Doorbell wake gap longer than the idle window: a launch after a pause between the two is seen at the next tick, not at once (set COLOC_SHIM_WAKE_GAP_MS to the idle window)")
+        warn!(
+            target: NOTES,
+            page = %self.page.display(),
+            wake_gap_ms = self.wake_gap_ns as f64 / 1e6,
+            idle_window_ms = self.window_ns as f64 / 1e6,
+            "Doorbell wake gap longer than the idle window: a launch after a pause between the two is seen at the next tick, not at once (set COLOC_SHIM_WAKE_GAP_MS to the idle window)"
+        )
     }
 }
 
@@ -322,7 +374,13 @@ impl Emit for PageAttributed {
             .parent()
             .map_or_else(String::new, |d| d.display().to_string());
         if to.tenant_line("doorbell page attributed", &dir) {
-            info!(page = %self.page.display(), pid = self.pid, gpu = self.gpu, "Doorbell page attributed to an online process");
+            info!(
+                target: NOTES,
+                page = %self.page.display(),
+                pid = self.pid,
+                gpu = self.gpu,
+                "Doorbell page attributed to an online process"
+            );
         }
     }
 }
@@ -334,8 +392,14 @@ impl Emit for PageRejected {
             .increment(1);
         let owner = &self.owner;
         if to.tenant_line("doorbell page not attributed", &format!("{owner:?}")) {
-            warn!(page = %self.page.display(), ?owner, file_uid = self.file_uid, reason = self.reason.as_str(),
-                "Doorbell page not attributed: its launches count for nothing");
+            warn!(
+                target: NOTES,
+                page = %self.page.display(),
+                ?owner,
+                file_uid = self.file_uid,
+                reason = self.reason.as_str(),
+                "Doorbell page not attributed: its launches count for nothing"
+            );
         }
     }
 }
@@ -363,7 +427,12 @@ impl Emit for HoldGauges {
 impl Emit for MemoryUnread {
     fn emit(&self, _: &mut Telemetry) {
         let error = &self.error;
-        warn!(gpu = self.gpu, %error, "Cannot read the GPU's memory: memory preemption waits for the next read")
+        warn!(
+            target: NOTES,
+            gpu = self.gpu,
+            %error,
+            "Cannot read the GPU's memory: memory preemption waits for the next read"
+        )
     }
 }
 
@@ -372,13 +441,19 @@ impl Emit for MemoryPressure {
         let (gpu, free_gib, reserve_gib) = (self.gpu, gib(self.free), gib(self.reserve));
         if self.on {
             info!(
+                target: NOTES,
                 gpu,
-                free_gib, reserve_gib, "Online work needs memory: free memory under the reserve"
+                free_gib,
+                reserve_gib,
+                "Online work needs memory: free memory under the reserve"
             );
         } else {
             info!(
+                target: NOTES,
                 gpu,
-                free_gib, reserve_gib, "Free memory back over the reserve (or no online work)"
+                free_gib,
+                reserve_gib,
+                "Free memory back over the reserve (or no online work)"
             );
         }
     }
@@ -387,6 +462,7 @@ impl Emit for MemoryPressure {
 impl Emit for Evicting {
     fn emit(&self, _: &mut Telemetry) {
         info!(
+            target: NOTES,
             gpu = self.gpu,
             pid = self.pid,
             holds_gib = gib(self.bytes),
@@ -399,6 +475,7 @@ impl Emit for Evicting {
 impl Emit for EvictionNotRecorded {
     fn emit(&self, _: &mut Telemetry) {
         error!(
+            target: NOTES,
             pid = self.pid,
             "Cannot record the checkpoint: not checkpointing the process"
         )
@@ -414,9 +491,24 @@ impl Emit for DriverCall {
                 if matches!(self.op, driver::Op::Checkpoint | driver::Op::Restore) {
                     metrics::counter!("coloc_checkpoint_bytes_total", "op" => opl)
                         .increment(self.bytes);
-                    info!(op = opl, pid, %owner, gib = gib(self.bytes), took_s, "Driver call done");
+                    info!(
+                        target: NOTES,
+                        op = opl,
+                        pid,
+                        %owner,
+                        gib = gib(self.bytes),
+                        took_s,
+                        "Driver call done"
+                    );
                 } else {
-                    debug!(op = opl, pid, %owner, took_ms = took_s * 1e3, "Driver call done");
+                    debug!(
+                        target: NOTES,
+                        op = opl,
+                        pid,
+                        %owner,
+                        took_ms = took_s * 1e3,
+                        "Driver call done"
+                    );
                 }
             }
             Some(r) => {
@@ -424,14 +516,34 @@ impl Emit for DriverCall {
                 metrics::counter!("coloc_driver_call_failures_total", "op" => opl, "reason" => r.clone())
                     .increment(1);
                 if r == "operating_system" {
-                    warn!(op = opl, pid, %owner, error,
-                        "The CUDA driver refused with CUDA_ERROR_OPERATING_SYSTEM: the agent lacks the rights its checkpoint calls need on this process (CAP_SYS_PTRACE, and CAP_DAC_OVERRIDE for a process of another user; the chart adds both with agent.driverLock or memoryPreemption.enabled), or the process was killed by the call (a checkpoint moves its GPU memory into its own memory: check its memory limit)");
+                    warn!(
+                        target: NOTES,
+                        op = opl,
+                        pid,
+                        %owner,
+                        error,
+                        "The CUDA driver refused with CUDA_ERROR_OPERATING_SYSTEM: the agent lacks the rights its checkpoint calls need on this process (CAP_SYS_PTRACE, and CAP_DAC_OVERRIDE for a process of another user; the chart adds both with agent.driverLock or memoryPreemption.enabled), or the process was killed by the call (a checkpoint moves its GPU memory into its own memory: check its memory limit)"
+                    );
                 } else if self.fallback {
-                    warn!(op = opl, pid, %owner, reason = %r, error,
-                        "The CUDA driver refused: this process is held by its other plan (freezer or signal) from now on, and not checkpointed");
+                    warn!(
+                        target: NOTES,
+                        op = opl,
+                        pid,
+                        %owner,
+                        reason = %r,
+                        error,
+                        "The CUDA driver refused: this process is held by its other plan (freezer or signal) from now on, and not checkpointed"
+                    );
                 } else {
-                    warn!(op = opl, pid, %owner, reason = %r, error,
-                        "Driver call failed: asking the driver where the process is, trying again later");
+                    warn!(
+                        target: NOTES,
+                        op = opl,
+                        pid,
+                        %owner,
+                        reason = %r,
+                        error,
+                        "Driver call failed: asking the driver where the process is, trying again later"
+                    );
                 }
             }
         }
@@ -442,8 +554,13 @@ impl Emit for NoRoomForCheckpoint {
     fn emit(&self, _: &mut Telemetry) {
         metrics::counter!("coloc_checkpoints_skipped_total", "reason" => "memory_limit")
             .increment(1);
-        warn!(pid = self.pid, room_gib = gib(self.room), need_gib = gib(self.need),
-            "Not checkpointing this offline process: the driver keeps its GPU memory in the process's own memory, and its memory limit has no room for it (it would be OOM-killed); raise the pod's memory limit, or annotate it gpu-coloc.dev/checkpoint: \"false\"")
+        warn!(
+            target: NOTES,
+            pid = self.pid,
+            room_gib = gib(self.room),
+            need_gib = gib(self.need),
+            "Not checkpointing this offline process: the driver keeps its GPU memory in the process's own memory, and its memory limit has no room for it (it would be OOM-killed); raise the pod's memory limit, or annotate it gpu-coloc.dev/checkpoint: \"false\""
+        )
     }
 }
 
@@ -451,16 +568,26 @@ impl Emit for DriverCallStuck {
     fn emit(&self, _: &mut Telemetry) {
         let owner = &self.owner;
         metrics::counter!("coloc_driver_calls_stuck_total", "op" => self.op.as_str()).increment(1);
-        warn!(op = self.op.as_str(), pid = self.pid, %owner, secs = self.secs,
-            "A CUDA driver call has not returned long after it should: the process is probably stopped (SIGSTOP, a debugger), and the driver waits for it to run; memory preemption takes other processes meanwhile")
+        warn!(
+            target: NOTES,
+            op = self.op.as_str(),
+            pid = self.pid,
+            %owner,
+            secs = self.secs,
+            "A CUDA driver call has not returned long after it should: the process is probably stopped (SIGSTOP, a debugger), and the driver waits for it to run; memory preemption takes other processes meanwhile"
+        )
     }
 }
 
 impl Emit for RestoreGivenUp {
     fn emit(&self, _: &mut Telemetry) {
         let owner = &self.owner;
-        error!(pid = self.pid, %owner,
-            "Cannot restore this checkpointed process before exit (the GPU has no room for it): it stays checkpointed and recorded; run `coloc-agent resume` once the GPU has room")
+        error!(
+            target: NOTES,
+            pid = self.pid,
+            %owner,
+            "Cannot restore this checkpointed process before exit (the GPU has no room for it): it stays checkpointed and recorded; run `coloc-agent resume` once the GPU has room"
+        )
     }
 }
 
@@ -469,6 +596,11 @@ impl Emit for DriverFailedState {
         let owner = &self.owner;
         metrics::counter!("coloc_driver_call_failures_total", "op" => "state", "reason" => "failed_state")
             .increment(1);
-        error!(pid = self.pid, %owner, "The CUDA driver reports this process failed (an error during checkpoint or restore): nothing more can be done with it by the agent");
+        error!(
+            target: NOTES,
+            pid = self.pid,
+            %owner,
+            "The CUDA driver reports this process failed (an error during checkpoint or restore): nothing more can be done with it by the agent"
+        );
     }
 }

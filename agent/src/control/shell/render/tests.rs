@@ -116,10 +116,11 @@ fn failures_count_under_the_labels_the_alerts_read() {
     ] {
         assert_eq!(sample(&text, series), Some(want), "{series} in:\n{text}");
     }
+    // The target a `COLOC_LOG` directive or a log pipeline selects notes by.
     for line in [
-        "Suspension failed: undoing it (fail open) target=pid 41 error=No such process",
-        "Resume not confirmed in time; left in the record for the next start hold=Process(ProcKey { pid: 42, start: 7 })",
-        "NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed gpu=0 error=GPU is lost grace=2s",
+        "ERROR coloc_agent::control::note: Suspension failed: undoing it (fail open) target=pid 41 error=No such process",
+        "ERROR coloc_agent::control::note: Resume not confirmed in time; left in the record for the next start hold=Process(ProcKey { pid: 42, start: 7 })",
+        "ERROR coloc_agent::control::note: NVML keeps failing for this GPU: failing open, resuming its offline work; other GPUs stay managed gpu=0 error=GPU is lost grace=2s",
     ] {
         assert_eq!(log.matches(line).count(), 1, "{line:?} once in:\n{log}");
     }
@@ -267,16 +268,17 @@ fn an_event_reaches_the_event_log_the_histograms_and_state() {
         Some(1.0),
         "{text}"
     );
+    // Under the target events were always logged with.
     assert!(
-        log.lines().any(|l| l.contains("INFO")
-            && l.contains("Online busy: offline suspended")
+        log.lines().any(|l| l
+            .contains("INFO coloc_agent::telemetry: Online busy: offline suspended")
             && l.contains("actuator=\"gate\"")),
         "{log}"
     );
     assert!(
-        log.lines().any(|l| l.contains("ERROR")
-            && l.contains("Failed open: offline work resumed")
-            && l.contains("reason=record resumed=2")),
+        log.lines().any(|l| l.contains(
+            "ERROR coloc_agent::telemetry: Failed open: offline work resumed reason=record resumed=2"
+        )),
         "{log}"
     );
 }
