@@ -1,14 +1,19 @@
 //! Telemetry: the Prometheus recorder with every metric described, the per-GPU metric
-//! handles, and [`Telemetry::emit`], the one place an event becomes a log line, a JSON line
-//! in `--event-log`, histogram observations and `/state` history.
+//! handles, and [`Telemetry`], what the shell's renderer (`control::shell::render`) says
+//! notes and events into: the per-GPU histograms and history, `/state`'s recent events,
+//! the `--event-log` file, the per-owner limit on lines a tenant can cause.
 
+use crate::control::coverage::{REASONS, WITH_SHIM};
 use crate::control::events::Event;
+use crate::control::state::StateDoc;
 use crate::edges::actuator::Kind;
+use crate::logbudget::{LogBudget, Verdict};
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
-use tracing::{error, info, warn};
+use std::time::Instant;
+use tracing::error;
 
 /// Histogram buckets for every `_seconds` histogram: 100 µs to 1 s.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -340,6 +345,22 @@ impl GpuMetrics {
     pub fn set_suspended(&self, n: usize) {
         set(&self.suspended, n as f64);
     }
+    /// `coloc_actuation_latency_seconds` and `coloc_preemption_latency_seconds` of a
+    /// preemption confirmed by `kind`, its onset given by `signal`.
+    pub fn preempted(
+        &self,
+        kind: Kind,
+        signal: qos_core::Signal,
+        actuation_s: f64,
+        preemption_s: f64,
+    ) {
+        self.actuation[kind.as_str()].record(actuation_s);
+        self.preemption[&(kind.as_str(), signal.as_str())].record(preemption_s);
+    }
+    /// `coloc_release_latency_seconds` of a release confirmed by `kind`.
+    pub fn released(&self, kind: Kind, release_s: f64) {
+        self.release[kind.as_str()].record(release_s);
+    }
 }
 
 /// Recent latencies of one GPU, for `/state` and `coloc-agent status`.
@@ -370,9 +391,12 @@ pub struct Telemetry {
     /// `coloc_loop_lag_seconds`.
     pub lag: metrics::Histogram,
     event_log: Option<std::fs::File>,
+    /// Lines tenants caused, limited per owner.
+    lines: LogBudget,
 }
 
-fn push_bounded<T>(q: &mut VecDeque<T>, v: T, cap: usize) {
+/// Pushes `v` onto `q`, dropping its oldest beyond `cap`.
+pub fn push_bounded<T>(q: &mut VecDeque<T>, v: T, cap: usize) {
     if q.len() == cap {
         q.pop_front();
     }
@@ -388,6 +412,7 @@ impl Telemetry {
             recent: VecDeque::new(),
             lag: metrics::histogram!("coloc_loop_lag_seconds"),
             event_log,
+            lines: LogBudget::default(),
         }
     }
 
@@ -402,12 +427,12 @@ impl Telemetry {
         }
     }
 
-    /// The one place an event is reported.
-    pub fn emit(&mut self, ev: Event) {
+    /// Appends `ev`'s JSON line to `--event-log`, when given.
+    pub fn append_to_event_log(&mut self, ev: &Event) {
         if let Some(f) = &mut self.event_log {
             // One write per event (serde_json writes token by token into an unbuffered
             // file: about a hundred system calls an event).
-            let line = serde_json::to_vec(&ev).map(|mut l| {
+            let line = serde_json::to_vec(ev).map(|mut l| {
                 l.push(b'\n');
                 l
             });
@@ -418,63 +443,42 @@ impl Telemetry {
                 error!(%err, "Cannot append to the event log");
             }
         }
-        match &ev {
-            Event::Preempt(p) => {
-                info!(
-                    gpu = p.gpu,
-                    offline = p.offline,
-                    signal = p.signal.as_str(),
-                    detection_ms = p.detection_s * 1e3,
-                    preemption_ms = p.preemption_s.map(|s| s * 1e3),
-                    actuator = p.actuator.map(Kind::as_str),
-                    "Online busy: offline suspended"
-                );
-                let h = self.history.entry(p.gpu).or_default();
-                h.last_preempt_ns = Some(p.decided_ns);
-                if let (Some(pre), Some(act), Some(kind)) =
-                    (p.preemption_s, p.actuation_s, p.actuator)
-                {
-                    push_bounded(&mut h.preemption_ms, pre * 1e3, HISTORY);
-                    if let Some(m) = self.gpus.get(&p.gpu) {
-                        m.actuation[kind.as_str()].record(act);
-                        m.preemption[&(kind.as_str(), p.signal.as_str())].record(pre);
-                    }
-                }
-            }
-            Event::Release(r) => {
-                info!(
-                    gpu = r.gpu,
-                    offline = r.offline,
-                    busy_ms = r.busy_for_s * 1e3,
-                    release_ms = r.release_s.map(|s| s * 1e3),
-                    actuator = r.actuator.map(Kind::as_str),
-                    "Online idle for the window: offline resumed"
-                );
-                if let (Some(rel), Some(kind)) = (r.release_s, r.actuator) {
-                    push_bounded(
-                        &mut self.history.entry(r.gpu).or_default().release_ms,
-                        rel * 1e3,
-                        HISTORY,
-                    );
-                    if let Some(m) = self.gpus.get(&r.gpu) {
-                        m.release[kind.as_str()].record(rel);
-                    }
-                }
-            }
-            Event::FailOpen(f) => {
-                error!(gpu = f.gpu, reason = %f.reason, resumed = f.resumed, "Failed open: offline work resumed");
-            }
-            Event::Distrust(d) if d.restored => {
-                info!(gpu = d.gpu, page = %d.page, owner = %d.owner, "Doorbell page trusted again: NVML showed its owner at work");
-            }
-            // Logged by their notes.
-            Event::Checkpoint(_) | Event::Restore(_) | Event::Escape(_) => {}
-            Event::Distrust(d) => {
-                warn!(gpu = d.gpu, page = %d.page, owner = %d.owner, claimed_s = d.claimed_s, nvml_seen_ns = d.nvml_seen_ns,
-                    "Doorbell page distrusted: it kept the GPU busy while NVML never showed its owner at work; its launches count for nothing until a sample does");
+    }
+
+    /// Keeps `ev` among `/state`'s recent events.
+    pub fn keep(&mut self, ev: Event) {
+        push_bounded(&mut self.recent, ev, RECENT);
+    }
+
+    /// Whether a line its tenant can cause at will (what it is about, whose it is) may be
+    /// said now ([`crate::logbudget`]): false when it is held back. Says the summary of
+    /// the owner's lines held back in the second that ended.
+    pub fn tenant_line(&mut self, kind: &'static str, owner: &str) -> bool {
+        let mut held = Vec::new();
+        let verdict = self.lines.allow(kind, owner, Instant::now(), &mut held);
+        crate::logbudget::say(&held);
+        verdict == Verdict::Say
+    }
+
+    /// Says the summaries of tenant lines held back in the seconds that ended by `now`.
+    pub fn flush_tenant_lines(&mut self, now: Instant) {
+        crate::logbudget::say(&self.lines.flush(now));
+    }
+
+    /// Sets `coloc_shim_coverage_processes{class, shim}` from `doc`: every class and
+    /// coverage, 0 where no process has it (so a panel and an alert see the series).
+    pub fn export_coverage(&self, doc: &StateDoc) {
+        for class in ["online", "offline"] {
+            for shim in std::iter::once(WITH_SHIM).chain(REASONS) {
+                let n = doc
+                    .shim_coverage
+                    .iter()
+                    .find(|r| r.class == class && r.shim == shim)
+                    .map_or(0, |r| r.processes);
+                metrics::gauge!("coloc_shim_coverage_processes", "class" => class, "shim" => shim)
+                    .set(n as f64);
             }
         }
-        push_bounded(&mut self.recent, ev, RECENT);
     }
 }
 

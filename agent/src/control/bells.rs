@@ -16,7 +16,7 @@
 
 use super::claims::{Claimed, Claims};
 use super::learn::Learner;
-use super::note::{Note, Reject};
+use super::note::{self, Note, Reject};
 use super::table::{Activity, Table};
 use crate::control::events::Event;
 use crate::control::model::bell::{BellReading, Owner, PageInfo};
@@ -120,11 +120,14 @@ impl Bells {
             .retain(|owner| infos.iter().any(|i| &i.owner == owner) || alive(owner));
         for info in infos {
             if info.wake_gap_ns > self.window_ns && !self.pages.contains_key(&info.id) {
-                notes.push(Note::WakeGapTooLong {
-                    page: info.path.clone(),
-                    wake_gap_ns: info.wake_gap_ns,
-                    window_ns: self.window_ns,
-                });
+                notes.push(
+                    note::WakeGapTooLong {
+                        page: info.path.clone(),
+                        wake_gap_ns: info.wake_gap_ns,
+                        window_ns: self.window_ns,
+                    }
+                    .into(),
+                );
             }
             self.pages.entry(info.id).or_insert(PageState {
                 info,
@@ -214,11 +217,14 @@ impl Bells {
             if !p.attributed {
                 p.attributed = true;
                 p.rejected = None;
-                notes.push(Note::PageAttributed {
-                    page: p.info.path.clone(),
-                    pid: key.pid,
-                    gpu,
-                });
+                notes.push(
+                    note::PageAttributed {
+                        page: p.info.path.clone(),
+                        pid: key.pid,
+                        gpu,
+                    }
+                    .into(),
+                );
             }
             // With the learned release window, activity ends when the work was seen complete
             // (the completion stamp, when later than the launch).
@@ -301,12 +307,15 @@ impl Bells {
         if p.rejected != Some(why) {
             p.rejected = Some(why);
             p.attributed = false;
-            notes.push(Note::PageRejected {
-                page: p.info.path.clone(),
-                owner: p.info.owner.clone(),
-                file_uid: p.info.file_uid,
-                reason: why,
-            });
+            notes.push(
+                note::PageRejected {
+                    page: p.info.path.clone(),
+                    owner: p.info.owner.clone(),
+                    file_uid: p.info.file_uid,
+                    reason: why,
+                }
+                .into(),
+            );
         }
     }
 }

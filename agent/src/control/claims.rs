@@ -16,7 +16,7 @@
 
 use crate::control::events::{Distrust, Event};
 use crate::control::model::bell::Owner;
-use crate::control::note::Note;
+use crate::control::note::{self, Note};
 use crate::control::state::DistrustedPage;
 use std::collections::HashMap;
 
@@ -149,7 +149,7 @@ impl Claims {
             None => return true,
         };
         if !restored {
-            notes.push(Note::Uncorroborated);
+            notes.push(note::Uncorroborated.into());
         }
         out.push(Event::Distrust(Distrust {
             gpu: c.gpu,

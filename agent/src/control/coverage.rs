@@ -85,22 +85,6 @@ pub fn mark(doc: &mut StateDoc, table: &Table, bells: &Bells) {
     doc.shim_coverage = rows;
 }
 
-/// Sets `coloc_shim_coverage_processes{class, shim}` from `doc`: every class and
-/// coverage, 0 where no process has it (so a panel and an alert see the series).
-pub fn export(doc: &StateDoc) {
-    for class in ["online", "offline"] {
-        for shim in std::iter::once(WITH_SHIM).chain(REASONS) {
-            let n = doc
-                .shim_coverage
-                .iter()
-                .find(|r| r.class == class && r.shim == shim)
-                .map_or(0, |r| r.processes);
-            metrics::gauge!("coloc_shim_coverage_processes", "class" => class, "shim" => shim)
-                .set(n as f64);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,11 +1,15 @@
-//! Typed events: every preemption, release and fail-open, emitted in one place.
+//! Typed events: every preemption, release and fail-open, each a struct of its own
+//! ([`Preempt`], [`Release`], [`FailOpen`], ...) inside one [`Event`], and the
+//! [`Tracker`] that finishes them.
 //!
 //! An event is opened when the state machine decides and finished when the actuator has
-//! confirmed every target it started for it (or they failed, or went away). Finishing it
-//! writes the log line, the JSON line of `--event-log`, the latency histograms (labelled by
-//! the actuator that acted last, not the one configured) and the `/state` history. The
-//! same [`Event`] type is read back by the timeline, `coloc-agent status`, the demo, the
-//! benchmarks and the tests; nobody parses a log line.
+//! confirmed every target it started for it (or they failed, or went away). A finished
+//! event goes to the shell as data (`Cmd::Emit`), whose renderer (`shell/render/`) writes
+//! its JSON line in `--event-log`, its log line and latency histograms (labelled by the
+//! actuator that acted last, not the one configured; each struct's own `emit`) and the
+//! `/state` history. The controller never logs nor counts. The same [`Event`] type is read
+//! back by the timeline, `coloc-agent status`, the demo, the benchmarks and the tests;
+//! nobody parses a log line.
 
 use crate::control::holds::{Completion, HoldKey, Outcome};
 use crate::control::model::act::{Kind, Op};

@@ -7,7 +7,7 @@ use super::bells::Bells;
 use super::events::{Event, Preempt, Release, Tracker};
 use super::gates::Gates;
 use super::holds::HoldKey;
-use super::note::Note;
+use super::note::{self, Note};
 use super::table::Table;
 use super::target::Plan;
 use crate::control::model::act::Op;
@@ -71,7 +71,7 @@ pub fn plans(
             Reason::OnlineBusy { gpu } => gates.plan(table, bells, key, *gpu, plan),
             Reason::ShareCap => plan,
         };
-        notes.push(Note::Suspending(*reason));
+        notes.push(note::Suspending { reason: *reason }.into());
         reqs.push((*key, plan));
         reasons.push((*key, *reason));
     }
@@ -114,11 +114,14 @@ pub fn open_events(
                 offline,
             } => {
                 let detection = decided_at.saturating_sub(onset);
-                notes.push(Note::Detected {
-                    gpu,
-                    signal,
-                    seconds: secs(detection),
-                });
+                notes.push(
+                    note::Detected {
+                        gpu,
+                        signal,
+                        seconds: secs(detection),
+                    }
+                    .into(),
+                );
                 let holds: BTreeSet<HoldKey> = started
                     .iter()
                     .filter(|(holder, _)| reasons.contains(&(*holder, Reason::OnlineBusy { gpu })))

@@ -30,8 +30,8 @@
 //! a hold suspends, named without a file descriptor; freezer or signal, whole cgroup or
 //! one process), [`state`] (the `/state` document and the handle shared with HTTP),
 //! [`learn`] (the learned release window), [`coverage`] and [`reason`] (what `/state`
-//! says of each process); [`shell`] (the loop itself: its eyes, hands, pins, scribe and
-//! watchdog).
+//! says of each process); [`shell`] (the loop itself: its eyes, hands, pins, scribe,
+//! renderer and watchdog).
 
 pub mod bells;
 pub mod claims;

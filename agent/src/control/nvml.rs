@@ -15,30 +15,7 @@ const FULL_PERIOD_UTIL: u32 = 95;
 /// (p50) and 2.8 ms (p99) after their timestamp (`coloc-bench --nvml-probe`).
 pub const READ_LAG_NS: u64 = 5_000_000;
 
-/// Why the process lists are read now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refresh {
-    /// A sample named a PID the table does not know.
-    UnknownPid,
-    /// The pod source changed (a pod came, went or changed class).
-    PodSource,
-    /// A doorbell rang for a process the lists did not hold yet.
-    Doorbell,
-    /// `--process-interval` passed.
-    Interval,
-}
-
-impl Refresh {
-    /// Metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Refresh::UnknownPid => "unknown_pid",
-            Refresh::PodSource => "pod_source",
-            Refresh::Doorbell => "doorbell",
-            Refresh::Interval => "interval",
-        }
-    }
-}
+pub use crate::control::model::gpu::Refresh;
 
 /// The NVML bookkeeping of the controller.
 #[derive(Debug)]

@@ -10,7 +10,7 @@ use super::health::{Health, Verdict};
 use super::holds::HoldBook;
 use super::io::Cmd;
 use super::learn::Learner;
-use super::note::{FailWhy, Note};
+use super::note::{self, FailWhy, Note};
 use super::nvml::{Refresh, Sampling};
 use super::table::{Activity, Table};
 use super::LoopConfig;
@@ -131,7 +131,7 @@ impl Observed {
 
     /// The lists are read for `why` (the note that says so).
     pub fn lists_read_for(&mut self, why: Refresh) {
-        self.notes.push(Note::ListRefresh(why));
+        self.notes.push(note::ListRefresh { why }.into());
     }
 
     /// The lists were read: the PIDs to classify.
@@ -190,13 +190,16 @@ impl Observed {
             let error = err.unwrap_or_default();
             match verdict {
                 Verdict::Healthy | Verdict::StillDegraded => {}
-                Verdict::Transient => self.notes.push(Note::NvmlTransient { gpu, error }),
+                Verdict::Transient => self.notes.push(note::NvmlTransient { gpu, error }.into()),
                 Verdict::FailOpen => {
-                    self.notes.push(Note::NvmlFailOpen {
-                        gpu,
-                        error,
-                        grace: self.grace,
-                    });
+                    self.notes.push(
+                        note::NvmlFailOpen {
+                            gpu,
+                            error,
+                            grace: self.grace,
+                        }
+                        .into(),
+                    );
                     let held = machine.suspended();
                     let resumed = self.table.suspended_on(gpu, |k| held.contains_key(k));
                     self.events.push(Event::FailOpen(FailOpen {
@@ -207,10 +210,10 @@ impl Observed {
                     }));
                     self.table.clear_activity(Some(gpu));
                 }
-                Verdict::Recovered => self.notes.push(Note::NvmlRecovered { gpu }),
+                Verdict::Recovered => self.notes.push(note::NvmlRecovered { gpu }.into()),
             }
             let degraded = self.health.degraded(gpu);
-            self.notes.push(Note::Degraded { gpu, degraded });
+            self.notes.push(note::Degraded { gpu, degraded }.into());
         }
         self.out.push(Cmd::Degraded(self.health.describe()));
     }

@@ -10,7 +10,7 @@
 use super::events::{Event, FailOpen, Tracker};
 use super::holds::{HoldBook, HoldCmd, HoldObs};
 use super::io::Cmd;
-use super::note::{FailWhy, Note, ReleaseRule};
+use super::note::{self, FailWhy, Note, ReleaseRule};
 use super::observed::Observed;
 use super::pace::{Due, Pacer};
 use super::publish::{GpuSummary, Header};
@@ -340,7 +340,7 @@ impl Substates {
         let mut retried = false;
         for key in self.retries.due(t) {
             if self.machine.forget(&key) {
-                self.notes.push(Note::Retrying { pid: key.pid });
+                self.notes.push(note::Retrying { pid: key.pid }.into());
                 retried = true;
             }
         }
@@ -422,22 +422,28 @@ impl Substates {
                 } => {
                     let at_once = self.observed.learner.settings().is_some_and(|l| l.at_once);
                     let rule = ReleaseRule::of(window, idle_window, at_once);
-                    self.notes.push(Note::Released {
-                        gpu,
-                        rule,
-                        window_ns: window,
-                    });
+                    self.notes.push(
+                        note::Released {
+                            gpu,
+                            rule,
+                            window_ns: window,
+                        }
+                        .into(),
+                    );
                     self.released_at.insert(gpu, (decided_at, rule));
                 }
                 qos_core::Transition::Preempt { gpu, onset, .. } => {
                     if let Some((at, rule)) = self.released_at.remove(&gpu) {
                         let ran_ns = onset.saturating_sub(at);
-                        self.notes.push(Note::Harvested {
-                            gpu,
-                            rule,
-                            ran_ns,
-                            wrong: rule != ReleaseRule::Fixed && ran_ns < self.pays_ns,
-                        });
+                        self.notes.push(
+                            note::Harvested {
+                                gpu,
+                                rule,
+                                ran_ns,
+                                wrong: rule != ReleaseRule::Fixed && ran_ns < self.pays_ns,
+                            }
+                            .into(),
+                        );
                     }
                 }
             }
@@ -454,11 +460,14 @@ impl Substates {
 
     /// A decision becomes holds (recorded before acted on) and events.
     pub fn execute(&mut self, d: Decision<ProcKey>, vetted: Vec<(ProcKey, Plan)>, now: u64) {
-        self.notes.push(Note::Decision {
-            suspend: d.suspend.len(),
-            resume: d.resume.len(),
-            transitions: d.transitions.len(),
-        });
+        self.notes.push(
+            note::Decision {
+                suspend: d.suspend.len(),
+                resume: d.resume.len(),
+                transitions: d.transitions.len(),
+            }
+            .into(),
+        );
         self.harvest(&d.transitions);
         let (reqs, reasons) = execute::plans(
             &d,
@@ -481,10 +490,13 @@ impl Substates {
         };
         if !resumed.is_empty() {
             let pids = d.resume.iter().map(|k| k.pid).collect();
-            self.notes.push(Note::Resuming {
-                pids,
-                targets: resumed.len(),
-            });
+            self.notes.push(
+                note::Resuming {
+                    pids,
+                    targets: resumed.len(),
+                }
+                .into(),
+            );
         }
         let cx = execute::Context {
             dry_run: self.header.dry_run,
@@ -563,15 +575,18 @@ impl Substates {
                     reason: broken.unheld.clone(),
                 }));
             }
-            self.notes.push(Note::Broken { broken, owners });
+            self.notes.push(note::Broken { broken, owners }.into());
         }
         for key in self.book.take_failed() {
             let due = self.retries.failed(key, t);
             let in_ms = due.saturating_sub(t) / 1_000_000;
-            self.notes.push(Note::RetryLater {
-                pid: key.pid,
-                in_ms,
-            });
+            self.notes.push(
+                note::RetryLater {
+                    pid: key.pid,
+                    in_ms,
+                }
+                .into(),
+            );
         }
     }
 
@@ -598,7 +613,12 @@ impl Substates {
     pub fn released(&mut self, reason: ReleaseAll, n: usize, now: u64) {
         self.complete();
         if n > 0 && reason != ReleaseAll::Shutdown {
-            self.notes.push(Note::FailedOpen(FailWhy::Panic));
+            self.notes.push(
+                note::FailedOpen {
+                    why: FailWhy::Panic,
+                }
+                .into(),
+            );
             self.events.push(Event::FailOpen(FailOpen {
                 at_ns: now,
                 reason: reason.as_str().into(),
@@ -627,14 +647,19 @@ impl Substates {
         }));
         self.out
             .push(Cmd::Degraded(self.observed.health.describe()));
-        self.notes.push(Note::HungCallReturned);
+        self.notes.push(note::HungCallReturned.into());
         self.pacer.decide_next();
     }
 
     /// The controller's part of `/state` at `now`.
     pub fn state_doc(&mut self, now: u64) -> super::state::StateDoc {
         let distrusted = self.observed.bells.distrusted();
-        self.notes.push(Note::Distrusted(distrusted.len()));
+        self.notes.push(
+            note::Distrusted {
+                owners: distrusted.len(),
+            }
+            .into(),
+        );
         let health = &self.observed.health;
         let mut doc = super::publish::state_doc(
             now,
@@ -662,10 +687,13 @@ impl Substates {
         }
         doc.escaping_processes = escaping.len();
         doc.gate_silent_processes = silent.len();
-        self.notes.push(Note::HoldGauges {
-            escaping: escaping.len(),
-            gate_silent: silent.len(),
-        });
+        self.notes.push(
+            note::HoldGauges {
+                escaping: escaping.len(),
+                gate_silent: silent.len(),
+            }
+            .into(),
+        );
         if self.vault.active() {
             let mem = self.vault.summary();
             let view = self.vault.view();

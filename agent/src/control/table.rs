@@ -13,7 +13,7 @@
 
 use crate::control::model::act::RecordEntry;
 use crate::control::model::ProcKey;
-use crate::control::note::Note;
+use crate::control::note::{self, Note};
 use crate::control::target::Plan;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -184,7 +184,7 @@ impl Table {
             let old = self.procs.remove(&pid);
             if let (Some(o), Some(e)) = (&old, &classified) {
                 if o.key != e.key {
-                    notes.push(Note::Replaced { pid });
+                    notes.push(note::Replaced { pid }.into());
                 }
             }
             let Some(mut entry) = classified else {
@@ -239,7 +239,7 @@ impl Table {
             .map(|(pid, _)| *pid)
             .collect();
         let warn = !pids.is_empty() && !std::mem::replace(&mut self.warned_invisible, true);
-        notes.push(Note::Invisible { pids, warn });
+        notes.push(note::Invisible { pids, warn }.into());
         notes
     }
 

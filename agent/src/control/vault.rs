@@ -40,7 +40,7 @@ use crate::control::model::act::{ActError, Progress, RecordEntry};
 use crate::control::model::driver::{CallEnd, CuError, Done, Op as DriverOp};
 use crate::control::model::gpu::GpuMemory;
 use crate::control::model::ProcKey;
-use crate::control::note::Note;
+use crate::control::note::{self, Note};
 use crate::control::table::Table;
 use crate::control::target::Plan;
 use crate::control::target::Target;
@@ -541,7 +541,7 @@ impl Vault {
                 Ok(Some(m)) => m,
                 Ok(None) => continue,
                 Err(error) => {
-                    self.notes.push(Note::MemoryUnread { gpu, error });
+                    self.notes.push(note::MemoryUnread { gpu, error }.into());
                     continue;
                 }
             };
@@ -549,12 +549,15 @@ impl Vault {
             let pressure = online(gpu) && m.free < want;
             let entry = self.mem.entry(gpu).or_default();
             if pressure != entry.pressure {
-                self.notes.push(Note::MemoryPressure {
-                    gpu,
-                    on: pressure,
-                    free: m.free,
-                    reserve: want,
-                });
+                self.notes.push(
+                    note::MemoryPressure {
+                        gpu,
+                        on: pressure,
+                        free: m.free,
+                        reserve: want,
+                    }
+                    .into(),
+                );
             }
             entry.pressure = pressure;
             entry.reserve = want;
@@ -636,11 +639,14 @@ impl Vault {
             match room.get(&key.pid) {
                 Some(r) if *r < need => {
                     if self.no_room.insert(*key) {
-                        self.notes.push(Note::NoRoomForCheckpoint {
-                            pid: key.pid,
-                            room: *r,
-                            need,
-                        });
+                        self.notes.push(
+                            note::NoRoomForCheckpoint {
+                                pid: key.pid,
+                                room: *r,
+                                need,
+                            }
+                            .into(),
+                        );
                     }
                     false
                 }
@@ -662,12 +668,15 @@ impl Vault {
             s.gpu = Some(gpu);
             s.rec = CheckpointRecord::Asked(req);
             self.records.push(RecordAsk::Add(req, vec![rec_entry(key)]));
-            self.notes.push(Note::Evicting {
-                gpu,
-                pid: key.pid,
-                bytes,
-                missing,
-            });
+            self.notes.push(
+                note::Evicting {
+                    gpu,
+                    pid: key.pid,
+                    bytes,
+                    missing,
+                }
+                .into(),
+            );
         }
     }
 
@@ -738,7 +747,8 @@ impl Vault {
                     // Not on disk: not evicted.
                     s.rec = CheckpointRecord::No;
                     s.evict = false;
-                    self.notes.push(Note::EvictionNotRecorded { pid: k.pid });
+                    self.notes
+                        .push(note::EvictionNotRecorded { pid: k.pid }.into());
                 }
             }
         }
@@ -764,12 +774,15 @@ impl Vault {
             if let Some(s) = self.slots.get_mut(&k) {
                 s.said_stuck = true;
                 if let Some((op, at)) = s.call {
-                    self.notes.push(Note::DriverCallStuck {
-                        op,
-                        pid: k.pid,
-                        owner: s.owner.clone(),
-                        secs: now.saturating_sub(at) as f64 / 1e9,
-                    });
+                    self.notes.push(
+                        note::DriverCallStuck {
+                            op,
+                            pid: k.pid,
+                            owner: s.owner.clone(),
+                            secs: now.saturating_sub(at) as f64 / 1e9,
+                        }
+                        .into(),
+                    );
                 }
             }
         }
@@ -878,10 +891,13 @@ impl Vault {
                         _ => DState::Failed,
                     };
                     if s.state == DState::Failed {
-                        self.notes.push(Note::DriverFailedState {
-                            pid: d.key.pid,
-                            owner: s.owner.clone(),
-                        });
+                        self.notes.push(
+                            note::DriverFailedState {
+                                pid: d.key.pid,
+                                owner: s.owner.clone(),
+                            }
+                            .into(),
+                        );
                     }
                 }
                 None if matches!(d.end, CallEnd::Gone) => self.gone(&[d.key]),
@@ -913,23 +929,29 @@ impl Vault {
             // memory) is not waited for: the process stays checkpointed and recorded.
             if self.stopping && d.op == DriverOp::Restore {
                 s.given_up = true;
-                self.notes.push(Note::RestoreGivenUp {
-                    pid: d.key.pid,
-                    owner: s.owner.clone(),
-                });
+                self.notes.push(
+                    note::RestoreGivenUp {
+                        pid: d.key.pid,
+                        owner: s.owner.clone(),
+                    }
+                    .into(),
+                );
             }
         }
         let gone = matches!(d.end, CallEnd::Gone);
-        self.notes.push(Note::DriverCall {
-            op: d.op,
-            pid: d.key.pid,
-            owner: s.owner.clone(),
-            took_s,
-            bytes: s.bytes,
-            reason: reason.clone(),
-            error,
-            fallback: s.refused.is_some() && !ok,
-        });
+        self.notes.push(
+            note::DriverCall {
+                op: d.op,
+                pid: d.key.pid,
+                owner: s.owner.clone(),
+                took_s,
+                bytes: s.bytes,
+                reason: reason.clone(),
+                error,
+                fallback: s.refused.is_some() && !ok,
+            }
+            .into(),
+        );
         if matches!(d.op, DriverOp::Checkpoint | DriverOp::Restore) {
             let ev = DriverEvent {
                 at_ns: now,

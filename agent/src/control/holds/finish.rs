@@ -7,7 +7,7 @@ use super::{
 };
 use crate::control::model::act::{Kind, Op, RecordEntry};
 use crate::control::model::ProcKey;
-use crate::control::note::{FailWhy, Note};
+use crate::control::note::{self, FailWhy};
 use crate::control::target::Target;
 use std::collections::BTreeSet;
 
@@ -25,13 +25,16 @@ impl HoldBook {
     fn note_failed(&mut self, op: Op, members: &[Target], p: &[Progress]) {
         for (t, pr) in members.iter().zip(p) {
             if let Progress::Failed(err) = pr {
-                self.notes.push(Note::ActFailed {
-                    op,
-                    target: t.to_string(),
-                    actuator: t.kind(),
-                    reason: err.reason(),
-                    error: err.to_string(),
-                });
+                self.notes.push(
+                    note::ActFailed {
+                        op,
+                        target: t.to_string(),
+                        actuator: t.kind(),
+                        reason: err.reason(),
+                        error: err.to_string(),
+                    }
+                    .into(),
+                );
             }
         }
     }
@@ -48,14 +51,22 @@ impl HoldBook {
         self.failed.extend(hold.holders.iter().copied());
         self.note_failed(Op::Suspend, &hold.members, p);
         if reason == Failure::Timeout {
-            self.notes.push(Note::TimedOut {
-                op: Op::Suspend,
-                hold: key.clone(),
-                actuator: hold.kind,
-                timeout: self.confirm_timeout,
-            });
+            self.notes.push(
+                note::TimedOut {
+                    op: Op::Suspend,
+                    hold: key.clone(),
+                    actuator: hold.kind,
+                    timeout: self.confirm_timeout,
+                }
+                .into(),
+            );
         }
-        self.notes.push(Note::FailedOpen(FailWhy::Actuation));
+        self.notes.push(
+            note::FailedOpen {
+                why: FailWhy::Actuation,
+            }
+            .into(),
+        );
         self.pending.retain(|p| p.key != *key);
         self.start_resume(key.clone(), hold.kind, hold.members, false);
     }
@@ -157,10 +168,13 @@ impl HoldBook {
             self.note_failed(Op::Resume, members, p);
             return;
         }
-        self.notes.push(Note::Resumed {
-            hold: key.clone(),
-            outcome: outcome.clone(),
-        });
+        self.notes.push(
+            note::Resumed {
+                hold: key.clone(),
+                outcome: outcome.clone(),
+            }
+            .into(),
+        );
         self.forget(members);
     }
 
@@ -327,12 +341,15 @@ impl HoldBook {
                     self.fail_suspension(&p.key, hold, *reason, &progress);
                 }
             }
-            (Op::Resume, Outcome::Failed(_)) => self.notes.push(Note::TimedOut {
-                op: Op::Resume,
-                hold: p.key.clone(),
-                actuator: p.kind,
-                timeout: self.confirm_timeout,
-            }),
+            (Op::Resume, Outcome::Failed(_)) => self.notes.push(
+                note::TimedOut {
+                    op: Op::Resume,
+                    hold: p.key.clone(),
+                    actuator: p.kind,
+                    timeout: self.confirm_timeout,
+                }
+                .into(),
+            ),
             (Op::Resume, _) => self.forget(&p.all),
             (Op::Suspend, _) => {}
         }
@@ -358,10 +375,13 @@ impl HoldBook {
         if self.held.is_empty() && self.staged.is_empty() {
             return 0;
         }
-        self.notes.push(Note::ReleasingAll {
-            reason,
-            count: self.held.len() + self.staged.len(),
-        });
+        self.notes.push(
+            note::ReleasingAll {
+                reason,
+                count: self.held.len() + self.staged.len(),
+            }
+            .into(),
+        );
         let mut all = std::mem::take(&mut self.held);
         all.append(&mut self.staged);
         let holds: Vec<(HoldKey, Vec<Target>)> =

@@ -13,7 +13,7 @@ use super::{
 };
 use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
-use crate::control::note::{FailWhy, Note};
+use crate::control::note::{self, FailWhy};
 use crate::control::target::Plan;
 use crate::control::target::Target;
 
@@ -72,17 +72,23 @@ impl HoldBook {
             }
         }
         if why == Escalation::Drained {
-            self.notes.push(Note::GateDrained {
-                hold: p.key.clone(),
-                fallback: fallback.kind(),
-            });
+            self.notes.push(
+                note::GateDrained {
+                    hold: p.key.clone(),
+                    fallback: fallback.kind(),
+                }
+                .into(),
+            );
         } else {
-            self.notes.push(Note::GateEscalated {
-                gates: p.all.iter().map(Target::to_string).collect(),
-                fallback: fallback.kind(),
-                timeout: self.gate_timeout,
-                why,
-            });
+            self.notes.push(
+                note::GateEscalated {
+                    gates: p.all.iter().map(Target::to_string).collect(),
+                    fallback: fallback.kind(),
+                    timeout: self.gate_timeout,
+                    why,
+                }
+                .into(),
+            );
         }
         match &fallback {
             Plan::SignalCgroup { dir, .. } => {
@@ -136,8 +142,13 @@ impl HoldBook {
         }
         // A gate holds nothing by itself: without its fallback the process is not held.
         // Fail open (the gate opens with the undo); the holder is retried.
-        self.notes.push(Note::FallbackNotRecorded);
-        self.notes.push(Note::FailedOpen(FailWhy::Record));
+        self.notes.push(note::FallbackNotRecorded.into());
+        self.notes.push(
+            note::FailedOpen {
+                why: FailWhy::Record,
+            }
+            .into(),
+        );
         let Some(hold) = self.held.remove(&p.key) else {
             return;
         };

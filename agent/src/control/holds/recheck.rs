@@ -17,9 +17,9 @@
 
 use super::pending::Pending;
 use super::{Continuation, HoldBook, HoldCmd, HoldKey, Progress};
-use crate::control::model::act::{Kind, Op};
+use crate::control::model::act::Op;
 use crate::control::model::ProcKey;
-use crate::control::note::Note;
+use crate::control::note;
 use crate::control::target::Target;
 
 /// How often a hold that never broke is checked, by default.
@@ -48,23 +48,7 @@ pub const ESCALATE_PENDING_NS: u64 = 10_000_000;
 /// release windows).
 pub const REMEMBER_NS: u64 = 600_000_000_000;
 
-/// A hold found running while held.
-#[derive(Debug, Clone)]
-pub struct Broken {
-    /// Its holders (offline GPU processes).
-    pub holders: Vec<ProcKey>,
-    /// Members found running.
-    pub resumed: usize,
-    /// Times this hold broke so far.
-    pub breaks: u32,
-    /// It is now frozen as well (its cgroup, or a cell of the agent's own).
-    pub escalated: bool,
-    /// Why nothing the tenant cannot undo could hold it (no cell on this host, the cell
-    /// refused): it stays on signals, which it undoes.
-    pub unheld: Option<String>,
-    /// The actuator that holds it.
-    pub kind: Kind,
-}
+pub use crate::control::model::hold::Broken;
 
 impl super::Hold {
     /// What a re-check looks at: its freezers once it has one (a frozen process is not in
@@ -350,7 +334,7 @@ impl HoldBook {
         ok: bool,
     ) {
         if !ok {
-            self.notes.push(Note::EscalationNotRecorded);
+            self.notes.push(note::EscalationNotRecorded.into());
             // The next break may try again.
             if let Some(h) = self.held.get_mut(&key).filter(|h| h.serial == serial) {
                 h.escalate.get_or_insert(cg);
@@ -437,7 +421,7 @@ impl HoldBook {
             // Removed once its last process exited: nothing is left to hold or to look
             // for again. The hold ends (its resume finds every member gone) and leaves the
             // record.
-            self.notes.push(Note::HoldGone { hold: key.clone() });
+            self.notes.push(note::HoldGone { hold: key.clone() }.into());
             self.release(key, now);
             self.flush_forgotten();
             return;
@@ -464,15 +448,21 @@ impl HoldBook {
             return;
         };
         if !ok {
-            self.notes.push(Note::NewcomersNotRecorded {
-                processes: newcomers.len(),
-            });
+            self.notes.push(
+                note::NewcomersNotRecorded {
+                    processes: newcomers.len(),
+                }
+                .into(),
+            );
             return;
         }
-        self.notes.push(Note::NewcomersStopped {
-            hold: key.clone(),
-            processes: newcomers.len(),
-        });
+        self.notes.push(
+            note::NewcomersStopped {
+                hold: key.clone(),
+                processes: newcomers.len(),
+            }
+            .into(),
+        );
         hold.members.extend(newcomers.iter().cloned());
         self.ask(Continuation::Restopped, |req| HoldCmd::Start {
             req,

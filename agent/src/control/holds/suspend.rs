@@ -6,7 +6,7 @@ use super::{
 };
 use crate::control::model::act::{Op, RecordEntry};
 use crate::control::model::ProcKey;
-use crate::control::note::{FailWhy, Note};
+use crate::control::note::{self, FailWhy};
 use crate::control::target::Plan;
 use crate::control::target::Target;
 use std::collections::BTreeSet;
@@ -98,10 +98,18 @@ impl HoldBook {
     /// The record answered for fresh holds: start suspending them, or fail them all.
     pub(super) fn recorded_fresh(&mut self, keys: Vec<HoldKey>, ok: bool, now: u64) {
         if !ok {
-            self.notes.push(Note::NotRecorded {
-                targets: keys.len(),
-            });
-            self.notes.push(Note::FailedOpen(FailWhy::Record));
+            self.notes.push(
+                note::NotRecorded {
+                    targets: keys.len(),
+                }
+                .into(),
+            );
+            self.notes.push(
+                note::FailedOpen {
+                    why: FailWhy::Record,
+                }
+                .into(),
+            );
             for key in keys {
                 if let Some(h) = self.staged.remove(&key) {
                     self.failed.extend(h.holders.iter().copied());

@@ -933,7 +933,7 @@ fn a_cgroup_that_is_gone_ends_its_hold_and_is_not_asked_for_again() {
     assert!(b
         .take_notes()
         .iter()
-        .any(|n| matches!(n, Note::HoldGone { .. })));
+        .any(|n| matches!(n, Note::HoldGone(_))));
 }
 
 /// A process held alone by signal (matched by cmdline or uid: no cgroup of its own) that

@@ -1,4 +1,5 @@
-//! What NVML says: a process's activity sample, a GPU's memory.
+//! What NVML says: a process's activity sample, a GPU's memory; why its process lists are
+//! read ([`Refresh`]).
 
 /// One activity sample of one process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,4 +21,29 @@ pub struct GpuMemory {
     pub free: u64,
     /// (PID, bytes) of each process with a compute context.
     pub processes: Vec<(u32, u64)>,
+}
+
+/// Why the process lists are read now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refresh {
+    /// A sample named a PID the table does not know.
+    UnknownPid,
+    /// The pod source changed (a pod came, went or changed class).
+    PodSource,
+    /// A doorbell rang for a process the lists did not hold yet.
+    Doorbell,
+    /// `--process-interval` passed.
+    Interval,
+}
+
+impl Refresh {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refresh::UnknownPid => "unknown_pid",
+            Refresh::PodSource => "pod_source",
+            Refresh::Doorbell => "doorbell",
+            Refresh::Interval => "interval",
+        }
+    }
 }

@@ -5,13 +5,15 @@
 //!
 //! [`process`] (identity, classification), [`act`] (actuator kinds, suspend or resume,
 //! progress, the fail-open record's entries), [`bell`] (doorbell pages and readings),
-//! [`gpu`] (NVML samples and memory), [`driver`] (the CUDA driver's checkpoint calls),
-//! [`host`] (the cgroup mounts).
+//! [`gpu`] (NVML samples and memory, why the lists are read), [`driver`] (the CUDA
+//! driver's checkpoint calls), [`host`] (the cgroup mounts), [`hold`] (what a hold reports:
+//! how an operation ended, a gate's escalation, a hold found running).
 
 pub mod act;
 pub mod bell;
 pub mod driver;
 pub mod gpu;
+pub mod hold;
 pub mod host;
 pub mod process;
 

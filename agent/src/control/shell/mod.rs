@@ -2,8 +2,8 @@
 //! gathers what [`Controller::start_tick`] says is due into one snapshot, the doorbells
 //! first (its [`eyes`]), hands it in ([`Controller::handle`]), performs each command
 //! [`Controller::poll_command`] gives, in order (its [`hands`] act, its [`scribe`] writes
-//! the record off the loop's thread, telemetry reports), hands in what came of each, and
-//! sleeps in the doorbell wait until [`Controller::poll_timeout`].
+//! the record off the loop's thread, its [`render`] says notes and events), hands in what
+//! came of each, and sleeps in the doorbell wait until [`Controller::poll_timeout`].
 //!
 //! ```text
 //!  start_tick ─► Reads ─► eyes: bells, samples (stop at a ring), lists (not after a ring),
@@ -28,13 +28,14 @@ pub mod classify;
 pub mod eyes;
 pub mod hands;
 pub mod pins;
+pub mod render;
 pub mod scribe;
 pub mod watchdog;
 
 use super::controller::Controller;
 use super::holds::{HoldBook, HoldObs};
 use super::io::{Cmd, Obs, Reads};
-use super::note::Note;
+use super::note::{self, Note};
 use super::state::{Shared, StateDoc};
 use super::{LoopConfig, ReleaseAll};
 use crate::edges::actuator::Actuator;
@@ -51,6 +52,7 @@ use eyes::Eyes;
 use hands::Hands;
 use pins::Pins;
 use qos_core::stats::Summary;
+use render::Emit;
 use scribe::Scribe;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -121,8 +123,6 @@ pub struct Loop {
     /// The pidfds of the processes the controller names (shared with the classifier and
     /// the hands); closed after the tick in which the controller stops naming them.
     pub(crate) pins: Arc<Pins>,
-    /// Lines tenants can cause, limited per owner.
-    lines: crate::logbudget::LogBudget,
     /// Every note reported (tests).
     #[cfg(test)]
     pub(crate) said: Vec<Note>,
@@ -204,7 +204,6 @@ impl Loop {
             released: false,
             lists_put_off: false,
             pins,
-            lines: crate::logbudget::LogBudget::default(),
             #[cfg(test)]
             said: Vec::new(),
             cfg,
@@ -261,7 +260,7 @@ impl Loop {
             self.telemetry.lag.record(lag as f64 / 1e9);
         }
         self.last_tick_ns = Some(now);
-        crate::logbudget::say(&self.lines.flush(std::time::Instant::now()));
+        self.telemetry.flush_tenant_lines(std::time::Instant::now());
         let generation = self.eyes.classifier.source.generation();
         let reads = self.ctl.start_tick(now, self.slept, generation);
         let snapshot = self.gather(reads);
@@ -435,11 +434,11 @@ impl Loop {
                 }
                 Cmd::Write(w) => out.extend(self.scribe.write(w)),
                 Cmd::Beat => self.hands().keepalive(),
-                Cmd::Emit(ev) => self.telemetry.emit(ev),
+                Cmd::Emit(ev) => render::event(&mut self.telemetry, ev),
                 Cmd::Note(n) => self.report(n),
                 Cmd::Degraded(why) => {
                     if self.shared.set_degraded(why.clone()) && why.is_none() {
-                        Note::NvmlAllRecovered.report();
+                        note::NvmlAllRecovered.emit(&mut self.telemetry);
                     }
                 }
                 Cmd::Publish(doc) => self.publish(*doc),
@@ -474,33 +473,11 @@ impl Loop {
         out
     }
 
+    /// Says a note: its own [`render::Emit`].
     fn report(&mut self, n: Note) {
         #[cfg(test)]
         self.said.push(n.clone());
-        if let Some((kind, owner)) = n.tenant_line() {
-            let mut held = Vec::new();
-            let verdict = self
-                .lines
-                .allow(kind, &owner, std::time::Instant::now(), &mut held);
-            crate::logbudget::say(&held);
-            if verdict == crate::logbudget::Verdict::Hold {
-                n.count_only();
-                return;
-            }
-        }
-        match n {
-            Note::Detected {
-                gpu,
-                signal,
-                seconds,
-            } => self.telemetry.detected(gpu, signal, seconds),
-            Note::Degraded { gpu, degraded } => {
-                if let Some(m) = self.telemetry.gpus.get(&gpu) {
-                    m.set_degraded(degraded);
-                }
-            }
-            n => n.report(),
-        }
+        n.emit(&mut self.telemetry);
     }
 
     /// Times online work's runs from the doorbell readings (`earned::Runs`).
@@ -535,7 +512,7 @@ impl Loop {
         doc.degraded_reason = self.shared.degraded();
         doc.degraded = doc.degraded_reason.is_some();
         doc.recent_events = self.telemetry.recent.iter().cloned().collect();
-        crate::control::coverage::export(&doc);
+        self.telemetry.export_coverage(&doc);
         (self.shared.earned.lock().unwrap_or_else(|e| e.into_inner())).account(&mut doc);
         *self.shared.state.lock().unwrap_or_else(|e| e.into_inner()) = doc;
     }

@@ -255,7 +255,7 @@ fn no_broken_hold_while_busy(h: &mut H, why: &str) {
         !h.lp
             .said
             .iter()
-            .any(|n| matches!(n, crate::control::note::Note::Broken { .. })),
+            .any(|n| matches!(n, crate::control::note::Note::Broken(_))),
         "{why}"
     );
 }
