@@ -240,7 +240,7 @@ fn a_pending_suspension_is_checked_on_a_doubling_schedule_and_times_out() {
             )
         });
         assert!(
-            restops.is_empty() || now >= CHECK_FIRST_NS + super::recheck::RESTOP_AFTER_NS,
+            restops.is_empty() || now >= CHECK_FIRST_NS + super::signal::RESTOP_AFTER_NS,
             "stopped again at {now} ns: {restops:?}"
         );
         assert!(
@@ -891,7 +891,7 @@ fn a_cgroup_that_resumed_itself_is_frozen_at_once_next_time() {
         (true, true),
         "not frozen at once, recorded first"
     );
-    now += super::recheck::REMEMBER_NS;
+    now += super::signal::REMEMBER_NS;
     assert_eq!(
         first_stop(&mut b, now, &mut rec),
         (false, false),
