@@ -8,8 +8,8 @@
 //! sooner: a forged one gets the process no GPU time.
 
 use super::{
-    members_progress, pending_members, Completion, Confirm, Continuation, Escalation, Failure,
-    HoldBook, HoldCmd, HoldKey, HoldRef, Means, Outcome, Progress, State,
+    Completion, Confirm, Continuation, Escalation, Failure, HoldBook, HoldCmd, HoldKey, HoldRef,
+    Means, Outcome, Progress, State,
 };
 use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
@@ -186,7 +186,6 @@ impl HoldBook {
         now: u64,
         at: u64,
     ) {
-        let confirm_timeout = self.confirm_timeout;
         let Some(h) = self.hold_mut(&r) else {
             return;
         };
@@ -198,36 +197,7 @@ impl HoldBook {
         h.means = Means::of(plan);
         h.members.extend(members.iter().cloned());
         h.kind = kind;
-        match members_progress(&progress) {
-            None => {
-                let pending = pending_members(&members, &progress);
-                h.state = State::Confirming {
-                    confirm: Confirm::new(pending, now, confirm_timeout),
-                    looking: false,
-                };
-            }
-            Some(Outcome::Failed(reason)) => {
-                if let Some(hold) = self.take(&r) {
-                    self.fail_suspension(&r.key, hold, reason, &progress);
-                }
-                self.done.push(Completion {
-                    key: r.key,
-                    op: Op::Suspend,
-                    outcome: Outcome::Failed(reason),
-                    kind,
-                    at_ns: at,
-                });
-            }
-            Some(outcome) => {
-                h.state = State::Held;
-                self.done.push(Completion {
-                    key: r.key,
-                    op: Op::Suspend,
-                    outcome,
-                    kind,
-                    at_ns: at,
-                });
-            }
-        }
+        // The fallback's own confirmation gets the whole --confirm-timeout.
+        self.settle_start(r, &members, &progress, now, at);
     }
 }

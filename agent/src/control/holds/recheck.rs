@@ -33,12 +33,7 @@ impl super::Hold {
     /// What a re-check looks at: its freezers once it has one (a frozen process is not in
     /// the stopped state, and cannot run), else every member.
     fn checked_members(&self) -> Vec<Target> {
-        let frozen: Vec<Target> = self
-            .members
-            .iter()
-            .filter(|t| matches!(t, Target::Cgroup { .. }))
-            .cloned()
-            .collect();
+        let frozen = self.freezers();
         if frozen.is_empty() {
             self.members.clone()
         } else {

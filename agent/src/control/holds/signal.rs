@@ -104,6 +104,15 @@ impl Hold {
         alone.then_some(one)
     }
 
+    /// Its members that are freezers (a cgroup, or a cell of the agent's own).
+    pub(super) fn freezers(&self) -> Vec<Target> {
+        self.members
+            .iter()
+            .filter(|t| matches!(t, Target::Cgroup { .. }))
+            .cloned()
+            .collect()
+    }
+
     /// It has a backstop left to take.
     fn can_escalate(&self) -> bool {
         matches!(
@@ -257,12 +266,7 @@ impl HoldBook {
         let Some(hold) = self.hold_mut(r) else {
             return;
         };
-        let frozen: Vec<Target> = hold
-            .members
-            .iter()
-            .filter(|t| matches!(t, Target::Cgroup { .. }))
-            .cloned()
-            .collect();
+        let frozen = hold.freezers();
         let State::Confirming { confirm, .. } = &mut hold.state else {
             return;
         };

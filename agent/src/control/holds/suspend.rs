@@ -141,8 +141,7 @@ impl HoldBook {
         });
     }
 
-    /// The actuator started fresh holds' suspensions (`Starting`): each is `Held`,
-    /// `Confirming`, or ends, failed and undone.
+    /// The actuator started fresh holds' suspensions (`Starting`).
     pub(super) fn started_fresh(
         &mut self,
         counts: Vec<(HoldRef, usize)>,
@@ -153,43 +152,52 @@ impl HoldBook {
         let mut progress = progress.into_iter();
         for (r, n) in counts {
             let p: Vec<Progress> = progress.by_ref().take(n).collect();
-            let confirm_timeout = self.confirm_timeout;
-            let Some(hold) = self.hold_mut(&r) else {
+            let Some(members) = self.hold(&r).map(|h| h.members.clone()) else {
                 continue;
             };
-            match members_progress(&p) {
-                None => {
-                    let members = pending_members(&hold.members, &p);
-                    hold.state = State::Confirming {
-                        confirm: Confirm::new(members, now, confirm_timeout),
-                        looking: false,
-                    };
-                }
-                Some(Outcome::Failed(reason)) => {
-                    let kind = hold.kind;
-                    if let Some(hold) = self.take(&r) {
-                        self.fail_suspension(&r.key, hold, reason, &p);
-                    }
-                    self.done.push(Completion {
-                        key: r.key,
-                        op: Op::Suspend,
-                        outcome: Outcome::Failed(reason),
-                        kind,
-                        at_ns: at,
-                    });
-                }
-                Some(outcome) => {
-                    hold.state = State::Held;
-                    let kind = hold.kind;
-                    self.done.push(Completion {
-                        key: r.key,
-                        op: Op::Suspend,
-                        outcome,
-                        kind,
-                        at_ns: at,
-                    });
+            self.settle_start(r, &members, &p, now, at);
+        }
+    }
+
+    /// A suspension's `Start` answered with `p` for `started` (a fresh hold's members, or
+    /// its gate's fallback): `Held` once done, `Confirming` while some are pending, or the
+    /// hold ends, failed and undone.
+    pub(super) fn settle_start(
+        &mut self,
+        r: HoldRef,
+        started: &[Target],
+        p: &[Progress],
+        now: u64,
+        at: u64,
+    ) {
+        let confirm_timeout = self.confirm_timeout;
+        let Some(hold) = self.hold_mut(&r) else {
+            return;
+        };
+        let kind = hold.kind;
+        let Some(outcome) = members_progress(p) else {
+            let pending = pending_members(started, p);
+            hold.state = State::Confirming {
+                confirm: Confirm::new(pending, now, confirm_timeout),
+                looking: false,
+            };
+            return;
+        };
+        match &outcome {
+            Outcome::Failed(reason) => {
+                let reason = *reason;
+                if let Some(hold) = self.take(&r) {
+                    self.fail_suspension(&r.key, hold, reason, p);
                 }
             }
+            _ => hold.state = State::Held,
         }
+        self.done.push(Completion {
+            key: r.key,
+            op: Op::Suspend,
+            outcome,
+            kind,
+            at_ns: at,
+        });
     }
 }
