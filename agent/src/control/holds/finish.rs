@@ -384,7 +384,7 @@ impl HoldBook {
     /// `--confirm-timeout` for the confirmations. Returns how many holds are resumed.
     pub fn release_all(&mut self, reason: crate::control::ReleaseAll) -> usize {
         // A conversation cut short (a panic in the middle of one) is abandoned: what it
-        // started is resumed with the rest, staged holds included.
+        // started is resumed with the rest, holds on their way included.
         self.waiting.clear();
         self.abandoned_below = self.next_req;
         self.out.clear();

@@ -612,7 +612,7 @@ impl HoldBook {
                 }
             }
         }
-        self.record_staged();
+        self.record_listed();
         self.start_recorded();
         self.flush_forgotten();
     }

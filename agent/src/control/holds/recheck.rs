@@ -4,8 +4,8 @@
 //!
 //! Every `--recheck-interval` (default [`RECHECK_NS`], 10 ms) the loop re-checks at most
 //! [`RECHECK_TARGETS_PER_TICK`] held targets, round robin (with 64 held processes each is
-//! checked about every 320 ms), and every hold that was found broken once. A signalled
-//! hold by signal whose processes keep resuming themselves takes its backstop after
+//! checked about every 320 ms), and every hold that was found broken once. A hold by
+//! signal whose processes keep resuming themselves takes its backstop after
 //! [`ESCALATE_AFTER`] breaks (the freezer: SIGCONT cannot thaw a frozen cgroup; see
 //! [`super::signal`]); it is recorded before it is frozen, like any suspension.
 //!

@@ -63,7 +63,7 @@ impl HoldBook {
                 });
             }
         }
-        self.record_staged();
+        self.record_listed();
         out
     }
 
@@ -71,7 +71,7 @@ impl HoldBook {
     /// `Recording`), one request per hold: a hold whose entries are on disk already is
     /// answered at once and does not wait for another's write (the record book makes one
     /// write of whatever is missing).
-    pub(super) fn record_staged(&mut self) {
+    pub(super) fn record_listed(&mut self) {
         for r in self.in_state(|s| matches!(s, State::Listed)) {
             let Some(h) = self.hold_mut(&r) else {
                 continue;

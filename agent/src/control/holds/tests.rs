@@ -393,8 +393,8 @@ fn a_gate_waiting_for_its_ack_is_not_due_in_the_past() {
 }
 
 /// A panic between a command and its answer (in the hands, or in the book) leaves a hold
-/// staged whose Start(Suspend) or CloseGate may already have acted. Drop → release_all
-/// resumes `held` only.
+/// `Starting` whose Start(Suspend) or CloseGate may already have acted. Drop → release_all
+/// resumes it with the holds that started, not only those.
 #[test]
 fn release_all_resumes_a_hold_whose_suspension_started_but_was_not_answered() {
     let mut b = HoldBook::new(Duration::from_secs(1));
