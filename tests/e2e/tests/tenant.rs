@@ -265,7 +265,7 @@ fn sigcont_from_another_process_does_not_defeat_the_suspension() {
     // On a loaded 2-core machine the SIGCONT can land before the agent first looks: the
     // stop was never seen, the suspension timed out after --confirm-timeout and was
     // undone (0 of 217 samples held). The book now sends the stop again and freezes the
-    // cgroup when the stop is not seen within 10 ms (holds::recheck::ESCALATE_PENDING_NS).
+    // cgroup when the stop is not seen within 10 ms (holds::signal::ESCALATE_PENDING_NS).
     assert!(
         yes * 100 >= n * 95,
         "suspended in only {yes} of {n} samples while the agent held online busy\n{}\n/state: {}",

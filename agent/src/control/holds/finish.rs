@@ -1,9 +1,10 @@
-//! How holds end: confirmations checked each tick, failed suspensions undone, resumes
-//! that leave the record, and the resume of everything (fail-open, shutdown).
+//! How suspensions are confirmed and holds end: `Confirming` looked at each poll, failed
+//! suspensions undone, releases resumed ([`Resume`], confirmed in turn) and out of the
+//! record, and the resume of everything (fail-open, shutdown).
 
 use super::{
-    members_progress, pending_members, Completion, Continuation, Failure, Hold, HoldBook, HoldCmd,
-    HoldKey, Outcome, Pending, Progress,
+    members_progress, pending_members, Completion, Confirm, Continuation, Failure, Hold, HoldBook,
+    HoldCmd, HoldKey, HoldRef, Outcome, Progress, Resume, State,
 };
 use crate::control::model::act::{Kind, Op, RecordEntry};
 use crate::control::model::ProcKey;
@@ -14,9 +15,8 @@ use std::collections::BTreeSet;
 impl HoldBook {
     /// What the current holds (held or on their way) cover, as the record names it.
     fn covered(&self) -> BTreeSet<RecordEntry> {
-        self.held
+        self.holds
             .values()
-            .chain(self.staged.values())
             .flat_map(|h| h.members.iter().map(Target::record))
             .collect()
     }
@@ -67,7 +67,6 @@ impl HoldBook {
             }
             .into(),
         );
-        self.pending.retain(|p| p.key != *key);
         self.start_resume(key.clone(), hold.kind, hold.members, false);
     }
 
@@ -132,16 +131,12 @@ impl HoldBook {
         at: u64,
     ) {
         match members_progress(&p) {
-            None => self.pending.push(Pending::new(
+            None => self.resumes.push(Resume {
                 key,
-                0,
-                Op::Resume,
                 kind,
-                pending_members(&members, &p),
-                members.clone(),
-                now,
-                self.confirm_timeout,
-            )),
+                confirm: Confirm::new(pending_members(&members, &p), now, self.confirm_timeout),
+                all: members,
+            }),
             Some(outcome) => {
                 self.resumed(&key, &members, &p, &outcome);
                 if report {
@@ -211,25 +206,26 @@ impl HoldBook {
         // when the answer comes nothing is started for it.
         let mut cancelled = Vec::new();
         for holder in holders {
-            for (key, h) in self.staged.iter_mut() {
-                if h.holders.remove(holder) && h.holders.is_empty() {
-                    started.push((*holder, key.clone()));
-                    cancelled.push(key.clone());
-                }
-            }
-            for (key, h) in self.held.iter_mut() {
-                if h.holders.remove(holder) && h.holders.is_empty() {
-                    started.push((*holder, key.clone()));
-                    released.push(key.clone());
+            for on_its_way in [true, false] {
+                for (key, h) in self.holds.iter_mut() {
+                    if h.state.started() == on_its_way {
+                        continue;
+                    }
+                    if h.holders.remove(holder) && h.holders.is_empty() {
+                        started.push((*holder, key.clone()));
+                        if on_its_way {
+                            cancelled.push(key.clone());
+                        } else {
+                            released.push(key.clone());
+                        }
+                    }
                 }
             }
         }
         for key in cancelled {
-            let Some(hold) = self.staged.remove(&key) else {
+            let Some(hold) = self.holds.remove(&key) else {
                 continue;
             };
-            self.to_record.retain(|k| *k != key);
-            self.to_start.retain(|k| *k != key);
             self.forget(&hold.members);
             for op in [Op::Suspend, Op::Resume] {
                 self.done.push(Completion {
@@ -252,18 +248,13 @@ impl HoldBook {
         started
     }
 
+    /// A started hold ends: a suspension not confirmed yet is overtaken (`Skipped`), and
+    /// its members are resumed.
     pub(super) fn release(&mut self, key: HoldKey, now: u64) {
-        let Some(hold) = self.held.remove(&key) else {
+        let Some(hold) = self.holds.remove(&key) else {
             return;
         };
-        // A suspension still being confirmed is overtaken by the resume.
-        if self
-            .pending
-            .iter()
-            .any(|p| p.key == key && p.op == Op::Suspend)
-        {
-            self.pending
-                .retain(|p| !(p.key == key && p.op == Op::Suspend));
+        if matches!(hold.state, State::Confirming { .. } | State::Gated { .. }) {
             self.done.push(Completion {
                 key: key.clone(),
                 op: Op::Suspend,
@@ -275,89 +266,133 @@ impl HoldBook {
         self.start_resume(key, hold.kind, hold.members, true);
     }
 
-    /// Looks at the pending operations that are due, without waiting; ends those past
-    /// their deadline; escalates gate holds whose acknowledgement did not come in time.
+    /// Looks at what waits for a poll and is due, without waiting: `Confirming` holds and
+    /// resumes not confirmed yet (ended once past their deadline), and `Gated` holds whose
+    /// acknowledgement did not come by `--gate-timeout` (their fallback starts).
     pub fn poll(&mut self, now: u64) {
         self.now_ns = now;
-        for p in std::mem::take(&mut self.pending) {
-            if p.escalate_ns.is_some_and(|e| now >= e) {
-                self.escalate_gate(p, super::Escalation::Timeout);
-                continue;
+        for r in self.in_state(State::polled) {
+            match self.hold(&r).map(|h| &h.state) {
+                Some(State::Gated { until_ns, .. }) if now >= *until_ns => {
+                    self.escalate_gate(r, super::Escalation::Timeout)
+                }
+                // A gate's acknowledgement is awaited, which the loop reads from the pages
+                // (see [`HoldBook::gate_acks`]); nothing to look at here.
+                Some(State::Confirming { confirm, .. }) if now >= confirm.due_ns() => {
+                    // A hold frozen meanwhile is confirmed by its freezer.
+                    self.confirm_escalated(&r);
+                    let Some(State::Confirming { confirm, looking }) =
+                        self.hold_mut(&r).map(|h| &mut h.state)
+                    else {
+                        continue;
+                    };
+                    *looking = true;
+                    let targets = confirm.members.clone();
+                    self.ask(Continuation::Confirmed(r), |req| HoldCmd::Check {
+                        req,
+                        op: Op::Suspend,
+                        targets,
+                    });
+                }
+                _ => {}
             }
-            // A gate waits for its acknowledgement, which the loop reads from the pages
-            // (see [`HoldBook::gate_acks`]); nothing to look at here.
-            if p.escalate_ns.is_some() || now < p.next_check_ns.min(p.deadline_ns) {
-                self.pending.push(p);
-                continue;
-            }
-            let mut p = p;
-            self.confirm_escalated(&mut p);
-            let (op, targets) = (p.op, p.members.clone());
-            self.ask(Continuation::Checked(p), |req| HoldCmd::Check {
-                req,
-                op,
-                targets,
-            });
         }
+        for r in std::mem::take(&mut self.resumes) {
+            if now < r.confirm.due_ns() {
+                self.resumes.push(r);
+                continue;
+            }
+            self.check_resume(r);
+        }
+    }
+
+    /// Asks to look at a resume not confirmed yet.
+    fn check_resume(&mut self, r: Resume) {
+        let targets = r.confirm.members.clone();
+        self.ask(Continuation::ResumeChecked(r), |req| HoldCmd::Check {
+            req,
+            op: Op::Resume,
+            targets,
+        });
     }
 
     /// Looks once more, now, at every resume still pending (the agent stops: no tick will
     /// look at them again; a driver lock's resume is then answered at once).
     pub fn check_resumes_now(&mut self) {
-        for p in std::mem::take(&mut self.pending) {
-            if p.op != Op::Resume || p.escalate_ns.is_some() {
-                self.pending.push(p);
-                continue;
-            }
-            let (op, targets) = (p.op, p.members.clone());
-            self.ask(Continuation::Checked(p), |req| HoldCmd::Check {
-                req,
-                op,
-                targets,
-            });
+        for r in std::mem::take(&mut self.resumes) {
+            self.check_resume(r);
         }
     }
 
-    /// A pending operation was looked at.
-    pub(super) fn checked(&mut self, mut p: Pending, progress: Vec<Progress>, now: u64) {
+    /// A `Confirming` hold was looked at: `Held` once confirmed, `Confirming` still (a
+    /// signal sent again when due), or it ends, failed or past its deadline, and is undone.
+    pub(super) fn confirmed(&mut self, r: HoldRef, progress: Vec<Progress>, now: u64) {
+        let Some(hold) = self.hold_mut(&r) else {
+            return;
+        };
+        let State::Confirming { confirm, looking } = &mut hold.state else {
+            return;
+        };
+        *looking = false;
+        let kind = hold.kind;
         let outcome = match members_progress(&progress) {
-            None if now >= p.deadline_ns => Some(Outcome::Failed(Failure::Timeout)),
+            None if now >= confirm.deadline_ns => Outcome::Failed(Failure::Timeout),
             None => {
-                p.members = pending_members(&p.members, &progress);
-                if p.op == Op::Suspend {
-                    self.restop_pending(&p, now);
-                }
-                p.gap_ns = (p.gap_ns * 2).min(super::CHECK_MAX_NS);
-                p.next_check_ns = now + p.gap_ns;
-                self.pending.push(p);
+                let members = pending_members(&confirm.members, &progress);
+                confirm.later(members.clone(), now);
+                let started_ns = confirm.started_ns;
+                self.restop_pending(&r, &members, started_ns, now);
                 return;
             }
-            o => o,
+            Some(o) => o,
         };
-        let outcome = outcome.unwrap_or(Outcome::Done);
-        match (p.op, &outcome) {
-            (Op::Suspend, Outcome::Failed(reason)) => {
-                if let Some(hold) = self.held.remove(&p.key) {
-                    self.fail_suspension(&p.key, hold, *reason, &progress);
+        match &outcome {
+            Outcome::Failed(reason) => {
+                if let Some(hold) = self.take(&r) {
+                    self.fail_suspension(&r.key, hold, *reason, &progress);
                 }
             }
-            (Op::Resume, Outcome::Failed(_)) => self.notes.push(
+            _ => hold.state = State::Held,
+        }
+        self.done.push(Completion {
+            key: r.key,
+            op: Op::Suspend,
+            outcome,
+            kind,
+            at_ns: now,
+        });
+    }
+
+    /// A resume not confirmed yet was looked at: out of the record once confirmed, looked
+    /// at again while pending, given up past its deadline.
+    pub(super) fn resume_checked(&mut self, mut r: Resume, progress: Vec<Progress>, now: u64) {
+        let outcome = match members_progress(&progress) {
+            None if now >= r.confirm.deadline_ns => Outcome::Failed(Failure::Timeout),
+            None => {
+                let members = pending_members(&r.confirm.members, &progress);
+                r.confirm.later(members, now);
+                self.resumes.push(r);
+                return;
+            }
+            Some(o) => o,
+        };
+        match &outcome {
+            Outcome::Failed(_) => self.notes.push(
                 note::TimedOut {
                     op: Op::Resume,
-                    hold: p.key.clone(),
-                    actuator: p.kind,
+                    hold: r.key.clone(),
+                    actuator: r.kind,
                     timeout: self.confirm_timeout,
                 }
                 .into(),
             ),
-            (Op::Resume, _) => self.forget(&p.all),
-            (Op::Suspend, _) => {}
+            _ => self.forget(&r.all),
         }
         self.done.push(Completion {
-            key: p.key,
-            op: p.op,
+            key: r.key,
+            op: Op::Resume,
             outcome,
-            kind: p.kind,
+            kind: r.kind,
             at_ns: now,
         });
     }
@@ -366,27 +401,24 @@ impl HoldBook {
     /// `--confirm-timeout` for the confirmations. Returns how many holds are resumed.
     pub fn release_all(&mut self, reason: crate::control::ReleaseAll) -> usize {
         // A conversation cut short (a panic in the middle of one) is abandoned: what it
-        // started is resumed with the rest, staged holds included.
+        // started is resumed with the rest, holds on their way included.
         self.waiting.clear();
         self.abandoned_below = self.next_req;
         self.out.clear();
-        self.to_record.clear();
-        self.to_start.clear();
-        if self.held.is_empty() && self.staged.is_empty() {
+        if self.holds.is_empty() {
             return 0;
         }
         self.notes.push(
             note::ReleasingAll {
                 reason,
-                count: self.held.len() + self.staged.len(),
+                count: self.holds.len(),
             }
             .into(),
         );
-        let mut all = std::mem::take(&mut self.held);
-        all.append(&mut self.staged);
-        let holds: Vec<(HoldKey, Vec<Target>)> =
-            all.into_iter().map(|(k, h)| (k, h.members)).collect();
-        self.pending.retain(|p| p.op == Op::Resume);
+        let holds: Vec<(HoldKey, Vec<Target>)> = std::mem::take(&mut self.holds)
+            .into_iter()
+            .map(|(k, h)| (k, h.members))
+            .collect();
         let n = holds.len();
         let targets: Vec<Target> = holds.iter().flat_map(|(_, m)| m.iter().cloned()).collect();
         let budget = self.confirm_timeout;

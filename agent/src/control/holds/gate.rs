@@ -8,8 +8,8 @@
 //! sooner: a forged one gets the process no GPU time.
 
 use super::{
-    members_progress, pending_members, Completion, Continuation, Escalation, Failure, HoldBook,
-    HoldCmd, HoldKey, Outcome, Pending, Progress,
+    Completion, Confirm, Continuation, Escalation, Failure, HoldBook, HoldCmd, HoldKey, HoldRef,
+    Means, Outcome, Progress, State,
 };
 use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
@@ -18,13 +18,13 @@ use crate::control::target::Plan;
 use crate::control::target::Target;
 
 impl HoldBook {
-    /// The gate holds waiting for their drain: (process, GPU UUID) whose pages' acknowledgements
-    /// the loop should read.
+    /// The gate holds waiting for their drain (`Gated`): (process, GPU UUID) whose pages'
+    /// acknowledgements the loop should read.
     pub fn wanted_acks(&self) -> Vec<(ProcKey, [u8; 16])> {
-        self.pending
+        self.holds
             .iter()
-            .filter(|p| p.escalate_ns.is_some())
-            .filter_map(|p| match (&p.key, p.all.first()) {
+            .filter(|(_, h)| matches!(h.state, State::Gated { .. }))
+            .filter_map(|(k, h)| match (k, h.members.first()) {
                 (HoldKey::Gate(k), Some(Target::Gate { uuid, .. })) => Some((*k, *uuid)),
                 _ => None,
             })
@@ -33,38 +33,63 @@ impl HoldBook {
 
     /// What the pages of `key` say for `uuid` (every `gate_ack` of its offline pages with
     /// an entry for the GPU): when every one equals the close's epoch, the work in flight
-    /// has drained and the fallback holds the process from now on.
+    /// has drained and the fallback holds the process from now on (`Gated` →
+    /// `FallingBack`).
     pub fn gate_acks(&mut self, key: ProcKey, acks: &[u32]) {
-        let hold = HoldKey::Gate(key);
-        let Some(epoch) = self.held.get(&hold).and_then(|h| h.epoch) else {
+        let key = HoldKey::Gate(key);
+        let Some(hold) = self.holds.get(&key) else {
+            return;
+        };
+        let State::Gated { epoch, .. } = hold.state else {
             return;
         };
         if acks.is_empty() || acks.iter().any(|a| *a != epoch) {
             return;
         }
-        let Some(i) = self
-            .pending
-            .iter()
-            .position(|p| p.key == hold && p.escalate_ns.is_some())
-        else {
-            return;
-        };
-        let p = self.pending.remove(i);
-        self.escalate_gate(p, Escalation::Drained);
+        let serial = hold.serial;
+        self.escalate_gate(HoldRef { key, serial }, Escalation::Drained);
     }
 
-    /// Starts pending gate suspension `p`'s fallback, for `why`; when there is nothing to
-    /// escalate to, `p` waits until its deadline.
-    pub(super) fn escalate_gate(&mut self, mut p: Pending, why: Escalation) {
-        p.escalate_ns = None;
-        p.drained = why == Escalation::Drained;
-        let Some(fallback) = self.held.get_mut(&p.key).and_then(|h| h.fallback.take()) else {
-            self.pending.push(p);
+    /// A fresh gate hold's gate closed (`Closing`): `Gated`, waiting for the drain (the
+    /// acknowledgement) until `--gate-timeout`; a gate that cannot close goes to its
+    /// fallback at once.
+    pub(super) fn closed_gate(&mut self, r: HoldRef, epoch: Option<u32>, now: u64) {
+        let until_ns = now + self.gate_timeout.as_nanos() as u64;
+        let Some(hold) = self.hold_mut(&r) else {
             return;
         };
-        // The gate is not waited for any more: only the fallback's members are.
-        p.members.clear();
-        if let HoldKey::Gate(k) = &p.key {
+        match epoch {
+            Some(epoch) => hold.state = State::Gated { epoch, until_ns },
+            // No free slot in the gate file (more GPUs than it holds): the fallback at
+            // once, not a failure and a retry.
+            None => self.escalate_gate(r, Escalation::CannotClose),
+        }
+    }
+
+    /// Starts gate hold `r`'s fallback, for `why` (→ `FallingBack`): its members listed (a
+    /// signalled cgroup), then recorded, then started.
+    pub(super) fn escalate_gate(&mut self, r: HoldRef, why: Escalation) {
+        let now = self.now_ns;
+        let confirm_timeout = self.confirm_timeout;
+        let Some(hold) = self.hold_mut(&r) else {
+            return;
+        };
+        let Means::Gate { fallback } = std::mem::replace(&mut hold.means, Means::Plain) else {
+            // A gate hold keeps its fallback until it starts: without one there is nothing
+            // to escalate to, and the gate is confirmed until its deadline.
+            debug_assert!(false, "a gate hold without its fallback: {:?}", r.key);
+            hold.state = State::Confirming {
+                confirm: Confirm::new(hold.members.clone(), now, confirm_timeout),
+                looking: false,
+            };
+            return;
+        };
+        hold.state = State::FallingBack {
+            plan: fallback.clone(),
+            drained: why == Escalation::Drained,
+        };
+        let gates: Vec<String> = hold.members.iter().map(Target::to_string).collect();
+        if let HoldKey::Gate(k) = &r.key {
             match why {
                 Escalation::Drained => self.gate_answers.push((*k, true)),
                 Escalation::Timeout => self.gate_answers.push((*k, false)),
@@ -74,7 +99,7 @@ impl HoldBook {
         if why == Escalation::Drained {
             self.notes.push(
                 note::GateDrained {
-                    hold: p.key.clone(),
+                    hold: r.key.clone(),
                     fallback: fallback.kind(),
                 }
                 .into(),
@@ -82,7 +107,7 @@ impl HoldBook {
         } else {
             self.notes.push(
                 note::GateEscalated {
-                    gates: p.all.iter().map(Target::to_string).collect(),
+                    gates,
                     fallback: fallback.kind(),
                     timeout: self.gate_timeout,
                     why,
@@ -93,36 +118,35 @@ impl HoldBook {
         match &fallback {
             Plan::SignalCgroup { dir, .. } => {
                 let (dir, leader) = (dir.clone(), fallback.target());
-                self.ask(Continuation::FallbackMembers(p, fallback), |req| {
-                    HoldCmd::Members { req, dir, leader }
+                self.ask(Continuation::FallbackListed(r), |req| HoldCmd::Members {
+                    req,
+                    dir,
+                    leader,
                 });
             }
             Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
-                let members = vec![fallback.target()];
-                self.record_fallback(p, fallback, members);
+                self.record_fallback(r, vec![fallback.target()]);
             }
         }
     }
 
     /// The fallback's members are known: record them first.
-    pub(super) fn record_fallback(&mut self, p: Pending, fallback: Plan, members: Vec<Target>) {
+    pub(super) fn record_fallback(&mut self, r: HoldRef, members: Vec<Target>) {
         let entries = members.iter().map(Target::record).collect();
-        self.ask(
-            Continuation::RecordedFallback(p, fallback, members),
-            |req| HoldCmd::RecordAdd { req, entries },
-        );
+        self.ask(Continuation::FallbackRecorded(r, members), |req| {
+            HoldCmd::RecordAdd { req, entries }
+        });
     }
 
     /// The record answered for a fallback: start it, or fail open.
     pub(super) fn recorded_fallback(
         &mut self,
-        p: Pending,
-        fallback: Plan,
+        r: HoldRef,
         members: Vec<Target>,
         ok: bool,
         now: u64,
     ) {
-        if !self.current(&p.key, p.serial) {
+        if self.hold(&r).is_none() {
             // Released while the fallback's record was being written: nothing to stop,
             // and out of the record again.
             self.forget(&members);
@@ -130,7 +154,7 @@ impl HoldBook {
         }
         if ok {
             let targets = members.clone();
-            self.ask(Continuation::StartedFallback(p, fallback, members), |req| {
+            self.ask(Continuation::FallbackStarted(r, members), |req| {
                 HoldCmd::Start {
                     req,
                     op: Op::Suspend,
@@ -149,13 +173,13 @@ impl HoldBook {
             }
             .into(),
         );
-        let Some(hold) = self.held.remove(&p.key) else {
+        let Some(hold) = self.take(&r) else {
             return;
         };
         let kind = hold.kind;
-        self.fail_suspension(&p.key, hold, Failure::Record, &[]);
+        self.fail_suspension(&r.key, hold, Failure::Record, &[]);
         self.done.push(Completion {
-            key: p.key,
+            key: r.key,
             op: Op::Suspend,
             outcome: Outcome::Failed(Failure::Record),
             kind,
@@ -163,64 +187,28 @@ impl HoldBook {
         });
     }
 
-    /// A fallback started: the hold is now its members' too.
+    /// A fallback started (`FallingBack`): the hold is now its members' too, `Held` or
+    /// `Confirming` (with the whole `--confirm-timeout` of its own), or it ends, undone.
     pub(super) fn started_fallback(
         &mut self,
-        mut p: Pending,
-        fallback: Plan,
+        r: HoldRef,
         members: Vec<Target>,
         progress: Vec<Progress>,
         now: u64,
         at: u64,
     ) {
-        // A drained gate keeps its label: the gate is what ended the work in flight.
-        let kind = if p.drained {
-            Kind::Gate
-        } else {
-            fallback.kind()
+        let Some(h) = self.hold_mut(&r) else {
+            return;
         };
-        if let Some(h) = self.held.get_mut(&p.key) {
-            h.members.extend(members.iter().cloned());
-            h.kind = kind;
-            if let Plan::SignalCgroup { dir, version, .. } = &fallback {
-                h.escalate = Some(Target::Cgroup {
-                    dir: dir.clone(),
-                    version: *version,
-                    cell: None,
-                });
-            }
-        }
-        p.kind = kind;
-        p.all.extend(members.iter().cloned());
+        let State::FallingBack { plan, drained } = &h.state else {
+            return;
+        };
+        // A drained gate keeps its label: the gate is what ended the work in flight.
+        let kind = if *drained { Kind::Gate } else { plan.kind() };
+        h.means = Means::of(plan);
+        h.members.extend(members.iter().cloned());
+        h.kind = kind;
         // The fallback's own confirmation gets the whole --confirm-timeout.
-        p.deadline_ns = now + self.confirm_timeout.as_nanos() as u64;
-        p.started_ns = now;
-        match members_progress(&progress) {
-            None => {
-                p.members = pending_members(&members, &progress);
-                p.gap_ns = super::CHECK_FIRST_NS;
-                p.next_check_ns = now + p.gap_ns;
-                self.pending.push(p);
-            }
-            Some(Outcome::Failed(reason)) => {
-                if let Some(hold) = self.held.remove(&p.key) {
-                    self.fail_suspension(&p.key, hold, reason, &progress);
-                }
-                self.done.push(Completion {
-                    key: p.key,
-                    op: Op::Suspend,
-                    outcome: Outcome::Failed(reason),
-                    kind,
-                    at_ns: at,
-                });
-            }
-            Some(outcome) => self.done.push(Completion {
-                key: p.key,
-                op: Op::Suspend,
-                outcome,
-                kind,
-                at_ns: at,
-            }),
-        }
+        self.settle_start(r, &members, &progress, now, at);
     }
 }

@@ -7,28 +7,47 @@
 //! Record before act is the order of the conversation: a suspension's `Start` is only asked
 //! for after the `Recorded` answer to its `RecordAdd` said the record holds it.
 //!
+//! Each hold is in one [`State`], which says what it waits for; a request's
+//! [`Continuation`] names the hold and the transition its answer makes:
+//!
 //! ```text
-//!  suspend(plans) ─► [Members: a signalled cgroup's processes] ─► RecordAdd
-//!                        ──Recorded ok──► Start(Suspend) ─► Progress: done | pending | failed
-//!                        ──Recorded err─► nothing suspended, Failed(Record)      │
-//!  pending ─► Check each tick (50 µs after the start, the gap doubling to 1 ms) ◄─┘
-//!  failed  ─► Start(Resume) (undone), the holders retried by the loop
-//!  resume(holders) ─► Start(Resume) ─► confirmed ─► RecordRemove (one batch)
+//!  suspend(plan) ─► Listing ──Members──► Listed     (a signalled cgroup's processes)
+//!              └──────────────────────► Listed ──(end of step) RecordAdd──► Recording
+//!  Recording ──Recorded ok──► Recorded ──(end of step)──► Starting: Start (one batch)
+//!            │                        └─────────────────► Closing: CloseGate (a gate)
+//!            └─Recorded err─► gone: Failed(Record), holders retried
+//!  Starting ──Progress──► done: Held │ pending: Confirming │ failed: gone, undone
+//!  Closing ──GateClosed──► epoch: Gated │ none: FallingBack
+//!  Gated ──ack = epoch, or --gate-timeout at a poll──► FallingBack
+//!  FallingBack ──[Members] RecordAdd ok, Start──► Held │ Confirming   (err: gone, undone)
+//!  Confirming ──poll: Check (50 µs, the gap doubling to 1 ms)──► confirmed: Held
+//!             └─ failed, or past --confirm-timeout ─► gone, undone
+//!  Held ──recheck: Check──► found running: stopped again (a signal's backstop: signal.rs)
+//!  resume(last holder) ─► not started (Listing … Starting): gone, Skipped
+//!                      └► started: gone (Confirming, Gated: Skipped) ─► Start(Resume)
+//!      ─► pending: a Resume, Check at each poll ─► confirmed ─► RecordRemove (one batch)
 //! ```
+//!
+//! What each kind of hold does of its own is in its module: [`signal`] (a process alone or
+//! a cgroup's processes by SIGSTOP, stopped again when resumed, then frozen), [`gate`] (close,
+//! acknowledgement, fallback). A freeze and a driver's lock have nothing of their own here:
+//! the actuator writes `cgroup.freeze`, and the vault (`control/vault.rs`) holds the
+//! driver's side of a lock, answering its `Start` and `Check` itself.
 //!
 //! A hold is released when its last holder (an offline GPU process) is resumed. What is not
 //! confirmed yet is checked again every tick without waiting, until `--confirm-timeout`: a
 //! stuck cgroup never stalls the loop, and so never the other GPUs. A suspension that fails
 //! or times out is undone.
 
+mod confirm;
 mod finish;
 mod gate;
 mod io;
-mod pending;
 mod recheck;
+mod signal;
 mod suspend;
 
-pub use recheck::Broken;
+pub use signal::Broken;
 
 use crate::control::model::act::{Kind, Progress, RecordEntry};
 use crate::control::model::ProcKey;
@@ -36,6 +55,7 @@ use crate::control::note::Note;
 pub use crate::control::target::HoldKey;
 use crate::control::target::Plan;
 use crate::control::target::Target;
+use confirm::{members_progress, pending_members, Confirm, Resume};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -52,47 +72,133 @@ pub const CHECK_MAX_NS: u64 = 1_000_000;
 pub const DEFAULT_GATE_TIMEOUT: Duration = Duration::from_millis(50);
 
 pub use io::{Completion, Escalation, Failure, HoldCmd, HoldObs, Outcome, Req};
-use pending::Pending;
-use pending::{members_progress, pending_members};
 
+/// Where a hold is in its life: what it waits for, and what the next input does with it.
+#[derive(Debug)]
+enum State {
+    /// Its signalled cgroup's processes are asked for (`Members`): the answer makes them
+    /// its members → `Listed`.
+    Listing,
+    /// Its members are known: its entries are asked of the record at the end of the step
+    /// (`RecordAdd`) → `Recording`.
+    Listed,
+    /// Its entries are asked of the record, perhaps waiting for a write: `Recorded` ok →
+    /// `Recorded`; refused → the hold ends, failed (`Failure::Record`), its holders retried.
+    Recording,
+    /// On disk: started at the end of the step with the others recorded in it → `Starting`
+    /// (a gate → `Closing`).
+    Recorded,
+    /// Its launch gate is asked to close (`CloseGate`): closed at an epoch → `Gated`;
+    /// cannot close → `FallingBack` at once.
+    Closing,
+    /// Its suspension is asked for (`Start`, no wait): done, gone or skipped → `Held`;
+    /// pending → `Confirming`; failed → the hold ends, undone (its members resumed).
+    Starting,
+    /// Started, not confirmed yet: looked at (`Check`) by the poll when due (`looking`: the
+    /// answer is awaited) → `Held` once confirmed; failed or past `--confirm-timeout` → the
+    /// hold ends, undone. A signal still not seen taking hold is sent again, and its cgroup
+    /// frozen ([`signal`]).
+    Confirming { confirm: Confirm, looking: bool },
+    /// Its gate closed at `epoch`: waits for the process's acknowledgement (every page's
+    /// `gate_ack` equal to the epoch) or `until_ns` (`--gate-timeout`, at a poll) →
+    /// `FallingBack`.
+    Gated { epoch: u32, until_ns: u64 },
+    /// Its gate's fallback (`plan`) is on its way: listed (a signalled cgroup), recorded,
+    /// started → `Held` or `Confirming`; the record refused or the start failed → the hold
+    /// ends, undone. `drained`: the process acknowledged the close (the gate keeps the
+    /// label).
+    FallingBack { plan: Plan, drained: bool },
+    /// Suspended and confirmed: re-checked every `--recheck-interval` (round robin), what
+    /// runs stopped again; the release of its last holder → the hold ends, resumed.
+    Held,
+}
+
+impl State {
+    /// Its suspension was started (else it is on its way to the record or the actuator).
+    fn started(&self) -> bool {
+        matches!(
+            self,
+            State::Confirming { .. }
+                | State::Gated { .. }
+                | State::FallingBack { .. }
+                | State::Held
+        )
+    }
+
+    /// It waits for a poll: a confirmation to look at, or a gate's acknowledgement.
+    fn polled(&self) -> bool {
+        matches!(
+            self,
+            State::Confirming { looking: false, .. } | State::Gated { .. }
+        )
+    }
+}
+
+/// What a hold of each kind keeps of its own, beside its members.
+#[derive(Debug)]
+enum Means {
+    /// Nothing of its own: a freezer (the actuator writes `cgroup.freeze`), a driver's
+    /// lock (the vault holds the driver's side), a gate whose fallback is on its way.
+    Plain,
+    /// SIGSTOP, to one process alone or to a cgroup's processes ([`signal`]): `backstop`
+    /// holds it once its processes keep resuming themselves.
+    Signal { backstop: signal::Backstop },
+    /// A launch gate ([`gate`]): `fallback` stops the process once the close is
+    /// acknowledged, times out, or cannot be made.
+    Gate { fallback: Plan },
+}
+
+impl Means {
+    /// What a hold by `plan` keeps.
+    fn of(plan: &Plan) -> Means {
+        match plan {
+            Plan::Gate { fallback, .. } => Means::Gate {
+                fallback: (**fallback).clone(),
+            },
+            p => Means::signal(p).map_or(Means::Plain, |backstop| Means::Signal { backstop }),
+        }
+    }
+}
+
+/// One suspension, on behalf of its holders.
 struct Hold {
     /// Tells this hold from an earlier one on the same key (an answer that comes after a
     /// release belongs to the hold it was asked for).
     serial: u64,
+    state: State,
+    means: Means,
     members: Vec<Target>,
     holders: BTreeSet<ProcKey>,
     kind: Kind,
-    /// The freezer this hold escalates to when its processes resume themselves.
-    escalate: Option<Target>,
-    /// What suspends its holder when its launch gate is not acknowledged in time.
-    fallback: Option<Plan>,
-    /// The epoch its launch gate was closed at.
-    epoch: Option<u32>,
     /// When its members were last checked, ns.
     checked_ns: u64,
     /// Times a member was found running while held.
     breaks: u32,
     /// Found running at its latest check, with nothing the tenant cannot undo holding it.
     escaping: bool,
-    /// Asked for a cell of the agent's own (answered or not): asked once per hold.
-    cell_asked: bool,
-    /// It holds one process alone by signal (directly, or as its gate's fallback): a
-    /// cell of the agent's own can hold it instead.
-    alone: bool,
 }
 
-/// What the book does with the answer to a request: the request is waiting for its
-/// answer in this state of the hold's conversation.
+/// A hold, as a request names it: its key and its serial.
+#[derive(Debug, Clone)]
+struct HoldRef {
+    key: HoldKey,
+    serial: u64,
+}
+
+/// What the answer to a request does: the hold it is for and the transition it makes.
 enum Continuation {
-    /// A fresh hold's cgroup members.
-    Materialised(HoldKey),
-    /// Fresh holds recorded: start suspending them.
-    RecordedFresh(Vec<HoldKey>),
-    /// A fresh gate hold's gate closed (or not).
-    ClosedGate(HoldKey),
-    /// Fresh holds' suspension started: (hold, member count), in the command's order.
-    StartedFresh(Vec<(HoldKey, usize)>),
-    /// A resume started (a release, or the undo of a failed suspension).
+    /// `Listing` → `Listed`: a fresh hold's cgroup members.
+    Listed(HoldRef),
+    /// `Recording` → `Recorded`, or the hold ends failed.
+    Recorded(HoldRef),
+    /// `Closing` → `Gated`, or `FallingBack` (the gate cannot close).
+    GateClosed(HoldRef),
+    /// `Starting` → `Held`, `Confirming`, or ended: (hold, member count), in the
+    /// command's order.
+    Started(Vec<(HoldRef, usize)>),
+    /// `Confirming` looked at → `Held`, `Confirming` again, or ended.
+    Confirmed(HoldRef),
+    /// A released hold's resume (or a failed suspension's undo) started.
     StartedResume {
         key: HoldKey,
         kind: Kind,
@@ -100,28 +206,28 @@ enum Continuation {
         /// Report its completion (a release does; an undo does not).
         report: bool,
     },
-    /// A pending operation looked at.
-    Checked(Pending),
-    /// A held hold looked at.
-    Rechecked(HoldKey),
+    /// A resume not confirmed yet looked at.
+    ResumeChecked(Resume),
+    /// A `Held` hold looked at: what runs is stopped again.
+    Rechecked(HoldRef),
     /// Members found running stopped again: nothing to do with the answer.
     Restopped,
-    /// A signalled cgroup's processes listed again while held.
-    Regrouped(HoldKey),
-    /// Processes that joined a signalled cgroup while it was held, recorded: stop them.
-    RecordedNewcomers(HoldKey, Vec<Target>),
+    /// A held signalled cgroup's processes listed again ([`signal`]).
+    Regrouped(HoldRef),
+    /// Processes that joined a held signalled cgroup, recorded: stop them ([`signal`]).
+    RecordedNewcomers(HoldRef, Vec<Target>),
     /// A cell of the agent's own for a process held alone, made (or not): record it.
-    Isolated(HoldKey, u64, Broken),
+    Isolated(HoldRef, Broken),
     /// A freezer escalation recorded: freeze it.
-    RecordedEscalation(HoldKey, u64, Target, Broken),
+    RecordedEscalation(HoldRef, Target, Broken),
     /// A freezer escalation started.
-    StartedEscalation(HoldKey, u64, Target, Broken),
-    /// A gate hold's fallback members listed.
-    FallbackMembers(Pending, Plan),
-    /// A gate hold's fallback recorded: start it.
-    RecordedFallback(Pending, Plan, Vec<Target>),
-    /// A gate hold's fallback started.
-    StartedFallback(Pending, Plan, Vec<Target>),
+    StartedEscalation(HoldRef, Target, Broken),
+    /// `FallingBack`: the fallback's members listed; record them.
+    FallbackListed(HoldRef),
+    /// `FallingBack`: the fallback's members recorded; start them.
+    FallbackRecorded(HoldRef, Vec<Target>),
+    /// `FallingBack` → `Held`, `Confirming`, or ended: the fallback started.
+    FallbackStarted(HoldRef, Vec<Target>),
     /// Everything resumed at once (fail-open, shutdown).
     ReleasedAll(Vec<(HoldKey, Vec<Target>)>),
 }
@@ -135,14 +241,10 @@ pub struct Started {
 
 /// The suspension holds.
 pub struct HoldBook {
-    held: BTreeMap<HoldKey, Hold>,
-    /// Fresh holds on their way to the record and the actuator.
-    staged: BTreeMap<HoldKey, Hold>,
-    /// Fresh holds whose members are known, recorded at the end of the step.
-    to_record: Vec<HoldKey>,
-    /// Fresh holds recorded, started together at the end of the step.
-    to_start: Vec<HoldKey>,
-    pending: Vec<Pending>,
+    /// Every hold, in its state.
+    holds: BTreeMap<HoldKey, Hold>,
+    /// Resumes of holds that ended, not confirmed yet.
+    resumes: Vec<Resume>,
     /// Holders whose suspension failed (it was undone, or never started because the
     /// record could not be written): the loop retries them.
     failed: Vec<ProcKey>,
@@ -150,11 +252,11 @@ pub struct HoldBook {
     forgotten: Vec<RecordEntry>,
     /// Signalled cgroups that had to be frozen because their processes kept resuming
     /// themselves, with when: frozen at once by the next suspensions for
-    /// [`recheck::REMEMBER_NS`], instead of starting over with signals.
+    /// [`signal::REMEMBER_NS`], instead of starting over with signals.
     resumed_itself: BTreeMap<std::path::PathBuf, u64>,
     /// Processes held alone that had to be moved into a cell of the agent's own, with
     /// the cell and when: moved in and frozen at once by the next suspensions for
-    /// [`recheck::REMEMBER_NS`].
+    /// [`signal::REMEMBER_NS`].
     isolated: BTreeMap<ProcKey, (Target, u64)>,
     /// Operations that ended, for the loop's events.
     done: Vec<Completion>,
@@ -188,8 +290,8 @@ pub struct HoldBook {
 impl std::fmt::Debug for HoldBook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HoldBook")
-            .field("held", &self.held.len())
-            .field("pending", &self.pending.len())
+            .field("holds", &self.holds.len())
+            .field("resumes", &self.resumes.len())
             .field("waiting", &self.waiting.len())
             .finish()
     }
@@ -199,11 +301,8 @@ impl HoldBook {
     /// An empty book.
     pub fn new(confirm_timeout: Duration) -> HoldBook {
         HoldBook {
-            held: BTreeMap::new(),
-            staged: BTreeMap::new(),
-            to_record: Vec::new(),
-            to_start: Vec::new(),
-            pending: Vec::new(),
+            holds: BTreeMap::new(),
+            resumes: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
             resumed_itself: BTreeMap::new(),
@@ -260,9 +359,47 @@ impl HoldBook {
         self.next_serial
     }
 
-    /// Whether `serial` is the current hold on `key`.
-    fn current(&self, key: &HoldKey, serial: u64) -> bool {
-        self.held.get(key).is_some_and(|h| h.serial == serial)
+    /// A new hold on `key`, in its first state.
+    fn add(&mut self, key: HoldKey, hold: Hold) -> HoldRef {
+        let r = HoldRef {
+            key: key.clone(),
+            serial: hold.serial,
+        };
+        self.holds.insert(key, hold);
+        r
+    }
+
+    /// The hold a request names, if it is still the current hold on its key.
+    fn hold(&self, r: &HoldRef) -> Option<&Hold> {
+        self.holds.get(&r.key).filter(|h| h.serial == r.serial)
+    }
+
+    /// The hold a request names, if it is still the current hold on its key.
+    fn hold_mut(&mut self, r: &HoldRef) -> Option<&mut Hold> {
+        self.holds.get_mut(&r.key).filter(|h| h.serial == r.serial)
+    }
+
+    /// The hold a request names, taken out of the book (it ends).
+    fn take(&mut self, r: &HoldRef) -> Option<Hold> {
+        self.hold(r)?;
+        self.holds.remove(&r.key)
+    }
+
+    /// The holds whose suspension started.
+    fn started(&self) -> impl Iterator<Item = (&HoldKey, &Hold)> {
+        self.holds.iter().filter(|(_, h)| h.state.started())
+    }
+
+    /// The holds in states matching `f`, in the book's order.
+    fn in_state(&self, f: impl Fn(&State) -> bool) -> Vec<HoldRef> {
+        self.holds
+            .iter()
+            .filter(|(_, h)| f(&h.state))
+            .map(|(k, h)| HoldRef {
+                key: k.clone(),
+                serial: h.serial,
+            })
+            .collect()
     }
 
     /// Operations that ended since the last call.
@@ -289,59 +426,57 @@ impl HoldBook {
 
     /// Number of holds (suspended or being suspended).
     pub fn len(&self) -> usize {
-        self.held.len() + self.staged.len()
+        self.holds.len()
     }
 
     /// Nothing is held.
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty() && self.staged.is_empty()
+        self.holds.is_empty()
     }
 
     /// Some suspension or resumption waits for confirmation.
     pub fn pending(&self) -> bool {
-        !self.pending.is_empty()
+        !self.resumes.is_empty() || self.holds.values().any(|h| h.state.polled())
     }
 
     /// When the held targets are next re-checked, ns (`None`: nothing is held).
     pub fn next_recheck_ns(&self) -> Option<u64> {
-        (!self.held.is_empty()).then_some(self.next_recheck_ns)
+        self.started().next().map(|_| self.next_recheck_ns)
     }
 
     /// When the next pending operation is due to be checked, ns.
     pub fn next_check_ns(&self) -> Option<u64> {
-        self.pending
-            .iter()
-            .map(|p| match p.escalate_ns {
-                // A gate waiting for its drain: the acknowledgement wakes the loop through
-                // the page; nothing is due before the bound.
-                Some(e) => e,
-                None => p.next_check_ns.min(p.deadline_ns),
-            })
-            .min()
+        let holds = self.holds.values().filter_map(|h| match &h.state {
+            State::Confirming {
+                confirm,
+                looking: false,
+            } => Some(confirm.due_ns()),
+            // A gate waiting for its drain: the acknowledgement wakes the loop through
+            // the page; nothing is due before the bound.
+            State::Gated { until_ns, .. } => Some(*until_ns),
+            _ => None,
+        });
+        let resumes = self.resumes.iter().map(|r| r.confirm.due_ns());
+        holds.chain(resumes).min()
     }
 
     /// Whether some hold has a launch gate closed.
     pub fn gates_closed(&self) -> bool {
-        self.held
-            .values()
-            .any(|h| h.members.iter().any(|t| matches!(t, Target::Gate { .. })))
+        self.started()
+            .any(|(_, h)| h.members.iter().any(|t| matches!(t, Target::Gate { .. })))
     }
 
     /// Holders of holds found running at their latest check that nothing the tenant
     /// cannot undo holds (no freezer, no cell, no driver lock): their work may run.
     pub fn escaping(&self) -> impl Iterator<Item = &ProcKey> {
-        self.held
-            .values()
-            .filter(|h| h.escaping)
-            .flat_map(|h| h.holders.iter())
+        self.started()
+            .filter(|(_, h)| h.escaping)
+            .flat_map(|(_, h)| h.holders.iter())
     }
 
     /// Whether `holder` holds some suspension.
     pub fn holds(&self, holder: &ProcKey) -> bool {
-        self.held
-            .values()
-            .chain(self.staged.values())
-            .any(|h| h.holders.contains(holder))
+        self.holds.values().any(|h| h.holders.contains(holder))
     }
 
     /// Whether a hold may have `key` stopped or frozen now — itself, or `cgroup` (a
@@ -363,18 +498,15 @@ impl HoldBook {
             _ => false,
         };
         let falls_back = |p: &Plan| p.cgroup().is_some_and(inside);
-        self.held
-            .values()
-            .chain(self.staged.values())
-            .any(|h| h.members.iter().any(hit) || h.escalate.iter().any(hit))
-            || self.staged.keys().any(under)
-            || self.pending.iter().any(|p| p.all.iter().any(hit))
+        self.holds.iter().any(|(k, h)| {
+            h.members.iter().any(hit)
+                || matches!(&h.means, Means::Signal { backstop: signal::Backstop::Freezer(f) } if hit(f))
+                || (!h.state.started() && under(k))
+                || matches!(&h.state, State::FallingBack { plan, .. } if falls_back(plan))
+        }) || self.resumes.iter().any(|r| r.all.iter().any(hit))
             || self.waiting.values().any(|t| match t {
                 Continuation::StartedResume { members, .. } => members.iter().any(hit),
                 Continuation::ReleasedAll(holds) => holds.iter().any(|(_, m)| m.iter().any(hit)),
-                Continuation::FallbackMembers(_, plan)
-                | Continuation::RecordedFallback(_, plan, _)
-                | Continuation::StartedFallback(_, plan, _) => falls_back(plan),
                 _ => false,
             })
     }
@@ -382,11 +514,8 @@ impl HoldBook {
     /// Forgets every hold without acting: something else (the NVML watchdog) resumed
     /// them all and cleared the record.
     pub fn forget_all(&mut self) {
-        self.held.clear();
-        self.staged.clear();
-        self.to_record.clear();
-        self.to_start.clear();
-        self.pending.clear();
+        self.holds.clear();
+        self.resumes.clear();
         self.forgotten.clear();
         self.waiting.clear();
         self.abandoned_below = self.next_req;
@@ -409,24 +538,24 @@ impl HoldBook {
                 continue;
             };
             match (then, o) {
-                (Continuation::Materialised(key), HoldObs::Members { members, .. }) => {
-                    if let Some(h) = self.staged.get_mut(&key) {
+                (Continuation::Listed(r), HoldObs::Members { members, .. }) => {
+                    if let Some(h) = self.hold_mut(&r) {
                         h.members = members;
-                        self.to_record.push(key);
+                        h.state = State::Listed;
                     }
                 }
-                (Continuation::RecordedFresh(keys), HoldObs::Recorded { ok, .. }) => {
-                    self.recorded_fresh(keys, ok, now)
+                (Continuation::Recorded(r), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_fresh(r, ok, now)
                 }
-                (Continuation::ClosedGate(key), HoldObs::GateClosed { epoch, .. }) => {
-                    self.closed_gate(key, epoch, now)
+                (Continuation::GateClosed(r), HoldObs::GateClosed { epoch, .. }) => {
+                    self.closed_gate(r, epoch, now)
                 }
                 (
-                    Continuation::StartedFresh(keys),
+                    Continuation::Started(holds),
                     HoldObs::Progress {
                         progress, at_ns, ..
                     },
-                ) => self.started_fresh(keys, progress, now, at_ns),
+                ) => self.started_fresh(holds, progress, now, at_ns),
                 (
                     Continuation::StartedResume {
                         key,
@@ -438,43 +567,43 @@ impl HoldBook {
                         progress, at_ns, ..
                     },
                 ) => self.started_resume(key, kind, members, report, progress, now, at_ns),
-                (Continuation::Checked(p), HoldObs::Progress { progress, .. }) => {
-                    self.checked(p, progress, now)
+                (Continuation::Confirmed(r), HoldObs::Progress { progress, .. }) => {
+                    self.confirmed(r, progress, now)
                 }
-                (Continuation::Rechecked(key), HoldObs::Progress { progress, .. }) => {
-                    self.rechecked(key, progress)
+                (Continuation::ResumeChecked(r), HoldObs::Progress { progress, .. }) => {
+                    self.resume_checked(r, progress, now)
+                }
+                (Continuation::Rechecked(r), HoldObs::Progress { progress, .. }) => {
+                    self.rechecked(r, progress)
                 }
                 (Continuation::Restopped, HoldObs::Progress { .. }) => {}
-                (Continuation::Regrouped(key), HoldObs::Members { members, gone, .. }) => {
-                    self.regrouped(key, members, gone, now)
+                (Continuation::Regrouped(r), HoldObs::Members { members, gone, .. }) => {
+                    self.regrouped(r, members, gone, now)
                 }
-                (Continuation::RecordedNewcomers(key, newcomers), HoldObs::Recorded { ok, .. }) => {
-                    self.recorded_newcomers(key, newcomers, ok)
+                (Continuation::RecordedNewcomers(r, newcomers), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_newcomers(r, newcomers, ok)
                 }
-                (Continuation::Isolated(key, serial, b), HoldObs::Cell { cell, .. }) => {
-                    self.isolated(key, serial, b, cell)
+                (Continuation::Isolated(r, b), HoldObs::Cell { cell, .. }) => {
+                    self.isolated(r, b, cell)
+                }
+                (Continuation::RecordedEscalation(r, cg, b), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_escalation(r, cg, b, ok)
+                }
+                (Continuation::StartedEscalation(r, cg, b), HoldObs::Progress { progress, .. }) => {
+                    self.started_escalation(r, cg, b, progress)
+                }
+                (Continuation::FallbackListed(r), HoldObs::Members { members, .. }) => {
+                    self.record_fallback(r, members)
+                }
+                (Continuation::FallbackRecorded(r, members), HoldObs::Recorded { ok, .. }) => {
+                    self.recorded_fallback(r, members, ok, now)
                 }
                 (
-                    Continuation::RecordedEscalation(key, serial, cg, b),
-                    HoldObs::Recorded { ok, .. },
-                ) => self.recorded_escalation(key, serial, cg, b, ok),
-                (
-                    Continuation::StartedEscalation(key, serial, cg, b),
-                    HoldObs::Progress { progress, .. },
-                ) => self.started_escalation(key, serial, cg, b, progress),
-                (Continuation::FallbackMembers(p, plan), HoldObs::Members { members, .. }) => {
-                    self.record_fallback(p, plan, members)
-                }
-                (
-                    Continuation::RecordedFallback(p, plan, members),
-                    HoldObs::Recorded { ok, .. },
-                ) => self.recorded_fallback(p, plan, members, ok, now),
-                (
-                    Continuation::StartedFallback(p, plan, members),
+                    Continuation::FallbackStarted(r, members),
                     HoldObs::Progress {
                         progress, at_ns, ..
                     },
-                ) => self.started_fallback(p, plan, members, progress, now, at_ns),
+                ) => self.started_fallback(r, members, progress, now, at_ns),
                 (Continuation::ReleasedAll(holds), HoldObs::Progress { progress, .. }) => {
                     self.released_all(holds, progress)
                 }
@@ -483,7 +612,7 @@ impl HoldBook {
                 }
             }
         }
-        self.record_staged();
+        self.record_listed();
         self.start_recorded();
         self.flush_forgotten();
     }

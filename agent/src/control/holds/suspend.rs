@@ -1,8 +1,10 @@
-//! How holds start: the members of a plan, the record written first, then the actuator.
+//! How holds start: the members of a plan, the record written first, then the actuator
+//! (`Listing` → `Listed` → `Recording` → `Recorded` → `Starting` → `Held` or `Confirming`).
+//! A gate's close and fallback are [`super::gate`]'s.
 
 use super::{
-    members_progress, pending_members, Completion, Continuation, Failure, Hold, HoldBook, HoldCmd,
-    HoldKey, Outcome, Pending, Progress, Started,
+    members_progress, pending_members, Completion, Confirm, Continuation, Failure, Hold, HoldBook,
+    HoldCmd, HoldRef, Means, Outcome, Progress, Started, State,
 };
 use crate::control::model::act::{Op, RecordEntry};
 use crate::control::model::ProcKey;
@@ -23,134 +25,120 @@ impl HoldBook {
             // A signalled cgroup that resumed itself recently is frozen at once.
             let plan = &self.remembered(plan);
             let key = plan.hold_key();
-            if let Some(h) = self.held.get_mut(&key) {
+            if let Some(h) = self.holds.get_mut(&key) {
+                // Joining a hold on its way counts as a start for this holder.
+                if !h.state.started() {
+                    out.started.push((*holder, key.clone()));
+                }
                 h.holders.insert(*holder);
                 continue;
             }
             out.started.push((*holder, key.clone()));
-            if let Some(h) = self.staged.get_mut(&key) {
-                h.holders.insert(*holder);
-                continue;
-            }
+            let listing = matches!(plan, Plan::SignalCgroup { .. });
             let hold = Hold {
                 serial: self.serial(),
-                members: Vec::new(),
+                state: if listing {
+                    State::Listing
+                } else {
+                    State::Listed
+                },
+                means: Means::of(plan),
+                members: if listing {
+                    Vec::new()
+                } else {
+                    vec![plan.target()]
+                },
                 holders: BTreeSet::from([*holder]),
                 kind: plan.kind(),
-                escalate: match plan {
-                    Plan::SignalCgroup { dir, version, .. } => Some(Target::Cgroup {
-                        dir: dir.clone(),
-                        version: *version,
-                        cell: None,
-                    }),
-                    _ => None,
-                },
-                fallback: match plan {
-                    Plan::Gate { fallback, .. } => Some((**fallback).clone()),
-                    _ => None,
-                },
-                epoch: None,
                 checked_ns: now,
                 breaks: 0,
                 escaping: false,
-                cell_asked: false,
-                alone: match plan {
-                    Plan::Gate { fallback, .. } => matches!(**fallback, Plan::Signal(_)),
-                    p => matches!(p, Plan::Signal(_)),
-                },
             };
-            self.staged.insert(key.clone(), hold);
-            match plan {
-                Plan::SignalCgroup { dir, .. } => {
-                    self.ask(Continuation::Materialised(key), |req| HoldCmd::Members {
-                        req,
-                        dir: dir.clone(),
-                        leader: plan.target(),
-                    })
-                }
-                Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
-                    if let Some(h) = self.staged.get_mut(&key) {
-                        h.members = vec![plan.target()];
-                    }
-                    self.to_record.push(key);
-                }
+            let r = self.add(key, hold);
+            if let Plan::SignalCgroup { dir, .. } = plan {
+                self.ask(Continuation::Listed(r), |req| HoldCmd::Members {
+                    req,
+                    dir: dir.clone(),
+                    leader: plan.target(),
+                });
             }
         }
-        self.record_staged();
+        self.record_listed();
         out
     }
 
-    /// Asks the record to hold every fresh hold whose members are known, one request per
-    /// hold: a hold whose entries are on disk already is answered at once and does not
-    /// wait for another's write (the record book makes one write of whatever is missing).
-    pub(super) fn record_staged(&mut self) {
-        for key in std::mem::take(&mut self.to_record) {
-            let Some(h) = self.staged.get(&key) else {
+    /// Asks the record to hold every fresh hold whose members are known (`Listed` →
+    /// `Recording`), one request per hold: a hold whose entries are on disk already is
+    /// answered at once and does not wait for another's write (the record book makes one
+    /// write of whatever is missing).
+    pub(super) fn record_listed(&mut self) {
+        for r in self.in_state(|s| matches!(s, State::Listed)) {
+            let Some(h) = self.hold_mut(&r) else {
                 continue;
             };
+            h.state = State::Recording;
             let entries: Vec<RecordEntry> = h.members.iter().map(Target::record).collect();
-            self.ask(Continuation::RecordedFresh(vec![key]), |req| {
-                HoldCmd::RecordAdd { req, entries }
+            self.ask(Continuation::Recorded(r), |req| HoldCmd::RecordAdd {
+                req,
+                entries,
             });
         }
     }
 
-    /// The record answered for fresh holds: start suspending them, or fail them all.
-    pub(super) fn recorded_fresh(&mut self, keys: Vec<HoldKey>, ok: bool, now: u64) {
-        if !ok {
-            self.notes.push(
-                note::NotRecorded {
-                    targets: keys.len(),
-                }
-                .into(),
-            );
-            self.notes.push(
-                note::FailedOpen {
-                    why: FailWhy::Record,
-                }
-                .into(),
-            );
-            for key in keys {
-                if let Some(h) = self.staged.remove(&key) {
-                    self.failed.extend(h.holders.iter().copied());
-                    self.done.push(Completion {
-                        key,
-                        op: Op::Suspend,
-                        outcome: Outcome::Failed(Failure::Record),
-                        kind: h.kind,
-                        at_ns: now,
-                    });
-                }
+    /// The record answered for a fresh hold: `Recorded` (started at the end of the step),
+    /// or it ends, failed.
+    pub(super) fn recorded_fresh(&mut self, r: HoldRef, ok: bool, now: u64) {
+        if ok {
+            if let Some(h) = self.hold_mut(&r) {
+                h.state = State::Recorded;
             }
             return;
         }
-        self.to_start.extend(keys);
+        self.notes.push(note::NotRecorded { targets: 1 }.into());
+        self.notes.push(
+            note::FailedOpen {
+                why: FailWhy::Record,
+            }
+            .into(),
+        );
+        if let Some(h) = self.take(&r) {
+            self.failed.extend(h.holders.iter().copied());
+            self.done.push(Completion {
+                key: r.key,
+                op: Op::Suspend,
+                outcome: Outcome::Failed(Failure::Record),
+                kind: h.kind,
+                at_ns: now,
+            });
+        }
     }
 
-    /// Starts suspending the fresh holds recorded since the last call: gates are closed,
-    /// the rest started in one batch.
+    /// Starts suspending the fresh holds recorded since the last call (`Recorded` →
+    /// `Starting`, in one batch; a gate → `Closing`).
     pub(super) fn start_recorded(&mut self) {
         let mut counts = Vec::new();
         let mut targets = Vec::new();
-        for key in std::mem::take(&mut self.to_start) {
-            let Some(h) = self.staged.get(&key) else {
+        for r in self.in_state(|s| matches!(s, State::Recorded)) {
+            let Some(h) = self.hold_mut(&r) else {
                 continue;
             };
             if let [gate @ Target::Gate { .. }] = &h.members[..] {
                 let gate = gate.clone();
-                self.ask(Continuation::ClosedGate(key), |req| HoldCmd::CloseGate {
+                h.state = State::Closing;
+                self.ask(Continuation::GateClosed(r), |req| HoldCmd::CloseGate {
                     req,
                     gate,
                 });
                 continue;
             }
+            h.state = State::Starting;
             targets.extend(h.members.iter().cloned());
-            counts.push((key, h.members.len()));
+            counts.push((r, h.members.len()));
         }
         if counts.is_empty() {
             return;
         }
-        self.ask(Continuation::StartedFresh(counts), |req| HoldCmd::Start {
+        self.ask(Continuation::Started(counts), |req| HoldCmd::Start {
             req,
             op: Op::Suspend,
             targets,
@@ -158,110 +146,63 @@ impl HoldBook {
         });
     }
 
-    /// The actuator started fresh holds' suspensions: each is held, pending, escalated to
-    /// its fallback (a gate that cannot close), or failed and undone.
+    /// The actuator started fresh holds' suspensions (`Starting`).
     pub(super) fn started_fresh(
         &mut self,
-        counts: Vec<(HoldKey, usize)>,
+        counts: Vec<(HoldRef, usize)>,
         progress: Vec<Progress>,
         now: u64,
         at: u64,
     ) {
         let mut progress = progress.into_iter();
-        for (key, n) in counts {
+        for (r, n) in counts {
             let p: Vec<Progress> = progress.by_ref().take(n).collect();
-            let Some(hold) = self.staged.remove(&key) else {
+            let Some(members) = self.hold(&r).map(|h| h.members.clone()) else {
                 continue;
             };
-            match members_progress(&p) {
-                None => {
-                    let mut pending = Pending::new(
-                        key.clone(),
-                        hold.serial,
-                        Op::Suspend,
-                        hold.kind,
-                        pending_members(&hold.members, &p),
-                        hold.members.clone(),
-                        now,
-                        self.confirm_timeout,
-                    );
-                    if hold.fallback.is_some() {
-                        pending.escalate_ns = Some(now + self.gate_timeout.as_nanos() as u64);
-                    }
-                    self.pending.push(pending);
-                    self.held.insert(key, hold);
-                }
-                Some(Outcome::Failed(Failure::NoGate)) if hold.fallback.is_some() => {
-                    // The gate cannot close (no free slot in the gate file: more GPUs
-                    // than it holds): the fallback at once, not a failure and a retry.
-                    let pending = Pending::new(
-                        key.clone(),
-                        hold.serial,
-                        Op::Suspend,
-                        hold.kind,
-                        Vec::new(),
-                        hold.members.clone(),
-                        now,
-                        self.confirm_timeout,
-                    );
-                    self.held.insert(key, hold);
-                    self.escalate_gate(pending, super::Escalation::CannotClose);
-                }
-                Some(Outcome::Failed(reason)) => {
-                    let kind = hold.kind;
-                    self.fail_suspension(&key, hold, reason, &p);
-                    self.done.push(Completion {
-                        key,
-                        op: Op::Suspend,
-                        outcome: Outcome::Failed(reason),
-                        kind,
-                        at_ns: at,
-                    });
-                }
-                Some(outcome) => {
-                    let kind = hold.kind;
-                    self.held.insert(key.clone(), hold);
-                    self.done.push(Completion {
-                        key,
-                        op: Op::Suspend,
-                        outcome,
-                        kind,
-                        at_ns: at,
-                    });
-                }
-            }
+            self.settle_start(r, &members, &p, now, at);
         }
     }
 
-    /// A fresh gate hold's gate closed: wait for the drain (the acknowledgement) until
-    /// `--gate-timeout`; a gate that cannot close goes to its fallback at once.
-    pub(super) fn closed_gate(&mut self, key: HoldKey, epoch: Option<u32>, now: u64) {
-        let Some(mut hold) = self.staged.remove(&key) else {
+    /// A suspension's `Start` answered with `p` for `started` (a fresh hold's members, or
+    /// its gate's fallback): `Held` once done, `Confirming` while some are pending, or the
+    /// hold ends, failed and undone.
+    pub(super) fn settle_start(
+        &mut self,
+        r: HoldRef,
+        started: &[Target],
+        p: &[Progress],
+        now: u64,
+        at: u64,
+    ) {
+        let confirm_timeout = self.confirm_timeout;
+        let Some(hold) = self.hold_mut(&r) else {
             return;
         };
-        hold.epoch = epoch;
-        let mut pending = Pending::new(
-            key.clone(),
-            hold.serial,
-            Op::Suspend,
-            hold.kind,
-            hold.members.clone(),
-            hold.members.clone(),
-            now,
-            self.confirm_timeout,
-        );
-        self.held.insert(key, hold);
-        match epoch {
-            Some(_) => {
-                pending.escalate_ns = Some(now + self.gate_timeout.as_nanos() as u64);
-                self.pending.push(pending);
+        let kind = hold.kind;
+        let Some(outcome) = members_progress(p) else {
+            let pending = pending_members(started, p);
+            hold.state = State::Confirming {
+                confirm: Confirm::new(pending, now, confirm_timeout),
+                looking: false,
+            };
+            return;
+        };
+        match &outcome {
+            Outcome::Failed(reason) => {
+                let reason = *reason;
+                if let Some(hold) = self.take(&r) {
+                    self.fail_suspension(&r.key, hold, reason, p);
+                }
             }
-            // No free slot in the gate file (more GPUs than it holds): the fallback at
-            // once, not a failure and a retry.
-            None => {
-                pending.members.clear();
-                self.escalate_gate(pending, super::Escalation::CannotClose);
-            }
+            _ => hold.state = State::Held,
         }
+        self.done.push(Completion {
+            key: r.key,
+            op: Op::Suspend,
+            outcome,
+            kind,
+            at_ns: at,
+        });
     }
 }

@@ -240,7 +240,7 @@ fn a_pending_suspension_is_checked_on_a_doubling_schedule_and_times_out() {
             )
         });
         assert!(
-            restops.is_empty() || now >= CHECK_FIRST_NS + super::recheck::RESTOP_AFTER_NS,
+            restops.is_empty() || now >= CHECK_FIRST_NS + super::signal::RESTOP_AFTER_NS,
             "stopped again at {now} ns: {restops:?}"
         );
         assert!(
@@ -393,8 +393,8 @@ fn a_gate_waiting_for_its_ack_is_not_due_in_the_past() {
 }
 
 /// A panic between a command and its answer (in the hands, or in the book) leaves a hold
-/// staged whose Start(Suspend) or CloseGate may already have acted. Drop → release_all
-/// resumes `held` only.
+/// `Starting` whose Start(Suspend) or CloseGate may already have acted. Drop → release_all
+/// resumes it with the holds that started, not only those.
 #[test]
 fn release_all_resumes_a_hold_whose_suspension_started_but_was_not_answered() {
     let mut b = HoldBook::new(Duration::from_secs(1));
@@ -891,7 +891,7 @@ fn a_cgroup_that_resumed_itself_is_frozen_at_once_next_time() {
         (true, true),
         "not frozen at once, recorded first"
     );
-    now += super::recheck::REMEMBER_NS;
+    now += super::signal::REMEMBER_NS;
     assert_eq!(
         first_stop(&mut b, now, &mut rec),
         (false, false),
@@ -1085,4 +1085,319 @@ fn a_cgroup_hold_on_its_way_stops_its_processes_for_the_driver() {
         "a process of the cgroup is not counted stopped before the members are listed"
     );
     assert!(!b.stops(&other, Some(std::path::Path::new("/elsewhere"))));
+}
+
+/// The state of the hold on `key`, by name (`None`: there is none).
+fn state(b: &HoldBook, key: &HoldKey) -> Option<&'static str> {
+    b.holds.get(key).map(|h| match &h.state {
+        State::Listing => "Listing",
+        State::Listed => "Listed",
+        State::Recording => "Recording",
+        State::Recorded => "Recorded",
+        State::Closing => "Closing",
+        State::Starting => "Starting",
+        State::Confirming { .. } => "Confirming",
+        State::Gated { .. } => "Gated",
+        State::FallingBack { drained: true, .. } => "FallingBack (drained)",
+        State::FallingBack { drained: false, .. } => "FallingBack",
+        State::Held => "Held",
+    })
+}
+
+/// A gate hold on process 10, its gate closed at `epoch` at 0: (the book, the process, the
+/// hold).
+fn gated(epoch: u32) -> (HoldBook, ProcKey, HoldKey) {
+    let (k, plan) = gate_plan(10);
+    let key = plan.hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    b.suspend(&[(k, plan)], 0);
+    answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    answer(&mut b, 0, |req| HoldObs::GateClosed {
+        req,
+        epoch: Some(epoch),
+    });
+    assert_eq!(state(&b, &key), Some("Gated"));
+    (b, k, key)
+}
+
+/// The life of a hold on a signalled cgroup, state by state: its processes listed, then
+/// recorded, then stopped; confirmed at a poll; released; its resume confirmed at a poll,
+/// and only then out of the record.
+#[test]
+fn the_life_of_a_hold_listed_recorded_started_confirmed_held_then_released() {
+    let (k, leader, _, plan) = signalled_cgroup();
+    let (_, child) = proc_target(11);
+    let key = plan.hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    b.suspend(&[(k, plan)], 0);
+    assert_eq!(state(&b, &key), Some("Listing"));
+    let c = answer(&mut b, 0, |req| HoldObs::Members {
+        req,
+        members: vec![leader.clone(), child.clone()],
+        gone: false,
+    });
+    assert!(matches!(c, HoldCmd::Members { .. }), "{c:?}");
+    // Listed, and asked of the record at the end of the same step.
+    assert_eq!(state(&b, &key), Some("Recording"));
+    let c = answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    assert!(
+        matches!(&c, HoldCmd::RecordAdd { entries, .. } if entries.len() == 2),
+        "{c:?}"
+    );
+    assert_eq!(state(&b, &key), Some("Starting"));
+    let c = answer(&mut b, 0, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Done, Progress::Pending],
+        at_ns: 0,
+    });
+    assert!(
+        matches!(&c, HoldCmd::Start { op: Op::Suspend, targets, .. } if targets.len() == 2),
+        "{c:?}"
+    );
+    assert_eq!(state(&b, &key), Some("Confirming"));
+    assert!(b.take_done().is_empty(), "not confirmed yet");
+    // Not due before its first check.
+    b.poll(CHECK_FIRST_NS - 1);
+    assert!(b.take_commands().is_empty());
+    b.poll(CHECK_FIRST_NS);
+    let c = answer(&mut b, CHECK_FIRST_NS, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Done],
+        at_ns: CHECK_FIRST_NS,
+    });
+    assert!(
+        matches!(&c, HoldCmd::Check { op: Op::Suspend, targets, .. } if *targets == [child.clone()]),
+        "only what was not confirmed is looked at: {c:?}"
+    );
+    assert_eq!(state(&b, &key), Some("Held"));
+    let done = b.take_done();
+    assert!(
+        matches!(
+            &done[..],
+            [Completion {
+                op: Op::Suspend,
+                outcome: Outcome::Done,
+                ..
+            }]
+        ),
+        "{done:?}"
+    );
+    // The release: the hold ends, its resume waits for its confirmation.
+    let resumed = b.resume(&[k], MS);
+    assert_eq!(resumed, vec![(k, key.clone())]);
+    assert_eq!(state(&b, &key), None);
+    assert!(!b.holds(&k) && b.is_empty());
+    let c = answer(&mut b, MS, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Done, Progress::Pending],
+        at_ns: MS,
+    });
+    assert!(matches!(&c, HoldCmd::Start { op: Op::Resume, .. }), "{c:?}");
+    assert!(
+        b.take_commands().is_empty() && b.pending(),
+        "nothing leaves the record before the resume is confirmed"
+    );
+    assert!(
+        b.stops(&ProcKey { pid: 11, start: 7 }, None),
+        "still stopped"
+    );
+    b.poll(MS + CHECK_FIRST_NS);
+    let c = answer(&mut b, MS + CHECK_FIRST_NS, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Done],
+        at_ns: MS + CHECK_FIRST_NS,
+    });
+    assert!(matches!(&c, HoldCmd::Check { op: Op::Resume, .. }), "{c:?}");
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::RecordRemove { entries }] if entries.len() == 2),
+        "one write takes both out of the record: {c:?}"
+    );
+    assert!(!b.pending());
+}
+
+/// A gate hold: recorded, its gate closed, `Gated` until its process acknowledges the
+/// close at that epoch (an older epoch does not count), then its fallback is recorded and
+/// started, and the hold keeps the gate's label.
+#[test]
+fn a_gate_hold_is_gated_until_acknowledged_at_its_epoch_then_falls_back() {
+    let (k, plan) = gate_plan(10);
+    let key = plan.hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    b.suspend(&[(k, plan)], 0);
+    assert_eq!(state(&b, &key), Some("Recording"));
+    let c = answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    assert!(matches!(c, HoldCmd::RecordAdd { .. }), "{c:?}");
+    assert_eq!(state(&b, &key), Some("Closing"));
+    let c = answer(&mut b, 0, |req| HoldObs::GateClosed {
+        req,
+        epoch: Some(3),
+    });
+    assert!(matches!(c, HoldCmd::CloseGate { .. }), "{c:?}");
+    assert_eq!(state(&b, &key), Some("Gated"));
+    assert_eq!(b.wanted_acks(), vec![(k, [7; 16])]);
+    assert!(b.gates_closed());
+    b.gate_acks(k, &[3, 2]);
+    assert_eq!(
+        state(&b, &key),
+        Some("Gated"),
+        "a page still at an older epoch has work in flight"
+    );
+    assert!(b.take_commands().is_empty());
+    b.gate_acks(k, &[3, 3]);
+    assert_eq!(state(&b, &key), Some("FallingBack (drained)"));
+    assert!(b.wanted_acks().is_empty());
+    assert_eq!(b.take_gate_answers(), vec![(k, true)]);
+    let c = answer(&mut b, MS, |req| HoldObs::Recorded { req, ok: true });
+    assert!(
+        matches!(&c, HoldCmd::RecordAdd { entries, .. } if entries.len() == 1),
+        "the fallback is recorded first: {c:?}"
+    );
+    let c = answer(&mut b, MS, |req| HoldObs::Progress {
+        req,
+        progress: vec![Progress::Done],
+        at_ns: MS,
+    });
+    assert!(
+        matches!(&c, HoldCmd::Start { op: Op::Suspend, targets, .. }
+            if matches!(targets[..], [Target::Process { .. }])),
+        "{c:?}"
+    );
+    assert_eq!(state(&b, &key), Some("Held"));
+    let done = b.take_done();
+    assert!(
+        matches!(
+            &done[..],
+            [Completion {
+                op: Op::Suspend,
+                outcome: Outcome::Done,
+                kind: Kind::Gate,
+                ..
+            }]
+        ),
+        "{done:?}"
+    );
+}
+
+/// A gate that cannot close (no free slot in the gate file) falls back at once: no wait for
+/// an acknowledgement, and no answer for the gate book.
+#[test]
+fn a_gate_that_cannot_close_falls_back_at_once() {
+    let (k, plan) = gate_plan(10);
+    let key = plan.hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    b.suspend(&[(k, plan)], 0);
+    answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
+    answer(&mut b, 0, |req| HoldObs::GateClosed { req, epoch: None });
+    assert_eq!(state(&b, &key), Some("FallingBack"));
+    assert!(b.wanted_acks().is_empty() && b.take_gate_answers().is_empty());
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::RecordAdd { .. }]),
+        "the fallback's record, at once: {c:?}"
+    );
+}
+
+/// A gate hold whose acknowledgement never came and whose fallback the record refuses
+/// ends: its gate opens again (undone), its holder is retried, and the gate book hears
+/// the silence.
+#[test]
+fn a_gate_silent_until_its_timeout_whose_fallback_is_not_recorded_ends_undone() {
+    let (mut b, k, key) = gated(1);
+    b.poll(DEFAULT_GATE_TIMEOUT.as_nanos() as u64 - 1);
+    assert_eq!(state(&b, &key), Some("Gated"));
+    let at = DEFAULT_GATE_TIMEOUT.as_nanos() as u64;
+    assert_eq!(b.next_check_ns(), Some(at));
+    b.poll(at);
+    assert_eq!(state(&b, &key), Some("FallingBack"));
+    assert_eq!(b.take_gate_answers(), vec![(k, false)]);
+    answer(&mut b, at, |req| HoldObs::Recorded { req, ok: false });
+    assert_eq!(state(&b, &key), None);
+    assert_eq!(b.take_failed(), vec![k]);
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }]
+            if matches!(targets[..], [Target::Gate { .. }])),
+        "the gate opens again: {c:?}"
+    );
+    let done = b.take_done();
+    assert!(
+        done.iter()
+            .any(|c| c.op == Op::Suspend && c.outcome == Outcome::Failed(Failure::Record)),
+        "{done:?}"
+    );
+}
+
+/// A release overtakes a suspension not confirmed yet: `Gated` (or `Confirming`) ends
+/// `Skipped`, and what it closed or stopped is resumed.
+#[test]
+fn a_release_overtakes_a_gate_waiting_for_its_acknowledgement() {
+    let (mut b, k, key) = gated(1);
+    assert_eq!(state(&b, &key), Some("Gated"));
+    b.resume(&[k], MS);
+    assert_eq!(state(&b, &key), None);
+    let done = b.take_done();
+    assert!(
+        matches!(
+            &done[..],
+            [Completion {
+                op: Op::Suspend,
+                outcome: Outcome::Skipped,
+                ..
+            }]
+        ),
+        "{done:?}"
+    );
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }]
+            if matches!(targets[..], [Target::Gate { .. }])),
+        "{c:?}"
+    );
+    assert!(b.wanted_acks().is_empty() && !b.gates_closed());
+}
+
+/// A hold released while its entries are on their way to the record is cancelled: it
+/// ends at once (`Skipped`, then resumed), and the record's late answer starts nothing.
+#[test]
+fn a_hold_released_while_recording_is_never_started() {
+    let (k, _) = proc_target(10);
+    let key = Plan::Signal(k).hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    b.suspend(&[(k, Plan::Signal(k))], 0);
+    let c = b.take_commands();
+    assert_eq!(state(&b, &key), Some("Recording"));
+    b.resume(&[k], MS);
+    assert_eq!(state(&b, &key), None);
+    let done = b.take_done();
+    assert!(
+        matches!(
+            &done[..],
+            [
+                Completion {
+                    op: Op::Suspend,
+                    outcome: Outcome::Skipped,
+                    ..
+                },
+                Completion {
+                    op: Op::Resume,
+                    outcome: Outcome::Done,
+                    ..
+                },
+            ]
+        ),
+        "{done:?}"
+    );
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&c[0]),
+            ok: true,
+        }],
+        2 * MS,
+    );
+    let c = b.take_commands();
+    assert!(
+        c.iter().all(|c| !matches!(c, HoldCmd::Start { .. })),
+        "nothing is stopped for a cancelled hold: {c:?}"
+    );
 }
