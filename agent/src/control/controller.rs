@@ -34,7 +34,6 @@
 
 use super::io::{Cmd, Obs, Reads};
 use super::substates::Substates;
-use super::target::Plan;
 use super::{LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
 use crate::control::model::ProcKey;
@@ -334,16 +333,16 @@ impl Controller {
             }
             Stage::Decide => match self.sub.decide(t) {
                 None => Stage::Poll,
-                Some((d, plans)) => {
+                Some((d, cgroups)) => {
                     self.decision = Some(d);
-                    if !plans.is_empty() {
-                        self.ask(Cmd::Vet { plans });
+                    if !cgroups.is_empty() {
+                        self.ask(Cmd::Vet { cgroups });
                     }
                     Stage::Execute
                 }
             },
             Stage::Execute => {
-                let vetted: Vec<(ProcKey, Plan)> = self
+                let vetted = self
                     .answer(|o| match o {
                         Obs::Vetted(v) => Ok(v),
                         o => Err(o),

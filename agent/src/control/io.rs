@@ -19,9 +19,9 @@ use crate::control::model::gpu;
 use crate::control::model::ProcKey;
 use crate::control::note::Note;
 use crate::control::nvml::Refresh;
+use crate::control::plan::Members;
 use crate::control::record::Write;
 use crate::control::state::StateDoc;
-use crate::control::target::Plan;
 use crate::control::ReleaseAll;
 use coloc_doorbell::GateReading;
 use std::collections::{BTreeMap, BTreeSet};
@@ -66,11 +66,11 @@ pub enum Cmd {
         /// The pod source's generation they are classified under.
         generation: u64,
     },
-    /// Check that each plan that freezes or stops a whole cgroup still finds only offline
-    /// processes there (rules mode), else the process alone. Answered by [`Obs::Vetted`].
+    /// Read the members of these cgroups again: suspensions would hold them whole (rules
+    /// mode: every member must be offline). Answered by [`Obs::Vetted`].
     Vet {
-        /// (holder, plan).
-        plans: Vec<(ProcKey, Plan)>,
+        /// The cgroup directories.
+        cgroups: Vec<std::path::PathBuf>,
     },
     /// Read the doorbell pages: sweep the directories of pods that are gone (`sweep`),
     /// rescan the directories when they changed or `force`, read every page; with `gate`,
@@ -144,8 +144,8 @@ pub enum Obs {
     },
     /// Answers [`Cmd::Classify`]: each PID's entry (`None`: not in `/proc`, exited).
     Classified(Vec<(u32, Option<Entry>)>),
-    /// Answers [`Cmd::Vet`]: the plan to use, per holder.
-    Vetted(Vec<(ProcKey, Plan)>),
+    /// Answers [`Cmd::Vet`]: what each cgroup's members are.
+    Vetted(Vec<(std::path::PathBuf, Members)>),
     /// Answers [`Cmd::ReadBells`].
     Bells {
         /// The pages mapped now, when the set changed.

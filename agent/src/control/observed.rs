@@ -29,6 +29,8 @@ use std::time::Duration;
 pub struct Observed {
     gpus: Vec<(u32, String)>,
     grace: Duration,
+    /// `--actuator`.
+    preferred: crate::control::model::act::Kind,
     pub(crate) table: Table,
     pub(crate) sampling: Sampling,
     pub(crate) health: Health,
@@ -66,6 +68,7 @@ impl Observed {
         let ns = |d: Duration| d.as_nanos() as u64;
         Observed {
             grace: cfg.nvml_grace,
+            preferred: cfg.actuator,
             table: Table::default(),
             sampling: Sampling::new(
                 gpus.iter().map(|g| g.0).collect(),
@@ -169,7 +172,7 @@ impl Observed {
         // preemption that suspends it waits for no write.
         let gpus = &self.gpus;
         let uuid = |g: u32| gpus.iter().find(|(i, _)| *i == g).map(|(_, u)| u.clone());
-        self.ahead = Some(self.table.ahead(self.gates.file(), uuid));
+        self.ahead = Some(self.table.ahead(self.preferred, self.gates.file(), uuid));
     }
 
     /// The tick's NVML calls, judged (when some ran).

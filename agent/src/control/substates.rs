@@ -16,7 +16,6 @@ use super::pace::{Due, Pacer};
 use super::publish::{GpuSummary, Header};
 use super::record::RecordBook;
 use super::retry::Retries;
-use super::target::Plan;
 use super::vault::{RecordAsk, Vault};
 use super::{execute, LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
@@ -332,7 +331,7 @@ impl Substates {
 
     /// The retries that are due, the heartbeat, and the decision if the machine has to
     /// run: `Some` when there is something to do, with the plans to vet first.
-    pub fn decide(&mut self, t: u64) -> Option<(Decision<ProcKey>, Vec<execute::ToVet>)> {
+    pub fn decide(&mut self, t: u64) -> Option<(Decision<ProcKey>, Vec<PathBuf>)> {
         self.complete();
         if self.observed.gates.beat_due(t) {
             self.out.push(Cmd::Beat);
@@ -453,7 +452,15 @@ impl Substates {
     }
 
     /// A decision becomes holds (recorded before acted on) and events.
-    pub fn execute(&mut self, d: Decision<ProcKey>, vetted: Vec<(ProcKey, Plan)>, now: u64) {
+    pub fn execute(
+        &mut self,
+        d: Decision<ProcKey>,
+        vetted: Vec<(PathBuf, super::plan::Members)>,
+        now: u64,
+    ) {
+        for (dir, members) in vetted {
+            self.observed.table.members_read(&dir, members);
+        }
         self.notes.push(Note::Decision {
             suspend: d.suspend.len(),
             resume: d.resume.len(),
@@ -462,11 +469,11 @@ impl Substates {
         self.harvest(&d.transitions);
         let (reqs, reasons) = execute::plans(
             &d,
+            self.header.actuator,
             &self.vault,
             &self.observed.table,
             &self.observed.gates,
             &self.observed.bells,
-            &vetted,
             &mut self.notes,
         );
         let started = if reqs.is_empty() {

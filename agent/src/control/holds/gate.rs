@@ -84,14 +84,14 @@ impl HoldBook {
                 why,
             });
         }
-        match &fallback {
-            Plan::SignalCgroup { dir, .. } => {
-                let (dir, leader) = (dir.clone(), fallback.target());
+        match fallback.signalled_cgroup() {
+            Some((dir, _)) => {
+                let (dir, leader) = (dir.to_path_buf(), fallback.target());
                 self.ask(Continuation::FallbackMembers(p, fallback), |req| {
                     HoldCmd::Members { req, dir, leader }
                 });
             }
-            Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
+            None => {
                 let members = vec![fallback.target()];
                 self.record_fallback(p, fallback, members);
             }
@@ -171,10 +171,10 @@ impl HoldBook {
         if let Some(h) = self.held.get_mut(&p.key) {
             h.members.extend(members.iter().cloned());
             h.kind = kind;
-            if let Plan::SignalCgroup { dir, version, .. } = &fallback {
+            if let Some((dir, version)) = fallback.signalled_cgroup() {
                 h.escalate = Some(Target::Cgroup {
-                    dir: dir.clone(),
-                    version: *version,
+                    dir: dir.to_path_buf(),
+                    version,
                     cell: None,
                 });
             }

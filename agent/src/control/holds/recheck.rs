@@ -167,34 +167,30 @@ impl HoldBook {
         &self,
         plan: &crate::control::target::Plan,
     ) -> crate::control::target::Plan {
-        use crate::control::target::Plan;
-        match plan {
-            Plan::SignalCgroup { dir, version, .. }
+        use crate::control::target::{Frozen, Held, Stop};
+        plan.clone().map_held(|held| match held {
+            Held::Stop(Stop::SignalCgroup { dir, version, .. })
                 if self
                     .resumed_itself
-                    .get(dir)
+                    .get(&dir)
                     .is_some_and(|at| self.now_ns.saturating_sub(*at) < REMEMBER_NS) =>
             {
-                Plan::Freeze(crate::control::target::Frozen {
-                    dir: dir.clone(),
-                    version: *version,
+                Held::Stop(Stop::Freeze(Frozen {
+                    dir,
+                    version,
                     cell: None,
-                })
+                }))
             }
             // A process that had to be moved into a cell of the agent's own: moved in and
             // frozen at once.
-            Plan::Signal(key) => match self.isolated.get(key) {
+            Held::Stop(Stop::Signal(key)) => match self.isolated.get(&key) {
                 Some((cell, at)) if self.now_ns.saturating_sub(*at) < REMEMBER_NS => {
-                    crate::control::target::Frozen::of(cell).map_or(plan.clone(), Plan::Freeze)
+                    Frozen::of(cell).map_or(held, |f| Held::Stop(Stop::Freeze(f)))
                 }
-                _ => plan.clone(),
+                _ => held,
             },
-            Plan::Gate { gate, fallback } => Plan::Gate {
-                gate: gate.clone(),
-                fallback: Box::new(self.remembered(fallback)),
-            },
-            p => p.clone(),
-        }
+            h => h,
+        })
     }
 
     /// A suspension by signal that is still not confirmed: its processes are sent SIGSTOP

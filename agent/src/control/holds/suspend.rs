@@ -37,38 +37,31 @@ impl HoldBook {
                 members: Vec::new(),
                 holders: BTreeSet::from([*holder]),
                 kind: plan.kind(),
-                escalate: match plan {
-                    Plan::SignalCgroup { dir, version, .. } => Some(Target::Cgroup {
-                        dir: dir.clone(),
-                        version: *version,
+                escalate: plan
+                    .signalled_cgroup()
+                    .map(|(dir, version)| Target::Cgroup {
+                        dir: dir.to_path_buf(),
+                        version,
                         cell: None,
                     }),
-                    _ => None,
-                },
-                fallback: match plan {
-                    Plan::Gate { fallback, .. } => Some((**fallback).clone()),
-                    _ => None,
-                },
+                fallback: plan.fallback(),
                 epoch: None,
                 checked_ns: now,
                 breaks: 0,
                 escaping: false,
                 cell_asked: false,
-                alone: match plan {
-                    Plan::Gate { fallback, .. } => matches!(**fallback, Plan::Signal(_)),
-                    p => matches!(p, Plan::Signal(_)),
-                },
+                alone: plan.stops_alone(),
             };
             self.staged.insert(key.clone(), hold);
-            match plan {
-                Plan::SignalCgroup { dir, .. } => {
+            match plan.signalled_cgroup() {
+                Some((dir, _)) => {
                     self.ask(Continuation::Materialised(key), |req| HoldCmd::Members {
                         req,
-                        dir: dir.clone(),
+                        dir: dir.to_path_buf(),
                         leader: plan.target(),
                     })
                 }
-                Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
+                None => {
                     if let Some(h) = self.staged.get_mut(&key) {
                         h.members = vec![plan.target()];
                     }

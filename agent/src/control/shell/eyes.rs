@@ -9,7 +9,6 @@ use super::classify::Classifier;
 use crate::control::io::Obs;
 use crate::control::nvml::Refresh;
 use crate::control::table::Table;
-use crate::control::target::Plan;
 use crate::edges::doorbell::Doorbells;
 use crate::edges::gpu::GpuSampler;
 use crate::edges::procfs::ProcKey;
@@ -147,12 +146,16 @@ impl Eyes {
         )
     }
 
-    /// Vets whole-cgroup plans (rules mode: every member must be offline).
-    pub fn vet(&mut self, plans: Vec<(ProcKey, Plan)>, table: &Table) -> Obs {
+    /// Reads the members of cgroups suspensions would hold whole (rules mode: every member
+    /// must be offline).
+    pub fn vet(&mut self, cgroups: Vec<std::path::PathBuf>, table: &Table) -> Obs {
         Obs::Vetted(
-            plans
+            cgroups
                 .into_iter()
-                .map(|(k, plan)| (k, self.classifier.unmixed(plan, k, table)))
+                .map(|dir| {
+                    let members = self.classifier.vet(&dir, table);
+                    (dir, members)
+                })
                 .collect(),
         )
     }

@@ -416,7 +416,7 @@ impl Loop {
                 Cmd::Classify { pids, generation } => {
                     out.push(self.eyes.classify(&pids, generation, self.ctl.table()))
                 }
-                Cmd::Vet { plans } => out.push(self.eyes.vet(plans, self.ctl.table())),
+                Cmd::Vet { cgroups } => out.push(self.eyes.vet(cgroups, self.ctl.table())),
                 Cmd::ReadBells { force, sweep, gate } => {
                     let obs = self.eyes.bells(force, sweep, gate);
                     self.time_runs(&obs);

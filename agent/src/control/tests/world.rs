@@ -12,7 +12,7 @@ use crate::control::controller::Controller;
 use crate::control::entry::Entry;
 use crate::control::holds::{HoldCmd, HoldObs};
 use crate::control::io::{Cmd, Obs};
-use crate::control::target::Plan;
+use crate::control::plan::{CgroupFacts, Members};
 use crate::control::target::Target;
 use crate::edges::actuator::{ActError, Progress};
 use crate::edges::doorbell::{Owner, PageInfo};
@@ -505,7 +505,9 @@ impl World {
                     })
                     .collect(),
             ),
-            Cmd::Vet { plans } => Obs::Vetted(plans),
+            Cmd::Vet { cgroups } => {
+                Obs::Vetted(cgroups.into_iter().map(|d| (d, Members::Offline)).collect())
+            }
             Cmd::ReadBells { gate, .. } => {
                 let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
                 let pages = (self.gate && std::mem::take(&mut self.pages_changed))
@@ -778,15 +780,16 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
     } else {
         Class::Offline
     };
-    let leader = p.key;
-    let plan = match cgroup {
-        _ if p.online => None,
-        Some(dir) => Some(Plan::SignalCgroup {
-            dir,
-            version: crate::edges::actuator::CgroupVersion::V2,
-            leader,
-        }),
-        None => Some(Plan::Signal(leader)),
+    // The shared cgroup, declared offline as a whole (a pod's container): every process
+    // in it is stopped with signals (`--actuator signal`).
+    let facts = match cgroup {
+        Some(dir) if !p.online => CgroupFacts {
+            declared: Some(dir.display().to_string()),
+            dir: Some((dir, crate::edges::actuator::CgroupVersion::V2)),
+            holds_agent: false,
+            members: Members::Offline,
+        },
+        _ => CgroupFacts::default(),
     };
     Entry {
         key: p.key,
@@ -801,7 +804,7 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
         pod_uid: None,
         ns_pid: None,
         rung: false,
-        plan,
+        cgroup: facts,
         pinned: true,
         home: None,
         generation,
