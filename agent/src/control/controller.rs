@@ -21,7 +21,7 @@
 //!                                bells again (after a ring) ─► Snapshot
 //!  step(Snapshot) ─► samples ─► lists [─► Classify] ─► judge (health) ─► attribute the bells
 //!      [─► ReadLists, ReadBells: a launch of a process the lists do not hold yet]
-//!      ─► gate acks ─► book ─► retries ─► Machine::tick ─► [Vet] ─► book.suspend/resume
+//!      ─► gate acks ─► [memory] ─► book ─► retries ─► Machine::tick ─► plans ─► book.suspend/resume
 //!      ─► (record book: at once, or Write … Written) ─► Start/Check … ─► events ─► publish
 //! ```
 //!
@@ -37,7 +37,6 @@ use super::substates::Substates;
 use super::{LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
 use crate::control::model::ProcKey;
-use qos_core::Decision;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
@@ -66,8 +65,6 @@ enum Stage {
     Drain(Box<Stage>),
     /// Retries, the heartbeat and the decision.
     Decide,
-    /// The decision, once vetted.
-    Execute,
     /// After the decision's holds: the pending confirmations.
     Poll,
     /// After the confirmations: the re-check.
@@ -102,8 +99,6 @@ pub struct Controller {
     inbox: Vec<Obs>,
     /// Commands of the latest step not polled yet ([`Controller::poll_command`]).
     outbox: std::collections::VecDeque<Cmd>,
-    /// The decision waiting for its vetting.
-    decision: Option<Decision<ProcKey>>,
 }
 
 impl std::fmt::Debug for Controller {
@@ -135,7 +130,6 @@ impl Controller {
             rang: false,
             inbox: Vec::new(),
             outbox: std::collections::VecDeque::new(),
-            decision: None,
         }
     }
 
@@ -148,15 +142,26 @@ impl Controller {
         self.stage = Stage::Observe;
         self.snapshot.clear();
         self.rang = false;
-        let lists = (self.sub.observed.list_due(now)).map(|why| Cmd::ReadLists {
-            why,
-            known: self.known(),
-        });
+        let lists = (self.sub.observed.list_due(now)).map(|why| self.read_lists(why));
         let samples = (self.sub.observed.samples_due(now)).map(|gpus| Cmd::ReadSamples { gpus });
+        let memory = (self.sub.vault)
+            .memory_due(now, &self.sub.observed.table)
+            .map(|gpus| Cmd::ReadMemory { gpus });
         Reads {
             bells: self.sub.observed.bells_due(now),
             samples,
             lists,
+            memory,
+        }
+    }
+
+    /// The lists read for `why`: checked against the processes the controller knows, with
+    /// the members of the cgroups a suspension would hold whole read again.
+    fn read_lists(&self, why: super::nvml::Refresh) -> Cmd {
+        Cmd::ReadLists {
+            why,
+            known: self.known(),
+            cgroups: self.sub.observed.table.whole_cgroups(),
         }
     }
 
@@ -303,19 +308,12 @@ impl Controller {
                 Stage::Memory
             }
             Stage::Memory => {
-                let read = self.answer(|o| match o {
+                let read = self.snapshot(|o| match o {
                     Obs::Memory { reads, room } => Ok((reads, room)),
                     o => Err(o),
                 });
-                match read {
-                    Some((m, room)) => self.sub.memory(t, m, room),
-                    None if self.rang => {}
-                    None => {
-                        if let Some(gpus) = self.sub.vault.memory_due(t, &self.sub.observed.table) {
-                            self.ask(Cmd::ReadMemory { gpus });
-                            return Stage::Memory;
-                        }
-                    }
+                if let Some((m, room)) = read {
+                    self.sub.memory(t, m, room);
                 }
                 Stage::Drain(Box::new(Stage::Decide))
             }
@@ -333,26 +331,11 @@ impl Controller {
             }
             Stage::Decide => match self.sub.decide(t) {
                 None => Stage::Poll,
-                Some((d, cgroups)) => {
-                    self.decision = Some(d);
-                    if !cgroups.is_empty() {
-                        self.ask(Cmd::Vet { cgroups });
-                    }
-                    Stage::Execute
+                Some(d) => {
+                    self.sub.execute(d, now);
+                    Stage::Drain(Box::new(Stage::Poll))
                 }
             },
-            Stage::Execute => {
-                let vetted = self
-                    .answer(|o| match o {
-                        Obs::Vetted(v) => Ok(v),
-                        o => Err(o),
-                    })
-                    .unwrap_or_default();
-                if let Some(d) = self.decision.take() {
-                    self.sub.execute(d, vetted, now);
-                }
-                Stage::Drain(Box::new(Stage::Poll))
-            }
             Stage::Poll => {
                 self.sub.poll(t);
                 Stage::Drain(Box::new(Stage::Recheck))
@@ -410,19 +393,25 @@ impl Controller {
                 gone,
                 generation,
                 why,
-            } => Ok((listed, failed, gone, generation, why)),
+                members,
+            } => Ok((listed, failed, gone, generation, why, members)),
             o => Err(o),
         };
         let mut lists = self.answer(pick);
         if lists.is_none() && judge {
             // The snapshot's lists, read for why they were due.
             lists = self.snapshot(pick);
-            if let Some((.., why)) = &lists {
+            if let Some((.., why, _)) = &lists {
                 self.sub.observed.lists_read_for(*why);
             }
         }
-        let lists =
-            lists.map(|(listed, failed, gone, generation, _)| (listed, failed, gone, generation));
+        let lists = lists.map(|(listed, failed, gone, generation, _, members)| {
+            // What the cgroups a suspension would hold whole hold now (rules mode).
+            for (dir, m) in members {
+                self.sub.observed.table.members_read(&dir, m);
+            }
+            (listed, failed, gone, generation)
+        });
         match (lists, classified) {
             (None, _) => {
                 // Not in the snapshot: read now for samples of PIDs the table does not
@@ -441,8 +430,8 @@ impl Controller {
                 let Some(why) = why else {
                     return after(judge, &mut self.sub);
                 };
-                let known = self.known();
-                self.ask(Cmd::ReadLists { why, known });
+                let cmd = self.read_lists(why);
+                self.ask(cmd);
                 Stage::Lists { judge }
             }
             (Some((listed, failed, gone, generation)), None) => {
@@ -464,6 +453,7 @@ impl Controller {
                     failed,
                     gone,
                     generation,
+                    members: Vec::new(),
                 });
                 self.ask(Cmd::Classify { pids, generation });
                 Stage::Lists { judge }

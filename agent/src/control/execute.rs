@@ -15,31 +15,9 @@ use crate::control::model::ProcKey;
 use qos_core::machine::Reason;
 use qos_core::{Decision, Transition};
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 
 fn secs(ns: u64) -> f64 {
     ns as f64 / 1e9
-}
-
-/// The cgroups suspensions of `d` would hold whole if their members allow it: membership
-/// may have changed since classification, so the shell reads it again (rules mode)
-/// before the plans are chosen.
-pub fn to_vet(d: &Decision<ProcKey>, table: &Table) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = Vec::new();
-    for (key, _) in &d.suspend {
-        let Some(e) = table.entry(key) else {
-            continue;
-        };
-        if !e.cls.class.is_suspendable() || !e.pinned {
-            continue;
-        }
-        if let Some(dir) = e.cgroup.may_be_whole() {
-            if !out.iter().any(|d| d == dir) {
-                out.push(dir.to_path_buf());
-            }
-        }
-    }
-    out
 }
 
 /// The suspensions of a decision: (holder, plan), and (holder, reason), in order.

@@ -6,7 +6,7 @@
 //! Inside a tick the controller still asks for a few reads whose need only the snapshot
 //! shows: the classification of processes the lists name for the first time, the lists
 //! again for a launch of a process they do not hold yet (or for samples of an unknown PID),
-//! the doorbells again after those lists, whole-cgroup plans vetted, GPU memory. Every
+//! the doorbells again after those lists. Every
 //! command that reads something is answered by one observation, in the same round of the
 //! conversation, except a record [`Cmd::Write`], which the shell performs off the loop's
 //! thread and answers when it lands ([`Obs::Written`]), a later round or tick.
@@ -39,6 +39,9 @@ pub struct Reads {
     pub samples: Option<Cmd>,
     /// The running-process lists, if due: a [`Cmd::ReadLists`].
     pub lists: Option<Cmd>,
+    /// GPU memory, if due (memory preemption), unless a doorbell rang: a
+    /// [`Cmd::ReadMemory`].
+    pub memory: Option<Cmd>,
 }
 
 /// What the controller asks the shell to do.
@@ -51,13 +54,16 @@ pub enum Cmd {
         /// (GPU, newest timestamp seen, µs).
         gpus: Vec<(u32, u64)>,
     },
-    /// Read every GPU's running-process list, and tell which of `known` no longer live.
-    /// Answered by [`Obs::Lists`].
+    /// Read every GPU's running-process list, tell which of `known` no longer live, and
+    /// read the members of `cgroups` again (rules mode). Answered by [`Obs::Lists`].
     ReadLists {
         /// Why.
         why: Refresh,
         /// The processes the table knows, and whether the shell pins each (by its key).
         known: Vec<(ProcKey, bool)>,
+        /// The cgroups an offline process would be held with as a whole if every member is
+        /// offline.
+        cgroups: Vec<std::path::PathBuf>,
     },
     /// Classify these listed PIDs. Answered by [`Obs::Classified`].
     Classify {
@@ -65,12 +71,6 @@ pub enum Cmd {
         pids: Vec<u32>,
         /// The pod source's generation they are classified under.
         generation: u64,
-    },
-    /// Read the members of these cgroups again: suspensions would hold them whole (rules
-    /// mode: every member must be offline). Answered by [`Obs::Vetted`].
-    Vet {
-        /// The cgroup directories.
-        cgroups: Vec<std::path::PathBuf>,
     },
     /// Read the doorbell pages: sweep the directories of pods that are gone (`sweep`),
     /// rescan the directories when they changed or `force`, read every page; with `gate`,
@@ -99,7 +99,7 @@ pub enum Cmd {
     Degraded(Option<String>),
     /// Publish `/state` (the shell adds the event history).
     Publish(Box<StateDoc>),
-    /// Read these GPUs' memory (NVML). Answered by [`Obs::Memory`].
+    /// Read these GPUs' memory (NVML). Only in [`Reads`]; read into an [`Obs::Memory`].
     ReadMemory {
         /// The GPUs.
         gpus: Vec<u32>,
@@ -141,11 +141,11 @@ pub enum Obs {
         gone: Vec<ProcKey>,
         /// The pod source's generation.
         generation: u64,
+        /// What the members of the cgroups asked for are.
+        members: Vec<(std::path::PathBuf, Members)>,
     },
     /// Answers [`Cmd::Classify`]: each PID's entry (`None`: not in `/proc`, exited).
     Classified(Vec<(u32, Option<Entry>)>),
-    /// Answers [`Cmd::Vet`]: what each cgroup's members are.
-    Vetted(Vec<(std::path::PathBuf, Members)>),
     /// Answers [`Cmd::ReadBells`].
     Bells {
         /// The pages mapped now, when the set changed.

@@ -330,8 +330,8 @@ impl Substates {
     }
 
     /// The retries that are due, the heartbeat, and the decision if the machine has to
-    /// run: `Some` when there is something to do, with the plans to vet first.
-    pub fn decide(&mut self, t: u64) -> Option<(Decision<ProcKey>, Vec<PathBuf>)> {
+    /// run: `Some` when there is something to do.
+    pub fn decide(&mut self, t: u64) -> Option<Decision<ProcKey>> {
         self.complete();
         if self.observed.gates.beat_due(t) {
             self.out.push(Cmd::Beat);
@@ -376,8 +376,7 @@ impl Substates {
         if d.is_empty() {
             return None;
         }
-        let plans = execute::to_vet(&d, &self.observed.table);
-        Some((d, plans))
+        Some(d)
     }
 
     /// Each GPU's release window for the next decision: learned where the learner gives
@@ -452,15 +451,7 @@ impl Substates {
     }
 
     /// A decision becomes holds (recorded before acted on) and events.
-    pub fn execute(
-        &mut self,
-        d: Decision<ProcKey>,
-        vetted: Vec<(PathBuf, super::plan::Members)>,
-        now: u64,
-    ) {
-        for (dir, members) in vetted {
-            self.observed.table.members_read(&dir, members);
-        }
+    pub fn execute(&mut self, d: Decision<ProcKey>, now: u64) {
         self.notes.push(Note::Decision {
             suspend: d.suspend.len(),
             resume: d.resume.len(),

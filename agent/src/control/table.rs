@@ -147,6 +147,23 @@ impl Table {
         self.procs.values().map(|e| (e.key, e.pinned)).collect()
     }
 
+    /// The cgroups an offline process on a GPU would be held with as a whole if its
+    /// members allow it: their members are read again with the lists (rules mode).
+    pub fn whole_cgroups(&self) -> Vec<std::path::PathBuf> {
+        let mut out: Vec<std::path::PathBuf> = Vec::new();
+        for e in self.procs.values() {
+            if !e.cls.class.is_suspendable() || e.gpus.is_empty() {
+                continue;
+            }
+            if let Some(dir) = e.cgroup.may_be_whole() {
+                if !out.iter().any(|d| d == dir) {
+                    out.push(dir.to_path_buf());
+                }
+            }
+        }
+        out
+    }
+
     /// The members of cgroup `dir` were read (rules mode): the entries whose cgroup it is
     /// learn them.
     pub fn members_read(&mut self, dir: &std::path::Path, members: Members) {

@@ -217,7 +217,7 @@ impl Classifier {
         }
     }
 
-    /// Members of `dir`, read again (rules mode) at a suspension, warned about once.
+    /// Members of `dir`, read again (rules mode) with the lists, warned about once.
     pub fn vet(&mut self, dir: &std::path::Path, table: &Table) -> Members {
         let members = self.members(dir, table);
         if let Some(why) = members.alone(dir) {

@@ -109,8 +109,16 @@ impl Eyes {
         Obs::Samples { read, yielded }
     }
 
-    /// Reads every GPU's process list, and which of `known` no longer live.
-    pub fn lists(&mut self, gpus: &[u32], why: Refresh, known: &[(ProcKey, bool)]) -> Obs {
+    /// Reads every GPU's process list, which of `known` no longer live, and the members of
+    /// `cgroups` (rules mode; `table`: the classes it knows).
+    pub fn lists(
+        &mut self,
+        gpus: &[u32],
+        why: Refresh,
+        known: &[(ProcKey, bool)],
+        cgroups: Vec<std::path::PathBuf>,
+        table: &Table,
+    ) -> Obs {
         let generation = self.classifier.source.generation();
         let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
         let mut failed = BTreeMap::new();
@@ -128,12 +136,20 @@ impl Eyes {
             }
         }
         let gone = self.classifier.gone(known, &listed);
+        let members = cgroups
+            .into_iter()
+            .map(|dir| {
+                let m = self.classifier.vet(&dir, table);
+                (dir, m)
+            })
+            .collect();
         Obs::Lists {
             why,
             listed,
             failed,
             gone,
             generation,
+            members,
         }
     }
 
@@ -142,20 +158,6 @@ impl Eyes {
         Obs::Classified(
             pids.iter()
                 .map(|pid| (*pid, self.classifier.classify(*pid, generation, table)))
-                .collect(),
-        )
-    }
-
-    /// Reads the members of cgroups suspensions would hold whole (rules mode: every member
-    /// must be offline).
-    pub fn vet(&mut self, cgroups: Vec<std::path::PathBuf>, table: &Table) -> Obs {
-        Obs::Vetted(
-            cgroups
-                .into_iter()
-                .map(|dir| {
-                    let members = self.classifier.vet(&dir, table);
-                    (dir, members)
-                })
                 .collect(),
         )
     }

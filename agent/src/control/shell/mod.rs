@@ -300,6 +300,7 @@ impl Loop {
             bells,
             samples,
             lists,
+            memory,
         } = reads;
         let gate = matches!(bells, Cmd::ReadBells { gate: true, .. });
         let (mut snapshot, mut other): (Vec<Obs>, Vec<Obs>) = self
@@ -363,6 +364,15 @@ impl Loop {
                 }
             }
         }
+        // GPU memory waits for the next tick after a ring too.
+        if let Some(cmd) = memory.filter(|_| !rang) {
+            for o in self.perform(vec![cmd]) {
+                match o {
+                    Obs::Memory { .. } => snapshot.push(o),
+                    o => other.push(o),
+                }
+            }
+        }
         let mut out = vec![Obs::Snapshot {
             reads: snapshot,
             rang,
@@ -406,9 +416,14 @@ impl Loop {
                         out.push(Obs::WatchdogTripped);
                     }
                 }
-                Cmd::ReadLists { why, known } => {
+                Cmd::ReadLists {
+                    why,
+                    known,
+                    cgroups,
+                } => {
                     self.watchdog.enter(self.clock.now_ns());
-                    out.push(self.eyes.lists(&self.gpus, why, &known));
+                    let table = self.ctl.table();
+                    out.push(self.eyes.lists(&self.gpus, why, &known, cgroups, table));
                     if self.watchdog.leave(&self.hands) {
                         out.push(Obs::WatchdogTripped);
                     }
@@ -416,7 +431,6 @@ impl Loop {
                 Cmd::Classify { pids, generation } => {
                     out.push(self.eyes.classify(&pids, generation, self.ctl.table()))
                 }
-                Cmd::Vet { cgroups } => out.push(self.eyes.vet(cgroups, self.ctl.table())),
                 Cmd::ReadBells { force, sweep, gate } => {
                     let obs = self.eyes.bells(force, sweep, gate);
                     self.time_runs(&obs);

@@ -378,7 +378,7 @@ impl World {
         // The snapshot, as the shell gathers it: the doorbells first, then NVML (no page
         // rings during a read here).
         let reads = self.ctl.start_tick(self.now, None, self.generation);
-        let snapshot = [Some(reads.bells), reads.samples, reads.lists]
+        let snapshot = [Some(reads.bells), reads.samples, reads.lists, reads.memory]
             .into_iter()
             .flatten()
             .filter_map(|c| self.perform(c))
@@ -458,7 +458,11 @@ impl World {
                     .collect(),
                 yielded: false,
             },
-            Cmd::ReadLists { why, known } => {
+            Cmd::ReadLists {
+                why,
+                known,
+                cgroups,
+            } => {
                 let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
                 let mut failed = BTreeMap::new();
                 for g in &self.nvml_failing {
@@ -486,6 +490,8 @@ impl World {
                     failed,
                     gone,
                     generation: self.generation,
+                    // A pod's container: the pod source vouches for it.
+                    members: cgroups.into_iter().map(|d| (d, Members::Offline)).collect(),
                 }
             }
             Cmd::Classify { pids, generation } => Obs::Classified(
@@ -505,9 +511,6 @@ impl World {
                     })
                     .collect(),
             ),
-            Cmd::Vet { cgroups } => {
-                Obs::Vetted(cgroups.into_iter().map(|d| (d, Members::Offline)).collect())
-            }
             Cmd::ReadBells { gate, .. } => {
                 let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
                 let pages = (self.gate && std::mem::take(&mut self.pages_changed))
