@@ -140,6 +140,34 @@ impl Substates {
         self.out.extend(self.events.drain(..).map(Cmd::Emit));
     }
 
+    /// The tick's snapshot taken in, in the order its reads mean: the samples, the lists
+    /// (with the classification of what they name for the first time, and the members of
+    /// the cgroups held whole), the health policy's judgement of the tick's NVML calls,
+    /// the doorbell readings attributed, the gate holds' acknowledgements, GPU memory.
+    pub fn observe(&mut self, s: super::io::Snapshot, t: u64) {
+        let super::io::Snapshot {
+            bells,
+            samples,
+            lists,
+            memory,
+            rang: _,
+        } = s;
+        if let Some(super::io::Samples { read, yielded }) = samples {
+            self.observed.samples(read, yielded, t);
+        }
+        let listed = lists.is_some();
+        if let Some(l) = lists {
+            self.vault.gone(&l.gone);
+            self.observed.lists(t, l);
+        }
+        self.observed.judge_tick(t, &self.machine);
+        self.observed.bells_read(t, bells, listed);
+        self.gate_acks();
+        if let Some(m) = memory {
+            self.memory(t, m.reads, m.room);
+        }
+    }
+
     /// The gate holds waiting for their drain are told what their pages say.
     pub fn gate_acks(&mut self) {
         self.observed.gate_acks(&mut self.book);

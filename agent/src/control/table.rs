@@ -47,6 +47,15 @@ pub struct Table {
 }
 
 impl Table {
+    /// Whether a sample of `pid` on `gpu` names a process the table knows there (an exited
+    /// process's samples count for nothing, known or not).
+    pub fn knows_sample(&self, gpu: u32, pid: u32) -> bool {
+        match self.procs.get(&pid) {
+            Some(e) if e.gpus.contains(&gpu) => true,
+            _ => self.invisible.contains_key(&pid),
+        }
+    }
+
     /// Records a sample; returns `false` when the PID is unknown on that GPU (the caller
     /// re-reads the process list).
     pub fn note_sample(&mut self, gpu: u32, pid: u32, act: Activity) -> bool {

@@ -2,6 +2,8 @@
 //! the launch; a page that does not belong to an online process suspends nothing.
 
 use super::*;
+use crate::control::note::Note;
+use crate::control::nvml::Refresh;
 use crate::edges::doorbell::Owner;
 
 /// Offline 10 and online 20 on GPU 0, with the user's defaults (NVML read every 100 ms).
@@ -182,6 +184,33 @@ fn a_new_processs_first_launch_preempts_in_the_same_tick() {
     assert!(
         h.suspended(10),
         "the first launch of a process not yet in the lists waited for another tick"
+    );
+}
+
+/// A tenant's pages that name processes the driver never lists (two of them, ringing in
+/// turn at every tick) have the lists read for them at most once a second each: the reads
+/// a launch of a just-started process gets are not a tenant's to spend.
+#[test]
+fn a_page_naming_a_process_that_never_comes_costs_one_list_read_a_second() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h.bells.page(1, Owner::Pid(999), 0);
+    h.bells.page(2, Owner::Pid(998), 0);
+    for i in 0..1500 {
+        let now = h.now();
+        h.bells.ring(1 + i % 2, 0, now, now);
+        h.tick();
+    }
+    let for_pages =
+        h.lp.said
+            .iter()
+            .filter(|n| matches!(n, Note::ListRefresh(Refresh::Doorbell)))
+            .count();
+    assert!(
+        (1..=4).contains(&for_pages),
+        "{for_pages} list reads for the pages in 1.5 s"
     );
 }
 
