@@ -40,6 +40,9 @@ pub struct Eyes {
     pages: Vec<PageInfo>,
     /// When the lists were last read for a launch on each page (its owner unknown).
     refreshed: BTreeMap<u64, u64>,
+    /// Launches up to this time (the latest tick's) were judged for a process the
+    /// controller does not hold.
+    judged_until: u64,
     /// The latest round of sample reads was put off whole for a ring: the next one reads
     /// at least one GPU, whatever rings (a page ringing without a pause never starves
     /// NVML, which corroborates its claims).
@@ -66,6 +69,7 @@ impl Eyes {
             offline_pages: Vec::new(),
             pages: Vec::new(),
             refreshed: BTreeMap::new(),
+            judged_until: 0,
             pod_dirs_gen: None,
             put_off: false,
         }
@@ -167,14 +171,20 @@ impl Eyes {
         }
     }
 
-    /// Whether a reading of `bells` is a launch of a process the controller does not hold
-    /// yet (`known`), on a page not so seen in the last second before `now` (the tick's
-    /// time, as the controller counts it): the lists are read for it in the snapshot
-    /// unless they were already (a tenant's pages that name processes that never come
-    /// cost one read a second each at most).
+    /// Whether a reading of `bells` is a launch since the previous tick's (the pages are
+    /// read every tick; an older one was judged then) of a process the controller does
+    /// not hold yet (`known`), on a page not so seen in the last second before `now` (the
+    /// tick's time, as the controller counts it): the lists are read for it in the
+    /// snapshot unless they were already (a tenant's pages that name processes that never
+    /// come cost one read a second each at most).
     pub fn names_unknown(&mut self, bells: &Bells, known: &Known, now: u64) -> bool {
+        let since = std::mem::replace(&mut self.judged_until, now);
         let mut unknown = false;
-        for r in &bells.readings {
+        for r in bells
+            .readings
+            .iter()
+            .filter(|r| r.reading.last_launch_ns >= since)
+        {
             let Some(page) = self.pages.iter().find(|p| p.id == r.page) else {
                 continue;
             };
