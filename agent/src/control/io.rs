@@ -133,34 +133,41 @@ impl Known<'_> {
     /// (not listed yet, or not yet on that GPU): the lists are read for it.
     pub fn names_unknown(&self, page: &PageInfo, r: &BellReading) -> bool {
         let obs = self.observed;
-        let Some(gpu) = obs
-            .gpus()
-            .iter()
-            .map(|(g, _)| *g)
-            .find(|g| obs.bells.uuid_of(*g) == Some(r.reading.uuid))
-        else {
-            return false;
+        // A launch on a GPU the agent manages, newer than what it treats as history.
+        let counts = || {
+            let gpu = obs
+                .gpus()
+                .iter()
+                .map(|(g, _)| *g)
+                .find(|g| obs.bells.uuid_of(*g) == Some(r.reading.uuid))?;
+            let counts =
+                !obs.health.degraded(gpu) && r.reading.last_launch_ns > obs.sampling.blind(gpu);
+            counts.then_some(gpu)
         };
-        if obs.health.degraded(gpu) || r.reading.last_launch_ns <= obs.sampling.blind(gpu) {
-            return false;
-        }
         let table = &obs.table;
         match &page.owner {
             Owner::Pid(pid) => match table.by_pid(*pid) {
-                None => true,
-                Some(e) => {
-                    e.cls.class == Class::Online && e.uid == page.file_uid && !e.gpus.contains(&gpu)
-                }
+                None => counts().is_some(),
+                Some(e) if e.cls.class != Class::Online || e.uid != page.file_uid => false,
+                Some(e) => counts().is_some_and(|gpu| !e.gpus.contains(&gpu)),
             },
             Owner::Pod(uid) => {
-                let of_pod = || {
-                    table
-                        .entries()
-                        .filter(move |e| e.pod_uid.as_deref() == Some(uid.as_str()))
-                };
-                let mut online = of_pod().filter(|e| e.cls.class == Class::Online).peekable();
-                of_pod().next().is_none()
-                    || (online.peek().is_some() && !online.any(|e| e.gpus.contains(&gpu)))
+                let (mut of_pod, mut online) = (false, Vec::new());
+                for e in table.entries() {
+                    if e.pod_uid.as_deref() == Some(uid.as_str()) {
+                        of_pod = true;
+                        if e.cls.class == Class::Online {
+                            online.push(e);
+                        }
+                    }
+                }
+                match (of_pod, online.is_empty()) {
+                    (false, _) => counts().is_some(),
+                    (true, true) => false,
+                    (true, false) => {
+                        counts().is_some_and(|gpu| !online.iter().any(|e| e.gpus.contains(&gpu)))
+                    }
+                }
             }
         }
     }

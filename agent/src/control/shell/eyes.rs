@@ -37,7 +37,7 @@ pub struct Eyes {
     /// The pod source's generation when the pods' doorbell directories were last made.
     pod_dirs_gen: Option<u64>,
     /// Every page, as of the latest change of the set.
-    pages: Vec<PageInfo>,
+    pages: BTreeMap<u64, PageInfo>,
     /// When the lists were last read for a launch on each page (its owner unknown).
     refreshed: BTreeMap<u64, u64>,
     /// Launches up to this time (the latest tick's) were judged for a process the
@@ -67,7 +67,7 @@ impl Eyes {
             bells,
             classifier,
             offline_pages: Vec::new(),
-            pages: Vec::new(),
+            pages: BTreeMap::new(),
             refreshed: BTreeMap::new(),
             judged_until: 0,
             pod_dirs_gen: None,
@@ -185,7 +185,14 @@ impl Eyes {
             .iter()
             .filter(|r| r.reading.last_launch_ns >= since)
         {
-            let Some(page) = self.pages.iter().find(|p| p.id == r.page) else {
+            // Offline work's pages (their gate fields) are not what a launch of online work
+            // rings: their owners are judged by the controller alone (the lists at the next
+            // tick).
+            let Some(page) = self
+                .pages
+                .get(&r.page)
+                .filter(|p| p.class != coloc_doorbell::CLASS_OFFLINE)
+            else {
                 continue;
             };
             let recent = self
@@ -245,7 +252,7 @@ impl Eyes {
                 .filter(|p| p.class == coloc_doorbell::CLASS_OFFLINE)
                 .map(|p| p.id)
                 .collect();
-            self.pages = pages.clone();
+            self.pages = pages.iter().map(|p| (p.id, p.clone())).collect();
             let ids: BTreeSet<u64> = pages.iter().map(|p| p.id).collect();
             self.refreshed.retain(|id, _| ids.contains(id));
         }
