@@ -9,19 +9,23 @@
 //! [`Controller::poll_timeout`] or a doorbell.
 //!
 //! A tick starts with [`Controller::start_tick`], which says what is due ([`Reads`]); the
-//! shell gathers it, the doorbells first (a launch is never read after an NVML call that
-//! did not have to come first), and hands the snapshot to the first step. The controller
-//! judges it (classifying what the lists name for the first time), runs the state machine,
-//! and asks for what the hold book needs (the record first, then the actuator); the shell
-//! performs each round of commands and feeds the answers back, until the controller asks
-//! for nothing more.
+//! shell gathers it into one snapshot, the doorbells first (a launch is never read after
+//! an NVML call that did not have to come first), with everything else the tick reads:
+//! the classification of the PIDs the lists name that the controller does not know, the
+//! lists for a launch of a process they do not hold yet (judged from [`Known`]), GPU
+//! memory. The first step takes the snapshot in whole; no read is asked for after it. The
+//! controller then runs the state machine, chooses each suspension's plan, and asks for
+//! what the hold book needs (the record first, then the actuator); the shell performs
+//! each round of commands and feeds the answers back, until the controller asks for
+//! nothing more.
 //!
 //! ```text
-//!  start_tick ─► Reads ─► shell: bells, samples (stop at a ring), lists (not after a ring),
-//!                                bells again (after a ring) ─► Snapshot
-//!  step(Snapshot) ─► samples ─► lists [─► Classify] ─► judge (health) ─► attribute the bells
-//!      [─► ReadLists, ReadBells: a launch of a process the lists do not hold yet]
-//!      ─► gate acks ─► book ─► retries ─► Machine::tick ─► [Vet] ─► book.suspend/resume
+//!  start_tick ─► Reads ─► shell: bells, samples (stop at a ring), lists + classification
+//!                         (not after a ring), memory (not after a ring), bells again (after
+//!                         a ring); lists and bells again for a page of an unknown process
+//!                         ─► Snapshot
+//!  step(Snapshot) ─► samples ─► lists ─► judge (health) ─► attribute the bells ─► gate acks
+//!      ─► memory ─► book ─► retries ─► Machine::tick ─► plans ─► book.suspend/resume
 //!      ─► (record book: at once, or Write … Written) ─► Start/Check … ─► events ─► publish
 //! ```
 //!
@@ -29,16 +33,15 @@
 //! suspension's `Start` only in answer to `Recorded { ok: true }`, which the record book
 //! gives once the entries are on disk ([`crate::control::record`]).
 //!
-//! This file holds the conversation (where the tick stands, the answers awaited); the
-//! sub-states and what a tick does with them are [`Substates`].
+//! This file holds the conversation (where the tick stands, the hold book's answers
+//! awaited); the sub-states and what a tick does with them are [`Substates`].
 
-use super::io::{Cmd, Obs, Reads};
+use super::holds::HoldObs;
+use super::io::{Cmd, Known, Obs, Reads, Snapshot};
 use super::substates::Substates;
-use super::target::Plan;
 use super::{LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
 use crate::control::model::ProcKey;
-use qos_core::Decision;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
@@ -47,28 +50,12 @@ use std::path::PathBuf;
 enum Stage {
     /// Between ticks.
     Idle,
-    /// The samples, if due.
+    /// The tick's snapshot, taken in whole.
     Observe,
-    /// The lists, if due (after the samples); `judge`: this tick's regular read.
-    Lists {
-        /// This tick's regular read (else the one a doorbell asked for).
-        judge: bool,
-    },
-    /// Read the doorbells (`again`: after the lists a doorbell asked for).
-    Bells {
-        /// The second read of the tick.
-        again: bool,
-    },
-    /// The gate holds' acknowledgements.
-    Gates,
-    /// GPU memory, if due (memory preemption).
-    Memory,
     /// The hold book's conversation, then the stage in the box.
     Drain(Box<Stage>),
-    /// Retries, the heartbeat and the decision.
+    /// Retries, the heartbeat, the decision and its holds.
     Decide,
-    /// The decision, once vetted.
-    Execute,
     /// After the decision's holds: the pending confirmations.
     Poll,
     /// After the confirmations: the re-check.
@@ -88,23 +75,19 @@ pub struct Controller {
     stage: Stage,
     /// The tick's time.
     tick_ns: u64,
-    /// Answers awaited this round.
+    /// The hold book's answers awaited this round.
     awaiting: usize,
     /// A record write was asked for: the round ends there, so that an answer the shell
     /// gives at once is taken in before the conversation goes on.
     yielding: bool,
-    /// This round's answers.
-    answers: Vec<Obs>,
-    /// What is left of the tick's snapshot.
-    snapshot: Vec<Obs>,
-    /// A doorbell rang during the snapshot's NVML reads.
-    rang: bool,
+    /// This round's answers to hold commands.
+    answers: Vec<HoldObs>,
+    /// The tick's snapshot, until the first step takes it in.
+    snapshot: Option<Box<Snapshot>>,
     /// Observations handed in since the latest step ([`Controller::handle`]).
     inbox: Vec<Obs>,
     /// Commands of the latest step not polled yet ([`Controller::poll_command`]).
     outbox: std::collections::VecDeque<Cmd>,
-    /// The decision waiting for its vetting.
-    decision: Option<Decision<ProcKey>>,
 }
 
 impl std::fmt::Debug for Controller {
@@ -132,11 +115,9 @@ impl Controller {
             awaiting: 0,
             yielding: false,
             answers: Vec::new(),
-            snapshot: Vec::new(),
-            rang: false,
+            snapshot: None,
             inbox: Vec::new(),
             outbox: std::collections::VecDeque::new(),
-            decision: None,
         }
     }
 
@@ -147,30 +128,22 @@ impl Controller {
         self.tick_ns = now;
         self.sub.start_tick(slept, generation);
         self.stage = Stage::Observe;
-        self.snapshot.clear();
-        self.rang = false;
-        let lists = (self.sub.observed.list_due(now)).map(|why| Cmd::ReadLists {
-            why,
-            known: self.known(),
-        });
-        let samples = (self.sub.observed.samples_due(now)).map(|gpus| Cmd::ReadSamples { gpus });
+        self.snapshot = None;
+        let observed = &mut self.sub.observed;
         Reads {
-            bells: self.sub.observed.bells_due(now),
-            samples,
-            lists,
+            bells: observed.bells_due(now),
+            samples: observed.samples_due(now),
+            lists: observed.list_due(now),
+            memory: self.sub.vault.memory_due(now, &observed.table),
         }
     }
 
-    /// The processes the lists are checked against: the table's, and those the driver
-    /// holds checkpointed (they have left the lists), with their pins.
-    fn known(&self) -> Vec<(ProcKey, bool)> {
-        let mut known = self.sub.observed.table.known();
-        for (k, pin) in self.sub.vault.known() {
-            if !known.iter().any(|(kk, _)| *kk == k) {
-                known.push((k, pin));
-            }
+    /// What the controller knows, as the shell needs it while it gathers the snapshot.
+    pub fn known(&self) -> Known<'_> {
+        Known {
+            observed: &self.sub.observed,
+            vault: &self.sub.vault,
         }
-        known
     }
 
     /// Hands in one observation (quinn's `handle_*`): taken in by the step that
@@ -222,10 +195,7 @@ impl Controller {
 
     fn take(&mut self, o: Obs, now: u64) {
         match o {
-            Obs::Snapshot { reads, rang } => {
-                self.snapshot = reads;
-                self.rang = rang;
-            }
+            Obs::Snapshot(s) => self.snapshot = Some(s),
             Obs::Written { id, ok } => self.sub.written(id, ok, now),
             Obs::Driver(d) => self.sub.vault.done(d, now),
             Obs::WatchdogTripped => self.sub.after_watchdog(now),
@@ -234,9 +204,9 @@ impl Controller {
                 let n = self.sub.release_all(reason);
                 self.stage = Stage::Drain(Box::new(Stage::Released(reason, n)));
             }
-            o => {
+            Obs::Hold(h) => {
                 self.awaiting -= 1;
-                self.answers.push(o);
+                self.answers.push(h);
             }
         }
     }
@@ -247,81 +217,19 @@ impl Controller {
         self.sub.out.push(cmd);
     }
 
-    /// The answer of this round that `pick` takes, if any.
-    fn answer<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
-        take_one(&mut self.answers, pick)
-    }
-
-    /// The read of the tick's snapshot that `pick` takes, if any.
-    fn snapshot<T>(&mut self, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
-        take_one(&mut self.snapshot, pick)
-    }
-
     /// Runs one stage; returns the next (the same one when it waits for answers).
     fn run(&mut self, stage: Stage, now: u64) -> Stage {
         let t = self.tick_ns;
         match stage {
             Stage::Idle => Stage::Idle,
             Stage::Observe => {
-                let samples = self.snapshot(|o| match o {
-                    Obs::Samples { read, yielded } => Ok((read, yielded)),
-                    o => Err(o),
-                });
-                if let Some((read, yielded)) = samples {
-                    self.sub.observed.samples(read, yielded, t);
-                }
-                Stage::Lists { judge: true }
-            }
-            Stage::Lists { judge } => self.lists(judge, t),
-            Stage::Bells { again } => {
-                let pick = |o| match o {
-                    Obs::Bells {
-                        pages,
-                        readings,
-                        gates,
-                    } => Ok((pages, readings, gates)),
-                    o => Err(o),
-                };
-                let read = match again {
-                    false => self.snapshot(pick).or_else(|| self.answer(pick)),
-                    true => self.answer(pick),
-                };
-                let Some((pages, readings, gates)) = read else {
-                    let cmd = self.sub.observed.bells_due(t);
-                    self.ask(cmd);
-                    return Stage::Bells { again };
-                };
-                // A launch of a process that the driver's lists did not hold yet (it has
-                // just started): read the lists now and attribute the launch in this tick.
-                // Not judged: the health policy counts one judgement per tick.
-                if self.sub.observed.bells_read(t, pages, &readings, gates) && !again {
-                    return Stage::Lists { judge: false };
-                }
-                Stage::Gates
-            }
-            Stage::Gates => {
-                self.sub.gate_acks();
-                Stage::Memory
-            }
-            Stage::Memory => {
-                let read = self.answer(|o| match o {
-                    Obs::Memory { reads, room } => Ok((reads, room)),
-                    o => Err(o),
-                });
-                match read {
-                    Some((m, room)) => self.sub.memory(t, m, room),
-                    None if self.rang => {}
-                    None => {
-                        if let Some(gpus) = self.sub.vault.memory_due(t, &self.sub.observed.table) {
-                            self.ask(Cmd::ReadMemory { gpus });
-                            return Stage::Memory;
-                        }
-                    }
+                if let Some(s) = self.snapshot.take() {
+                    self.sub.observe(*s, t);
                 }
                 Stage::Drain(Box::new(Stage::Decide))
             }
             Stage::Drain(then) => {
-                let answers = self.take_holds();
+                let answers = std::mem::take(&mut self.answers);
                 let (asks, wrote) = self.sub.hold_round(answers, now);
                 self.yielding = wrote;
                 if asks.is_empty() && !wrote {
@@ -334,26 +242,11 @@ impl Controller {
             }
             Stage::Decide => match self.sub.decide(t) {
                 None => Stage::Poll,
-                Some((d, plans)) => {
-                    self.decision = Some(d);
-                    if !plans.is_empty() {
-                        self.ask(Cmd::Vet { plans });
-                    }
-                    Stage::Execute
+                Some(d) => {
+                    self.sub.execute(d, now);
+                    Stage::Drain(Box::new(Stage::Poll))
                 }
             },
-            Stage::Execute => {
-                let vetted: Vec<(ProcKey, Plan)> = self
-                    .answer(|o| match o {
-                        Obs::Vetted(v) => Ok(v),
-                        o => Err(o),
-                    })
-                    .unwrap_or_default();
-                if let Some(d) = self.decision.take() {
-                    self.sub.execute(d, vetted, now);
-                }
-                Stage::Drain(Box::new(Stage::Poll))
-            }
             Stage::Poll => {
                 self.sub.poll(t);
                 Stage::Drain(Box::new(Stage::Recheck))
@@ -373,107 +266,6 @@ impl Controller {
             Stage::Released(reason, n) => {
                 self.sub.released(reason, n, now);
                 Stage::Idle
-            }
-        }
-    }
-
-    /// This round's answers to hold commands.
-    fn take_holds(&mut self) -> Vec<super::holds::HoldObs> {
-        let mut out = Vec::new();
-        for o in std::mem::take(&mut self.answers) {
-            match o {
-                Obs::Hold(h) => out.push(h),
-                o => self.answers.push(o),
-            }
-        }
-        out
-    }
-
-    /// The lists, when due (`judge`: the tick's regular read; else a doorbell asked), and
-    /// the classification of what they name.
-    fn lists(&mut self, judge: bool, t: u64) -> Stage {
-        let after = |judged: bool, sub: &mut Substates| {
-            if judged {
-                sub.observed.judge_tick(t, &sub.machine);
-                Stage::Bells { again: false }
-            } else {
-                Stage::Bells { again: true }
-            }
-        };
-        let classified = self.answer(|o| match o {
-            Obs::Classified(c) => Ok(c),
-            o => Err(o),
-        });
-        let pick = |o| match o {
-            Obs::Lists {
-                listed,
-                failed,
-                gone,
-                generation,
-                why,
-            } => Ok((listed, failed, gone, generation, why)),
-            o => Err(o),
-        };
-        let mut lists = self.answer(pick);
-        if lists.is_none() && judge {
-            // The snapshot's lists, read for why they were due.
-            lists = self.snapshot(pick);
-            if let Some((.., why)) = &lists {
-                self.sub.observed.lists_read_for(*why);
-            }
-        }
-        let lists =
-            lists.map(|(listed, failed, gone, generation, _)| (listed, failed, gone, generation));
-        match (lists, classified) {
-            (None, _) => {
-                // Not in the snapshot: read now for samples of PIDs the table does not
-                // know (unless a doorbell rang: then at the next tick), or for a launch of
-                // a process the lists do not hold yet.
-                let why = if !judge {
-                    Some(super::nvml::Refresh::Doorbell)
-                } else if !self.rang && self.sub.observed.unknown_pids() {
-                    self.sub
-                        .observed
-                        .lists_read_for(super::nvml::Refresh::UnknownPid);
-                    Some(super::nvml::Refresh::UnknownPid)
-                } else {
-                    None
-                };
-                let Some(why) = why else {
-                    return after(judge, &mut self.sub);
-                };
-                let known = self.known();
-                self.ask(Cmd::ReadLists { why, known });
-                Stage::Lists { judge }
-            }
-            (Some((listed, failed, gone, generation)), None) => {
-                self.sub.vault.gone(&gone);
-                let pids = self
-                    .sub
-                    .observed
-                    .listed(t, &listed, &failed, &gone, generation);
-                if pids.is_empty() {
-                    self.sub
-                        .observed
-                        .apply_lists(t, listed, failed, generation, Vec::new());
-                    return after(judge, &mut self.sub);
-                }
-                // The lists wait with the answers for their classification.
-                self.answers.push(Obs::Lists {
-                    why: super::nvml::Refresh::Interval,
-                    listed,
-                    failed,
-                    gone,
-                    generation,
-                });
-                self.ask(Cmd::Classify { pids, generation });
-                Stage::Lists { judge }
-            }
-            (Some((listed, failed, _, generation)), Some(classified)) => {
-                self.sub
-                    .observed
-                    .apply_lists(t, listed, failed, generation, classified);
-                after(judge, &mut self.sub)
             }
         }
     }
@@ -522,19 +314,4 @@ impl Controller {
     pub fn table(&self) -> &super::table::Table {
         &self.sub.observed.table
     }
-}
-
-/// Takes the first of `from` that `pick` takes, leaving the others in order.
-fn take_one<T>(from: &mut Vec<Obs>, pick: impl Fn(Obs) -> Result<T, Obs>) -> Option<T> {
-    let mut found = None;
-    for o in std::mem::take(from) {
-        match found {
-            None => match pick(o) {
-                Ok(t) => found = Some(t),
-                Err(o) => from.push(o),
-            },
-            Some(_) => from.push(o),
-        }
-    }
-    found
 }

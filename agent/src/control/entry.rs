@@ -1,9 +1,11 @@
 //! One GPU process in the table, and how its activity is noted (runs, onsets, the
 //! latest evidence per GPU).
 
+use crate::control::model::act::Kind;
 use crate::control::model::process::Classified;
 use crate::control::model::ProcKey;
-use crate::control::target::Plan;
+use crate::control::plan::CgroupFacts;
+use crate::control::target::Stop;
 use qos_core::Signal;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -37,8 +39,9 @@ pub struct Entry {
     pub ns_pid: Option<u32>,
     /// A doorbell page is attributed to it (its launches are seen as they happen).
     pub rung: bool,
-    /// How it is suspended (offline processes only).
-    pub plan: Option<Plan>,
+    /// What the shell observed of its cgroup: how it may be stopped (offline processes;
+    /// [`crate::control::plan`]).
+    pub cgroup: CgroupFacts,
     /// The shell pins it with a pidfd (tells cheaply when it has exited; the handle its
     /// signals go through), named by its key.
     pub pinned: bool,
@@ -66,11 +69,22 @@ pub struct Activity {
 }
 
 impl Entry {
-    /// The cgroup directory whose holds stop it: its plan's cgroup, else its own.
+    /// How it is stopped under `--actuator` `preferred` (offline processes only).
+    pub fn stop(&self, preferred: Kind) -> Option<Stop> {
+        self.cls
+            .class
+            .is_suspendable()
+            .then(|| crate::control::plan::stop(self.key, preferred, &self.cgroup))
+    }
+
+    /// The cgroup directory whose holds stop it: the cgroup it is held with as a whole,
+    /// else its own.
     pub fn stopped_with(&self) -> Option<&std::path::Path> {
-        self.plan
-            .as_ref()
-            .and_then(|p| p.cgroup())
+        self.cls
+            .class
+            .is_suspendable()
+            .then(|| self.cgroup.whole_dir())
+            .flatten()
             .or(self.home.as_deref())
     }
 

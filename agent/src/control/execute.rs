@@ -1,16 +1,16 @@
-//! A decision becomes holds and events: the plan of each suspension, assembled here and
-//! nowhere else at suspension (the table's, vetted in rules mode; the driver's lock where
-//! it applies; behind a gate where one applies), and the preempt/release events that wait
-//! for their holds' confirmations.
+//! A decision becomes holds and events: the facts each suspension's plan is chosen from,
+//! gathered here ([`plan::choose`] chooses), and the preempt/release events that wait for
+//! their holds' confirmations.
 
 use super::bells::Bells;
 use super::events::{Event, Preempt, Release, Tracker};
 use super::gates::Gates;
 use super::holds::HoldKey;
 use super::note::{self, Note};
+use super::plan;
 use super::table::Table;
 use super::target::Plan;
-use crate::control::model::act::Op;
+use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
 use qos_core::machine::Reason;
 use qos_core::{Decision, Transition};
@@ -20,36 +20,21 @@ fn secs(ns: u64) -> f64 {
     ns as f64 / 1e9
 }
 
-/// A plan to vet: (holder, plan).
-pub type ToVet = (ProcKey, Plan);
-
-/// The suspensions whose plan freezes or stops a whole cgroup: membership may have
-/// changed since classification, so the shell checks them again (rules mode) before they
-/// are used: (holder, plan, the holder alone).
-pub fn to_vet(d: &Decision<ProcKey>, table: &Table) -> Vec<ToVet> {
-    d.suspend
-        .iter()
-        .filter_map(|(key, _)| {
-            let e = table.entry(key)?;
-            let plan = e.plan.clone()?;
-            e.pinned.then_some(())?;
-            matches!(plan, Plan::Freeze(_) | Plan::SignalCgroup { .. }).then(|| (*key, plan))
-        })
-        .collect()
-}
-
 /// The suspensions of a decision: (holder, plan), and (holder, reason), in order.
 pub type Planned = (Vec<(ProcKey, Plan)>, Vec<(ProcKey, Reason)>);
 
-/// The plan of each suspension, in the decision's order (`vetted` replaces a whole-cgroup
-/// plan), with its reason.
+/// The plan of each suspension, in the decision's order, with its reason: the facts
+/// gathered — the table's (what the shell observed of the process's cgroup), the vault's
+/// (whether the driver's lock applies), the gate book's (the GPU's gate slot, for online
+/// work busy there) — and the plan chosen from them ([`plan::choose`]).
+#[allow(clippy::too_many_arguments)]
 pub fn plans(
     d: &Decision<ProcKey>,
+    preferred: Kind,
     vault: &super::vault::Vault,
     table: &Table,
     gates: &Gates,
     bells: &Bells,
-    vetted: &[(ProcKey, Plan)],
     notes: &mut Vec<Note>,
 ) -> Planned {
     let mut reqs = Vec::new();
@@ -58,19 +43,20 @@ pub fn plans(
         let Some(entry) = table.entry(key) else {
             continue;
         };
-        let (Some(plan), true) = (entry.plan.clone(), entry.pinned) else {
+        if !entry.cls.class.is_suspendable() || !entry.pinned {
             continue;
+        }
+        let gate = match reason {
+            Reason::OnlineBusy { gpu } => gates.slot(table, bells, key, *gpu),
+            Reason::ShareCap => None,
         };
-        let plan = vetted
-            .iter()
-            .find(|(k, _)| k == key)
-            .map_or(plan, |(_, p)| p.clone());
-        // The driver's lock where it applies (its refusal leaves the table's plan).
-        let plan = vault.plan(table, key, plan);
-        let plan = match reason {
-            Reason::OnlineBusy { gpu } => gates.plan(table, bells, key, *gpu, plan),
-            Reason::ShareCap => plan,
-        };
+        let plan = plan::choose(&plan::Facts {
+            key: *key,
+            preferred,
+            cgroup: &entry.cgroup,
+            lock: vault.would_lock(table, key),
+            gate,
+        });
         notes.push(note::Suspending { reason: *reason }.into());
         reqs.push((*key, plan));
         reasons.push((*key, *reason));

@@ -32,7 +32,7 @@ use crate::control::bells::Bells;
 use crate::control::model::bell::Owner;
 use crate::control::model::ProcKey;
 use crate::control::table::Table;
-use crate::control::target::{GateSlot, Plan};
+use crate::control::target::GateSlot;
 use coloc_doorbell::GateReading;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -146,23 +146,15 @@ impl Gates {
         out
     }
 
-    /// The plan for suspending `key` because online work is busy on `gpu`: a gate when it
-    /// applies (see the module's rules), else `plan`.
-    pub fn plan(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32, plan: Plan) -> Plan {
-        match self.gate(table, bells, key, gpu) {
-            Some(gate) => Plan::gated(gate, plan),
-            None => plan,
-        }
-    }
-
     /// Whether a suspension of `key` for online work on `gpu` would close its gate there
     /// first (the learned release window needs every offline process so bounded).
     pub fn gated(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> bool {
-        self.gate(table, bells, key, gpu).is_some()
+        self.slot(table, bells, key, gpu).is_some()
     }
 
-    /// The gate of `key` on `gpu`, when the module's rules give one.
-    fn gate(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> Option<GateSlot> {
+    /// The gate of `key` on `gpu`, when the module's rules give one (the fact
+    /// [`crate::control::plan::choose`] takes for a suspension for online work there).
+    pub fn slot(&self, table: &Table, bells: &Bells, key: &ProcKey, gpu: u32) -> Option<GateSlot> {
         let file = self.file.as_ref()?;
         if self.silent(key) {
             return None;

@@ -26,11 +26,13 @@
 //! loop), [`vault`] (the driver's lock and memory preemption), [`record`] (the record
 //! book: written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
 //! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a
-//! decision into holds and events), [`publish`] (summaries and `/state`), [`target`] (what
-//! a hold suspends, named without a file descriptor; freezer or signal, whole cgroup or
-//! one process), [`state`] (the `/state` document and the handle shared with HTTP),
-//! [`learn`] (the learned release window), [`coverage`] and [`reason`] (what `/state`
-//! says of each process); [`shell`] (the loop itself: its eyes, hands, pins, scribe,
+//! decision into holds and events), [`plan`] (the plan of a suspension, chosen in one
+//! place from the facts the others supply), [`publish`] (summaries and `/state`),
+//! [`target`] (what a hold suspends, named without a file descriptor; freezer or signal,
+//! whole cgroup or one process), [`state`] (the `/state` document and the handle shared
+//! with HTTP), [`learn`] (the learned release window), [`coverage`] and [`reason`] (what
+//! `/state` says of each process); [`shell`] (the loop itself: its eyes, hands, pins,
+//! scribe,
 //! renderer and watchdog).
 
 pub mod bells;
@@ -50,6 +52,7 @@ pub mod note;
 pub mod nvml;
 pub mod observed;
 pub mod pace;
+pub mod plan;
 pub mod publish;
 pub mod reason;
 pub mod record;

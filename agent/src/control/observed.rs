@@ -15,12 +15,10 @@ use super::nvml::{Refresh, Sampling};
 use super::table::{Activity, Table};
 use super::LoopConfig;
 use crate::control::model::act::RecordEntry;
-use crate::control::model::bell::{BellReading, PageInfo};
 use crate::control::model::gpu;
 use crate::control::model::ProcKey;
-use coloc_doorbell::GateReading;
 use qos_core::{GpuInput, Machine};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -29,6 +27,8 @@ use std::time::Duration;
 pub struct Observed {
     gpus: Vec<(u32, String)>,
     grace: Duration,
+    /// `--actuator`.
+    preferred: crate::control::model::act::Kind,
     pub(crate) table: Table,
     pub(crate) sampling: Sampling,
     pub(crate) health: Health,
@@ -66,6 +66,7 @@ impl Observed {
         let ns = |d: Duration| d.as_nanos() as u64;
         Observed {
             grace: cfg.nvml_grace,
+            preferred: cfg.actuator,
             table: Table::default(),
             sampling: Sampling::new(
                 gpus.iter().map(|g| g.0).collect(),
@@ -129,33 +130,23 @@ impl Observed {
         !self.unknown.is_empty()
     }
 
-    /// The lists are read for `why` (the note that says so).
-    pub fn lists_read_for(&mut self, why: Refresh) {
+    /// The lists read (and the classification of the PIDs they named for the first
+    /// time, the members of the cgroups held whole), applied.
+    pub fn lists(&mut self, t: u64, l: super::io::Lists) {
+        let super::io::Lists {
+            why,
+            listed,
+            failed,
+            gone: _,
+            generation,
+            classified,
+            members,
+        } = l;
         self.notes.push(note::ListRefresh { why }.into());
-    }
-
-    /// The lists were read: the PIDs to classify.
-    pub fn listed(
-        &mut self,
-        t: u64,
-        listed: &BTreeMap<u32, BTreeSet<u32>>,
-        failed: &BTreeMap<u32, String>,
-        gone: &[ProcKey],
-        generation: u64,
-    ) -> Vec<u32> {
-        self.sampling.listed(t, failed);
-        self.table.to_classify(listed, gone, generation)
-    }
-
-    /// The lists and the classification of what they named, applied.
-    pub fn apply_lists(
-        &mut self,
-        t: u64,
-        listed: BTreeMap<u32, BTreeSet<u32>>,
-        failed: BTreeMap<u32, String>,
-        generation: u64,
-        classified: Vec<(u32, Option<super::entry::Entry>)>,
-    ) {
+        self.sampling.listed(t, &failed);
+        for (dir, m) in members {
+            self.table.members_read(&dir, m);
+        }
         let failed: BTreeSet<u32> = failed.into_keys().collect();
         let notes = self
             .table
@@ -169,7 +160,7 @@ impl Observed {
         // preemption that suspends it waits for no write.
         let gpus = &self.gpus;
         let uuid = |g: u32| gpus.iter().find(|(i, _)| *i == g).map(|(_, u)| u.clone());
-        self.ahead = Some(self.table.ahead(self.gates.file(), uuid));
+        self.ahead = Some(self.table.ahead(self.preferred, self.gates.file(), uuid));
     }
 
     /// The tick's NVML calls, judged (when some ran).
@@ -218,22 +209,22 @@ impl Observed {
         self.out.push(Cmd::Degraded(self.health.describe()));
     }
 
-    /// The doorbell pages read: their launches attributed. True when a launch of a
-    /// process the lists do not hold yet asks for the lists now.
-    pub fn bells_read(
-        &mut self,
-        t: u64,
-        pages: Option<Vec<PageInfo>>,
-        readings: &[BellReading],
-        gates: Vec<(u64, Vec<GateReading>)>,
-    ) -> bool {
+    /// The doorbell pages read: their launches attributed. A launch of a process the
+    /// lists do not hold yet has them read at the next tick, unless this tick's snapshot
+    /// read them (`listed`: the shell judged them read for it).
+    pub fn bells_read(&mut self, t: u64, read: super::io::Bells, listed: bool) {
+        let super::io::Bells {
+            pages,
+            readings,
+            gates,
+        } = read;
         if let Some(pages) = pages {
             self.bells
                 .pages_changed(pages, &self.table, t, &mut self.notes);
         }
         let (health, sampling) = (&self.health, &self.sampling);
         let rung = self.bells.attribute(
-            readings,
+            &readings,
             t,
             &mut self.table,
             &mut self.learner,
@@ -246,16 +237,15 @@ impl Observed {
         if let Some(ids) = self.bells.preferred(t) {
             self.out.push(Cmd::PreferPages(ids));
         }
-        if rung.refresh {
+        if rung.refresh && !listed {
             self.sampling.asked = Some(Refresh::Doorbell);
         }
-        rung.refresh
     }
 
     /// Whether this read of the doorbells rescans, and sweeps, and reads gates.
-    pub fn bells_due(&mut self, t: u64) -> Cmd {
+    pub fn bells_due(&mut self, t: u64) -> super::io::BellsRead {
         let (force, sweep) = self.bells.due(t);
-        Cmd::ReadBells {
+        super::io::BellsRead {
             force,
             sweep,
             gate: self.gates.on(),

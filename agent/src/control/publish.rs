@@ -89,7 +89,7 @@ pub fn state_doc(
                     owner: e.cls.owner.clone(),
                     cmd: e.cmd.clone(),
                     suspended: machine.suspended().contains_key(&e.key),
-                    actuator: e.plan.as_ref().map(|p| p.kind()),
+                    actuator: e.stop(h.actuator).map(|s| s.kind()),
                     last_active_ms_ago: e.last_active.get(&g).map(|t| ms_ago(*t)),
                     driver: None,
                     checkpointed_bytes: None,

@@ -16,7 +16,6 @@ use super::pace::{Due, Pacer};
 use super::publish::{GpuSummary, Header};
 use super::record::RecordBook;
 use super::retry::Retries;
-use super::target::Plan;
 use super::vault::{RecordAsk, Vault};
 use super::{execute, LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
@@ -139,6 +138,34 @@ impl Substates {
         self.notes.extend(self.book.take_notes());
         self.out.extend(self.notes.drain(..).map(Cmd::Note));
         self.out.extend(self.events.drain(..).map(Cmd::Emit));
+    }
+
+    /// The tick's snapshot taken in, in the order its reads mean: the samples, the lists
+    /// (with the classification of what they name for the first time, and the members of
+    /// the cgroups held whole), the health policy's judgement of the tick's NVML calls,
+    /// the doorbell readings attributed, the gate holds' acknowledgements, GPU memory.
+    pub fn observe(&mut self, s: super::io::Snapshot, t: u64) {
+        let super::io::Snapshot {
+            bells,
+            samples,
+            lists,
+            memory,
+            rang: _,
+        } = s;
+        if let Some(super::io::Samples { read, yielded }) = samples {
+            self.observed.samples(read, yielded, t);
+        }
+        let listed = lists.is_some();
+        if let Some(l) = lists {
+            self.vault.gone(&l.gone);
+            self.observed.lists(t, l);
+        }
+        self.observed.judge_tick(t, &self.machine);
+        self.observed.bells_read(t, bells, listed);
+        self.gate_acks();
+        if let Some(m) = memory {
+            self.memory(t, m.reads, m.room);
+        }
     }
 
     /// The gate holds waiting for their drain are told what their pages say.
@@ -331,8 +358,8 @@ impl Substates {
     }
 
     /// The retries that are due, the heartbeat, and the decision if the machine has to
-    /// run: `Some` when there is something to do, with the plans to vet first.
-    pub fn decide(&mut self, t: u64) -> Option<(Decision<ProcKey>, Vec<execute::ToVet>)> {
+    /// run: `Some` when there is something to do.
+    pub fn decide(&mut self, t: u64) -> Option<Decision<ProcKey>> {
         self.complete();
         if self.observed.gates.beat_due(t) {
             self.out.push(Cmd::Beat);
@@ -377,8 +404,7 @@ impl Substates {
         if d.is_empty() {
             return None;
         }
-        let plans = execute::to_vet(&d, &self.observed.table);
-        Some((d, plans))
+        Some(d)
     }
 
     /// Each GPU's release window for the next decision: learned where the learner gives
@@ -459,7 +485,7 @@ impl Substates {
     }
 
     /// A decision becomes holds (recorded before acted on) and events.
-    pub fn execute(&mut self, d: Decision<ProcKey>, vetted: Vec<(ProcKey, Plan)>, now: u64) {
+    pub fn execute(&mut self, d: Decision<ProcKey>, now: u64) {
         self.notes.push(
             note::Decision {
                 suspend: d.suspend.len(),
@@ -471,11 +497,11 @@ impl Substates {
         self.harvest(&d.transitions);
         let (reqs, reasons) = execute::plans(
             &d,
+            self.header.actuator,
             &self.vault,
             &self.observed.table,
             &self.observed.gates,
             &self.observed.bells,
-            &vetted,
             &mut self.notes,
         );
         let started = if reqs.is_empty() {

@@ -11,10 +11,11 @@
 //! The table does no I/O: the shell reads the lists and classifies the PIDs the table
 //! names ([`Table::to_classify`]); the table applies what it is told ([`Table::apply`]).
 
+use crate::control::model::act::Kind;
 use crate::control::model::act::RecordEntry;
 use crate::control::model::ProcKey;
 use crate::control::note::{self, Note};
-use crate::control::target::Plan;
+use crate::control::plan::Members;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -46,6 +47,15 @@ pub struct Table {
 }
 
 impl Table {
+    /// Whether a sample of `pid` on `gpu` names a process the table knows there (an exited
+    /// process's samples count for nothing, known or not).
+    pub fn knows_sample(&self, gpu: u32, pid: u32) -> bool {
+        match self.procs.get(&pid) {
+            Some(e) if e.gpus.contains(&gpu) => true,
+            _ => self.invisible.contains_key(&pid),
+        }
+    }
+
     /// Records a sample; returns `false` when the PID is unknown on that GPU (the caller
     /// re-reads the process list).
     pub fn note_sample(&mut self, gpu: u32, pid: u32, act: Activity) -> bool {
@@ -146,6 +156,33 @@ impl Table {
         self.procs.values().map(|e| (e.key, e.pinned)).collect()
     }
 
+    /// The cgroups an offline process on a GPU would be held with as a whole if its
+    /// members allow it: their members are read again with the lists (rules mode).
+    pub fn whole_cgroups(&self) -> Vec<std::path::PathBuf> {
+        let mut out: Vec<std::path::PathBuf> = Vec::new();
+        for e in self.procs.values() {
+            if !e.cls.class.is_suspendable() || e.gpus.is_empty() {
+                continue;
+            }
+            if let Some(dir) = e.cgroup.may_be_whole() {
+                if !out.iter().any(|d| d == dir) {
+                    out.push(dir.to_path_buf());
+                }
+            }
+        }
+        out
+    }
+
+    /// The members of cgroup `dir` were read (rules mode): the entries whose cgroup it is
+    /// learn them.
+    pub fn members_read(&mut self, dir: &std::path::Path, members: Members) {
+        for e in self.procs.values_mut() {
+            if e.cgroup.may_be_whole() == Some(dir) {
+                e.cgroup.members = members;
+            }
+        }
+    }
+
     /// The listed PIDs to classify: unknown, replaced by another process (`gone` names the
     /// old one), or classified under an older pod-source generation.
     pub fn to_classify(
@@ -244,11 +281,13 @@ impl Table {
     }
 
     /// What the record should hold ahead: every target an offline process on a GPU could
-    /// be suspended through (its plan's own target; a signalled cgroup's leader, its other
-    /// members being read at suspension), and with `gate` (the gate file; `uuid`: a GPU's
-    /// UUID) the gate of the GPU an offline process uses alone.
+    /// be suspended through (its stop's own target under `--actuator` `preferred`; a
+    /// signalled cgroup's leader, its other members being read at suspension), and with
+    /// `gate` (the gate file; `uuid`: a GPU's UUID) the gate of the GPU an offline process
+    /// uses alone.
     pub fn ahead(
         &self,
+        preferred: Kind,
         gate: Option<&std::path::Path>,
         uuid: impl Fn(u32) -> Option<String>,
     ) -> BTreeSet<RecordEntry> {
@@ -257,17 +296,9 @@ impl Table {
             if e.cls.class != Class::Offline || e.gpus.is_empty() {
                 continue;
             }
-            match &e.plan {
-                // The process (a signalled cgroup's leader), the cgroup or the lock.
-                Some(
-                    p @ (Plan::Freeze(_)
-                    | Plan::Signal(_)
-                    | Plan::Lock(_)
-                    | Plan::SignalCgroup { .. }),
-                ) => {
-                    out.insert(p.target().record());
-                }
-                Some(Plan::Gate { .. }) | None => {}
+            // The process (a signalled cgroup's leader) or the cgroup.
+            if let Some(stop) = e.stop(preferred) {
+                out.insert(stop.target().record());
             }
             if let (Some(file), [gpu]) = (gate, &e.gpus.iter().copied().collect::<Vec<_>>()[..]) {
                 if let Some(uuid) = uuid(*gpu) {

@@ -1,8 +1,7 @@
 //! What a suspension holds: its [`Target`] (a whole cgroup, one process, a launch gate,
-//! the driver's lock), the [`Plan`] of an offline process (freeze, signal it alone or
-//! with its cgroup, gate it, lock it), and the [`HoldKey`] two processes of one frozen
-//! cgroup share. The plan is chosen when the process is classified (the shell's
-//! `choose`), and by the vault at suspension (the driver's lock).
+//! the driver's lock), the [`Plan`] of an offline process (a [`Stop`] or the driver's
+//! lock, [`Held`] at once or behind its launch gate), and the [`HoldKey`] two processes of
+//! one frozen cgroup share. The plan is chosen in one place, [`crate::control::plan`].
 //!
 //! A [`Target`] here names what is suspended and holds no file descriptor: a process is
 //! named by its key, and the shell keeps the pidfd that pins it (opened when it was
@@ -109,12 +108,10 @@ impl std::fmt::Display for Target {
     }
 }
 
-/// How one offline process is suspended. Each variant names only what it can hold: a
-/// cgroup is frozen, a process is stopped or locked by its key, a gate is one process's
-/// slot for one GPU. (A gate's fallback is a plan too; [`Plan::gated`] never puts a gate
-/// behind a gate.)
+/// A stop: the freezer, or SIGSTOP through the pins (the hold book stops again what a
+/// tenant resumes, and freezes a signalled cgroup that keeps resuming itself).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Plan {
+pub enum Stop {
     /// Freeze a cgroup (declared offline as a whole, or a cell of the agent's own).
     Freeze(Frozen),
     /// Stop the process alone, through its pin.
@@ -128,18 +125,35 @@ pub enum Plan {
         /// The GPU process itself.
         leader: ProcKey,
     },
+}
+
+/// What holds an offline process: a stop, or the CUDA driver's lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Held {
+    /// A stop (freezer or signals).
+    Stop(Stop),
+    /// The CUDA driver's lock (`cuCheckpointProcessLock`): its CUDA calls block, its CPU
+    /// threads run on. Held by the vault ([`crate::control::vault`]); where the driver
+    /// refuses, the process is stopped instead from its next suspension on.
+    Lock(ProcKey),
+}
+
+/// How one offline process is suspended, chosen in one place
+/// ([`crate::control::plan::choose`]): what holds it, behind its launch gate where one
+/// applies. Nothing can stand behind a stop or a lock, and a gate never stands behind a
+/// gate: the type cannot say either.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// Held at once.
+    Now(Held),
     /// Close the GPU's launch gate for the process, then hold it with `fallback` once the
     /// gate has drained (acknowledged) or `--gate-timeout` passed.
     Gate {
         /// The gate.
         gate: GateSlot,
-        /// What suspends the process without the gate.
-        fallback: Box<Plan>,
+        /// What holds the process once its gate has drained.
+        fallback: Held,
     },
-    /// Hold the process with the CUDA driver's lock: its CUDA calls block, its CPU threads
-    /// run on. Chosen at suspension by the vault ([`crate::control::vault::Vault::plan`])
-    /// in place of the table's plan, which stays the fallback where the driver refuses.
-    Lock(ProcKey),
 }
 
 /// A cgroup to freeze.
@@ -194,25 +208,93 @@ pub enum HoldKey {
     Lock(ProcKey),
 }
 
+impl Stop {
+    /// The hold this stop suspends.
+    pub fn hold_key(&self) -> HoldKey {
+        match self {
+            Stop::Freeze(f) => HoldKey::Cgroup(f.dir.clone()),
+            Stop::Signal(key) => HoldKey::Process(*key),
+            Stop::SignalCgroup { dir, .. } => HoldKey::Group(dir.clone()),
+        }
+    }
+
+    /// The one target this stop acts on first: the cgroup, or the process (the leader of
+    /// a signalled cgroup).
+    pub fn target(&self) -> Target {
+        match self {
+            Stop::Freeze(f) => Target::Cgroup {
+                dir: f.dir.clone(),
+                version: f.version,
+                cell: f.cell.clone(),
+            },
+            Stop::Signal(key) | Stop::SignalCgroup { leader: key, .. } => {
+                Target::Process { key: *key }
+            }
+        }
+    }
+
+    /// The actuator this stop uses.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Stop::Freeze(_) => Kind::Freezer,
+            Stop::Signal(_) | Stop::SignalCgroup { .. } => Kind::Signal,
+        }
+    }
+
+    /// The cgroup directory this stop freezes or signals as a whole, if any.
+    pub fn cgroup(&self) -> Option<&std::path::Path> {
+        match self {
+            Stop::Freeze(Frozen { dir, .. }) | Stop::SignalCgroup { dir, .. } => Some(dir),
+            Stop::Signal(_) => None,
+        }
+    }
+}
+
+impl Held {
+    /// The hold this suspends.
+    pub fn hold_key(&self) -> HoldKey {
+        match self {
+            Held::Stop(s) => s.hold_key(),
+            Held::Lock(key) => HoldKey::Lock(*key),
+        }
+    }
+
+    /// The one target this acts on first.
+    pub fn target(&self) -> Target {
+        match self {
+            Held::Stop(s) => s.target(),
+            Held::Lock(key) => Target::Lock { key: *key },
+        }
+    }
+
+    /// The actuator this uses.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Held::Stop(s) => s.kind(),
+            Held::Lock(_) => Kind::Lock,
+        }
+    }
+
+    /// The cgroup directory this freezes or signals as a whole, if any.
+    pub fn cgroup(&self) -> Option<&std::path::Path> {
+        match self {
+            Held::Stop(s) => s.cgroup(),
+            Held::Lock(_) => None,
+        }
+    }
+}
+
 impl Plan {
-    /// `plan` behind the launch gate `gate` (a plan behind a gate already keeps its
-    /// fallback: never a gate behind a gate).
-    pub fn gated(gate: GateSlot, plan: Plan) -> Plan {
-        let fallback = match plan {
-            Plan::Gate { fallback, .. } => fallback,
-            p => Box::new(p),
-        };
-        Plan::Gate { gate, fallback }
+    /// Stop the process alone, at once.
+    pub fn signal(key: ProcKey) -> Plan {
+        Plan::Now(Held::Stop(Stop::Signal(key)))
     }
 
     /// The hold this plan suspends.
     pub fn hold_key(&self) -> HoldKey {
         match self {
-            Plan::Freeze(f) => HoldKey::Cgroup(f.dir.clone()),
-            Plan::Signal(key) => HoldKey::Process(*key),
-            Plan::SignalCgroup { dir, .. } => HoldKey::Group(dir.clone()),
+            Plan::Now(h) => h.hold_key(),
             Plan::Gate { gate, .. } => HoldKey::Gate(gate.key),
-            Plan::Lock(key) => HoldKey::Lock(*key),
         }
     }
 
@@ -220,40 +302,66 @@ impl Plan {
     /// signalled cgroup), the gate, the lock.
     pub fn target(&self) -> Target {
         match self {
-            Plan::Freeze(f) => Target::Cgroup {
-                dir: f.dir.clone(),
-                version: f.version,
-                cell: f.cell.clone(),
-            },
-            Plan::Signal(key) | Plan::SignalCgroup { leader: key, .. } => {
-                Target::Process { key: *key }
-            }
+            Plan::Now(h) => h.target(),
             Plan::Gate { gate, .. } => Target::Gate {
                 key: gate.key,
                 uuid: gate.uuid,
                 file: gate.file.clone(),
             },
-            Plan::Lock(key) => Target::Lock { key: *key },
         }
     }
 
     /// The actuator this plan uses.
     pub fn kind(&self) -> Kind {
         match self {
-            Plan::Freeze(_) => Kind::Freezer,
-            Plan::Signal(_) | Plan::SignalCgroup { .. } => Kind::Signal,
+            Plan::Now(h) => h.kind(),
             Plan::Gate { .. } => Kind::Gate,
-            Plan::Lock(_) => Kind::Lock,
+        }
+    }
+
+    /// What holds the process: at once, or once its gate has drained.
+    pub fn held(&self) -> &Held {
+        match self {
+            Plan::Now(h) | Plan::Gate { fallback: h, .. } => h,
         }
     }
 
     /// The cgroup directory this plan freezes or signals as a whole, if any (a process
     /// inside it is stopped when the hold is).
     pub fn cgroup(&self) -> Option<&std::path::Path> {
+        self.held().cgroup()
+    }
+
+    /// The cgroup this plan stops with signals at once (its members are listed first), and
+    /// its hierarchy (the freezer it escalates to).
+    pub fn signalled_cgroup(&self) -> Option<(&std::path::Path, CgroupVersion)> {
         match self {
-            Plan::Freeze(Frozen { dir, .. }) | Plan::SignalCgroup { dir, .. } => Some(dir),
-            Plan::Gate { fallback, .. } => fallback.cgroup(),
-            _ => None,
+            Plan::Now(Held::Stop(Stop::SignalCgroup { dir, version, .. })) => Some((dir, *version)),
+            Plan::Now(_) | Plan::Gate { .. } => None,
+        }
+    }
+
+    /// What holds a gated process once its gate has drained, as a plan of its own.
+    pub fn fallback(&self) -> Option<Plan> {
+        match self {
+            Plan::Gate { fallback, .. } => Some(Plan::Now(fallback.clone())),
+            Plan::Now(_) => None,
+        }
+    }
+
+    /// Whether what holds the process stops it alone.
+    pub fn stops_alone(&self) -> bool {
+        matches!(self.held(), Held::Stop(Stop::Signal(_)))
+    }
+
+    /// This plan with what holds the process replaced by `f` of it (the gate kept).
+    pub fn map_held(self, f: impl FnOnce(Held) -> Held) -> Plan {
+        match self {
+            Plan::Now(h) => Plan::Now(f(h)),
+            Plan::Gate { gate, fallback } => Plan::Gate {
+                gate,
+                fallback: f(fallback),
+            },
         }
     }
 }
@@ -262,32 +370,30 @@ impl Plan {
 mod tests {
     use super::*;
 
-    /// A plan names only what it can hold, and a gate is never put behind a gate: a plan
-    /// gated again keeps the first gate's fallback, behind the new gate.
+    /// A plan names only what it can hold: a gated plan acts on its gate first and holds
+    /// with its fallback, a lock's target is the lock.
     #[test]
-    fn a_gated_plan_is_never_a_gate_behind_a_gate() {
+    fn a_plan_acts_on_its_gate_first_and_holds_with_its_fallback() {
         let key = ProcKey { pid: 10, start: 7 };
-        let slot = |b: u8| GateSlot {
+        let gate = GateSlot {
             key,
-            uuid: [b; 16],
+            uuid: [1; 16],
             file: "/tmp/coloc-gates".into(),
         };
-        let once = Plan::gated(slot(1), Plan::Signal(key));
-        let twice = Plan::gated(slot(2), once.clone());
+        let gated = Plan::Gate {
+            gate: gate.clone(),
+            fallback: Held::Stop(Stop::Signal(key)),
+        };
+        assert_eq!(gated.hold_key(), HoldKey::Gate(key));
+        assert_eq!(gated.kind(), Kind::Gate);
+        assert_eq!(gated.fallback(), Some(Plan::signal(key)));
+        assert!(gated.stops_alone());
         assert_eq!(
-            twice,
-            Plan::Gate {
-                gate: slot(2),
-                fallback: Box::new(Plan::Signal(key)),
-            }
-        );
-        assert_eq!(twice.hold_key(), HoldKey::Gate(key));
-        assert_eq!(twice.kind(), Kind::Gate);
-        assert_eq!(
-            Plan::Lock(key).target(),
+            Plan::Now(Held::Lock(key)).target(),
             Target::Lock { key },
             "a lock's target is the lock"
         );
-        assert_eq!(Plan::Signal(key).target(), Target::Process { key });
+        assert_eq!(Plan::signal(key).target(), Target::Process { key });
+        assert_eq!(Plan::signal(key).fallback(), None);
     }
 }

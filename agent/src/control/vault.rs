@@ -5,11 +5,12 @@
 //! process that satisfies both:
 //!
 //! - **the lock hold** (`--driver-lock`, and every process memory preemption may take): a
-//!   suspension whose plan is [`Plan::Lock`] — after the launch gate where there is one —
+//!   suspension whose plan holds the process by the driver's lock
+//!   ([`crate::control::target::Held::Lock`], after the launch gate where there is one)
 //!   asks the vault to lock the process; its release asks for the unlock. The hold book
 //!   records the lock before it asks (its `Lock` entry) and reads the vault's answer as it
-//!   reads an actuator's ([`Vault::hold`]). A process the driver refuses falls back to the
-//!   table's plan (freezer or signal) from its next suspension on.
+//!   reads an actuator's ([`Vault::hold`]). A process the driver refuses is stopped
+//!   instead (freezer or signal) from its next suspension on.
 //! - **memory preemption** (`--memory-reserve`): while online work is present on a GPU and
 //!   its free memory is under the reserve, the opted-in offline processes there are locked
 //!   and checkpointed, largest first, until what they hold covers what is missing; each is
@@ -42,7 +43,6 @@ use crate::control::model::gpu::GpuMemory;
 use crate::control::model::ProcKey;
 use crate::control::note::{self, Note};
 use crate::control::table::Table;
-use crate::control::target::Plan;
 use crate::control::target::Target;
 use qos_core::Class;
 use std::collections::{BTreeMap, BTreeSet};
@@ -393,17 +393,10 @@ impl Vault {
             && self.slots.get(key).is_none_or(|s| s.refused.is_none())
     }
 
-    /// Whether a suspension of the table's `key` now would be a lock.
+    /// Whether a suspension of the table's `key` now would be a lock (the fact
+    /// [`crate::control::plan::choose`] takes).
     pub fn would_lock(&self, table: &Table, key: &ProcKey) -> bool {
         table.entry(key).is_some_and(|e| self.lockable(key, &e.cls))
-    }
-
-    /// The plan for suspending `key`: the driver's lock where it applies, else `plan`.
-    pub fn plan(&self, table: &Table, key: &ProcKey, plan: Plan) -> Plan {
-        match table.entry(key) {
-            Some(e) if self.lockable(key, &e.cls) => Plan::Lock(*key),
-            _ => plan,
-        }
     }
 
     /// What the record should hold ahead: the lock of every process a suspension would

@@ -14,7 +14,6 @@ use super::{
 use crate::control::model::act::{Kind, Op};
 use crate::control::model::ProcKey;
 use crate::control::note::{self, FailWhy};
-use crate::control::target::Plan;
 use crate::control::target::Target;
 
 impl HoldBook {
@@ -115,16 +114,16 @@ impl HoldBook {
                 .into(),
             );
         }
-        match &fallback {
-            Plan::SignalCgroup { dir, .. } => {
-                let (dir, leader) = (dir.clone(), fallback.target());
+        match fallback.signalled_cgroup() {
+            Some((dir, _)) => {
+                let (dir, leader) = (dir.to_path_buf(), fallback.target());
                 self.ask(Continuation::FallbackListed(r), |req| HoldCmd::Members {
                     req,
                     dir,
                     leader,
                 });
             }
-            Plan::Freeze(_) | Plan::Signal(_) | Plan::Lock(_) | Plan::Gate { .. } => {
+            None => {
                 self.record_fallback(r, vec![fallback.target()]);
             }
         }

@@ -151,11 +151,9 @@ enum Means {
 impl Means {
     /// What a hold by `plan` keeps.
     fn of(plan: &Plan) -> Means {
-        match plan {
-            Plan::Gate { fallback, .. } => Means::Gate {
-                fallback: (**fallback).clone(),
-            },
-            p => Means::signal(p).map_or(Means::Plain, |backstop| Means::Signal { backstop }),
+        match plan.fallback() {
+            Some(fallback) => Means::Gate { fallback },
+            None => Means::signal(plan).map_or(Means::Plain, |backstop| Means::Signal { backstop }),
         }
     }
 }

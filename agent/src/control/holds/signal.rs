@@ -14,7 +14,7 @@ use super::{Continuation, Hold, HoldBook, HoldCmd, HoldRef, Means, Progress, Sta
 use crate::control::model::act::Op;
 use crate::control::model::ProcKey;
 use crate::control::note;
-use crate::control::target::{Frozen, Plan, Target};
+use crate::control::target::{Frozen, Held, Plan, Stop, Target};
 
 /// Breaks after which a signalled cgroup is frozen.
 pub const ESCALATE_AFTER: u32 = 2;
@@ -52,13 +52,15 @@ impl Means {
     /// The backstop of a hold by `plan`, if it is by signal.
     pub(super) fn signal(plan: &Plan) -> Option<Backstop> {
         match plan {
-            Plan::SignalCgroup { dir, version, .. } => Some(Backstop::Freezer(Target::Cgroup {
-                dir: dir.clone(),
-                version: *version,
-                cell: None,
-            })),
-            Plan::Signal(_) => Some(Backstop::Cell),
-            _ => None,
+            Plan::Now(Held::Stop(Stop::SignalCgroup { dir, version, .. })) => {
+                Some(Backstop::Freezer(Target::Cgroup {
+                    dir: dir.clone(),
+                    version: *version,
+                    cell: None,
+                }))
+            }
+            Plan::Now(Held::Stop(Stop::Signal(_))) => Some(Backstop::Cell),
+            Plan::Now(_) | Plan::Gate { .. } => None,
         }
     }
 }
@@ -125,33 +127,29 @@ impl HoldBook {
     /// `plan`, or the freezer of its signalled cgroup when that cgroup had to be frozen
     /// in the last [`REMEMBER_NS`] (its processes resumed themselves).
     pub(super) fn remembered(&self, plan: &Plan) -> Plan {
-        match plan {
-            Plan::SignalCgroup { dir, version, .. }
+        plan.clone().map_held(|held| match held {
+            Held::Stop(Stop::SignalCgroup { dir, version, .. })
                 if self
                     .resumed_itself
-                    .get(dir)
+                    .get(&dir)
                     .is_some_and(|at| self.now_ns.saturating_sub(*at) < REMEMBER_NS) =>
             {
-                Plan::Freeze(Frozen {
-                    dir: dir.clone(),
-                    version: *version,
+                Held::Stop(Stop::Freeze(Frozen {
+                    dir,
+                    version,
                     cell: None,
-                })
+                }))
             }
             // A process that had to be moved into a cell of the agent's own: moved in and
             // frozen at once.
-            Plan::Signal(key) => match self.isolated.get(key) {
+            Held::Stop(Stop::Signal(key)) => match self.isolated.get(&key) {
                 Some((cell, at)) if self.now_ns.saturating_sub(*at) < REMEMBER_NS => {
-                    Frozen::of(cell).map_or(plan.clone(), Plan::Freeze)
+                    Frozen::of(cell).map_or(held, |f| Held::Stop(Stop::Freeze(f)))
                 }
-                _ => plan.clone(),
+                _ => held,
             },
-            Plan::Gate { gate, fallback } => Plan::Gate {
-                gate: gate.clone(),
-                fallback: Box::new(self.remembered(fallback)),
-            },
-            p => p.clone(),
-        }
+            h => h,
+        })
     }
 
     /// A `Confirming` suspension by signal looked at, with `running` (its members not seen

@@ -34,7 +34,7 @@ impl HoldBook {
                 continue;
             }
             out.started.push((*holder, key.clone()));
-            let listing = matches!(plan, Plan::SignalCgroup { .. });
+            let listing = plan.signalled_cgroup().is_some();
             let hold = Hold {
                 serial: self.serial(),
                 state: if listing {
@@ -55,10 +55,10 @@ impl HoldBook {
                 escaping: false,
             };
             let r = self.add(key, hold);
-            if let Plan::SignalCgroup { dir, .. } = plan {
+            if let Some((dir, _)) = plan.signalled_cgroup() {
                 self.ask(Continuation::Listed(r), |req| HoldCmd::Members {
                     req,
-                    dir: dir.clone(),
+                    dir: dir.to_path_buf(),
                     leader: plan.target(),
                 });
             }

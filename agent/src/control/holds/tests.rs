@@ -4,7 +4,7 @@
 use super::*;
 use crate::control::model::act::Op;
 use crate::control::model::act::{ActError, CgroupVersion};
-use crate::control::target::GateSlot;
+use crate::control::target::{GateSlot, Held, Stop};
 
 const MS: u64 = 1_000_000;
 
@@ -47,7 +47,7 @@ fn req_of(c: &HoldCmd) -> Req {
 fn a_suspension_is_asked_for_only_after_the_record_says_it_holds_it() {
     let mut b = HoldBook::new(Duration::from_secs(1));
     let (k, _) = proc_target(10);
-    let started = b.suspend(&[(k, Plan::Signal(k))], 0);
+    let started = b.suspend(&[(k, Plan::signal(k))], 0);
     assert_eq!(started.started.len(), 1);
     let cmds = b.take_commands();
     assert!(
@@ -87,7 +87,7 @@ fn a_suspension_is_asked_for_only_after_the_record_says_it_holds_it() {
 fn a_record_that_cannot_be_written_means_no_suspension_and_a_retry() {
     let mut b = HoldBook::new(Duration::from_secs(1));
     let (k, _) = proc_target(10);
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, Plan::signal(k))], 0);
     let cmds = b.take_commands();
     b.observe(
         vec![HoldObs::Recorded {
@@ -114,7 +114,7 @@ fn a_failed_suspension_is_undone_and_a_release_leaves_the_record_in_one_write() 
     let mut b = HoldBook::new(Duration::from_secs(1));
     let (k1, _) = proc_target(10);
     let (k2, _) = proc_target(11);
-    b.suspend(&[(k1, Plan::Signal(k1)), (k2, Plan::Signal(k2))], 0);
+    b.suspend(&[(k1, Plan::signal(k1)), (k2, Plan::signal(k2))], 0);
     let cmds = b.take_commands();
     // One request per hold (the record book writes whatever is missing in one write, and
     // a hold already on disk waits for no other's write); answered together, they start
@@ -198,7 +198,7 @@ fn a_failed_suspension_is_undone_and_a_release_leaves_the_record_in_one_write() 
 fn a_pending_suspension_is_checked_on_a_doubling_schedule_and_times_out() {
     let mut b = HoldBook::new(Duration::from_millis(10));
     let (k, _) = proc_target(10);
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, Plan::signal(k))], 0);
     let c = b.take_commands();
     b.observe(
         vec![HoldObs::Recorded {
@@ -300,7 +300,7 @@ fn gate_plan(pid: u32) -> (ProcKey, Plan) {
         k,
         Plan::Gate {
             gate,
-            fallback: Box::new(Plan::Signal(k)),
+            fallback: Held::Stop(Stop::Signal(k)),
         },
     )
 }
@@ -399,7 +399,7 @@ fn a_gate_waiting_for_its_ack_is_not_due_in_the_past() {
 fn release_all_resumes_a_hold_whose_suspension_started_but_was_not_answered() {
     let mut b = HoldBook::new(Duration::from_secs(1));
     let (k, _) = proc_target(10);
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, Plan::signal(k))], 0);
     answer(&mut b, 0, |req| HoldObs::Recorded { req, ok: true });
     let c = b.take_commands();
     assert!(matches!(
@@ -521,7 +521,7 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
             uuid: [uuid; 16],
             file: "/tmp/coloc-book-gates".into(),
         },
-        fallback: Box::new(Plan::SignalCgroup {
+        fallback: Held::Stop(Stop::SignalCgroup {
             dir: dir.clone(),
             version: CgroupVersion::V2,
             leader: k,
@@ -581,11 +581,11 @@ fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
         cell: None,
     };
     let (k, t) = proc_target(10);
-    let plan = Plan::SignalCgroup {
+    let plan = Plan::Now(Held::Stop(Stop::SignalCgroup {
         dir,
         version: CgroupVersion::V2,
         leader: k,
-    };
+    }));
     (k, t, cg, plan)
 }
 
@@ -951,7 +951,7 @@ fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first()
         (Op::Suspend, Target::Process { .. }) => Progress::Pending,
         _ => Progress::Done,
     };
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, Plan::signal(k))], 0);
     let mut cmds = Vec::new();
     let mut now = 0;
     while now <= 30 * MS {
@@ -989,7 +989,7 @@ fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first()
     assert!(!rec.contains(&cell.record()), "{rec:?}");
     // The next busy period: into the cell and frozen at once, recorded first.
     now += 5 * MS;
-    b.suspend(&[(k, Plan::Signal(k))], now);
+    b.suspend(&[(k, Plan::signal(k))], now);
     let cmds = shell(&mut b, now, &mut rec, &[], &mut |_, _, _| Progress::Done);
     let recorded = cmds.iter().position(
         |c| matches!(c, HoldCmd::RecordAdd { entries, .. } if entries.contains(&cell.record())),
@@ -1029,7 +1029,7 @@ fn a_process_that_no_cell_can_hold_is_reported_escaping_and_the_cell_asked_once(
         (Op::Suspend, Target::Process { .. }) if r.get() => Progress::Pending,
         _ => Progress::Done,
     };
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, Plan::signal(k))], 0);
     let mut cmds = Vec::new();
     let mut now = 0;
     let mut unheld = Vec::new();
@@ -1072,10 +1072,7 @@ fn a_process_that_no_cell_can_hold_is_reported_escaping_and_the_cell_asked_once(
 #[test]
 fn a_cgroup_hold_on_its_way_stops_its_processes_for_the_driver() {
     let (k, _t, _cg, plan) = signalled_cgroup();
-    let dir = match &plan {
-        Plan::SignalCgroup { dir, .. } => dir.clone(),
-        p => panic!("{p:?}"),
-    };
+    let dir = plan.cgroup().expect("a signalled cgroup").to_path_buf();
     let other = ProcKey { pid: 99, start: 1 };
     let mut b = HoldBook::new(Duration::from_secs(1));
     assert!(!b.stops(&other, Some(&dir)));
@@ -1362,9 +1359,9 @@ fn a_release_overtakes_a_gate_waiting_for_its_acknowledgement() {
 #[test]
 fn a_hold_released_while_recording_is_never_started() {
     let (k, _) = proc_target(10);
-    let key = Plan::Signal(k).hold_key();
+    let key = Plan::signal(k).hold_key();
     let mut b = HoldBook::new(Duration::from_secs(1));
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, Plan::signal(k))], 0);
     let c = b.take_commands();
     assert_eq!(state(&b, &key), Some("Recording"));
     b.resume(&[k], MS);

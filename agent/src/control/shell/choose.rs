@@ -1,27 +1,23 @@
-//! The plan of an offline process, chosen when it is classified (the shell's part: it
-//! looks at the host's cgroup mounts and the agent's own cgroups).
+//! What the shell observes of an offline process's cgroup when it classifies the process
+//! (the facts the controller's [`crate::control::plan`] chooses the plan from): the cgroup
+//! the pod source declares offline as a whole, its freezer directory under the host's
+//! cgroup mounts, and whether the agent itself lives in it. The plan is not chosen here.
 //!
-//! - A cgroup the pod source declared offline as a whole (a pod's container, a rule's
-//!   `cgroup` matcher) is frozen with the freezer when it is preferred and available, or
-//!   else every process in it is stopped with signals — its CPU-only children too.
-//! - A process known to be offline only by itself (exe, cmdline, uid rules) is stopped
-//!   alone, with a signal through its pidfd.
-//! - A cgroup that contains the agent itself is never frozen or signalled as a whole.
-//!
-//! May touch: nothing (the mounts and the agent's cgroups are read at start).
+//! May touch: checks that the freezer files exist (the mounts and the agent's cgroups
+//! are read at start).
 
 use crate::control::model::process::Classified;
 use crate::control::model::Kind;
-use crate::control::target::{Frozen, Plan};
+use crate::control::plan::CgroupFacts;
 use crate::edges::cgroupfs::CgroupMounts;
 use crate::edges::procfs::{Cgroups, ProcInfo};
 #[cfg(test)]
 use std::path::PathBuf;
 
-/// Chooses plans.
+/// Observes cgroups.
 #[derive(Debug, Clone)]
 pub struct Chooser {
-    /// `--actuator`.
+    /// `--actuator` (for the one-time warning when the freezer cannot be used).
     pub preferred: Kind,
     /// The host's cgroup mounts.
     pub mounts: CgroupMounts,
@@ -30,21 +26,12 @@ pub struct Chooser {
 }
 
 impl Chooser {
-    /// The plan for an offline process, and why the preferred actuator is not used when it
-    /// is not (for a one-time warning).
-    pub fn choose(&self, info: &ProcInfo, cls: &Classified) -> (Plan, Option<String>) {
-        let alone = Plan::Signal(info.key);
+    /// What is observed of the cgroup of offline process `info`, classified `cls` (its
+    /// members are read by the classifier, in rules mode).
+    pub fn facts(&self, info: &ProcInfo, cls: &Classified) -> CgroupFacts {
         let Some(path) = &cls.freeze_cgroup else {
-            let why = (self.preferred == Kind::Freezer)
-                .then(|| "its rule does not declare a whole cgroup offline".to_string());
-            return (alone, why);
+            return CgroupFacts::default();
         };
-        if self.contains_agent(path) {
-            return (
-                alone,
-                Some(format!("cgroup {path} contains the agent itself")),
-            );
-        }
         let v2 = info.cgroups.v2.as_deref().filter(|p| p == path);
         let v1 = info
             .cgroups
@@ -52,28 +39,11 @@ impl Chooser {
             .get("freezer")
             .map(String::as_str)
             .filter(|p| p == path);
-        let Some((dir, version)) = self.mounts.dir_for(v2, v1) else {
-            let why = (self.preferred == Kind::Freezer)
-                .then(|| format!("no freezer for cgroup {path} under the cgroup root"));
-            return (alone, why);
-        };
-        match self.preferred {
-            Kind::Freezer => (
-                Plan::Freeze(Frozen {
-                    dir,
-                    version,
-                    cell: None,
-                }),
-                None,
-            ),
-            Kind::Signal | Kind::Gate | Kind::Lock => (
-                Plan::SignalCgroup {
-                    dir,
-                    version,
-                    leader: info.key,
-                },
-                None,
-            ),
+        CgroupFacts {
+            declared: Some(path.clone()),
+            dir: self.mounts.dir_for(v2, v1),
+            holds_agent: self.contains_agent(path),
+            members: Default::default(),
         }
     }
 
@@ -135,51 +105,46 @@ mod tests {
         (chooser, info, cls, dir, guard)
     }
 
+    /// The declared cgroup's freezer directory is found under the mounts, and the agent
+    /// is found in it (or beneath it) by its own cgroups; a process known offline only by
+    /// itself has no cgroup to observe.
     #[test]
-    fn a_declared_cgroup_is_frozen_or_signalled_whole() {
-        let (mut c, info, cls, dir, _root) = setup("0::/system.slice/agent.service\n");
-        let (plan, why) = c.choose(&info, &cls);
-        assert!(
-            matches!(&plan, Plan::Freeze(Frozen { dir: d, .. }) if *d == dir),
-            "{plan:?}"
+    fn a_declared_cgroups_freezer_and_the_agent_in_it_are_observed() {
+        let (c, info, cls, dir, _root) = setup("0::/system.slice/agent.service\n");
+        let facts = c.facts(&info, &cls);
+        assert_eq!(
+            facts.dir,
+            Some((dir, crate::control::model::act::CgroupVersion::V2))
         );
-        assert_eq!(why, None);
-        c.preferred = Kind::Signal;
-        let (plan, _) = c.choose(&info, &cls);
-        assert!(
-            matches!(&plan, Plan::SignalCgroup { dir: d, .. } if *d == dir),
-            "{plan:?}"
-        );
-        // Only the process is known offline: it is stopped alone.
-        let (plan, why) = c.choose(
+        assert!(!facts.holds_agent);
+        assert_eq!(facts.declared.as_deref(), Some("/batch/job"));
+        let facts = c.facts(
             &info,
             &Classified {
                 freeze_cgroup: None,
-                ..cls
+                ..cls.clone()
             },
         );
-        assert!(matches!(plan, Plan::Signal(_)), "{plan:?}");
-        assert_eq!(why, None, "signal was asked for: nothing to warn about");
+        assert_eq!(facts, CgroupFacts::default());
+        // The cgroup named, not found under the mounts: no freezer for it.
+        let mut gone = cls;
+        gone.freeze_cgroup = Some("/batch/other".into());
+        assert_eq!(c.facts(&info, &gone).dir, None);
     }
 
-    /// The guard: the agent never freezes (nor stops as a whole) a cgroup it lives in.
+    /// The guard's fact: the agent lives in the declared cgroup or beneath it (v2 or the
+    /// v1 freezer); a sibling whose name merely starts the same is not "inside".
     #[test]
-    fn a_cgroup_containing_the_agent_is_never_frozen() {
+    fn the_agent_in_a_declared_cgroup_is_observed() {
         for own in [
             "0::/batch/job\n",
             "0::/batch/job/agent\n",
             "7:freezer:/batch/job\n0::/\n",
         ] {
-            let (mut c, info, cls, _, _root) = setup(own);
-            let (plan, why) = c.choose(&info, &cls);
-            assert!(matches!(plan, Plan::Signal(_)), "{own}: {plan:?}");
-            assert!(why.unwrap().contains("contains the agent"));
-            c.preferred = Kind::Signal;
-            let (plan, _) = c.choose(&info, &cls);
-            assert!(matches!(plan, Plan::Signal(_)), "{own}: {plan:?}");
+            let (c, info, cls, _, _root) = setup(own);
+            assert!(c.facts(&info, &cls).holds_agent, "{own}");
         }
-        // A sibling whose name merely starts the same is not "inside".
         let (c, info, cls, _, _root) = setup("0::/batch/job2\n");
-        assert!(matches!(c.choose(&info, &cls).0, Plan::Freeze(_)));
+        assert!(!c.facts(&info, &cls).holds_agent);
     }
 }

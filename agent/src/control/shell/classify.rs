@@ -1,17 +1,17 @@
 //! Classification, the shell's part: who a GPU process is (`/proc`), what class the pod
-//! source gives it, a pidfd pinning it (kept in the shell's [`super::pins`]), and how it
-//! would be suspended (the target
-//! chooser); whether a known process still lives; and, in rules mode, whether a cgroup the
-//! rules declare offline holds only offline processes. The controller decides which PIDs
-//! to classify and what follows; this room only reads.
+//! source gives it, a pidfd pinning it (kept in the shell's [`super::pins`]), and what is
+//! observed of its cgroup ([`super::choose`]); whether a known process still lives; and,
+//! in rules mode, whether a cgroup the rules declare offline holds only offline processes
+//! ([`Members`]). The controller chooses the plan from these facts
+//! ([`crate::control::plan`]); this room only reads.
 //!
 //! May touch: reads `/proc/<pid>/…`, `cgroup.procs`; opens pidfds; asks the pod source.
 
 use super::choose::Chooser;
 use super::pins::Pins;
 use crate::control::entry::Entry;
+use crate::control::plan::{Alone, CgroupFacts, Members};
 use crate::control::table::Table;
-use crate::control::target::{Frozen, Plan};
 use crate::control::text::truncate;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use crate::edges::source::PodSource;
@@ -103,18 +103,27 @@ impl Classifier {
             }
         };
         let mut cls = self.source.classify(&info);
-        let mut plan = None;
+        let mut cgroup = CgroupFacts::default();
         let pin = self.procfs.open_pidfd(info.key);
         if cls.class.is_suspendable() {
             match &pin {
                 Ok(_) => {
-                    let (p, why) = self.chooser.choose(&info, &cls);
-                    if let Some(why) = why {
-                        if self.warned.insert(format!("fallback:{}", cls.owner)) {
+                    cgroup = self.chooser.facts(&info, &cls);
+                    if let Some(dir) = cgroup.may_be_whole().map(std::path::Path::to_path_buf) {
+                        cgroup.members = self.members(&dir, table);
+                    }
+                    match cgroup.whole() {
+                        Err(why @ (Alone::Mixed { .. } | Alone::Unreadable(_))) => {
+                            self.warn_mixed(&why)
+                        }
+                        Err(why)
+                            if why.warns(self.chooser.preferred)
+                                && self.warned.insert(format!("fallback:{}", cls.owner)) =>
+                        {
                             warn!(pid, owner = %cls.owner, reason = %why, "Freezer not usable for this offline process: using signal");
                         }
+                        _ => {}
                     }
-                    plan = Some(self.unmixed(p, info.key, table));
                 }
                 Err(err) => {
                     // Without a pidfd we cannot be sure whom we would signal: leave it be,
@@ -125,11 +134,15 @@ impl Classifier {
                 }
             }
         }
+        let stop = cls
+            .class
+            .is_suspendable()
+            .then(|| crate::control::plan::stop(info.key, self.chooser.preferred, &cgroup));
         info!(
             pid,
             class = %cls.class,
             owner = %cls.owner,
-            actuator = plan.as_ref().map(|p| p.kind().as_str()).unwrap_or("-"),
+            actuator = stop.as_ref().map(|p| p.kind().as_str()).unwrap_or("-"),
             cmd = %truncate(&info.cmdline, 120),
             "Classified GPU process"
         );
@@ -154,7 +167,7 @@ impl Classifier {
             pod_uid,
             ns_pid: info.ns_pid,
             rung: false,
-            plan,
+            cgroup,
             pinned: match pin {
                 Ok(fd) => {
                     self.pins.insert(info.key, fd);
@@ -175,15 +188,17 @@ impl Classifier {
     }
 
     /// The first process in cgroup `dir` or beneath it that is not offline, with its class
-    /// (the agent itself counts as not offline). `None`: every member is offline. A
-    /// membership that cannot be read is `Some((0, Unmanaged))`: it is not known to be all
-    /// offline.
-    fn mixed(&self, dir: &std::path::Path, table: &Table) -> Option<(u32, Class)> {
+    /// (the agent itself counts as not offline), or that none is. In rules mode only: the
+    /// pod source vouches for the cgroups it declares offline otherwise.
+    pub fn members(&self, dir: &std::path::Path, table: &Table) -> Members {
+        if self.source.whole_cgroups() {
+            return Members::Offline;
+        }
         let me = self.procfs.self_pid();
         let Ok(pids) = self.procfs.cgroup_tree_members(dir) else {
-            return Some((0, Class::Unmanaged));
+            return Members::Unreadable;
         };
-        pids.into_iter().find_map(|pid| {
+        let mixed = pids.into_iter().find_map(|pid| {
             if pid == me {
                 return Some((pid, Class::System));
             }
@@ -195,30 +210,37 @@ impl Classifier {
                 },
             };
             (!class.is_suspendable()).then_some((pid, class))
-        })
+        });
+        match mixed {
+            Some((pid, class)) => Members::Mixed { pid, class },
+            None => Members::Offline,
+        }
     }
 
-    /// `plan`, or, when it would freeze or stop a whole cgroup that also holds processes
-    /// that are not offline (possible with standalone rules only), the plan to stop the
-    /// offline process (`key`) alone.
-    pub fn unmixed(&mut self, plan: Plan, key: ProcKey, table: &Table) -> Plan {
-        if self.source.whole_cgroups() {
-            return plan;
+    /// Members of `dir`, read again (rules mode) with the lists, warned about once.
+    pub fn vet(&mut self, dir: &std::path::Path, table: &Table) -> Members {
+        let members = self.members(dir, table);
+        if let Some(why) = members.alone(dir) {
+            self.warn_mixed(&why);
         }
-        let dir = match &plan {
-            Plan::Freeze(Frozen { dir, .. }) | Plan::SignalCgroup { dir, .. } => dir.clone(),
-            _ => return plan,
+        members
+    }
+
+    /// The one-time warning that an offline cgroup is not held whole because of its members.
+    fn warn_mixed(&mut self, why: &Alone) {
+        let (Alone::Mixed { dir, .. } | Alone::Unreadable(dir)) = why else {
+            return;
         };
-        let Some((pid, class)) = self.mixed(&dir, table) else {
-            return plan;
-        };
-        if self.warned.insert(format!("mixed:{}", dir.display())) {
-            if pid == 0 {
-                warn!(cgroup = %dir.display(), "Cannot read the members of the offline cgroup and the cgroups beneath it: stopping only the offline processes, one by one");
-            } else {
+        if !self.warned.insert(format!("mixed:{}", dir.display())) {
+            return;
+        }
+        match why {
+            Alone::Mixed { pid, class, .. } => {
                 warn!(cgroup = %dir.display(), pid, class = %class, "The offline cgroup (or one beneath it) also holds a process that is not offline: stopping only the offline processes, one by one");
             }
+            _ => {
+                warn!(cgroup = %dir.display(), "Cannot read the members of the offline cgroup and the cgroups beneath it: stopping only the offline processes, one by one");
+            }
         }
-        Plan::Signal(key)
     }
 }

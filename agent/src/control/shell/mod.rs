@@ -1,13 +1,19 @@
 //! The shell: the loop that performs what the controller asks. At a tick's start it
 //! gathers what [`Controller::start_tick`] says is due into one snapshot, the doorbells
-//! first (its [`eyes`]), hands it in ([`Controller::handle`]), performs each command
+//! first (its [`eyes`]), with every read the tick needs (what the controller knows,
+//! [`Controller::known`], says which listed PIDs to classify and when a sample or a page
+//! names a process it does not know yet: the lists are then read in the snapshot too),
+//! hands it in ([`Controller::handle`]), performs each command
 //! [`Controller::poll_command`] gives, in order (its [`hands`] act, its [`scribe`] writes
 //! the record off the loop's thread, its [`render`] says notes and events), hands in what
-//! came of each, and sleeps in the doorbell wait until [`Controller::poll_timeout`].
+//! came of each, and sleeps in the doorbell wait until [`Controller::poll_timeout`]. No
+//! command reads.
 //!
 //! ```text
-//!  start_tick ─► Reads ─► eyes: bells, samples (stop at a ring), lists (not after a ring),
-//!                              bells again (after a ring) ─► Snapshot
+//!  start_tick ─► Reads ─► eyes: bells, samples (stop at a ring), lists + classification
+//!                         (not after a ring), memory (not after a ring), bells again
+//!                         (after a ring); lists + bells again for a page of an unknown
+//!                         process ─► Snapshot
 //!            ┌──────────────── Obs ────────────────┐
 //!  edges ─► eyes ─► handle … poll_command ─► Cmd ─► hands (actuator, gates) ─► edges
 //!                        ▲                 ├─► scribe (record; answers later) ──┐
@@ -34,8 +40,9 @@ pub mod watchdog;
 
 use super::controller::Controller;
 use super::holds::{HoldBook, HoldObs};
-use super::io::{Cmd, Obs, Reads};
+use super::io::{Bells, BellsRead, Cmd, Obs, Reads, Snapshot};
 use super::note::{self, Note};
+use super::nvml::Refresh;
 use super::state::{Shared, StateDoc};
 use super::{LoopConfig, ReleaseAll};
 use crate::edges::actuator::Actuator;
@@ -263,7 +270,7 @@ impl Loop {
         self.telemetry.flush_tenant_lines(std::time::Instant::now());
         let generation = self.eyes.classifier.source.generation();
         let reads = self.ctl.start_tick(now, self.slept, generation);
-        let snapshot = self.gather(reads);
+        let snapshot = self.gather(now, reads);
         self.converse(snapshot);
         let ctl = &self.ctl;
         self.pins.retain(|k| ctl.names(k));
@@ -291,81 +298,105 @@ impl Loop {
     /// The tick's snapshot ([`Reads`]): the doorbells first, then the NVML reads due —
     /// the samples stop after the GPU in progress when a doorbell rings, the lists wait for
     /// the next tick when one rang (once in a row at most: a page that keeps ringing never
-    /// starves them) — and the doorbells again when one rang during the NVML reads, so that
-    /// the launch is decided in this tick. Returns the snapshot, then what else came of the
-    /// reads (the watchdog's trips).
-    fn gather(&mut self, reads: Reads) -> Vec<Obs> {
+    /// starves them) — then GPU memory (not after a ring), and the doorbells again when one
+    /// rang during the NVML reads, so that the launch is decided in this tick. The lists are
+    /// read when not due if a sample names a PID the controller does not know (no ring), or
+    /// if a page names a process it does not hold yet (then the pages again). Returns the
+    /// snapshot, then what else came of the reads (the watchdog's trips). `now`: the
+    /// tick's time.
+    fn gather(&mut self, now: u64, reads: Reads) -> Vec<Obs> {
         let Reads {
-            bells,
+            bells: read_bells,
             samples,
             lists,
+            memory,
         } = reads;
-        let gate = matches!(bells, Cmd::ReadBells { gate: true, .. });
-        let (mut snapshot, mut other): (Vec<Obs>, Vec<Obs>) = self
-            .perform(vec![bells])
-            .into_iter()
-            .partition(|o| matches!(o, Obs::Bells { .. }));
-        let mut rang = false;
-        if let Some(cmd) = samples {
-            for o in self.perform(vec![cmd]) {
-                match o {
-                    Obs::Samples { yielded, .. } => {
-                        rang |= yielded;
-                        snapshot.push(o);
-                    }
-                    o => other.push(o),
-                }
+        let Loop {
+            ctl,
+            eyes,
+            watchdog,
+            hands,
+            clock,
+            gpus,
+            lists_put_off,
+            shared,
+            ..
+        } = self;
+        let known = ctl.known();
+        let mut other = Vec::new();
+        let mut watched = |f: &mut dyn FnMut()| {
+            watchdog.enter(clock.now_ns());
+            f();
+            if watchdog.leave(hands) {
+                other.push(Obs::WatchdogTripped);
             }
+        };
+        let mut bells = eyes.bells(read_bells);
+        time_runs(shared, &bells);
+        let mut rang = false;
+        let mut read_samples = None;
+        if let Some(due) = samples {
+            watched(&mut || read_samples = Some(eyes.samples(&due)));
+            rang |= read_samples.as_ref().is_some_and(|s| s.yielded);
         }
-        if let Some(cmd) = lists {
-            rang = rang || self.eyes.bells.rang();
-            if rang && !self.lists_put_off {
-                self.lists_put_off = true;
+        let mut read_lists = None;
+        let mut why = None;
+        if let Some(due) = lists {
+            rang = rang || eyes.bells.rang();
+            if rang && !*lists_put_off {
+                *lists_put_off = true;
                 metrics::counter!("coloc_nvml_rounds_yielded_total").increment(1);
             } else {
-                self.lists_put_off = false;
-                for o in self.perform(vec![cmd]) {
-                    match o {
-                        Obs::Lists { .. } => snapshot.push(o),
-                        o => other.push(o),
-                    }
-                }
+                *lists_put_off = false;
+                why = Some(due);
             }
+        } else if !rang
+            && read_samples.iter().any(|s| {
+                s.read.iter().any(|(g, r)| {
+                    r.iter()
+                        .flatten()
+                        .any(|a| known.sample_unknown(*g, a.pid, a.at_ns))
+                })
+            })
+        {
+            why = Some(Refresh::UnknownPid);
         }
-        if rang {
-            for o in self.perform(vec![Cmd::ReadBells {
+        if let Some(why) = why {
+            watched(&mut || read_lists = Some(eyes.lists(gpus, why, &known)));
+        }
+        let mut read_memory = None;
+        if let Some(due) = memory.filter(|_| !rang) {
+            watched(&mut || read_memory = Some(eyes.memory(&due)));
+        }
+        let mut again = rang;
+        // A launch of a process the lists do not hold yet (it has just started): the lists
+        // now, unless they were read already, and the pages again, so that it is
+        // attributed in this tick.
+        if eyes.names_unknown(&bells, &known, now) && read_lists.is_none() {
+            watched(&mut || read_lists = Some(eyes.lists(gpus, Refresh::Doorbell, &known)));
+            again = true;
+        }
+        if again {
+            let latest = eyes.bells(BellsRead {
                 force: false,
                 sweep: false,
-                gate,
-            }]) {
-                let Obs::Bells {
-                    pages,
-                    readings,
-                    gates,
-                } = o
-                else {
-                    other.push(o);
-                    continue;
-                };
-                // The latest readings; the page set as of its latest change.
-                if let Some(Obs::Bells {
-                    pages: p,
-                    readings: r,
-                    gates: g,
-                }) = snapshot.iter_mut().find(|o| matches!(o, Obs::Bells { .. }))
-                {
-                    if pages.is_some() {
-                        *p = pages;
-                    }
-                    *r = readings;
-                    *g = gates;
-                }
+                gate: read_bells.gate,
+            });
+            time_runs(shared, &latest);
+            // The latest readings; the page set as of its latest change.
+            if latest.pages.is_some() {
+                bells.pages = latest.pages;
             }
+            bells.readings = latest.readings;
+            bells.gates = latest.gates;
         }
-        let mut out = vec![Obs::Snapshot {
-            reads: snapshot,
+        let mut out = vec![Obs::Snapshot(Box::new(Snapshot {
+            bells,
+            samples: read_samples,
+            lists: read_lists,
+            memory: read_memory,
             rang,
-        }];
+        }))];
         out.append(&mut other);
         out
     }
@@ -398,29 +429,6 @@ impl Loop {
         let mut out = Vec::new();
         for cmd in cmds {
             match cmd {
-                Cmd::ReadSamples { gpus } => {
-                    self.watchdog.enter(self.clock.now_ns());
-                    out.push(self.eyes.samples(&gpus));
-                    if self.watchdog.leave(&self.hands) {
-                        out.push(Obs::WatchdogTripped);
-                    }
-                }
-                Cmd::ReadLists { why, known } => {
-                    self.watchdog.enter(self.clock.now_ns());
-                    out.push(self.eyes.lists(&self.gpus, why, &known));
-                    if self.watchdog.leave(&self.hands) {
-                        out.push(Obs::WatchdogTripped);
-                    }
-                }
-                Cmd::Classify { pids, generation } => {
-                    out.push(self.eyes.classify(&pids, generation, self.ctl.table()))
-                }
-                Cmd::Vet { plans } => out.push(self.eyes.vet(plans, self.ctl.table())),
-                Cmd::ReadBells { force, sweep, gate } => {
-                    let obs = self.eyes.bells(force, sweep, gate);
-                    self.time_runs(&obs);
-                    out.push(obs)
-                }
                 Cmd::PreferPages(ids) => self.eyes.bells.prefer(&ids),
                 Cmd::Hold(c) => {
                     let answer = self.hands().perform(c);
@@ -442,13 +450,6 @@ impl Loop {
                     }
                 }
                 Cmd::Publish(doc) => self.publish(*doc),
-                Cmd::ReadMemory { gpus } => {
-                    self.watchdog.enter(self.clock.now_ns());
-                    out.push(self.eyes.memory(&gpus));
-                    if self.watchdog.leave(&self.hands) {
-                        out.push(Obs::WatchdogTripped);
-                    }
-                }
                 Cmd::Driver(call) => match &mut self.driver {
                     Some(d) => {
                         d.start(call.key, call.op, call.timeout);
@@ -478,24 +479,6 @@ impl Loop {
         #[cfg(test)]
         self.said.push(n.clone());
         n.emit(&mut self.telemetry);
-    }
-
-    /// Times online work's runs from the doorbell readings (`earned::Runs`).
-    fn time_runs(&self, obs: &Obs) {
-        let (
-            Obs::Bells {
-                pages, readings, ..
-            },
-            Some(uuids),
-        ) = (obs, self.shared.gpu_uuids.get())
-        else {
-            return;
-        };
-        let mut e = self.shared.earned.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = pages {
-            e.runs.pages(p);
-        }
-        crate::earned::record_runs(&e.runs.observe(readings, uuids));
     }
 
     /// `/state`: the controller's document, with telemetry's history.
@@ -639,4 +622,16 @@ impl Drop for Loop {
             );
         }
     }
+}
+
+/// Times online work's runs from the doorbell readings (`earned::Runs`).
+fn time_runs(shared: &Shared, bells: &Bells) {
+    let Some(uuids) = shared.gpu_uuids.get() else {
+        return;
+    };
+    let mut e = shared.earned.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = &bells.pages {
+        e.runs.pages(p);
+    }
+    crate::earned::record_runs(&e.runs.observe(&bells.readings, uuids));
 }

@@ -2,6 +2,8 @@
 //! the launch; a page that does not belong to an online process suspends nothing.
 
 use super::*;
+use crate::control::note::{self, Note};
+use crate::control::nvml::Refresh;
 use crate::edges::doorbell::Owner;
 
 /// Offline 10 and online 20 on GPU 0, with the user's defaults (NVML read every 100 ms).
@@ -119,6 +121,84 @@ fn a_pod_page_counts_for_the_pods_online_process() {
     assert!(h.suspended(10), "the pod's own page preempts");
 }
 
+/// What the shell judges a page's launch by while it gathers the snapshot
+/// (`Known::names_unknown`), as the controller attributes it: the lists are read for a
+/// process the table does not hold, or an online one it does not hold on that GPU yet;
+/// never for an offline owner, a page of another user, a pod whose online process is known
+/// on that GPU, a pod with no online process, or a GPU failed open.
+#[test]
+fn the_shell_reads_the_lists_for_the_owners_the_controller_cannot_attribute() {
+    use crate::edges::doorbell::{BellReading, PageInfo};
+    let mut h = harness_with(2, user_config());
+    let pod = "0b7f7c1e-8d52-4c4a-9b0e-2f0b1d6c5a11";
+    let cgroup = format!(
+        "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-abc.scope",
+        pod.replace('-', "_")
+    );
+    let other = "11111111-2222-3333-4444-555555555555";
+    let other_cgroup = cgroup.replace(&pod.replace('-', "_"), &other.replace('-', "_"));
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.procs.add(20, 120, "serve", &cgroup);
+    h.gpu.add(0, 20);
+    h.source.set(20, class(Class::Online, None));
+    h.procs.add(30, 130, "batch", &other_cgroup);
+    h.gpu.add(0, 30);
+    h.source.set(30, class(Class::Offline, None));
+    h.ticks(3);
+    let known = h.lp.ctl.known();
+    let at = h.now();
+    let judge = |owner: Owner, file_uid: u32, gpu: u32| {
+        let page = PageInfo {
+            id: 1,
+            path: "/run/gpu-coloc/doorbells/1.bell".into(),
+            owner,
+            file_uid,
+            wake_gap_ns: 0,
+            pid: 1,
+            class: coloc_doorbell::CLASS_ONLINE,
+        };
+        let r = BellReading {
+            page: 1,
+            reading: coloc_doorbell::Reading {
+                index: 0,
+                uuid: crate::edges::fake::fake_uuid(gpu),
+                last_launch_ns: at,
+                busy_since_ns: at,
+            },
+            drained_ns: 0,
+        };
+        known.names_unknown(&page, &r)
+    };
+    assert!(judge(Owner::Pid(99), 0, 0), "a PID the table does not hold");
+    assert!(!judge(Owner::Pid(20), 0, 0), "online 20 is held on GPU 0");
+    assert!(
+        judge(Owner::Pid(20), 0, 1),
+        "online 20 is not held on GPU 1 yet"
+    );
+    assert!(!judge(Owner::Pid(20), 7, 1), "a page of another user");
+    assert!(!judge(Owner::Pid(10), 0, 1), "an offline owner");
+    assert!(
+        judge(
+            Owner::Pod("22222222-0000-0000-0000-000000000000".into()),
+            0,
+            0
+        ),
+        "a pod the table does not hold"
+    );
+    assert!(
+        !judge(Owner::Pod(pod.into()), 0, 0),
+        "the pod's online process on GPU 0"
+    );
+    assert!(
+        judge(Owner::Pod(pod.into()), 0, 1),
+        "the pod's online process is not on GPU 1 yet"
+    );
+    assert!(
+        !judge(Owner::Pod(other.into()), 0, 0),
+        "a pod with no online process"
+    );
+}
+
 /// A launch that rings while a round of NVML reads runs is decided before the round ends:
 /// a ring before the round puts it off whole (once in a row), one during it stops it
 /// after the GPU in progress, and the round goes on from there at the next tick.
@@ -182,6 +262,40 @@ fn a_new_processs_first_launch_preempts_in_the_same_tick() {
     assert!(
         h.suspended(10),
         "the first launch of a process not yet in the lists waited for another tick"
+    );
+}
+
+/// A tenant's pages that name processes the driver never lists (two of them, ringing in
+/// turn at every tick) have the lists read for them at most once a second each: the reads
+/// a launch of a just-started process gets are not a tenant's to spend.
+#[test]
+fn a_page_naming_a_process_that_never_comes_costs_one_list_read_a_second() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(3);
+    h.bells.page(1, Owner::Pid(999), 0);
+    h.bells.page(2, Owner::Pid(998), 0);
+    for i in 0..1500 {
+        let now = h.now();
+        h.bells.ring(1 + i % 2, 0, now, now);
+        h.tick();
+    }
+    let for_pages =
+        h.lp.said
+            .iter()
+            .filter(|n| {
+                matches!(
+                    n,
+                    Note::ListRefresh(note::ListRefresh {
+                        why: Refresh::Doorbell
+                    })
+                )
+            })
+            .count();
+    assert!(
+        (1..=4).contains(&for_pages),
+        "{for_pages} list reads for the pages in 1.5 s"
     );
 }
 

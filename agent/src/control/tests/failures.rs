@@ -401,3 +401,25 @@ fn continuous_online_work_seen_through_nvml_alone_never_releases() {
         );
     }
 }
+
+/// A sample of a process that started after the latest read of the driver's process lists
+/// has the lists read in the tick that reads it (no doorbell rang): the online process
+/// is classified and preempts then, not when the lists are next due.
+#[test]
+fn a_sample_of_a_process_the_lists_do_not_hold_yet_preempts_in_its_tick() {
+    let mut h = harness(1);
+    h.spawn(0, 10, class(Class::Offline, None));
+    // Its pod is known (no change of the pod source follows).
+    h.source.set(30, class(Class::Online, None));
+    h.ticks(3);
+    // Started after the latest list read (due again only in 50 ms); the driver lists it
+    // and has a sample of it at work.
+    h.procs.add(30, 130, "serve", "/w");
+    h.gpu.add(0, 30);
+    h.active(0, 30);
+    h.lp.tick();
+    assert!(
+        h.suspended(10),
+        "a sample of a process not yet in the lists waited for their next read"
+    );
+}

@@ -135,6 +135,33 @@ fn a_gated_process_is_held_within_the_tick_that_saw_its_launch() {
     assert_eq!(p.signal, qos_core::Signal::Doorbell);
 }
 
+/// The first launch of an online process that started after the latest read of the
+/// driver's process lists holds a gated process within the tick that saw it too: the
+/// lists are read in that tick's snapshot, not asked for after it.
+#[test]
+fn a_just_started_processs_first_launch_holds_a_gated_process_in_its_tick() {
+    let (mut h, path) = setup_with("new-online", None, |h| {
+        // Its pod is known (no change of the pod source follows).
+        h.source.set(21, class(Class::Online, None));
+    });
+    h.bells.state.lock().unwrap().acks_at_once = Some((1, path.clone()));
+    h.procs.add(21, 121, "serve", "/w");
+    h.gpu.add(0, 21);
+    h.bells.page(2, Owner::Pid(21), 0);
+    h.tick();
+    let launch = h.now();
+    h.bells.ring(2, 0, launch, launch);
+    h.lp.tick();
+    assert!(closed(&path, 0).is_some(), "the launch closed no gate");
+    assert_eq!(
+        h.suspends_of(10),
+        1,
+        "not stopped by its fallback in the tick that saw the launch"
+    );
+    let p = preempt_event(&h).expect("not held in the tick that saw the launch");
+    assert_eq!(p.signal, qos_core::Signal::Doorbell);
+}
+
 #[test]
 fn a_gate_not_acknowledged_in_time_escalates_to_the_fallback() {
     let (mut h, path) = setup("late");

@@ -70,6 +70,47 @@ fn online_work_in_a_child_cgroup_or_an_unreadable_one_is_not_frozen_with_it() {
     }
 }
 
+/// Rules mode: online work that joins an offline cgroup after its process was classified
+/// is seen at the next read of the lists (their members are read with them): the cgroup
+/// is then not stopped whole.
+#[test]
+fn online_work_that_joins_an_offline_cgroup_later_keeps_it_from_being_stopped_whole() {
+    let root = TmpDir::new("coloc-loop-mixed-later");
+    let dir = root.join("batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    let mut cfg = default_config();
+    cfg.cgroups.v2 = Some(root.to_path_buf());
+    cfg.actuator = Kind::Freezer;
+    let mut h = harness_with(1, cfg);
+    h.procs.add(10, 110, "train", "/batch");
+    h.procs
+        .members
+        .lock()
+        .unwrap()
+        .insert(dir.clone(), vec![10]);
+    h.gpu.add(0, 10);
+    h.source.set(10, class(Class::Offline, Some("/batch")));
+    // Its rule is known already (no change of the pod source follows).
+    h.source.set(13, class(Class::Online, None));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(2);
+    // Classified alone in its cgroup: it would be frozen whole. Online 13 joins it.
+    h.procs.add(13, 113, "serve", "/batch");
+    h.procs
+        .members
+        .lock()
+        .unwrap()
+        .insert(dir.clone(), vec![10, 13]);
+    // The lists are due (every 50 ms); then online is busy.
+    h.clock.advance(60 * MS);
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    assert_eq!(calls[0].targets, vec![ALONE], "{calls:?}");
+}
+
 /// A held process that something else resumes (a SIGCONT from a sibling in its pod) is
 /// stopped again; a signalled cgroup that keeps doing it is frozen.
 #[test]

@@ -11,8 +11,8 @@ use super::*;
 use crate::control::controller::Controller;
 use crate::control::entry::Entry;
 use crate::control::holds::{HoldCmd, HoldObs};
-use crate::control::io::{Cmd, Obs};
-use crate::control::target::Plan;
+use crate::control::io::{Bells, BellsRead, Cmd, Lists, Memory, Obs, Samples, Snapshot};
+use crate::control::plan::{CgroupFacts, Members};
 use crate::control::target::Target;
 use crate::edges::actuator::{ActError, Progress};
 use crate::edges::doorbell::{Owner, PageInfo};
@@ -376,21 +376,172 @@ impl World {
     /// One tick of the loop, then 1 ms passes.
     pub fn tick(&mut self) {
         // The snapshot, as the shell gathers it: the doorbells first, then NVML (no page
-        // rings during a read here).
+        // rings during a read here, and no page names a process: the pages carry no
+        // readings).
         let reads = self.ctl.start_tick(self.now, None, self.generation);
-        let snapshot = [Some(reads.bells), reads.samples, reads.lists]
-            .into_iter()
-            .flatten()
-            .filter_map(|c| self.perform(c))
-            .collect();
-        let mut obs = vec![Obs::Snapshot {
-            reads: snapshot,
+        let bells = self.read_bells(reads.bells);
+        let samples = reads.samples.map(|gpus| self.read_samples(&gpus));
+        let unknown = samples.iter().any(|s| {
+            let known = self.ctl.known();
+            s.read.iter().any(|(g, r)| {
+                r.iter()
+                    .flatten()
+                    .any(|a| known.sample_unknown(*g, a.pid, a.at_ns))
+            })
+        });
+        let why = reads
+            .lists
+            .or(unknown.then_some(crate::control::nvml::Refresh::UnknownPid));
+        let lists = why.map(|why| self.read_lists(why));
+        let memory = reads.memory.map(|gpus| self.read_memory(&gpus));
+        let mut obs = vec![Obs::Snapshot(Box::new(Snapshot {
+            bells,
+            samples,
+            lists,
+            memory,
             rang: false,
-        }];
+        }))];
         obs.extend(self.landed());
         obs.extend(self.driver_done());
         self.converse(obs);
         self.now += MS;
+    }
+
+    fn read_samples(&mut self, gpus: &[(u32, u64)]) -> Samples {
+        Samples {
+            read: gpus
+                .iter()
+                .map(|(g, _)| {
+                    let s = self.samples.remove(g).unwrap_or_default();
+                    if self.nvml_failing.contains(g) {
+                        (*g, Err("GPU lost".to_string()))
+                    } else {
+                        (*g, Ok(s))
+                    }
+                })
+                .collect(),
+            yielded: false,
+        }
+    }
+
+    fn read_lists(&mut self, why: crate::control::nvml::Refresh) -> Lists {
+        let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        let mut failed = BTreeMap::new();
+        for g in &self.nvml_failing {
+            failed.insert(*g, "GPU lost".to_string());
+        }
+        for p in self.procs.values() {
+            // A checkpointed process has left the driver's lists.
+            if !self.nvml_failing.contains(&p.gpu)
+                && self.driver_state(&p.key) != DState::Checkpointed
+            {
+                listed.entry(p.key.pid).or_default().insert(p.gpu);
+            }
+        }
+        // As the shell tells it: listed PIDs whose known process is not the one that lives
+        // there now.
+        let gone: Vec<ProcKey> = (self.ctl.known().keys())
+            .iter()
+            .map(|(k, _)| *k)
+            .filter(|k| listed.contains_key(&k.pid) && self.alive(k).is_none())
+            .collect();
+        self.reported_gone.extend(gone.iter().copied());
+        let generation = self.generation;
+        let pids = self.ctl.known().to_classify(&listed, &gone, generation);
+        let classified = pids
+            .iter()
+            .map(|pid| {
+                let p = self.procs.values().find(|p| p.key.pid == *pid);
+                (
+                    *pid,
+                    p.map(|p| {
+                        let mut e = entry(p, generation, self.cgroup_of(p));
+                        if self.opt_out.contains(&p.key) {
+                            e.cls.checkpoint = Some(false);
+                        }
+                        e
+                    }),
+                )
+            })
+            .collect();
+        // A pod's container: the pod source vouches for it.
+        let members = (self.ctl.known().cgroups())
+            .into_iter()
+            .map(|d| (d, Members::Offline))
+            .collect();
+        Lists {
+            why,
+            listed,
+            failed,
+            gone,
+            generation,
+            classified,
+            members,
+        }
+    }
+
+    fn read_bells(&mut self, read: BellsRead) -> Bells {
+        let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
+        let pages = (self.gate && std::mem::take(&mut self.pages_changed))
+            .then(|| offline.iter().map(|p| page(p)).collect());
+        let gates = if read.gate {
+            offline
+                .iter()
+                .map(|p| {
+                    let ack = self.closed.get(&p.key).map_or(0, |(e, at)| match self.ack {
+                        Ack::Never => 0,
+                        Ack::AtOnce => *e,
+                        Ack::Wrong => e.wrapping_add(7),
+                        Ack::Late(ms) if self.now >= at + ms as u64 * MS => *e,
+                        Ack::Late(_) => 0,
+                    });
+                    let r = GateReading {
+                        index: 0,
+                        uuid: uuid(p.gpu),
+                        gate_ack: ack,
+                        inflight: 0,
+                        in_submit: 0,
+                        blocked_ns: 0,
+                        submitted: 0,
+                    };
+                    (p.key.pid as u64, vec![r])
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Bells {
+            pages,
+            readings: Vec::new(),
+            gates,
+        }
+    }
+
+    fn read_memory(&mut self, gpus: &[u32]) -> Memory {
+        Memory {
+            reads: gpus
+                .iter()
+                .map(|g| {
+                    let processes = self
+                        .procs
+                        .values()
+                        .filter(|p| {
+                            p.gpu == *g && self.driver_state(&p.key) != DState::Checkpointed
+                        })
+                        .map(|p| (p.key.pid, self.proc_bytes))
+                        .collect();
+                    (
+                        *g,
+                        Ok(Some(crate::edges::gpu::GpuMemory {
+                            total: self.mem_total,
+                            free: self.free(*g),
+                            processes,
+                        })),
+                    )
+                })
+                .collect(),
+            room: self.room.clone(),
+        }
     }
 
     /// Steps the controller until it asks for nothing more. A driver call that ends at
@@ -444,104 +595,6 @@ impl World {
 
     fn perform(&mut self, cmd: Cmd) -> Option<Obs> {
         Some(match cmd {
-            Cmd::ReadSamples { gpus } => Obs::Samples {
-                read: gpus
-                    .iter()
-                    .map(|(g, _)| {
-                        let s = self.samples.remove(g).unwrap_or_default();
-                        if self.nvml_failing.contains(g) {
-                            (*g, Err("GPU lost".to_string()))
-                        } else {
-                            (*g, Ok(s))
-                        }
-                    })
-                    .collect(),
-                yielded: false,
-            },
-            Cmd::ReadLists { why, known } => {
-                let mut listed: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-                let mut failed = BTreeMap::new();
-                for g in &self.nvml_failing {
-                    failed.insert(*g, "GPU lost".to_string());
-                }
-                for p in self.procs.values() {
-                    // A checkpointed process has left the driver's lists.
-                    if !self.nvml_failing.contains(&p.gpu)
-                        && self.driver_state(&p.key) != DState::Checkpointed
-                    {
-                        listed.entry(p.key.pid).or_default().insert(p.gpu);
-                    }
-                }
-                // As the shell tells it: listed PIDs whose known process is not the one
-                // that lives there now.
-                let gone: Vec<ProcKey> = known
-                    .iter()
-                    .map(|(k, _)| *k)
-                    .filter(|k| listed.contains_key(&k.pid) && self.alive(k).is_none())
-                    .collect();
-                self.reported_gone.extend(gone.iter().copied());
-                Obs::Lists {
-                    why,
-                    listed,
-                    failed,
-                    gone,
-                    generation: self.generation,
-                }
-            }
-            Cmd::Classify { pids, generation } => Obs::Classified(
-                pids.iter()
-                    .map(|pid| {
-                        let p = self.procs.values().find(|p| p.key.pid == *pid);
-                        (
-                            *pid,
-                            p.map(|p| {
-                                let mut e = entry(p, generation, self.cgroup_of(p));
-                                if self.opt_out.contains(&p.key) {
-                                    e.cls.checkpoint = Some(false);
-                                }
-                                e
-                            }),
-                        )
-                    })
-                    .collect(),
-            ),
-            Cmd::Vet { plans } => Obs::Vetted(plans),
-            Cmd::ReadBells { gate, .. } => {
-                let offline: Vec<&Proc> = self.procs.values().filter(|p| !p.online).collect();
-                let pages = (self.gate && std::mem::take(&mut self.pages_changed))
-                    .then(|| offline.iter().map(|p| page(p)).collect());
-                let gates = if gate {
-                    offline
-                        .iter()
-                        .map(|p| {
-                            let ack = self.closed.get(&p.key).map_or(0, |(e, at)| match self.ack {
-                                Ack::Never => 0,
-                                Ack::AtOnce => *e,
-                                Ack::Wrong => e.wrapping_add(7),
-                                Ack::Late(ms) if self.now >= at + ms as u64 * MS => *e,
-                                Ack::Late(_) => 0,
-                            });
-                            let r = GateReading {
-                                index: 0,
-                                uuid: uuid(p.gpu),
-                                gate_ack: ack,
-                                inflight: 0,
-                                in_submit: 0,
-                                blocked_ns: 0,
-                                submitted: 0,
-                            };
-                            (p.key.pid as u64, vec![r])
-                        })
-                        .collect()
-                } else {
-                    Vec::new()
-                };
-                Obs::Bells {
-                    pages,
-                    readings: Vec::new(),
-                    gates,
-                }
-            }
             Cmd::Hold(h) => Obs::Hold(self.hold(h)?),
             Cmd::Write(w) => {
                 if self.write_delay == 0 {
@@ -551,30 +604,6 @@ impl World {
                 self.writes.push_back((due, w));
                 return None;
             }
-            Cmd::ReadMemory { gpus } => Obs::Memory {
-                reads: gpus
-                    .iter()
-                    .map(|g| {
-                        let processes = self
-                            .procs
-                            .values()
-                            .filter(|p| {
-                                p.gpu == *g && self.driver_state(&p.key) != DState::Checkpointed
-                            })
-                            .map(|p| (p.key.pid, self.proc_bytes))
-                            .collect();
-                        (
-                            *g,
-                            Ok(Some(crate::edges::gpu::GpuMemory {
-                                total: self.mem_total,
-                                free: self.free(*g),
-                                processes,
-                            })),
-                        )
-                    })
-                    .collect(),
-                room: self.room.clone(),
-            },
             Cmd::Driver(call) => {
                 use crate::edges::checkpoint::Op as DriverOp;
                 let key = call.key;
@@ -778,15 +807,16 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
     } else {
         Class::Offline
     };
-    let leader = p.key;
-    let plan = match cgroup {
-        _ if p.online => None,
-        Some(dir) => Some(Plan::SignalCgroup {
-            dir,
-            version: crate::edges::actuator::CgroupVersion::V2,
-            leader,
-        }),
-        None => Some(Plan::Signal(leader)),
+    // The shared cgroup, declared offline as a whole (a pod's container): every process
+    // in it is stopped with signals (`--actuator signal`).
+    let facts = match cgroup {
+        Some(dir) if !p.online => CgroupFacts {
+            declared: Some(dir.display().to_string()),
+            dir: Some((dir, crate::edges::actuator::CgroupVersion::V2)),
+            holds_agent: false,
+            members: Members::Offline,
+        },
+        _ => CgroupFacts::default(),
     };
     Entry {
         key: p.key,
@@ -801,7 +831,7 @@ fn entry(p: &Proc, generation: u64, cgroup: Option<PathBuf>) -> Entry {
         pod_uid: None,
         ns_pid: None,
         rung: false,
-        plan,
+        cgroup: facts,
         pinned: true,
         home: None,
         generation,
