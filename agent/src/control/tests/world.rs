@@ -88,7 +88,7 @@ pub(super) struct World {
     /// Processes whose lock the driver has refused (answered): none may be asked again.
     pub refused: BTreeSet<ProcKey>,
     /// The offline processes of each GPU share one cgroup (`/cg/gpu<N>`), suspended by
-    /// stopping all its processes (`Plan::SignalCgroup`): one process's hold stops the
+    /// stopping all its processes (`Stop::SignalCgroup`): one process's hold stops the
     /// others, a checkpointed one among them, and their restore must wait for the thaw.
     pub shared_cgroups: bool,
     /// Processes whose lock the driver refuses (`CUDA_ERROR_NOT_SUPPORTED`).
