@@ -333,6 +333,9 @@ pub struct Vault {
     stopping: bool,
     /// Processes passed over for want of room under their memory limit (said once).
     no_room: BTreeSet<ProcKey>,
+    /// Processes a driver call found gone before the lists said so: never asked of the
+    /// driver again (the table still holds them until the lists name them gone).
+    dead: BTreeSet<ProcKey>,
 }
 
 /// What a checkpoint of `bytes` of device memory adds to the process's host memory: the
@@ -378,7 +381,7 @@ impl Vault {
     /// once the driver refused it, unless the driver holds it still (a stop would make
     /// the unlock wait).
     fn lockable(&self, key: &ProcKey, cls: &crate::control::model::process::Classified) -> bool {
-        if !self.cfg.api || cls.class != Class::Offline {
+        if !self.cfg.api || cls.class != Class::Offline || self.dead.contains(key) {
             return false;
         }
         // Whatever its pod says now: a stop would make the driver's call on it wait.
@@ -441,6 +444,10 @@ impl Vault {
                 )),
                 Op::Resume => Progress::Done,
             };
+        }
+        if self.dead.contains(&key) {
+            // A driver call found it gone: nothing to lock or unlock.
+            return Progress::Gone;
         }
         let stopping = self.stopping;
         let s = self.slot(key, table);
@@ -893,7 +900,7 @@ impl Vault {
                         );
                     }
                 }
-                None if matches!(d.end, CallEnd::Gone) => self.gone(&[d.key]),
+                None if matches!(d.end, CallEnd::Gone) => self.died(d.key),
                 // The driver does not say: taken as it was; the next failure asks again.
                 None => {}
             }
@@ -963,14 +970,23 @@ impl Vault {
             });
         }
         if gone {
-            self.gone(&[d.key]);
+            self.died(d.key);
         }
+    }
+
+    /// A driver call found process `key` gone: forgotten, and not asked of the driver
+    /// again until the lists name it gone too (its slot, with what the driver refused, is
+    /// gone with it).
+    fn died(&mut self, key: ProcKey) {
+        self.gone(&[key]);
+        self.dead.insert(key);
     }
 
     /// Processes that no longer live: forgotten, their entries let go.
     pub fn gone(&mut self, keys: &[ProcKey]) {
         for k in keys {
             self.no_room.remove(k);
+            self.dead.remove(k);
             if let Some(s) = self.slots.remove(k) {
                 if s.rec != CheckpointRecord::No {
                     self.records.push(RecordAsk::Remove(vec![rec_entry(*k)]));

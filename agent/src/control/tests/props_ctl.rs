@@ -748,3 +748,62 @@ fn a_replaced_process_leaves_nothing_recorded_after_the_shutdown() {
     ];
     play(&acts, true, Ack::AtOnce, 2).unwrap();
 }
+
+/// A process whose lock the driver refused, whose PID is reused before the lists are read
+/// again: the call that asks where the driver has it finds it gone, and the vault forgets
+/// it (with the refusal); the retried suspension must not ask the driver to lock it again
+/// (found by the property above: a lock asked of a refused process).
+#[test]
+fn a_refused_process_found_gone_by_the_driver_is_not_locked_again() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 4,
+            gpu: 1,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 2,
+            gpu: 1,
+            online: true,
+        },
+        Act::Reuse {
+            slot: 3,
+            online: false,
+        },
+        Act::DriverRefuses { slot: 4 },
+        Act::Busy { slot: 2 },
+        Act::Reuse {
+            slot: 4,
+            online: false,
+        },
+        Act::Run { ms: 1 },
+    ];
+    play_vault_timed(&acts, false, 0, true, None, (Some(0), Some(1)), false).unwrap();
+}
+
+/// The same through an exit: a refused process whose state query finds it gone is not
+/// locked again while the table still lists it.
+#[test]
+fn a_refused_process_that_exits_is_not_locked_again() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 1,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 5,
+            gpu: 0,
+            online: false,
+        },
+        Act::Reuse {
+            slot: 1,
+            online: true,
+        },
+        Act::DriverRefuses { slot: 5 },
+        Act::Busy { slot: 1 },
+        Act::Exit { slot: 5 },
+        Act::BusyFor { slot: 1, ms: 100 },
+    ];
+    play_vault_timed(&acts, false, 0, true, None, (Some(0), None), false).unwrap();
+}
