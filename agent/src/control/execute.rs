@@ -26,15 +26,18 @@ pub type Planned = (Vec<(ProcKey, Plan)>, Vec<(ProcKey, Reason)>);
 /// The plan of each suspension, in the decision's order, with its reason: the facts
 /// gathered — the table's (what the shell observed of the process's cgroup), the vault's
 /// (whether the driver's lock applies), the gate book's (the GPU's gate slot, for online
-/// work busy there) — and the plan chosen from them ([`plan::choose`]).
+/// work busy there), the hold book's (what it had to freeze lately) — and the plan chosen
+/// from them ([`plan::choose`]).
 #[allow(clippy::too_many_arguments)]
 pub fn plans(
     d: &Decision<ProcKey>,
     preferred: Kind,
     vault: &super::vault::Vault,
+    book: &super::holds::HoldBook,
     table: &Table,
     gates: &Gates,
     bells: &Bells,
+    now: u64,
     notes: &mut Vec<Note>,
 ) -> Planned {
     let mut reqs = Vec::new();
@@ -56,6 +59,7 @@ pub fn plans(
             cgroup: &entry.cgroup,
             lock: vault.would_lock(table, key),
             gate,
+            remembered: book.remembered(key, entry.cgroup.whole_dir(), now),
         });
         notes.push(note::Suspending { reason: *reason }.into());
         reqs.push((*key, plan));

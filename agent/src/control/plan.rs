@@ -1,7 +1,8 @@
 //! The plan of a suspension, chosen here and nowhere else ([`choose`]). The others supply
 //! facts: the shell what it observed of the process's cgroup and the host
 //! ([`CgroupFacts`], kept in the process's table entry), the vault whether the driver's
-//! lock applies, the gate book the GPU's gate slot.
+//! lock applies, the gate book the GPU's gate slot, the hold book what it had to freeze
+//! lately ([`Remembered`]).
 //!
 //! The rules, in order:
 //! - A process the driver's lock applies to is held by the lock (its CUDA calls block);
@@ -14,6 +15,8 @@
 //!   - so is one whose cgroup contains the agent itself, has no freezer directory under
 //!     the cgroup root, or (rules mode) also holds a process that is not offline, or whose
 //!     members cannot be read: a cgroup holding online work is never stopped whole.
+//! - A stop by signal that the hold book remembers its tenant undoing lately is a freeze
+//!   at once: the signalled cgroup's freezer, or the process's cell of the agent's own.
 //! - Where the GPU's launch gate applies (online work busy there, the process's shim
 //!   answering on that GPU alone), the gate closes first, and what holds the process
 //!   follows once it has drained.
@@ -161,6 +164,17 @@ impl CgroupFacts {
     }
 }
 
+/// What the hold book remembers of how an offline process had to be held lately
+/// ([`crate::control::holds::HoldBook::remembered`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Remembered {
+    /// Its signalled cgroup had to be frozen: its processes resumed themselves.
+    pub cgroup_frozen: bool,
+    /// It had to be moved into this cell of the agent's own (held alone, it resumed
+    /// itself).
+    pub cell: Option<Frozen>,
+}
+
 /// Everything a suspension's plan depends on.
 #[derive(Debug, Clone)]
 pub struct Facts<'a> {
@@ -174,6 +188,8 @@ pub struct Facts<'a> {
     pub lock: bool,
     /// The GPU's launch gate slot, where the gate applies (the gate book's word).
     pub gate: Option<GateSlot>,
+    /// How it had to be held lately (the hold book's word).
+    pub remembered: Remembered,
 }
 
 /// The stop of an offline process (see the module's rules).
@@ -198,7 +214,24 @@ pub fn choose(f: &Facts) -> Plan {
     let held = if f.lock {
         Held::Lock(f.key)
     } else {
-        Held::Stop(stop(f.key, f.preferred, f.cgroup))
+        Held::Stop(match stop(f.key, f.preferred, f.cgroup) {
+            // A signalled cgroup whose processes resumed themselves lately: frozen at once.
+            Stop::SignalCgroup { dir, version, .. } if f.remembered.cgroup_frozen => {
+                Stop::Freeze(Frozen {
+                    dir,
+                    version,
+                    cell: None,
+                })
+            }
+            // A process held alone that had to be moved into a cell of the agent's own:
+            // moved in and frozen at once.
+            Stop::Signal(key) => f
+                .remembered
+                .cell
+                .clone()
+                .map_or(Stop::Signal(key), Stop::Freeze),
+            s => s,
+        })
     };
     match &f.gate {
         Some(gate) => Plan::Gate {
@@ -231,6 +264,7 @@ mod tests {
             cgroup,
             lock: false,
             gate: None,
+            remembered: Remembered::default(),
         })
     }
 
@@ -323,6 +357,7 @@ mod tests {
                 cgroup: &cg,
                 lock,
                 gate,
+                remembered: Remembered::default(),
             })
         };
         assert_eq!(f(true, None), Plan::Now(Held::Lock(KEY)));
@@ -337,5 +372,63 @@ mod tests {
         assert_eq!(gated.kind(), Kind::Gate);
         assert_eq!(gated.held(), &Held::Stop(stop(KEY, Kind::Freezer, &cg)));
         assert_eq!(gated.cgroup(), cg.whole_dir());
+    }
+
+    /// A stop its tenant undid lately is a freeze at once: the signalled cgroup's
+    /// freezer, or the cell of the agent's own the process alone had to be moved into;
+    /// the driver's lock and an older memory change nothing.
+    #[test]
+    fn what_the_hold_book_had_to_freeze_lately_is_frozen_at_once() {
+        let cg = declared();
+        let cell = Frozen {
+            dir: "/sys/fs/cgroup/gpu-coloc.held/10-1".into(),
+            version: CgroupVersion::V2,
+            cell: None,
+        };
+        let f = |cgroup: &CgroupFacts, lock: bool, remembered: Remembered| {
+            choose(&Facts {
+                key: KEY,
+                preferred: Kind::Signal,
+                cgroup,
+                lock,
+                gate: None,
+                remembered,
+            })
+        };
+        let froze = Remembered {
+            cgroup_frozen: true,
+            cell: None,
+        };
+        assert_eq!(
+            f(&cg, false, froze.clone()),
+            Plan::Now(Held::Stop(Stop::Freeze(Frozen {
+                dir: "/sys/fs/cgroup/batch/job".into(),
+                version: CgroupVersion::V2,
+                cell: None,
+            })))
+        );
+        let celled = Remembered {
+            cgroup_frozen: false,
+            cell: Some(cell.clone()),
+        };
+        let alone = CgroupFacts::default();
+        assert_eq!(
+            f(&alone, false, celled.clone()),
+            Plan::Now(Held::Stop(Stop::Freeze(cell)))
+        );
+        assert_eq!(f(&alone, true, celled), Plan::Now(Held::Lock(KEY)));
+        assert_eq!(
+            f(&alone, false, froze),
+            Plan::signal(KEY),
+            "no cgroup held whole"
+        );
+        assert_eq!(
+            f(&cg, false, Remembered::default()),
+            Plan::Now(Held::Stop(Stop::SignalCgroup {
+                dir: "/sys/fs/cgroup/batch/job".into(),
+                version: CgroupVersion::V2,
+                leader: KEY,
+            }))
+        );
     }
 }

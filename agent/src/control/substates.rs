@@ -499,9 +499,11 @@ impl Substates {
             &d,
             self.header.actuator,
             &self.vault,
+            &self.book,
             &self.observed.table,
             &self.observed.gates,
             &self.observed.bells,
+            now,
             &mut self.notes,
         );
         let started = if reqs.is_empty() {

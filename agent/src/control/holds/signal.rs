@@ -14,7 +14,9 @@ use super::{Continuation, Hold, HoldBook, HoldCmd, HoldRef, Means, Progress, Sta
 use crate::control::model::act::Op;
 use crate::control::model::ProcKey;
 use crate::control::note;
+use crate::control::plan::Remembered;
 use crate::control::target::{Frozen, Held, Plan, Stop, Target};
+use std::path::Path;
 
 /// Breaks after which a signalled cgroup is frozen.
 pub const ESCALATE_AFTER: u32 = 2;
@@ -124,32 +126,21 @@ impl Hold {
 }
 
 impl HoldBook {
-    /// `plan`, or the freezer of its signalled cgroup when that cgroup had to be frozen
-    /// in the last [`REMEMBER_NS`] (its processes resumed themselves).
-    pub(super) fn remembered(&self, plan: &Plan) -> Plan {
-        plan.clone().map_held(|held| match held {
-            Held::Stop(Stop::SignalCgroup { dir, version, .. })
-                if self
-                    .resumed_itself
-                    .get(&dir)
-                    .is_some_and(|at| self.now_ns.saturating_sub(*at) < REMEMBER_NS) =>
-            {
-                Held::Stop(Stop::Freeze(Frozen {
-                    dir,
-                    version,
-                    cell: None,
-                }))
-            }
-            // A process that had to be moved into a cell of the agent's own: moved in and
-            // frozen at once.
-            Held::Stop(Stop::Signal(key)) => match self.isolated.get(&key) {
-                Some((cell, at)) if self.now_ns.saturating_sub(*at) < REMEMBER_NS => {
-                    Frozen::of(cell).map_or(held, |f| Held::Stop(Stop::Freeze(f)))
-                }
-                _ => held,
-            },
-            h => h,
-        })
+    /// What the book remembers, at `now`, of how offline process `key` (in cgroup `dir`,
+    /// where it may be held whole) had to be held: a fact the plan is chosen from
+    /// ([`crate::control::plan::choose`]). Its signalled cgroup had to be frozen in the
+    /// last [`REMEMBER_NS`] (its processes resumed themselves), or it had to be moved into
+    /// a cell of the agent's own.
+    pub fn remembered(&self, key: &ProcKey, dir: Option<&Path>, now: u64) -> Remembered {
+        let lately = |at: &u64| now.saturating_sub(*at) < REMEMBER_NS;
+        Remembered {
+            cgroup_frozen: dir.is_some_and(|d| self.resumed_itself.get(d).is_some_and(lately)),
+            cell: self
+                .isolated
+                .get(key)
+                .filter(|(_, at)| lately(at))
+                .and_then(|(cell, _)| Frozen::of(cell)),
+        }
     }
 
     /// A `Confirming` suspension by signal looked at, with `running` (its members not seen

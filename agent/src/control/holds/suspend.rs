@@ -22,8 +22,6 @@ impl HoldBook {
         self.now_ns = now;
         let mut out = Started::default();
         for (holder, plan) in reqs {
-            // A signalled cgroup that resumed itself recently is frozen at once.
-            let plan = &self.remembered(plan);
             let key = plan.hold_key();
             if let Some(h) = self.holds.get_mut(&key) {
                 // Joining a hold on its way counts as a start for this holder.

@@ -572,6 +572,31 @@ fn a_failed_escalation_does_not_unrecord_a_cgroup_another_hold_froze() {
 
 /// Process 10 in cgroup `/sys/fs/cgroup/pod/c` (v2), suspended by signals to the cgroup's
 /// processes: (the process, its target, the cgroup's freezer target, the plan).
+/// What the shell observed of the cgroup `plan` signals: declared offline as a whole,
+/// every member offline.
+fn declared(plan: &Plan) -> crate::control::plan::CgroupFacts {
+    let (dir, version) = plan.signalled_cgroup().expect("a signalled cgroup");
+    crate::control::plan::CgroupFacts {
+        declared: Some(dir.display().to_string()),
+        dir: Some((dir.to_path_buf(), version)),
+        holds_agent: false,
+        members: crate::control::plan::Members::Offline,
+    }
+}
+
+/// The plan the controller chooses for `k` at `now`, with `--actuator signal`, its cgroup
+/// as `cgroup` says, and what book `b` remembers of it.
+fn chosen(b: &HoldBook, k: ProcKey, cgroup: &crate::control::plan::CgroupFacts, now: u64) -> Plan {
+    crate::control::plan::choose(&crate::control::plan::Facts {
+        key: k,
+        preferred: crate::control::model::act::Kind::Signal,
+        cgroup,
+        lock: false,
+        gate: None,
+        remembered: b.remembered(&k, cgroup.whole_dir(), now),
+    })
+}
+
 fn signalled_cgroup() -> (ProcKey, Target, Target, Plan) {
     use crate::control::model::act::CgroupVersion;
     let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
@@ -859,11 +884,13 @@ fn a_cgroup_that_resumed_itself_is_frozen_at_once_next_time() {
     b.resume(&[k], now);
     shell(&mut b, now, &mut rec, &members, &mut tenant);
     assert!(!b.holds(&k));
-    // The next busy period: the freezer first, after the record.
+    // The next busy period: the plan the controller chooses with what the book remembers
+    // is the freezer, which goes first, after the record.
     let first_stop = |b: &mut HoldBook,
                       now: u64,
                       rec: &mut std::collections::BTreeSet<RecordEntry>| {
-        b.suspend(&[(k, plan.clone())], now);
+        let plan = chosen(b, k, &declared(&plan), now);
+        b.suspend(&[(k, plan)], now);
         let cmds = shell(b, now, rec, &members, &mut |_, _, _| Progress::Done);
         let i = cmds
             .iter()
@@ -987,9 +1014,11 @@ fn a_process_held_alone_that_keeps_resuming_is_frozen_in_a_cell_recorded_first()
         "{cmds:?}"
     );
     assert!(!rec.contains(&cell.record()), "{rec:?}");
-    // The next busy period: into the cell and frozen at once, recorded first.
+    // The next busy period: the plan the controller chooses with what the book remembers
+    // moves it into the cell and freezes it at once, recorded first.
     now += 5 * MS;
-    b.suspend(&[(k, Plan::signal(k))], now);
+    let plan = chosen(&b, k, &crate::control::plan::CgroupFacts::default(), now);
+    b.suspend(&[(k, plan)], now);
     let cmds = shell(&mut b, now, &mut rec, &[], &mut |_, _, _| Progress::Done);
     let recorded = cmds.iter().position(
         |c| matches!(c, HoldCmd::RecordAdd { entries, .. } if entries.contains(&cell.record())),

@@ -185,4 +185,16 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
         "{last:?}"
     );
     assert_eq!(h.recorded_beyond_ahead(), vec![]);
+    // The next busy period: the plan chosen with what the hold book remembers freezes
+    // the cgroup at once, its first act.
+    let before = h.act.calls().len();
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    let first = calls[before..].iter().find(|c| c.op == Op::Suspend);
+    assert!(
+        first.is_some_and(|c| c.targets.contains(&cg)),
+        "not frozen at once the next time: {:?}",
+        &calls[before..]
+    );
 }
