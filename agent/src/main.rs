@@ -383,7 +383,7 @@ fn open_driver(
                 pods = ?args.checkpoint_pods,
                 "The CUDA driver's checkpoint API: offline processes are held by its lock{}",
                 if args.memory_reserve.is_some() { ", and checkpointed while online work needs their memory" } else { "" });
-            cfg.vault.api = true;
+            cfg.driver_book.api = true;
             Some(Arc::new(c))
         }
         Err(err) => {

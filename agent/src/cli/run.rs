@@ -221,8 +221,8 @@ pub struct RunArgs {
     /// per GB on an H100), largest first, until what they hold covers the reserve; each
     /// is recorded first. A size (`8GiB`, `512MiB`, `20GB`) or a percent of the GPU's
     /// memory (`10%`). Only pods --checkpoint-pods allows. Unset: off.
-    #[arg(long, env = "COLOC_MEMORY_RESERVE", value_parser = crate::control::vault::Reserve::parse)]
-    pub memory_reserve: Option<crate::control::vault::Reserve>,
+    #[arg(long, env = "COLOC_MEMORY_RESERVE", value_parser = crate::control::driver_book::Reserve::parse)]
+    pub memory_reserve: Option<crate::control::driver_book::Reserve>,
 
     /// A checkpointed process is restored (about 0.2 s per GB on an H100), then unlocked,
     /// once its GPU has been out of memory pressure this long and has room for it and the
@@ -234,8 +234,8 @@ pub struct RunArgs {
     /// Which offline pods memory preemption may checkpoint: `opt-in`, only pods annotated
     /// `gpu-coloc.dev/checkpoint: "true"` (a rule's `checkpoint = true`); `opt-out`, every
     /// offline pod but those annotated `"false"`.
-    #[arg(long, env = "COLOC_CHECKPOINT_PODS", value_enum, default_value_t = crate::control::vault::PodsPolicy::OptIn)]
-    pub checkpoint_pods: crate::control::vault::PodsPolicy,
+    #[arg(long, env = "COLOC_CHECKPOINT_PODS", value_enum, default_value_t = crate::control::driver_book::PodsPolicy::OptIn)]
+    pub checkpoint_pods: crate::control::driver_book::PodsPolicy,
 
     /// How often GPU memory is read (NVML) while memory preemption is on and offline work
     /// is present.
@@ -542,7 +542,7 @@ impl RunArgs {
                 drain_ns: self.release_drain.as_nanos() as u64,
                 at_once: self.release == ReleaseRule::AtOnce,
             }),
-            vault: crate::control::vault::VaultConfig {
+            driver_book: crate::control::driver_book::DriverBookConfig {
                 // Set by the caller once the driver's library is loaded.
                 api: false,
                 lock: self.driver_lock,

@@ -134,7 +134,7 @@ impl Controller {
             bells: observed.bells_due(now),
             samples: observed.samples_due(now),
             lists: observed.list_due(now),
-            memory: self.sub.vault.memory_due(now, &observed.table),
+            memory: self.sub.driver_book.memory_due(now, &observed.table),
         }
     }
 
@@ -142,7 +142,7 @@ impl Controller {
     pub fn known(&self) -> Known<'_> {
         Known {
             observed: &self.sub.observed,
-            vault: &self.sub.vault,
+            driver_book: &self.sub.driver_book,
         }
     }
 
@@ -185,7 +185,7 @@ impl Controller {
             self.stage = self.run(stage, now);
             self.sub.flush();
         }
-        self.sub.vault_round(now);
+        self.sub.driver_round(now);
         if !self.yielding {
             self.sub.write(now);
         }
@@ -197,7 +197,7 @@ impl Controller {
         match o {
             Obs::Snapshot(s) => self.snapshot = Some(s),
             Obs::Written { id, ok } => self.sub.written(id, ok, now),
-            Obs::Driver(d) => self.sub.vault.done(d, now),
+            Obs::Driver(d) => self.sub.driver_book.done(d, now),
             Obs::WatchdogTripped => self.sub.after_watchdog(now),
             Obs::GateFields(gates) => self.sub.gate_fields(gates),
             Obs::ReleaseAll(reason) => {
@@ -270,12 +270,12 @@ impl Controller {
         }
     }
 
-    /// Whether the controller names process `key` anywhere (its table, a hold, the vault):
+    /// Whether the controller names process `key` anywhere (its table, a hold, the driver book):
     /// the shell keeps its pin while it does.
     pub fn names(&self, key: &ProcKey) -> bool {
         let r = &self.sub;
         r.observed.table.entry(key).is_some()
-            || r.vault.knows(key)
+            || r.driver_book.knows(key)
             || r.book.holds(key)
             || r.book.stops(key, None)
     }
@@ -295,14 +295,14 @@ impl Controller {
         self.sub.holds()
     }
 
-    /// The vault (the driver's lock, memory preemption).
-    pub fn vault(&self) -> &super::vault::Vault {
-        &self.sub.vault
+    /// The driver book (the driver's lock, memory preemption).
+    pub fn driver_book(&self) -> &super::driver_book::DriverBook {
+        &self.sub.driver_book
     }
 
-    /// Whether the driver holds nothing the vault put there, and no call is in flight.
-    pub fn vault_idle(&self) -> bool {
-        self.sub.vault.idle()
+    /// Whether the driver holds nothing the driver book put there, and no call is in flight.
+    pub fn driver_idle(&self) -> bool {
+        self.sub.driver_book.idle()
     }
 
     /// The record book.

@@ -24,7 +24,7 @@ fn secs(ns: u64) -> f64 {
 pub type Planned = (Vec<(ProcKey, Plan)>, Vec<(ProcKey, Reason)>);
 
 /// The plan of each suspension, in the decision's order, with its reason: the facts
-/// gathered — the table's (what the shell observed of the process's cgroup), the vault's
+/// gathered — the table's (what the shell observed of the process's cgroup), the driver book's
 /// (whether the driver's lock applies), the gate book's (the GPU's gate slot, for online
 /// work busy there), the hold book's (what it had to freeze lately) — and the plan chosen
 /// from them ([`plan::choose`]).
@@ -32,7 +32,7 @@ pub type Planned = (Vec<(ProcKey, Plan)>, Vec<(ProcKey, Reason)>);
 pub fn plans(
     d: &Decision<ProcKey>,
     preferred: Kind,
-    vault: &super::vault::Vault,
+    driver_book: &super::driver_book::DriverBook,
     book: &super::holds::HoldBook,
     table: &Table,
     gates: &Gates,
@@ -57,7 +57,7 @@ pub fn plans(
             key: *key,
             preferred,
             cgroup: &entry.cgroup,
-            lock: vault.would_lock(table, key),
+            lock: driver_book.would_lock(table, key),
             gate,
             remembered: book.remembered(key, entry.cgroup.whole_dir(), now),
         });

@@ -16,6 +16,7 @@
 //! thread and answers when it ends ([`Obs::Written`], [`Obs::Driver`]), a later round or
 //! tick.
 
+use crate::control::driver_book::DriverBook;
 use crate::control::entry::Entry;
 use crate::control::events::Event;
 use crate::control::holds::{HoldCmd, HoldObs};
@@ -29,7 +30,6 @@ use crate::control::plan::Members;
 use crate::control::record::Write;
 use crate::control::state::StateDoc;
 use crate::control::table::Table;
-use crate::control::vault::Vault;
 use crate::control::ReleaseAll;
 use coloc_doorbell::GateReading;
 use qos_core::Class;
@@ -79,7 +79,7 @@ pub struct BellsRead {
 #[derive(Clone, Copy)]
 pub struct Known<'a> {
     pub(crate) observed: &'a Observed,
-    pub(crate) vault: &'a Vault,
+    pub(crate) driver_book: &'a DriverBook,
 }
 
 impl std::fmt::Debug for Known<'_> {
@@ -98,7 +98,7 @@ impl Known<'_> {
     /// holds checkpointed (they have left the lists), with whether the shell pins each.
     pub fn keys(&self) -> Vec<(ProcKey, bool)> {
         let mut known = self.observed.table.known();
-        for (k, pin) in self.vault.known() {
+        for (k, pin) in self.driver_book.known() {
             if !known.iter().any(|(kk, _)| *kk == k) {
                 known.push((k, pin));
             }
@@ -260,7 +260,7 @@ pub enum Cmd {
     Publish(Box<StateDoc>),
     /// Start a call to the driver's checkpoint API, off the loop. Answered, when it ends
     /// (a later round or tick), by [`Obs::Driver`].
-    Driver(crate::control::vault::Call),
+    Driver(crate::control::driver_book::Call),
 }
 
 /// What the shell observed.

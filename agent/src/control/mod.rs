@@ -23,7 +23,7 @@
 //! sample says), [`health`] (transient vs persistent NVML failures), [`bells`] and
 //! [`claims`] (doorbell attribution and corroboration), [`gates`] (the gate book),
 //! [`holds`] (what is suspended, record before act, confirmations that never stall the
-//! loop), [`vault`] (the driver's lock and memory preemption), [`record`] (the record
+//! loop), [`driver_book`] (the driver's lock and memory preemption), [`record`] (the record
 //! book: written ahead, off the loop, in order), [`retry`], [`events`] (typed events, the
 //! tracker), [`pace`] (when the loop wakes, when the machine runs), [`execute`] (a
 //! decision into holds and events), [`plan`] (the plan of a suspension, chosen in one
@@ -39,6 +39,7 @@ pub mod bells;
 pub mod claims;
 pub mod controller;
 pub mod coverage;
+pub mod driver_book;
 pub mod entry;
 pub mod events;
 pub mod execute;
@@ -63,7 +64,6 @@ pub mod substates;
 pub mod table;
 pub mod target;
 mod text;
-pub mod vault;
 
 #[cfg(test)]
 mod tests;
@@ -126,7 +126,7 @@ pub struct LoopConfig {
     /// The learned release window (`--release learned`); `None`: the fixed idle window.
     pub release: Option<learn::Learning>,
     /// The driver's lock and memory preemption (`--driver-lock`, `--memory-reserve`).
-    pub vault: vault::VaultConfig,
+    pub driver_book: driver_book::DriverBookConfig,
 }
 
 /// Why everything is resumed at once.

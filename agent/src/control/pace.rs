@@ -41,8 +41,8 @@ pub struct Due {
     pub reads: (u64, u64),
     /// The next heartbeat, while a gate is closed.
     pub beat: Option<u64>,
-    /// When the vault looks again (a memory read, a driver call's end).
-    pub vault: Option<u64>,
+    /// When the driver book looks again (a memory read, a driver call's end).
+    pub driver_book: Option<u64>,
 }
 
 impl Pacer {
@@ -113,7 +113,7 @@ impl Pacer {
             // The shims read a stale heartbeat as an open gate.
             due = due.min(t);
         }
-        if let Some(t) = d.vault {
+        if let Some(t) = d.driver_book {
             due = due.min(t);
         }
         Duration::from_nanos(due.saturating_sub(now)).max(Duration::from_micros(50))

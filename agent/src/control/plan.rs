@@ -1,6 +1,6 @@
 //! The plan of a suspension, chosen here and nowhere else ([`choose`]). The others supply
 //! facts: the shell what it observed of the process's cgroup and the host
-//! ([`CgroupFacts`], kept in the process's table entry), the vault whether the driver's
+//! ([`CgroupFacts`], kept in the process's table entry), the driver book whether the driver's
 //! lock applies, the gate book the GPU's gate slot, the hold book what it had to freeze
 //! lately ([`Remembered`]).
 //!
@@ -184,7 +184,7 @@ pub struct Facts<'a> {
     pub preferred: Kind,
     /// What the shell observed of its cgroup.
     pub cgroup: &'a CgroupFacts,
-    /// The driver's lock applies (the vault's word).
+    /// The driver's lock applies (the driver book's word).
     pub lock: bool,
     /// The GPU's launch gate slot, where the gate applies (the gate book's word).
     pub gate: Option<GateSlot>,

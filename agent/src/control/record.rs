@@ -129,13 +129,13 @@ impl RecordBook {
 
     /// The hold book abandoned its requests that wait for a write (everything is being
     /// resumed): nothing was acted on for them, so what they alone asked for is let go.
-    /// The vault's requests (`vault::REQ_BASE` and above) stay.
+    /// The driver book's requests (`driver_book::REQ_BASE` and above) stay.
     pub fn abandon_book_requests(&mut self) {
-        let base = crate::control::vault::REQ_BASE;
-        let (book, vault): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters)
+        let base = crate::control::driver_book::REQ_BASE;
+        let (book, driver_book): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters)
             .into_iter()
             .partition(|(req, _, _)| *req < base);
-        self.waiters = vault;
+        self.waiters = driver_book;
         for (_, _, fresh) in book {
             for e in fresh {
                 self.dirty |= self.held.remove(&e);

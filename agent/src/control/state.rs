@@ -99,7 +99,7 @@ pub struct GpuDoc {
     pub release_ms: Summary,
     /// Its memory, with memory preemption on (`--memory-reserve`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory: Option<crate::control::vault::MemorySummary>,
+    pub memory: Option<crate::control::driver_book::MemorySummary>,
 }
 
 /// One GPU process in `/state`.

@@ -2,11 +2,12 @@
 //! has answered. Each sub-state is a type of its own, in its own file, and meets the
 //! others only here, through explicit arguments: what the controller has [`Observed`]
 //! (the process table, the NVML bookkeeping, health, the doorbells, the gate book),
-//! `qos_core::Machine` (per GPU), the [`HoldBook`], the [`Vault`], the [`RecordBook`],
+//! `qos_core::Machine` (per GPU), the [`HoldBook`], the [`DriverBook`], the [`RecordBook`],
 //! [`Retries`], the event [`Tracker`] and the [`Pacer`]. No I/O: what the sub-states say
 //! (notes, events, commands that need no answer) goes to `out`, for the controller to hand
 //! to the shell in order.
 
+use super::driver_book::{DriverBook, RecordAsk};
 use super::events::{Event, FailOpen, Tracker};
 use super::holds::{HoldBook, HoldCmd, HoldObs};
 use super::io::Cmd;
@@ -16,7 +17,6 @@ use super::pace::{Due, Pacer};
 use super::publish::{GpuSummary, Header};
 use super::record::RecordBook;
 use super::retry::Retries;
-use super::vault::{RecordAsk, Vault};
 use super::{execute, LoopConfig, ReleaseAll};
 use crate::control::model::act::RecordEntry;
 use crate::control::model::ProcKey;
@@ -34,7 +34,7 @@ pub struct Substates {
     pub(crate) machine: Machine<ProcKey>,
     pub(crate) book: HoldBook,
     /// The driver's lock and memory preemption.
-    pub(crate) vault: Vault,
+    pub(crate) driver_book: DriverBook,
     record: RecordBook,
     pub(crate) tracker: Tracker,
     retries: Retries,
@@ -51,8 +51,8 @@ pub struct Substates {
     events: Vec<Event>,
     /// What the sub-states say, in order.
     pub(crate) out: Vec<Cmd>,
-    /// Hold commands whose locks the vault answered and whose other targets went to the
-    /// shell: request → (the vault's answers with their places, how many targets).
+    /// Hold commands whose locks the driver book answered and whose other targets went to the
+    /// shell: request → (the driver book's answers with their places, how many targets).
     driver_answers:
         BTreeMap<super::holds::Req, (Vec<(usize, crate::control::model::act::Progress)>, usize)>,
     /// Gate fields were read after a gate closed: the next hold round tells the gate holds
@@ -98,7 +98,7 @@ impl Substates {
                 m
             },
             book,
-            vault: Vault::new(cfg.vault.clone()),
+            driver_book: DriverBook::new(cfg.driver_book.clone()),
             record: RecordBook::new(on_disk),
             tracker: Tracker::default(),
             retries: Retries::default(),
@@ -126,10 +126,10 @@ impl Substates {
     /// Moves what the sub-states said into `out`, in order.
     pub fn flush(&mut self) {
         if let Some(mut ahead) = self.observed.ahead.take() {
-            ahead.extend(self.vault.ahead(&self.observed.table));
+            ahead.extend(self.driver_book.ahead(&self.observed.table));
             self.record.want_ahead(ahead);
         }
-        let (notes, events) = self.vault.take_notes();
+        let (notes, events) = self.driver_book.take_notes();
         self.notes.extend(notes);
         self.events.extend(events);
         self.out.append(&mut self.observed.out);
@@ -157,7 +157,7 @@ impl Substates {
         }
         let listed = lists.is_some();
         if let Some(l) = lists {
-            self.vault.gone(&l.gone);
+            self.driver_book.gone(&l.gone);
             self.observed.lists(t, l);
         }
         self.observed.judge_tick(t, &self.machine);
@@ -225,7 +225,7 @@ impl Substates {
         }
     }
 
-    /// A lock hold's `Start` or `Check` is answered by the vault, at once (the driver's
+    /// A lock hold's `Start` or `Check` is answered by the driver book, at once (the driver's
     /// calls it needs go out as [`Cmd::Driver`]); the hold book checks again as it would
     /// an actuator's pending work. Other commands go to the shell.
     fn locks(&mut self, mut c: HoldCmd, now: u64) -> Result<HoldObs, HoldCmd> {
@@ -247,14 +247,17 @@ impl Substates {
                 Target::Lock { key } => {
                     let book = &self.book;
                     let stops = |k: &ProcKey, cg: Option<&std::path::Path>| book.stops(k, cg);
-                    answered.push((i, self.vault.hold(key, op, &self.observed.table, stops)))
+                    answered.push((
+                        i,
+                        self.driver_book.hold(key, op, &self.observed.table, stops),
+                    ))
                 }
                 t => rest.push(t),
             }
         }
-        // What the vault claims in the record is asked for before the hold book can let
+        // What the driver book claims in the record is asked for before the hold book can let
         // the lock's entry go.
-        self.vault_records();
+        self.driver_records();
         if rest.is_empty() {
             return Ok(HoldObs::Progress {
                 req,
@@ -262,13 +265,13 @@ impl Substates {
                 at_ns: now,
             });
         }
-        // The other targets go to the shell; its answer gets the vault's merged in.
+        // The other targets go to the shell; its answer gets the driver book's merged in.
         *targets = rest;
         self.driver_answers.insert(req, (answered, total));
         Err(c)
     }
 
-    /// The shell's answer to a command whose locks the vault answered, made whole.
+    /// The shell's answer to a command whose locks the driver book answered, made whole.
     fn merge_driver_answers(&mut self, a: HoldObs) -> HoldObs {
         let HoldObs::Progress {
             req,
@@ -286,10 +289,10 @@ impl Substates {
             };
         };
         let mut shell = progress.into_iter();
-        let mut vault = answered.into_iter().peekable();
+        let mut driver_book = answered.into_iter().peekable();
         let mut whole = Vec::with_capacity(total);
         for i in 0..total {
-            match vault.next_if(|(j, _)| *j == i) {
+            match driver_book.next_if(|(j, _)| *j == i) {
                 Some((_, p)) => whole.push(p),
                 None => whole.extend(shell.next()),
             }
@@ -301,29 +304,29 @@ impl Substates {
         }
     }
 
-    /// One round of the vault: its record requests to the record book (answered at once
+    /// One round of the driver book: its record requests to the record book (answered at once
     /// when on disk already), then the driver calls that can go out now. The hold book
     /// tells which processes a hold stops (a restore waits for their thaw).
-    pub fn vault_round(&mut self, now: u64) {
-        if !self.vault.active() {
+    pub fn driver_round(&mut self, now: u64) {
+        if !self.driver_book.active() {
             return;
         }
         for _ in 0..2 {
-            self.vault_records();
+            self.driver_records();
             let book = &self.book;
-            self.vault.calls(now, |k, cg| book.stops(k, cg));
+            self.driver_book.calls(now, |k, cg| book.stops(k, cg));
         }
         self.out
-            .extend(self.vault.take_calls().into_iter().map(Cmd::Driver));
+            .extend(self.driver_book.take_calls().into_iter().map(Cmd::Driver));
     }
 
-    /// The vault's requests to the record book.
-    fn vault_records(&mut self) {
-        for ask in self.vault.take_records() {
+    /// The driver book's requests to the record book.
+    fn driver_records(&mut self) {
+        for ask in self.driver_book.take_records() {
             match ask {
                 RecordAsk::Add(req, entries) => {
                     if let Some(ok) = self.record.add(req, entries) {
-                        self.vault.recorded(req, ok);
+                        self.driver_book.recorded(req, ok);
                     }
                 }
                 RecordAsk::Remove(entries) => self.record.remove(&entries),
@@ -346,8 +349,8 @@ impl Substates {
     pub fn written(&mut self, id: u64, ok: bool, now: u64) {
         let mut answers = Vec::new();
         for (req, ok) in self.record.written(id, ok, now) {
-            if req >= super::vault::REQ_BASE {
-                self.vault.recorded(req, ok);
+            if req >= super::driver_book::REQ_BASE {
+                self.driver_book.recorded(req, ok);
             } else {
                 answers.push(HoldObs::Recorded { req, ok });
             }
@@ -498,7 +501,7 @@ impl Substates {
         let (reqs, reasons) = execute::plans(
             &d,
             self.header.actuator,
-            &self.vault,
+            &self.driver_book,
             &self.book,
             &self.observed.table,
             &self.observed.gates,
@@ -625,10 +628,10 @@ impl Substates {
         if reason == ReleaseAll::Shutdown {
             self.record.stop();
         }
-        // The vault first learns that everything goes back to running (the hold book's
-        // resumes of locks are then answered at once, the vault keeping them recorded
+        // The driver book first learns that everything goes back to running (the hold book's
+        // resumes of locks are then answered at once, the driver book keeping them recorded
         // until unlocked); its restores wait for the holds' thaw.
-        self.vault.release_all();
+        self.driver_book.release_all();
         let n = self.book.release_all(reason);
         // Its requests waiting for a write were abandoned: what they alone asked for is
         // not held (a gate's fallback recorded too late stayed recorded after the exit).
@@ -663,7 +666,7 @@ impl Substates {
         // The watchdog resumed every hold through the hands: the events that waited for
         // those holds end unconfirmed.
         self.book.forget_all();
-        self.vault.forget_holds();
+        self.driver_book.forget_holds();
         self.record.forget_holds();
         self.events.extend(self.tracker.abandon());
         self.observed.forget(now);
@@ -722,9 +725,9 @@ impl Substates {
             }
             .into(),
         );
-        if self.vault.active() {
-            let mem = self.vault.summary();
-            let view = self.vault.view();
+        if self.driver_book.active() {
+            let mem = self.driver_book.summary();
+            let view = self.driver_book.view();
             let table = &self.observed.table;
             for g in &mut doc.gpus {
                 g.memory = mem.get(&g.index).cloned();
@@ -733,14 +736,14 @@ impl Substates {
                 for p in &mut g.processes {
                     let lock = table
                         .by_pid(p.pid)
-                        .is_some_and(|e| self.vault.would_lock(table, &e.key));
+                        .is_some_and(|e| self.driver_book.would_lock(table, &e.key));
                     if lock {
                         p.actuator = Some(crate::control::model::act::Kind::Lock);
                     }
                 }
                 for (key, gpu, st, bytes, owner) in &view {
                     let checkpointed =
-                        (*st == super::vault::DState::Checkpointed).then_some(*bytes);
+                        (*st == super::driver_book::DState::Checkpointed).then_some(*bytes);
                     match g.processes.iter_mut().find(|p| p.pid == key.pid) {
                         Some(p) => {
                             p.driver = Some(st.as_str().into());
@@ -773,7 +776,7 @@ impl Substates {
         doc
     }
 
-    /// Memory read: the vault judges pressure and decides evictions and restores.
+    /// Memory read: the driver book judges pressure and decides evictions and restores.
     pub fn memory(
         &mut self,
         now: u64,
@@ -791,7 +794,7 @@ impl Substates {
                 .any(|e| e.gpus.contains(&g) && e.cls.class.is_online_demand(unmanaged_online))
         };
         let book = &self.book;
-        self.vault
+        self.driver_book
             .memory(now, reads, &room, table, online, |k, cg| book.stops(k, cg));
     }
 
@@ -816,7 +819,7 @@ impl Substates {
                 .book
                 .gates_closed()
                 .then(|| self.observed.gates.next_beat_ns()),
-            vault: self.vault.next_due_ns(now),
+            driver_book: self.driver_book.next_due_ns(now),
         };
         let machine = &self.machine;
         self.pacer

@@ -43,7 +43,7 @@ pub enum Target {
         file: PathBuf,
     },
     /// One process's CUDA calls, blocked by the driver's lock (`cuCheckpointProcessLock`):
-    /// held by the controller's vault, not by an actuator ([`crate::control::vault`]).
+    /// held by the controller's driver book, not by an actuator ([`crate::control::driver_book`]).
     Lock {
         /// Identity (checked right before each driver call: the driver takes a bare PID).
         key: ProcKey,
@@ -133,7 +133,7 @@ pub enum Held {
     /// A stop (freezer or signals).
     Stop(Stop),
     /// The CUDA driver's lock (`cuCheckpointProcessLock`): its CUDA calls block, its CPU
-    /// threads run on. Held by the vault ([`crate::control::vault`]); where the driver
+    /// threads run on. Held by the driver book ([`crate::control::driver_book`]); where the driver
     /// refuses, the process is stopped instead from its next suspension on.
     Lock(ProcKey),
 }

@@ -31,7 +31,7 @@
 //! What each kind of hold does of its own is in its module: [`signal`] (a process alone or
 //! a cgroup's processes by SIGSTOP, stopped again when resumed, then frozen), [`gate`] (close,
 //! acknowledgement, fallback). A freeze and a driver's lock have nothing of their own here:
-//! the actuator writes `cgroup.freeze`, and the vault (`control/vault.rs`) holds the
+//! the actuator writes `cgroup.freeze`, and the driver book (`control/driver_book.rs`) holds the
 //! driver's side of a lock, answering its `Start` and `Check` itself.
 //!
 //! A hold is released when its last holder (an offline GPU process) is resumed. What is not
@@ -138,7 +138,7 @@ impl State {
 #[derive(Debug)]
 enum Means {
     /// Nothing of its own: a freezer (the actuator writes `cgroup.freeze`), a driver's
-    /// lock (the vault holds the driver's side), a gate whose fallback is on its way.
+    /// lock (the driver book holds the driver's side), a gate whose fallback is on its way.
     Plain,
     /// SIGSTOP, to one process alone or to a cgroup's processes ([`signal`]): `backstop`
     /// holds it once its processes keep resuming themselves.

@@ -523,10 +523,10 @@ impl Loop {
             }
         }
         drop(secs);
-        let vault = self.ctl.vault();
-        if vault.active() {
-            metrics::gauge!("coloc_driver_locked_processes").set(vault.locked() as f64);
-            for (gpu, m) in vault.summary() {
+        let driver_book = self.ctl.driver_book();
+        if driver_book.active() {
+            metrics::gauge!("coloc_driver_locked_processes").set(driver_book.locked() as f64);
+            for (gpu, m) in driver_book.summary() {
                 let g = gpu.to_string();
                 metrics::gauge!("coloc_checkpointed_processes", "gpu" => g.clone())
                     .set(m.checkpointed as f64);
@@ -564,11 +564,11 @@ impl Loop {
         self.last_restores();
     }
 
-    /// Waits for the driver to restore and unlock what the vault holds (the holds were
+    /// Waits for the driver to restore and unlock what the driver book holds (the holds were
     /// released first: a restore needs its process thawed), and for the record to let
     /// them go.
     fn last_restores(&mut self) {
-        if self.ctl.vault_idle() {
+        if self.ctl.driver_idle() {
             return;
         }
         info!(
@@ -576,7 +576,7 @@ impl Loop {
             "Restoring and unlocking what the CUDA driver holds before exit"
         );
         let deadline = Instant::now() + LAST_RESTORES;
-        while !self.ctl.vault_idle() || self.ctl.record().writing() {
+        while !self.ctl.driver_idle() || self.ctl.record().writing() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 error!("The CUDA driver still holds offline work: left in the record for `coloc-agent resume` and the next start");
@@ -607,7 +607,7 @@ impl Drop for Loop {
         // Reached on normal exit (already empty) and on a panic unwinding the loop.
         // (a shutdown that released everything already left only what the driver did not
         // give back in time: recorded, not waited for twice)
-        if !self.ctl.holds().is_empty() || (!self.released && !self.ctl.vault_idle()) {
+        if !self.ctl.holds().is_empty() || (!self.released && !self.ctl.driver_idle()) {
             error!("Control loop ending with offline work suspended: resuming it");
             self.release_everything(ReleaseAll::Panic);
         }

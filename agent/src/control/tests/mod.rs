@@ -3,6 +3,7 @@
 //! wrong (stuck targets, NVML failing or hanging, exited PIDs) and what the loop does.
 
 mod bells;
+mod driver_book;
 mod failures;
 mod gates;
 mod holds;
@@ -11,7 +12,6 @@ mod props;
 mod props_ctl;
 mod record;
 mod robustness;
-mod vault;
 mod world;
 
 use super::events::Event;

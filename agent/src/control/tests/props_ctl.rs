@@ -125,7 +125,7 @@ struct Play {
     busy_now: BTreeMap<u32, Vec<u64>>,
     grace: u64,
     /// The world's driver has the checkpoint API.
-    vault: bool,
+    driver_book: bool,
 }
 
 impl Play {
@@ -235,20 +235,20 @@ impl Play {
     /// Held for online's sake: stopped, or held by the driver for a lock hold.
     fn held(&self, key: &crate::edges::procfs::ProcKey) -> bool {
         self.w.stopped.contains(key)
-            || (self.w.driver_state(key) != crate::control::vault::DState::Running
-                && self.w.ctl.sub.vault.time_held(key))
+            || (self.w.driver_state(key) != crate::control::driver_book::DState::Running
+                && self.w.ctl.sub.driver_book.time_held(key))
     }
 
-    /// Property 9's other half: whatever the driver holds, the vault wants held (a lock
+    /// Property 9's other half: whatever the driver holds, the driver book wants held (a lock
     /// hold, or memory preemption), or a call that lets it go is on its way.
     fn no_leaked_lock(&self) -> Result<(), TestCaseError> {
         for p in self.w.procs.values() {
             let k = &p.key;
-            let vault = &self.w.ctl.sub.vault;
+            let driver_book = &self.w.ctl.sub.driver_book;
             prop_assert!(
-                self.w.driver_state(k) == crate::control::vault::DState::Running
-                    || vault.time_held(k)
-                    || vault.evicting(k)
+                self.w.driver_state(k) == crate::control::driver_book::DState::Running
+                    || driver_book.time_held(k)
+                    || driver_book.evicting(k)
                     || self.w.call_for(k),
                 "pid {} left {:?} by the driver with nothing wanting it so",
                 k.pid,
@@ -262,7 +262,7 @@ impl Play {
     fn check(&self, at: u64) -> Result<(), TestCaseError> {
         let delay = self.w.write_delay as u64 * MS;
         // An unlock is a driver call: it ends this much later than a SIGCONT.
-        let unlock = if self.vault {
+        let unlock = if self.driver_book {
             self.w.call_ms * MS + 2 * MS
         } else {
             0
@@ -309,7 +309,7 @@ impl Play {
                 .get(&g)
                 .is_some_and(|b| b.iter().any(|b| known(*b)));
             if delay == 0
-                && !self.vault
+                && !self.driver_book
                 && !self.w.gate
                 && self.busy_now.contains_key(&g)
                 && healthy
@@ -354,40 +354,40 @@ fn play(acts: &[Act], gate: bool, ack: Ack, delay: u32) -> Result<(), TestCaseEr
 }
 
 /// With the driver's checkpoint API: the lock hold (`lock`), memory preemption (`reserve`).
-fn play_vault(
+fn play_driver(
     acts: &[Act],
     gate: bool,
     delay: u32,
     lock: bool,
-    reserve: Option<crate::control::vault::Reserve>,
+    reserve: Option<crate::control::driver_book::Reserve>,
 ) -> Result<(), TestCaseError> {
-    play_vault_timed(acts, gate, delay, lock, reserve, (None, None), false)
+    play_driver_timed(acts, gate, delay, lock, reserve, (None, None), false)
 }
 
-/// [`play_vault`] with the driver's lock and state query taking `(lock_ms, state_ms)`
+/// [`play_driver`] with the driver's lock and state query taking `(lock_ms, state_ms)`
 /// (unset: as long as every other call), and each GPU's offline processes in one cgroup
 /// stopped as a whole where `shared_cgroups`.
-fn play_vault_timed(
+fn play_driver_timed(
     acts: &[Act],
     gate: bool,
     delay: u32,
     lock: bool,
-    reserve: Option<crate::control::vault::Reserve>,
+    reserve: Option<crate::control::driver_book::Reserve>,
     (lock_ms, state_ms): (Option<u64>, Option<u64>),
     shared_cgroups: bool,
 ) -> Result<(), TestCaseError> {
-    let mut w = World::with_vault(GPUS, gate, delay, lock, reserve);
+    let mut w = World::with_driver_book(GPUS, gate, delay, lock, reserve);
     w.lock_ms = lock_ms;
     w.state_ms = state_ms;
     w.shared_cgroups = shared_cgroups;
     play_in(w, true, acts)
 }
 
-fn play_in(w: World, vault: bool, acts: &[Act]) -> Result<(), TestCaseError> {
+fn play_in(w: World, driver_book: bool, acts: &[Act]) -> Result<(), TestCaseError> {
     let grace = default_config().nvml_grace.as_nanos() as u64;
     let mut p = Play {
         w,
-        vault,
+        driver_book,
         last_busy: BTreeMap::new(),
         nvml_failing: BTreeMap::new(),
         nvml_failed_at: BTreeMap::new(),
@@ -424,7 +424,7 @@ fn play_in(w: World, vault: bool, acts: &[Act]) -> Result<(), TestCaseError> {
             start: k.start,
         };
         prop_assert!(
-            *st == crate::control::vault::DState::Checkpointed
+            *st == crate::control::driver_book::DState::Checkpointed
                 && gpu.is_some_and(|g| p.w.free(g) < p.w.proc_bytes)
                 && p.w.disk.contains(&entry),
             "the driver still holds {k:?} after shutdown ({st:?}), with room or unrecorded: {:?}, record {:?}",
@@ -487,8 +487,8 @@ proptest! {
         shared in any::<bool>(),
         reserve_gib in prop_oneof![Just(8u64), Just(4u64)],
     ) {
-        let reserve = (mode > 0).then_some(crate::control::vault::Reserve::Bytes(reserve_gib << 30));
-        play_vault_timed(&acts, gate, delay, mode != 1, reserve, (lock_ms, state_ms), shared)?;
+        let reserve = (mode > 0).then_some(crate::control::driver_book::Reserve::Bytes(reserve_gib << 30));
+        play_driver_timed(&acts, gate, delay, mode != 1, reserve, (lock_ms, state_ms), shared)?;
     }
 
     /// The same with launch gates, whatever the shims acknowledge.
@@ -563,12 +563,12 @@ fn a_restore_refused_at_shutdown_leaves_the_checkpoint_recorded() {
         },
         Act::Run { ms: 52 },
     ];
-    play_vault(
+    play_driver(
         &acts,
         false,
         0,
         false,
-        Some(crate::control::vault::Reserve::Bytes(8 << 30)),
+        Some(crate::control::driver_book::Reserve::Bytes(8 << 30)),
     )
     .unwrap();
 }
@@ -591,7 +591,7 @@ fn a_lock_hold_at_shutdown_leaves_nothing_recorded() {
         Act::Busy { slot: 4 },
         Act::Run { ms: 100 },
     ];
-    play_vault(&acts, false, 0, true, None).unwrap();
+    play_driver(&acts, false, 0, true, None).unwrap();
 }
 
 /// A sequence the driver's property found: memory preemption's lock of a process whose
@@ -636,12 +636,12 @@ fn an_eviction_is_locked_under_its_checkpoint_entry() {
         },
         Act::Run { ms: 30 },
     ];
-    play_vault(
+    play_driver(
         &acts,
         false,
         0,
         false,
-        Some(crate::control::vault::Reserve::Bytes(8 << 30)),
+        Some(crate::control::driver_book::Reserve::Bytes(8 << 30)),
     )
     .unwrap();
 }
@@ -673,12 +673,12 @@ fn no_lock_is_asked_of_a_process_another_hold_stops() {
         Act::OptOut { slot: 0 },
         Act::Run { ms: 5 },
     ];
-    play_vault_timed(
+    play_driver_timed(
         &acts,
         false,
         0,
         false,
-        Some(crate::control::vault::Reserve::Bytes(8 << 30)),
+        Some(crate::control::driver_book::Reserve::Bytes(8 << 30)),
         (None, None),
         true,
     )
@@ -750,7 +750,7 @@ fn a_replaced_process_leaves_nothing_recorded_after_the_shutdown() {
 }
 
 /// A process whose lock the driver refused, whose PID is reused before the lists are read
-/// again: the call that asks where the driver has it finds it gone, and the vault forgets
+/// again: the call that asks where the driver has it finds it gone, and the driver book forgets
 /// it (with the refusal); the retried suspension must not ask the driver to lock it again
 /// (found by the property above: a lock asked of a refused process).
 #[test]
@@ -778,7 +778,7 @@ fn a_refused_process_found_gone_by_the_driver_is_not_locked_again() {
         },
         Act::Run { ms: 1 },
     ];
-    play_vault_timed(&acts, false, 0, true, None, (Some(0), Some(1)), false).unwrap();
+    play_driver_timed(&acts, false, 0, true, None, (Some(0), Some(1)), false).unwrap();
 }
 
 /// The same through an exit: a refused process whose state query finds it gone is not
@@ -805,5 +805,5 @@ fn a_refused_process_that_exits_is_not_locked_again() {
         Act::Exit { slot: 5 },
         Act::BusyFor { slot: 1, ms: 100 },
     ];
-    play_vault_timed(&acts, false, 0, true, None, (Some(0), None), false).unwrap();
+    play_driver_timed(&acts, false, 0, true, None, (Some(0), None), false).unwrap();
 }

@@ -76,7 +76,7 @@ pub(super) struct World {
     /// Where the driver has each process (absent: running).
     pub dstate: BTreeMap<ProcKey, DState>,
     /// Driver calls on their way: (earliest end, call).
-    calls: Vec<(u64, crate::control::vault::Call)>,
+    calls: Vec<(u64, crate::control::driver_book::Call)>,
     /// How long a driver call takes once its process runs, ms.
     pub call_ms: u64,
     /// How long a lock takes instead, ms, where set: slower than a re-check of the holds
@@ -106,7 +106,7 @@ pub(super) struct World {
     pub room: BTreeMap<u32, u64>,
 }
 
-use crate::control::vault::DState;
+use crate::control::driver_book::DState;
 
 fn uuid(gpu: u32) -> [u8; 16] {
     fake_uuid(gpu)
@@ -159,24 +159,24 @@ impl World {
         }
     }
 
-    /// A world whose driver has the checkpoint API, with the vault configured: the lock
+    /// A world whose driver has the checkpoint API, with the driver book configured: the lock
     /// hold for every offline process (`lock`), memory preemption with `reserve`
     /// (every offline process opted in).
-    pub fn with_vault(
+    pub fn with_driver_book(
         gpus: u32,
         gate: bool,
         write_delay: u32,
         lock: bool,
-        reserve: Option<crate::control::vault::Reserve>,
+        reserve: Option<crate::control::driver_book::Reserve>,
     ) -> World {
         let mut cfg = default_config();
         cfg.gate_timeout = Duration::from_millis(50);
-        cfg.vault = crate::control::vault::VaultConfig {
+        cfg.driver_book = crate::control::driver_book::DriverBookConfig {
             api: true,
             lock,
             reserve,
             restore_after_ns: 300 * MS,
-            pods: crate::control::vault::PodsPolicy::OptOut,
+            pods: crate::control::driver_book::PodsPolicy::OptOut,
             memory_interval_ns: 5 * MS,
             lock_timeout: cfg.confirm_timeout,
         };
@@ -305,11 +305,11 @@ impl World {
         }
     }
 
-    /// Ticks until every driver call has ended and the vault holds nothing (the agent on
+    /// Ticks until every driver call has ended and the driver book holds nothing (the agent on
     /// its way out), at most `ms` ms.
     pub fn drain_driver(&mut self, ms: u64) {
         for _ in 0..ms {
-            if self.calls.is_empty() && self.ctl.vault_idle() {
+            if self.calls.is_empty() && self.ctl.driver_idle() {
                 return;
             }
             let mut obs = self.landed();

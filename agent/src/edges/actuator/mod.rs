@@ -74,7 +74,7 @@ pub enum Target {
         file: PathBuf,
     },
     /// One process's CUDA calls, blocked by the driver's lock (`cuCheckpointProcessLock`):
-    /// held by the controller's vault, not by an actuator ([`crate::control::vault`]).
+    /// held by the controller's driver book, not by an actuator ([`crate::control::driver_book`]).
     Lock {
         /// Identity (checked right before each driver call: the driver takes a bare PID).
         key: ProcKey,
@@ -193,7 +193,7 @@ impl Actuator for Host {
                 },
                 Target::Gate { .. } => Some(Progress::Failed(ActError::NoGate(t.to_string()))),
                 Target::Lock { .. } => Some(Progress::Failed(ActError::Driver(format!(
-                    "{t}: held by the controller's vault, not by an actuator"
+                    "{t}: held by the controller's driver book, not by an actuator"
                 )))),
             })
             .collect();

@@ -1,15 +1,15 @@
-//! The vault: every use of the CUDA driver's checkpoint API, decided here and carried out
+//! The driver book: every use of the CUDA driver's checkpoint API, decided here and carried out
 //! off the loop by the shell (its driver calls, a thread each).
 //!
-//! Two things want a process held by the driver, and the vault keeps one driver state per
+//! Two things want a process held by the driver, and the driver book keeps one driver state per
 //! process that satisfies both:
 //!
 //! - **the lock hold** (`--driver-lock`, and every process memory preemption may take): a
 //!   suspension whose plan holds the process by the driver's lock
 //!   ([`crate::control::target::Held::Lock`], after the launch gate where there is one)
-//!   asks the vault to lock the process; its release asks for the unlock. The hold book
-//!   records the lock before it asks (its `Lock` entry) and reads the vault's answer as it
-//!   reads an actuator's ([`Vault::hold`]). A process the driver refuses is stopped
+//!   asks the driver book to lock the process; its release asks for the unlock. The hold book
+//!   records the lock before it asks (its `Lock` entry) and reads the driver book's answer as it
+//!   reads an actuator's ([`DriverBook::hold`]). A process the driver refuses is stopped
 //!   instead (freezer or signal) from its next suspension on.
 //! - **memory preemption** (`--memory-reserve`): while online work is present on a GPU and
 //!   its free memory is under the reserve, the opted-in offline processes there are locked
@@ -29,10 +29,10 @@
 //! changes a process waits until the process runs, so nothing the agent stops may be
 //! locked, checkpointed, restored or unlocked. The lock hold replaces the stop for the
 //! processes it covers; a restore starts only when no hold of the hold book stops the
-//! process (thaw first, [`Vault::calls`]'s `stopped`); at exit the holds are released
-//! before the vault restores.
+//! process (thaw first, [`DriverBook::calls`]'s `stopped`); at exit the holds are released
+//! before the driver book restores.
 //!
-//! No I/O: the vault asks for calls, record entries and memory reads, and is told what
+//! No I/O: the driver book asks for calls, record entries and memory reads, and is told what
 //! came of them.
 
 use crate::control::events::{DriverEvent, Event};
@@ -49,7 +49,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// The vault's requests to the record book are numbered from here (the hold book's below).
+/// The driver book's requests to the record book are numbered from here (the hold book's below).
 pub const REQ_BASE: Req = 1 << 62;
 
 /// The free memory to keep on a GPU while online work is present there.
@@ -130,9 +130,9 @@ pub enum PodsPolicy {
     OptOut,
 }
 
-/// The vault's settings.
+/// The driver book's settings.
 #[derive(Debug, Clone)]
-pub struct VaultConfig {
+pub struct DriverBookConfig {
     /// The driver offers the checkpoint API (`--cuda-lib` loaded with every entry point).
     pub api: bool,
     /// `--driver-lock`: every offline process is held by the driver's lock.
@@ -149,9 +149,9 @@ pub struct VaultConfig {
     pub lock_timeout: Duration,
 }
 
-impl Default for VaultConfig {
-    fn default() -> VaultConfig {
-        VaultConfig {
+impl Default for DriverBookConfig {
+    fn default() -> DriverBookConfig {
+        DriverBookConfig {
             api: false,
             lock: false,
             reserve: None,
@@ -163,7 +163,7 @@ impl Default for VaultConfig {
     }
 }
 
-/// Where the driver has a process, as far as the vault's calls say.
+/// Where the driver has a process, as far as the driver book's calls say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DState {
     /// Its CUDA calls run.
@@ -199,7 +199,7 @@ enum CheckpointRecord {
     OnDisk,
 }
 
-/// One process the vault knows.
+/// One process the driver book knows.
 #[derive(Debug)]
 struct Slot {
     state: DState,
@@ -267,7 +267,7 @@ impl Slot {
     }
 }
 
-/// A GPU's memory as the vault sees it.
+/// A GPU's memory as the driver book sees it.
 #[derive(Debug, Clone, Default)]
 struct Mem {
     read: Option<GpuMemory>,
@@ -307,10 +307,10 @@ pub struct Call {
     pub timeout: Duration,
 }
 
-/// What the vault asks of the record book.
+/// What the driver book asks of the record book.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordAsk {
-    /// Hold these on disk (answered through [`Vault::recorded`]).
+    /// Hold these on disk (answered through [`DriverBook::recorded`]).
     Add(Req, Vec<RecordEntry>),
     /// Let these go.
     Remove(Vec<RecordEntry>),
@@ -318,8 +318,8 @@ pub enum RecordAsk {
 
 /// See the module.
 #[derive(Debug, Default)]
-pub struct Vault {
-    cfg: VaultConfig,
+pub struct DriverBook {
+    cfg: DriverBookConfig,
     slots: BTreeMap<ProcKey, Slot>,
     mem: BTreeMap<u32, Mem>,
     next_read_ns: u64,
@@ -352,17 +352,17 @@ fn rec_entry(key: ProcKey) -> RecordEntry {
     }
 }
 
-impl Vault {
-    /// A vault under `cfg`.
-    pub fn new(cfg: VaultConfig) -> Vault {
-        Vault {
+impl DriverBook {
+    /// A driver book under `cfg`.
+    pub fn new(cfg: DriverBookConfig) -> DriverBook {
+        DriverBook {
             cfg,
             next_req: REQ_BASE,
-            ..Vault::default()
+            ..DriverBook::default()
         }
     }
 
-    /// Whether the vault does anything at all.
+    /// Whether the driver book does anything at all.
     pub fn active(&self) -> bool {
         self.cfg.api && (self.cfg.lock || self.cfg.reserve.is_some())
     }
@@ -475,7 +475,7 @@ impl Vault {
                     Progress::Done
                 } else if stopping {
                     // Everything is resumed at once and the hold book does not wait for the
-                    // driver: the vault keeps the process recorded (its own entry, in the
+                    // driver: the driver book keeps the process recorded (its own entry, in the
                     // same write that lets the lock's go) until it is unlocked.
                     self.claim(key);
                     Progress::Done
@@ -486,7 +486,7 @@ impl Vault {
         }
     }
 
-    /// Keeps `key` in the record under the vault's own entry (until it runs again).
+    /// Keeps `key` in the record under the driver book's own entry (until it runs again).
     fn claim(&mut self, key: ProcKey) {
         let req = self.next_req;
         let Some(s) = self.slots.get_mut(&key) else {
@@ -995,12 +995,12 @@ impl Vault {
         }
     }
 
-    /// Whether the vault keeps `key`.
+    /// Whether the driver book keeps `key`.
     pub fn knows(&self, key: &ProcKey) -> bool {
         self.slots.contains_key(key)
     }
 
-    /// The processes the vault keeps, pinned (so that their exit is seen while the driver's
+    /// The processes the driver book keeps, pinned (so that their exit is seen while the driver's
     /// lists do not show them: a checkpointed process has left them).
     pub fn known(&self) -> Vec<(ProcKey, bool)> {
         self.slots.iter().map(|(k, s)| (*k, s.pinned)).collect()
@@ -1023,7 +1023,7 @@ impl Vault {
         })
     }
 
-    /// Every process the vault knows: (process, GPU, driver state, bytes, owner).
+    /// Every process the driver book knows: (process, GPU, driver state, bytes, owner).
     pub fn view(&self) -> Vec<(ProcKey, Option<u32>, DState, u64, String)> {
         self.slots
             .iter()
@@ -1092,17 +1092,17 @@ impl Vault {
         out
     }
 
-    /// What the vault asks of the shell, in order.
+    /// What the driver book asks of the shell, in order.
     pub fn take_calls(&mut self) -> Vec<Call> {
         std::mem::take(&mut self.calls)
     }
 
-    /// What the vault asks of the record book, in order.
+    /// What the driver book asks of the record book, in order.
     pub fn take_records(&mut self) -> Vec<RecordAsk> {
         std::mem::take(&mut self.records)
     }
 
-    /// What the vault has to say.
+    /// What the driver book has to say.
     pub fn take_notes(&mut self) -> (Vec<Note>, Vec<Event>) {
         (
             std::mem::take(&mut self.notes),
@@ -1110,7 +1110,7 @@ impl Vault {
         )
     }
 
-    /// When the vault needs to look again, ns: at its next memory read, soon while a call
+    /// When the driver book needs to look again, ns: at its next memory read, soon while a call
     /// is in flight (the shell brings its end at the next step), and when a restore may be
     /// tried again.
     pub fn next_due_ns(&self, now: u64) -> Option<u64> {
@@ -1170,9 +1170,9 @@ fn failed(s: &mut Slot, op: DriverOp, e: &CuError, now: u64, restore_after_ns: u
 
 /// Views the tests read.
 #[cfg(test)]
-impl Vault {
+impl DriverBook {
     /// The settings.
-    pub fn config(&self) -> &VaultConfig {
+    pub fn config(&self) -> &DriverBookConfig {
         &self.cfg
     }
 

@@ -1,4 +1,4 @@
-//! The vault through the controller, with the world model as its shell: the driver's lock
+//! The driver book through the controller, with the world model as its shell: the driver's lock
 //! as a hold, memory preemption (largest first, recorded before the lock, restored after
 //! `--restore-after` when there is room), refusals that fall back to the other holds, and
 //! everything restored and unlocked at exit; a restore that waits for the thaw of the
@@ -7,7 +7,7 @@
 
 use super::world::World;
 use super::*;
-use crate::control::vault::{DState, PodsPolicy, Reserve, Vault};
+use crate::control::driver_book::{DState, DriverBook, PodsPolicy, Reserve};
 use crate::edges::checkpoint::Op as DriverOp;
 use crate::edges::procfs::ProcKey;
 
@@ -34,7 +34,7 @@ fn key(w: &World, slot: u32) -> ProcKey {
 
 #[test]
 fn the_drivers_lock_holds_offline_while_online_is_busy_and_unlocks_after_the_window() {
-    let mut w = World::with_vault(1, false, 0, true, None);
+    let mut w = World::with_driver_book(1, false, 0, true, None);
     w.start(0, 0, false);
     w.start(1, 0, true);
     ticks(&mut w, 80);
@@ -73,7 +73,7 @@ fn a_lock_the_driver_refuses_falls_back_to_the_stop() {
         (Some(0), Some(3)),
         (Some(15), Some(0)),
     ] {
-        let mut w = World::with_vault(1, false, 0, true, None);
+        let mut w = World::with_driver_book(1, false, 0, true, None);
         w.lock_ms = lock_ms;
         w.state_ms = state_ms;
         w.start(0, 0, false);
@@ -102,7 +102,7 @@ fn a_lock_the_driver_refuses_falls_back_to_the_stop() {
 fn memory_preemption_checkpoints_the_largest_first_until_the_reserve_is_met_and_restores_later() {
     // 16 GiB, each process 4 GiB: online plus three offline leave nothing free; a reserve
     // of 6 GiB needs two checkpoints (4 GiB free after the first).
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, false);
@@ -153,7 +153,7 @@ fn memory_preemption_checkpoints_the_largest_first_until_the_reserve_is_met_and_
 /// over, and the next one taken.
 #[test]
 fn a_process_whose_memory_limit_has_no_room_is_not_checkpointed() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, true);
@@ -168,7 +168,7 @@ fn a_process_whose_memory_limit_has_no_room_is_not_checkpointed() {
 
 #[test]
 fn a_restore_waits_for_room_for_the_process_and_the_reserve() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, true);
@@ -183,13 +183,13 @@ fn a_restore_waits_for_room_for_the_process_and_the_reserve() {
 
 #[test]
 fn memory_preemption_takes_only_the_pods_that_opted_in() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, true);
     // World entries say nothing of checkpointing: under opt-in, nobody is taken.
-    let mut cfg = w.ctl.sub.vault.config().clone();
+    let mut cfg = w.ctl.sub.driver_book.config().clone();
     cfg.pods = PodsPolicy::OptIn;
-    w.ctl.sub.vault = Vault::new(cfg);
+    w.ctl.sub.driver_book = DriverBook::new(cfg);
     w.proc_bytes = 7 << 30;
     ticks(&mut w, 100);
     assert!(w.dstate.is_empty(), "{:?}", w.dstate);
@@ -197,7 +197,7 @@ fn memory_preemption_takes_only_the_pods_that_opted_in() {
 
 #[test]
 fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
-    let mut w = World::with_vault(1, false, 2, true, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 2, true, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, true);
@@ -225,16 +225,16 @@ fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
 
 /// Thaw before restore: the driver restores on a thread inside the process, so a restore
 /// asked while a hold stops the process would wait for it (at exit, behind the thaw it
-/// waits for). The vault asks only once no hold stops it.
+/// waits for). The driver book asks only once no hold stops it.
 #[test]
 fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, true);
     ticks(&mut w, 100);
     let k = *w.dstate.keys().next().expect("one checkpointed");
-    let mut v: Vault = std::mem::take(&mut w.ctl.sub.vault);
+    let mut v: DriverBook = std::mem::take(&mut w.ctl.sub.driver_book);
     v.release_all();
     v.calls(w.now, |key, _| *key == k);
     let asked = v.take_calls();
@@ -257,7 +257,7 @@ fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
 /// process of the GPU checkpointed: restores run side by side.
 #[test]
 fn a_restore_that_never_returns_keeps_no_other_process_checkpointed() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, false);
@@ -288,7 +288,7 @@ fn a_restore_that_never_returns_keeps_no_other_process_checkpointed() {
 /// ever: once it is overdue other processes are taken, and online gets its reserve.
 #[test]
 fn a_lock_that_never_returns_does_not_keep_online_from_its_memory() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, false);
@@ -306,11 +306,11 @@ fn a_lock_that_never_returns_does_not_keep_online_from_its_memory() {
 }
 
 /// The NVML watchdog trips while the write of an eviction's checkpoint entry is on
-/// its way: the record book drops its waiters; the vault asks again, and the eviction
+/// its way: the record book drops its waiters; the driver book asks again, and the eviction
 /// goes on.
 #[test]
 fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
-    let mut w = World::with_vault(1, false, 5, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 5, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, false);
@@ -323,7 +323,7 @@ fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
             .offline
             .iter()
             .copied()
-            .filter(|k| w.ctl.vault().evicting(k))
+            .filter(|k| w.ctl.driver_book().evicting(k))
             .collect();
         let on_disk = evicting.iter().any(|k| {
             w.disk.contains(&RecordEntry::Checkpoint {
@@ -352,7 +352,7 @@ fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
 /// stop a process with a driver call on its way (the world flags a stop there).
 #[test]
 fn a_pod_that_opts_out_mid_checkpoint_is_not_stopped_while_the_driver_holds_it() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
     w.call_ms = 300;
     w.start(0, 0, false);
     w.start(1, 0, false);
@@ -381,7 +381,7 @@ fn a_pod_that_opts_out_mid_checkpoint_is_not_stopped_while_the_driver_holds_it()
 /// The same trip before any pressure: the same trip with no eviction write on its way; preemption works after it.
 #[test]
 fn a_watchdog_trip_before_any_pressure_leaves_preemption_working() {
-    let mut w = World::with_vault(1, false, 5, false, Some(Reserve::Bytes(6 << 30)));
+    let mut w = World::with_driver_book(1, false, 5, false, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, false);
@@ -400,7 +400,7 @@ fn a_watchdog_trip_before_any_pressure_leaves_preemption_working() {
 /// the thaw, then runs.
 #[test]
 fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
-    let mut w = World::with_vault(1, false, 0, false, Some(Reserve::Bytes(4 << 30)));
+    let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(4 << 30)));
     w.shared_cgroups = true;
     for s in 0..3 {
         w.start(s, 0, false);
