@@ -13,12 +13,30 @@ use crate::control::target::Target;
 use std::collections::BTreeSet;
 
 impl HoldBook {
-    /// What the current holds (held or on their way) cover, as the record names it.
+    /// What the current holds (held or on their way) cover, as the record names it: their
+    /// members, and what they asked the record for on the way to stopping it (a gate's
+    /// fallback, a freezer escalation, processes that joined a held cgroup), which is not
+    /// among their members until it is started.
     fn covered(&self) -> BTreeSet<RecordEntry> {
-        self.holds
+        let members = self
+            .holds
             .values()
-            .flat_map(|h| h.members.iter().map(Target::record))
-            .collect()
+            .flat_map(|h| h.members.iter().map(Target::record));
+        let on_their_way = self.waiting.values().flat_map(|t| {
+            let (r, targets): (&HoldRef, Vec<&Target>) = match t {
+                Continuation::FallbackRecorded(r, m)
+                | Continuation::FallbackStarted(r, m)
+                | Continuation::RecordedNewcomers(r, m) => (r, m.iter().collect()),
+                Continuation::RecordedEscalation(r, cg, _)
+                | Continuation::StartedEscalation(r, cg, _) => (r, vec![cg]),
+                _ => return Vec::new(),
+            };
+            if self.hold(r).is_none() {
+                return Vec::new();
+            }
+            targets.into_iter().map(Target::record).collect()
+        });
+        members.chain(on_their_way).collect()
     }
 
     /// Notes each member of an operation that failed.

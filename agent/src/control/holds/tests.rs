@@ -1401,3 +1401,87 @@ fn a_hold_released_while_recording_is_never_started() {
         "nothing is stopped for a cancelled hold: {c:?}"
     );
 }
+
+/// Two gate holds (one process per GPU of one offline pod) whose fallbacks freeze the
+/// same cgroup C, both falling back with C's record write on its way. The first is
+/// released before the write lands. The write's answer then starts the second hold's
+/// freeze of C: C must stay in the record as long as it is frozen, whatever the released
+/// hold's late answer says.
+#[test]
+fn a_late_fallback_answer_of_a_released_hold_does_not_unrecord_another_holds_freeze() {
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = |pid: u32, uuid: u8| {
+        let (k, _) = proc_target(pid);
+        (
+            k,
+            Plan::Gate {
+                gate: GateSlot {
+                    key: k,
+                    uuid: [uuid; 16],
+                    file: "/tmp/coloc-book-gates".into(),
+                },
+                fallback: Box::new(Plan::Freeze(crate::control::target::Frozen {
+                    dir: dir.clone(),
+                    version: CgroupVersion::V2,
+                    cell: None,
+                })),
+            },
+        )
+    };
+    let (k1, p1) = plan(10, 1);
+    let (k2, p2) = plan(11, 2);
+    let key2 = p2.hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    b.suspend(&[(k1, p1), (k2, p2)], 0);
+    let mut done = |_: Op, _: &Target, _: bool| Progress::Done;
+    shell(&mut b, 0, &mut rec, &[], &mut done);
+    // Both drained: each fallback asks the record for C; the write is on its way.
+    b.gate_acks(k1, &[1]);
+    b.gate_acks(k2, &[1]);
+    let adds = b.take_commands();
+    assert!(
+        matches!(
+            &adds[..],
+            [HoldCmd::RecordAdd { .. }, HoldCmd::RecordAdd { .. }]
+        ),
+        "{adds:?}"
+    );
+    // The first holder is released meanwhile: its gate opens.
+    b.resume(&[k1], MS);
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }]
+            if matches!(targets[..], [Target::Gate { .. }])),
+        "{c:?}"
+    );
+    // The write lands: both requests are answered at once.
+    rec.insert(cg.record());
+    b.observe(
+        adds.iter()
+            .map(|a| HoldObs::Recorded {
+                req: req_of(a),
+                ok: true,
+            })
+            .collect(),
+        2 * MS,
+    );
+    let cmds = shell(&mut b, 2 * MS, &mut rec, &[], &mut done);
+    assert!(
+        cmds.iter().any(
+            |c| matches!(c, HoldCmd::Start { op: Op::Suspend, targets, .. }
+            if targets.contains(&cg))
+        ),
+        "the second hold freezes C: {cmds:?}"
+    );
+    assert_eq!(state(&b, &key2), Some("Held"));
+    assert!(
+        rec.contains(&cg.record()),
+        "C is frozen by the second hold but out of the fail-open record: {cmds:?}"
+    );
+}
