@@ -39,6 +39,17 @@ impl HoldBook {
         members.chain(on_their_way).collect()
     }
 
+    /// What the current holds may have stopped already, as the record names it: the
+    /// members of those whose suspension was asked of the actuator. A hold still on its way
+    /// to the record stops nothing yet, and may never (its write may fail).
+    fn stopping(&self) -> BTreeSet<RecordEntry> {
+        self.holds
+            .values()
+            .filter(|h| h.state.started() || matches!(h.state, State::Starting))
+            .flat_map(|h| h.members.iter().map(Target::record))
+            .collect()
+    }
+
     /// Notes each member of an operation that failed.
     fn note_failed(&mut self, op: Op, members: &[Target], p: &[Progress]) {
         for (t, pr) in members.iter().zip(p) {
@@ -99,11 +110,13 @@ impl HoldBook {
     ) {
         // A target another hold still covers stays suspended: two gate holds whose
         // fallbacks freeze one cgroup (a job with a process per GPU) must not thaw it for
-        // each other. The last hold that covers it resumes it.
+        // each other. The last hold that covers it resumes it. A hold on its way to the
+        // record does not count: it has stopped nothing yet, and stops it again once its
+        // record is written (a write that fails would leave it stopped by no hold).
         // A gate is the exception: its record entry is the GPU's, but the gate keeper counts
         // its holders per process, so each holder opens its own hold on it (the last one
         // opens the gate).
-        let still = self.covered();
+        let still = self.stopping();
         let members: Vec<Target> = members
             .into_iter()
             .filter(|t| matches!(t, Target::Gate { .. }) || !still.contains(&t.record()))

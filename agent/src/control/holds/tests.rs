@@ -1485,3 +1485,65 @@ fn a_late_fallback_answer_of_a_released_hold_does_not_unrecord_another_holds_fre
         "C is frozen by the second hold but out of the fail-open record: {cmds:?}"
     );
 }
+
+/// A gate hold whose fallback froze cgroup C is released while another hold that freezes
+/// C is on its way to the record. That hold has stopped nothing yet, and its write fails:
+/// C must not stay frozen with no hold on it.
+#[test]
+fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() {
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let frozen = crate::control::target::Frozen {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let (k1, _) = proc_target(10);
+    let gate = Plan::Gate {
+        gate: GateSlot {
+            key: k1,
+            uuid: [1; 16],
+            file: "/tmp/coloc-book-gates".into(),
+        },
+        fallback: Box::new(Plan::Freeze(frozen.clone())),
+    };
+    let (k2, _) = proc_target(11);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let mut frozen_now = false;
+    let mut act = |op: Op, t: &Target, start: bool| {
+        if start && matches!(t, Target::Cgroup { .. }) {
+            frozen_now = op == Op::Suspend;
+        }
+        Progress::Done
+    };
+    b.suspend(&[(k1, gate)], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.gate_acks(k1, &[1]);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    assert_eq!(state(&b, &Plan::Freeze(frozen.clone()).hold_key()), None);
+    assert!(rec.contains(&cg.record()));
+    // Another process of the pod is suspended by freezing C: its write is on its way.
+    b.suspend(&[(k2, Plan::Freeze(frozen.clone()))], 2 * MS);
+    let add = b.take_commands();
+    assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
+    // The gate hold is released.
+    b.resume(&[k1], 3 * MS);
+    shell(&mut b, 3 * MS, &mut rec, &[], &mut act);
+    // The write fails: the second hold never stops anything.
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&add[0]),
+            ok: false,
+        }],
+        4 * MS,
+    );
+    shell(&mut b, 4 * MS, &mut rec, &[], &mut act);
+    let _ = &act;
+    assert!(b.is_empty(), "{b:?}");
+    assert!(!frozen_now, "C is left frozen by no hold");
+}
