@@ -1547,3 +1547,59 @@ fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() 
     assert!(b.is_empty(), "{b:?}");
     assert!(!frozen_now, "C is left frozen by no hold");
 }
+
+/// A hold released while on its way to the record and made again on the same key: the
+/// late answers to the first hold's write decide nothing for the second. Neither a late
+/// `ok` (the second's own entries may not be on disk yet) starts it, nor a late refusal
+/// fails it.
+#[test]
+fn a_late_record_answer_for_a_released_hold_decides_nothing_for_its_key_made_again() {
+    let (k, _) = proc_target(10);
+    let key = Plan::Signal(k).hold_key();
+    for first_ok in [true, false] {
+        let mut b = HoldBook::new(Duration::from_secs(1));
+        b.suspend(&[(k, Plan::Signal(k))], 0);
+        let first = b.take_commands();
+        b.resume(&[k], MS);
+        b.take_done();
+        b.take_commands();
+        b.suspend(&[(k, Plan::Signal(k))], 2 * MS);
+        let second = b.take_commands();
+        assert!(
+            matches!(&second[..], [HoldCmd::RecordAdd { .. }]),
+            "{second:?}"
+        );
+        b.observe(
+            vec![HoldObs::Recorded {
+                req: req_of(&first[0]),
+                ok: first_ok,
+            }],
+            3 * MS,
+        );
+        let c = b.take_commands();
+        assert!(
+            c.iter().all(|c| !matches!(c, HoldCmd::Start { .. })),
+            "started on the first hold's answer (ok: {first_ok}): {c:?}"
+        );
+        assert_eq!(state(&b, &key), Some("Recording"), "ok: {first_ok}");
+        assert!(b.take_failed().is_empty() && b.take_done().is_empty());
+        b.observe(
+            vec![HoldObs::Recorded {
+                req: req_of(&second[0]),
+                ok: true,
+            }],
+            4 * MS,
+        );
+        let c = b.take_commands();
+        assert!(
+            matches!(
+                &c[..],
+                [HoldCmd::Start {
+                    op: Op::Suspend,
+                    ..
+                }]
+            ),
+            "started on its own answer: {c:?}"
+        );
+    }
+}
