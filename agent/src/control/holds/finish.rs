@@ -285,7 +285,10 @@ impl HoldBook {
         let Some(hold) = self.holds.remove(&key) else {
             return;
         };
-        if matches!(hold.state, State::Confirming { .. } | State::Gated { .. }) {
+        if matches!(
+            hold.state,
+            State::Confirming { .. } | State::Gated { .. } | State::FallingBack { .. }
+        ) {
             self.done.push(Completion {
                 key: key.clone(),
                 op: Op::Suspend,

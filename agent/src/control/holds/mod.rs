@@ -24,7 +24,7 @@
 //!             └─ failed, or past --confirm-timeout ─► gone, undone
 //!  Held ──recheck: Check──► found running: stopped again (a signal's backstop: signal.rs)
 //!  resume(last holder) ─► not started (Listing … Starting): gone, Skipped
-//!                      └► started: gone (Confirming, Gated: Skipped) ─► Start(Resume)
+//!                      └► started: gone (Confirming, Gated, FallingBack: Skipped) ─► Start(Resume)
 //!      ─► pending: a Resume, Check at each poll ─► confirmed ─► RecordRemove (one batch)
 //! ```
 //!

@@ -1603,3 +1603,42 @@ fn a_late_record_answer_for_a_released_hold_decides_nothing_for_its_key_made_aga
         );
     }
 }
+
+/// A release overtakes a gate hold whose fallback is on its way to the record: the
+/// suspension ends `Skipped` (the loop's preemption event waits for a suspension's end,
+/// and would wait forever), the gate opens, and the fallback's late record answer stops
+/// nothing.
+#[test]
+fn a_release_overtakes_a_gate_hold_falling_back() {
+    let (mut b, k, key) = gated(1);
+    b.gate_acks(k, &[1]);
+    assert_eq!(state(&b, &key), Some("FallingBack (drained)"));
+    let add = b.take_commands();
+    assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
+    b.resume(&[k], MS);
+    assert_eq!(state(&b, &key), None);
+    let done = b.take_done();
+    let ops: Vec<(Op, Outcome)> = done.iter().map(|c| (c.op, c.outcome.clone())).collect();
+    assert!(
+        ops.contains(&(Op::Suspend, Outcome::Skipped)),
+        "the suspension never ends: {done:?}"
+    );
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }]
+            if matches!(targets[..], [Target::Gate { .. }])),
+        "{c:?}"
+    );
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&add[0]),
+            ok: true,
+        }],
+        2 * MS,
+    );
+    let c = b.take_commands();
+    assert!(
+        c.iter().all(|c| !matches!(c, HoldCmd::Start { .. })),
+        "the fallback of a released hold is not started: {c:?}"
+    );
+}
