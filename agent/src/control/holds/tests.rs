@@ -1642,3 +1642,58 @@ fn a_release_overtakes_a_gate_hold_falling_back() {
         "the fallback of a released hold is not started: {c:?}"
     );
 }
+
+/// A process released and held again at once, its first resume not confirmed yet (the
+/// earlier hold's `Resume` still looked at): the new hold is re-checked like any other,
+/// so a tenant that sends it SIGCONT is found running and stopped again within a few
+/// `--recheck-interval`s, not once the old resume gives up at `--confirm-timeout`.
+#[test]
+fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
+    let (k, t) = proc_target(10);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let mut running = false;
+    let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
+        // The SIGCONT is not seen taking effect at once; the new SIGSTOP stops it again.
+        (Op::Resume, _) => Progress::Pending,
+        (Op::Suspend, true) => Progress::Done,
+        (Op::Suspend, false) if running => Progress::Pending,
+        (Op::Suspend, false) => Progress::Done,
+    };
+    b.suspend(&[(k, Plan::Signal(k))], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.resume(&[k], MS);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    assert!(b.pending(), "the resume waits for its confirmation");
+    b.suspend(&[(k, Plan::Signal(k))], 2 * MS);
+    shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    assert_eq!(state(&b, &Plan::Signal(k).hold_key()), Some("Held"));
+    // The tenant resumes it.
+    running = true;
+    let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
+        (Op::Resume, _) => Progress::Pending,
+        (Op::Suspend, true) => Progress::Done,
+        (Op::Suspend, false) if running => Progress::Pending,
+        (Op::Suspend, false) => Progress::Done,
+    };
+    let mut restopped_at = None;
+    let mut now = 2 * MS;
+    while now < 100 * MS && restopped_at.is_none() {
+        now += MS;
+        // The loop's order: the poll's answers are in before the re-check.
+        b.poll(now);
+        let mut cmds = shell(&mut b, now, &mut rec, &[], &mut act);
+        b.recheck(now);
+        cmds.extend(shell(&mut b, now, &mut rec, &[], &mut act));
+        if cmds.iter().any(|c| {
+            matches!(c, HoldCmd::Start { op: Op::Suspend, targets, .. } if targets.contains(&t))
+        }) {
+            restopped_at = Some(now);
+        }
+    }
+    let _ = &act;
+    assert!(
+        restopped_at.is_some_and(|at| at <= 2 * MS + 3 * b.recheck_ns),
+        "found running and stopped again at {restopped_at:?} ns"
+    );
+}
