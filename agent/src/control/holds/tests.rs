@@ -1643,32 +1643,44 @@ fn a_release_overtakes_a_gate_hold_falling_back() {
     );
 }
 
-/// A process released and held again at once, its first resume not confirmed yet (the
-/// earlier hold's `Resume` still looked at): the new hold is re-checked like any other,
-/// so a tenant that sends it SIGCONT is found running and stopped again within a few
-/// `--recheck-interval`s, not once the old resume gives up at `--confirm-timeout`.
+/// A cgroup released and frozen again at once, its thaw not confirmed yet (the earlier
+/// hold's `Resume` still looked at, and never confirmed: the new freeze holds it): the new
+/// hold is re-checked like any other, so a tenant that thaws its (delegated) cgroup is
+/// found running and frozen again within a few `--recheck-interval`s, not once the old
+/// resume gives up at `--confirm-timeout`.
 #[test]
 fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
-    let (k, t) = proc_target(10);
+    let (k, _) = proc_target(10);
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let t = Target::Cgroup {
+        dir: frozen.dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = Plan::Freeze(frozen);
     let mut b = HoldBook::new(Duration::from_secs(1));
     let mut rec = std::collections::BTreeSet::new();
     let mut running = false;
     let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
-        // The SIGCONT is not seen taking effect at once; the new SIGSTOP stops it again.
+        // The thaw is not seen at once; the new freeze holds it frozen.
         (Op::Resume, _) => Progress::Pending,
         (Op::Suspend, true) => Progress::Done,
         (Op::Suspend, false) if running => Progress::Pending,
         (Op::Suspend, false) => Progress::Done,
     };
-    b.suspend(&[(k, Plan::Signal(k))], 0);
+    b.suspend(&[(k, plan.clone())], 0);
     shell(&mut b, 0, &mut rec, &[], &mut act);
     b.resume(&[k], MS);
     shell(&mut b, MS, &mut rec, &[], &mut act);
     assert!(b.pending(), "the resume waits for its confirmation");
-    b.suspend(&[(k, Plan::Signal(k))], 2 * MS);
+    b.suspend(&[(k, plan.clone())], 2 * MS);
     shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
-    assert_eq!(state(&b, &Plan::Signal(k).hold_key()), Some("Held"));
-    // The tenant resumes it.
+    assert_eq!(state(&b, &plan.hold_key()), Some("Held"));
+    // The tenant thaws it.
     running = true;
     let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
         (Op::Resume, _) => Progress::Pending,
