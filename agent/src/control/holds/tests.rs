@@ -1664,12 +1664,12 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
     let plan = Plan::Freeze(frozen);
     let mut b = HoldBook::new(Duration::from_secs(1));
     let mut rec = std::collections::BTreeSet::new();
-    let mut running = false;
+    let running = std::cell::Cell::new(false);
     let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
         // The thaw is not seen at once; the new freeze holds it frozen.
         (Op::Resume, _) => Progress::Pending,
         (Op::Suspend, true) => Progress::Done,
-        (Op::Suspend, false) if running => Progress::Pending,
+        (Op::Suspend, false) if running.get() => Progress::Pending,
         (Op::Suspend, false) => Progress::Done,
     };
     b.suspend(&[(k, plan.clone())], 0);
@@ -1681,13 +1681,7 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
     shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
     assert_eq!(state(&b, &plan.hold_key()), Some("Held"));
     // The tenant thaws it.
-    running = true;
-    let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
-        (Op::Resume, _) => Progress::Pending,
-        (Op::Suspend, true) => Progress::Done,
-        (Op::Suspend, false) if running => Progress::Pending,
-        (Op::Suspend, false) => Progress::Done,
-    };
+    running.set(true);
     let mut restopped_at = None;
     let mut now = 2 * MS;
     while now < 100 * MS && restopped_at.is_none() {
@@ -1703,7 +1697,6 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
             restopped_at = Some(now);
         }
     }
-    let _ = &act;
     assert!(
         restopped_at.is_some_and(|at| at <= 2 * MS + 3 * b.recheck_ns),
         "found running and stopped again at {restopped_at:?} ns"
