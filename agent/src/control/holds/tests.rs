@@ -1702,3 +1702,111 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
         "found running and stopped again at {restopped_at:?} ns"
     );
 }
+
+/// Shutdown (or a panic) with a hold in each state the loop can leave between ticks:
+/// `Held`, `Confirming`, `Gated`, `FallingBack` (its fallback's write on its way) and
+/// `Recording` (its write on its way). Everything stopped is resumed, every gate closed
+/// is opened, and the writes that land afterwards start nothing.
+#[test]
+fn release_all_leaves_nothing_stopped_or_gated_whatever_state_each_hold_is_in() {
+    use std::cell::RefCell;
+    let stopped: RefCell<std::collections::BTreeSet<RecordEntry>> = RefCell::default();
+    let mut act = |op: Op, t: &Target, start: bool| {
+        if start {
+            match op {
+                Op::Suspend => stopped.borrow_mut().insert(t.record()),
+                Op::Resume => stopped.borrow_mut().remove(&t.record()),
+            };
+        }
+        match (op, t) {
+            // A freeze not confirmed yet.
+            (Op::Suspend, Target::Cgroup { .. }) => Progress::Pending,
+            _ => Progress::Done,
+        }
+    };
+    let mut rec = std::collections::BTreeSet::new();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let (k1, _) = proc_target(1);
+    let (k2, p2) = gate_plan(2);
+    let (k3, p3) = gate_plan(3);
+    let (k4, _) = proc_target(4);
+    let (k5, _) = proc_target(5);
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let p5 = Plan::Freeze(frozen);
+    b.suspend(
+        &[
+            (k1, Plan::Signal(k1)),
+            (k2, p2.clone()),
+            (k3, p3.clone()),
+            (k5, p5.clone()),
+        ],
+        0,
+    );
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.gate_acks(k3, &[1]);
+    let fallback_add = b.take_commands();
+    b.suspend(&[(k4, Plan::Signal(k4))], MS);
+    let fresh_add = b.take_commands();
+    let states: Vec<_> = [
+        Plan::Signal(k1).hold_key(),
+        p5.hold_key(),
+        p2.hold_key(),
+        p3.hold_key(),
+        Plan::Signal(k4).hold_key(),
+    ]
+    .iter()
+    .map(|k| state(&b, k))
+    .collect();
+    assert_eq!(
+        states,
+        [
+            Some("Held"),
+            Some("Confirming"),
+            Some("Gated"),
+            Some("FallingBack (drained)"),
+            Some("Recording")
+        ]
+    );
+    assert!(!stopped.borrow().is_empty());
+    assert_eq!(b.release_all(crate::control::ReleaseAll::Shutdown), 5);
+    let cmds = shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    let opened: Vec<ProcKey> = cmds
+        .iter()
+        .flat_map(|c| match c {
+            HoldCmd::Start {
+                op: Op::Resume,
+                targets,
+                ..
+            } => targets.clone(),
+            _ => Vec::new(),
+        })
+        .filter_map(|t| match t {
+            Target::Gate { key, .. } => Some(key),
+            _ => None,
+        })
+        .collect();
+    assert!(opened.contains(&k2) && opened.contains(&k3), "{cmds:?}");
+    // The writes that were on their way land.
+    b.observe(
+        fallback_add
+            .iter()
+            .chain(&fresh_add)
+            .map(|c| HoldObs::Recorded {
+                req: req_of(c),
+                ok: true,
+            })
+            .collect(),
+        3 * MS,
+    );
+    shell(&mut b, 3 * MS, &mut rec, &[], &mut act);
+    assert!(b.is_empty());
+    assert!(
+        stopped.borrow().is_empty(),
+        "left stopped: {:?}",
+        stopped.borrow()
+    );
+}
