@@ -210,6 +210,18 @@ impl HoldBook {
         self.forgotten.extend(members.iter().map(Target::record));
     }
 
+    /// A hold that never started ends (its write failed): what a release left in the
+    /// record because this hold covered it leaves with it, unless another still covers it.
+    /// (The record itself lets go of what this hold's request alone added.)
+    pub(super) fn let_go_left(&mut self, members: &[Target]) {
+        let left: Vec<Target> = members
+            .iter()
+            .filter(|t| self.left_to_others.contains(&t.record()))
+            .cloned()
+            .collect();
+        self.forget(&left);
+    }
+
     /// Asks to remove what was resumed from the record, except what a current hold still
     /// covers: one write however many holds a release resumed (one per hold would be 8
     /// writes for a GPU with 8 offline processes).
@@ -218,10 +230,14 @@ impl HoldBook {
             return;
         }
         let still = self.covered();
-        let gone: Vec<RecordEntry> = std::mem::take(&mut self.forgotten)
-            .into_iter()
-            .filter(|e| !still.contains(e))
-            .collect();
+        let (kept, gone): (Vec<RecordEntry>, Vec<RecordEntry>) =
+            std::mem::take(&mut self.forgotten)
+                .into_iter()
+                .partition(|e| still.contains(e));
+        self.left_to_others.extend(kept);
+        for e in &gone {
+            self.left_to_others.remove(e);
+        }
         if !gone.is_empty() {
             self.out.push(HoldCmd::RecordRemove { entries: gone });
         }

@@ -250,6 +250,9 @@ pub struct HoldBook {
     failed: Vec<ProcKey>,
     /// Resumed targets still in the record (see [`HoldBook::flush_forgotten`]).
     forgotten: Vec<RecordEntry>,
+    /// Resumed targets kept in the record because another hold covered them: one that
+    /// ends without being started (its write failed) lets them go.
+    left_to_others: BTreeSet<RecordEntry>,
     /// Signalled cgroups that had to be frozen because their processes kept resuming
     /// themselves, with when: frozen at once by the next suspensions for
     /// [`signal::REMEMBER_NS`], instead of starting over with signals.
@@ -305,6 +308,7 @@ impl HoldBook {
             resumes: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
+            left_to_others: BTreeSet::new(),
             resumed_itself: BTreeMap::new(),
             isolated: BTreeMap::new(),
             done: Vec::new(),
@@ -517,6 +521,7 @@ impl HoldBook {
         self.holds.clear();
         self.resumes.clear();
         self.forgotten.clear();
+        self.left_to_others.clear();
         self.waiting.clear();
         self.abandoned_below = self.next_req;
         self.out.clear();

@@ -1546,6 +1546,10 @@ fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() 
     let _ = &act;
     assert!(b.is_empty(), "{b:?}");
     assert!(!frozen_now, "C is left frozen by no hold");
+    assert!(
+        !rec.contains(&cg.record()),
+        "C stays in the record with nothing holding it: {rec:?}"
+    );
 }
 
 /// A hold released while on its way to the record and made again on the same key: the
@@ -1808,5 +1812,67 @@ fn release_all_leaves_nothing_stopped_or_gated_whatever_state_each_hold_is_in() 
         stopped.borrow().is_empty(),
         "left stopped: {:?}",
         stopped.borrow()
+    );
+}
+
+/// Two gate holds whose fallbacks freeze cgroup C: the first holds C, the second's
+/// fallback write is on its way when the first is released, and that write fails. C is
+/// thawed, and leaves the record: nothing holds it.
+#[test]
+fn a_fallback_whose_write_fails_after_another_holds_release_leaves_nothing_behind() {
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let cg = Target::Cgroup {
+        dir: frozen.dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = |pid: u32, uuid: u8| {
+        let (k, _) = proc_target(pid);
+        let gate = GateSlot {
+            key: k,
+            uuid: [uuid; 16],
+            file: "/tmp/coloc-book-gates".into(),
+        };
+        let fallback = Box::new(Plan::Freeze(frozen.clone()));
+        (k, Plan::Gate { gate, fallback })
+    };
+    let (k1, p1) = plan(10, 1);
+    let (k2, p2) = plan(11, 2);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let frozen_now = std::cell::Cell::new(false);
+    let mut act = |op: Op, t: &Target, start: bool| {
+        if start && matches!(t, Target::Cgroup { .. }) {
+            frozen_now.set(op == Op::Suspend);
+        }
+        Progress::Done
+    };
+    b.suspend(&[(k1, p1), (k2, p2)], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.gate_acks(k1, &[1]);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    assert!(frozen_now.get() && rec.contains(&cg.record()));
+    b.gate_acks(k2, &[1]);
+    let add = b.take_commands();
+    assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
+    b.resume(&[k1], 2 * MS);
+    shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&add[0]),
+            ok: false,
+        }],
+        3 * MS,
+    );
+    shell(&mut b, 3 * MS, &mut rec, &[], &mut act);
+    assert!(b.is_empty(), "{b:?}");
+    assert!(!frozen_now.get(), "C is left frozen by no hold");
+    assert!(
+        !rec.contains(&cg.record()),
+        "C stays in the record with nothing holding it: {rec:?}"
     );
 }
