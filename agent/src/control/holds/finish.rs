@@ -13,10 +13,39 @@ use crate::control::target::Target;
 use std::collections::BTreeSet;
 
 impl HoldBook {
-    /// What the current holds (held or on their way) cover, as the record names it.
+    /// What the current holds (held or on their way) cover, as the record names it: their
+    /// members, and what they asked the record for on the way to stopping it (a gate's
+    /// fallback, a freezer escalation, processes that joined a held cgroup), which is not
+    /// among their members until it is started.
     fn covered(&self) -> BTreeSet<RecordEntry> {
+        let members = self
+            .holds
+            .values()
+            .flat_map(|h| h.members.iter().map(Target::record));
+        let on_their_way = self.waiting.values().flat_map(|t| {
+            let (r, targets): (&HoldRef, Vec<&Target>) = match t {
+                Continuation::FallbackRecorded(r, m)
+                | Continuation::FallbackStarted(r, m)
+                | Continuation::RecordedNewcomers(r, m) => (r, m.iter().collect()),
+                Continuation::RecordedEscalation(r, cg, _)
+                | Continuation::StartedEscalation(r, cg, _) => (r, vec![cg]),
+                _ => return Vec::new(),
+            };
+            if self.hold(r).is_none() {
+                return Vec::new();
+            }
+            targets.into_iter().map(Target::record).collect()
+        });
+        members.chain(on_their_way).collect()
+    }
+
+    /// What the current holds may have stopped already, as the record names it: the
+    /// members of those whose suspension was asked of the actuator. A hold still on its way
+    /// to the record stops nothing yet, and may never (its write may fail).
+    fn stopping(&self) -> BTreeSet<RecordEntry> {
         self.holds
             .values()
+            .filter(|h| h.state.started() || matches!(h.state, State::Starting))
             .flat_map(|h| h.members.iter().map(Target::record))
             .collect()
     }
@@ -81,11 +110,13 @@ impl HoldBook {
     ) {
         // A target another hold still covers stays suspended: two gate holds whose
         // fallbacks freeze one cgroup (a job with a process per GPU) must not thaw it for
-        // each other. The last hold that covers it resumes it.
+        // each other. The last hold that covers it resumes it. A hold on its way to the
+        // record does not count: it has stopped nothing yet, and stops it again once its
+        // record is written (a write that fails would leave it stopped by no hold).
         // A gate is the exception: its record entry is the GPU's, but the gate keeper counts
         // its holders per process, so each holder opens its own hold on it (the last one
         // opens the gate).
-        let still = self.covered();
+        let still = self.stopping();
         let members: Vec<Target> = members
             .into_iter()
             .filter(|t| matches!(t, Target::Gate { .. }) || !still.contains(&t.record()))
@@ -179,6 +210,18 @@ impl HoldBook {
         self.forgotten.extend(members.iter().map(Target::record));
     }
 
+    /// A hold that never started ends (its write failed): what a release left in the
+    /// record because this hold covered it leaves with it, unless another still covers it.
+    /// (The record itself lets go of what this hold's request alone added.)
+    pub(super) fn let_go_left(&mut self, members: &[Target]) {
+        let left: Vec<Target> = members
+            .iter()
+            .filter(|t| self.left_to_others.contains(&t.record()))
+            .cloned()
+            .collect();
+        self.forget(&left);
+    }
+
     /// Asks to remove what was resumed from the record, except what a current hold still
     /// covers: one write however many holds a release resumed (one per hold would be 8
     /// writes for a GPU with 8 offline processes).
@@ -187,10 +230,14 @@ impl HoldBook {
             return;
         }
         let still = self.covered();
-        let gone: Vec<RecordEntry> = std::mem::take(&mut self.forgotten)
-            .into_iter()
-            .filter(|e| !still.contains(e))
-            .collect();
+        let (kept, gone): (Vec<RecordEntry>, Vec<RecordEntry>) =
+            std::mem::take(&mut self.forgotten)
+                .into_iter()
+                .partition(|e| still.contains(e));
+        self.left_to_others.extend(kept);
+        for e in &gone {
+            self.left_to_others.remove(e);
+        }
         if !gone.is_empty() {
             self.out.push(HoldCmd::RecordRemove { entries: gone });
         }
@@ -254,7 +301,10 @@ impl HoldBook {
         let Some(hold) = self.holds.remove(&key) else {
             return;
         };
-        if matches!(hold.state, State::Confirming { .. } | State::Gated { .. }) {
+        if matches!(
+            hold.state,
+            State::Confirming { .. } | State::Gated { .. } | State::FallingBack { .. }
+        ) {
             self.done.push(Completion {
                 key: key.clone(),
                 op: Op::Suspend,

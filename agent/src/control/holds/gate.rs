@@ -166,6 +166,7 @@ impl HoldBook {
         // A gate holds nothing by itself: without its fallback the process is not held.
         // Fail open (the gate opens with the undo); the holder is retried.
         self.notes.push(note::FallbackNotRecorded.into());
+        self.let_go_left(&members);
         self.notes.push(
             note::FailedOpen {
                 why: FailWhy::Record,

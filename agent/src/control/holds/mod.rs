@@ -24,7 +24,7 @@
 //!             └─ failed, or past --confirm-timeout ─► gone, undone
 //!  Held ──recheck: Check──► found running: stopped again (a signal's backstop: signal.rs)
 //!  resume(last holder) ─► not started (Listing … Starting): gone, Skipped
-//!                      └► started: gone (Confirming, Gated: Skipped) ─► Start(Resume)
+//!                      └► started: gone (Confirming, Gated, FallingBack: Skipped) ─► Start(Resume)
 //!      ─► pending: a Resume, Check at each poll ─► confirmed ─► RecordRemove (one batch)
 //! ```
 //!
@@ -248,6 +248,9 @@ pub struct HoldBook {
     failed: Vec<ProcKey>,
     /// Resumed targets still in the record (see [`HoldBook::flush_forgotten`]).
     forgotten: Vec<RecordEntry>,
+    /// Resumed targets kept in the record because another hold covered them: one that
+    /// ends without being started (its write failed) lets them go.
+    left_to_others: BTreeSet<RecordEntry>,
     /// Signalled cgroups that had to be frozen because their processes kept resuming
     /// themselves, with when: frozen at once by the next suspensions for
     /// [`signal::REMEMBER_NS`], instead of starting over with signals.
@@ -303,6 +306,7 @@ impl HoldBook {
             resumes: Vec::new(),
             failed: Vec::new(),
             forgotten: Vec::new(),
+            left_to_others: BTreeSet::new(),
             resumed_itself: BTreeMap::new(),
             isolated: BTreeMap::new(),
             done: Vec::new(),
@@ -515,6 +519,7 @@ impl HoldBook {
         self.holds.clear();
         self.resumes.clear();
         self.forgotten.clear();
+        self.left_to_others.clear();
         self.waiting.clear();
         self.abandoned_below = self.next_req;
         self.out.clear();

@@ -157,7 +157,6 @@ impl HoldBook {
             if h.breaks == 0
                 && now.saturating_sub(h.checked_ns) + self.recheck_ns / 4 >= self.recheck_ns
                 && !h.state.polled()
-                && !self.resumes.iter().any(|r| r.key == *k)
             {
                 budget = budget.saturating_sub(h.members.len());
                 due.push(HoldRef {

@@ -100,6 +100,7 @@ impl HoldBook {
             .into(),
         );
         if let Some(h) = self.take(&r) {
+            self.let_go_left(&h.members);
             self.failed.extend(h.holders.iter().copied());
             self.done.push(Completion {
                 key: r.key,

@@ -1427,3 +1427,478 @@ fn a_hold_released_while_recording_is_never_started() {
         "nothing is stopped for a cancelled hold: {c:?}"
     );
 }
+
+/// Two gate holds (one process per GPU of one offline pod) whose fallbacks freeze the
+/// same cgroup C, both falling back with C's record write on its way. The first is
+/// released before the write lands. The write's answer then starts the second hold's
+/// freeze of C: C must stay in the record as long as it is frozen, whatever the released
+/// hold's late answer says.
+#[test]
+fn a_late_fallback_answer_of_a_released_hold_does_not_unrecord_another_holds_freeze() {
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = |pid: u32, uuid: u8| {
+        let (k, _) = proc_target(pid);
+        (
+            k,
+            Plan::Gate {
+                gate: GateSlot {
+                    key: k,
+                    uuid: [uuid; 16],
+                    file: "/tmp/coloc-book-gates".into(),
+                },
+                fallback: Box::new(Plan::Freeze(crate::control::target::Frozen {
+                    dir: dir.clone(),
+                    version: CgroupVersion::V2,
+                    cell: None,
+                })),
+            },
+        )
+    };
+    let (k1, p1) = plan(10, 1);
+    let (k2, p2) = plan(11, 2);
+    let key2 = p2.hold_key();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    b.suspend(&[(k1, p1), (k2, p2)], 0);
+    let mut done = |_: Op, _: &Target, _: bool| Progress::Done;
+    shell(&mut b, 0, &mut rec, &[], &mut done);
+    // Both drained: each fallback asks the record for C; the write is on its way.
+    b.gate_acks(k1, &[1]);
+    b.gate_acks(k2, &[1]);
+    let adds = b.take_commands();
+    assert!(
+        matches!(
+            &adds[..],
+            [HoldCmd::RecordAdd { .. }, HoldCmd::RecordAdd { .. }]
+        ),
+        "{adds:?}"
+    );
+    // The first holder is released meanwhile: its gate opens.
+    b.resume(&[k1], MS);
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }]
+            if matches!(targets[..], [Target::Gate { .. }])),
+        "{c:?}"
+    );
+    // The write lands: both requests are answered at once.
+    rec.insert(cg.record());
+    b.observe(
+        adds.iter()
+            .map(|a| HoldObs::Recorded {
+                req: req_of(a),
+                ok: true,
+            })
+            .collect(),
+        2 * MS,
+    );
+    let cmds = shell(&mut b, 2 * MS, &mut rec, &[], &mut done);
+    assert!(
+        cmds.iter().any(
+            |c| matches!(c, HoldCmd::Start { op: Op::Suspend, targets, .. }
+            if targets.contains(&cg))
+        ),
+        "the second hold freezes C: {cmds:?}"
+    );
+    assert_eq!(state(&b, &key2), Some("Held"));
+    assert!(
+        rec.contains(&cg.record()),
+        "C is frozen by the second hold but out of the fail-open record: {cmds:?}"
+    );
+}
+
+/// A gate hold whose fallback froze cgroup C is released while another hold that freezes
+/// C is on its way to the record. That hold has stopped nothing yet, and its write fails:
+/// C must not stay frozen with no hold on it.
+#[test]
+fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() {
+    let dir: std::path::PathBuf = "/sys/fs/cgroup/pod/c".into();
+    let frozen = crate::control::target::Frozen {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let cg = Target::Cgroup {
+        dir: dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let (k1, _) = proc_target(10);
+    let gate = Plan::Gate {
+        gate: GateSlot {
+            key: k1,
+            uuid: [1; 16],
+            file: "/tmp/coloc-book-gates".into(),
+        },
+        fallback: Box::new(Plan::Freeze(frozen.clone())),
+    };
+    let (k2, _) = proc_target(11);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let mut frozen_now = false;
+    let mut act = |op: Op, t: &Target, start: bool| {
+        if start && matches!(t, Target::Cgroup { .. }) {
+            frozen_now = op == Op::Suspend;
+        }
+        Progress::Done
+    };
+    b.suspend(&[(k1, gate)], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.gate_acks(k1, &[1]);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    assert_eq!(state(&b, &Plan::Freeze(frozen.clone()).hold_key()), None);
+    assert!(rec.contains(&cg.record()));
+    // Another process of the pod is suspended by freezing C: its write is on its way.
+    b.suspend(&[(k2, Plan::Freeze(frozen.clone()))], 2 * MS);
+    let add = b.take_commands();
+    assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
+    // The gate hold is released.
+    b.resume(&[k1], 3 * MS);
+    shell(&mut b, 3 * MS, &mut rec, &[], &mut act);
+    // The write fails: the second hold never stops anything.
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&add[0]),
+            ok: false,
+        }],
+        4 * MS,
+    );
+    shell(&mut b, 4 * MS, &mut rec, &[], &mut act);
+    let _ = &act;
+    assert!(b.is_empty(), "{b:?}");
+    assert!(!frozen_now, "C is left frozen by no hold");
+    assert!(
+        !rec.contains(&cg.record()),
+        "C stays in the record with nothing holding it: {rec:?}"
+    );
+}
+
+/// A hold released while on its way to the record and made again on the same key: the
+/// late answers to the first hold's write decide nothing for the second. Neither a late
+/// `ok` (the second's own entries may not be on disk yet) starts it, nor a late refusal
+/// fails it.
+#[test]
+fn a_late_record_answer_for_a_released_hold_decides_nothing_for_its_key_made_again() {
+    let (k, _) = proc_target(10);
+    let key = Plan::Signal(k).hold_key();
+    for first_ok in [true, false] {
+        let mut b = HoldBook::new(Duration::from_secs(1));
+        b.suspend(&[(k, Plan::Signal(k))], 0);
+        let first = b.take_commands();
+        b.resume(&[k], MS);
+        b.take_done();
+        b.take_commands();
+        b.suspend(&[(k, Plan::Signal(k))], 2 * MS);
+        let second = b.take_commands();
+        assert!(
+            matches!(&second[..], [HoldCmd::RecordAdd { .. }]),
+            "{second:?}"
+        );
+        b.observe(
+            vec![HoldObs::Recorded {
+                req: req_of(&first[0]),
+                ok: first_ok,
+            }],
+            3 * MS,
+        );
+        let c = b.take_commands();
+        assert!(
+            c.iter().all(|c| !matches!(c, HoldCmd::Start { .. })),
+            "started on the first hold's answer (ok: {first_ok}): {c:?}"
+        );
+        assert_eq!(state(&b, &key), Some("Recording"), "ok: {first_ok}");
+        assert!(b.take_failed().is_empty() && b.take_done().is_empty());
+        b.observe(
+            vec![HoldObs::Recorded {
+                req: req_of(&second[0]),
+                ok: true,
+            }],
+            4 * MS,
+        );
+        let c = b.take_commands();
+        assert!(
+            matches!(
+                &c[..],
+                [HoldCmd::Start {
+                    op: Op::Suspend,
+                    ..
+                }]
+            ),
+            "started on its own answer: {c:?}"
+        );
+    }
+}
+
+/// A release overtakes a gate hold whose fallback is on its way to the record: the
+/// suspension ends `Skipped` (the loop's preemption event waits for a suspension's end,
+/// and would wait forever), the gate opens, and the fallback's late record answer stops
+/// nothing.
+#[test]
+fn a_release_overtakes_a_gate_hold_falling_back() {
+    let (mut b, k, key) = gated(1);
+    b.gate_acks(k, &[1]);
+    assert_eq!(state(&b, &key), Some("FallingBack (drained)"));
+    let add = b.take_commands();
+    assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
+    b.resume(&[k], MS);
+    assert_eq!(state(&b, &key), None);
+    let done = b.take_done();
+    let ops: Vec<(Op, Outcome)> = done.iter().map(|c| (c.op, c.outcome.clone())).collect();
+    assert!(
+        ops.contains(&(Op::Suspend, Outcome::Skipped)),
+        "the suspension never ends: {done:?}"
+    );
+    let c = b.take_commands();
+    assert!(
+        matches!(&c[..], [HoldCmd::Start { op: Op::Resume, targets, .. }]
+            if matches!(targets[..], [Target::Gate { .. }])),
+        "{c:?}"
+    );
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&add[0]),
+            ok: true,
+        }],
+        2 * MS,
+    );
+    let c = b.take_commands();
+    assert!(
+        c.iter().all(|c| !matches!(c, HoldCmd::Start { .. })),
+        "the fallback of a released hold is not started: {c:?}"
+    );
+}
+
+/// A cgroup released and frozen again at once, its thaw not confirmed yet (the earlier
+/// hold's `Resume` still looked at, and never confirmed: the new freeze holds it): the new
+/// hold is re-checked like any other, so a tenant that thaws its (delegated) cgroup is
+/// found running and frozen again within a few `--recheck-interval`s, not once the old
+/// resume gives up at `--confirm-timeout`.
+#[test]
+fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
+    let (k, _) = proc_target(10);
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let t = Target::Cgroup {
+        dir: frozen.dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = Plan::Freeze(frozen);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let running = std::cell::Cell::new(false);
+    let mut act = |op: Op, _: &Target, start: bool| match (op, start) {
+        // The thaw is not seen at once; the new freeze holds it frozen.
+        (Op::Resume, _) => Progress::Pending,
+        (Op::Suspend, true) => Progress::Done,
+        (Op::Suspend, false) if running.get() => Progress::Pending,
+        (Op::Suspend, false) => Progress::Done,
+    };
+    b.suspend(&[(k, plan.clone())], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.resume(&[k], MS);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    assert!(b.pending(), "the resume waits for its confirmation");
+    b.suspend(&[(k, plan.clone())], 2 * MS);
+    shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    assert_eq!(state(&b, &plan.hold_key()), Some("Held"));
+    // The tenant thaws it.
+    running.set(true);
+    let mut restopped_at = None;
+    let mut now = 2 * MS;
+    while now < 100 * MS && restopped_at.is_none() {
+        now += MS;
+        // The loop's order: the poll's answers are in before the re-check.
+        b.poll(now);
+        let mut cmds = shell(&mut b, now, &mut rec, &[], &mut act);
+        b.recheck(now);
+        cmds.extend(shell(&mut b, now, &mut rec, &[], &mut act));
+        if cmds.iter().any(|c| {
+            matches!(c, HoldCmd::Start { op: Op::Suspend, targets, .. } if targets.contains(&t))
+        }) {
+            restopped_at = Some(now);
+        }
+    }
+    assert!(
+        restopped_at.is_some_and(|at| at <= 2 * MS + 3 * b.recheck_ns),
+        "found running and stopped again at {restopped_at:?} ns"
+    );
+}
+
+/// Shutdown (or a panic) with a hold in each state the loop can leave between ticks:
+/// `Held`, `Confirming`, `Gated`, `FallingBack` (its fallback's write on its way) and
+/// `Recording` (its write on its way). Everything stopped is resumed, every gate closed
+/// is opened, and the writes that land afterwards start nothing.
+#[test]
+fn release_all_leaves_nothing_stopped_or_gated_whatever_state_each_hold_is_in() {
+    use std::cell::RefCell;
+    let stopped: RefCell<std::collections::BTreeSet<RecordEntry>> = RefCell::default();
+    let mut act = |op: Op, t: &Target, start: bool| {
+        if start {
+            match op {
+                Op::Suspend => stopped.borrow_mut().insert(t.record()),
+                Op::Resume => stopped.borrow_mut().remove(&t.record()),
+            };
+        }
+        match (op, t) {
+            // A freeze not confirmed yet.
+            (Op::Suspend, Target::Cgroup { .. }) => Progress::Pending,
+            _ => Progress::Done,
+        }
+    };
+    let mut rec = std::collections::BTreeSet::new();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let (k1, _) = proc_target(1);
+    let (k2, p2) = gate_plan(2);
+    let (k3, p3) = gate_plan(3);
+    let (k4, _) = proc_target(4);
+    let (k5, _) = proc_target(5);
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let p5 = Plan::Freeze(frozen);
+    b.suspend(
+        &[
+            (k1, Plan::Signal(k1)),
+            (k2, p2.clone()),
+            (k3, p3.clone()),
+            (k5, p5.clone()),
+        ],
+        0,
+    );
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.gate_acks(k3, &[1]);
+    let fallback_add = b.take_commands();
+    b.suspend(&[(k4, Plan::Signal(k4))], MS);
+    let fresh_add = b.take_commands();
+    let states: Vec<_> = [
+        Plan::Signal(k1).hold_key(),
+        p5.hold_key(),
+        p2.hold_key(),
+        p3.hold_key(),
+        Plan::Signal(k4).hold_key(),
+    ]
+    .iter()
+    .map(|k| state(&b, k))
+    .collect();
+    assert_eq!(
+        states,
+        [
+            Some("Held"),
+            Some("Confirming"),
+            Some("Gated"),
+            Some("FallingBack (drained)"),
+            Some("Recording")
+        ]
+    );
+    assert!(!stopped.borrow().is_empty());
+    assert_eq!(b.release_all(crate::control::ReleaseAll::Shutdown), 5);
+    let cmds = shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    let opened: Vec<ProcKey> = cmds
+        .iter()
+        .flat_map(|c| match c {
+            HoldCmd::Start {
+                op: Op::Resume,
+                targets,
+                ..
+            } => targets.clone(),
+            _ => Vec::new(),
+        })
+        .filter_map(|t| match t {
+            Target::Gate { key, .. } => Some(key),
+            _ => None,
+        })
+        .collect();
+    assert!(opened.contains(&k2) && opened.contains(&k3), "{cmds:?}");
+    // The writes that were on their way land.
+    b.observe(
+        fallback_add
+            .iter()
+            .chain(&fresh_add)
+            .map(|c| HoldObs::Recorded {
+                req: req_of(c),
+                ok: true,
+            })
+            .collect(),
+        3 * MS,
+    );
+    shell(&mut b, 3 * MS, &mut rec, &[], &mut act);
+    assert!(b.is_empty());
+    assert!(
+        stopped.borrow().is_empty(),
+        "left stopped: {:?}",
+        stopped.borrow()
+    );
+}
+
+/// Two gate holds whose fallbacks freeze cgroup C: the first holds C, the second's
+/// fallback write is on its way when the first is released, and that write fails. C is
+/// thawed, and leaves the record: nothing holds it.
+#[test]
+fn a_fallback_whose_write_fails_after_another_holds_release_leaves_nothing_behind() {
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let cg = Target::Cgroup {
+        dir: frozen.dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = |pid: u32, uuid: u8| {
+        let (k, _) = proc_target(pid);
+        let gate = GateSlot {
+            key: k,
+            uuid: [uuid; 16],
+            file: "/tmp/coloc-book-gates".into(),
+        };
+        let fallback = Box::new(Plan::Freeze(frozen.clone()));
+        (k, Plan::Gate { gate, fallback })
+    };
+    let (k1, p1) = plan(10, 1);
+    let (k2, p2) = plan(11, 2);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let frozen_now = std::cell::Cell::new(false);
+    let mut act = |op: Op, t: &Target, start: bool| {
+        if start && matches!(t, Target::Cgroup { .. }) {
+            frozen_now.set(op == Op::Suspend);
+        }
+        Progress::Done
+    };
+    b.suspend(&[(k1, p1), (k2, p2)], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.gate_acks(k1, &[1]);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    assert!(frozen_now.get() && rec.contains(&cg.record()));
+    b.gate_acks(k2, &[1]);
+    let add = b.take_commands();
+    assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
+    b.resume(&[k1], 2 * MS);
+    shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    b.observe(
+        vec![HoldObs::Recorded {
+            req: req_of(&add[0]),
+            ok: false,
+        }],
+        3 * MS,
+    );
+    shell(&mut b, 3 * MS, &mut rec, &[], &mut act);
+    assert!(b.is_empty(), "{b:?}");
+    assert!(!frozen_now.get(), "C is left frozen by no hold");
+    assert!(
+        !rec.contains(&cg.record()),
+        "C stays in the record with nothing holding it: {rec:?}"
+    );
+}
