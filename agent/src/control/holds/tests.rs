@@ -1451,7 +1451,7 @@ fn a_late_fallback_answer_of_a_released_hold_does_not_unrecord_another_holds_fre
                     uuid: [uuid; 16],
                     file: "/tmp/coloc-book-gates".into(),
                 },
-                fallback: Box::new(Plan::Freeze(crate::control::target::Frozen {
+                fallback: Held::Stop(Stop::Freeze(crate::control::target::Frozen {
                     dir: dir.clone(),
                     version: CgroupVersion::V2,
                     cell: None,
@@ -1535,7 +1535,7 @@ fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() 
             uuid: [1; 16],
             file: "/tmp/coloc-book-gates".into(),
         },
-        fallback: Box::new(Plan::Freeze(frozen.clone())),
+        fallback: Held::Stop(Stop::Freeze(frozen.clone())),
     };
     let (k2, _) = proc_target(11);
     let mut b = HoldBook::new(Duration::from_secs(1));
@@ -1551,10 +1551,19 @@ fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() 
     shell(&mut b, 0, &mut rec, &[], &mut act);
     b.gate_acks(k1, &[1]);
     shell(&mut b, MS, &mut rec, &[], &mut act);
-    assert_eq!(state(&b, &Plan::Freeze(frozen.clone()).hold_key()), None);
+    assert_eq!(
+        state(
+            &b,
+            &Plan::Now(Held::Stop(Stop::Freeze(frozen.clone()))).hold_key()
+        ),
+        None
+    );
     assert!(rec.contains(&cg.record()));
     // Another process of the pod is suspended by freezing C: its write is on its way.
-    b.suspend(&[(k2, Plan::Freeze(frozen.clone()))], 2 * MS);
+    b.suspend(
+        &[(k2, Plan::Now(Held::Stop(Stop::Freeze(frozen.clone()))))],
+        2 * MS,
+    );
     let add = b.take_commands();
     assert!(matches!(&add[..], [HoldCmd::RecordAdd { .. }]), "{add:?}");
     // The gate hold is released.
@@ -1585,15 +1594,15 @@ fn a_release_thaws_what_a_hold_still_on_its_way_to_the_record_has_not_stopped() 
 #[test]
 fn a_late_record_answer_for_a_released_hold_decides_nothing_for_its_key_made_again() {
     let (k, _) = proc_target(10);
-    let key = Plan::Signal(k).hold_key();
+    let key = Plan::signal(k).hold_key();
     for first_ok in [true, false] {
         let mut b = HoldBook::new(Duration::from_secs(1));
-        b.suspend(&[(k, Plan::Signal(k))], 0);
+        b.suspend(&[(k, Plan::signal(k))], 0);
         let first = b.take_commands();
         b.resume(&[k], MS);
         b.take_done();
         b.take_commands();
-        b.suspend(&[(k, Plan::Signal(k))], 2 * MS);
+        b.suspend(&[(k, Plan::signal(k))], 2 * MS);
         let second = b.take_commands();
         assert!(
             matches!(&second[..], [HoldCmd::RecordAdd { .. }]),
@@ -1691,7 +1700,7 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
         version: CgroupVersion::V2,
         cell: None,
     };
-    let plan = Plan::Freeze(frozen);
+    let plan = Plan::Now(Held::Stop(Stop::Freeze(frozen)));
     let mut b = HoldBook::new(Duration::from_secs(1));
     let mut rec = std::collections::BTreeSet::new();
     let running = std::cell::Cell::new(false);
@@ -1766,10 +1775,10 @@ fn release_all_leaves_nothing_stopped_or_gated_whatever_state_each_hold_is_in() 
         version: CgroupVersion::V2,
         cell: None,
     };
-    let p5 = Plan::Freeze(frozen);
+    let p5 = Plan::Now(Held::Stop(Stop::Freeze(frozen)));
     b.suspend(
         &[
-            (k1, Plan::Signal(k1)),
+            (k1, Plan::signal(k1)),
             (k2, p2.clone()),
             (k3, p3.clone()),
             (k5, p5.clone()),
@@ -1779,14 +1788,14 @@ fn release_all_leaves_nothing_stopped_or_gated_whatever_state_each_hold_is_in() 
     shell(&mut b, 0, &mut rec, &[], &mut act);
     b.gate_acks(k3, &[1]);
     let fallback_add = b.take_commands();
-    b.suspend(&[(k4, Plan::Signal(k4))], MS);
+    b.suspend(&[(k4, Plan::signal(k4))], MS);
     let fresh_add = b.take_commands();
     let states: Vec<_> = [
-        Plan::Signal(k1).hold_key(),
+        Plan::signal(k1).hold_key(),
         p5.hold_key(),
         p2.hold_key(),
         p3.hold_key(),
-        Plan::Signal(k4).hold_key(),
+        Plan::signal(k4).hold_key(),
     ]
     .iter()
     .map(|k| state(&b, k))
@@ -1863,7 +1872,7 @@ fn a_fallback_whose_write_fails_after_another_holds_release_leaves_nothing_behin
             uuid: [uuid; 16],
             file: "/tmp/coloc-book-gates".into(),
         };
-        let fallback = Box::new(Plan::Freeze(frozen.clone()));
+        let fallback = Held::Stop(Stop::Freeze(frozen.clone()));
         (k, Plan::Gate { gate, fallback })
     };
     let (k1, p1) = plan(10, 1);
