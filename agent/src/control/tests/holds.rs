@@ -198,3 +198,42 @@ fn a_suspension_holds_against_sigcont_and_escalates_to_the_freezer() {
         &calls[before..]
     );
 }
+
+/// Rules mode: a PID of the offline cgroup reused by online work before the lists are
+/// read again is judged as the process it is now, not as the offline one the table still
+/// holds under that PID: the cgroup is then not stopped whole.
+#[test]
+fn a_reused_pid_in_an_offline_cgroup_keeps_it_from_being_stopped_whole() {
+    let root = TmpDir::new("coloc-loop-mixed-reused");
+    let dir = root.join("batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup.freeze"), "0").unwrap();
+    let mut cfg = default_config();
+    cfg.cgroups.v2 = Some(root.to_path_buf());
+    cfg.actuator = Kind::Freezer;
+    let mut h = harness_with(1, cfg);
+    h.procs.add(10, 110, "train", "/batch");
+    h.procs.add(11, 111, "train", "/batch");
+    h.procs
+        .members
+        .lock()
+        .unwrap()
+        .insert(dir.clone(), vec![10, 11]);
+    h.gpu.add(0, 10);
+    h.gpu.add(0, 11);
+    h.source.set(10, class(Class::Offline, Some("/batch")));
+    h.source.set(11, class(Class::Offline, Some("/batch")));
+    h.spawn(0, 20, class(Class::Online, None));
+    h.ticks(2);
+    // Offline 11 exits; its PID is reused by online work in the same cgroup, on the GPU.
+    h.procs.remove(11);
+    h.procs.add(11, 211, "serve", "/batch");
+    h.source.set(11, class(Class::Online, None));
+    h.clock.advance(60 * MS);
+    h.tick();
+    h.active(0, 20);
+    h.tick();
+    let calls = h.act.calls();
+    assert!(!calls.is_empty(), "offline 10 is held");
+    assert_eq!(calls[0].targets, vec![ALONE], "{calls:?}");
+}
