@@ -202,7 +202,12 @@ impl Classifier {
             if pid == me {
                 return Some((pid, Class::System));
             }
-            let class = match table.by_pid(pid) {
+            // The table's entry only while its PID is still that process (not reused
+            // since it was classified).
+            let class = match table
+                .by_pid(pid)
+                .filter(|e| matches!(self.procfs.read_stat(pid), Ok(s) if s.start == e.key.start))
+            {
                 Some(e) => e.cls.class,
                 None => match self.procfs.read_proc(pid) {
                     Ok(info) => self.source.classify(&info).class,
