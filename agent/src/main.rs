@@ -154,14 +154,14 @@ fn run(args: RunArgs) -> Result<()> {
     } else {
         Box::new(Host::default())
     };
-    let mut gates = None;
+    let mut gates: Option<Box<dyn coloc_agent::edges::gate::LaunchGates>> = None;
     if args.gate && cfg.dry_run {
         warn!("--gate with --dry-run: no gate is ever closed");
     } else if args.gate {
         let file = GateFile::create(&args.gate_file)
             .with_context(|| format!("--gate-file {}", args.gate_file.display()))?;
         info!(file = %args.gate_file.display(), timeout = ?args.gate_timeout, "Launch gates: offline processes with the shim drain at their gate before they are stopped");
-        gates = Some(GateKeeper::new(file));
+        gates = Some(Box::new(GateKeeper::new(file)));
     }
     let procfs = HostProc::new(&cfg.cgroups);
     if procfs.roots() != &Default::default() {
@@ -223,13 +223,21 @@ fn run(args: RunArgs) -> Result<()> {
         }
     };
     let mut cfg = cfg;
-    let driver = open_driver(&args, &mut cfg);
+    let procfs: Arc<dyn coloc_agent::edges::procfs::ProcFs> = Arc::new(procfs);
+    let driver = open_driver(&args, &mut cfg).map(
+        |api| -> Box<dyn coloc_agent::edges::checkpoint::DriverWork> {
+            Box::new(coloc_agent::edges::checkpoint::DriverCalls::new(
+                api,
+                procfs.clone(),
+            ))
+        },
+    );
     let waker = bells.waker();
     let edges = Edges {
         driver,
         bells,
         gpu: Box::new(sampler),
-        procfs: Arc::new(procfs),
+        procfs,
         source: source.clone(),
         clock: Arc::new(SystemClock),
         actuator,

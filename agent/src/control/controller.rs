@@ -172,7 +172,7 @@ impl Controller {
 
     /// Takes in what the shell observed at `now` and returns what to do next, in order.
     /// An empty answer ends the conversation (the tick is over).
-    pub fn step(&mut self, now: u64, obs: Vec<Obs>) -> Vec<Cmd> {
+    fn step(&mut self, now: u64, obs: Vec<Obs>) -> Vec<Cmd> {
         for o in obs {
             self.take(o, now);
         }

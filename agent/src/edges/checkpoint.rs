@@ -409,6 +409,30 @@ impl DriverApi for CudaCheckpoint {
     }
 }
 
+/// The driver's calls as the control loop makes them: each started at once, its end
+/// collected later ([`DriverCalls`]: a thread per call over the real driver; tests: a model
+/// of the driver on the loop's fake clock).
+pub trait DriverWork: Send {
+    /// Starts `op` on `key` (a lock with `lock_timeout`): the call's id.
+    fn start(&mut self, key: crate::edges::procfs::ProcKey, op: Op, lock_timeout: Duration) -> u64;
+    /// The calls that have ended since the last look.
+    fn finished(&mut self) -> Vec<Done>;
+    /// Waits up to `budget` for the next call to end; `None` when none did.
+    fn wait_next(&mut self, budget: Duration) -> Option<Done>;
+}
+
+impl DriverWork for DriverCalls {
+    fn start(&mut self, key: crate::edges::procfs::ProcKey, op: Op, lock_timeout: Duration) -> u64 {
+        DriverCalls::start(self, key, op, lock_timeout)
+    }
+    fn finished(&mut self) -> Vec<Done> {
+        DriverCalls::finished(self)
+    }
+    fn wait_next(&mut self, budget: Duration) -> Option<Done> {
+        DriverCalls::wait_next(self, budget)
+    }
+}
+
 /// Runs the driver's calls off the caller's thread, one thread per call: every call that
 /// changes a process waits until that process runs, and a process that is stopped (by
 /// its owner, or frozen) would otherwise stall whoever called. A call given up on may

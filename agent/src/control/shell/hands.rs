@@ -21,7 +21,7 @@ use crate::control::target::Target as Named;
 use crate::edges::actuator::cell::Cells;
 use crate::edges::actuator::{ActError, Actuator, Op, Progress, RecordEntry, Target};
 use crate::edges::clock::Clock;
-use crate::edges::gate::GateKeeper;
+use crate::edges::gate::LaunchGates;
 use crate::edges::procfs::{ProcFs, ProcKey};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ pub struct Hands {
     actuator: Box<dyn Actuator>,
     procfs: Arc<dyn ProcFs>,
     clock: Arc<dyn Clock>,
-    gates: Option<GateKeeper>,
+    gates: Option<Box<dyn LaunchGates>>,
     /// Where cells of the agent's own are made, or why none can be.
     cells: Result<Cells, String>,
     /// Every target suspended through these hands and not confirmed resumed.
@@ -58,7 +58,7 @@ impl Hands {
         actuator: Box<dyn Actuator>,
         procfs: Arc<dyn ProcFs>,
         clock: Arc<dyn Clock>,
-        gates: Option<GateKeeper>,
+        gates: Option<Box<dyn LaunchGates>>,
         cells: Result<Cells, String>,
         pins: Arc<Pins>,
     ) -> Hands {

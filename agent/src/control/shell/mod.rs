@@ -93,9 +93,10 @@ pub struct Edges {
     /// Doorbell pages, and the loop's sleep.
     pub bells: Box<dyn Doorbells>,
     /// The launch gates (`--gate`).
-    pub gates: Option<crate::edges::gate::GateKeeper>,
-    /// The CUDA driver's checkpoint API (`--driver-lock`, `--memory-reserve`), when loaded.
-    pub driver: Option<Arc<dyn crate::edges::checkpoint::DriverApi>>,
+    pub gates: Option<Box<dyn crate::edges::gate::LaunchGates>>,
+    /// The CUDA driver's checkpoint calls (`--driver-lock`, `--memory-reserve`), when its
+    /// API is loaded: made off the loop.
+    pub driver: Option<Box<dyn crate::edges::checkpoint::DriverWork>>,
 }
 
 impl std::fmt::Debug for Edges {
@@ -111,10 +112,10 @@ pub struct Loop {
     eyes: Eyes,
     /// The edges that act, shared with the watchdog.
     pub(crate) hands: Arc<Mutex<Hands>>,
-    scribe: Scribe,
+    scribe: Box<dyn scribe::Writer>,
     /// The driver's checkpoint API, called off the loop (`--driver-lock`,
     /// `--memory-reserve`).
-    driver: Option<crate::edges::checkpoint::DriverCalls>,
+    driver: Option<Box<dyn crate::edges::checkpoint::DriverWork>>,
     clock: Arc<dyn Clock>,
     pub(crate) watchdog: Arc<Watchdog>,
     pub(crate) telemetry: Telemetry,
@@ -174,19 +175,17 @@ impl Loop {
         };
         let gate_file = edges.gates.as_ref().map(|g| g.path().to_path_buf());
         let on_disk = edges.record.entries().clone();
-        let scribe = if cfg.record_off_loop {
+        let scribe: Box<dyn scribe::Writer> = Box::new(if cfg.record_off_loop {
             Scribe::spawn(edges.record, edges.bells.waker())?
         } else {
             Scribe::Inline(edges.record)
-        };
+        });
         // `/metrics` labels every per-GPU series with its GPU's UUID.
         let _ = shared.gpu_uuids.set(uuids.iter().cloned().collect());
         let ctl = Controller::new(&cfg, uuids, edges.clock.now_ns(), gate_file, on_disk);
         let pins = Arc::new(Pins::default());
         let classifier = Classifier::new(edges.procfs.clone(), edges.source, chooser, pins.clone());
-        let driver = edges
-            .driver
-            .map(|api| crate::edges::checkpoint::DriverCalls::new(api, edges.procfs.clone()));
+        let driver = edges.driver;
         let hands = Hands::new(
             edges.actuator,
             edges.procfs,
@@ -215,6 +214,13 @@ impl Loop {
             said: Vec::new(),
             cfg,
         })
+    }
+
+    /// Writes the record through `w` from now on (a model of the state directory whose
+    /// writes land when the test says).
+    #[cfg(test)]
+    pub(crate) fn set_writer(&mut self, w: Box<dyn scribe::Writer>) {
+        self.scribe = w;
     }
 
     pub(crate) fn hands(&self) -> MutexGuard<'_, Hands> {
@@ -550,9 +556,9 @@ impl Loop {
     pub fn release_everything(&mut self, reason: ReleaseAll) {
         self.released = true;
         self.converse(vec![Obs::ReleaseAll(reason)]);
-        let deadline = Instant::now() + LAST_WRITES;
+        let deadline = self.deadline(LAST_WRITES);
         while self.ctl.record().writing() {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = self.left_until(deadline);
             match self.scribe.wait(left) {
                 Some(o) => self.converse(vec![o]),
                 None => {
@@ -575,9 +581,9 @@ impl Loop {
             budget_s = LAST_RESTORES.as_secs(),
             "Restoring and unlocking what the CUDA driver holds before exit"
         );
-        let deadline = Instant::now() + LAST_RESTORES;
+        let deadline = self.deadline(LAST_RESTORES);
         while !self.ctl.driver_idle() || self.ctl.record().writing() {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = self.left_until(deadline);
             if left.is_zero() {
                 error!("The CUDA driver still holds offline work: left in the record for `coloc-agent resume` and the next start");
                 break;
@@ -594,6 +600,21 @@ impl Loop {
             }
             self.converse(obs);
         }
+    }
+
+    /// A deadline `budget` from now, on the loop's clock and in real time (the agent's way
+    /// out ends at whichever comes first: a wall clock stepped back cannot stretch it).
+    fn deadline(&self, budget: Duration) -> (u64, Instant) {
+        (
+            self.clock.now_ns() + budget.as_nanos() as u64,
+            Instant::now() + budget,
+        )
+    }
+
+    /// How long until `deadline` (see [`Loop::deadline`]).
+    fn left_until(&self, (clock, real): (u64, Instant)) -> Duration {
+        Duration::from_nanos(clock.saturating_sub(self.clock.now_ns()))
+            .min(real.saturating_duration_since(Instant::now()))
     }
 
     /// The handle shared with the HTTP server.

@@ -18,6 +18,29 @@ use std::sync::mpsc;
 use std::time::Duration;
 use tracing::error;
 
+/// What the loop asks for the record's writes through: the [`Scribe`] (tests: a model of
+/// a state directory whose writes land when it says).
+pub trait Writer: Send {
+    /// Asks for `w`; its answer when it is made at once.
+    fn write(&mut self, w: Write) -> Option<Obs>;
+    /// The answers that came since the last call.
+    fn landed(&mut self) -> Vec<Obs>;
+    /// Waits up to `timeout` for the next answer (the agent stops).
+    fn wait(&mut self, timeout: Duration) -> Option<Obs>;
+}
+
+impl Writer for Scribe {
+    fn write(&mut self, w: Write) -> Option<Obs> {
+        Scribe::write(self, w)
+    }
+    fn landed(&mut self) -> Vec<Obs> {
+        Scribe::landed(self)
+    }
+    fn wait(&mut self, timeout: Duration) -> Option<Obs> {
+        Scribe::wait(self, timeout)
+    }
+}
+
 /// See the module.
 pub enum Scribe {
     /// Writes on the loop's thread.

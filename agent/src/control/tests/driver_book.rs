@@ -1,4 +1,4 @@
-//! The driver book through the controller, with the world model as its shell: the driver's lock
+//! The driver book through the control loop, over the world model's edges: the driver's lock
 //! as a hold, memory preemption (largest first, recorded before the lock, restored after
 //! `--restore-after` when there is room), refusals that fall back to the other holds, and
 //! everything restored and unlocked at exit; a restore that waits for the thaw of the
@@ -14,7 +14,7 @@ use crate::edges::procfs::ProcKey;
 fn ticks(w: &mut World, n: u64) {
     for _ in 0..n {
         w.tick();
-        if let Some(v) = w.violation.take() {
+        if let Some(v) = w.violation() {
             panic!("{v}");
         }
     }
@@ -22,14 +22,14 @@ fn ticks(w: &mut World, n: u64) {
 
 fn busy_for(w: &mut World, slot: u32, ms: u64) {
     for _ in 0..ms {
-        let p = w.procs[&slot].clone();
+        let p = w.m().procs[&slot].clone();
         w.busy(p.gpu, p.key.pid);
         ticks(w, 1);
     }
 }
 
 fn key(w: &World, slot: u32) -> ProcKey {
-    w.procs[&slot].key
+    w.m().procs[&slot].key
 }
 
 #[test]
@@ -46,9 +46,9 @@ fn the_drivers_lock_holds_offline_while_online_is_busy_and_unlocks_after_the_win
         DState::Locked,
         "locked while online is busy"
     );
-    assert!(w.stopped.is_empty(), "the lock replaces the stop");
+    assert!(w.m().stopped.is_empty(), "the lock replaces the stop");
     assert!(
-        w.disk.contains(&RecordEntry::Lock {
+        w.m().disk.contains(&RecordEntry::Lock {
             pid: off.pid,
             start: off.start
         }),
@@ -74,27 +74,28 @@ fn a_lock_the_driver_refuses_falls_back_to_the_stop() {
         (Some(15), Some(0)),
     ] {
         let mut w = World::with_driver_book(1, false, 0, true, None);
-        w.lock_ms = lock_ms;
-        w.state_ms = state_ms;
+        w.m().lock_ms = lock_ms;
+        w.m().state_ms = state_ms;
         w.start(0, 0, false);
         w.start(1, 0, true);
         ticks(&mut w, 80);
         let off = key(&w, 0);
-        w.refuse.insert(off);
+        w.m().refuse.insert(off);
         busy_for(&mut w, 1, 60);
         let when = format!("lock {lock_ms:?} ms, state query {state_ms:?} ms");
         assert_eq!(w.driver_state(&off), DState::Running, "{when}");
         assert!(
-            w.stopped.contains(&off),
+            w.m().stopped.contains(&off),
             "stopped by its other plan once the driver refused ({when})"
         );
         assert_eq!(
-            w.lock_calls[&off], 1,
+            w.m().lock_calls[&off],
+            1,
             "a refused lock is asked again ({when})"
         );
-        assert_eq!(w.violation, None, "{when}");
+        assert_eq!(w.violation(), None, "{when}");
         ticks(&mut w, 150);
-        assert!(w.stopped.is_empty(), "{when}");
+        assert!(w.m().stopped.is_empty(), "{when}");
     }
 }
 
@@ -107,18 +108,18 @@ fn memory_preemption_checkpoints_the_largest_first_until_the_reserve_is_met_and_
     w.start(1, 0, false);
     w.start(2, 0, false);
     ticks(&mut w, 80);
-    assert!(w.dstate.is_empty(), "no pressure without online work");
+    assert!(w.m().dstate.is_empty(), "no pressure without online work");
     w.start(3, 0, true);
     ticks(&mut w, 100);
     let checkpointed: Vec<u32> = (0..3)
         .filter(|s| w.driver_state(&key(&w, *s)) == DState::Checkpointed)
         .collect();
-    assert_eq!(checkpointed.len(), 2, "two are enough: {:?}", w.dstate);
+    assert_eq!(checkpointed.len(), 2, "two are enough: {:?}", w.m().dstate);
     assert!(w.free(0) >= 6 << 30);
     for s in &checkpointed {
         let k = key(&w, *s);
         assert!(
-            w.disk.contains(&RecordEntry::Checkpoint {
+            w.m().disk.contains(&RecordEntry::Checkpoint {
                 pid: k.pid,
                 start: k.start
             }),
@@ -137,14 +138,19 @@ fn memory_preemption_checkpoints_the_largest_first_until_the_reserve_is_met_and_
         "kept before --restore-after"
     );
     ticks(&mut w, 300);
-    assert!(w.dstate.is_empty(), "restored and unlocked: {:?}", w.dstate);
+    assert!(
+        w.m().dstate.is_empty(),
+        "restored and unlocked: {:?}",
+        w.m().dstate
+    );
     ticks(&mut w, 5);
     assert!(
-        !w.disk
+        !w.m()
+            .disk
             .iter()
             .any(|e| matches!(e, RecordEntry::Checkpoint { .. })),
         "out of the record: {:?}",
-        w.disk
+        w.m().disk
     );
 }
 
@@ -159,11 +165,16 @@ fn a_process_whose_memory_limit_has_no_room_is_not_checkpointed() {
     w.start(2, 0, true);
     let (a, b) = (key(&w, 0), key(&w, 1));
     // 4 GiB on the GPU: a needs about 4.6 GiB of room; it has 4.
-    w.room.insert(a.pid, 4 << 30);
-    w.room.insert(b.pid, 8 << 30);
+    w.set_room(a.pid, 4 << 30);
+    w.set_room(b.pid, 8 << 30);
     ticks(&mut w, 100);
-    assert_eq!(w.driver_state(&a), DState::Running, "{:?}", w.dstate);
-    assert_eq!(w.driver_state(&b), DState::Checkpointed, "{:?}", w.dstate);
+    assert_eq!(w.driver_state(&a), DState::Running, "{:?}", w.m().dstate);
+    assert_eq!(
+        w.driver_state(&b),
+        DState::Checkpointed,
+        "{:?}",
+        w.m().dstate
+    );
 }
 
 #[test]
@@ -173,8 +184,8 @@ fn a_restore_waits_for_room_for_the_process_and_the_reserve() {
     w.start(1, 0, false);
     w.start(2, 0, true);
     ticks(&mut w, 100);
-    let held: Vec<ProcKey> = w.dstate.keys().copied().collect();
-    assert_eq!(held.len(), 1, "{:?}", w.dstate);
+    let held: Vec<ProcKey> = w.m().dstate.keys().copied().collect();
+    assert_eq!(held.len(), 1, "{:?}", w.m().dstate);
     // Online stays (it holds its memory): 16 - 4 (online) - 4 (the other) = 8 free; the
     // process (4) and the reserve (6) do not fit: it stays checkpointed.
     ticks(&mut w, 600);
@@ -187,12 +198,12 @@ fn memory_preemption_takes_only_the_pods_that_opted_in() {
     w.start(0, 0, false);
     w.start(1, 0, true);
     // World entries say nothing of checkpointing: under opt-in, nobody is taken.
-    let mut cfg = w.ctl.sub.driver_book.config().clone();
+    let mut cfg = w.lp.ctl.sub.driver_book.config().clone();
     cfg.pods = PodsPolicy::OptIn;
-    w.ctl.sub.driver_book = DriverBook::new(cfg);
-    w.proc_bytes = 7 << 30;
+    w.lp.ctl.sub.driver_book = DriverBook::new(cfg);
+    w.m().proc_bytes = 7 << 30;
     ticks(&mut w, 100);
-    assert!(w.dstate.is_empty(), "{:?}", w.dstate);
+    assert!(w.m().dstate.is_empty(), "{:?}", w.m().dstate);
 }
 
 #[test]
@@ -204,23 +215,19 @@ fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
     ticks(&mut w, 80);
     busy_for(&mut w, 2, 40);
     assert!(
-        w.dstate.values().any(|s| *s == DState::Checkpointed),
+        w.m().dstate.values().any(|s| *s == DState::Checkpointed),
         "{:?}",
-        w.dstate
+        w.m().dstate
     );
     assert!(
-        w.dstate.values().any(|s| *s == DState::Locked),
+        w.m().dstate.values().any(|s| *s == DState::Locked),
         "{:?}",
-        w.dstate
+        w.m().dstate
     );
-    w.converse(vec![crate::control::io::Obs::ReleaseAll(
-        crate::control::ReleaseAll::Shutdown,
-    )]);
-    w.drain_driver(2_000);
-    w.land_all();
-    assert!(w.violation.is_none(), "{:?}", w.violation);
-    assert!(w.dstate.is_empty(), "{:?}", w.dstate);
-    assert!(w.disk.is_empty(), "{:?}", w.disk);
+    w.shut_down();
+    assert!(w.violation().is_none(), "{:?}", w.violation());
+    assert!(w.m().dstate.is_empty(), "{:?}", w.m().dstate);
+    assert!(w.m().disk.is_empty(), "{:?}", w.m().disk);
 }
 
 /// Thaw before restore: the driver restores on a thread inside the process, so a restore
@@ -233,16 +240,16 @@ fn a_restore_is_asked_only_once_no_hold_stops_the_process() {
     w.start(1, 0, false);
     w.start(2, 0, true);
     ticks(&mut w, 100);
-    let k = *w.dstate.keys().next().expect("one checkpointed");
-    let mut v: DriverBook = std::mem::take(&mut w.ctl.sub.driver_book);
+    let k = *w.m().dstate.keys().next().expect("one checkpointed");
+    let mut v: DriverBook = std::mem::take(&mut w.lp.ctl.sub.driver_book);
     v.release_all();
-    v.calls(w.now, |key, _| *key == k);
+    v.calls(w.now(), |key, _| *key == k);
     let asked = v.take_calls();
     assert!(
         !asked.iter().any(|c| c.key == k),
         "restore asked while stopped: {asked:?}"
     );
-    v.calls(w.now, |_, _| false);
+    v.calls(w.now(), |_, _| false);
     let asked = v.take_calls();
     assert!(
         asked
@@ -264,22 +271,20 @@ fn a_restore_that_never_returns_keeps_no_other_process_checkpointed() {
     ticks(&mut w, 80);
     w.start(3, 0, true);
     ticks(&mut w, 100);
-    let held: Vec<ProcKey> = w
-        .dstate
-        .iter()
+    let held: Vec<ProcKey> = (w.m().dstate.iter())
         .filter(|(_, s)| **s == DState::Checkpointed)
         .map(|(k, _)| *k)
         .collect();
-    assert_eq!(held.len(), 2, "{:?}", w.dstate);
+    assert_eq!(held.len(), 2, "{:?}", w.m().dstate);
     // Equal sizes: the lowest key is restored first. Its tenant stops it.
-    w.tenant_stopped.insert(held[0]);
+    w.m().tenant_stopped.insert(held[0]);
     w.exit(3);
     ticks(&mut w, 2_000);
     assert_eq!(
         w.driver_state(&held[1]),
         DState::Running,
         "another pod's process stays checkpointed behind a restore that never returns: {:?}",
-        w.dstate
+        w.m().dstate
     );
 }
 
@@ -294,14 +299,14 @@ fn a_lock_that_never_returns_does_not_keep_online_from_its_memory() {
     w.start(2, 0, false);
     ticks(&mut w, 80);
     let k0 = key(&w, 0);
-    w.tenant_stopped.insert(k0);
+    w.m().tenant_stopped.insert(k0);
     w.start(3, 0, true);
     ticks(&mut w, 2_000);
     assert!(
         w.free(0) >= 6 << 30,
         "free {} GiB under a 6 GiB reserve after 2 s: {:?}",
         w.free(0) >> 30,
-        w.dstate
+        w.m().dstate
     );
 }
 
@@ -319,20 +324,19 @@ fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
     let mut tripped = false;
     for _ in 0..200 {
         ticks(&mut w, 1);
-        let evicting: Vec<ProcKey> = w
-            .offline
-            .iter()
-            .copied()
-            .filter(|k| w.ctl.driver_book().evicting(k))
+        let offline = w.m().offline.clone();
+        let evicting: Vec<ProcKey> = offline
+            .into_iter()
+            .filter(|k| w.lp.ctl.driver_book().evicting(k))
             .collect();
         let on_disk = evicting.iter().any(|k| {
-            w.disk.contains(&RecordEntry::Checkpoint {
+            w.m().disk.contains(&RecordEntry::Checkpoint {
                 pid: k.pid,
                 start: k.start,
             })
         });
-        if !evicting.is_empty() && !on_disk && !w.writes.is_empty() {
-            w.converse(vec![crate::control::io::Obs::WatchdogTripped]);
+        if !evicting.is_empty() && !on_disk && !w.m().writes.is_empty() {
+            w.tell(crate::control::io::Obs::WatchdogTripped);
             tripped = true;
             break;
         }
@@ -343,7 +347,7 @@ fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
         w.free(0) >= 6 << 30,
         "free {} GiB under a 6 GiB reserve 3 s after the trip: {:?}",
         w.free(0) >> 30,
-        w.dstate
+        w.m().dstate
     );
 }
 
@@ -353,7 +357,7 @@ fn an_eviction_whose_record_write_was_on_its_way_at_a_watchdog_trip_goes_on() {
 #[test]
 fn a_pod_that_opts_out_mid_checkpoint_is_not_stopped_while_the_driver_holds_it() {
     let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(6 << 30)));
-    w.call_ms = 300;
+    w.m().call_ms = 300;
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, false);
@@ -362,17 +366,17 @@ fn a_pod_that_opts_out_mid_checkpoint_is_not_stopped_while_the_driver_holds_it()
     let mut victim = None;
     for _ in 0..800 {
         ticks(&mut w, 1);
-        if let Some((k, _)) = w.dstate.iter().find(|(_, s)| **s == DState::Locked) {
+        if let Some((k, _)) = w.m().dstate.iter().find(|(_, s)| **s == DState::Locked) {
             victim = Some(*k);
             break;
         }
     }
     let v = victim.expect("one locked");
-    w.opt_out.insert(v);
-    w.generation += 1;
+    w.m().opt_out.insert(v);
+    w.m().generation += 1;
     ticks(&mut w, 20);
     for _ in 0..100 {
-        let p = w.procs[&3].clone();
+        let p = w.m().procs[&3].clone();
         w.busy(p.gpu, p.key.pid);
         ticks(&mut w, 1);
     }
@@ -386,10 +390,10 @@ fn a_watchdog_trip_before_any_pressure_leaves_preemption_working() {
     w.start(1, 0, false);
     w.start(2, 0, false);
     ticks(&mut w, 80);
-    w.converse(vec![crate::control::io::Obs::WatchdogTripped]);
+    w.tell(crate::control::io::Obs::WatchdogTripped);
     w.start(3, 0, true);
     ticks(&mut w, 3_000);
-    assert!(w.free(0) >= 6 << 30, "{:?}", w.dstate);
+    assert!(w.free(0) >= 6 << 30, "{:?}", w.m().dstate);
 }
 
 /// Thaw before restore inside the loop: three offline processes of 4 GiB share their
@@ -401,26 +405,26 @@ fn a_watchdog_trip_before_any_pressure_leaves_preemption_working() {
 #[test]
 fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
     let mut w = World::with_driver_book(1, false, 0, false, Some(Reserve::Bytes(4 << 30)));
-    w.shared_cgroups = true;
+    w.m().shared_cgroups = true;
     for s in 0..3 {
         w.start(s, 0, false);
     }
     // The third opted out of memory preemption: held by its plan, the cgroup's stop.
     let held = key(&w, 2);
-    w.opt_out.insert(held);
+    w.m().opt_out.insert(held);
     w.start(3, 0, true);
     ticks(&mut w, 100);
     let ck: Vec<u32> = (0..3)
         .filter(|s| w.driver_state(&key(&w, *s)) == DState::Checkpointed)
         .collect();
-    assert_eq!(ck.len(), 1, "one is enough: {:?}", w.dstate);
+    assert_eq!(ck.len(), 1, "one is enough: {:?}", w.m().dstate);
     let ck = key(&w, ck[0]);
     let gone = (0..2).find(|s| key(&w, *s) != ck).unwrap();
     w.exit(gone);
     let mut stopped_ms = 0;
     for _ in 0..600 {
         busy_for(&mut w, 3, 1);
-        if w.stopped.contains(&ck) {
+        if w.m().stopped.contains(&ck) {
             stopped_ms += 1;
             assert_eq!(
                 w.driver_state(&ck),
@@ -435,6 +439,6 @@ fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
     );
     // Online idle: the cgroup thaws, then the restore runs (--restore-after has passed).
     ticks(&mut w, 300);
-    assert!(w.stopped.is_empty(), "{:?}", w.stopped);
-    assert_eq!(w.driver_state(&ck), DState::Running, "{:?}", w.dstate);
+    assert!(w.m().stopped.is_empty(), "{:?}", w.m().stopped);
+    assert_eq!(w.driver_state(&ck), DState::Running, "{:?}", w.m().dstate);
 }

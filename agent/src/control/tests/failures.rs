@@ -217,6 +217,7 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     let wd = h.lp.watchdog.clone();
     let clock = h.clock.clone();
     let gpu = h.gpu.clone();
+    let act = h.act.clone();
     let mut lp = h.lp;
     let ticking = std::thread::spawn(move || {
         lp.tick();
@@ -237,7 +238,7 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     );
     assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &hands, budget, &shared));
     assert!(
-        h.act.calls().last().is_some_and(|c| c.op == Op::Resume),
+        act.calls().last().is_some_and(|c| c.op == Op::Resume),
         "the watchdog did not resume"
     );
     assert!(shared.degraded().unwrap().contains("NVML call"));

@@ -1,6 +1,9 @@
-//! The loop's promises, tested through the fakes of every edge: no root, no GPU, no real
-//! process is touched, and time is a fake clock the test moves. `failures`: what goes
-//! wrong (stuck targets, NVML failing or hanging, exited PIDs) and what the loop does.
+//! The loop's promises, tested in one harness ([`H`]): the real loop (controller and
+//! shell) over edges the test steers, with no root, no GPU and no real process touched,
+//! and time a fake clock the test moves. The edges are the fakes of `edges/fake` (most
+//! files here), or the world model of [`world`], every edge a view of one model (the
+//! properties of `props_ctl`, the driver book's tests in `driver_book`). `failures`: what
+//! goes wrong (stuck targets, NVML failing or hanging, exited PIDs) and what the loop does.
 
 mod bells;
 mod driver_book;
@@ -56,18 +59,59 @@ fn user_config() -> LoopConfig {
     args.loop_config().unwrap()
 }
 
-struct H {
+/// The one harness of the loop's tests: the real [`Loop`] (controller and shell) over
+/// edges the test steers, on a fake clock the test moves. The edges are the fakes of
+/// `edges/fake` ([`Fakes`], one handle per edge), or the world model of [`world`] (every
+/// edge a view of one model: [`world::World`]); the harness reaches them through `Deref`.
+struct H<E = Fakes> {
     lp: Loop,
     clock: FakeClock,
+    edges: E,
+    /// Scratch directories the harness's files are in (a gate file, the model's cgroups):
+    /// dropped last, after the loop that uses them.
+    scratch: Vec<TmpDir>,
+}
+
+/// The fakes of every edge, one handle each.
+struct Fakes {
     gpu: FakeGpu,
     procs: FakeProc,
     source: FakeSource,
     act: FakeActuator,
     rec: FakeRecord,
     bells: FakeBells,
-    /// Scratch directories the harness's files are in (a gate file): dropped last, after
-    /// the loop that uses them.
-    scratch: Vec<TmpDir>,
+}
+
+impl<E> std::ops::Deref for H<E> {
+    type Target = E;
+    fn deref(&self) -> &E {
+        &self.edges
+    }
+}
+
+impl<E> std::ops::DerefMut for H<E> {
+    fn deref_mut(&mut self) -> &mut E {
+        &mut self.edges
+    }
+}
+
+impl<E> H<E> {
+    fn now(&self) -> u64 {
+        self.clock.0.load(Ordering::SeqCst)
+    }
+    /// One tick, then 1 ms passes.
+    fn tick(&mut self) {
+        self.lp.tick();
+        self.clock.advance(MS);
+    }
+    fn ticks(&mut self, n: usize) {
+        for _ in 0..n {
+            self.tick();
+        }
+    }
+    fn events(&self) -> Vec<Event> {
+        self.lp.telemetry.recent.iter().cloned().collect()
+    }
 }
 
 fn harness(gpus: u32) -> H {
@@ -98,8 +142,10 @@ fn harness_edges(gpus: u32, mut cfg: LoopConfig, gate: Option<PathBuf>) -> H {
         ..Default::default()
     };
     let actuator: Box<dyn crate::edges::actuator::Actuator> = Box::new(act.clone());
-    let gates = gate.map(|path| {
-        crate::edges::gate::GateKeeper::new(crate::edges::gate::GateFile::create(&path).unwrap())
+    let gates = gate.map(|path| -> Box<dyn crate::edges::gate::LaunchGates> {
+        Box::new(crate::edges::gate::GateKeeper::new(
+            crate::edges::gate::GateFile::create(&path).unwrap(),
+        ))
     });
     let edges = Edges {
         gpu: Box::new(gpu.clone()),
@@ -116,12 +162,14 @@ fn harness_edges(gpus: u32, mut cfg: LoopConfig, gate: Option<PathBuf>) -> H {
     H {
         lp,
         clock,
-        gpu,
-        procs,
-        source,
-        act,
-        rec,
-        bells,
+        edges: Fakes {
+            gpu,
+            procs,
+            source,
+            act,
+            rec,
+            bells,
+        },
         scratch: Vec::new(),
     }
 }
@@ -138,24 +186,11 @@ fn class(c: Class, cgroup: Option<&str>) -> Classified {
     }
 }
 
-impl H {
+impl H<Fakes> {
     fn spawn(&self, gpu: u32, pid: u32, c: Classified) {
         self.procs.add(pid, 100 + pid as u64, "work", "/w");
         self.gpu.add(gpu, pid);
         self.source.set(pid, c);
-    }
-    fn now(&self) -> u64 {
-        self.clock.0.load(Ordering::SeqCst)
-    }
-    /// One tick, then 1 ms passes.
-    fn tick(&mut self) {
-        self.lp.tick();
-        self.clock.advance(MS);
-    }
-    fn ticks(&mut self, n: usize) {
-        for _ in 0..n {
-            self.tick();
-        }
     }
     /// Online `pid` on `gpu` is active now (a sample stamped now).
     fn active(&self, gpu: u32, pid: u32) {
@@ -210,9 +245,6 @@ impl H {
             .filter(|e| !ahead.contains(e))
             .cloned()
             .collect()
-    }
-    fn events(&self) -> Vec<Event> {
-        self.lp.telemetry.recent.iter().cloned().collect()
     }
 }
 

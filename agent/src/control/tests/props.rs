@@ -73,7 +73,7 @@ struct Proc {
 }
 
 /// The world the loop runs in, and what the properties remember of it.
-struct World {
+struct Play {
     h: H,
     procs: BTreeMap<u32, Proc>,
     next_start: u64,
@@ -99,11 +99,11 @@ fn entry(k: ProcKey) -> RecordEntry {
     }
 }
 
-impl World {
-    fn new() -> World {
+impl Play {
+    fn new() -> Play {
         let h = harness(GPUS);
         let grace = h.lp.cfg.nvml_grace.as_nanos() as u64;
-        World {
+        Play {
             h,
             procs: BTreeMap::new(),
             next_start: 1000,
@@ -335,7 +335,7 @@ impl World {
 }
 
 fn play(acts: &[Act]) -> Result<(), TestCaseError> {
-    let mut w = World::new();
+    let mut w = Play::new();
     // The loop's first tick (start-up), then the world moves.
     w.tick()?;
     for a in acts {

@@ -1,18 +1,18 @@
-//! The controller's promises as properties of [`Controller::step`] itself, with a model
-//! of the world as its shell ([`super::world`]): random sequences of what the world does,
+//! The controller's promises as properties of the loop over the world model
+//! ([`super::world`], every edge of the real shell): random sequences of what the world does,
 //! record writes that land at once or ticks later, and, with `--gate`, shims that
-//! acknowledge at once, late, falsely or never. Checked at every command and after every
-//! tick:
+//! acknowledge at once, late, falsely or never. Checked at every call of an edge that acts
+//! and after every tick:
 //!
 //! 1. **record before act:** no process is stopped and no gate closed before a write that
-//!    holds it has landed (checked at the command);
+//!    holds it has landed (checked at the call);
 //! 2. **released in time:** once online work on a GPU has been idle for the idle window,
 //!    no offline process of that GPU is held a tick later, whatever failed meanwhile;
 //! 3. **fail-open per GPU:** a GPU whose NVML keeps failing past the grace has none of its
 //!    offline work held, while the other GPUs stay protected (offline work on a healthy
 //!    GPU is held by the tick after online work there is busy, when writes land at once);
 //! 4. **a reused PID is never acted on:** only a live process, under the (PID, start) it
-//!    started offline with, is ever stopped or gated (checked at the command);
+//!    started offline with, is ever stopped or gated (checked at the call);
 //! 5. **a gate never keeps offline work running past its bound:** a gate closed for a
 //!    process that is still busy-held has the process stopped by its fallback within
 //!    `--gate-timeout` (and the writes' delay), whatever the shim acknowledges;
@@ -24,15 +24,15 @@
 //! processes' locks and whose calls wait while their process is stopped, also:
 //!
 //! 7. **record before lock:** no lock is asked of the driver before a write that holds the
-//!    process's lock or checkpoint entry has landed (checked at the command);
+//!    process's lock or checkpoint entry has landed (checked at the call);
 //! 8. **thaw before restore:** no call that changes a process is asked while the process is
 //!    stopped, and no process is stopped while the driver holds it or a call waits for it
-//!    (checked at the command);
+//!    (checked at the call);
 //! 9. **a lock is a hold like the others:** properties 2 and 3 hold for processes the
 //!    driver's lock holds (memory preemption's checkpoints excepted: they end with
 //!    `--restore-after`).
 
-use super::world::{ack, Ack, World};
+use super::world::{ack, Ack, Model, World};
 use super::*;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -132,20 +132,22 @@ impl Play {
     fn apply(&mut self, a: &Act) -> Result<(), TestCaseError> {
         match *a {
             Act::Spawn { slot, gpu, online } => {
-                if !self.w.procs.contains_key(&slot) {
+                if !self.w.m().procs.contains_key(&slot) {
                     self.w.start(slot, gpu, online);
                 }
             }
             Act::Exit { slot } => self.w.exit(slot),
             Act::Reuse { slot, online } => {
-                if let Some(p) = self.w.procs.get(&slot).cloned() {
+                let found = self.w.m().procs.get(&slot).cloned();
+                if let Some(p) = found {
                     self.w.start(slot, p.gpu, online);
                 }
             }
             Act::Busy { slot } => {
-                if let Some(p) = self.w.procs.get(&slot).filter(|p| p.online).cloned() {
+                let found = self.w.m().procs.get(&slot).filter(|p| p.online).cloned();
+                if let Some(p) = found {
                     self.w.busy(p.gpu, p.key.pid);
-                    self.last_busy.insert(p.gpu, self.w.now);
+                    self.last_busy.insert(p.gpu, self.w.now());
                     self.busy_now.entry(p.gpu).or_default().push(p.born);
                     self.tick()?;
                 }
@@ -156,35 +158,37 @@ impl Play {
                 }
             }
             Act::BusyFor { slot, ms } => {
-                if self.w.procs.get(&slot).is_some_and(|p| p.online) {
+                if self.w.m().procs.get(&slot).is_some_and(|p| p.online) {
                     for _ in 0..ms {
                         self.apply(&Act::Busy { slot })?;
                     }
                 }
             }
             Act::OptOut { slot } => {
-                if let Some(p) = self.w.procs.get(&slot) {
-                    self.w.opt_out.insert(p.key);
-                    self.w.generation += 1;
+                let found = self.w.m().procs.get(&slot).cloned();
+                if let Some(p) = found {
+                    self.w.m().opt_out.insert(p.key);
+                    self.w.m().generation += 1;
                 }
             }
             Act::RecordBroken(on) => {
-                self.w.record_broken = on;
+                self.w.m().record_broken = on;
                 if on {
-                    self.record_failed_at = Some(self.w.now);
+                    self.record_failed_at = Some(self.w.now());
                 }
             }
             Act::NvmlFails { gpu, on } => {
                 if on {
-                    self.w.nvml_failing.insert(gpu);
-                    self.nvml_failing.entry(gpu).or_insert(self.w.now);
+                    self.w.m().nvml_failing.insert(gpu);
+                    self.nvml_failing.entry(gpu).or_insert(self.w.now());
                 } else {
-                    self.w.nvml_failing.remove(&gpu);
+                    self.w.m().nvml_failing.remove(&gpu);
                     self.nvml_failing.remove(&gpu);
                 }
             }
             Act::BusyThenFails { slot } => {
-                if let Some(p) = self.w.procs.get(&slot).filter(|p| p.online).cloned() {
+                let found = self.w.m().procs.get(&slot).filter(|p| p.online).cloned();
+                if let Some(p) = found {
                     self.apply(&Act::Busy { slot })?;
                     self.apply(&Act::NvmlFails {
                         gpu: p.gpu,
@@ -193,21 +197,24 @@ impl Play {
                 }
             }
             Act::SuspendFails { slot } => {
-                if let Some(p) = self.w.procs.get(&slot) {
-                    self.w.suspend_fails.insert(p.key);
+                let found = self.w.m().procs.get(&slot).cloned();
+                if let Some(p) = found {
+                    self.w.m().suspend_fails.insert(p.key);
                     self.faulted.insert(p.key);
                 }
             }
             Act::DriverRefuses { slot } => {
-                if let Some(p) = self.w.procs.get(&slot) {
-                    self.w.refuse.insert(p.key);
+                let found = self.w.m().procs.get(&slot).cloned();
+                if let Some(p) = found {
+                    self.w.m().refuse.insert(p.key);
                 }
             }
             Act::TenantResumes { slot } => {
-                if let Some(p) = self.w.procs.get(&slot) {
+                let found = self.w.m().procs.get(&slot).cloned();
+                if let Some(p) = found {
                     let key = p.key;
-                    self.w.stopped.remove(&key);
-                    self.tenant.insert(key, self.w.now);
+                    self.w.m().stopped.remove(&key);
+                    self.tenant.insert(key, self.w.now());
                 }
             }
         }
@@ -215,15 +222,15 @@ impl Play {
     }
 
     fn tick(&mut self) -> Result<(), TestCaseError> {
-        let at = self.w.now;
+        let at = self.w.now();
         for g in self.nvml_failing.keys() {
             self.nvml_failed_at.insert(*g, at);
         }
-        if self.w.record_broken {
+        if self.w.m().record_broken {
             self.record_failed_at = Some(at);
         }
         self.w.tick();
-        if let Some(v) = self.w.violation.take() {
+        if let Some(v) = self.w.violation() {
             return Err(TestCaseError::fail(v));
         }
         self.check(at)?;
@@ -233,26 +240,27 @@ impl Play {
     }
 
     /// Held for online's sake: stopped, or held by the driver for a lock hold.
-    fn held(&self, key: &crate::edges::procfs::ProcKey) -> bool {
-        self.w.stopped.contains(key)
-            || (self.w.driver_state(key) != crate::control::driver_book::DState::Running
-                && self.w.ctl.sub.driver_book.time_held(key))
+    fn held(&self, m: &Model, key: &crate::edges::procfs::ProcKey) -> bool {
+        m.stopped.contains(key)
+            || (m.driver_state(key) != crate::control::driver_book::DState::Running
+                && self.w.lp.ctl.sub.driver_book.time_held(key))
     }
 
     /// Property 9's other half: whatever the driver holds, the driver book wants held (a lock
     /// hold, or memory preemption), or a call that lets it go is on its way.
     fn no_leaked_lock(&self) -> Result<(), TestCaseError> {
-        for p in self.w.procs.values() {
+        let m = self.w.m();
+        for p in m.procs.values() {
             let k = &p.key;
-            let driver_book = &self.w.ctl.sub.driver_book;
+            let driver_book = &self.w.lp.ctl.sub.driver_book;
             prop_assert!(
-                self.w.driver_state(k) == crate::control::driver_book::DState::Running
+                m.driver_state(k) == crate::control::driver_book::DState::Running
                     || driver_book.time_held(k)
                     || driver_book.evicting(k)
-                    || self.w.call_for(k),
+                    || m.call_for(k),
                 "pid {} left {:?} by the driver with nothing wanting it so",
                 k.pid,
-                self.w.driver_state(k)
+                m.driver_state(k)
             );
         }
         Ok(())
@@ -260,18 +268,19 @@ impl Play {
 
     /// Properties 2, 3 and 5, after the tick that started at `at`.
     fn check(&self, at: u64) -> Result<(), TestCaseError> {
-        let delay = self.w.write_delay as u64 * MS;
+        let m = self.w.m();
+        let delay = m.write_delay as u64 * MS;
         // An unlock is a driver call: it ends this much later than a SIGCONT.
         let unlock = if self.driver_book {
-            self.w.call_ms * MS + 2 * MS
+            m.call_ms * MS + 2 * MS
         } else {
             0
         };
-        for p in self.w.procs.values().filter(|p| !p.online) {
+        for p in m.procs.values().filter(|p| !p.online) {
             let g = p.gpu;
             // Held again by a re-check (every 10 ms, two targets at a time).
             let resumed = self.tenant.get(&p.key).is_some_and(|t| at < t + 40 * MS);
-            let held = self.held(&p.key);
+            let held = self.held(&m, &p.key);
             let quiet = self
                 .last_busy
                 .get(&g)
@@ -310,7 +319,7 @@ impl Play {
                 .is_some_and(|b| b.iter().any(|b| known(*b)));
             if delay == 0
                 && !self.driver_book
-                && !self.w.gate
+                && !m.gate
                 && self.busy_now.contains_key(&g)
                 && healthy
                 && record_ok
@@ -326,7 +335,7 @@ impl Play {
                 );
             }
             // The gate's bound: closed, still closed, and past --gate-timeout.
-            if let Some((_, closed_at)) = self.w.closed.get(&p.key) {
+            if let Some((_, closed_at)) = m.closed.get(&p.key) {
                 let busy = self.last_busy.get(&g).is_some_and(|b| at <= b + WINDOW);
                 if busy
                     && record_ok
@@ -376,10 +385,10 @@ fn play_driver_timed(
     (lock_ms, state_ms): (Option<u64>, Option<u64>),
     shared_cgroups: bool,
 ) -> Result<(), TestCaseError> {
-    let mut w = World::with_driver_book(GPUS, gate, delay, lock, reserve);
-    w.lock_ms = lock_ms;
-    w.state_ms = state_ms;
-    w.shared_cgroups = shared_cgroups;
+    let w = World::with_driver_book(GPUS, gate, delay, lock, reserve);
+    w.m().lock_ms = lock_ms;
+    w.m().state_ms = state_ms;
+    w.m().shared_cgroups = shared_cgroups;
     play_in(w, true, acts)
 }
 
@@ -401,54 +410,41 @@ fn play_in(w: World, driver_book: bool, acts: &[Act]) -> Result<(), TestCaseErro
     for a in acts {
         p.apply(a)?;
     }
-    // Shutdown: the disk works again, and every write lands.
-    p.w.record_broken = false;
-    p.w.converse(vec![crate::control::io::Obs::ReleaseAll(
-        crate::control::ReleaseAll::Shutdown,
-    )]);
-    p.w.land_all();
-    // Restores and unlocks, then their record removals.
-    p.w.drain_driver(5_000);
-    p.w.land_all();
-    if let Some(v) = p.w.violation.take() {
+    // Shutdown, the loop's own way: the disk works again; every hold released, the
+    // record's last writes, the driver's restores and unlocks.
+    p.w.shut_down();
+    if let Some(v) = p.w.violation() {
         return Err(TestCaseError::fail(v));
     }
+    let mut m = p.w.m();
     // What the driver still holds is a checkpoint whose restore it refused for want of
     // room (online holds the memory): left checkpointed, and recorded for `coloc-agent
     // resume`. Nothing else.
     let mut left = BTreeSet::new();
-    for (k, st) in &p.w.dstate {
-        let gpu = p.w.procs.values().find(|x| x.key == *k).map(|x| x.gpu);
+    for (k, st) in &m.dstate {
+        let gpu = m.procs.values().find(|x| x.key == *k).map(|x| x.gpu);
         let entry = crate::edges::actuator::RecordEntry::Checkpoint {
             pid: k.pid,
             start: k.start,
         };
         prop_assert!(
             *st == crate::control::driver_book::DState::Checkpointed
-                && gpu.is_some_and(|g| p.w.free(g) < p.w.proc_bytes)
-                && p.w.disk.contains(&entry),
+                && gpu.is_some_and(|g| m.free(g) < m.proc_bytes)
+                && m.disk.contains(&entry),
             "the driver still holds {k:?} after shutdown ({st:?}), with room or unrecorded: {:?}, record {:?}",
-            p.w.dstate,
-            p.w.disk
+            m.dstate,
+            m.disk
         );
         left.insert(entry);
     }
-    p.w.disk.retain(|e| !left.contains(e));
+    m.disk.retain(|e| !left.contains(e));
+    prop_assert!(m.stopped.is_empty(), "held after shutdown: {:?}", m.stopped);
     prop_assert!(
-        p.w.stopped.is_empty(),
-        "held after shutdown: {:?}",
-        p.w.stopped
-    );
-    prop_assert!(
-        p.w.closed.is_empty(),
+        m.closed.is_empty(),
         "a gate closed after shutdown: {:?}",
-        p.w.closed
+        m.closed
     );
-    prop_assert!(
-        p.w.disk.is_empty(),
-        "recorded after shutdown: {:?}",
-        p.w.disk
-    );
+    prop_assert!(m.disk.is_empty(), "recorded after shutdown: {:?}", m.disk);
     Ok(())
 }
 

@@ -30,6 +30,39 @@ struct Closed {
     holders: BTreeSet<ProcKey>,
 }
 
+/// What the loop's hands close and open launch gates through: the [`GateKeeper`] over the
+/// node's gate file (tests: a model of the shims behind it).
+pub trait LaunchGates: Send + std::fmt::Debug {
+    /// Where the gate file is (the record names it in each gate entry).
+    fn path(&self) -> &Path;
+    /// Closes `uuid`'s gate for `key` (if `file` is this keeper's): the close's epoch.
+    fn close(&mut self, key: ProcKey, uuid: [u8; 16], file: &Path) -> Result<u32, ActError>;
+    /// Releases `key`'s hold on `uuid`'s gate.
+    fn open(&mut self, key: ProcKey, uuid: [u8; 16]);
+    /// Opens every gate (the NVML watchdog's fail-open, the loop's last word).
+    fn open_all(&mut self);
+    /// Refreshes the heartbeat.
+    fn beat(&self);
+}
+
+impl LaunchGates for GateKeeper {
+    fn path(&self) -> &Path {
+        GateKeeper::path(self)
+    }
+    fn close(&mut self, key: ProcKey, uuid: [u8; 16], file: &Path) -> Result<u32, ActError> {
+        GateKeeper::close(self, key, uuid, file)
+    }
+    fn open(&mut self, key: ProcKey, uuid: [u8; 16]) {
+        GateKeeper::open(self, key, uuid)
+    }
+    fn open_all(&mut self) {
+        GateKeeper::open_all(self)
+    }
+    fn beat(&self) {
+        GateKeeper::beat(self)
+    }
+}
+
 /// Closes and opens gates in the node's gate file.
 #[derive(Debug)]
 pub struct GateKeeper {

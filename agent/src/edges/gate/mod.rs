@@ -264,7 +264,7 @@ impl Drop for GateFile {
 }
 
 mod act;
-pub use act::{open_recorded, GateKeeper};
+pub use act::{open_recorded, GateKeeper, LaunchGates};
 
 #[cfg(test)]
 mod tests;
