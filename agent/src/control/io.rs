@@ -130,8 +130,16 @@ impl Known<'_> {
     }
 
     /// Whether reading `r` of page `page` is a launch of a process the table does not hold
-    /// (not listed yet, or not yet on that GPU): the lists are read for it.
-    pub fn names_unknown(&self, page: &PageInfo, r: &BellReading) -> bool {
+    /// (not listed yet, or not yet on that GPU): the lists are read for it. A PID whose
+    /// entry is not online counts as not held once `start_of` (the shell's read of the
+    /// PID's start time now, if it looks) says it is another process: an online process
+    /// that reused an offline process's PID before a list read dropped the old entry.
+    pub fn names_unknown(
+        &self,
+        page: &PageInfo,
+        r: &BellReading,
+        start_of: &mut dyn FnMut(u32) -> Option<u64>,
+    ) -> bool {
         let obs = self.observed;
         // A launch on a GPU the agent manages, newer than what it treats as history.
         let counts = || {
@@ -148,7 +156,10 @@ impl Known<'_> {
         match &page.owner {
             Owner::Pid(pid) => match table.by_pid(*pid) {
                 None => counts().is_some(),
-                Some(e) if e.cls.class != Class::Online || e.uid != page.file_uid => false,
+                Some(e) if e.cls.class != Class::Online => {
+                    counts().is_some() && start_of(*pid).is_some_and(|s| s != e.key.start)
+                }
+                Some(e) if e.uid != page.file_uid => false,
                 Some(e) => counts().is_some_and(|gpu| !e.gpus.contains(&gpu)),
             },
             Owner::Pod(uid) => {

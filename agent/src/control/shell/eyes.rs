@@ -199,9 +199,21 @@ impl Eyes {
                 .refreshed
                 .get(&r.page)
                 .is_some_and(|at| now.saturating_sub(*at) < LISTS_PER_PAGE_NS);
-            if !recent && known.names_unknown(page, r) {
-                self.refreshed.insert(r.page, now);
+            if recent {
+                continue;
+            }
+            // A PID's start time is read at most once a second per page, as the lists are.
+            let procfs = &self.classifier.procfs;
+            let mut looked = false;
+            let mut start_of = |pid: u32| {
+                looked = true;
+                procfs.read_stat(pid).ok().map(|s| s.start)
+            };
+            if known.names_unknown(page, r, &mut start_of) {
                 unknown = true;
+                self.refreshed.insert(r.page, now);
+            } else if looked {
+                self.refreshed.insert(r.page, now);
             }
         }
         unknown

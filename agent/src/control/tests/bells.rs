@@ -167,7 +167,13 @@ fn the_shell_reads_the_lists_for_the_owners_the_controller_cannot_attribute() {
             },
             drained_ns: 0,
         };
-        known.names_unknown(&page, &r)
+        // Every PID is the process the table knows under it.
+        let procs = h.procs.clone();
+        known.names_unknown(&page, &r, &mut |pid| {
+            crate::edges::procfs::ProcFs::read_stat(&procs, pid)
+                .ok()
+                .map(|s| s.start)
+        })
     };
     assert!(judge(Owner::Pid(99), 0, 0), "a PID the table does not hold");
     assert!(!judge(Owner::Pid(20), 0, 0), "online 20 is held on GPU 0");
@@ -262,6 +268,67 @@ fn a_new_processs_first_launch_preempts_in_the_same_tick() {
     assert!(
         h.suspended(10),
         "the first launch of a process not yet in the lists waited for another tick"
+    );
+}
+
+/// A just-started online process whose PID an offline process held until lately (its
+/// entry not yet dropped by a list read): its first launch preempts in the tick that reads
+/// it, as any new process's does; the stale offline entry does not speak for it.
+#[test]
+fn a_reused_pid_of_an_offline_process_does_not_delay_the_new_processs_first_launch() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 11, class(Class::Offline, None));
+    h.ticks(3);
+    // 11 exits and a new online process takes its PID; its pod was known before (no
+    // change of the pod source follows).
+    h.procs.add(11, 999, "serve", "/w");
+    h.source
+        .classes
+        .lock()
+        .unwrap()
+        .insert(11, class(Class::Online, None));
+    h.bells.page(1, Owner::Pid(11), 0);
+    h.clock.advance(MS);
+    let launch = h.now();
+    h.bells.ring(1, 0, launch, launch);
+    h.lp.tick();
+    assert!(
+        h.suspended(10),
+        "the first launch of a process that reuses an offline PID waited for the next list read"
+    );
+    assert!(!h.suspended(11), "the new online process was held");
+}
+
+/// A tenant's online page that names its own offline process (alive, the same process
+/// the table knows), ringing at every tick: no list read for it, and the offline process
+/// is no online demand.
+#[test]
+fn a_page_naming_a_live_offline_process_costs_no_list_read() {
+    let mut h = harness_with(1, user_config());
+    h.spawn(0, 10, class(Class::Offline, None));
+    h.spawn(0, 11, class(Class::Offline, None));
+    h.ticks(3);
+    h.bells.page(1, Owner::Pid(11), 0);
+    for _ in 0..1500 {
+        let now = h.now();
+        h.bells.ring(1, 0, now, now);
+        h.tick();
+    }
+    let for_pages = (h.lp.said.iter())
+        .filter(|n| {
+            matches!(
+                n,
+                Note::ListRefresh(note::ListRefresh {
+                    why: Refresh::Doorbell
+                })
+            )
+        })
+        .count();
+    assert_eq!(for_pages, 0, "list reads for a page of a known process");
+    assert!(
+        !h.suspended(10),
+        "an offline process's page is online demand"
     );
 }
 
