@@ -106,11 +106,23 @@ impl RecordBook {
         None
     }
 
-    /// The hold book lets `entries` go (their targets were resumed).
-    pub fn remove(&mut self, entries: &[RecordEntry]) {
+    /// The hold book (or the driver book) lets `entries` go: their targets were resumed,
+    /// or what asked for them ended before its write. A request that asked for one of them
+    /// waits for a write that will never bring it on disk: it is dropped, and returned so
+    /// that its asker stops waiting for it.
+    pub fn remove(&mut self, entries: &[RecordEntry]) -> Vec<Req> {
         for e in entries {
             self.dirty |= self.held.remove(e);
         }
+        let mut dropped = Vec::new();
+        self.waiters.retain(|(req, asked, _)| {
+            let keep = !asked.iter().any(|e| entries.contains(e));
+            if !keep {
+                dropped.push(*req);
+            }
+            keep
+        });
+        dropped
     }
 
     /// Whether `e` is on disk and no write on its way removes it.
@@ -341,6 +353,25 @@ mod tests {
         b.written(w.id, false, 0);
         assert_eq!(b.add(2, vec![p(2)]), None);
         assert!(b.next_write(1).is_some());
+    }
+
+    /// A request whose entries the hold book lets go before any write carried them (its
+    /// hold was cancelled while another write was on its way) is dropped: it waits for
+    /// nothing any more, and a failing disk keeps its quiet time.
+    #[test]
+    fn a_request_let_go_before_its_write_waits_for_nothing() {
+        let mut b = RecordBook::new(BTreeSet::new());
+        b.want_ahead([p(2)].into());
+        let w = b.next_write(0).unwrap();
+        // Asked while another write is on its way, and let go before that one lands.
+        assert_eq!(b.add(1, vec![p(1)]), None);
+        b.remove(&[p(1)]);
+        assert!(b.written(w.id, false, 0).is_empty());
+        assert!(
+            b.next_write(RETRY_NS - 1).is_none(),
+            "a request let go keeps a failing disk from its quiet time"
+        );
+        assert!(b.next_write(RETRY_NS).is_some());
     }
 
     /// After the agent's stop, what the table wants ahead is not written any more (the

@@ -208,7 +208,10 @@ impl Substates {
                             at_once.push(HoldObs::Recorded { req, ok });
                         }
                     }
-                    HoldCmd::RecordRemove { entries } => self.record.remove(&entries),
+                    HoldCmd::RecordRemove { entries } => {
+                        let dropped = self.record.remove(&entries);
+                        self.book.dropped(&dropped);
+                    }
                     c => match self.locks(c, now) {
                         Ok(answer) => at_once.push(answer),
                         Err(c) => asks.push(Cmd::Hold(c)),
@@ -329,7 +332,11 @@ impl Substates {
                         self.driver_book.recorded(req, ok);
                     }
                 }
-                RecordAsk::Remove(entries) => self.record.remove(&entries),
+                RecordAsk::Remove(entries) => {
+                    // Only the driver book's own requests for what it let go (a process
+                    // gone): it waits for them no more.
+                    self.record.remove(&entries);
+                }
             }
         }
     }

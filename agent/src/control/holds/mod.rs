@@ -345,6 +345,14 @@ impl HoldBook {
         !self.out.is_empty()
     }
 
+    /// The record book dropped these requests: what asked for their entries let them go
+    /// before a write carried them (a hold cancelled on its way), so no answer will come.
+    pub fn dropped(&mut self, reqs: &[Req]) {
+        for r in reqs {
+            self.waiting.remove(r);
+        }
+    }
+
     /// Some answer is still awaited.
     pub fn waiting(&self) -> bool {
         !self.waiting.is_empty()

@@ -392,6 +392,36 @@ fn a_gate_waiting_for_its_ack_is_not_due_in_the_past() {
     }
 }
 
+/// A hold released while its record write is still on its way is cancelled: the record
+/// book drops the request with the entries the hold book lets go, and the hold book waits
+/// for no answer for it any more (none will come).
+#[test]
+fn a_hold_cancelled_before_its_record_answered_waits_for_nothing() {
+    let mut record = crate::control::record::RecordBook::new(Default::default());
+    // Another write is on its way: the hold's entry waits for the next one.
+    record.want_ahead([RecordEntry::Process { pid: 99, start: 1 }].into());
+    let _flight = record.next_write(0).unwrap();
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let (k, _) = proc_target(10);
+    b.suspend(&[(k, Plan::signal(k))], 0);
+    let c = b.take_commands();
+    let [HoldCmd::RecordAdd { req, entries }] = &c[..] else {
+        panic!("{c:?}")
+    };
+    let req = *req;
+    assert_eq!(record.add(req, entries.clone()), None);
+    b.resume(&[k], MS);
+    let c = b.take_commands();
+    let [HoldCmd::RecordRemove { entries }] = &c[..] else {
+        panic!("{c:?}")
+    };
+    let dropped = record.remove(entries);
+    assert_eq!(dropped, vec![req], "the record book dropped the request");
+    b.dropped(&dropped);
+    assert!(!b.waiting(), "a cancelled hold still waits for its record");
+    assert!(b.is_empty());
+}
+
 /// A panic between a command and its answer (in the hands, or in the book) leaves a hold
 /// `Starting` whose Start(Suspend) or CloseGate may already have acted. Drop → release_all
 /// resumes it with the holds that started, not only those.

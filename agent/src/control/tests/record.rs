@@ -98,3 +98,39 @@ fn a_slow_record_delays_no_preemption_and_nothing_is_stopped_before_it_is_on_dis
     assert!(h.rec.disk.lock().unwrap().is_empty(), "{:?}", h.rec.disk);
     assert!(h.act.calls().last().is_some_and(|c| c.op == Op::Resume));
 }
+
+/// A slow state directory (writes land 100 ms later): an offline process held while
+/// another process's write is on its way, whose entry no write carries yet, exits before
+/// that write lands. Its hold is cancelled and its entry let go: neither the record book
+/// nor the hold book waits for an answer that no write will bring.
+#[test]
+fn a_hold_cancelled_before_any_write_carried_it_waits_for_nothing() {
+    let mut w = super::world::World::new(1, false, super::world::Ack::Never, 100);
+    w.start(0, 0, false);
+    w.start(2, 0, true);
+    w.tick();
+    // 0's entry is on its way to disk (written ahead); 1 starts and is listed at the next
+    // list read, while that write is still on its way.
+    w.start(1, 0, false);
+    for _ in 0..54 {
+        w.tick();
+    }
+    let online = w.m().procs[&2].key.pid;
+    w.busy(0, online);
+    w.tick();
+    let one = w.m().procs[&1].key;
+    assert!(
+        w.lp.ctl.holds().holds(&one),
+        "1 is held, waiting for its record"
+    );
+    w.exit(1);
+    for _ in 0..300 {
+        w.tick();
+    }
+    assert_eq!(w.violation(), None);
+    assert!(!w.lp.ctl.holds().holds(&one));
+    assert!(
+        !w.lp.ctl.holds().waiting(),
+        "the hold book still waits for the record of a hold that was cancelled"
+    );
+}

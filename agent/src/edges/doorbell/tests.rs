@@ -792,7 +792,9 @@ fn one_user_cannot_crowd_the_shared_top_directory() {
     let me = std::process::id();
     // Eight victims: a listing's order is the file system's (by a hash of the name on
     // ext4), so at least one of them falls late in it once the directory is full.
-    let victims: Vec<PathBuf> = (1..=8).map(|k| dir.join(format!("{me}-{k}.bell"))).collect();
+    let victims: Vec<PathBuf> = (1..=8)
+        .map(|k| dir.join(format!("{me}-{k}.bell")))
+        .collect();
     let _v: Vec<_> = victims.iter().map(|v| write_page(v, [2; 16], 1)).collect();
     // SAFETY: geteuid cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
@@ -810,7 +812,10 @@ fn one_user_cannot_crowd_the_shared_top_directory() {
     b.rescan(true);
     let pages = b.pages();
     for v in &victims {
-        assert!(pages.iter().any(|p| p.path == *v), "the victim's page {v:?}");
+        assert!(
+            pages.iter().any(|p| p.path == *v),
+            "the victim's page {v:?}"
+        );
     }
     if root {
         let theirs = pages.iter().filter(|p| p.file_uid == 1000).count();
