@@ -260,15 +260,34 @@ fn a_new_processs_first_launch_preempts_in_the_same_tick() {
     // Started after the latest list read; the driver lists it now.
     h.procs.add(20, 120, "serve", "/w");
     h.gpu.add(0, 20);
-    h.bells.page(1, Owner::Pid(20), 0);
-    h.clock.advance(MS);
-    let launch = h.now();
-    h.bells.ring(1, 0, launch, launch);
-    h.lp.tick();
+    first_launch(&mut h, 20);
     assert!(
         h.suspended(10),
         "the first launch of a process not yet in the lists waited for another tick"
     );
+}
+
+/// Page 1 of `pid` rings on GPU 0 a millisecond from now: the loop's next tick reads it.
+fn first_launch(h: &mut H, pid: u32) {
+    h.bells.page(1, Owner::Pid(pid), 0);
+    h.clock.advance(MS);
+    let launch = h.now();
+    h.bells.ring(1, 0, launch, launch);
+    h.lp.tick();
+}
+
+/// How many times the lists were read for a doorbell page so far.
+fn doorbell_list_reads(h: &H) -> usize {
+    (h.lp.said.iter())
+        .filter(|n| {
+            matches!(
+                n,
+                Note::ListRefresh(note::ListRefresh {
+                    why: Refresh::Doorbell
+                })
+            )
+        })
+        .count()
 }
 
 /// A just-started online process whose PID an offline process held until lately (its
@@ -288,11 +307,7 @@ fn a_reused_pid_of_an_offline_process_does_not_delay_the_new_processs_first_laun
         .lock()
         .unwrap()
         .insert(11, class(Class::Online, None));
-    h.bells.page(1, Owner::Pid(11), 0);
-    h.clock.advance(MS);
-    let launch = h.now();
-    h.bells.ring(1, 0, launch, launch);
-    h.lp.tick();
+    first_launch(&mut h, 11);
     assert!(
         h.suspended(10),
         "the first launch of a process that reuses an offline PID waited for the next list read"
@@ -315,16 +330,7 @@ fn a_page_naming_a_live_offline_process_costs_no_list_read() {
         h.bells.ring(1, 0, now, now);
         h.tick();
     }
-    let for_pages = (h.lp.said.iter())
-        .filter(|n| {
-            matches!(
-                n,
-                Note::ListRefresh(note::ListRefresh {
-                    why: Refresh::Doorbell
-                })
-            )
-        })
-        .count();
+    let for_pages = doorbell_list_reads(&h);
     assert_eq!(for_pages, 0, "list reads for a page of a known process");
     assert!(
         !h.suspended(10),
@@ -348,18 +354,7 @@ fn a_page_naming_a_process_that_never_comes_costs_one_list_read_a_second() {
         h.bells.ring(1 + i % 2, 0, now, now);
         h.tick();
     }
-    let for_pages =
-        h.lp.said
-            .iter()
-            .filter(|n| {
-                matches!(
-                    n,
-                    Note::ListRefresh(note::ListRefresh {
-                        why: Refresh::Doorbell
-                    })
-                )
-            })
-            .count();
+    let for_pages = doorbell_list_reads(&h);
     assert!(
         (1..=4).contains(&for_pages),
         "{for_pages} list reads for the pages in 1.5 s"
