@@ -442,3 +442,32 @@ fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
     assert!(w.m().stopped.is_empty(), "{:?}", w.m().stopped);
     assert_eq!(w.driver_state(&ck), DState::Running, "{:?}", w.m().dstate);
 }
+
+/// Gates that never drain and memory preemption at once: a gated process is evicted (its
+/// gate holds nothing), and its gate's fallback must not stop it while the driver holds
+/// it or a call waits for it (the world flags that stop).
+#[test]
+fn a_gated_process_being_evicted_is_not_stopped_by_its_gates_fallback() {
+    for delay in [0, 3, 8] {
+        let mut w = World::with_driver_book(1, true, delay, false, Some(Reserve::Bytes(8 << 30)));
+        w.m().ack = super::world::Ack::Never;
+        w.start(0, 0, false);
+        w.start(1, 0, false);
+        w.start(2, 0, false);
+        ticks(&mut w, 80);
+        w.start(3, 0, true);
+        let mut seen = (0, 0, 0);
+        for _ in 0..300 {
+            busy_for(&mut w, 3, 1);
+            let m = w.m();
+            seen.0 += m.closed.len();
+            seen.1 += m.stopped.len();
+            seen.2 += m.dstate.len();
+        }
+        assert!(
+            seen.0 > 0 && seen.2 > 0,
+            "writes {delay} ms: no gate closed or nothing evicted ({seen:?})"
+        );
+        ticks(&mut w, 400);
+    }
+}
