@@ -443,9 +443,9 @@ fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
     assert_eq!(w.driver_state(&ck), DState::Running, "{:?}", w.m().dstate);
 }
 
-/// Gates that never drain and memory preemption at once: a gated process is evicted (its
-/// gate holds nothing), and its gate's fallback must not stop it while the driver holds
-/// it or a call waits for it (the world flags that stop).
+/// Gates that never drain and memory preemption at once: gated processes are evicted (a
+/// gate holds nothing) or held by the driver's lock as their gate's fallback, and none is
+/// stopped while the driver holds it or a call waits for it (the world flags that stop).
 #[test]
 fn a_gated_process_being_evicted_is_not_stopped_by_its_gates_fallback() {
     for delay in [0, 3, 8] {
