@@ -415,8 +415,13 @@ impl HoldBook {
 
     /// A resume not confirmed yet was looked at: out of the record once confirmed, looked
     /// at again while pending, given up past its deadline.
+    ///
+    /// A resume whose key is held again (a hold made again before the thaw was seen) is
+    /// overtaken: the new hold keeps what it covers stopped, so the resume ends `Skipped`
+    /// rather than timing out, and what the new hold does not cover leaves the record.
     pub(super) fn resume_checked(&mut self, mut r: Resume, progress: Vec<Progress>, now: u64) {
         let outcome = match members_progress(&progress) {
+            None if self.holds.contains_key(&r.key) => Outcome::Skipped,
             None if now >= r.confirm.deadline_ns => Outcome::Failed(Failure::Timeout),
             None => {
                 let members = pending_members(&r.confirm.members, &progress);

@@ -1772,6 +1772,68 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
     );
 }
 
+/// A cgroup released and frozen again before its thaw was confirmed: the old resume can
+/// never be confirmed now (the new freeze holds the cgroup). It ends overtaken (`Skipped`)
+/// at its next look, not as a resume that timed out, and its entry stays recorded for the
+/// hold that covers it.
+#[test]
+fn a_resume_overtaken_by_a_hold_made_again_ends_without_timing_out() {
+    let (k, _) = proc_target(10);
+    let frozen = crate::control::target::Frozen {
+        dir: "/sys/fs/cgroup/pod/c".into(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let t = Target::Cgroup {
+        dir: frozen.dir.clone(),
+        version: CgroupVersion::V2,
+        cell: None,
+    };
+    let plan = Plan::Now(Held::Stop(Stop::Freeze(frozen)));
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let mut act = |op: Op, _: &Target, _: bool| match op {
+        Op::Resume => Progress::Pending,
+        Op::Suspend => Progress::Done,
+    };
+    b.suspend(&[(k, plan.clone())], 0);
+    shell(&mut b, 0, &mut rec, &[], &mut act);
+    b.resume(&[k], MS);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    b.suspend(&[(k, plan.clone())], 2 * MS);
+    shell(&mut b, 2 * MS, &mut rec, &[], &mut act);
+    b.take_done();
+    b.take_notes();
+    let mut now = 2 * MS;
+    let mut ended = None;
+    while now < 2_000 * MS && ended.is_none() {
+        now += MS;
+        b.poll(now);
+        shell(&mut b, now, &mut rec, &[], &mut act);
+        ended = (b.take_done().into_iter()).find(|c| c.op == Op::Resume);
+    }
+    let ended = ended.expect("the old resume never ended");
+    assert_eq!(ended.outcome, Outcome::Skipped, "{ended:?}");
+    assert!(
+        ended.at_ns < 100 * MS,
+        "ended at {} ms: waited for --confirm-timeout",
+        ended.at_ns / MS
+    );
+    let notes = b.take_notes();
+    assert!(
+        !notes.iter().any(|n| matches!(
+            n,
+            Note::TimedOut(crate::control::note::TimedOut { op: Op::Resume, .. })
+        )),
+        "{notes:?}"
+    );
+    assert!(
+        rec.contains(&t.record()),
+        "the new hold's entry left the record"
+    );
+    assert_eq!(state(&b, &plan.hold_key()), Some("Held"));
+}
+
 /// Shutdown (or a panic) with a hold in each state the loop can leave between ticks:
 /// `Held`, `Confirming`, `Gated`, `FallingBack` (its fallback's write on its way) and
 /// `Recording` (its write on its way). Everything stopped is resumed, every gate closed
