@@ -489,9 +489,10 @@ impl HoldBook {
         self.holds.values().any(|h| h.holders.contains(holder))
     }
 
-    /// Whether a hold may have `key` stopped or frozen now — itself, or `cgroup` (a
-    /// directory it is in) or a cgroup above it — held, being started, or resuming and not
-    /// confirmed yet. The driver's restore runs on a thread inside the process: it waits
+    /// Whether a hold may have `key` stopped or frozen now, or is on its way to — itself,
+    /// or `cgroup` (a directory it is in) or a cgroup above it — held, being started (a
+    /// gate's fallback or a freezer escalation among them), or resuming and not confirmed
+    /// yet. The driver's restore runs on a thread inside the process: it waits
     /// for this to end (thaw first).
     pub fn stops(&self, key: &ProcKey, cgroup: Option<&std::path::Path>) -> bool {
         let hit = |t: &Target| match t {
@@ -507,7 +508,8 @@ impl HoldBook {
             HoldKey::Group(d) | HoldKey::Cgroup(d) => inside(d),
             _ => false,
         };
-        let falls_back = |p: &Plan| p.cgroup().is_some_and(inside);
+        // A fallback on its way stops its process, or its whole cgroup.
+        let falls_back = |p: &Plan| p.cgroup().is_some_and(inside) || hit(&p.target());
         self.holds.iter().any(|(k, h)| {
             h.members.iter().any(hit)
                 || matches!(&h.means, Means::Signal { backstop: signal::Backstop::Freezer(f) } if hit(f))
@@ -517,6 +519,8 @@ impl HoldBook {
             || self.waiting.values().any(|t| match t {
                 Continuation::StartedResume { members, .. } => members.iter().any(hit),
                 Continuation::ReleasedAll(holds) => holds.iter().any(|(_, m)| m.iter().any(hit)),
+                // A freezer escalation on its way to the record, for a hold still kept.
+                Continuation::RecordedEscalation(r, cg, _) => self.hold(r).is_some() && hit(cg),
                 _ => false,
             })
     }

@@ -776,6 +776,13 @@ fn an_escalation_that_lands_after_the_release_freezes_nothing_and_leaves_nothing
             }
         }
         let req = held_back.expect("no escalation was asked for");
+        // Another process of the cgroup: the freeze on its way to the record stops it too
+        // (a driver call asked now would find it frozen).
+        let Target::Cgroup { dir, .. } = &cg else {
+            unreachable!()
+        };
+        let other = ProcKey { pid: 999, start: 7 };
+        assert!(b.stops(&other, Some(&dir.join("sub"))));
         let mut freeze = None;
         if freeze_started {
             b.observe(vec![HoldObs::Recorded { req, ok: true }], now);
@@ -1710,6 +1717,22 @@ fn a_release_overtakes_a_gate_hold_falling_back() {
         c.iter().all(|c| !matches!(c, HoldCmd::Start { .. })),
         "the fallback of a released hold is not started: {c:?}"
     );
+}
+
+/// A gate hold whose fallback signals its process is on its way to stop it (the fallback's
+/// record write not landed yet): a driver call asked now would find the process stopped,
+/// so the book says it stops it.
+#[test]
+fn a_gate_holds_fallback_on_its_way_stops_its_process() {
+    let (mut b, k, key) = gated(1);
+    assert!(!b.stops(&k, None), "a closed gate stops nothing");
+    b.gate_acks(k, &[1]);
+    assert_eq!(state(&b, &key), Some("FallingBack (drained)"));
+    assert!(
+        b.stops(&k, None),
+        "the fallback on its way stops the process"
+    );
+    assert!(!b.stops(&ProcKey { pid: 99, start: 7 }, None));
 }
 
 /// A cgroup released and frozen again at once, its thaw not confirmed yet (the earlier
