@@ -87,6 +87,10 @@ pub(super) struct Model {
     pub reported_gone: BTreeSet<ProcKey>,
     /// What went wrong at each call, if anything.
     pub violation: Option<String>,
+    /// The edges' calls at one instant of the clock: (the instant, how many). The loop
+    /// looks at the record's writes at every round of a conversation, so a conversation
+    /// that never ends is a count that never stops ([`CALLS_PER_INSTANT`]).
+    edge_calls: (u64, u32),
     /// Where the driver has each process (absent: running).
     pub dstate: BTreeMap<ProcKey, DState>,
     /// Driver calls on their way: (earliest end, id, process, op).
@@ -397,6 +401,10 @@ impl Model {
     }
 }
 
+/// How many calls of the model's edges one instant of the loop's clock may see: a tick
+/// of the properties makes a few dozen.
+const CALLS_PER_INSTANT: u32 = 100_000;
+
 /// The model, shared by its edges.
 #[derive(Clone)]
 pub(super) struct Shared(Arc<Mutex<Model>>);
@@ -410,14 +418,40 @@ impl std::fmt::Debug for Shared {
 impl Shared {
     /// The model. Locked by one holder at a time: a test that holds it while the loop runs
     /// is told so at once, rather than hanging.
+    ///
+    /// More than [`CALLS_PER_INSTANT`] calls while the clock stands still is a conversation
+    /// of the loop's that never ends (a tick whose violation would never be looked at
+    /// otherwise): it fails the test with the first violation found, at once. The count
+    /// starts again for the loop's way out as the test unwinds; a way out that never ends
+    /// either aborts the test binary rather than hang it.
     fn m(&self) -> MutexGuard<'_, Model> {
-        match self.0.try_lock() {
+        let mut m = match self.0.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
                 panic!("the world's model is locked twice (a test holds it while the loop runs)")
             }
+        };
+        let now = m.now();
+        if m.edge_calls.0 != now {
+            m.edge_calls = (now, 0);
         }
+        m.edge_calls.1 += 1;
+        if m.edge_calls.1 > CALLS_PER_INSTANT {
+            let what = format!(
+                "the loop's conversation at {} ms did not end ({CALLS_PER_INSTANT} calls of its edges at one instant); first violation: {}",
+                now.saturating_sub(T0) / MS,
+                m.violation.as_deref().unwrap_or("none")
+            );
+            m.edge_calls = (now, 0);
+            drop(m);
+            if std::thread::panicking() {
+                eprintln!("{what}, again on the way out: aborting");
+                std::process::abort();
+            }
+            panic!("{what}");
+        }
+        m
     }
 }
 
@@ -848,6 +882,7 @@ impl H<Shared> {
             pages_changed: true,
             reported_gone: BTreeSet::new(),
             violation: None,
+            edge_calls: (0, 0),
             dstate: BTreeMap::new(),
             calls: Vec::new(),
             next_call: 0,
@@ -989,4 +1024,18 @@ pub(super) fn ack() -> impl Strategy<Value = Ack> {
         Just(Ack::Wrong),
         (1u8..80).prop_map(Ack::Late),
     ]
+}
+
+/// A conversation of the loop's that never ends (here: the record's writes looked at
+/// again and again while the clock stands still, as every round of one does) fails the
+/// test at once, naming the instant, instead of hanging it; proptest then shrinks it like
+/// any other failure.
+#[test]
+#[should_panic(expected = "the loop's conversation at 0 ms did not end")]
+fn a_conversation_that_never_ends_fails_the_test() {
+    let w = World::new(1, false, Ack::AtOnce, 0);
+    let mut writer = w.edges.clone();
+    for _ in 0..=CALLS_PER_INSTANT {
+        writer.landed();
+    }
 }
