@@ -442,3 +442,28 @@ fn a_restore_waits_for_the_thaw_of_a_cgroup_a_hold_stops() {
     assert!(w.m().stopped.is_empty(), "{:?}", w.m().stopped);
     assert_eq!(w.driver_state(&ck), DState::Running, "{:?}", w.m().dstate);
 }
+
+/// The wall clock (the loop's clock) steps an hour forward while the agent waits for the
+/// driver's restores on its way out: the wait is measured in elapsed time, so the restores
+/// and unlocks are still waited for, and nothing is left checkpointed or locked.
+#[test]
+fn a_wall_clock_step_on_the_way_out_does_not_cut_the_restores_short() {
+    // Writes that land at once: the loop's first wait is for the driver.
+    let mut w = World::with_driver_book(1, false, 0, true, Some(Reserve::Bytes(6 << 30)));
+    w.start(0, 0, false);
+    w.start(1, 0, false);
+    w.start(2, 0, true);
+    ticks(&mut w, 80);
+    busy_for(&mut w, 2, 40);
+    assert!(
+        w.m().dstate.values().any(|s| *s == DState::Checkpointed),
+        "{:?}",
+        w.m().dstate
+    );
+    w.m().wall_step = 3_600_000 * MS;
+    w.shut_down();
+    assert_eq!(w.m().wall_step, 0, "the loop never waited on its way out");
+    assert!(w.violation().is_none(), "{:?}", w.violation());
+    assert!(w.m().dstate.is_empty(), "{:?}", w.m().dstate);
+    assert!(w.m().disk.is_empty(), "{:?}", w.m().disk);
+}

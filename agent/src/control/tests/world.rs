@@ -56,6 +56,12 @@ use crate::control::driver_book::DState;
 /// The world the edges show the loop.
 pub(super) struct Model {
     clock: FakeClock,
+    /// How far the wall clock (the loop's clock) has been stepped away from the model's
+    /// time, ns.
+    wall: Arc<std::sync::atomic::AtomicU64>,
+    /// A step forward of the wall clock, ns, made at the loop's next wait for a write or a
+    /// driver call (an NTP step while the agent is on its way out).
+    pub wall_step: u64,
     /// The host's cgroup v2 hierarchy (a scratch directory): the shared cgroups, and the
     /// memory limits of processes given one.
     root: PathBuf,
@@ -279,6 +285,12 @@ impl Model {
             }
         }
         out
+    }
+
+    /// The loop waits: the wall clock steps now if the test asked for it.
+    fn waits(&mut self) {
+        let step = std::mem::take(&mut self.wall_step);
+        self.wall.fetch_add(step, Ordering::SeqCst);
     }
 
     /// Lands write `w` (or fails it, while the record is broken).
@@ -753,6 +765,7 @@ impl DriverWork for Shared {
     /// Time passes until the next call can end, or `budget` has.
     fn wait_next(&mut self, budget: Duration) -> Option<Done> {
         let mut m = self.m();
+        m.waits();
         let until = m.now() + budget.as_nanos() as u64;
         let next = (m.calls.iter())
             .filter(|(due, _, k, op)| m.can_end(*due, k, *op, until))
@@ -787,6 +800,7 @@ impl Writer for Shared {
     /// Time passes until the next write lands, or `timeout` has.
     fn wait(&mut self, timeout: Duration) -> Option<Obs> {
         let mut m = self.m();
+        m.waits();
         let until = m.now() + timeout.as_nanos() as u64;
         match m.writes.front() {
             Some((due, _)) if *due <= until => {
@@ -802,6 +816,19 @@ impl Writer for Shared {
                 None
             }
         }
+    }
+}
+
+/// The loop's clock in the world: the wall clock, the model's time unless the test
+/// stepped it ([`Model::wall_step`]).
+struct WallClock {
+    time: FakeClock,
+    step: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Clock for WallClock {
+    fn now_ns(&self) -> u64 {
+        self.time.now_ns() + self.step.load(Ordering::SeqCst)
     }
 }
 
@@ -859,8 +886,11 @@ impl H<Shared> {
         let driver = cfg.driver_book.api;
         let clock = FakeClock::default();
         clock.set(T0);
+        let wall = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let model = Shared(Arc::new(Mutex::new(Model {
             clock: clock.clone(),
+            wall: wall.clone(),
+            wall_step: 0,
             root: root.to_path_buf(),
             gpus,
             gate,
@@ -902,7 +932,10 @@ impl H<Shared> {
             gpu: Box::new(model.clone()),
             procfs: Arc::new(model.clone()),
             source: Arc::new(model.clone()),
-            clock: Arc::new(clock.clone()),
+            clock: Arc::new(WallClock {
+                time: clock.clone(),
+                step: wall,
+            }),
             actuator: Box::new(model.clone()),
             record: Box::new(FakeRecord::default()),
             bells: Box::new(model.clone()),
