@@ -830,6 +830,10 @@ impl Clock for WallClock {
     fn now_ns(&self) -> u64 {
         self.time.now_ns() + self.step.load(Ordering::SeqCst)
     }
+    /// The model's time: a step of the wall clock is not time passing.
+    fn elapsed_ns(&self) -> u64 {
+        self.time.now_ns()
+    }
 }
 
 /// The harness over the model's edges.

@@ -35,6 +35,10 @@ impl Clock for FakeClock {
     fn now_ns(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
     }
+    /// The same time: a fake clock steps only when the test moves it forward.
+    fn elapsed_ns(&self) -> u64 {
+        self.now_ns()
+    }
 }
 
 /// What the fake GPU answers.
