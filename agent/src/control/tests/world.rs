@@ -9,8 +9,9 @@
 //!
 //! Every edge is a view of one [`Model`]; the edges that act (the actuator, the gate
 //! keeper, the driver's calls) check at each call what the controller may never ask
-//! (`props_ctl` checks the rest after each tick). A test reads and steers the model
-//! through [`World::m`], never while the loop runs.
+//! (`props_ctl` checks the rest after each tick), and a conversation that never ends (a
+//! tick that would never return to have its violation looked at) fails the test at once.
+//! A test reads and steers the model through [`World::m`], never while the loop runs.
 
 use super::*;
 use crate::control::io::Obs;
@@ -417,17 +418,18 @@ impl Model {
 /// of the properties makes a few dozen.
 const CALLS_PER_INSTANT: u32 = 100_000;
 
-/// The model, shared by its edges.
+/// The model, shared by its edges: each trait of the loop's edges is implemented on this
+/// handle (not to be confused with the loop's `state::Shared`, its handle for HTTP).
 #[derive(Clone)]
-pub(super) struct Shared(Arc<Mutex<Model>>);
+pub(super) struct ModelEdges(Arc<Mutex<Model>>);
 
-impl std::fmt::Debug for Shared {
+impl std::fmt::Debug for ModelEdges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("the world's model")
     }
 }
 
-impl Shared {
+impl ModelEdges {
     /// The model. Locked by one holder at a time: a test that holds it while the loop runs
     /// is told so at once, rather than hanging.
     ///
@@ -467,7 +469,7 @@ impl Shared {
     }
 }
 
-impl GpuSampler for Shared {
+impl GpuSampler for ModelEdges {
     fn gpus(&self) -> Vec<u32> {
         (0..self.m().gpus).collect()
     }
@@ -524,7 +526,7 @@ fn lost(gpu: u32) -> GpuError {
     }
 }
 
-impl ProcFs for Shared {
+impl ProcFs for ModelEdges {
     fn read_proc(&self, pid: u32) -> std::io::Result<ProcInfo> {
         let m = self.m();
         let p = m.by_pid(pid).ok_or(std::io::ErrorKind::NotFound)?;
@@ -598,7 +600,7 @@ impl ProcFs for Shared {
     }
 }
 
-impl PodSource for Shared {
+impl PodSource for ModelEdges {
     fn classify(&self, info: &ProcInfo) -> crate::edges::source::Classified {
         let m = self.m();
         let Some(p) = m.alive(&info.key) else {
@@ -629,7 +631,7 @@ impl PodSource for Shared {
     }
 }
 
-impl Actuator for Shared {
+impl Actuator for ModelEdges {
     fn start(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
         let mut m = self.m();
         targets.iter().map(|t| m.act(t, op)).collect()
@@ -640,7 +642,7 @@ impl Actuator for Shared {
     }
 }
 
-impl LaunchGates for Shared {
+impl LaunchGates for ModelEdges {
     fn path(&self) -> &Path {
         Path::new(GATE_FILE)
     }
@@ -667,7 +669,7 @@ impl LaunchGates for Shared {
     fn beat(&self) {}
 }
 
-impl Doorbells for Shared {
+impl Doorbells for ModelEdges {
     /// The offline processes' pages, when gated (no page rings: they carry no readings).
     fn rescan(&mut self, _force: bool) -> bool {
         let mut m = self.m();
@@ -717,7 +719,7 @@ impl Doorbells for Shared {
     }
 }
 
-impl DriverWork for Shared {
+impl DriverWork for ModelEdges {
     fn start(&mut self, key: ProcKey, op: DriverOp, _lock_timeout: Duration) -> u64 {
         let mut m = self.m();
         if m.call_for(&key) {
@@ -784,7 +786,7 @@ impl DriverWork for Shared {
     }
 }
 
-impl Writer for Shared {
+impl Writer for ModelEdges {
     fn write(&mut self, w: Write) -> Option<Obs> {
         let mut m = self.m();
         if m.write_delay == 0 {
@@ -837,9 +839,9 @@ impl Clock for WallClock {
 }
 
 /// The harness over the model's edges.
-pub(super) type World = H<Shared>;
+pub(super) type World = H<ModelEdges>;
 
-impl H<Shared> {
+impl H<ModelEdges> {
     pub fn new(gpus: u32, gate: bool, ack: Ack, write_delay: u32) -> World {
         let mut cfg = default_config();
         cfg.gate_timeout = Duration::from_millis(50);
@@ -891,7 +893,7 @@ impl H<Shared> {
         let clock = FakeClock::default();
         clock.set(T0);
         let wall = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let model = Shared(Arc::new(Mutex::new(Model {
+        let model = ModelEdges(Arc::new(Mutex::new(Model {
             clock: clock.clone(),
             wall: wall.clone(),
             wall_step: 0,
