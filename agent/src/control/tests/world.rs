@@ -302,8 +302,57 @@ impl Model {
             for e in &w.remove {
                 self.disk.remove(e);
             }
+            self.still_recorded();
         }
         Obs::Written { id: w.id, ok }
+    }
+
+    /// Record before act, after the act too: whatever the agent holds of a live process
+    /// (stopped, its gate closed, locked or checkpointed by the driver) stays on disk until
+    /// it is let go (a write that lets its entry go while it is held leaves the next start
+    /// nothing to resume it by).
+    fn still_recorded(&mut self) {
+        let mut lost = Vec::new();
+        for p in self.procs.values() {
+            let k = p.key;
+            let process = RecordEntry::Process {
+                pid: k.pid,
+                start: k.start,
+            };
+            if self.stopped.contains(&k) && !self.disk.contains(&process) {
+                lost.push(format!("{k:?} is stopped"));
+            }
+            let gate = crate::control::target::Target::Gate {
+                key: k,
+                uuid: uuid(p.gpu),
+                file: PathBuf::from(GATE_FILE),
+            }
+            .record();
+            if self.closed.contains_key(&k) && !self.disk.contains(&gate) {
+                lost.push(format!("{k:?} is behind its closed gate"));
+            }
+            let driver = [
+                RecordEntry::Lock {
+                    pid: k.pid,
+                    start: k.start,
+                },
+                RecordEntry::Checkpoint {
+                    pid: k.pid,
+                    start: k.start,
+                },
+            ];
+            if self.driver_state(&k) != DState::Running
+                && !driver.iter().any(|e| self.disk.contains(e))
+            {
+                lost.push(format!(
+                    "{k:?} is {:?} by the driver",
+                    self.driver_state(&k)
+                ));
+            }
+        }
+        for what in lost {
+            self.flag(format!("a write let go of the record while {what}"));
+        }
     }
 
     /// The writes due by now, landed (or failed).
@@ -460,7 +509,10 @@ impl ModelEdges {
             m.edge_calls = (now, 0);
             drop(m);
             if std::thread::panicking() {
-                eprintln!("{what}, again on the way out: aborting");
+                // Straight to the process's stderr: the test harness's capture of
+                // `eprintln!` is lost with the process.
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "{what}, again on the way out: aborting");
                 std::process::abort();
             }
             panic!("{what}");
@@ -1077,4 +1129,33 @@ fn a_conversation_that_never_ends_fails_the_test() {
     for _ in 0..=CALLS_PER_INSTANT {
         writer.landed();
     }
+}
+
+/// Record before act holds after the act too: a write that lets go of a stopped process's
+/// entry while it is still stopped is a violation (the agent dying then would leave the
+/// next start nothing to resume it by), found when the write lands, not only when a later
+/// act would look.
+#[test]
+fn a_write_that_lets_go_of_a_held_process_is_a_violation() {
+    let mut w = World::new(1, false, Ack::AtOnce, 0);
+    w.start(0, 0, false);
+    let k = w.m().procs[&0].key;
+    let e = RecordEntry::Process {
+        pid: k.pid,
+        start: k.start,
+    };
+    w.m().disk.insert(e.clone());
+    w.m().stopped.insert(k);
+    let mut writer = w.edges.clone();
+    writer.write(Write {
+        id: 1,
+        add: Vec::new(),
+        remove: vec![e],
+    });
+    let v = w.violation();
+    assert!(
+        v.as_deref()
+            .is_some_and(|v| v.contains("let go of the record while") && v.contains("stopped")),
+        "{v:?}"
+    );
 }
