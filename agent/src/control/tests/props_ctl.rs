@@ -5,7 +5,8 @@
 //! and after every tick:
 //!
 //! 1. **record before act:** no process is stopped and no gate closed before a write that
-//!    holds it has landed (checked at the call);
+//!    holds it has landed (checked at the call), and no write lets go of it while it is
+//!    held (checked as each write lands);
 //! 2. **released in time:** once online work on a GPU has been idle for the idle window,
 //!    no offline process of that GPU is held a tick later, whatever failed meanwhile;
 //! 3. **fail-open per GPU:** a GPU whose NVML keeps failing past the grace has none of its
