@@ -513,6 +513,19 @@ impl ModelEdges {
                 // `eprintln!` is lost with the process.
                 use std::io::Write as _;
                 let _ = writeln!(std::io::stderr(), "{what}, again on the way out: aborting");
+                // No drop runs past the abort: the scratch directories of every world of
+                // this process go first.
+                let me = format!("-{}", std::process::id());
+                for e in std::fs::read_dir(std::env::temp_dir())
+                    .into_iter()
+                    .flatten()
+                {
+                    let Ok(e) = e else { continue };
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name.starts_with("coloc-world-") && name.ends_with(&me) {
+                        let _ = std::fs::remove_dir_all(e.path());
+                    }
+                }
                 std::process::abort();
             }
             panic!("{what}");
