@@ -57,9 +57,8 @@ use crate::control::driver_book::DState;
 /// The world the edges show the loop.
 pub(super) struct Model {
     clock: FakeClock,
-    /// How far the wall clock (the loop's clock) has been stepped away from the model's
-    /// time, ns.
-    wall: Arc<std::sync::atomic::AtomicU64>,
+    /// The loop's clock: the wall clock, the model's time unless the test stepped it.
+    wall: SteppedClock,
     /// A step forward of the wall clock, ns, made at the loop's next wait for a write or a
     /// driver call (an NTP step while the agent is on its way out).
     pub wall_step: u64,
@@ -291,7 +290,7 @@ impl Model {
     /// The loop waits: the wall clock steps now if the test asked for it.
     fn waits(&mut self) {
         let step = std::mem::take(&mut self.wall_step);
-        self.wall.fetch_add(step, Ordering::SeqCst);
+        self.wall.step(step as i64);
     }
 
     /// Lands write `w` (or fails it, while the record is broken).
@@ -886,23 +885,6 @@ impl Writer for ModelEdges {
     }
 }
 
-/// The loop's clock in the world: the wall clock, the model's time unless the test
-/// stepped it ([`Model::wall_step`]).
-struct WallClock {
-    time: FakeClock,
-    step: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Clock for WallClock {
-    fn now_ns(&self) -> u64 {
-        self.time.now_ns() + self.step.load(Ordering::SeqCst)
-    }
-    /// The model's time: a step of the wall clock is not time passing.
-    fn elapsed_ns(&self) -> u64 {
-        self.time.now_ns()
-    }
-}
-
 /// The harness over the model's edges.
 pub(super) type World = H<ModelEdges>;
 
@@ -957,7 +939,10 @@ impl H<ModelEdges> {
         let driver = cfg.driver_book.api;
         let clock = FakeClock::default();
         clock.set(T0);
-        let wall = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let wall = SteppedClock {
+            time: clock.clone(),
+            ..SteppedClock::default()
+        };
         let model = ModelEdges(Arc::new(Mutex::new(Model {
             clock: clock.clone(),
             wall: wall.clone(),
@@ -1003,10 +988,7 @@ impl H<ModelEdges> {
             gpu: Box::new(model.clone()),
             procfs: Arc::new(model.clone()),
             source: Arc::new(model.clone()),
-            clock: Arc::new(WallClock {
-                time: clock.clone(),
-                step: wall,
-            }),
+            clock: Arc::new(wall),
             actuator: Box::new(model.clone()),
             record: Box::new(FakeRecord::default()),
             bells: Box::new(model.clone()),
