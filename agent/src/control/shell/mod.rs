@@ -331,7 +331,7 @@ impl Loop {
         let known = ctl.known();
         let mut other = Vec::new();
         let mut watched = |f: &mut dyn FnMut()| {
-            watchdog.enter(clock.now_ns());
+            watchdog.enter(clock.elapsed_ns());
             f();
             if watchdog.leave(hands) {
                 other.push(Obs::WatchdogTripped);

@@ -233,10 +233,22 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     }
     let timeout = Duration::from_millis(250);
     assert!(
-        !wd.check(clock.now_ns() + 200 * MS, timeout, &hands, budget, &shared),
+        !wd.check(
+            clock.elapsed_ns() + 200 * MS,
+            timeout,
+            &hands,
+            budget,
+            &shared
+        ),
         "tripped before the timeout"
     );
-    assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &hands, budget, &shared));
+    assert!(wd.check(
+        clock.elapsed_ns() + 260 * MS,
+        timeout,
+        &hands,
+        budget,
+        &shared
+    ));
     assert!(
         act.calls().last().is_some_and(|c| c.op == Op::Resume),
         "the watchdog did not resume"
