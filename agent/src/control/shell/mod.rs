@@ -331,7 +331,7 @@ impl Loop {
         let known = ctl.known();
         let mut other = Vec::new();
         let mut watched = |f: &mut dyn FnMut()| {
-            watchdog.enter(clock.now_ns());
+            watchdog.enter(clock.elapsed_ns());
             f();
             if watchdog.leave(hands) {
                 other.push(Obs::WatchdogTripped);
@@ -602,18 +602,20 @@ impl Loop {
         }
     }
 
-    /// A deadline `budget` from now, on the loop's clock and in real time (the agent's way
-    /// out ends at whichever comes first: a wall clock stepped back cannot stretch it).
+    /// A deadline `budget` from now, in the loop's elapsed time ([`Clock::elapsed_ns`], not
+    /// the wall clock: an NTP step neither cuts the agent's way out short nor stretches it)
+    /// and in real time, whichever comes first (a test's clock that stands still cannot
+    /// stretch it either).
     fn deadline(&self, budget: Duration) -> (u64, Instant) {
         (
-            self.clock.now_ns() + budget.as_nanos() as u64,
+            self.clock.elapsed_ns() + budget.as_nanos() as u64,
             Instant::now() + budget,
         )
     }
 
     /// How long until `deadline` (see [`Loop::deadline`]).
     fn left_until(&self, (clock, real): (u64, Instant)) -> Duration {
-        Duration::from_nanos(clock.saturating_sub(self.clock.now_ns()))
+        Duration::from_nanos(clock.saturating_sub(self.clock.elapsed_ns()))
             .min(real.saturating_duration_since(Instant::now()))
     }
 

@@ -17,7 +17,9 @@ use tracing::{error, info};
 /// Watches the loop's NVML calls from another thread.
 #[derive(Debug, Default)]
 pub struct Watchdog {
-    /// Wall time the current call started (0: no call in progress).
+    /// When the current call started, in elapsed time ([`Clock::elapsed_ns`]: a step of
+    /// the wall clock neither hides a hung call nor trips on a quick one; 0: no call in
+    /// progress).
     call_since_ns: AtomicU64,
     /// The watchdog resumed everything during the current call.
     tripped: AtomicBool,
@@ -38,8 +40,8 @@ impl Watchdog {
         self.tripped.swap(false, Ordering::SeqCst)
     }
 
-    /// One check: fails open if a call has been in progress for longer than `timeout`.
-    /// Returns whether it did.
+    /// One check at `now` (elapsed time, [`Clock::elapsed_ns`]): fails open if a call has
+    /// been in progress for longer than `timeout`. Returns whether it did.
     pub fn check(
         &self,
         now: u64,
@@ -86,7 +88,7 @@ impl Watchdog {
             .spawn(move || {
                 while !shared.stop.load(Ordering::Relaxed) {
                     std::thread::sleep(every);
-                    me.check(clock.now_ns(), timeout, &hands, budget, &shared);
+                    me.check(clock.elapsed_ns(), timeout, &hands, budget, &shared);
                 }
             })
     }

@@ -206,9 +206,11 @@ fn memory_preemption_takes_only_the_pods_that_opted_in() {
     assert!(w.m().dstate.is_empty(), "{:?}", w.m().dstate);
 }
 
-#[test]
-fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
-    let mut w = World::with_driver_book(1, false, 2, true, Some(Reserve::Bytes(6 << 30)));
+/// Two offline processes and online work on a GPU, writes that take `delay` ms: online
+/// busy for 40 ms has one offline process checkpointed (memory preemption) and the other
+/// locked (the lock hold).
+fn one_checkpointed_one_locked(delay: u32) -> World {
+    let mut w = World::with_driver_book(1, false, delay, true, Some(Reserve::Bytes(6 << 30)));
     w.start(0, 0, false);
     w.start(1, 0, false);
     w.start(2, 0, true);
@@ -219,6 +221,13 @@ fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
         "{:?}",
         w.m().dstate
     );
+    w
+}
+
+/// Shutdown: the restore, then the unlocks, and the record let go.
+#[test]
+fn at_exit_everything_is_restored_then_unlocked_and_leaves_the_record() {
+    let mut w = one_checkpointed_one_locked(2);
     assert!(
         w.m().dstate.values().any(|s| *s == DState::Locked),
         "{:?}",
@@ -470,4 +479,19 @@ fn a_gated_process_being_evicted_is_not_stopped_by_its_gates_fallback() {
         );
         ticks(&mut w, 400);
     }
+}
+
+/// The wall clock (the loop's clock) steps an hour forward while the agent waits for the
+/// driver's restores on its way out: the wait is measured in elapsed time, so the restores
+/// and unlocks are still waited for, and nothing is left checkpointed or locked.
+#[test]
+fn a_wall_clock_step_on_the_way_out_does_not_cut_the_restores_short() {
+    // Writes that land at once: the loop's first wait is for the driver.
+    let mut w = one_checkpointed_one_locked(0);
+    w.m().wall_step = 3_600_000 * MS;
+    w.shut_down();
+    assert_eq!(w.m().wall_step, 0, "the loop never waited on its way out");
+    assert!(w.violation().is_none(), "{:?}", w.violation());
+    assert!(w.m().dstate.is_empty(), "{:?}", w.m().dstate);
+    assert!(w.m().disk.is_empty(), "{:?}", w.m().disk);
 }

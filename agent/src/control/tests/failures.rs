@@ -233,10 +233,22 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     }
     let timeout = Duration::from_millis(250);
     assert!(
-        !wd.check(clock.now_ns() + 200 * MS, timeout, &hands, budget, &shared),
+        !wd.check(
+            clock.elapsed_ns() + 200 * MS,
+            timeout,
+            &hands,
+            budget,
+            &shared
+        ),
         "tripped before the timeout"
     );
-    assert!(wd.check(clock.now_ns() + 260 * MS, timeout, &hands, budget, &shared));
+    assert!(wd.check(
+        clock.elapsed_ns() + 260 * MS,
+        timeout,
+        &hands,
+        budget,
+        &shared
+    ));
     assert!(
         act.calls().last().is_some_and(|c| c.op == Op::Resume),
         "the watchdog did not resume"
@@ -422,5 +434,76 @@ fn a_sample_of_a_process_the_lists_do_not_hold_yet_preempts_in_its_tick() {
     assert!(
         h.suspended(10),
         "a sample of a process not yet in the lists waited for their next read"
+    );
+}
+
+/// A hung NVML call while the wall clock steps an hour back (NTP): the watchdog measures
+/// the call in elapsed time, not on the wall clock, and still fails open once
+/// `--nvml-hang-timeout` has passed.
+#[test]
+fn a_wall_clock_stepped_back_does_not_hide_a_hung_nvml_call() {
+    let clock = SteppedClock::default();
+    clock.time.set(T0);
+    let gpu = FakeGpu::new(1);
+    let edges = Edges {
+        gpu: Box::new(gpu.clone()),
+        procfs: Arc::new(FakeProc::default()),
+        source: Arc::new(FakeSource::default()),
+        clock: Arc::new(clock.clone()),
+        actuator: Box::new(FakeActuator::default()),
+        record: Box::new(FakeRecord::default()),
+        bells: Box::new(FakeBells::default()),
+        gates: None,
+        driver: None,
+    };
+    let mut cfg = default_config();
+    cfg.record_off_loop = false;
+    let shared = Arc::new(Shared::default());
+    let mut lp = Loop::new(cfg, edges, shared.clone()).unwrap();
+    lp.tick();
+    clock.time.advance(MS);
+    let (wd, hands, budget) = (
+        lp.watchdog.clone(),
+        lp.hands.clone(),
+        lp.cfg.confirm_timeout,
+    );
+    gpu.set_hang(true);
+    let ticking = std::thread::spawn(move || {
+        lp.tick();
+        lp
+    });
+    let t = Instant::now();
+    while !gpu.in_hang.load(Ordering::SeqCst) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the tick never reached NVML"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The call has lasted 300 ms; meanwhile the wall clock stepped an hour back.
+    clock.step(-3_600_000 * MS as i64);
+    clock.time.advance(300 * MS);
+    let timeout = Duration::from_millis(250);
+    let watching = wd
+        .spawn(
+            timeout,
+            hands,
+            budget,
+            shared.clone(),
+            Arc::new(clock.clone()),
+        )
+        .unwrap();
+    let t = Instant::now();
+    while shared.degraded().is_none() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let degraded = shared.degraded();
+    shared.stop.store(true, Ordering::SeqCst);
+    gpu.set_hang(false);
+    watching.join().unwrap();
+    drop(ticking.join().unwrap());
+    assert!(
+        degraded.is_some_and(|d| d.contains("NVML call")),
+        "a call hung for 300 ms (timeout 250 ms) never failed open: the wall clock stepped back"
     );
 }

@@ -5,7 +5,8 @@
 //! and after every tick:
 //!
 //! 1. **record before act:** no process is stopped and no gate closed before a write that
-//!    holds it has landed (checked at the call);
+//!    holds it has landed (checked at the call), and no write lets go of it while it is
+//!    held (checked as each write lands);
 //! 2. **released in time:** once online work on a GPU has been idle for the idle window,
 //!    no offline process of that GPU is held a tick later, whatever failed meanwhile;
 //! 3. **fail-open per GPU:** a GPU whose NVML keeps failing past the grace has none of its
@@ -802,4 +803,54 @@ fn a_refused_process_that_exits_is_not_locked_again() {
         Act::BusyFor { slot: 1, ms: 100 },
     ];
     play_driver_timed(&acts, false, 0, true, None, (Some(0), None), false).unwrap();
+}
+
+/// Two offline processes on a GPU; the PID of one is reused by online work once both are
+/// known: the shell's pidfd says the old one has exited, the new one is classified online,
+/// and its work holds the other offline process (the random sequences reach this seldom).
+#[test]
+fn a_pid_reused_by_online_work_is_seen_as_online_work() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 2,
+            gpu: 0,
+            online: false,
+        },
+        Act::Run { ms: 60 },
+        Act::Reuse {
+            slot: 0,
+            online: true,
+        },
+        Act::Run { ms: 60 },
+        Act::BusyFor { slot: 0, ms: 5 },
+    ];
+    play(&acts, false, Ack::Never, 0).unwrap();
+}
+
+/// A sequence the driver's property found (seldom: a refusal right before the lock): a
+/// lock refused at once (0 ms), with the process's hold still waiting for it; the driver
+/// book must not ask it again before the hold book falls back to the stop. Asked again,
+/// the refusal came back at once, and the tick's conversation never ended.
+#[test]
+fn a_lock_refused_at_once_is_not_asked_again() {
+    let acts = vec![
+        Act::Spawn {
+            slot: 0,
+            gpu: 0,
+            online: false,
+        },
+        Act::Spawn {
+            slot: 5,
+            gpu: 0,
+            online: true,
+        },
+        Act::DriverRefuses { slot: 0 },
+        Act::Busy { slot: 5 },
+    ];
+    play_driver_timed(&acts, false, 0, true, None, (Some(0), Some(0)), false).unwrap();
 }

@@ -9,8 +9,9 @@
 //!
 //! Every edge is a view of one [`Model`]; the edges that act (the actuator, the gate
 //! keeper, the driver's calls) check at each call what the controller may never ask
-//! (`props_ctl` checks the rest after each tick). A test reads and steers the model
-//! through [`World::m`], never while the loop runs.
+//! (`props_ctl` checks the rest after each tick), and a conversation that never ends (a
+//! tick that would never return to have its violation looked at) fails the test at once.
+//! A test reads and steers the model through [`World::m`], never while the loop runs.
 
 use super::*;
 use crate::control::io::Obs;
@@ -56,6 +57,11 @@ use crate::control::driver_book::DState;
 /// The world the edges show the loop.
 pub(super) struct Model {
     clock: FakeClock,
+    /// The loop's clock: the wall clock, the model's time unless the test stepped it.
+    wall: SteppedClock,
+    /// A step forward of the wall clock, ns, made at the loop's next wait for a write or a
+    /// driver call (an NTP step while the agent is on its way out).
+    pub wall_step: u64,
     /// The host's cgroup v2 hierarchy (a scratch directory): the shared cgroups, and the
     /// memory limits of processes given one.
     root: PathBuf,
@@ -87,6 +93,10 @@ pub(super) struct Model {
     pub reported_gone: BTreeSet<ProcKey>,
     /// What went wrong at each call, if anything.
     pub violation: Option<String>,
+    /// The edges' calls at one instant of the clock: (the instant, how many). The loop
+    /// looks at the record's writes at every round of a conversation, so a conversation
+    /// that never ends is a count that never stops ([`CALLS_PER_INSTANT`]).
+    edge_calls: (u64, u32),
     /// Where the driver has each process (absent: running).
     pub dstate: BTreeMap<ProcKey, DState>,
     /// Driver calls on their way: (earliest end, id, process, op).
@@ -277,6 +287,12 @@ impl Model {
         out
     }
 
+    /// The loop waits: the wall clock steps now if the test asked for it.
+    fn waits(&mut self) {
+        let step = std::mem::take(&mut self.wall_step);
+        self.wall.step(step as i64);
+    }
+
     /// Lands write `w` (or fails it, while the record is broken).
     fn land(&mut self, w: Write) -> Obs {
         let ok = !self.record_broken;
@@ -285,8 +301,57 @@ impl Model {
             for e in &w.remove {
                 self.disk.remove(e);
             }
+            self.still_recorded();
         }
         Obs::Written { id: w.id, ok }
+    }
+
+    /// Record before act, after the act too: whatever the agent holds of a live process
+    /// (stopped, its gate closed, locked or checkpointed by the driver) stays on disk until
+    /// it is let go (a write that lets its entry go while it is held leaves the next start
+    /// nothing to resume it by).
+    fn still_recorded(&mut self) {
+        let mut lost = Vec::new();
+        for p in self.procs.values() {
+            let k = p.key;
+            let process = RecordEntry::Process {
+                pid: k.pid,
+                start: k.start,
+            };
+            if self.stopped.contains(&k) && !self.disk.contains(&process) {
+                lost.push(format!("{k:?} is stopped"));
+            }
+            let gate = crate::control::target::Target::Gate {
+                key: k,
+                uuid: uuid(p.gpu),
+                file: PathBuf::from(GATE_FILE),
+            }
+            .record();
+            if self.closed.contains_key(&k) && !self.disk.contains(&gate) {
+                lost.push(format!("{k:?} is behind its closed gate"));
+            }
+            let driver = [
+                RecordEntry::Lock {
+                    pid: k.pid,
+                    start: k.start,
+                },
+                RecordEntry::Checkpoint {
+                    pid: k.pid,
+                    start: k.start,
+                },
+            ];
+            if self.driver_state(&k) != DState::Running
+                && !driver.iter().any(|e| self.disk.contains(e))
+            {
+                lost.push(format!(
+                    "{k:?} is {:?} by the driver",
+                    self.driver_state(&k)
+                ));
+            }
+        }
+        for what in lost {
+            self.flag(format!("a write let go of the record while {what}"));
+        }
     }
 
     /// The writes due by now, landed (or failed).
@@ -397,31 +462,78 @@ impl Model {
     }
 }
 
-/// The model, shared by its edges.
-#[derive(Clone)]
-pub(super) struct Shared(Arc<Mutex<Model>>);
+/// How many calls of the model's edges one instant of the loop's clock may see: a tick
+/// of the properties makes a few dozen.
+const CALLS_PER_INSTANT: u32 = 100_000;
 
-impl std::fmt::Debug for Shared {
+/// The model, shared by its edges: each trait of the loop's edges is implemented on this
+/// handle (not to be confused with the loop's `state::Shared`, its handle for HTTP).
+#[derive(Clone)]
+pub(super) struct ModelEdges(Arc<Mutex<Model>>);
+
+impl std::fmt::Debug for ModelEdges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("the world's model")
     }
 }
 
-impl Shared {
+impl ModelEdges {
     /// The model. Locked by one holder at a time: a test that holds it while the loop runs
     /// is told so at once, rather than hanging.
+    ///
+    /// More than [`CALLS_PER_INSTANT`] calls while the clock stands still is a conversation
+    /// of the loop's that never ends (a tick whose violation would never be looked at
+    /// otherwise): it fails the test with the first violation found, at once. The count
+    /// starts again for the loop's way out as the test unwinds; a way out that never ends
+    /// either aborts the test binary rather than hang it.
     fn m(&self) -> MutexGuard<'_, Model> {
-        match self.0.try_lock() {
+        let mut m = match self.0.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
                 panic!("the world's model is locked twice (a test holds it while the loop runs)")
             }
+        };
+        let now = m.now();
+        if m.edge_calls.0 != now {
+            m.edge_calls = (now, 0);
         }
+        m.edge_calls.1 += 1;
+        if m.edge_calls.1 > CALLS_PER_INSTANT {
+            let what = format!(
+                "the loop's conversation at {} ms did not end ({CALLS_PER_INSTANT} calls of its edges at one instant); first violation: {}",
+                now.saturating_sub(T0) / MS,
+                m.violation.as_deref().unwrap_or("none")
+            );
+            m.edge_calls = (now, 0);
+            drop(m);
+            if std::thread::panicking() {
+                // Straight to the process's stderr: the test harness's capture of
+                // `eprintln!` is lost with the process.
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "{what}, again on the way out: aborting");
+                // No drop runs past the abort: the scratch directories of every world of
+                // this process go first.
+                let me = format!("-{}", std::process::id());
+                for e in std::fs::read_dir(std::env::temp_dir())
+                    .into_iter()
+                    .flatten()
+                {
+                    let Ok(e) = e else { continue };
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name.starts_with("coloc-world-") && name.ends_with(&me) {
+                        let _ = std::fs::remove_dir_all(e.path());
+                    }
+                }
+                std::process::abort();
+            }
+            panic!("{what}");
+        }
+        m
     }
 }
 
-impl GpuSampler for Shared {
+impl GpuSampler for ModelEdges {
     fn gpus(&self) -> Vec<u32> {
         (0..self.m().gpus).collect()
     }
@@ -478,7 +590,7 @@ fn lost(gpu: u32) -> GpuError {
     }
 }
 
-impl ProcFs for Shared {
+impl ProcFs for ModelEdges {
     fn read_proc(&self, pid: u32) -> std::io::Result<ProcInfo> {
         let m = self.m();
         let p = m.by_pid(pid).ok_or(std::io::ErrorKind::NotFound)?;
@@ -552,7 +664,7 @@ impl ProcFs for Shared {
     }
 }
 
-impl PodSource for Shared {
+impl PodSource for ModelEdges {
     fn classify(&self, info: &ProcInfo) -> crate::edges::source::Classified {
         let m = self.m();
         let Some(p) = m.alive(&info.key) else {
@@ -583,7 +695,7 @@ impl PodSource for Shared {
     }
 }
 
-impl Actuator for Shared {
+impl Actuator for ModelEdges {
     fn start(&mut self, targets: &[Target], op: Op, _budget: Duration) -> Vec<Progress> {
         let mut m = self.m();
         targets.iter().map(|t| m.act(t, op)).collect()
@@ -594,7 +706,7 @@ impl Actuator for Shared {
     }
 }
 
-impl LaunchGates for Shared {
+impl LaunchGates for ModelEdges {
     fn path(&self) -> &Path {
         Path::new(GATE_FILE)
     }
@@ -621,7 +733,7 @@ impl LaunchGates for Shared {
     fn beat(&self) {}
 }
 
-impl Doorbells for Shared {
+impl Doorbells for ModelEdges {
     /// The offline processes' pages, when gated (no page rings: they carry no readings).
     fn rescan(&mut self, _force: bool) -> bool {
         let mut m = self.m();
@@ -671,7 +783,7 @@ impl Doorbells for Shared {
     }
 }
 
-impl DriverWork for Shared {
+impl DriverWork for ModelEdges {
     fn start(&mut self, key: ProcKey, op: DriverOp, _lock_timeout: Duration) -> u64 {
         let mut m = self.m();
         if m.call_for(&key) {
@@ -719,6 +831,7 @@ impl DriverWork for Shared {
     /// Time passes until the next call can end, or `budget` has.
     fn wait_next(&mut self, budget: Duration) -> Option<Done> {
         let mut m = self.m();
+        m.waits();
         let until = m.now() + budget.as_nanos() as u64;
         let next = (m.calls.iter())
             .filter(|(due, _, k, op)| m.can_end(*due, k, *op, until))
@@ -737,7 +850,7 @@ impl DriverWork for Shared {
     }
 }
 
-impl Writer for Shared {
+impl Writer for ModelEdges {
     fn write(&mut self, w: Write) -> Option<Obs> {
         let mut m = self.m();
         if m.write_delay == 0 {
@@ -753,6 +866,7 @@ impl Writer for Shared {
     /// Time passes until the next write lands, or `timeout` has.
     fn wait(&mut self, timeout: Duration) -> Option<Obs> {
         let mut m = self.m();
+        m.waits();
         let until = m.now() + timeout.as_nanos() as u64;
         match m.writes.front() {
             Some((due, _)) if *due <= until => {
@@ -772,9 +886,9 @@ impl Writer for Shared {
 }
 
 /// The harness over the model's edges.
-pub(super) type World = H<Shared>;
+pub(super) type World = H<ModelEdges>;
 
-impl H<Shared> {
+impl H<ModelEdges> {
     pub fn new(gpus: u32, gate: bool, ack: Ack, write_delay: u32) -> World {
         let mut cfg = default_config();
         cfg.gate_timeout = Duration::from_millis(50);
@@ -825,8 +939,14 @@ impl H<Shared> {
         let driver = cfg.driver_book.api;
         let clock = FakeClock::default();
         clock.set(T0);
-        let model = Shared(Arc::new(Mutex::new(Model {
+        let wall = SteppedClock {
+            time: clock.clone(),
+            ..SteppedClock::default()
+        };
+        let model = ModelEdges(Arc::new(Mutex::new(Model {
             clock: clock.clone(),
+            wall: wall.clone(),
+            wall_step: 0,
             root: root.to_path_buf(),
             gpus,
             gate,
@@ -848,6 +968,7 @@ impl H<Shared> {
             pages_changed: true,
             reported_gone: BTreeSet::new(),
             violation: None,
+            edge_calls: (0, 0),
             dstate: BTreeMap::new(),
             calls: Vec::new(),
             next_call: 0,
@@ -867,7 +988,7 @@ impl H<Shared> {
             gpu: Box::new(model.clone()),
             procfs: Arc::new(model.clone()),
             source: Arc::new(model.clone()),
-            clock: Arc::new(clock.clone()),
+            clock: Arc::new(wall),
             actuator: Box::new(model.clone()),
             record: Box::new(FakeRecord::default()),
             bells: Box::new(model.clone()),
@@ -989,4 +1110,47 @@ pub(super) fn ack() -> impl Strategy<Value = Ack> {
         Just(Ack::Wrong),
         (1u8..80).prop_map(Ack::Late),
     ]
+}
+
+/// A conversation of the loop's that never ends (here: the record's writes looked at
+/// again and again while the clock stands still, as every round of one does) fails the
+/// test at once, naming the instant, instead of hanging it; proptest then shrinks it like
+/// any other failure.
+#[test]
+#[should_panic(expected = "the loop's conversation at 0 ms did not end")]
+fn a_conversation_that_never_ends_fails_the_test() {
+    let w = World::new(1, false, Ack::AtOnce, 0);
+    let mut writer = w.edges.clone();
+    for _ in 0..=CALLS_PER_INSTANT {
+        writer.landed();
+    }
+}
+
+/// Record before act holds after the act too: a write that lets go of a stopped process's
+/// entry while it is still stopped is a violation (the agent dying then would leave the
+/// next start nothing to resume it by), found when the write lands, not only when a later
+/// act would look.
+#[test]
+fn a_write_that_lets_go_of_a_held_process_is_a_violation() {
+    let mut w = World::new(1, false, Ack::AtOnce, 0);
+    w.start(0, 0, false);
+    let k = w.m().procs[&0].key;
+    let e = RecordEntry::Process {
+        pid: k.pid,
+        start: k.start,
+    };
+    w.m().disk.insert(e.clone());
+    w.m().stopped.insert(k);
+    let mut writer = w.edges.clone();
+    writer.write(Write {
+        id: 1,
+        add: Vec::new(),
+        remove: vec![e],
+    });
+    let v = w.violation();
+    assert!(
+        v.as_deref()
+            .is_some_and(|v| v.contains("let go of the record while") && v.contains("stopped")),
+        "{v:?}"
+    );
 }

@@ -35,6 +35,38 @@ impl Clock for FakeClock {
     fn now_ns(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
     }
+    /// The same time: a fake clock steps only when the test moves it forward.
+    fn elapsed_ns(&self) -> u64 {
+        self.now_ns()
+    }
+}
+
+/// A wall clock a test can step (an NTP step) apart from the time that passes: its
+/// `now_ns` is `time` plus the step, its `elapsed_ns` is `time` alone.
+#[derive(Debug, Default, Clone)]
+pub struct SteppedClock {
+    /// The time that passes (the test moves it).
+    pub time: FakeClock,
+    /// How far the wall clock has been stepped, ns (negative: back).
+    pub step: Arc<std::sync::atomic::AtomicI64>,
+}
+
+impl SteppedClock {
+    /// Steps the wall clock by `ns` (negative: back); no time passes.
+    pub fn step(&self, ns: i64) {
+        self.step.fetch_add(ns, Ordering::SeqCst);
+    }
+}
+
+impl Clock for SteppedClock {
+    fn now_ns(&self) -> u64 {
+        self.time
+            .now_ns()
+            .saturating_add_signed(self.step.load(Ordering::SeqCst))
+    }
+    fn elapsed_ns(&self) -> u64 {
+        self.time.now_ns()
+    }
 }
 
 /// What the fake GPU answers.
