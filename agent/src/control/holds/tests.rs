@@ -1735,14 +1735,10 @@ fn a_gate_holds_fallback_on_its_way_stops_its_process() {
     assert!(!b.stops(&ProcKey { pid: 99, start: 7 }, None));
 }
 
-/// A cgroup released and frozen again at once, its thaw not confirmed yet (the earlier
-/// hold's `Resume` still looked at, and never confirmed: the new freeze holds it): the new
-/// hold is re-checked like any other, so a tenant that thaws its (delegated) cgroup is
-/// found running and frozen again within a few `--recheck-interval`s, not once the old
-/// resume gives up at `--confirm-timeout`.
-#[test]
-fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
-    let (k, _) = proc_target(10);
+/// Process `pid`'s cgroup `/sys/fs/cgroup/pod/c`, held frozen: (its key, the cgroup's
+/// target, the plan).
+fn frozen_cgroup(pid: u32) -> (ProcKey, Target, Plan) {
+    let (k, _) = proc_target(pid);
     let frozen = crate::control::target::Frozen {
         dir: "/sys/fs/cgroup/pod/c".into(),
         version: CgroupVersion::V2,
@@ -1753,7 +1749,17 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
         version: CgroupVersion::V2,
         cell: None,
     };
-    let plan = Plan::Now(Held::Stop(Stop::Freeze(frozen)));
+    (k, t, Plan::Now(Held::Stop(Stop::Freeze(frozen))))
+}
+
+/// A cgroup released and frozen again at once, its thaw not confirmed yet (the earlier
+/// hold's `Resume` still looked at, and never confirmed: the new freeze holds it): the new
+/// hold is re-checked like any other, so a tenant that thaws its (delegated) cgroup is
+/// found running and frozen again within a few `--recheck-interval`s, not once the old
+/// resume gives up at `--confirm-timeout`.
+#[test]
+fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
+    let (k, t, plan) = frozen_cgroup(10);
     let mut b = HoldBook::new(Duration::from_secs(1));
     let mut rec = std::collections::BTreeSet::new();
     let running = std::cell::Cell::new(false);
@@ -1801,18 +1807,7 @@ fn a_hold_made_again_while_its_keys_resume_is_unconfirmed_is_rechecked() {
 /// hold that covers it.
 #[test]
 fn a_resume_overtaken_by_a_hold_made_again_ends_without_timing_out() {
-    let (k, _) = proc_target(10);
-    let frozen = crate::control::target::Frozen {
-        dir: "/sys/fs/cgroup/pod/c".into(),
-        version: CgroupVersion::V2,
-        cell: None,
-    };
-    let t = Target::Cgroup {
-        dir: frozen.dir.clone(),
-        version: CgroupVersion::V2,
-        cell: None,
-    };
-    let plan = Plan::Now(Held::Stop(Stop::Freeze(frozen)));
+    let (k, t, plan) = frozen_cgroup(10);
     let mut b = HoldBook::new(Duration::from_secs(1));
     let mut rec = std::collections::BTreeSet::new();
     let mut act = |op: Op, _: &Target, _: bool| match op {
