@@ -417,11 +417,20 @@ impl HoldBook {
     /// at again while pending, given up past its deadline.
     ///
     /// A resume whose key is held again (a hold made again before the thaw was seen) is
-    /// overtaken: the new hold keeps what it covers stopped, so the resume ends `Skipped`
-    /// rather than timing out, and what the new hold does not cover leaves the record.
+    /// overtaken once the holds cover every member not seen resumed: they keep those
+    /// stopped and recorded, so the resume ends `Skipped` rather than timing out (what
+    /// the holds do not cover was seen resumed, and leaves the record). A member still
+    /// pending that no hold covers keeps the resume looked at, as any other.
     pub(super) fn resume_checked(&mut self, mut r: Resume, progress: Vec<Progress>, now: u64) {
+        let overtaken = || {
+            let covered = self.covered();
+            self.holds.contains_key(&r.key)
+                && pending_members(&r.confirm.members, &progress)
+                    .iter()
+                    .all(|t| covered.contains(&t.record()))
+        };
         let outcome = match members_progress(&progress) {
-            None if self.holds.contains_key(&r.key) => Outcome::Skipped,
+            None if overtaken() => Outcome::Skipped,
             None if now >= r.confirm.deadline_ns => Outcome::Failed(Failure::Timeout),
             None => {
                 let members = pending_members(&r.confirm.members, &progress);

@@ -1852,6 +1852,44 @@ fn a_resume_overtaken_by_a_hold_made_again_ends_without_timing_out() {
     assert_eq!(state(&b, &plan.hold_key()), Some("Held"));
 }
 
+/// A signalled cgroup released and held again before one of its processes was seen
+/// resumed, that process no longer among the cgroup's members (moved out meanwhile): the
+/// new hold does not cover it, so the old resume is not overtaken. It is looked at as any
+/// other, and the process stays recorded while it may still be stopped.
+#[test]
+fn a_resume_with_a_member_the_new_hold_does_not_cover_is_not_overtaken() {
+    let (k, t, _, plan) = signalled_cgroup();
+    let (_, moved) = proc_target(11);
+    let mut b = HoldBook::new(Duration::from_secs(1));
+    let mut rec = std::collections::BTreeSet::new();
+    let mut act = |op: Op, target: &Target, _: bool| match op {
+        Op::Resume if *target == moved => Progress::Pending,
+        _ => Progress::Done,
+    };
+    b.suspend(&[(k, plan.clone())], 0);
+    shell(&mut b, 0, &mut rec, &[t.clone(), moved.clone()], &mut act);
+    b.resume(&[k], MS);
+    shell(&mut b, MS, &mut rec, &[], &mut act);
+    b.suspend(&[(k, plan.clone())], 2 * MS);
+    shell(&mut b, 2 * MS, &mut rec, &[t.clone()], &mut act);
+    b.take_done();
+    let mut now = 2 * MS;
+    while now < 100 * MS {
+        now += MS;
+        b.poll(now);
+        shell(&mut b, now, &mut rec, &[], &mut act);
+        let done = b.take_done();
+        assert!(
+            !done.iter().any(|c| c.op == Op::Resume),
+            "the resume of a process the new hold does not cover ended: {done:?}"
+        );
+        assert!(
+            rec.contains(&moved.record()),
+            "a process that may still be stopped left the record"
+        );
+    }
+}
+
 /// Shutdown (or a panic) with a hold in each state the loop can leave between ticks:
 /// `Held`, `Confirming`, `Gated`, `FallingBack` (its fallback's write on its way) and
 /// `Recording` (its write on its way). Everything stopped is resumed, every gate closed
