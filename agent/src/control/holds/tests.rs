@@ -1871,7 +1871,7 @@ fn a_resume_with_a_member_the_new_hold_does_not_cover_is_not_overtaken() {
     b.resume(&[k], MS);
     shell(&mut b, MS, &mut rec, &[], &mut act);
     b.suspend(&[(k, plan.clone())], 2 * MS);
-    shell(&mut b, 2 * MS, &mut rec, &[t.clone()], &mut act);
+    shell(&mut b, 2 * MS, &mut rec, std::slice::from_ref(&t), &mut act);
     b.take_done();
     let mut now = 2 * MS;
     while now < 100 * MS {
