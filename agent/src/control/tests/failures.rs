@@ -218,19 +218,8 @@ fn a_hung_nvml_call_trips_the_watchdog() {
     let clock = h.clock.clone();
     let gpu = h.gpu.clone();
     let act = h.act.clone();
-    let mut lp = h.lp;
-    let ticking = std::thread::spawn(move || {
-        lp.tick();
-        lp
-    });
-    let t = Instant::now();
-    while !gpu.in_hang.load(Ordering::SeqCst) {
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "the tick never reached NVML"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let lp = h.lp;
+    let ticking = tick_into_a_hung_call(lp, &gpu);
     let timeout = Duration::from_millis(250);
     assert!(
         !wd.check(
@@ -468,18 +457,7 @@ fn a_wall_clock_stepped_back_does_not_hide_a_hung_nvml_call() {
         lp.cfg.confirm_timeout,
     );
     gpu.set_hang(true);
-    let ticking = std::thread::spawn(move || {
-        lp.tick();
-        lp
-    });
-    let t = Instant::now();
-    while !gpu.in_hang.load(Ordering::SeqCst) {
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "the tick never reached NVML"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let ticking = tick_into_a_hung_call(lp, &gpu);
     // The call has lasted 300 ms; meanwhile the wall clock stepped an hour back.
     clock.step(-3_600_000 * MS as i64);
     clock.time.advance(300 * MS);
@@ -506,4 +484,22 @@ fn a_wall_clock_stepped_back_does_not_hide_a_hung_nvml_call() {
         degraded.is_some_and(|d| d.contains("NVML call")),
         "a call hung for 300 ms (timeout 250 ms) never failed open: the wall clock stepped back"
     );
+}
+
+/// Ticks `lp` on a thread of its own until its NVML call hangs on `gpu` (set to hang);
+/// the thread ends with the loop once the call returns.
+fn tick_into_a_hung_call(mut lp: Loop, gpu: &FakeGpu) -> std::thread::JoinHandle<Loop> {
+    let ticking = std::thread::spawn(move || {
+        lp.tick();
+        lp
+    });
+    let t = Instant::now();
+    while !gpu.in_hang.load(Ordering::SeqCst) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the tick never reached NVML"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    ticking
 }
